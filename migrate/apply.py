@@ -1,0 +1,189 @@
+"""The one applier: turns accepted Edits into a new module.
+
+Only the nodes on a path from the root to an edited node are rebuilt, so applying a handful of
+fixes to a large file costs little more than the edits themselves. Replacement functions see the
+node after its own children were rewritten, so edits on nested nodes compose.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Dict, Iterable, List, Sequence, Set
+
+import libcst as cst
+
+from torchmigrate.finding import Edit, EditKind, Import
+from torchmigrate.imports import ImportTable
+from torchmigrate.walk import child_fields
+
+TODO_PREFIX = "# TODO(torchmigrate): "
+
+
+def apply_edits(
+    module: cst.Module,
+    edits: Sequence[Edit],
+    parents: Dict[cst.CSTNode, cst.CSTNode],
+    imports: Iterable[Import] = (),
+    table: ImportTable | None = None,
+) -> cst.Module:
+    by_target: Dict[cst.CSTNode, List[Edit]] = defaultdict(list)
+    for edit in edits:
+        by_target[edit.target].append(edit)
+    new_imports = _missing_imports(imports, table or ImportTable.from_module(module))
+    if new_imports:
+        anchor = _import_anchor(module)
+        stmts = [_import_statement(spec) for spec in new_imports]
+        if anchor is None:
+            by_target[module].append(Edit(EditKind.REPLACE, module, fn=_prepend(stmts)))
+        else:
+            by_target[anchor].insert(0, Edit(EditKind.INSERT_AFTER, anchor, statements=tuple(stmts)))
+    if not by_target:
+        return module
+    dirty: Set[cst.CSTNode] = set()
+    for target in by_target:
+        node = parents.get(target)
+        while node is not None and node not in dirty:
+            dirty.add(node)
+            node = parents.get(node)
+    result = _Rebuilder(by_target, dirty).node(module)
+    assert isinstance(result, cst.Module)
+    return result
+
+
+class _Rebuilder:
+    def __init__(self, edits: Dict[cst.CSTNode, List[Edit]], dirty: Set[cst.CSTNode]) -> None:
+        self.edits = edits
+        self.dirty = dirty
+
+    def touched(self, node: object) -> bool:
+        return isinstance(node, cst.CSTNode) and (node in self.dirty or node in self.edits)
+
+    def node(self, original: cst.CSTNode):
+        updated = original
+        if original in self.dirty:
+            changes = {}
+            for name in child_fields(type(original)):
+                value = getattr(original, name)
+                if isinstance(value, cst.CSTNode):
+                    if self.touched(value):
+                        new = self.node(value)
+                        if isinstance(new, cst.FlattenSentinel):
+                            raise ValueError(f"cannot put several nodes in {type(original).__name__}.{name}")
+                        changes[name] = None if isinstance(new, cst.RemovalSentinel) else new
+                elif isinstance(value, (tuple, list)) and any(self.touched(c) for c in value):
+                    changes[name] = self.sequence(original, name, value)
+            if any(isinstance(v, cst.RemovalSentinel) for v in changes.values()):
+                return cst.RemovalSentinel.REMOVE
+            updated = original.with_changes(**changes)
+        return self.own_edits(original, updated)
+
+    def own_edits(self, original: cst.CSTNode, updated):
+        before: List[cst.BaseStatement] = []
+        after: List[cst.BaseStatement] = []
+        for edit in self.edits.get(original, ()):
+            if edit.kind is EditKind.REPLACE:
+                if isinstance(updated, (cst.RemovalSentinel, cst.FlattenSentinel)):
+                    continue  # already removed or expanded by an earlier edit
+                updated = edit.fn(updated)
+            elif edit.kind is EditKind.INSERT_BEFORE:
+                before.extend(edit.statements)
+            elif edit.kind is EditKind.INSERT_AFTER:
+                after.extend(edit.statements)
+            elif edit.kind is EditKind.TODO and not isinstance(updated, (cst.RemovalSentinel, cst.FlattenSentinel)):
+                updated = add_todo(updated, edit.text)
+        if before or after:
+            middle = [] if isinstance(updated, cst.RemovalSentinel) else (
+                list(updated.nodes) if isinstance(updated, cst.FlattenSentinel) else [updated])
+            return cst.FlattenSentinel(before + middle + after)
+        return updated
+
+    def sequence(self, parent: cst.CSTNode, name: str, values):
+        out = []
+        for child in values:
+            new = self.node(child) if self.touched(child) else child
+            if isinstance(new, cst.RemovalSentinel):
+                continue
+            if isinstance(new, cst.FlattenSentinel):
+                out.extend(new.nodes)
+            else:
+                out.append(new)
+        if values and out and hasattr(values[-1], "comma") and values[-1].comma is cst.MaybeSentinel.DEFAULT:
+            if out[-1].comma is not cst.MaybeSentinel.DEFAULT:
+                out[-1] = out[-1].with_changes(comma=cst.MaybeSentinel.DEFAULT)
+        if not out:
+            if isinstance(parent, cst.SimpleStatementLine):
+                return cst.RemovalSentinel.REMOVE  # the whole line goes
+            if isinstance(parent, cst.IndentedBlock):
+                return [cst.SimpleStatementLine([cst.Pass()])]
+            if isinstance(parent, cst.SimpleStatementSuite):
+                return [cst.Pass()]
+        return type(values)(out) if isinstance(values, tuple) else out
+
+
+def add_todo(stmt: cst.CSTNode, text: str):
+    """Put `# TODO(torchmigrate): text` above a statement, once."""
+    lines = getattr(stmt, "leading_lines", None)
+    if lines is None:
+        return stmt
+    comment = TODO_PREFIX + text
+    code = text.split(" ", 1)[0]
+    for line in lines:
+        if line.comment is not None and line.comment.value.startswith(TODO_PREFIX + code):
+            return stmt
+    return stmt.with_changes(leading_lines=[*lines, cst.EmptyLine(comment=cst.Comment(comment))])
+
+
+# --- imports ------------------------------------------------------------------------------
+
+def _missing_imports(specs: Iterable[Import], table: ImportTable) -> List[Import]:
+    out: List[Import] = []
+    for spec in specs:
+        if spec in out:
+            continue
+        if spec.name is None:
+            local = spec.asname or spec.module.split(".")[0]
+            bound = spec.module if spec.asname else local
+        else:
+            local = spec.asname or spec.name
+            bound = f"{spec.module}.{spec.name}"
+        if table.names.get(local) == bound or table.names.get(local) == bound.replace("torchmigrate_runtime", "torchmigrate.runtime"):
+            continue
+        out.append(spec)
+    return out
+
+
+def _import_statement(spec: Import) -> cst.SimpleStatementLine:
+    asname = f" as {spec.asname}" if spec.asname else ""
+    if spec.name is None:
+        return cst.parse_statement(f"import {spec.module}{asname}\n")
+    return cst.parse_statement(f"from {spec.module} import {spec.name}{asname}\n")
+
+
+def _is_import_line(stmt: cst.CSTNode) -> bool:
+    return isinstance(stmt, cst.SimpleStatementLine) and all(
+        isinstance(s, (cst.Import, cst.ImportFrom)) for s in stmt.body
+    )
+
+
+def _import_anchor(module: cst.Module):
+    """The last top-level import line before the first function or class definition."""
+    anchor = None
+    for stmt in module.body:
+        if isinstance(stmt, (cst.FunctionDef, cst.ClassDef)):
+            break
+        if _is_import_line(stmt):
+            anchor = stmt
+    if anchor is not None:
+        return anchor
+    # No imports: after the docstring, if any.
+    if module.body and isinstance(module.body[0], cst.SimpleStatementLine):
+        first = module.body[0].body[0]
+        if isinstance(first, cst.Expr) and isinstance(first.value, (cst.SimpleString, cst.ConcatenatedString)):
+            return module.body[0]
+    return None
+
+
+def _prepend(stmts):
+    def fn(module: cst.Module) -> cst.Module:
+        return module.with_changes(body=[*stmts, *module.body])
+    return fn

@@ -1,0 +1,130 @@
+"""One file in, findings and new source out: parse once, run all rules in one walk, apply.
+
+`lint`, `lint --fix`, `ddp`, `amp`, `--dry-run` and `--check` all go through `process_source`;
+they differ only in which findings' edits are accepted and what is done with the result.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence
+
+import libcst as cst
+
+from torchmigrate.apply import apply_edits
+from torchmigrate.finding import Edit, EditKind, Finding, Safety
+from torchmigrate.positions import positions
+from torchmigrate.rule import Context, Options, RuleType
+from torchmigrate.suppress import Suppressions
+from torchmigrate.walk import walk
+
+# Cheap prefilter: a file that never mentions these cannot need a change.
+PREFILTER = ("torch", "apex")
+
+
+class InputError(Exception):
+    """Bad input for one file: reported as `path:line:col: message`, exit code 2."""
+
+    def __init__(self, message: str, line: int = 1, col: int = 0) -> None:
+        super().__init__(message)
+        self.message = message
+        self.line = line
+        self.col = col
+
+
+@dataclass
+class SourceResult:
+    source: str
+    new_source: str
+    findings: List[Finding] = field(default_factory=list)
+
+    @property
+    def changed(self) -> bool:
+        return self.new_source != self.source
+
+
+def parse(source: str) -> cst.Module:
+    try:
+        return cst.parse_module(source)
+    except cst.ParserSyntaxError as exc:
+        line, col = exc.raw_line, exc.raw_column
+        match = re.search(r"error at (\d+):(\d+)", exc.message)
+        if match:
+            line, col = int(match.group(1)), int(match.group(2)) - 1
+        message = exc.message.replace("parser error: ", "")
+        message = re.sub(r"^error at \d+:\d+: ", "", message)
+        raise InputError(f"syntax error: {message}", line, max(col, 0)) from None
+    except (RecursionError, MemoryError) as exc:
+        raise InputError(f"cannot parse: {type(exc).__name__}") from None
+
+
+def accepted(finding: Finding, options: Options) -> bool:
+    """Whether this run applies the finding's edits."""
+    if finding.suppressed or not finding.edits:
+        return False
+    if finding.safety is Safety.SAFE:
+        return options.migrating or options.fix
+    if finding.safety is Safety.UNSAFE:
+        return options.unsafe_fixes
+    return False
+
+
+def run_rules(module: cst.Module, path: str, options: Options, rules: Sequence[RuleType]) -> Context:
+    ctx = Context(module, path, options)
+    visits: Dict[type, list] = {}
+    leaves: Dict[type, list] = {}
+    for rule_cls in rules:
+        rule = rule_cls(ctx)
+        v, l = rule_cls.callbacks()
+        for node_type, attr in v:
+            visits.setdefault(node_type, []).append(getattr(rule, attr))
+        for node_type, attr in l:
+            leaves.setdefault(node_type, []).append(getattr(rule, attr))
+    walk(module, visits, leaves, ctx.parents)
+    return ctx
+
+
+def process_source(source: str, path: str, options: Options, rules: Sequence[RuleType]) -> SourceResult:
+    if not any(word in source for word in PREFILTER):
+        return SourceResult(source, source)
+    suppressions = Suppressions.scan(source)
+    if suppressions.skip_file:
+        return SourceResult(source, source)
+    module = parse(source)
+    ctx = run_rules(module, path, options, rules)
+    findings = ctx.findings
+    if not findings:
+        return SourceResult(source, source)
+    where = positions(module, [f.node for f in findings])
+    for finding in findings:
+        finding.line, finding.col = where.get(finding.node, (1, 0))
+        finding.suppressed = suppressions.covers(finding.code, finding.line)
+    edits: List[Edit] = []
+    imports = []
+    for finding in findings:
+        if accepted(finding, options):
+            finding.applied = True
+            edits.extend(_normalise(ctx, finding.edits))
+            imports.extend(finding.imports)
+        elif options.migrating and not finding.suppressed and finding.safety is not Safety.SAFE:
+            stmt = finding.statement or ctx.statement_of(finding.node)
+            if stmt is not None:
+                edits.append(Edit(EditKind.TODO, stmt, text=f"{finding.code} {finding.message}"))
+    new_source = source
+    if edits or imports:
+        new_module = apply_edits(module, edits, ctx.parents, imports, ctx.imports)
+        new_source = new_module.code
+    findings.sort(key=lambda f: (f.line, f.col, f.code))
+    return SourceResult(source, new_source, findings)
+
+
+def _normalise(ctx: Context, edits: Sequence[Edit]) -> List[Edit]:
+    """Insertions always target a whole statement line, never a small statement inside it."""
+    out = []
+    for edit in edits:
+        if edit.kind in (EditKind.INSERT_BEFORE, EditKind.INSERT_AFTER) and isinstance(edit.target, cst.BaseSmallStatement):
+            line = ctx.statement_of(edit.target)
+            edit = Edit(edit.kind, line, statements=edit.statements)
+        out.append(edit)
+    return out

@@ -1,0 +1,158 @@
+"""Finding, reading and safely writing the user's files.
+
+Never lose the user's work: decoding keeps the exact encoding and BOM so the file can be
+written back byte-for-byte the same except for the intended edits, and writes go to a
+temporary file in the same directory that replaces the original only once it is complete.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import io
+import os
+import stat
+import tempfile
+import tokenize
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator, List, Sequence, Tuple
+
+from torchmigrate.engine import InputError
+
+SKIP_DIRS = {
+    ".git", ".hg", ".svn", "__pycache__", "build", "dist", ".venv", "venv", "env", ".env",
+    ".tox", ".nox", ".mypy_cache", ".pytest_cache", ".ruff_cache", "site-packages",
+    "node_modules", ".eggs",
+}
+
+
+def _is_virtualenv(path: Path) -> bool:
+    return (path / "pyvenv.cfg").exists()
+
+
+def _excluded(path: Path, patterns: Sequence[str]) -> bool:
+    text = path.as_posix()
+    return any(
+        fnmatch.fnmatch(text, pat) or fnmatch.fnmatch(path.name, pat) or fnmatch.fnmatch(text, f"*/{pat}")
+        or fnmatch.fnmatch(text, f"{pat.rstrip('/')}/*") or fnmatch.fnmatch(text, f"*/{pat.rstrip('/')}/*")
+        for pat in patterns
+    )
+
+
+def discover(paths: Iterable[str], exclude: Sequence[str] = ()) -> Tuple[List[Path], List[Tuple[str, str]]]:
+    """Python files under `paths` (sorted, deduplicated) and (path, error) for bad arguments.
+
+    Files named explicitly are always taken, whatever their suffix; directories are searched
+    for `*.py`, skipping VCS, cache, build and virtualenv folders and `exclude` patterns.
+    """
+    found: List[Path] = []
+    errors: List[Tuple[str, str]] = []
+    seen = set()
+    for arg in paths:
+        path = Path(arg)
+        if path.is_dir():
+            for file in _walk(path, exclude):
+                key = os.path.normcase(os.path.abspath(file))
+                if key not in seen:
+                    seen.add(key)
+                    found.append(file)
+        elif path.exists() or path.is_symlink():
+            if not path.exists():
+                errors.append((arg, "broken symbolic link"))
+                continue
+            key = os.path.normcase(os.path.abspath(path))
+            if key not in seen:
+                seen.add(key)
+                found.append(path)
+        else:
+            errors.append((arg, "no such file or directory"))
+    return found, errors
+
+
+def _walk(root: Path, exclude: Sequence[str]) -> Iterator[Path]:
+    for dirpath, dirnames, filenames in os.walk(root):
+        base = Path(dirpath)
+        dirnames[:] = sorted(
+            d for d in dirnames
+            if d not in SKIP_DIRS and not d.endswith(".egg-info")
+            and not _is_virtualenv(base / d) and not _excluded(base / d, exclude)
+        )
+        for name in sorted(filenames):
+            if name.endswith(".py"):
+                file = base / name
+                if not _excluded(file, exclude):
+                    yield file
+
+
+@dataclass(frozen=True)
+class Decoded:
+    text: str
+    encoding: str  # codec name used to write the text back ("utf-8-sig" keeps a BOM)
+
+
+def decode(data: bytes) -> Decoded:
+    """Decode like Python does (BOM, coding cookie, UTF-8 default), keeping what is needed to
+    write the text back in the same encoding. Newlines are kept as they are."""
+    if b"\x00" in data:
+        raise InputError("not a text file (contains NUL bytes)")
+    try:
+        encoding, _ = tokenize.detect_encoding(io.BytesIO(data).readline)
+    except SyntaxError as exc:
+        raise InputError(f"cannot decode: {exc.msg if hasattr(exc, 'msg') else exc}") from None
+    try:
+        text = data.decode(encoding)
+    except (UnicodeDecodeError, LookupError) as exc:
+        line = data[: getattr(exc, "start", 0)].count(b"\n") + 1
+        raise InputError(f"cannot decode as {encoding}: {exc.reason if hasattr(exc, 'reason') else exc}", line) from None
+    if encoding == "utf-8-sig" and text.startswith("\ufeff"):
+        text = text[1:]
+    return Decoded(text, encoding)
+
+
+def read(path: Path) -> Decoded:
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise InputError("file disappeared before it could be read") from None
+    except IsADirectoryError:
+        raise InputError("is a directory") from None
+    except OSError as exc:
+        raise InputError(f"cannot read: {exc.strerror or exc}") from None
+    return decode(data)
+
+
+def encode(text: str, encoding: str) -> bytes:
+    try:
+        return text.encode(encoding)
+    except UnicodeEncodeError as exc:
+        raise InputError(f"the rewritten file cannot be encoded as {encoding}: {exc.reason}") from None
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Replace the file's content atomically, keeping its mode; follows symlinks to the target."""
+    target = Path(os.path.realpath(path))
+    try:
+        mode = stat.S_IMODE(target.stat().st_mode)
+    except OSError as exc:
+        raise InputError(f"cannot write: {exc.strerror or exc}") from None
+    if not os.access(target, os.W_OK):
+        raise InputError("cannot write: file is read-only")
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    except OSError as exc:
+        raise InputError(f"cannot write: {exc.strerror or exc}") from None
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, target)
+    except BaseException as exc:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        if isinstance(exc, OSError):
+            raise InputError(f"cannot write: {exc.strerror or exc}") from None
+        raise

@@ -1,0 +1,105 @@
+"""Small helpers for building and inspecting LibCST nodes in rules.
+
+`libcst.matchers` costs ~0.4 s to import, more than the whole budget for a one-file lint, so
+rules use these plain functions instead.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import libcst as cst
+
+_EMPTY = cst.Module(body=[])
+
+
+def code(node: cst.CSTNode) -> str:
+    """Source text of a node (without surrounding whitespace of its parent)."""
+    return _EMPTY.code_for_node(node)
+
+
+def expr(text: str) -> cst.BaseExpression:
+    return cst.parse_expression(text)
+
+
+def stmt(text: str) -> cst.BaseStatement:
+    return cst.parse_statement(text if text.endswith("\n") else text + "\n")
+
+
+def arg(call: cst.Call, keyword: Optional[str] = None, position: Optional[int] = None) -> Optional[cst.Arg]:
+    """The argument passed as `keyword=` or at `position` (counting plain positionals only)."""
+    if keyword is not None:
+        for a in call.args:
+            if a.keyword is not None and a.keyword.value == keyword:
+                return a
+    if position is not None:
+        positional = [a for a in call.args if a.keyword is None and not a.star]
+        if position < len(positional):
+            # a *args before this position makes the position unknowable
+            index = call.args.index(positional[position])
+            if not any(a.star for a in call.args[:index]):
+                return positional[position]
+    return None
+
+
+def has_star_args(call: cst.Call) -> bool:
+    return any(a.star for a in call.args)
+
+
+def kwarg(name: str, value: cst.BaseExpression) -> cst.Arg:
+    return cst.Arg(value=value, keyword=cst.Name(name),
+                   equal=cst.AssignEqual(whitespace_before=cst.SimpleWhitespace(""),
+                                         whitespace_after=cst.SimpleWhitespace("")))
+
+
+def _comma() -> cst.Comma:
+    return cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))
+
+
+def with_args(call: cst.Call, args: Sequence[cst.Arg]) -> cst.Call:
+    """Replace a call's arguments, keeping commas consistent (no trailing comma added)."""
+    out = []
+    for i, a in enumerate(args):
+        last = i == len(args) - 1
+        if last:
+            keep = call.args and a is call.args[-1]
+            out.append(a if keep else a.with_changes(comma=cst.MaybeSentinel.DEFAULT))
+        elif a.comma is cst.MaybeSentinel.DEFAULT:
+            out.append(a.with_changes(comma=_comma()))
+        else:
+            out.append(a)
+    return call.with_changes(args=out)
+
+
+def set_kwarg(call: cst.Call, name: str, value: cst.BaseExpression) -> cst.Call:
+    """Set `name=value`, replacing an existing keyword of that name or appending one."""
+    args = list(call.args)
+    for i, a in enumerate(args):
+        if a.keyword is not None and a.keyword.value == name:
+            args[i] = a.with_changes(value=value)
+            return call.with_changes(args=args)
+    new = kwarg(name, value)
+    # keep **kwargs last
+    index = len(args)
+    while index > 0 and args[index - 1].star == "**":
+        index -= 1
+    args.insert(index, new)
+    return with_args(call, args)
+
+
+def remove_kwarg(call: cst.Call, name: str) -> cst.Call:
+    args = [a for a in call.args if not (a.keyword is not None and a.keyword.value == name)]
+    return with_args(call, args)
+
+
+def is_string(node: cst.CSTNode, *values: str) -> bool:
+    """True for a plain string literal (any value if none given)."""
+    if isinstance(node, cst.SimpleString):
+        return not values or node.evaluated_value in values
+    return False
+
+
+def method_call(node: cst.CSTNode, *names: str) -> bool:
+    """`<anything>.name(...)` for one of `names`."""
+    return (isinstance(node, cst.Call) and isinstance(node.func, cst.Attribute)
+            and node.func.attr.value in names)

@@ -1,0 +1,170 @@
+"""The rule API: what every rule in `torchmigrate.rules` subclasses.
+
+A rule is a read-only visitor with `visit_<Node>` / `leave_<Node>` methods (LibCST node class
+names). It reports Findings through `self.report(...)`, optionally with Edits that fix them.
+All enabled rules share one traversal of one parsed module (see `walk.py`). Rules that need
+the whole module before deciding collect nodes while visiting and report in `leave_Module`.
+
+Each rule carries its own documentation (the class docstring, in Ruff's "What it does / Why is
+this bad" shape) and `examples`, before/after pairs that `torchmigrate explain` prints and the
+test suite runs, so documentation cannot drift from behaviour.
+"""
+
+from __future__ import annotations
+
+import inspect
+import textwrap
+from dataclasses import dataclass, field
+from typing import ClassVar, Dict, FrozenSet, Iterable, List, Optional, Sequence, Tuple, Type
+
+import libcst as cst
+
+from torchmigrate.finding import Edit, Finding, Import, Safety
+from torchmigrate.imports import ImportTable
+
+RUNTIME_MODULE = "torchmigrate.runtime"
+COMMANDS = ("ddp", "amp", "lint")
+
+
+@dataclass(frozen=True)
+class Options:
+    """Per-run settings that change what rules do."""
+
+    mode: str = "lint"  # "ddp", "amp" or "lint"
+    amp: str = "auto"  # "auto", "bf16", "fp16", "off"
+    sync_bn: bool = False
+    fix: bool = False  # `lint --fix`: apply safe fixes
+    unsafe_fixes: bool = False
+    runtime_module: str = RUNTIME_MODULE  # "torchmigrate_runtime" with --vendor-runtime
+
+    @property
+    def migrating(self) -> bool:
+        return self.mode in ("ddp", "amp")
+
+
+@dataclass(frozen=True)
+class Example:
+    """A before/after pair. `after=None` means the rule leaves `before` unchanged."""
+
+    before: str
+    after: Optional[str] = None
+    mode: str = "ddp"
+
+    @property
+    def before_text(self) -> str:
+        return textwrap.dedent(self.before).lstrip("\n")
+
+    @property
+    def after_text(self) -> Optional[str]:
+        return None if self.after is None else textwrap.dedent(self.after).lstrip("\n")
+
+
+class Context:
+    """What rules know about the file being processed: imports, parents, options, findings."""
+
+    def __init__(self, module: cst.Module, path: str, options: Options) -> None:
+        self.module = module
+        self.path = path
+        self.options = options
+        self.imports = ImportTable.from_module(module)
+        self.parents: Dict[cst.CSTNode, cst.CSTNode] = {}
+        self.findings: List[Finding] = []
+        # Free-form facts one rule publishes for others, e.g. names of wrapped models.
+        self.facts: Dict[str, object] = {}
+
+    # --- navigation -----------------------------------------------------------------
+    def parent(self, node: cst.CSTNode) -> Optional[cst.CSTNode]:
+        return self.parents.get(node)
+
+    def ancestors(self, node: cst.CSTNode) -> Iterable[cst.CSTNode]:
+        node = self.parents.get(node)
+        while node is not None:
+            yield node
+            node = self.parents.get(node)
+
+    def enclosing(self, node: cst.CSTNode, *types: type) -> Optional[cst.CSTNode]:
+        for anc in self.ancestors(node):
+            if isinstance(anc, types):
+                return anc
+        return None
+
+    def statement_of(self, node: cst.CSTNode) -> Optional[cst.CSTNode]:
+        """The innermost statement (a line, or a compound statement header) holding `node`."""
+        if isinstance(node, (cst.SimpleStatementLine, cst.BaseCompoundStatement)):
+            return node
+        return self.enclosing(node, cst.SimpleStatementLine, cst.BaseCompoundStatement)
+
+    def scope_of(self, node: cst.CSTNode) -> cst.CSTNode:
+        """The function, class or module whose body holds `node`."""
+        return self.enclosing(node, cst.FunctionDef, cst.ClassDef, cst.Lambda) or self.module
+
+    # --- names ----------------------------------------------------------------------
+    def resolve(self, node: cst.BaseExpression) -> Optional[str]:
+        return self.imports.resolve(node)
+
+    @property
+    def tm(self) -> str:
+        """Local name of the runtime module in this file (`tm` unless already imported)."""
+        return self.imports.alias_for(RUNTIME_MODULE) or "tm"
+
+    def runtime_import(self) -> Import:
+        return Import(self.options.runtime_module, asname=self.tm)
+
+    def uses_runtime(self) -> bool:
+        return RUNTIME_MODULE in self.imports.names.values()
+
+
+class Rule:
+    """Base class of every rule. Subclasses set the class attributes and visit methods."""
+
+    code: ClassVar[str] = ""
+    name: ClassVar[str] = ""
+    summary: ClassVar[str] = ""
+    safety: ClassVar[Safety] = Safety.SAFE
+    commands: ClassVar[FrozenSet[str]] = frozenset(COMMANDS)
+    examples: ClassVar[Sequence[Example]] = ()
+
+    def __init__(self, ctx: Context) -> None:
+        self.ctx = ctx
+
+    def report(
+        self,
+        node: cst.CSTNode,
+        message: str,
+        *,
+        edits: Sequence[Edit] = (),
+        imports: Sequence[Import] = (),
+        safety: Optional[Safety] = None,
+        statement: Optional[cst.CSTNode] = None,
+    ) -> Finding:
+        finding = Finding(
+            code=self.code,
+            message=message,
+            node=node,
+            safety=safety or (self.safety if edits else Safety.MANUAL),
+            edits=tuple(edits),
+            imports=tuple(imports),
+            statement=statement,
+        )
+        self.ctx.findings.append(finding)
+        return finding
+
+    @classmethod
+    def documentation(cls) -> str:
+        return inspect.cleandoc(cls.__doc__ or cls.summary)
+
+    @classmethod
+    def callbacks(cls) -> Tuple[List[Tuple[type, str]], List[Tuple[type, str]]]:
+        """(node type, method name) pairs for the visit and leave methods this rule defines."""
+        visits, leaves = [], []
+        for attr in dir(cls):
+            for prefix, out in (("visit_", visits), ("leave_", leaves)):
+                if attr.startswith(prefix):
+                    node_type = getattr(cst, attr[len(prefix):], None)
+                    if not isinstance(node_type, type):
+                        raise TypeError(f"{cls.__name__}.{attr}: no libcst node named {attr[len(prefix):]}")
+                    out.append((node_type, attr))
+        return visits, leaves
+
+
+RuleType = Type[Rule]

@@ -1,0 +1,54 @@
+"""The rule catalogue: one module per rule family, each rule a `torchmigrate.rule.Rule`.
+
+Rules are collected from every module of this package, so adding a family means adding a
+module; codes are stable and never renumbered.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from typing import Dict, List, Type
+
+from torchmigrate.rule import Rule
+
+_REGISTRY: Dict[str, Type[Rule]] = {}
+
+
+def all_rules() -> List[Type[Rule]]:
+    """Every rule, sorted by code."""
+    if not _REGISTRY:
+        for info in pkgutil.iter_modules(__path__):
+            if info.name.startswith("_"):
+                continue
+            module = importlib.import_module(f"{__name__}.{info.name}")
+            for value in vars(module).values():
+                if isinstance(value, type) and issubclass(value, Rule) and value.code and value.__module__ == module.__name__:
+                    if value.code in _REGISTRY and _REGISTRY[value.code] is not value:
+                        raise RuntimeError(f"duplicate rule code {value.code}")
+                    _REGISTRY[value.code] = value
+    return [_REGISTRY[code] for code in sorted(_REGISTRY)]
+
+
+def get_rule(code: str) -> Type[Rule]:
+    rules = {r.code: r for r in all_rules()}
+    by_name = {r.name: r for r in all_rules()}
+    key = code.strip()
+    if key.upper() in rules:
+        return rules[key.upper()]
+    if key in by_name:
+        return by_name[key]
+    raise KeyError(code)
+
+
+def select(codes=(), ignore=(), command: str = "lint") -> List[Type[Rule]]:
+    """Rules enabled for `command`, filtered by `--select`/`--ignore` codes or prefixes."""
+    def matches(rule: Type[Rule], patterns) -> bool:
+        return any(rule.code.startswith(p.upper()) or rule.name == p for p in patterns)
+
+    chosen = [r for r in all_rules() if command in r.commands]
+    if codes:
+        chosen = [r for r in chosen if matches(r, codes)]
+    if ignore:
+        chosen = [r for r in chosen if not matches(r, ignore)]
+    return chosen

@@ -1,0 +1,556 @@
+"""torchmigrate runtime shim: the few helpers a script migrated to torchrun + DDP + AMP calls.
+
+Migrated scripts do ``import torchmigrate.runtime as tm`` (or, after ``--vendor-runtime``,
+``import torchmigrate_runtime as tm``: this file is self-contained and needs only torch).
+Importing it initialises nothing: no process group, no CUDA context.
+
+Environment contract, read in this order:
+
+1. torchrun / torch.distributed.launch: ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
+   ``MASTER_PORT`` (``RANK`` or ``LOCAL_RANK`` present means "launched by torchrun").
+2. SLURM (``srun python train.py``), only when the torchrun variables are absent and both
+   ``SLURM_PROCID`` and ``SLURM_NTASKS`` are set: rank = ``SLURM_PROCID``, local rank =
+   ``SLURM_LOCALID``, world size = ``SLURM_NTASKS``; master address = ``MASTER_ADDR`` or the first
+   host of ``SLURM_JOB_NODELIST`` (else 127.0.0.1); master port = ``MASTER_PORT`` or
+   ``15000 + SLURM_JOB_ID % 20000`` (else 29500). ``setup()`` exports them as the torchrun names.
+   Running ``python train.py`` directly inside a multi-task allocation (no ``srun``) would make
+   the process wait for peers that never start: launch with ``srun`` or torchrun.
+3. Neither: one process, rank 0, world size 1, no process group.
+
+``TORCHMIGRATE_BACKEND`` overrides the process-group backend (default nccl with CUDA, else gloo).
+``TORCHMIGRATE_AMP`` in {auto, bf16, fp16, off} picks the autocast dtype (see ``amp_dtype``).
+
+A process group is created only when world size > 1 (as Accelerate): ``torchrun
+--nproc-per-node=1`` behaves like ``python train.py``. Only ``setup``, ``wrap_model``, ``cleanup``,
+``barrier``, ``all_reduce`` and ``gather_for_metrics`` communicate; every other helper is
+collective-free and safe inside ``if tm.is_main():`` blocks.
+"""
+from __future__ import annotations
+
+import builtins
+import contextlib
+import datetime
+import logging
+import numbers
+import os
+import random
+import re
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DistributedSampler, RandomSampler, Sampler, SequentialSampler
+
+__all__ = [
+    "Ctx", "setup", "cleanup", "device", "rank", "local_rank", "world_size", "is_main",
+    "is_distributed", "wrap_model", "unwrap", "sampler", "eval_sampler", "set_epoch", "no_sync",
+    "amp_dtype", "autocast", "GradScaler", "print", "barrier", "all_reduce", "gather_for_metrics",
+    "save", "load", "strip_prefix", "load_state_dict", "seed_everything", "main_only",
+]
+
+
+@dataclass(frozen=True)
+class Ctx:
+    """What ``setup()`` found: global rank, rank on this node, process count, device, rank 0?"""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+    is_main: bool
+
+
+_CTX: Ctx | None = None
+_OWN_PG = False  # True when setup() created the process group (so cleanup() destroys it)
+_LOG_DISABLED = False
+
+
+def _first_host(nodelist: str) -> str:
+    """First host of a SLURM nodelist: ``node[01-04],b7`` -> ``node01``; ``a[3,5]-ib`` -> ``a3-ib``.
+    """
+    depth, end = 0, len(nodelist)
+    for i, ch in enumerate(nodelist):
+        depth += ch == "["
+        depth -= ch == "]"
+        if ch == "," and depth == 0:
+            end = i
+            break
+    host = nodelist[:end].strip()
+    return re.sub(r"\[([^\]]*)\]", lambda m: m.group(1).split(",")[0].split("-")[0], host)
+
+
+def _env() -> dict:
+    """Rank/world/master info from the torchrun variables, else SLURM's, else one process."""
+    e = os.environ
+    if "RANK" in e or "LOCAL_RANK" in e:
+        return {"RANK": int(e.get("RANK", e.get("LOCAL_RANK", "0"))), "slurm": False,
+                "LOCAL_RANK": int(e.get("LOCAL_RANK", "0")),
+                "WORLD_SIZE": int(e.get("WORLD_SIZE", "1"))}
+    if "SLURM_PROCID" in e and "SLURM_NTASKS" in e:
+        job = e.get("SLURM_JOB_ID", "")
+        port = e.get("MASTER_PORT") or str(15000 + int(job) % 20000 if job.isdigit() else 29500)
+        addr = e.get("MASTER_ADDR") or _first_host(e.get("SLURM_JOB_NODELIST", "")) or "127.0.0.1"
+        return {"RANK": int(e["SLURM_PROCID"]), "LOCAL_RANK": int(e.get("SLURM_LOCALID", "0")),
+                "WORLD_SIZE": int(e["SLURM_NTASKS"]), "MASTER_ADDR": addr, "MASTER_PORT": port,
+                "slurm": True}
+    return {"RANK": 0, "LOCAL_RANK": 0, "WORLD_SIZE": 1, "slurm": False}
+
+
+def _pg() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank() -> int:
+    """Global rank: from the process group if one exists, else from the environment (0 alone)."""
+    return dist.get_rank() if _pg() else _env()["RANK"]
+
+
+def local_rank() -> int:
+    """Rank on this node (``LOCAL_RANK`` / ``SLURM_LOCALID``); 0 for one process. Picks the GPU."""
+    return _CTX.local_rank if _CTX else _env()["LOCAL_RANK"]
+
+
+def world_size() -> int:
+    """Number of processes: from the process group if one exists, else the environment (1 alone)."""
+    return dist.get_world_size() if _pg() else _env()["WORLD_SIZE"]
+
+
+def is_main() -> bool:
+    """True on global rank 0 (always true for one process). Collective-free, safe under guards."""
+    return rank() == 0
+
+
+def is_distributed() -> bool:
+    """True when world size > 1, i.e. when DDP wrapping and collectives are really needed."""
+    return world_size() > 1
+
+
+def device() -> torch.device:
+    """``cuda:LOCAL_RANK`` when CUDA is available (modulo the visible GPU count, for SLURM jobs
+    that give each task one GPU), else ``cpu``. Does not create a CUDA context."""
+    if _CTX is not None:
+        return _CTX.device
+    if torch.cuda.is_available():
+        return torch.device("cuda", local_rank() % max(torch.cuda.device_count(), 1))
+    return torch.device("cpu")
+
+
+def _require_pg() -> None:
+    if not _pg():
+        raise RuntimeError(f"torchmigrate.runtime: world size is {world_size()} but no process "
+                           "group exists; call tm.setup() first")
+
+
+def setup(backend: str | None = None, timeout=None) -> Ctx:
+    """Initialise distributed training once and return a ``Ctx``; later calls return the same Ctx.
+
+    1 process: no process group (also for torchrun with WORLD_SIZE=1); on CUDA the current device
+    is set. gloo (CPU): ``init_process_group("gloo")``. nccl (CUDA): ``torch.cuda.set_device(
+    local_rank)`` *before* ``init_process_group("nccl", device_id=device)``, so every rank owns its
+    GPU and NCCL initialises eagerly. ``backend`` (or ``TORCHMIGRATE_BACKEND``) overrides the
+    choice; ``timeout`` is seconds or a ``timedelta``. A process group created by the user's own
+    code is reused. On ranks other than 0, ``logging.disable(logging.INFO)`` silences INFO and
+    DEBUG records so ``logging.info`` prints once; warnings and errors still show on every rank.
+    """
+    global _CTX, _OWN_PG, _LOG_DISABLED
+    if _CTX is not None:
+        return _CTX
+    env = _env()
+    if env["slurm"]:
+        for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+            os.environ[k] = str(env[k])
+    dev = device()
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    if env["WORLD_SIZE"] > 1 and not _pg():
+        backend = backend or os.environ.get("TORCHMIGRATE_BACKEND") or (
+            "nccl" if dev.type == "cuda" else "gloo")
+        if isinstance(timeout, (int, float)):
+            timeout = datetime.timedelta(seconds=timeout)
+        dist.init_process_group(backend, timeout=timeout,
+                                device_id=dev if dev.type == "cuda" else None)
+        _OWN_PG = True
+    _CTX = Ctx(rank(), env["LOCAL_RANK"], world_size(), dev, rank() == 0)
+    if not _CTX.is_main and not _LOG_DISABLED:
+        logging.disable(logging.INFO)
+        _LOG_DISABLED = True
+    return _CTX
+
+
+def cleanup() -> None:
+    """Destroy the process group ``setup()`` created (no-op without one; safe to call twice) and
+    re-enable logging on non-main ranks. A later ``setup()`` starts afresh."""
+    global _CTX, _OWN_PG, _LOG_DISABLED
+    if _OWN_PG and _pg():
+        dist.destroy_process_group()
+    if _LOG_DISABLED:
+        logging.disable(logging.NOTSET)
+    _CTX, _OWN_PG, _LOG_DISABLED = None, False, False
+
+
+def wrap_model(model: nn.Module, *, find_unused_parameters: bool = False, sync_bn: bool = False,
+               **ddp_kwargs) -> nn.Module:
+    """Move ``model`` to ``device()`` and wrap it in DistributedDataParallel when distributed.
+
+    1 process, or a model without trainable parameters (frozen teacher, EMA copy): returned
+    unwrapped on the device (DDP refuses models with nothing to reduce). gloo:
+    ``DDP(model, device_ids=None)`` (CPU modules must not pass device ids). nccl: with
+    ``sync_bn`` the BatchNorms are converted to SyncBatchNorm first (CUDA only; ignored on CPU,
+    where SyncBatchNorm does not run), then ``DDP(model, device_ids=[local_rank])``. A model
+    that is already DDP is returned as is, so wrapping twice is harmless.
+    """
+    if isinstance(model, DistributedDataParallel):
+        return model
+    dev = device()
+    model = model.to(dev)
+    if not is_distributed() or not any(p.requires_grad for p in model.parameters()):
+        return model
+    _require_pg()
+    if sync_bn and dev.type == "cuda":
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    return DistributedDataParallel(model, device_ids=[dev.index] if dev.type == "cuda" else None,
+                                   find_unused_parameters=find_unused_parameters, **ddp_kwargs)
+
+
+def unwrap(model):
+    """The user's own module under any DDP, ``nn.DataParallel`` and ``torch.compile`` wrappers
+    (``_orig_mod``), nested in any order. Same in every mode; non-modules are returned as is."""
+    while isinstance(model, nn.Module):
+        if isinstance(model, (DistributedDataParallel, nn.DataParallel)):
+            model = model.module
+        elif isinstance(getattr(model, "_orig_mod", None), nn.Module):
+            model = model._orig_mod
+        else:
+            break
+    return model
+
+
+def sampler(dataset, shuffle=True, seed: int = 0, drop_last: bool = False) -> Sampler:
+    """Training sampler. Distributed: ``DistributedSampler`` (each rank a disjoint shard, padded to
+    equal length unless ``drop_last``; reshuffled by ``set_epoch``; ``seed`` must match across
+    ranks). 1 process: ``RandomSampler`` (global torch RNG, like ``shuffle=True``) if ``shuffle``
+    is truthy, else ``SequentialSampler``."""
+    if is_distributed():
+        return DistributedSampler(dataset, num_replicas=world_size(), rank=rank(),
+                                  shuffle=bool(shuffle), seed=seed, drop_last=drop_last)
+    return RandomSampler(dataset) if shuffle else SequentialSampler(dataset)
+
+
+class _StridedSampler(Sampler):
+    """Rank r of W gets indices r, r+W, r+2W, ...: every sample exactly once, no padding."""
+
+    def __init__(self, dataset, rank_: int, world: int):
+        self.n, self.rank, self.world = len(dataset), rank_, world
+
+    def __iter__(self):
+        return iter(range(self.rank, self.n, self.world))
+
+    def __len__(self) -> int:
+        return len(range(self.rank, self.n, self.world))
+
+    def set_epoch(self, epoch: int) -> None:
+        """No-op, so ``sampler.set_epoch(epoch)`` code works on eval loaders too."""
+
+
+def eval_sampler(dataset) -> Sampler:
+    """Evaluation sampler. Distributed: rank r gets indices r, r+W, r+2W, ... with no padding, so
+    metrics count every sample exactly once (ranks may get one sample fewer; don't use it where
+    every rank must run the same number of DDP forward/backward steps). 1 process:
+    ``SequentialSampler``. ``gather_for_metrics`` undoes this interleaving."""
+    if is_distributed():
+        return _StridedSampler(dataset, rank(), world_size())
+    return SequentialSampler(dataset)
+
+
+def set_epoch(loader_or_sampler, epoch: int) -> None:
+    """Call ``set_epoch(epoch)`` on a DataLoader's sampler (or its batch sampler's sampler), or on
+    the object itself; no-op when none has one (e.g. RandomSampler in one process)."""
+    bs = getattr(loader_or_sampler, "batch_sampler", None)
+    for obj in (getattr(loader_or_sampler, "sampler", None), getattr(bs, "sampler", None), bs,
+                loader_or_sampler):
+        fn = getattr(obj, "set_epoch", None)
+        if callable(fn):
+            fn(epoch)
+            return
+
+
+def no_sync(model, sync: bool = True):
+    """Context manager for gradient accumulation: when distributed and ``not sync``, enters
+    ``model.no_sync()`` so backward skips DDP's gradient all-reduce (grads stay local and
+    accumulate); the next backward with ``sync=True`` reduces the sum. Otherwise (1 process,
+    unwrapped model, or ``sync``) a ``nullcontext``."""
+    if is_distributed() and not sync and hasattr(model, "no_sync"):
+        return model.no_sync()
+    return contextlib.nullcontext()
+
+
+_AMP_NAMES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
+              "float16": torch.float16, "half": torch.float16, "off": None, "none": None,
+              "no": None, "fp32": None, "false": None, "0": None}
+
+
+def amp_dtype(dtype=None):
+    """The autocast dtype, or None for no autocast. ``dtype`` (a torch.dtype or "bf16"/"fp16"/
+    "off"/"auto") wins over ``TORCHMIGRATE_AMP`` (default "auto"). auto: CUDA -> bf16 when
+    ``torch.cuda.is_bf16_supported()`` (Ampere+) else fp16; CPU -> bf16 (gloo runs use it too)."""
+    choice = dtype if dtype is not None else os.environ.get("TORCHMIGRATE_AMP", "auto")
+    if isinstance(choice, torch.dtype):
+        return choice
+    choice = str(choice).strip().lower()
+    if choice in _AMP_NAMES:
+        return _AMP_NAMES[choice]
+    if choice != "auto":
+        raise ValueError(f"torchmigrate.runtime: unknown AMP setting {choice!r} "
+                         "(expected auto, bf16, fp16 or off)")
+    if device().type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.bfloat16
+
+
+def autocast(dtype=None, enabled: bool = True) -> torch.autocast:
+    """``torch.autocast`` for ``device()``'s type with ``amp_dtype(dtype)``; disabled when the
+    policy says off or ``enabled`` is false. A context manager or decorator, in every mode."""
+    dt = amp_dtype(dtype)
+    return torch.autocast(device().type, dtype=dt, enabled=bool(enabled) and dt is not None)
+
+
+def GradScaler(enabled=None, dtype=None, **kwargs) -> torch.amp.GradScaler:
+    """``torch.amp.GradScaler`` for ``device()``'s type. By default enabled only for fp16 on CUDA
+    (fp16 gradients underflow without loss scaling); with bf16, off or on CPU it is disabled, so
+    ``scale(loss)`` returns ``loss`` and ``step(opt)`` is ``opt.step()``. ``dtype`` mirrors
+    ``autocast``'s (a script forced to fp16 gets a scaler); an explicit ``enabled`` wins."""
+    dev_type = device().type
+    if enabled is None:
+        enabled = dev_type == "cuda" and amp_dtype(dtype) == torch.float16
+    return torch.amp.GradScaler(dev_type, enabled=bool(enabled), **kwargs)
+
+
+def print(*args, **kwargs) -> None:  # noqa: A001 - mirrors builtins.print on purpose
+    """``print`` on global rank 0 only (flushes by default); silent on other ranks."""
+    if is_main():
+        kwargs.setdefault("flush", True)
+        builtins.print(*args, **kwargs)
+
+
+def _nccl() -> bool:
+    return "nccl" in str(dist.get_backend())
+
+
+def barrier() -> None:
+    """Wait for every rank. 1 process: no-op. gloo: ``dist.barrier()``. nccl:
+    ``dist.barrier(device_ids=[local_rank])`` so the barrier runs on this rank's GPU."""
+    if not is_distributed():
+        return
+    _require_pg()
+    if _nccl():
+        dist.barrier(device_ids=[device().index])
+    else:
+        dist.barrier()
+
+
+_OPS = {"sum": "SUM", "mean": "SUM", "max": "MAX", "min": "MIN"}
+
+
+def all_reduce(*xs, op: str = "sum"):
+    """Reduce values across ranks and return the results (inputs are not modified).
+
+    ``op``: "sum", "mean", "max" or "min". Python numbers in, numbers out (ints stay ints for
+    sum/max/min; mean gives floats); tensors in, new tensors out on the input's device (moved to
+    the GPU for nccl and back; fp16/bf16 are reduced in float32; integer/bool mean gives float,
+    bool sum gives int64). Values are packed into one flat buffer per dtype, so one collective runs
+    per dtype (ints travel as int64, exactly; floats as float64). One argument returns one value,
+    several a tuple.
+    1 process: identity (except mean's float conversion). For metrics, not autograd.
+    """
+    if op not in _OPS:
+        raise ValueError(f"all_reduce: op must be one of {sorted(_OPS)}, got {op!r}")
+    world = world_size()
+    out = list(xs)
+    if world > 1:
+        _require_pg()
+        comm = device() if _nccl() else torch.device("cpu")
+        groups: dict = {}  # keyed by dtype only, so every rank packs the same buffers
+        for i, x in enumerate(xs):
+            if isinstance(x, torch.Tensor):
+                t = x.detach()
+                work = (torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else
+                        torch.int64 if x.dtype == torch.bool else x.dtype)
+            elif isinstance(x, numbers.Real):
+                work = torch.int64 if isinstance(x, numbers.Integral) else torch.float64
+                t = torch.tensor(int(x) if work == torch.int64 else float(x), dtype=work)
+            else:
+                raise TypeError(f"all_reduce: expected numbers or tensors, got {type(x).__name__}")
+            groups.setdefault(work, []).append((i, t.to(comm, work).reshape(-1)))
+        for items in groups.values():
+            buf = torch.cat([t for _, t in items])
+            dist.all_reduce(buf, op=getattr(dist.ReduceOp, _OPS[op]))
+            for (i, _), part in zip(items, buf.split([t.numel() for _, t in items])):
+                x = xs[i]
+                out[i] = part.reshape(x.shape) if isinstance(x, torch.Tensor) else part.item()
+    for i, (x, y) in enumerate(zip(xs, out)):
+        if isinstance(x, torch.Tensor):
+            if op == "mean":
+                y = y / world
+                y = y.to(x.dtype) if x.is_floating_point() else y
+            else:
+                y = y.to(torch.int64 if x.dtype == torch.bool and op == "sum" else x.dtype)
+            out[i] = y.to(x.device)
+        elif op == "mean":
+            out[i] = float(y) / world
+        elif isinstance(x, numbers.Integral):
+            out[i] = int(y)
+    return out[0] if len(out) == 1 else tuple(out)
+
+
+def gather_for_metrics(x, total_len: int | None = None):
+    """All-gather per-rank results along dim 0 and return them in dataset order.
+
+    Ordering: the result interleaves ranks element by element (rank 0's first, rank 1's first,
+    ..., rank 0's second, ...), which is dataset order for ``eval_sampler`` and for
+    ``DistributedSampler(shuffle=False)``; so ``result[i]`` belongs to dataset index ``i``.
+    Per-rank lengths may differ (padded for the collective, then unpadded); ``total_len``
+    truncates (drops DistributedSampler's padding duplicates). nccl moves data to the GPU and
+    back. Lists/tuples/dicts of tensors are gathered item by item. 1 process: ``x[:total_len]``.
+    """
+    if isinstance(x, (list, tuple)):
+        return type(x)(gather_for_metrics(v, total_len) for v in x)
+    if isinstance(x, dict):
+        return {k: gather_for_metrics(v, total_len) for k, v in x.items()}
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"gather_for_metrics: expected a tensor, got {type(x).__name__}")
+    x = x.reshape(1) if x.dim() == 0 else x
+    if is_distributed():
+        _require_pg()
+        comm = device() if _nccl() else torch.device("cpu")
+        t = x.detach().to(comm)
+        n = torch.tensor([t.shape[0]], device=comm)
+        sizes = [torch.empty_like(n) for _ in range(world_size())]
+        dist.all_gather(sizes, n)
+        sizes = torch.cat(sizes).cpu()
+        longest = int(sizes.max())
+        if t.shape[0] < longest:
+            t = torch.cat([t, t.new_zeros((longest - t.shape[0], *t.shape[1:]))])
+        parts = [torch.empty_like(t) for _ in sizes]
+        dist.all_gather(parts, t)
+        keep = torch.arange(longest)[:, None] < sizes[None, :]  # (position, rank)
+        x = torch.stack(parts, dim=1)[keep.to(comm)].to(x.device)
+    return x if total_len is None else x[:total_len]
+
+
+def save(obj, path) -> None:
+    """``torch.save`` on global rank 0 only; other ranks return at once (no collective, so it is
+    safe inside ``if tm.is_main():``). Paths are written atomically: a temp file in the same
+    folder, then ``os.replace``, so a crash never leaves a half-written checkpoint. File-like
+    objects are passed to ``torch.save`` as is (on rank 0)."""
+    if not is_main():
+        return
+    if not isinstance(path, (str, os.PathLike)):
+        torch.save(obj, path)
+        return
+    path = os.fspath(path)
+    folder, name = os.path.split(os.path.abspath(path))
+    tmp = os.path.join(folder, f".{name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        with open(tmp, "xb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def load(path, map_location="cpu", weights_only=None, **kwargs):
+    """``torch.load`` onto the CPU by default (every rank loading to cuda:0 would crowd one GPU).
+
+    ``weights_only=None`` keeps torch's own default (True since torch 2.6: only tensors and plain
+    containers are unpickled). Checkpoints holding arbitrary objects, e.g. an
+    ``argparse.Namespace`` of hyper-parameters, then fail to load and need an explicit
+    ``weights_only=False`` (only for files you trust). torchmigrate never flips it silently.
+    """
+    return torch.load(path, map_location=map_location, weights_only=weights_only, **kwargs)
+
+
+def strip_prefix(state_dict, prefixes=("module.", "_orig_mod.")):
+    """A new state dict whose keys lose the given prefixes, repeatedly (``module._orig_mod.fc.w``
+    -> ``fc.w``), so DDP/DataParallel/compiled checkpoints load into a plain model. Key order,
+    the OrderedDict type and torch's ``_metadata`` (module versions) are preserved."""
+    prefixes = (prefixes,) if isinstance(prefixes, str) else tuple(prefixes)
+
+    def strip(key: str) -> str:
+        changed = True
+        while changed:
+            changed = False
+            for p in prefixes:
+                if p and key.startswith(p):
+                    key, changed = key[len(p):], True
+        return key
+
+    out = OrderedDict() if isinstance(state_dict, OrderedDict) else {}
+    for k, v in state_dict.items():
+        out[strip(k) if isinstance(k, str) else k] = v
+    meta = getattr(state_dict, "_metadata", None)
+    if meta is not None and isinstance(out, OrderedDict):
+        out._metadata = OrderedDict()
+        for k, v in meta.items():
+            out._metadata.setdefault(strip(k + ".")[:-1] if k else k, v)
+    return out
+
+
+def load_state_dict(model, state_dict, strict: bool = True, **kwargs):
+    """Load ``strip_prefix(state_dict)`` into ``unwrap(model)``; returns torch's
+    ``(missing_keys, unexpected_keys)`` result. Works whatever wrapped the saving model."""
+    return unwrap(model).load_state_dict(strip_prefix(state_dict), strict=strict, **kwargs)
+
+
+def seed_everything(seed: int, per_rank: bool = False) -> int:
+    """Seed ``random``, numpy (if installed) and torch (CPU and all GPUs); returns the seed used.
+    ``per_rank`` adds ``rank()`` so ranks draw different augmentations/dropout masks; leave it
+    off where ranks must agree (model init before DDP broadcasts anyway)."""
+    seed = int(seed) + (rank() if per_rank else 0)
+    random.seed(seed)
+    try:
+        import numpy as np
+    except ImportError:
+        pass
+    else:
+        np.random.seed(seed % 2 ** 32)
+    torch.manual_seed(seed)  # also seeds every CUDA device (lazily)
+    return seed
+
+
+class _Null:
+    """Stand-in returned by ``main_only`` on non-main ranks: absorbs attribute access, calls and
+    ``with`` blocks (each returns the null object again) and is falsy."""
+
+    def _self(self, *args, **kwargs):
+        return self
+
+    __call__ = __enter__ = _self
+
+    def __getattr__(self, name):
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def __bool__(self):
+        return False
+
+    def __repr__(self):
+        return "<torchmigrate.runtime null object (not the main process)>"
+
+
+def main_only(factory, *args, **kwargs):
+    """``factory(*args, **kwargs)`` on the main process only; elsewhere a null object that absorbs
+    any use, so ``writer = tm.main_only(SummaryWriter, log_dir)`` then ``writer.add_scalar(...)``
+    and ``writer.close()`` run unguarded on every rank. Collective-free."""
+    return factory(*args, **kwargs) if is_main() else _Null()

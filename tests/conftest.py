@@ -1,0 +1,55 @@
+"""Shared helpers: run the engine on a string the way the CLI would."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Sequence
+
+import pytest
+
+from torchmigrate.engine import process_source
+from torchmigrate.rule import Options
+from torchmigrate.rules import all_rules, get_rule, select
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURES = ROOT / "fixtures"
+
+_HEADER = re.compile(r"#\s*fixture:\s*(.*)")
+
+
+def fixture_settings(source: str, code: str):
+    """Mode and rules for a fixture: the rule alone in its first command, unless the first
+    line says otherwise, e.g. `# fixture: mode=amp select=TM401,TM402 amp=bf16`."""
+    rule = get_rule(code)
+    mode = next(m for m in ("ddp", "amp", "lint") if m in rule.commands)
+    settings = {"mode": mode, "select": code, "amp": "auto", "sync_bn": "0", "unsafe": "0"}
+    first = source.splitlines()[0] if source else ""
+    match = _HEADER.match(first)
+    if match:
+        for item in match.group(1).split():
+            key, _, value = item.partition("=")
+            settings[key] = value
+    options = Options(mode=settings["mode"], amp=settings["amp"], sync_bn=settings["sync_bn"] == "1",
+                      fix=settings["mode"] == "lint", unsafe_fixes=settings["unsafe"] == "1")
+    if settings["select"] == "all":
+        rules = select(command=settings["mode"])
+    else:
+        rules = [get_rule(c) for c in settings["select"].split(",")]
+    return options, rules
+
+
+def migrate(source: str, options: Options, rules: Sequence) -> str:
+    return process_source(source, "fixture.py", options, rules).new_source
+
+
+@pytest.fixture
+def run_cli():
+    from click.testing import CliRunner
+
+    from torchmigrate.cli import main
+
+    def invoke(*args, **kwargs):
+        return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False, **kwargs)
+
+    return invoke

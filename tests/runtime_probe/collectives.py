@@ -1,0 +1,167 @@
+"""Probe launched by tests/test_runtime_dist.py under torchrun: exercises every communicating
+helper of torchmigrate.runtime and writes this rank's observations to <outdir>/rank<R>.json."""
+import json
+import logging
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, TensorDataset
+
+import torchmigrate.runtime as tm
+
+
+def flat(tensors):
+    return torch.cat([t.detach().reshape(-1).float().cpu() for t in tensors]).tolist()
+
+
+def described(value):
+    """JSON-friendly (value, type, device) of an all_reduce result."""
+    if isinstance(value, torch.Tensor):
+        return {"value": value.float().cpu().tolist(), "type": "tensor",
+                "dtype": str(value.dtype), "device": value.device.type}
+    return {"value": value, "type": type(value).__name__}
+
+
+class Writer:
+    """Stands in for SummaryWriter: writes a file on close."""
+
+    def __init__(self, path):
+        self.path, self.rows = path, []
+
+    def add_scalar(self, *row):
+        self.rows.append(row)
+
+    def close(self):
+        with open(self.path, "w") as f:
+            f.write(repr(self.rows))
+
+
+def main(outdir):
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout, force=True)
+    ctx = tm.setup(timeout=60)
+    r, dev = ctx.rank, tm.device()
+    res = {"ctx": {"rank": ctx.rank, "local_rank": ctx.local_rank, "world_size": ctx.world_size,
+                   "device": str(ctx.device), "is_main": ctx.is_main},
+           "same_ctx": tm.setup() is ctx, "backend": str(dist.get_backend()),
+           "pg_world": dist.get_world_size(), "is_distributed": tm.is_distributed()}
+
+    tm.print(f"PRINT-MARKER from rank {r}")
+    logging.info("INFO-MARKER from rank %d", r)
+    logging.warning("WARN-MARKER from rank %d", r)
+    sys.stdout.flush()
+
+    # all_reduce: numbers stay numbers, tensors stay tensors on the input's device
+    res["sum_int"] = described(tm.all_reduce(r + 1))
+    res["sum_big_int"] = described(tm.all_reduce(2 ** 60 + r))
+    res["sum_mixed"] = [described(v) for v in tm.all_reduce(
+        r + 1, 0.5 * (r + 1), torch.tensor([float(r), 10.0], device=dev),
+        torch.tensor([r + 1, 2]), torch.tensor([True, r == 0]))]
+    res["mean"] = [described(v) for v in tm.all_reduce(
+        r + 1, 2.0 * r, torch.tensor([2.0 * r, 4.0], device=dev), torch.tensor([r, 3]),
+        op="mean")]
+    res["max"] = [described(v) for v in tm.all_reduce(r, float(-r), torch.tensor([r, -r]), op="max")]
+    res["min"] = [described(v) for v in tm.all_reduce(r, float(-r), torch.tensor([r, -r]), op="min")]
+    res["bf16"] = described(tm.all_reduce(torch.tensor([1.5, r], dtype=torch.bfloat16)))
+    inp = torch.tensor([float(r)])
+    tm.all_reduce(inp)
+    res["input_untouched"] = inp.tolist() == [float(r)]
+
+    # training sampler: disjoint shards, reshuffled by set_epoch
+    sampler = tm.sampler(list(range(10)), shuffle=True, seed=0)
+    loader = DataLoader(list(range(10)), batch_size=3, sampler=sampler)
+    epochs = []
+    for epoch in range(2):
+        tm.set_epoch(loader, epoch)
+        epochs.append([int(i) for batch in loader for i in batch])
+    res["train_epochs"] = epochs
+    res["train_sampler_type"] = type(sampler).__name__
+
+    # eval sampler on an odd-length dataset + gather_for_metrics
+    n = 7
+    values = torch.arange(n, dtype=torch.float32) * 10
+    feats = torch.stack([torch.arange(n), -torch.arange(n)], dim=1)
+    es = tm.eval_sampler(values)
+    tm.set_epoch(es, 5)  # must be a harmless no-op
+    res["eval_indices"] = list(es)
+    eloader = DataLoader(TensorDataset(values, feats), batch_size=2, sampler=es)
+    preds, fs = [], []
+    for v, f in eloader:
+        preds.append((v + 1).to(dev))
+        fs.append(f)
+    preds, fs = torch.cat(preds), torch.cat(fs)
+    gathered = tm.gather_for_metrics(preds)
+    res["gathered"] = gathered.tolist()
+    res["gathered_device"] = gathered.device.type
+    res["gathered_feats"] = tm.gather_for_metrics(fs).tolist()
+    d = tm.gather_for_metrics({"p": preds, "pair": (fs, fs)}, total_len=5)
+    res["gathered_dict"] = [d["p"].tolist(), d["pair"][1].tolist()]
+    # DistributedSampler(shuffle=False) pads; total_len drops the duplicates
+    ps = tm.sampler(values, shuffle=False)
+    padded = torch.cat([v for (v,) in DataLoader(TensorDataset(values), batch_size=3, sampler=ps)])
+    res["padded_len"] = len(padded)
+    res["gathered_padded"] = tm.gather_for_metrics(padded, total_len=n).tolist()
+
+    # save: only rank 0 writes; every rank then loads rank 0's file
+    ckdir = os.path.join(outdir, "ckpt")
+    os.makedirs(ckdir, exist_ok=True)
+    tm.save({"rank": r, "w": torch.full((2,), float(r))}, os.path.join(ckdir, "model.pt"))
+    tm.barrier()
+    res["loaded_rank"] = tm.load(os.path.join(ckdir, "model.pt"))["rank"]
+
+    # DDP: same parameters on every rank after steps on different data
+    tm.seed_everything(0, per_rank=True)  # different init per rank; DDP must broadcast rank 0's
+    plain = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    res["params_init"] = flat(plain.parameters())
+    model = tm.wrap_model(plain)
+    res["is_ddp"] = isinstance(model, DistributedDataParallel)
+    res["wrap_twice_same"] = tm.wrap_model(model) is model
+    res["unwrap_is_plain"] = tm.unwrap(model) is plain
+    frozen = tm.wrap_model(nn.Linear(2, 2).requires_grad_(False))
+    res["frozen_wrapped"] = isinstance(frozen, DistributedDataParallel)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(100 + r)
+    x, y = torch.randn(16, 4, generator=g).to(dev), torch.randn(16, 1, generator=g).to(dev)
+    res["params_before"] = flat(model.parameters())
+    for _ in range(3):
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    res["params_after"] = flat(model.parameters())
+
+    # no_sync: local grads inside, all-reduced accumulated grads after a synced backward
+    opt.zero_grad()
+    with tm.no_sync(model, sync=False):
+        nn.functional.mse_loss(model(x), y).backward()
+    res["grads_nosync"] = flat(p.grad for p in model.parameters())
+    with tm.no_sync(model, sync=True):
+        nn.functional.mse_loss(model(x), y).backward()
+    res["grads_synced"] = flat(p.grad for p in model.parameters())
+
+    # checkpoint of a DDP model loads into a plain one
+    sd_path = os.path.join(outdir, "ddp_state.pt")
+    tm.save(model.state_dict(), sd_path)
+    tm.barrier()
+    fresh = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    missing, unexpected = tm.load_state_dict(fresh, tm.load(sd_path))
+    res["reload_ok"] = (not missing and not unexpected
+                        and flat(fresh.parameters()) == res["params_after"])
+
+    writer = tm.main_only(Writer, os.path.join(outdir, f"writer{r}.txt"))
+    writer.add_scalar("loss", 1.0, 0)  # a real call on rank 0, absorbed elsewhere
+    writer.close()
+    res["main_only"] = type(writer).__name__
+    with open(os.path.join(outdir, f"rank{r}.json"), "w") as f:
+        json.dump(res, f)
+    tm.barrier()
+    tm.cleanup()
+    tm.cleanup()
+    with open(os.path.join(outdir, f"rank{r}.done"), "w") as f:
+        f.write(str(dist.is_initialized()))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

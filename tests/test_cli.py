@@ -1,0 +1,203 @@
+"""CLI contract: commands, --dry-run/--check, exit codes, bad input never loses work."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import FIXTURES, ROOT
+
+AMP_SCRIPT = FIXTURES / "TM406" / "from_import.in.py"
+AMP_EXPECTED = FIXTURES / "TM406" / "from_import.out.py"
+
+
+@pytest.fixture
+def amp_file(tmp_path):
+    path = tmp_path / "train.py"
+    path.write_bytes(AMP_SCRIPT.read_bytes())
+    return path
+
+
+def test_cli_does_not_import_torch():
+    code = (
+        "import sys; from torchmigrate.cli import main; import torchmigrate.rules as r; r.all_rules();"
+        "from torchmigrate.runner import runtime_source; runtime_source();"
+        "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch.'))[:5]"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_python_dash_m_and_console_script(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "torchmigrate", "--version"], capture_output=True, text=True)
+    assert out.returncode == 0 and "torchmigrate" in out.stdout
+    exe = Path(sys.executable).with_name("torchmigrate")
+    if exe.exists():
+        assert subprocess.run([str(exe), "rules"], capture_output=True).returncode == 0
+
+
+def test_dry_run_prints_diff_and_leaves_file(amp_file, run_cli):
+    before = amp_file.read_bytes()
+    result = run_cli("ddp", "--dry-run", amp_file)
+    assert result.exit_code == 1  # a change is due
+    assert '-scaler = GradScaler(enabled=use_amp)' in result.stdout
+    assert '+scaler = GradScaler("cuda", enabled=use_amp)' in result.stdout
+    assert "+from torch.amp import autocast, GradScaler" in result.stdout
+    assert "\x1b[" not in result.stdout  # not a terminal: no colour
+    assert amp_file.read_bytes() == before
+
+
+def test_diff_alias_and_check(amp_file, run_cli):
+    before = amp_file.read_bytes()
+    assert run_cli("amp", "--diff", amp_file).exit_code == 1
+    result = run_cli("ddp", "--check", amp_file)
+    assert result.exit_code == 1 and result.stdout.count("---") == 0
+    assert amp_file.read_bytes() == before
+
+
+def test_in_place_rewrite_then_clean(amp_file, run_cli):
+    result = run_cli("ddp", amp_file)
+    assert result.exit_code == 0, result.output
+    assert amp_file.read_text() == AMP_EXPECTED.read_text()
+    assert "TM406" in result.output
+    again = run_cli("ddp", "--check", amp_file)
+    assert again.exit_code == 0
+    assert "Nothing to change" in again.output
+
+
+def test_lint_reports_and_fixes(amp_file, run_cli):
+    result = run_cli("lint", amp_file)
+    assert result.exit_code == 1
+    assert f"{amp_file}:2:1: TM406" in result.stdout
+    assert "fixable with --fix" in result.stdout
+    assert run_cli("lint", "--exit-zero", amp_file).exit_code == 0
+    fixed = run_cli("lint", "--fix", amp_file)
+    assert fixed.exit_code == 0, fixed.output
+    assert amp_file.read_text() == AMP_EXPECTED.read_text()
+    assert run_cli("lint", amp_file).exit_code == 0
+
+
+def test_lint_json(amp_file, run_cli):
+    result = run_cli("lint", "--format", "json", amp_file)
+    data = json.loads(result.stdout)
+    assert {d["code"] for d in data} == {"TM406"}
+    assert all(d["line"] >= 1 and d["column"] >= 1 for d in data)
+
+
+def test_select_and_ignore(amp_file, run_cli):
+    assert run_cli("lint", "--ignore", "TM4", amp_file).exit_code == 0
+    assert run_cli("lint", "--select", "TM406", amp_file).exit_code == 1
+    assert run_cli("lint", "--select", "TM2", amp_file).exit_code == 0
+
+
+def test_rules_and_explain(run_cli):
+    listing = run_cli("rules")
+    assert listing.exit_code == 0 and "TM406" in listing.stdout
+    data = json.loads(run_cli("rules", "--format", "json").stdout)
+    assert any(r["code"] == "TM406" for r in data)
+    explained = run_cli("explain", "TM406")
+    assert explained.exit_code == 0
+    assert "torch.cuda.amp" in explained.stdout and '+scaler = GradScaler("cuda", enabled=use_amp)' in explained.stdout
+    assert run_cli("explain", "torch-cuda-amp").exit_code == 0
+    assert run_cli("explain", "TM999").exit_code == 2
+
+
+def test_report_file_text_and_json(amp_file, tmp_path, run_cli):
+    report = tmp_path / "report.json"
+    run_cli("ddp", "--dry-run", "--report", report, amp_file)
+    data = json.loads(report.read_text())
+    assert data["changes"]["TM406"] >= 3 and data["files_changed"] == [str(amp_file)]
+    text = tmp_path / "report.txt"
+    run_cli("ddp", "--dry-run", "--report", text, amp_file)
+    assert "TM406" in text.read_text() and "would be changed" in text.read_text()
+
+
+# --- bad input -----------------------------------------------------------------------------
+
+BAD = {
+    "py2.py": b"import torch\nprint 'hello'\n",
+    "async_kw.py": b"import torch\nx = torch.zeros(1)\nx.cuda(async=True)\n",
+    "undecodable.py": b"import torch\nname = '\xff\xfe\xfa'\n",
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD))
+def test_bad_input_exit_2_file_untouched_others_processed(tmp_path, run_cli, name):
+    bad = tmp_path / name
+    bad.write_bytes(BAD[name])
+    good = tmp_path / "good.py"
+    good.write_bytes(AMP_SCRIPT.read_bytes())
+    result = run_cli("ddp", bad, good)
+    assert result.exit_code == 2
+    assert bad.read_bytes() == BAD[name]
+    assert good.read_text() == AMP_EXPECTED.read_text()  # the other file is still migrated
+    line = next(l for l in result.stderr.splitlines() if l.startswith(str(bad)))
+    path, lineno, col, message = line.split(":", 3)
+    assert int(lineno) >= 1 and int(col) >= 1 and message.strip()
+    assert list(tmp_path.glob(".*.tmp")) == []
+
+
+def test_syntax_error_position(tmp_path, run_cli):
+    bad = tmp_path / "py2.py"
+    bad.write_bytes(BAD["py2.py"])
+    result = run_cli("lint", bad)
+    assert result.exit_code == 2
+    assert f"{bad}:2:" in result.stderr and "syntax error" in result.stderr
+
+
+def test_missing_path_and_empty_directory(tmp_path, run_cli):
+    result = run_cli("lint", tmp_path / "nope.py")
+    assert result.exit_code == 2 and "no such file" in result.stderr
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "notes.txt").write_text("hi")
+    result = run_cli("ddp", empty)
+    assert result.exit_code == 2 and "no Python files" in result.stderr
+
+
+def test_dry_run_and_check_never_write_even_with_errors(tmp_path, run_cli):
+    good = tmp_path / "good.py"
+    good.write_bytes(AMP_SCRIPT.read_bytes())
+    bad = tmp_path / "bad.py"
+    bad.write_bytes(BAD["py2.py"])
+    for flag in ("--dry-run", "--check"):
+        assert run_cli("ddp", flag, good, bad).exit_code == 2
+        assert good.read_bytes() == AMP_SCRIPT.read_bytes()
+
+
+def test_directory_discovery_skips_venv_git_build(tmp_path, run_cli):
+    for folder in (".git", "venv", "build", "__pycache__", "pkg"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "train.py").write_bytes(AMP_SCRIPT.read_bytes())
+    (tmp_path / "venv" / "pyvenv.cfg").write_text("home = /usr\n")
+    result = run_cli("lint", "--format", "json", tmp_path)
+    paths = {Path(d["path"]).parent.name for d in json.loads(result.stdout)}
+    assert paths == {"pkg"}
+
+
+def test_config_select_ignore_exclude(tmp_path, run_cli, monkeypatch):
+    (tmp_path / "pyproject.toml").write_text('[tool.torchmigrate]\nignore = ["TM406"]\nexclude = ["legacy"]\n')
+    (tmp_path / "legacy").mkdir()
+    (tmp_path / "legacy" / "old.py").write_bytes(AMP_SCRIPT.read_bytes())
+    (tmp_path / "train.py").write_bytes(AMP_SCRIPT.read_bytes())
+    monkeypatch.chdir(tmp_path)
+    assert run_cli("lint", ".").exit_code == 0
+    (tmp_path / "pyproject.toml").write_text('[tool.torchmigrate]\nselect = ["TM4"]\nexclude = ["legacy"]\n')
+    result = run_cli("lint", "--format", "json", ".")
+    assert {Path(d["path"]).name for d in json.loads(result.stdout)} == {"train.py"}
+    (tmp_path / "pyproject.toml").write_text('[tool.torchmigrate]\nbogus = 1\n')
+    assert run_cli("lint", ".").exit_code == 2
+
+
+def test_suppressions(tmp_path, run_cli):
+    path = tmp_path / "t.py"
+    path.write_text("from torch.cuda.amp import autocast  # torchmigrate: ignore[TM406]\n")
+    assert run_cli("lint", path).exit_code == 0
+    path.write_text("# torchmigrate: skip-file\nfrom torch.cuda.amp import autocast\n")
+    assert run_cli("lint", path).exit_code == 0
+    assert run_cli("ddp", path).exit_code == 0
+    assert "torch.cuda.amp" in path.read_text()

@@ -1,0 +1,229 @@
+"""Multi-process tests of torchmigrate.runtime: real torchrun / SLURM-style launches on this machine
+(gloo on CPU; the nccl variant runs only where two GPUs are visible).
+
+Each launch runs a probe from tests/runtime_probe/ that writes one JSON file per rank; the tests
+compare the ranks' observations."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+PROBES = Path(__file__).parent / "runtime_probe"
+TIMEOUT = 120
+TWO_GPUS = torch.cuda.is_available() and torch.cuda.device_count() >= 2
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def clean_env(**extra) -> dict:
+    """This environment without launcher variables, single-threaded, unbuffered."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SLURM_", "TORCHELASTIC_", "TORCHMIGRATE_"))
+           and k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                         "MASTER_ADDR", "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.update(extra)
+    return env
+
+
+def run(cmd, env, cwd=None) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=TIMEOUT)
+    assert proc.returncode == 0, f"{cmd} failed:\n{proc.stdout}\n{proc.stderr}"
+    return proc
+
+
+def run_all(cmds, envs) -> list[str]:
+    """Start several processes at once (they rendezvous with each other); wait for all."""
+    procs = [subprocess.Popen(c, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for c, e in zip(cmds, envs)]
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=TIMEOUT)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, f"{p.args} failed:\n{out}"
+    return outs
+
+
+def read_ranks(outdir: Path, world: int) -> list[dict]:
+    return [json.loads((outdir / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def torchrun(*args) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", *args]
+
+
+# ------------------------------------------------------------------ one node, two processes
+
+@pytest.fixture(scope="module", params=[
+    "gloo", pytest.param("nccl", marks=pytest.mark.skipif(not TWO_GPUS, reason="needs 2 GPUs"))])
+def collectives(request, tmp_path_factory):
+    """Run tests/runtime_probe/collectives.py under torchrun with 2 processes, once per backend."""
+    outdir = tmp_path_factory.mktemp(f"collectives_{request.param}")
+    extra = {"CUDA_VISIBLE_DEVICES": ""} if request.param == "gloo" else {}
+    proc = run(torchrun("--standalone", "--nproc-per-node=2",
+                        str(PROBES / "collectives.py"), str(outdir)), clean_env(**extra))
+    return {"backend": request.param, "outdir": outdir, "stdout": proc.stdout,
+            "r": read_ranks(outdir, 2)}
+
+
+def test_setup_context(collectives):
+    r0, r1 = collectives["r"]
+    assert [r["ctx"]["rank"] for r in (r0, r1)] == [0, 1]
+    assert [r["ctx"]["local_rank"] for r in (r0, r1)] == [0, 1]
+    assert [r["ctx"]["is_main"] for r in (r0, r1)] == [True, False]
+    for r in (r0, r1):
+        assert r["ctx"]["world_size"] == r["pg_world"] == 2 and r["is_distributed"]
+        assert r["backend"] == collectives["backend"]
+        assert r["same_ctx"]
+    if collectives["backend"] == "nccl":
+        assert [r["ctx"]["device"] for r in (r0, r1)] == ["cuda:0", "cuda:1"]
+    else:
+        assert r0["ctx"]["device"] == r1["ctx"]["device"] == "cpu"
+    # cleanup() destroyed the process group (and a second cleanup() did not fail)
+    for rank in (0, 1):
+        assert (collectives["outdir"] / f"rank{rank}.done").read_text() == "False"
+
+
+def test_all_reduce_numbers_and_tensors(collectives):
+    dev = "cuda" if collectives["backend"] == "nccl" else "cpu"
+    for r in collectives["r"]:
+        assert r["sum_int"] == {"value": 3, "type": "int"}
+        assert r["sum_big_int"] == {"value": 2 * 2 ** 60 + 1, "type": "int"}  # exact, not float
+        i, f, t, it, bt = r["sum_mixed"]
+        assert i == {"value": 3, "type": "int"}
+        assert f == {"value": 1.5, "type": "float"}
+        assert t == {"value": [1.0, 20.0], "type": "tensor", "dtype": "torch.float32",
+                     "device": dev}
+        assert it["value"] == [3, 4] and it["dtype"] == "torch.int64" and it["device"] == "cpu"
+        assert bt["value"] == [2, 1] and bt["dtype"] == "torch.int64"  # bool sum counts
+        mi, mf, mt, mit = r["mean"]
+        assert mi == {"value": 1.5, "type": "float"} and mf == {"value": 1.0, "type": "float"}
+        assert mt["value"] == [1.0, 4.0] and mt["device"] == dev
+        assert mit["value"] == [0.5, 3.0] and mit["dtype"] == "torch.float32"
+        assert [v["value"] for v in r["max"]] == [1, 0.0, [1, 0]]
+        assert [v["type"] for v in r["max"]] == ["int", "float", "tensor"]
+        assert [v["value"] for v in r["min"]] == [0, -1.0, [0, -1]]
+        assert r["bf16"]["value"] == [3.0, 1.0] and r["bf16"]["dtype"] == "torch.bfloat16"
+        assert r["input_untouched"]
+
+
+def test_train_sampler_partitions_and_reshuffles(collectives):
+    r0, r1 = collectives["r"]
+    assert r0["train_sampler_type"] == "DistributedSampler"
+    for epoch in range(2):
+        a, b = r0["train_epochs"][epoch], r1["train_epochs"][epoch]
+        assert len(a) == len(b) == 5
+        assert not set(a) & set(b)
+        assert sorted(a + b) == list(range(10))
+    assert r0["train_epochs"][0] != r0["train_epochs"][1]
+
+
+def test_eval_sampler_covers_odd_dataset_once(collectives):
+    r0, r1 = collectives["r"]
+    assert r0["eval_indices"] == [0, 2, 4, 6] and r1["eval_indices"] == [1, 3, 5]
+    assert sorted(r0["eval_indices"] + r1["eval_indices"]) == list(range(7))
+
+
+def test_gather_for_metrics_restores_dataset_order(collectives):
+    dev = "cuda" if collectives["backend"] == "nccl" else "cpu"
+    for r in collectives["r"]:
+        assert r["gathered"] == [10.0 * i + 1 for i in range(7)]
+        assert r["gathered_device"] == dev
+        assert r["gathered_feats"] == [[i, -i] for i in range(7)]
+        assert r["gathered_dict"] == [[10.0 * i + 1 for i in range(5)], [[i, -i] for i in range(5)]]
+        # DistributedSampler(shuffle=False) padded each rank to 4; total_len drops the padding
+        assert r["padded_len"] == 4
+        assert r["gathered_padded"] == [10.0 * i for i in range(7)]
+
+
+def test_save_only_rank0_writes(collectives):
+    outdir = collectives["outdir"]
+    assert sorted(os.listdir(outdir / "ckpt")) == ["model.pt"]  # one file, no temp leftovers
+    assert torch.load(outdir / "ckpt" / "model.pt")["rank"] == 0
+    assert [r["loaded_rank"] for r in collectives["r"]] == [0, 0]
+    # main_only: the real object on rank 0, the null object (no file) elsewhere
+    assert [r["main_only"] for r in collectives["r"]] == ["Writer", "_Null"]
+    assert (outdir / "writer0.txt").exists() and not (outdir / "writer1.txt").exists()
+
+
+def test_ddp_keeps_ranks_identical(collectives):
+    r0, r1 = collectives["r"]
+    assert r0["is_ddp"] and r1["is_ddp"]
+    assert r0["wrap_twice_same"] and r0["unwrap_is_plain"] and not r0["frozen_wrapped"]
+    assert r0["params_init"] != r1["params_init"]  # seeded per rank before wrapping
+    assert r0["params_before"] == r1["params_before"]  # DDP broadcast rank 0's weights
+    assert r0["params_after"] != r0["params_before"]  # training happened
+    assert r0["params_after"] == r1["params_after"]  # on different data, yet identical
+    assert r0["reload_ok"] and r1["reload_ok"]
+
+
+def test_no_sync_skips_gradient_allreduce(collectives):
+    r0, r1 = collectives["r"]
+    assert r0["grads_nosync"] != r1["grads_nosync"]  # local gradients only
+    assert r0["grads_synced"] == r1["grads_synced"]  # the synced backward reduced the sum
+
+
+def test_print_and_logging_once(collectives):
+    lines = collectives["stdout"].splitlines()
+    assert [ln for ln in lines if "PRINT-MARKER" in ln] == ["PRINT-MARKER from rank 0"]
+    assert [ln for ln in lines if "INFO-MARKER" in ln] == ["INFO-MARKER from rank 0"]
+    warns = sorted(ln for ln in lines if "WARN-MARKER" in ln)
+    assert warns == ["WARN-MARKER from rank 0", "WARN-MARKER from rank 1"]
+
+
+# ------------------------------------------------------------------ other launchers
+
+def check_training(ranks, world):
+    assert [r["rank"] for r in ranks] == list(range(world))
+    assert all(r["world_size"] == world and r["pg"] == world for r in ranks)
+    assert ranks[0]["params_init"] != ranks[1]["params_init"]
+    assert ranks[0]["params"] != ranks[0]["params_init"]
+    for r in ranks[1:]:
+        assert r["params"] == ranks[0]["params"]
+        assert r["loss_sum"] == pytest.approx(ranks[0]["loss_sum"])
+    assert [r["count"] for r in ranks] == [world * (world + 1) // 2] * world
+
+
+def test_two_nodes_on_localhost(tmp_path):
+    """Two torchrun agents (--nnodes=2), one process each, rendezvous on 127.0.0.1."""
+    port = free_port()
+    cmds = [torchrun("--nnodes=2", f"--node-rank={node}", "--nproc-per-node=1",
+                     "--rdzv-backend=static", "--master-addr=127.0.0.1", f"--master-port={port}",
+                     str(PROBES / "train.py"), str(tmp_path)) for node in (0, 1)]
+    env = clean_env(CUDA_VISIBLE_DEVICES="")
+    run_all(cmds, [env, env])
+    ranks = read_ranks(tmp_path, 2)
+    check_training(ranks, 2)
+    assert [r["local_rank"] for r in ranks] == [0, 0]
+
+
+def test_slurm_two_tasks_without_torchrun(tmp_path):
+    """Two plain `python` processes with only SLURM variables (what `srun -n 2` gives)."""
+    port = free_port()
+    envs = [clean_env(CUDA_VISIBLE_DEVICES="", SLURM_PROCID=str(r), SLURM_LOCALID=str(r),
+                      SLURM_NTASKS="2", SLURM_JOB_ID="4242", MASTER_PORT=str(port))
+            for r in (0, 1)]
+    run_all([[sys.executable, str(PROBES / "train.py"), str(tmp_path)]] * 2, envs)
+    ranks = read_ranks(tmp_path, 2)
+    check_training(ranks, 2)
+    for r in ranks:  # setup() exported the torchrun names
+        assert r["env"] == {"RANK": str(r["rank"]), "LOCAL_RANK": str(r["rank"]),
+                            "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                            "MASTER_PORT": str(port)}
