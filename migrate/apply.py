@@ -39,21 +39,30 @@ def apply_edits(
             by_target[anchor].insert(0, Edit(EditKind.INSERT_AFTER, anchor, statements=tuple(stmts)))
     if not by_target:
         return module
-    dirty: Set[cst.CSTNode] = set()
-    for target in by_target:
+    wraps: Dict[cst.CSTNode, List[Edit]] = defaultdict(list)  # parent -> wraps of its children
+    for edit in edits:
+        if edit.kind is EditKind.WRAP:
+            wraps[parents[edit.target]].append(edit)
+            by_target[edit.target].remove(edit)
+            if edit.end is not None:
+                by_target.setdefault(edit.end, [])
+    dirty: Set[cst.CSTNode] = set(wraps)
+    for target in list(by_target) + list(wraps):
         node = parents.get(target)
         while node is not None and node not in dirty:
             dirty.add(node)
             node = parents.get(node)
-    result = _Rebuilder(by_target, dirty).node(module)
+    result = _Rebuilder(by_target, dirty, wraps).node(module)
     assert isinstance(result, cst.Module)
     return result
 
 
 class _Rebuilder:
-    def __init__(self, edits: Dict[cst.CSTNode, List[Edit]], dirty: Set[cst.CSTNode]) -> None:
+    def __init__(self, edits: Dict[cst.CSTNode, List[Edit]], dirty: Set[cst.CSTNode],
+                 wraps: Dict[cst.CSTNode, List[Edit]]) -> None:
         self.edits = edits
         self.dirty = dirty
+        self.wraps = wraps
 
     def touched(self, node: object) -> bool:
         return isinstance(node, cst.CSTNode) and (node in self.dirty or node in self.edits)
@@ -98,15 +107,20 @@ class _Rebuilder:
         return updated
 
     def sequence(self, parent: cst.CSTNode, name: str, values):
-        out = []
+        # entries: (originals covered, rewritten nodes); wraps merge runs of entries.
+        entries = []
         for child in values:
             new = self.node(child) if self.touched(child) else child
             if isinstance(new, cst.RemovalSentinel):
-                continue
-            if isinstance(new, cst.FlattenSentinel):
-                out.extend(new.nodes)
+                nodes = []
+            elif isinstance(new, cst.FlattenSentinel):
+                nodes = list(new.nodes)
             else:
-                out.append(new)
+                nodes = [new]
+            entries.append(({child}, nodes))
+        if parent in self.wraps and name == "body":
+            entries = _apply_wraps(entries, self.wraps[parent], values)
+        out = [n for _, nodes in entries for n in nodes]
         if values and out and hasattr(values[-1], "comma") and values[-1].comma is cst.MaybeSentinel.DEFAULT:
             if out[-1].comma is not cst.MaybeSentinel.DEFAULT:
                 out[-1] = out[-1].with_changes(comma=cst.MaybeSentinel.DEFAULT)
@@ -118,6 +132,32 @@ class _Rebuilder:
             if isinstance(parent, cst.SimpleStatementSuite):
                 return [cst.Pass()]
         return type(values)(out) if isinstance(values, tuple) else out
+
+
+def _apply_wraps(entries, wraps: List[Edit], values):
+    """Merge each wrapped run of entries into one statement, shortest runs first."""
+    index = {child: i for i, child in enumerate(values)}
+    ordered = sorted(
+        (w for w in wraps if w.target in index and (w.end or w.target) in index),
+        key=lambda w: index[w.end or w.target] - index[w.target],
+    )
+    for w in ordered:
+        first = next(i for i, (orig, _) in enumerate(entries) if w.target in orig)
+        last = next(i for i, (orig, _) in enumerate(entries) if (w.end or w.target) in orig)
+        if last < first:
+            continue
+        covered = set().union(*(orig for orig, _ in entries[first:last + 1]))
+        body = [n for _, nodes in entries[first:last + 1] for n in nodes]
+        if not body:
+            continue
+        lead = getattr(body[0], "leading_lines", ())
+        if lead:
+            body[0] = body[0].with_changes(leading_lines=[])
+        wrapped = w.fn(body)
+        if lead and hasattr(wrapped, "leading_lines"):
+            wrapped = wrapped.with_changes(leading_lines=[*lead, *wrapped.leading_lines])
+        entries[first:last + 1] = [(covered, [wrapped])]
+    return entries
 
 
 def add_todo(stmt: cst.CSTNode, text: str):

@@ -71,10 +71,12 @@ def accepted(finding: Finding, options: Options) -> bool:
 
 
 def run_rules(module: cst.Module, path: str, options: Options, rules: Sequence[RuleType]) -> Context:
+    from torchmigrate.analysis import Facts
+
     ctx = Context(module, path, options)
     visits: Dict[type, list] = {}
     leaves: Dict[type, list] = {}
-    for rule_cls in rules:
+    for rule_cls in (Facts, *rules):
         rule = rule_cls(ctx)
         v, l = rule_cls.callbacks()
         for node_type, attr in v:

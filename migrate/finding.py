@@ -26,6 +26,7 @@ class EditKind(str, enum.Enum):
     REPLACE = "replace"
     INSERT_BEFORE = "insert_before"
     INSERT_AFTER = "insert_after"
+    WRAP = "wrap"
     TODO = "todo"
 
 
@@ -39,13 +40,17 @@ class Edit:
     `REPLACE` edits carry a function that receives the node *after* its children were
     rewritten, so edits on nested nodes compose (an outer rewrite keeps inner fixes).
     Insertions carry statements to put before/after a statement of the original tree.
+    `WRAP` edits turn the run of sibling statements from `target` to `end` into one compound
+    statement built by `fn` from the rewritten statements (e.g. a `with autocast():` block);
+    nested or equal runs compose, innermost first.
     """
 
     kind: EditKind
     target: cst.CSTNode
-    fn: Optional[Callable[[cst.CSTNode], Replacement]] = None
+    fn: Optional[Callable] = None
     statements: Tuple[cst.BaseStatement, ...] = ()
     text: str = ""
+    end: Optional[cst.CSTNode] = None
 
 
 def replace(target: cst.CSTNode, fn: Callable[[cst.CSTNode], Replacement]) -> Edit:
@@ -58,6 +63,12 @@ def replace_with(target: cst.CSTNode, new: Replacement) -> Edit:
 
 def remove(target: cst.CSTNode) -> Edit:
     return Edit(EditKind.REPLACE, target, fn=lambda _node: cst.RemovalSentinel.REMOVE)
+
+
+def wrap(first: cst.CSTNode, last: cst.CSTNode,
+         fn: Callable[[Sequence[cst.BaseStatement]], cst.BaseStatement]) -> Edit:
+    """Wrap sibling statements `first`..`last` (inclusive) into `fn(rewritten statements)`."""
+    return Edit(EditKind.WRAP, first, fn=fn, end=last)
 
 
 def insert_before(target: cst.CSTNode, statements: Sequence[cst.BaseStatement]) -> Edit:

@@ -103,3 +103,10 @@ def method_call(node: cst.CSTNode, *names: str) -> bool:
     """`<anything>.name(...)` for one of `names`."""
     return (isinstance(node, cst.Call) and isinstance(node.func, cst.Attribute)
             and node.func.attr.value in names)
+
+
+def with_block(items: str, body: Sequence[cst.BaseStatement]) -> cst.With:
+    """`with <items>:` around statements (indentation is relative, so any depth works)."""
+    header = cst.parse_statement(f"with {items}:\n    pass\n")
+    assert isinstance(header, cst.With)
+    return header.with_changes(body=cst.IndentedBlock(body=list(body)))
