@@ -172,7 +172,7 @@ def setup(backend: str | None = None, timeout=None) -> Ctx:
         if isinstance(timeout, (int, float)):
             timeout = datetime.timedelta(seconds=timeout)
         dist.init_process_group(backend, timeout=timeout,
-                                device_id=dev if dev.type == "cuda" else None)
+                                device_id=dev if dev.type == "cuda" and "nccl" in backend else None)
         _OWN_PG = True
     _CTX = Ctx(rank(), env["LOCAL_RANK"], world_size(), dev, rank() == 0)
     if not _CTX.is_main and not _LOG_DISABLED:

@@ -37,8 +37,11 @@ def clean_env(**extra) -> dict:
     return env
 
 
-def run(cmd, env, cwd=None) -> subprocess.CompletedProcess:
-    proc = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=TIMEOUT)
+def run(cmd, env) -> subprocess.CompletedProcess:
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    except subprocess.TimeoutExpired as e:
+        raise AssertionError(f"{cmd} timed out:\n{e.stdout}\n{e.stderr}") from None
     assert proc.returncode == 0, f"{cmd} failed:\n{proc.stdout}\n{proc.stderr}"
     return proc
 
@@ -47,18 +50,35 @@ def run_all(cmds, envs) -> list[str]:
     """Start several processes at once (they rendezvous with each other); wait for all."""
     procs = [subprocess.Popen(c, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for c, e in zip(cmds, envs)]
-    outs = []
-    try:
-        for p in procs:
+    outs, timed_out = [], False
+    for p in procs:
+        try:
             outs.append(p.communicate(timeout=TIMEOUT)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
-    for p, out in zip(procs, outs):
-        assert p.returncode == 0, f"{p.args} failed:\n{out}"
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            for q in procs:
+                if q.poll() is None:
+                    q.kill()
+            outs.append(p.communicate()[0])
+    report = "\n".join(f"--- {p.args} rc={p.returncode}\n{out}" for p, out in zip(procs, outs))
+    if timed_out or any(p.returncode for p in procs):
+        raise LaunchError(report)
     return outs
+
+
+class LaunchError(AssertionError):
+    pass
+
+
+def run_with_free_port(launch):
+    """``launch(port)`` with a free port; one retry with another port if someone else grabbed it
+    between our probe and the rendezvous (other test suites share this machine)."""
+    try:
+        return launch(free_port())
+    except LaunchError as e:
+        if "address already in use" not in str(e).lower() and "EADDRINUSE" not in str(e):
+            raise
+        return launch(free_port())
 
 
 def read_ranks(outdir: Path, world: int) -> list[dict]:
@@ -203,12 +223,11 @@ def check_training(ranks, world):
 
 def test_two_nodes_on_localhost(tmp_path):
     """Two torchrun agents (--nnodes=2), one process each, rendezvous on 127.0.0.1."""
-    port = free_port()
-    cmds = [torchrun("--nnodes=2", f"--node-rank={node}", "--nproc-per-node=1",
-                     "--rdzv-backend=static", "--master-addr=127.0.0.1", f"--master-port={port}",
-                     str(PROBES / "train.py"), str(tmp_path)) for node in (0, 1)]
     env = clean_env(CUDA_VISIBLE_DEVICES="")
-    run_all(cmds, [env, env])
+    run_with_free_port(lambda port: run_all(
+        [torchrun("--nnodes=2", f"--node-rank={node}", "--nproc-per-node=1",
+                  "--rdzv-backend=static", "--master-addr=127.0.0.1", f"--master-port={port}",
+                  str(PROBES / "train.py"), str(tmp_path)) for node in (0, 1)], [env, env]))
     ranks = read_ranks(tmp_path, 2)
     check_training(ranks, 2)
     assert [r["local_rank"] for r in ranks] == [0, 0]
@@ -216,11 +235,14 @@ def test_two_nodes_on_localhost(tmp_path):
 
 def test_slurm_two_tasks_without_torchrun(tmp_path):
     """Two plain `python` processes with only SLURM variables (what `srun -n 2` gives)."""
-    port = free_port()
-    envs = [clean_env(CUDA_VISIBLE_DEVICES="", SLURM_PROCID=str(r), SLURM_LOCALID=str(r),
-                      SLURM_NTASKS="2", SLURM_JOB_ID="4242", MASTER_PORT=str(port))
-            for r in (0, 1)]
-    run_all([[sys.executable, str(PROBES / "train.py"), str(tmp_path)]] * 2, envs)
+    def launch(port):
+        envs = [clean_env(CUDA_VISIBLE_DEVICES="", SLURM_PROCID=str(r), SLURM_LOCALID=str(r),
+                          SLURM_NTASKS="2", SLURM_JOB_ID="4242", MASTER_PORT=str(port))
+                for r in (0, 1)]
+        run_all([[sys.executable, str(PROBES / "train.py"), str(tmp_path)]] * 2, envs)
+        return port
+
+    port = run_with_free_port(launch)
     ranks = read_ranks(tmp_path, 2)
     check_training(ranks, 2)
     for r in ranks:  # setup() exported the torchrun names

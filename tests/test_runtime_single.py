@@ -1,0 +1,523 @@
+"""torchmigrate.runtime in one process without a launcher (plus environment-only checks of what
+other ranks would do). Multi-process behaviour lives in test_runtime_dist.py."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import io
+import logging
+import os
+import pickle
+import random
+import shutil
+import subprocess
+import sys
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import (BatchSampler, DataLoader, DistributedSampler, RandomSampler,
+                              SequentialSampler)
+
+import torchmigrate.runtime as tm
+
+CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+cpu_only = pytest.mark.skipif(CUDA, reason="checks the CPU policy")
+LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+               "MASTER_PORT", "TORCHMIGRATE_AMP", "TORCHMIGRATE_BACKEND")
+
+
+@pytest.fixture(autouse=True)
+def single_process(monkeypatch):
+    """No torchrun or SLURM variables; module state reset around every test."""
+    for k in list(os.environ):
+        if k in LAUNCH_VARS or k.startswith("SLURM_"):
+            monkeypatch.delenv(k)
+    tm.cleanup()
+    yield
+    tm.cleanup()
+    logging.disable(logging.NOTSET)
+
+
+@pytest.fixture
+def other_rank(monkeypatch):
+    """The environment rank 1 of 2 sees under torchrun (no process group is created)."""
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+
+
+def small_model():
+    return nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+
+
+# ------------------------------------------------------------------ import, setup, queries
+
+def test_module_is_vendorable_and_import_initialises_nothing(tmp_path):
+    shutil.copy(Path(tm.__file__), tmp_path / "torchmigrate_runtime.py")
+    code = ("import sys, torch, torchmigrate_runtime as tm; "
+            "print(torch.cuda.is_initialized(), torch.distributed.is_initialized(), "
+            "'torchmigrate' in sys.modules, 'torch._dynamo' in sys.modules, tm.world_size())")
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS and "SLURM" not in k}
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, timeout=120,
+                         capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["False", "False", "False", "False", "1"]
+
+
+def test_public_api_is_documented():
+    assert len(tm.__doc__) > 500 and "SLURM_PROCID" in tm.__doc__
+    for name in tm.__all__:
+        assert getattr(tm, name).__doc__, name
+
+
+def test_setup_one_process():
+    ctx = tm.setup()
+    assert ctx == tm.Ctx(rank=0, local_rank=0, world_size=1,
+                         device=torch.device("cuda", 0) if CUDA else torch.device("cpu"),
+                         is_main=True)
+    assert tm.setup(backend="gloo", timeout=5) is ctx  # second call: same object, no re-init
+    assert not dist.is_initialized()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ctx.rank = 3
+    tm.cleanup()
+    tm.cleanup()  # harmless twice
+    assert tm.setup() is not ctx and tm.setup() == ctx  # a fresh setup after cleanup
+
+
+def test_queries_before_setup():
+    assert (tm.rank(), tm.local_rank(), tm.world_size()) == (0, 0, 1)
+    assert tm.is_main() and not tm.is_distributed()
+    assert tm.device() == (torch.device("cuda", 0) if CUDA else torch.device("cpu"))
+
+
+def test_queries_read_torchrun_env_without_setup(other_rank, monkeypatch):
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert (tm.rank(), tm.local_rank(), tm.world_size()) == (3, 1, 4)
+    assert not tm.is_main() and tm.is_distributed()
+    if not CUDA:
+        assert tm.device() == torch.device("cpu")
+
+
+def test_torchrun_world_size_one_creates_no_group(monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    ctx = tm.setup()
+    assert (ctx.rank, ctx.world_size, ctx.is_main) == (0, 1, True)
+    assert not dist.is_initialized()
+
+
+def test_communicating_helpers_demand_setup(other_rank):
+    with pytest.raises(RuntimeError, match="setup"):
+        tm.all_reduce(1)
+    with pytest.raises(RuntimeError, match="setup"):
+        tm.wrap_model(nn.Linear(2, 2))
+    with pytest.raises(RuntimeError, match="setup"):
+        tm.barrier()
+
+
+# ------------------------------------------------------------------ SLURM
+
+def test_slurm_single_task(monkeypatch):
+    for k, v in {"SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NTASKS": "1",
+                 "SLURM_JOB_ID": "123456", "SLURM_JOB_NODELIST": "node[01-04],other"}.items():
+        monkeypatch.setenv(k, v)
+    ctx = tm.setup()
+    assert (ctx.rank, ctx.local_rank, ctx.world_size, ctx.is_main) == (0, 0, 1, True)
+    assert not dist.is_initialized()
+    exported = {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE",
+                                              "MASTER_ADDR", "MASTER_PORT")}
+    assert exported == {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
+                        "MASTER_ADDR": "node01", "MASTER_PORT": str(15000 + 123456 % 20000)}
+
+
+def test_slurm_env_read_before_setup(monkeypatch):
+    for k, v in {"SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_NTASKS": "8"}.items():
+        monkeypatch.setenv(k, v)
+    assert (tm.rank(), tm.local_rank(), tm.world_size()) == (5, 1, 8)
+    monkeypatch.setenv("RANK", "1")  # torchrun's variables win over SLURM's
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert (tm.rank(), tm.local_rank(), tm.world_size()) == (1, 0, 2)
+
+
+@pytest.mark.parametrize("env, addr, port", [
+    ({}, "127.0.0.1", "29500"),
+    ({"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "gpu7"}, "gpu7", "15007"),
+    ({"SLURM_JOB_ID": "7", "MASTER_ADDR": "10.0.0.2", "MASTER_PORT": "1234",
+      "SLURM_JOB_NODELIST": "gpu7"}, "10.0.0.2", "1234"),
+])
+def test_slurm_master_address(monkeypatch, env, addr, port):
+    for k, v in {"SLURM_PROCID": "0", "SLURM_NTASKS": "1", **env}.items():
+        monkeypatch.setenv(k, v)
+    tm.setup()
+    assert (os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]) == (addr, port)
+    assert os.environ["LOCAL_RANK"] == "0"  # SLURM_LOCALID absent: 0
+
+
+@pytest.mark.parametrize("nodelist, first", [
+    ("node[01-04],other", "node01"), ("gpu7", "gpu7"), ("a[3,5-6]-ib,b", "a3-ib"),
+    ("r[2-3]-n[08-09]", "r2-n08"), ("x1,x2", "x1"), ("", ""),
+])
+def test_first_host_of_nodelist(nodelist, first):
+    assert tm._first_host(nodelist) == first
+
+
+# ------------------------------------------------------------------ models
+
+def test_wrap_model_one_process_moves_without_wrapping():
+    model = small_model()
+    wrapped = tm.wrap_model(model, find_unused_parameters=True, sync_bn=True)
+    assert wrapped is model.to(tm.device())
+    assert isinstance(wrapped[1], nn.BatchNorm1d)  # no SyncBatchNorm without a process group
+    assert next(wrapped.parameters()).device.type == tm.device().type
+    frozen = nn.Linear(2, 2).requires_grad_(False)
+    assert tm.wrap_model(frozen) is frozen
+
+
+def test_unwrap_nested_wrappers():
+    inner = small_model()
+    compiled = torch.compile(inner, backend="eager")  # OptimizedModule; never run here
+    assert isinstance(compiled, torch._dynamo.eval_frame.OptimizedModule)
+    assert tm.unwrap(nn.DataParallel(compiled)) is inner
+    assert tm.unwrap(torch.compile(nn.DataParallel(inner), backend="eager")) is inner
+    assert tm.unwrap(nn.DataParallel(nn.DataParallel(inner))) is inner
+    assert tm.unwrap(inner) is inner
+
+    class CompileLike(nn.Module):  # anything exposing its module as _orig_mod
+        def __init__(self, mod):
+            super().__init__()
+            self._orig_mod = mod
+
+    assert tm.unwrap(CompileLike(nn.DataParallel(inner))) is inner
+    for obj in (None, "model", 3):
+        assert tm.unwrap(obj) is obj
+
+
+def test_strip_prefix():
+    w, b = torch.ones(1), torch.zeros(1)
+    sd = OrderedDict([("module._orig_mod.fc.weight", w), ("module.fc.bias", b),
+                      ("_orig_mod.module.head", b), ("modules.x", w)])
+    out = tm.strip_prefix(sd)
+    assert isinstance(out, OrderedDict) and out is not sd
+    assert list(out) == ["fc.weight", "fc.bias", "head", "modules.x"]
+    assert out["fc.weight"] is w
+    assert list(sd)[0] == "module._orig_mod.fc.weight"  # input untouched
+    plain = tm.strip_prefix({"model.a": 1, "b": 2}, prefixes=("model.",))
+    assert plain == {"a": 1, "b": 2} and type(plain) is dict
+
+
+def test_strip_prefix_keeps_metadata_for_batchnorm_versions():
+    sd = nn.DataParallel(small_model()).state_dict()
+    assert "module.1" in sd._metadata
+    out = tm.strip_prefix(sd)
+    assert "1" in out._metadata and out._metadata["1"] == sd._metadata["module.1"]
+    assert not any(k.startswith("module") for k in out._metadata)
+
+
+def test_load_state_dict_across_wrappers():
+    torch.manual_seed(0)
+    src = small_model()
+    wrapped_sd = nn.DataParallel(torch.compile(src, backend="eager")).state_dict()
+    assert next(iter(wrapped_sd)).startswith("module._orig_mod.")
+    dst = small_model()
+    result = tm.load_state_dict(nn.DataParallel(dst), wrapped_sd)
+    assert result.missing_keys == [] and result.unexpected_keys == []
+    for (k, a), b in zip(src.state_dict().items(), dst.state_dict().values()):
+        assert torch.equal(a, b), k
+    bad = OrderedDict(wrapped_sd)
+    bad["module.extra"] = torch.zeros(1)
+    with pytest.raises(RuntimeError, match="extra"):
+        tm.load_state_dict(dst, bad)
+    assert tm.load_state_dict(dst, bad, strict=False).unexpected_keys == ["extra"]
+
+
+# ------------------------------------------------------------------ checkpoints
+
+def test_save_is_atomic_and_loadable(tmp_path):
+    path = tmp_path / "ckpt.pt"
+    tm.save({"step": 1, "w": torch.arange(3)}, path)  # PathLike
+    tm.save({"step": 2, "w": torch.arange(3)}, str(path))  # str, overwrites
+    assert os.listdir(tmp_path) == ["ckpt.pt"]
+    loaded = tm.load(path)
+    assert loaded["step"] == 2 and torch.equal(loaded["w"], torch.arange(3))
+    with pytest.raises((pickle.PicklingError, AttributeError, TypeError)):
+        tm.save({"fn": lambda: None}, path)  # fails mid-write ...
+    assert os.listdir(tmp_path) == ["ckpt.pt"]  # ... no temp file left
+    assert tm.load(path)["step"] == 2  # ... previous checkpoint intact
+
+
+def test_save_to_file_object():
+    buf = io.BytesIO()
+    tm.save({"a": torch.ones(2)}, buf)
+    buf.seek(0)
+    assert torch.equal(tm.load(buf)["a"], torch.ones(2))
+
+
+def test_save_on_other_rank_writes_nothing(other_rank, tmp_path):
+    tm.save({"a": 1}, tmp_path / "x.pt")
+    buf = io.BytesIO()
+    tm.save({"a": 1}, buf)
+    assert os.listdir(tmp_path) == [] and buf.getvalue() == b""
+
+
+def test_load_maps_to_cpu_and_respects_weights_only(tmp_path):
+    path = tmp_path / "t.pt"
+    tm.save({"t": torch.ones(2, device=tm.device())}, path)
+    assert tm.load(path)["t"].device.type == "cpu"
+    assert tm.load(path, map_location=tm.device())["t"].device.type == tm.device().type
+    tm.save({"args": argparse.Namespace(lr=0.1)}, path)
+    with pytest.raises(pickle.UnpicklingError):  # torch's default weights_only=True
+        tm.load(path)
+    assert tm.load(path, weights_only=False)["args"].lr == 0.1
+
+
+# ------------------------------------------------------------------ data
+
+def test_samplers_one_process():
+    ds = list(range(10))
+    assert isinstance(tm.sampler(ds), RandomSampler)
+    assert isinstance(tm.sampler(ds, shuffle=[0]), RandomSampler)  # any truthy expression
+    assert isinstance(tm.sampler(ds, shuffle=0), SequentialSampler)
+    assert list(tm.sampler(ds, shuffle=False)) == ds
+    es = tm.eval_sampler(ds)
+    assert isinstance(es, SequentialSampler) and list(es) == ds
+
+
+def test_samplers_for_other_rank_from_env(other_rank):
+    ds = list(range(7))
+    s = tm.sampler(ds, shuffle=True, seed=3, drop_last=True)
+    assert isinstance(s, DistributedSampler)
+    assert (s.rank, s.num_replicas, s.seed, s.drop_last, s.shuffle) == (1, 2, 3, True, True)
+    es = tm.eval_sampler(ds)
+    assert list(es) == [1, 3, 5] and len(es) == 3
+    es.set_epoch(4)  # no-op
+    assert list(es) == [1, 3, 5]
+
+
+class EpochSampler(SequentialSampler):
+    def __init__(self, data):
+        super().__init__(data)
+        self.epochs = []
+
+    def set_epoch(self, epoch):
+        self.epochs.append(epoch)
+
+
+def test_set_epoch_finds_the_sampler():
+    ds = list(range(4))
+    s = EpochSampler(ds)
+    tm.set_epoch(DataLoader(ds, sampler=s, batch_size=2), 1)
+    tm.set_epoch(DataLoader(ds, batch_sampler=BatchSampler(s, 2, False)), 2)
+    tm.set_epoch(s, 3)
+    assert s.epochs == [1, 2, 3]
+    tm.set_epoch(DataLoader(ds, shuffle=True), 4)  # RandomSampler: nothing to call
+    tm.set_epoch(object(), 5)
+
+
+def test_gather_for_metrics_one_process():
+    x = torch.arange(6.0)
+    assert tm.gather_for_metrics(x) is x
+    assert torch.equal(tm.gather_for_metrics(x, total_len=4), x[:4])
+    out = tm.gather_for_metrics({"p": x, "pair": (x, x[:2])}, total_len=3)
+    assert torch.equal(out["p"], x[:3]) and torch.equal(out["pair"][1], x[:2])
+    assert tm.gather_for_metrics(torch.tensor(2.0)).shape == (1,)
+    with pytest.raises(TypeError):
+        tm.gather_for_metrics([1, 2])
+
+
+# ------------------------------------------------------------------ collectives, one process
+
+def test_all_reduce_is_identity_with_types():
+    assert tm.all_reduce(3) == 3 and type(tm.all_reduce(3)) is int
+    assert tm.all_reduce(2.5, op="max") == 2.5
+    assert tm.all_reduce(3, op="mean") == 3.0 and type(tm.all_reduce(3, op="mean")) is float
+    t = torch.tensor([1.0, 2.0])
+    assert tm.all_reduce(t) is t
+    a, b, c = tm.all_reduce(1, 2.0, t, op="min")
+    assert (a, b, type(a)) == (1, 2.0, int) and c is t
+    mean = tm.all_reduce(torch.tensor([1, 2]), op="mean")
+    assert mean.dtype == torch.float32 and mean.tolist() == [1.0, 2.0]
+    counted = tm.all_reduce(torch.tensor([True, False]))
+    assert counted.dtype == torch.int64 and counted.tolist() == [1, 0]
+    assert tm.all_reduce(True) == 1
+    with pytest.raises(ValueError, match="op"):
+        tm.all_reduce(1, op="prod")
+
+
+def test_barrier_and_no_sync_one_process():
+    tm.barrier()
+
+    class Recorder(nn.Linear):
+        entered = 0
+
+        def no_sync(self):
+            Recorder.entered += 1
+            return torch.no_grad()
+
+    m = Recorder(2, 2)
+    for sync in (True, False):
+        with tm.no_sync(m, sync=sync):
+            pass
+    assert Recorder.entered == 0  # one process: never skip the (absent) all-reduce
+
+
+def test_no_sync_enters_model_no_sync_when_distributed(other_rank):
+    calls = []
+
+    class FakeDDP:
+        def no_sync(self):
+            calls.append("no_sync")
+            return torch.no_grad()
+
+    with tm.no_sync(FakeDDP(), sync=False):
+        assert not torch.is_grad_enabled()
+    with tm.no_sync(FakeDDP(), sync=True):
+        assert torch.is_grad_enabled()
+    with tm.no_sync(nn.Linear(2, 2), sync=False):  # unwrapped model: nothing to skip
+        pass
+    assert calls == ["no_sync"]
+
+
+# ------------------------------------------------------------------ AMP
+
+@pytest.mark.parametrize("env, expected", [
+    ("bf16", torch.bfloat16), ("fp16", torch.float16), ("off", None), ("OFF", None),
+    ("auto", "auto"), (None, "auto"),
+])
+def test_amp_dtype_policy(monkeypatch, env, expected):
+    if env is not None:
+        monkeypatch.setenv("TORCHMIGRATE_AMP", env)
+    if expected == "auto":
+        expected = (torch.bfloat16 if not CUDA or torch.cuda.is_bf16_supported()
+                    else torch.float16)
+    assert tm.amp_dtype() == expected
+
+
+def test_amp_dtype_argument_overrides_env(monkeypatch):
+    monkeypatch.setenv("TORCHMIGRATE_AMP", "off")
+    assert tm.amp_dtype("fp16") == torch.float16
+    assert tm.amp_dtype(torch.bfloat16) == torch.bfloat16
+    monkeypatch.setenv("TORCHMIGRATE_AMP", "fp16")
+    assert tm.amp_dtype("off") is None
+    with pytest.raises(ValueError, match="fp8"):
+        tm.amp_dtype("fp8")
+
+
+def matmul_dtype(ctx):
+    a = torch.randn(4, 4, device=tm.device())
+    with ctx:
+        return (a @ a).dtype
+
+
+def test_autocast_follows_policy(monkeypatch):
+    assert matmul_dtype(tm.autocast()) == tm.amp_dtype()
+    assert matmul_dtype(tm.autocast("bf16")) == torch.bfloat16
+    assert matmul_dtype(tm.autocast(enabled=False)) == torch.float32
+    assert matmul_dtype(tm.autocast("off")) == torch.float32
+    monkeypatch.setenv("TORCHMIGRATE_AMP", "off")
+    assert matmul_dtype(tm.autocast()) == torch.float32
+    assert tm.autocast().device == tm.device().type
+
+
+@cpu_only
+def test_grad_scaler_disabled_on_cpu():
+    for scaler in (tm.GradScaler(), tm.GradScaler(dtype="fp16"), tm.GradScaler(enabled=False)):
+        assert not scaler.is_enabled()
+    scaler = tm.GradScaler(dtype="fp16")
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    before = model.weight.detach().clone()
+    loss = model(torch.ones(3, 2)).sum()
+    assert scaler.scale(loss) is loss
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+    assert not torch.equal(model.weight, before)  # step() really stepped
+    assert tm.GradScaler(enabled=True).is_enabled()  # explicit request wins
+
+
+# ------------------------------------------------------------------ misc
+
+def test_print_only_on_main(capsys, monkeypatch):
+    tm.print("hello", 1, sep="-")
+    assert capsys.readouterr().out == "hello-1\n"
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    tm.print("hidden")
+    assert capsys.readouterr().out == ""
+
+
+def test_seed_everything_reproducible(other_rank):
+    def draw():
+        return random.random(), float(np.random.rand()), torch.rand(3).tolist()
+
+    assert tm.seed_everything(7) == 7
+    first = draw()
+    tm.seed_everything(7)
+    assert draw() == first
+    assert tm.seed_everything(7, per_rank=True) == 8  # rank 1
+    assert draw() != first
+    tm.seed_everything(8)
+    second = draw()
+    tm.seed_everything(7, per_rank=True)
+    assert draw() == second
+
+
+def test_main_only(other_rank, monkeypatch):
+    made = []
+
+    def factory(*args, **kwargs):
+        made.append((args, kwargs))
+        return io.StringIO()
+
+    null = tm.main_only(factory, "logdir", flush_secs=5)
+    assert made == [] and not null
+    null.add_scalar("loss", 1.0, 2)
+    null.writer.nested.call(1)
+    with null as w:
+        w.write("x")
+    null.close()
+    monkeypatch.setenv("RANK", "0")
+    real = tm.main_only(factory, "logdir", flush_secs=5)
+    assert isinstance(real, io.StringIO) and made == [(("logdir",), {"flush_secs": 5})]
+
+
+# ------------------------------------------------------------------ CUDA (run on a GPU machine)
+
+@needs_cuda
+def test_cuda_setup_and_device():
+    ctx = tm.setup()
+    assert ctx.device == torch.device("cuda", 0) and torch.cuda.current_device() == 0
+    t = torch.ones(2, device="cuda")
+    assert tm.all_reduce(t) is t and tm.gather_for_metrics(t).device.type == "cuda"
+    assert next(tm.wrap_model(nn.Linear(2, 2)).parameters()).is_cuda
+
+
+@needs_cuda
+def test_cuda_amp_policy_and_scaler(monkeypatch):
+    expected = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    assert tm.amp_dtype() == expected
+    assert matmul_dtype(tm.autocast("fp16")) == torch.float16
+    assert matmul_dtype(tm.autocast()) == expected
+    assert tm.GradScaler(dtype="fp16").is_enabled()
+    assert not tm.GradScaler(dtype="bf16").is_enabled()
+    assert not tm.GradScaler(enabled=False, dtype="fp16").is_enabled()
+    monkeypatch.setenv("TORCHMIGRATE_AMP", "fp16")
+    scaler = tm.GradScaler()
+    assert scaler.is_enabled()
+    model = nn.Linear(4, 1).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with tm.autocast():
+        loss = model(torch.randn(8, 4, device="cuda")).float().pow(2).mean()
+    scaled = scaler.scale(loss)
+    assert scaled is not loss and scaled.item() == pytest.approx(loss.item() * 65536.0, rel=1e-3)
+    scaled.backward()
+    scaler.step(opt)
+    scaler.update()
