@@ -3,18 +3,20 @@ remain or a change is due, 2 usage or input error. Importing this module never i
 
 from __future__ import annotations
 
+import os
+import re
 import sys
 from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
 
 import click
 
-from torchmigrate import __version__, report
+from torchmigrate import __version__, formats, report
 from torchmigrate.config import Config, ConfigError, load as load_config
 from torchmigrate.diff import colorize, use_color
 from torchmigrate.files import discover
 from torchmigrate.rule import RUNTIME_MODULE, Options
-from torchmigrate.runner import VENDORED_NAME, Job, Outcome, run
+from torchmigrate.runner import VENDORED_NAME, Job, Outcome, Progress, run
 
 AMP_CHOICES = ("auto", "bf16", "fp16", "off")
 
@@ -45,29 +47,64 @@ def _discover(paths: Sequence[str], config: Config) -> Tuple[List[Path], List[st
     return found, errors
 
 
-def _run(files: List[Path], job: Job, jobs: int, quiet: bool = False) -> List[Outcome]:
-    return run(files, job, jobs=jobs)
+def _run(files: List[Path], job: Job, jobs: int) -> List[Outcome]:
+    """Run the job over the files; a progress bar goes to stderr on a terminal for long runs."""
+    if jobs == 0:
+        jobs = os.cpu_count() or 1
+    try:
+        with Progress(len(files), click.get_text_stream("stderr")) as progress:
+            return run(files, job, jobs=jobs, progress=progress)
+    except KeyboardInterrupt:  # writes are atomic: every file is either done or untouched
+        click.echo("\nInterrupted (every file was either fully processed or left untouched).", err=True)
+        sys.exit(130)
+
+
+_SELECTOR = re.compile(r"^TM\d{0,3}$", re.IGNORECASE)
+
+
+def _check_selectors(codes: Sequence[str], where: str) -> None:
+    from torchmigrate.rules import all_rules
+
+    names = {r.name for r in all_rules()}
+    bad = [c for c in codes if not _SELECTOR.match(c) and c not in names]
+    if bad:
+        click.echo(f"error: {where}: unknown rule selector {', '.join(map(repr, bad))} "
+                   "(use codes such as TM201, prefixes such as TM2, or rule names; see `torchmigrate rules`)", err=True)
+        sys.exit(2)
 
 
 def _select(command: str, select: Sequence[str], ignore: Sequence[str], config: Config):
     from torchmigrate.rules import select as select_rules
 
-    rules = select_rules(_codes(select) or config.select, _codes(ignore) + config.ignore, command)
+    select_codes, ignore_codes = _codes(select), _codes(ignore)
+    _check_selectors(select_codes + ignore_codes, "--select/--ignore")
+    _check_selectors(tuple(config.select) + tuple(config.ignore), str(config.path or "pyproject.toml"))
+    rules = select_rules(select_codes or config.select, ignore_codes + config.ignore, command)
     return tuple(r.code for r in rules)
 
 
 paths_argument = click.argument("paths", nargs=-1, required=True, type=click.Path())
-jobs_option = click.option("-j", "--jobs", type=click.IntRange(1, 256), default=1, show_default=True,
-                           help="Process files in N worker processes (output order is unchanged).")
+jobs_option = click.option("-j", "--jobs", type=click.IntRange(0, 256), default=1, show_default=True, metavar="N",
+                           help="Process files in N worker processes (0: one per CPU); output order is unchanged.")
 select_option = click.option("--select", multiple=True, metavar="CODES",
-                             help="Only these rule codes or prefixes (e.g. TM2,TM406).")
-ignore_option = click.option("--ignore", multiple=True, metavar="CODES", help="Skip these rule codes or prefixes.")
+                             help="Only these rule codes or prefixes, comma-separated or repeated (e.g. TM2,TM406).")
+ignore_option = click.option("--ignore", multiple=True, metavar="CODES",
+                             help="Skip these rule codes or prefixes, comma-separated or repeated.")
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="torchmigrate")
 def main() -> None:
-    """Migrate PyTorch training scripts to torchrun + DDP + AMP, and lint distributed code."""
+    """Migrate PyTorch training scripts to torchrun + DDP + AMP, and lint distributed code.
+
+    \b
+      torchmigrate ddp train.py            rewrite in place (DDP + AMP)
+      torchmigrate ddp --dry-run train.py  print the diff and the report, write nothing
+      torchmigrate lint src/               report findings (pre-commit hook, CI)
+      torchmigrate explain TM406           a rule's documentation and example
+
+    Exit codes: 0 clean or all fixed, 1 findings remain or a change is due, 2 usage or input error.
+    """
 
 
 def _migrate(command: str, paths, dry_run: bool, check: bool, amp: Optional[str], sync_bn: bool,
@@ -91,6 +128,8 @@ def _migrate(command: str, paths, dry_run: bool, check: bool, amp: Optional[str]
     for line in errors:
         click.echo(line, err=True)
     text = report.migration_text(outcomes, dry_run or check, _rule_names())
+    # With --dry-run stdout carries only the diff (so it can be piped to `git apply`); the
+    # report and its summary line go to stderr.
     click.echo(text, err=dry_run)
     if report_file:
         content = (report.migration_json(outcomes, dry_run or check) if report_file.endswith(".json") else text) + "\n"
@@ -127,7 +166,10 @@ def _migration_options(func):
 @ignore_option
 @jobs_option
 def ddp(paths, dry_run, check, amp, report_file, sync_bn, vendor_runtime, select, ignore, jobs):
-    """Rewrite training scripts in place for torchrun + DistributedDataParallel (+ AMP)."""
+    """Rewrite training scripts in place for torchrun + DDP (+ AMP).
+
+    With --dry-run, print the unified diff (coloured on a terminal) and the report, write nothing.
+    """
     _migrate("ddp", paths, dry_run, check, amp, sync_bn, report_file, vendor_runtime, jobs, select, ignore)
 
 
@@ -140,7 +182,10 @@ def ddp(paths, dry_run, check, amp, report_file, sync_bn, vendor_runtime, select
 @ignore_option
 @jobs_option
 def amp(paths, dry_run, check, amp, report_file, vendor_runtime, select, ignore, jobs):
-    """Add or modernise mixed precision only (no DDP)."""
+    """Add or modernise mixed precision only (no DDP).
+
+    Code that keeps nn.DataParallel gets autocast inside the model's forward.
+    """
     _migrate("amp", paths, dry_run, check, amp, False, report_file, vendor_runtime, jobs, select, ignore)
 
 
@@ -149,34 +194,53 @@ def amp(paths, dry_run, check, amp, report_file, vendor_runtime, select, ignore,
 @select_option
 @ignore_option
 @click.option("--fix", is_flag=True, help="Apply safe fixes in place.")
-@click.option("--unsafe-fixes", is_flag=True, help="Also apply fixes that change behaviour (implies --fix).")
-@click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
-@click.option("--exit-zero", is_flag=True, help="Exit 0 even when findings remain.")
+@click.option("--unsafe-fixes", is_flag=True,
+              help="Also count fixes that may change behaviour as fixable; with --fix, apply them too.")
+@click.option("--format", "fmt", type=click.Choice(formats.FORMATS), default="text", show_default=True,
+              help="text: path:line:col: CODE message; json; github: workflow annotations; sarif: SARIF 2.1.0.")
+@click.option("--exit-zero", is_flag=True, help="Exit 0 even when findings remain (input errors still exit 2).")
 @click.option("--statistics", is_flag=True, help="Print a count per rule instead of each finding.")
 @jobs_option
 def lint(paths, select, ignore, fix, unsafe_fixes, fmt, exit_zero, statistics, jobs):
-    """Report rule findings (pre-commit hook / CI). Exit 1 if any remain."""
+    """Report rule findings (pre-commit hook / CI).
+
+    Exit 0 when nothing remains (or everything was fixed), 1 when findings remain, 2 on bad
+    input. Suppress one line with `# torchmigrate: ignore[TM201]`, a file with
+    `# torchmigrate: skip-file`; configure with [tool.torchmigrate] in pyproject.toml.
+    """
+    from torchmigrate.rules import get_rule
+
     config = _config(paths)
     files, errors = _discover(paths, config)
-    fix = fix or unsafe_fixes
-    options = Options(mode="lint", amp=config.amp or "auto", fix=fix, unsafe_fixes=unsafe_fixes)
-    job = Job(options, _select("lint", select, ignore, config), write=fix)
+    codes = _select("lint", select, ignore, config)
+    options = Options(mode="lint", amp=config.amp or "auto", fix=fix, unsafe_fixes=fix and unsafe_fixes)
+    job = Job(options, codes, write=fix)
     outcomes = _run(files, job, jobs)
+    rules = [get_rule(code) for code in codes]
     errors += report.error_lines(outcomes)
     for line in errors:
         click.echo(line, err=True)
     if statistics:
-        text = report.statistics(outcomes, _rule_names())
-        if text:
-            click.echo(text)
-    elif fmt == "json":
-        click.echo(report.lint_json(outcomes))
+        out = formats.statistics(outcomes, rules, "json" if fmt == "json" else "text")
     else:
-        click.echo(report.lint_text(outcomes, fix))
+        out = formats.render(fmt, outcomes, rules, fix=fix, unsafe_fixes=unsafe_fixes)
+    if out:
+        click.echo(out)
     if errors:
         sys.exit(2)
     if not exit_zero and any(o.open_records for o in outcomes):
         sys.exit(1)
+
+
+def markdown_table(rules) -> str:
+    """The rules table of the README (`torchmigrate rules --format markdown`)."""
+    def cell(text: str) -> str:
+        return " ".join(str(text).split()).replace("|", "\\|")
+
+    lines = ["| Code | Name | Fix | Commands | What it does |", "|---|---|---|---|---|"]
+    for r in rules:
+        lines.append(f"| {r.code} | `{r.name}` | {r.safety.value} | {', '.join(sorted(r.commands))} | {cell(r.summary)} |")
+    return "\n".join(lines)
 
 
 @main.command("rules")
@@ -192,10 +256,7 @@ def list_rules(fmt):
             {"code": r.code, "name": r.name, "summary": r.summary, "safety": r.safety.value,
              "commands": sorted(r.commands)} for r in rules], indent=2))
     elif fmt == "markdown":
-        click.echo("| code | name | safety | commands | what it does |")
-        click.echo("|---|---|---|---|---|")
-        for r in rules:
-            click.echo(f"| {r.code} | {r.name} | {r.safety.value} | {', '.join(sorted(r.commands))} | {r.summary} |")
+        click.echo(markdown_table(rules))
     else:
         for r in rules:
             click.echo(f"{r.code}  {r.name:<28} {r.safety.value:<7} {r.summary}")

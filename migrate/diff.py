@@ -22,26 +22,35 @@ def unified_diff(old: str, new: str, path: str) -> str:
 
 
 def use_color(stream: Optional[IO] = None) -> bool:
-    """Colour only on a terminal, and never when NO_COLOR is set (https://no-color.org)."""
+    """Colour only on a terminal. A non-empty NO_COLOR turns it off (https://no-color.org);
+    a FORCE_COLOR other than "", "0" or "false" turns it on even when piped (NO_COLOR wins);
+    TERM=dumb turns it off on a terminal."""
     if os.environ.get("NO_COLOR"):
         return False
-    if os.environ.get("FORCE_COLOR"):
+    if os.environ.get("FORCE_COLOR", "").strip().lower() not in ("", "0", "false", "no"):
         return True
+    if os.environ.get("TERM") == "dumb":
+        return False
     stream = stream or click.get_text_stream("stdout")
-    return bool(getattr(stream, "isatty", lambda: False)())
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):
+        return False
 
 
 def colorize(diff: str) -> str:
+    """ANSI colours as git uses them: bold file headers, cyan hunks, red removals, green additions."""
     out = []
     for line in diff.splitlines(keepends=True):
+        body = line.rstrip("\r\n")
+        end = line[len(body):]
         if line.startswith(("+++", "---")):
-            out.append(click.style(line, bold=True))
+            body = click.style(body, bold=True)
         elif line.startswith("@@"):
-            out.append(click.style(line, fg="cyan"))
+            body = click.style(body, fg="cyan")
         elif line.startswith("+"):
-            out.append(click.style(line, fg="green"))
+            body = click.style(body, fg="green")
         elif line.startswith("-"):
-            out.append(click.style(line, fg="red"))
-        else:
-            out.append(line)
+            body = click.style(body, fg="red")
+        out.append(body + end)
     return "".join(out)

@@ -112,7 +112,7 @@ def process_source(source: str, path: str, options: Options, rules: Sequence[Rul
         elif options.migrating and not finding.suppressed and finding.safety is not Safety.SAFE:
             stmt = finding.statement or ctx.statement_of(finding.node)
             if stmt is not None:
-                edits.append(Edit(EditKind.TODO, stmt, text=f"{finding.code} {finding.message}"))
+                edits.append(Edit(EditKind.TODO, stmt, text=" ".join(f"{finding.code} {finding.message}".split())))
     new_source = source
     if edits or imports:
         new_module = apply_edits(module, edits, ctx.parents, imports, ctx.imports)

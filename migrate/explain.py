@@ -1,26 +1,50 @@
-"""`torchmigrate explain CODE`: the rule's own docstring and examples, rendered as text."""
+"""`torchmigrate explain CODE`: the rule's own docstring and examples, rendered as text.
+
+The examples printed here are the rule's `examples`, the same objects tests/test_examples.py
+runs through the engine, so what the documentation shows is what the tool does.
+"""
 
 from __future__ import annotations
 
-from torchmigrate.diff import unified_diff
-from torchmigrate.rule import Rule
+from typing import List
+
+from torchmigrate.rule import Example, Rule
+
+SAFETY = {
+    "safe": "safe (applied by `torchmigrate ddp`/`amp` and by `torchmigrate lint --fix`)",
+    "unsafe": ("unsafe (may change behaviour: applied only by `torchmigrate lint --fix --unsafe-fixes`; "
+               "a migration leaves a `# TODO(torchmigrate)` comment instead)"),
+    "manual": "manual (reported only; a migration leaves a `# TODO(torchmigrate)` comment saying what to do)",
+}
+
+COMMAND = {"ddp": "torchmigrate ddp", "amp": "torchmigrate amp", "lint": "torchmigrate lint --fix"}
 
 
 def render(rule: type[Rule]) -> str:
-    parts = [f"{rule.code} ({rule.name}) — {rule.summary}", "",
-             f"Fix safety: {rule.safety.value}. Commands: {', '.join(sorted(rule.commands))}.", "",
-             rule.documentation()]
-    for i, example in enumerate(rule.examples, start=1):
-        parts.append("")
-        parts.append(f"Example {i} ({example.mode}):")
-        if example.after_text is None:
-            parts.append("  Left unchanged:")
-            parts.append(_indent(example.before_text))
-        else:
-            diff = unified_diff(example.before_text, example.after_text, "example.py")
-            parts.append(_indent("".join(diff.splitlines(keepends=True)[2:])))
+    parts: List[str] = [
+        f"{rule.code} ({rule.name}): {rule.summary}",
+        "",
+        f"Fix safety: {SAFETY.get(rule.safety.value, rule.safety.value)}.",
+        f"Checked by: {', '.join(f'torchmigrate {c}' for c in sorted(rule.commands))}.",
+        "",
+        rule.documentation(),
+    ]
+    if rule.examples:
+        parts += ["", "## Before and after", ""]
+        for i, example in enumerate(rule.examples, start=1):
+            parts += _example(example, i if len(rule.examples) > 1 else None)
     return "\n".join(parts).rstrip() + "\n"
 
 
+def _example(example: Example, number) -> List[str]:
+    title = f"Example {number}" if number else "Example"
+    command = COMMAND.get(example.mode, example.mode)
+    before = example.before_text
+    if example.after_text is None:
+        return [f"{title}: left unchanged by `{command}`:", "", _indent(before), ""]
+    return [f"{title}, before:", "", _indent(before), "",
+            f"after `{command}`:", "", _indent(example.after_text), ""]
+
+
 def _indent(text: str) -> str:
-    return "\n".join("    " + line if line else "" for line in text.splitlines())
+    return "\n".join("    " + line if line else "" for line in text.rstrip("\n").splitlines())

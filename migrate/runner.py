@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import List, Optional, Sequence, Tuple
+from typing import IO, Callable, Dict, List, Optional, Sequence, Tuple
 
 from torchmigrate import files
 from torchmigrate.diff import unified_diff
@@ -63,33 +65,45 @@ class Job:
 
 
 def process_file(path: str, job: Job) -> Outcome:
+    """Process one file. Never raises: any failure becomes `outcome.error` and the file is left
+    as it was, so one bad file never stops the others."""
     from torchmigrate.rules import get_rule
 
-    rules = [get_rule(code) for code in job.rule_codes]
     outcome = Outcome(path)
     try:
+        rules = [get_rule(code) for code in job.rule_codes]
         decoded = files.read(Path(path))
         result = process_source(decoded.text, path, job.options, rules)
         records = [
             Record(path, f.line, f.col, f.code, f.message, f.safety.value, f.applied)
             for f in result.findings if not f.suppressed
         ]
+        new_bytes = files.encode(result.new_source, decoded.encoding) if result.changed and job.write else None
         outcome.records = records
         outcome.changed = result.changed
         if result.changed:
             if job.want_diff:
                 outcome.diff = unified_diff(result.source, result.new_source, path)
-            if job.write:
-                files.atomic_write(Path(path), files.encode(result.new_source, decoded.encoding))
+            if new_bytes is not None:
+                files.atomic_write(Path(path), new_bytes)
                 outcome.written = True
         uses_runtime = job.options.runtime_module in result.new_source
         if job.vendor_runtime and job.write and uses_runtime:
             outcome.vendored = vendor_runtime(Path(path).parent)
     except InputError as exc:
-        outcome.error = (exc.line, exc.col, exc.message)
+        _failed(outcome, exc.line, exc.col, exc.message)
+    except Exception as exc:  # a bug in a rule or the engine: report it, keep going
+        kept = "" if outcome.written else "; the file was left unchanged"
+        _failed(outcome, 1, 0, f"internal error ({type(exc).__name__}: {exc}){kept}; please report it")
+    return outcome
+
+
+def _failed(outcome: Outcome, line: int, col: int, message: str) -> None:
+    outcome.error = (line, col, message)
+    if not outcome.written:  # when only a step after the write failed, keep what was done
         outcome.records = []
         outcome.changed = False
-    return outcome
+        outcome.diff = ""
 
 
 def runtime_source() -> str:
@@ -110,24 +124,95 @@ def vendor_runtime(folder: Path) -> str:
     return str(target)
 
 
-def run(paths: Sequence[Path], job: Job, jobs: int = 1, progress=None) -> List[Outcome]:
+def _process_chunk(names: Sequence[str], job: Job) -> List[Outcome]:
+    return [process_file(name, job) for name in names]
+
+
+def run(paths: Sequence[Path], job: Job, jobs: int = 1, progress: Optional[Callable[[int], None]] = None) -> List[Outcome]:
+    """Process every file and return the outcomes in input order.
+
+    With `jobs > 1` files are processed in worker processes, a few per task; results are put
+    back in input order, so the output does not depend on scheduling. `progress(n)` is called
+    as `n` more files are done.
+    """
     names = [str(p) for p in paths]
     if jobs > 1 and len(names) > 1:
-        from concurrent.futures import ProcessPoolExecutor
-
-        with ProcessPoolExecutor(max_workers=jobs) as pool:
-            chunks = max(1, len(names) // (jobs * 4))
-            results = []
-            for outcome in pool.map(process_file, names, [job] * len(names), chunksize=chunks):
-                results.append(outcome)
-                if progress:
-                    progress(outcome)
-            return results
+        return _run_parallel(names, job, jobs, progress)
     results = []
     for name in names:
-        outcome = process_file(name, job)
-        results.append(outcome)
+        results.append(process_file(name, job))
         if progress:
-            progress(outcome)
+            progress(1)
     return results
 
+
+def _run_parallel(names: List[str], job: Job, jobs: int, progress) -> List[Outcome]:
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    workers = min(jobs, len(names))
+    size = max(1, min(16, len(names) // (workers * 4)))
+    chunks = [names[i:i + size] for i in range(0, len(names), size)]
+    done: Dict[int, List[Outcome]] = {}
+    with ProcessPoolExecutor(max_workers=workers) as pool:
+        futures = {pool.submit(_process_chunk, chunk, job): i for i, chunk in enumerate(chunks)}
+        for future in as_completed(futures):
+            i = futures[future]
+            try:
+                done[i] = future.result()
+            except Exception as exc:  # a worker died (e.g. killed); report its files, keep the rest
+                done[i] = [Outcome(name, error=(1, 0, f"internal error: worker process failed ({type(exc).__name__}: {exc})"))
+                           for name in chunks[i]]
+            if progress:
+                progress(len(chunks[i]))
+    return [outcome for i in range(len(chunks)) for outcome in done[i]]
+
+
+PROGRESS_MIN_FILES = 20
+
+
+class Progress:
+    """A one-line progress bar on stderr for long runs: only when stderr is a terminal and the
+    run has more than `PROGRESS_MIN_FILES` files; erased when done, so it never mixes with output."""
+
+    def __init__(self, total: int, stream: Optional[IO[str]] = None, label: str = "files",
+                 min_files: int = PROGRESS_MIN_FILES) -> None:
+        self.stream = stream if stream is not None else sys.stderr
+        self.total = total
+        self.done = 0
+        self.label = label
+        self.enabled = total > min_files and _is_terminal(self.stream)
+        self._last = 0.0
+
+    def __call__(self, n: int = 1) -> None:
+        self.done += n
+        if not self.enabled:
+            return
+        now = time.monotonic()
+        if self.done < self.total and now - self._last < 0.05:
+            return
+        self._last = now
+        width = 30
+        filled = width * self.done // max(self.total, 1)
+        bar = "#" * filled + "-" * (width - filled)
+        self.stream.write(f"\r[{bar}] {self.done}/{self.total} {self.label}")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            self.stream.write("\r\x1b[K")
+            self.stream.flush()
+
+    def __enter__(self) -> "Progress":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _is_terminal(stream) -> bool:
+    if os.environ.get("TERM") == "dumb":
+        return False
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):
+        return False

@@ -1,0 +1,253 @@
+"""`torchmigrate lint --format {text,json,github,sarif}` and `--statistics`.
+
+Every formatter takes the run's outcomes (input order) and returns the text to print on
+stdout. Input errors (syntax errors, unreadable files) are printed to stderr by the CLI as
+`path:line:col: message`; the `github` and `sarif` formats also carry them, so a CI job shows
+them as annotations or tool notifications.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Type
+from urllib.parse import quote
+
+from torchmigrate import __version__
+from torchmigrate.rule import Rule
+from torchmigrate.runner import Outcome, Record
+
+FORMATS = ("text", "json", "github", "sarif")
+
+SARIF_SCHEMA = "https://docs.oasis-open.org/sarif/sarif/v2.1.0/errata01/os/schemas/sarif-schema-2.1.0.json"
+SARIF_VERSION = "2.1.0"
+INFORMATION_URI = "https://pypi.org/project/torchmigrate/"
+
+RuleTypes = Sequence[Type[Rule]]
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def _remaining(outcomes: Sequence[Outcome]) -> List[Record]:
+    return [r for o in outcomes for r in o.open_records]
+
+
+def _fixed(outcomes: Sequence[Outcome]) -> int:
+    return sum(1 for o in outcomes for r in o.records if r.applied)
+
+
+def error_lines(outcomes: Sequence[Outcome]) -> List[str]:
+    return [f"{o.path}:{o.error[0]}:{o.error[1] + 1}: {o.error[2]}" for o in outcomes if o.error]
+
+
+# --- text ------------------------------------------------------------------------------------
+
+def text(outcomes: Sequence[Outcome], fix: bool = False, unsafe_fixes: bool = False) -> str:
+    """Ruff's shape: one `path:line:col: CODE message` line per finding, then a summary."""
+    remaining = _remaining(outcomes)
+    lines = [f"{r.location}: {r.code} {r.message}" for r in remaining]
+    fixed = _fixed(outcomes)
+    safe = sum(1 for r in remaining if r.safety == "safe")
+    unsafe = sum(1 for r in remaining if r.safety == "unsafe")
+    if remaining or fixed:
+        total = len(remaining) + fixed
+        summary = f"Found {_plural(total, 'finding')}"
+        if fixed:
+            summary += f" ({fixed} fixed, {len(remaining)} remaining)"
+        lines.append(summary + ".")
+        hints = []
+        fixable = safe + (unsafe if unsafe_fixes else 0)
+        if fixable and not fix:
+            hints.append(f"{fixable} fixable with --fix")
+        if unsafe and not unsafe_fixes:
+            hints.append(f"{unsafe} hidden fix{'es' if unsafe > 1 else ''} can be enabled with --unsafe-fixes")
+        if hints:
+            lines.append("; ".join(hints) + ".")
+    else:
+        lines.append("All checks passed!")
+    return "\n".join(lines)
+
+
+# --- json ------------------------------------------------------------------------------------
+
+def json_records(outcomes: Sequence[Outcome], names: Dict[str, str]) -> List[Dict]:
+    return [
+        {"path": r.path, "line": r.line, "column": r.col + 1, "code": r.code, "name": names.get(r.code, ""),
+         "message": r.message, "safety": r.safety, "fixed": r.applied}
+        for o in outcomes for r in o.records
+    ]
+
+
+def json_(outcomes: Sequence[Outcome], rules: RuleTypes) -> str:
+    """Every finding of the run, fixed ones included (`"fixed": true`)."""
+    return json.dumps(json_records(outcomes, {r.code: r.name for r in rules}), indent=2)
+
+
+# --- GitHub Actions workflow commands ---------------------------------------------------------
+
+def escape_data(value: str) -> str:
+    """Escape a workflow command's message (as @actions/core's `escapeData`)."""
+    return value.replace("%", "%25").replace("\r", "%0D").replace("\n", "%0A")
+
+
+def escape_property(value: str) -> str:
+    """Escape a workflow command's property value (as @actions/core's `escapeProperty`)."""
+    return escape_data(value).replace(":", "%3A").replace(",", "%2C")
+
+
+def _command(path: str, line: int, col: int, title: str, message: str) -> str:
+    props = ",".join(f"{k}={escape_property(str(v))}" for k, v in
+                     (("file", path), ("line", line), ("col", col), ("title", title)))
+    return f"::error {props}::{escape_data(message)}"
+
+
+def _workspace_path(path: str) -> str:
+    """GitHub resolves annotation paths against the workspace (the working directory of the
+    job), so an absolute path inside it is made relative."""
+    if os.path.isabs(path):
+        cwd = os.getcwd()
+        try:
+            if os.path.commonpath([cwd, path]) == cwd:
+                return Path(os.path.relpath(path, cwd)).as_posix()
+        except ValueError:  # another drive on Windows
+            pass
+    return Path(path).as_posix() if os.sep != "/" else path
+
+
+def github(outcomes: Sequence[Outcome]) -> str:
+    """`::error file=...,line=...,col=...,title=TM201::message`: an annotation per finding."""
+    lines = []
+    for o in outcomes:
+        if o.error:
+            lines.append(_command(_workspace_path(o.path), o.error[0], o.error[1] + 1, "torchmigrate", o.error[2]))
+        for r in o.open_records:
+            lines.append(_command(_workspace_path(r.path), r.line, r.col + 1, r.code, r.message))
+    return "\n".join(lines)
+
+
+# --- SARIF 2.1.0 -----------------------------------------------------------------------------
+
+def _artifact_location(path: str) -> Dict:
+    """A relative path stays relative to %SRCROOT% (the working directory); others become file URIs."""
+    norm = os.path.normpath(path)
+    if not os.path.isabs(norm) and not norm.startswith(".." + os.sep) and norm != "..":
+        return {"uri": quote(Path(norm).as_posix()), "uriBaseId": "%SRCROOT%"}
+    return {"uri": Path(os.path.abspath(norm)).as_uri()}
+
+
+def _sections(doc: str) -> Dict[str, str]:
+    """`## Heading` -> body, for the rule docstrings written in Ruff's shape."""
+    out: Dict[str, str] = {}
+    heading = ""
+    for line in doc.splitlines():
+        if line.startswith("## "):
+            heading = line[3:].strip().lower()
+            out[heading] = ""
+        else:
+            out[heading] = (out.get(heading, "") + "\n" + line).strip("\n")
+    return {k: v.strip() for k, v in out.items()}
+
+
+def _rule_descriptor(rule: Type[Rule]) -> Dict:
+    doc = rule.documentation()
+    sections = _sections(doc)
+    what = " ".join(sections.get("what it does", "").split()) or rule.summary
+    return {
+        "id": rule.code,
+        "name": rule.name,
+        "shortDescription": {"text": rule.summary},
+        "fullDescription": {"text": what},
+        "help": {"text": doc, "markdown": doc},
+        "defaultConfiguration": {"level": "error"},
+        "properties": {"fixSafety": rule.safety.value, "commands": sorted(rule.commands),
+                       "tags": sorted(rule.commands)},
+    }
+
+
+def sarif_log(outcomes: Sequence[Outcome], rules: RuleTypes, cwd: Optional[str] = None) -> Dict:
+    """The run as a SARIF 2.1.0 log: one run, every enabled rule, one result per open finding."""
+    descriptors = [_rule_descriptor(r) for r in rules]
+    index = {r.code: i for i, r in enumerate(rules)}
+    results = []
+    for o in outcomes:
+        for r in o.open_records:
+            result = {
+                "ruleId": r.code,
+                "level": "error",
+                "message": {"text": r.message},
+                "locations": [{"physicalLocation": {
+                    "artifactLocation": _artifact_location(r.path),
+                    "region": {"startLine": max(r.line, 1), "startColumn": r.col + 1},
+                }}],
+            }
+            if r.code in index:
+                result["ruleIndex"] = index[r.code]
+            results.append(result)
+    notifications = [
+        {"level": "error", "message": {"text": o.error[2]},
+         "locations": [{"physicalLocation": {
+             "artifactLocation": _artifact_location(o.path),
+             "region": {"startLine": max(o.error[0], 1), "startColumn": o.error[1] + 1}}}]}
+        for o in outcomes if o.error
+    ]
+    base = Path(cwd or os.getcwd()).resolve().as_uri().rstrip("/") + "/"
+    run = {
+        "tool": {"driver": {
+            "name": "torchmigrate",
+            "version": __version__,
+            "semanticVersion": __version__,
+            "informationUri": INFORMATION_URI,
+            "rules": descriptors,
+        }},
+        "originalUriBaseIds": {"%SRCROOT%": {"uri": base}},
+        "invocations": [{"executionSuccessful": not notifications,
+                         "toolExecutionNotifications": notifications}],
+        "columnKind": "unicodeCodePoints",
+        "results": results,
+    }
+    return {"$schema": SARIF_SCHEMA, "version": SARIF_VERSION, "runs": [run]}
+
+
+def sarif(outcomes: Sequence[Outcome], rules: RuleTypes) -> str:
+    return json.dumps(sarif_log(outcomes, rules), indent=2)
+
+
+# --- statistics ------------------------------------------------------------------------------
+
+def statistics_rows(outcomes: Sequence[Outcome], rules: RuleTypes) -> List[Dict]:
+    names = {r.code: r.name for r in rules}
+    remaining = _remaining(outcomes)
+    counts = Counter(r.code for r in remaining)
+    fixable = Counter(r.code for r in remaining if r.safety == "safe")
+    return [
+        {"code": code, "name": names.get(code, ""), "count": n, "fixable": fixable[code]}
+        for code, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+    ]
+
+
+def statistics(outcomes: Sequence[Outcome], rules: RuleTypes, fmt: str = "text") -> str:
+    """A count per rule of the findings that remain (`[*]`: some have a safe fix)."""
+    rows = statistics_rows(outcomes, rules)
+    if fmt == "json":
+        return json.dumps(rows, indent=2)
+    width = max((len(str(row["count"])) for row in rows), default=1)
+    return "\n".join(
+        f"{row['count']:>{width}}\t{row['code']}\t{'[*] ' if row['fixable'] else '    '}{row['name']}"
+        for row in rows
+    )
+
+
+def render(fmt: str, outcomes: Sequence[Outcome], rules: RuleTypes, *, fix: bool = False,
+           unsafe_fixes: bool = False) -> str:
+    if fmt == "json":
+        return json_(outcomes, rules)
+    if fmt == "github":
+        return github(outcomes)
+    if fmt == "sarif":
+        return sarif(outcomes, rules)
+    return text(outcomes, fix, unsafe_fixes)
+
