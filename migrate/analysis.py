@@ -11,6 +11,7 @@ metadata providers.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
@@ -41,6 +42,10 @@ class Optimizer:
     statement: Optional[cst.CSTNode]
     target: Optional[str]  # `optimizer`, `self.opt_g`
     models: Tuple[str, ...]  # dotted names whose parameters it trains
+    # For a call to a same-file helper or method that builds the optimizer from a parameter
+    # (`optimizer = build_optimizer(model, cfg)`, `opt = model.configure_optimizers()`): the
+    # optimizer inside it. `call` is then the helper call and `models` the caller's names.
+    via: Optional["Optimizer"] = None
 
 
 @dataclass
@@ -157,22 +162,252 @@ def parameter_owners(node: cst.CSTNode) -> List[str]:
     return found
 
 
+# `optimizer`, `optimizerD`, `opt_g`, `g_optimizer`, `optim`; not `optim_state_dict`, `opt_level`
+_OPTIMIZER_TARGET = re.compile(r"^(?:[a-z]{1,4}_)?(?:optimi[sz]er|optim|opt)(?:_?[a-z0-9]{1,2})?$", re.IGNORECASE)
+# `create_optimizer_v2`, `build_optimizer`, `get_optim`, `configure_optimizers`
+_OPTIMIZER_FACTORY = re.compile(r"^_?(create|build|get|make|configure|init|setup|new|construct|prepare)_?"
+                                r"\w*optim", re.IGNORECASE)
+_NOT_OPTIMIZER_CALLS = ("scheduler", "Scheduler", "swa_utils", "AveragedModel", "EMA", "Ema")
+
+
+def _assign_target(ctx: Context, call: cst.Call) -> Optional[str]:
+    parent = ctx.parent(call)
+    if isinstance(parent, cst.Assign) and len(parent.targets) == 1:
+        return dotted(parent.targets[0].target)
+    if isinstance(parent, (cst.AnnAssign, cst.AugAssign)) and parent.value is call:
+        return dotted(parent.target)
+    return None
+
+
+def _params_arg(call: cst.Call) -> Optional[cst.BaseExpression]:
+    params = call.args[0] if call.args and call.args[0].keyword is None and not call.args[0].star else None
+    if params is None:
+        params = next((a for a in call.args if a.keyword and a.keyword.value == "params"), None)
+    return params.value if params is not None else None
+
+
+def _names_in(node: cst.CSTNode) -> List[str]:
+    """Plain names read in an expression (not attribute names, not inside lambdas)."""
+    out: List[str] = []
+
+    def go(n: cst.CSTNode) -> None:
+        if isinstance(n, cst.Name):
+            if n.value not in out:
+                out.append(n.value)
+            return
+        if isinstance(n, cst.Attribute):
+            go(n.value)
+            return
+        if isinstance(n, cst.Lambda):
+            return
+        for child in n.children:
+            go(child)
+
+    go(node)
+    return out
+
+
+def _followed_owners(ctx: Context, call: cst.Call, params: cst.BaseExpression) -> List[str]:
+    """Models behind names passed as parameters: `params = [p for p in model.parameters() if
+    p.requires_grad]`, `groups = [{"params": decay}, ...]` with `decay.append(p)` in a `for n, p in
+    model.named_parameters()` loop, all in the same scope (followed a few names deep)."""
+    names = set(_names_in(params))
+    if not names:
+        return []
+    scope = ctx.scope_of(call)
+    found: List[str] = []
+    seen: set = set()
+
+    def add(owners: List[str]) -> None:
+        for o in owners:
+            if o not in found:
+                found.append(o)
+
+    for _ in range(3):
+        new_names: set = set()
+        for assign in facts(ctx).assigns:
+            if assign in seen or ctx.scope_of(assign) is not scope:
+                continue
+            if any(n in names for t in assign.targets for n in _names_in(t.target)):
+                seen.add(assign)
+                add(parameter_owners(assign.value))
+                new_names.update(_names_in(assign.value))
+        for other, _ in facts(ctx).calls:
+            func = other.func
+            if (other not in seen and isinstance(func, cst.Attribute)
+                    and func.attr.value in ("append", "extend", "add", "update", "insert")
+                    and names.intersection(_names_in(func.value)) and ctx.scope_of(other) is scope):
+                seen.add(other)
+                add(parameter_owners(other))
+                loop = ctx.enclosing(other, cst.For, cst.FunctionDef)
+                if isinstance(loop, cst.For):
+                    add(parameter_owners(loop.iter))
+        new_names -= names
+        if found or not new_names:
+            break
+        names |= new_names
+    return found
+
+
+_CONFIG_NAMES = {"args", "opt", "opts", "cfg", "config", "conf", "hparams", "hp", "params", "flags", "FLAGS",
+                 "settings", "options", "self", "cls", "kwargs"}
+
+
+def _factory_models(ctx: Context, call: cst.Call, name: Optional[str], functions) -> List[str]:
+    """Models handed to an optimizer factory defined outside this file: the receiver of
+    `model.configure_optimizers(...)`, or the model arguments of `create_optimizer(args, model)`."""
+    func = call.func
+    label = (name or dotted(func) or "").rsplit(".", 1)[-1]
+    if not _OPTIMIZER_FACTORY.match(label) or label in functions:
+        return []
+    if isinstance(func, cst.Attribute) and ctx.resolve(func.value) is None:
+        receiver = dotted(func.value)
+        if receiver and _model_like(ctx, receiver, func.value):
+            return [model_root(receiver)]
+        return []
+    out = []
+    for a in call.args:
+        if a.star or (a.keyword is not None and a.keyword.value not in ("model", "module", "net")):
+            continue
+        owner = dotted(a.value)
+        if owner and "." not in owner and _model_like(ctx, owner, a.value) and owner not in out:
+            out.append(owner)
+    return out
+
+
+def _model_like(ctx: Context, name: str, node: cst.BaseExpression) -> bool:
+    """A variable that may hold a module: not an import, a config object, a class or function
+    of this file, or a list of parameters."""
+    root = model_root(name)
+    if ctx.resolve(node) is not None or root in _CONFIG_NAMES or root.split(".")[-1] in _CONFIG_NAMES:
+        return False
+    if root in facts(ctx).classes or root in facts(ctx).functions or root == "self":
+        return False
+    for assign in facts(ctx).assigns:
+        if any(dotted(t.target) == name for t in assign.targets):
+            value = assign.value
+            if isinstance(value, (cst.List, cst.ListComp, cst.GeneratorExp, cst.Tuple, cst.Dict, cst.DictComp)) \
+                    or parameter_owners(value):
+                return False
+    return True
+
+
+def _function_params(func: cst.FunctionDef) -> Tuple[List[str], List[str]]:
+    """(positional-capable parameter names, keyword-only names)."""
+    p = func.params
+    positional = [x.name.value for x in (*p.posonly_params, *p.params)]
+    return positional, [x.name.value for x in p.kwonly_params]
+
+
+def _call_arg_for(call: cst.Call, func: cst.FunctionDef, param: str, method: bool) -> Optional[cst.BaseExpression]:
+    positional, kwonly = _function_params(func)
+    if method and positional:
+        positional = positional[1:]
+    for a in call.args:
+        if a.keyword is not None and a.keyword.value == param:
+            return a.value
+    if param in positional:
+        index = positional.index(param)
+        plain = []
+        for a in call.args:
+            if a.star:
+                return None
+            if a.keyword is None:
+                plain.append(a)
+        if index < len(plain):
+            return plain[index].value
+    return None
+
+
+def _helper_call_sites(ctx: Context, opt: "Optimizer") -> List["Optimizer"]:
+    """Calls of the same-file function or method that creates `opt` from one of its parameters
+    (a model, a parameter list, or `self.parameters()` in a model's own method), with the
+    caller's names for the models."""
+    func = ctx.enclosing(opt.call, cst.FunctionDef, cst.Lambda)
+    if not isinstance(func, cst.FunctionDef):
+        return []
+    positional, kwonly = _function_params(func)
+    klass = ctx.parent(ctx.parent(func))
+    method = isinstance(klass, cst.ClassDef) and bool(positional)
+    params = set(positional[1:] if method else positional) | set(kwonly)
+    wanted = [m for m in opt.models if m in params]
+    self_root = method and positional[0] in opt.models
+    params_arg = _params_arg(opt.call)
+    params_name = params_arg.value if isinstance(params_arg, cst.Name) and params_arg.value in params else None
+    if not (wanted or self_root or params_name):
+        return []
+    name = func.name.value
+    out = []
+    for call, _ in facts(ctx).calls:
+        if call is opt.call:
+            continue
+        f = call.func
+        receiver = None
+        if method:
+            if not (isinstance(f, cst.Attribute) and f.attr.value == name):
+                continue
+            receiver = dotted(f.value)
+            if receiver in ("self", "cls") and ctx.enclosing(call, cst.ClassDef) is not klass:
+                continue
+        elif not (isinstance(f, cst.Name) and f.value == name):
+            continue
+        models: List[str] = []
+        if self_root and receiver not in (None, "self", "cls") and _model_like(ctx, receiver, f.value):
+            models.append(model_root(receiver))
+        for m in wanted:
+            value = _call_arg_for(call, func, m, method)
+            owner = dotted(value) if value is not None else None
+            if owner is not None and _model_like(ctx, owner, value) and model_root(owner) not in models:
+                models.append(model_root(owner))
+        if params_name:
+            value = _call_arg_for(call, func, params_name, method)
+            for owner in parameter_owners(value) if value is not None else ():
+                if owner not in models:
+                    models.append(owner)
+        out.append(Optimizer(call, ctx.statement_of(call), _assign_target(ctx, call), tuple(models), via=opt))
+    return out
+
+
 def optimizers(ctx: Context) -> List[Optimizer]:
+    """Optimizer constructions, in order of appearance, then calls of same-file helpers that
+    build one from a model they receive (see `Optimizer.via`)."""
     def compute() -> List[Optimizer]:
         out = []
+        functions = facts(ctx).functions
         for call, name in facts(ctx).calls:
             if not _is_optimizer(name, call):
+                # An optimizer-named target built by something else: `optimizer =
+                # getattr(torch.optim, args.optim)(model.parameters(), lr=...)`,
+                # `optimizer = create_optimizer(args, model)` (timm),
+                # `optimizer = model.configure_optimizers(...)` (a method defined elsewhere).
+                target = _assign_target(ctx, call)
+                if not (target and _OPTIMIZER_TARGET.search(target.rsplit(".", 1)[-1])):
+                    continue
+                if name and any(x in name for x in _NOT_OPTIMIZER_CALLS):
+                    continue
+                models = tuple(parameter_owners(cst.Tuple([cst.Element(a.value) for a in call.args])))
+                if not models:
+                    models = tuple(_factory_models(ctx, call, name, functions))
+                if models:
+                    out.append(Optimizer(call, ctx.statement_of(call), target, models))
                 continue
-            params = call.args[0] if call.args and call.args[0].keyword is None else None
-            if params is None:
-                params = next((a for a in call.args if a.keyword and a.keyword.value == "params"), None)
-            models = tuple(parameter_owners(params.value)) if params is not None else ()
-            stmt = ctx.statement_of(call)
-            target = None
-            parent = ctx.parent(call)
-            if isinstance(parent, cst.Assign) and len(parent.targets) == 1:
-                target = dotted(parent.targets[0].target)
-            out.append(Optimizer(call, stmt, target, models))
+            params = _params_arg(call)
+            models = tuple(parameter_owners(params)) if params is not None else ()
+            if params is not None and not models:
+                models = tuple(_followed_owners(ctx, call, params))
+            out.append(Optimizer(call, ctx.statement_of(call), _assign_target(ctx, call), models))
+        todo, seen = list(out), {o.call for o in out}
+        depth = 0
+        while todo and depth < 4:
+            depth += 1
+            found = []
+            for opt in todo:
+                for site in _helper_call_sites(ctx, opt):
+                    if site.call not in seen:
+                        seen.add(site.call)
+                        found.append(site)
+            out.extend(found)
+            todo = found
         return out
 
     return _cached(ctx, "optimizers", compute)
@@ -184,11 +419,20 @@ def trained_models(ctx: Context) -> List[str]:
         seen: List[str] = []
         for opt in optimizers(ctx):
             for m in opt.models:
-                if m not in seen:
+                if m not in seen and m not in ("self", "cls"):
                     seen.append(m)
         return seen
 
     return _cached(ctx, "trained_models", compute)
+
+
+def wrapped_models(ctx: Context) -> List[str]:
+    """Dotted names of models that are DDP-wrapped after the migration (newly wrapped by TM301,
+    already wrapped by DDP / `tm.wrap_model`, or converted from `nn.DataParallel`). Computed by
+    the model rules (`rules/model.py`) and also published as `ctx.facts["wrapped_models"]`."""
+    from torchmigrate.rules.model import plan
+
+    return plan(ctx).wrapped_names
 
 
 # --- entry point ---------------------------------------------------------------------------

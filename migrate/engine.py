@@ -7,20 +7,27 @@ they differ only in which findings' edits are accepted and what is done with the
 from __future__ import annotations
 
 import re
+import sys
+import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, Iterator, List, Optional, Sequence
 
 import libcst as cst
 
 from torchmigrate.apply import apply_edits
 from torchmigrate.finding import Edit, EditKind, Finding, Safety
-from torchmigrate.positions import positions
+from torchmigrate.positions import positions_and_layout, regenerate
 from torchmigrate.rule import Context, Options, RuleType
 from torchmigrate.suppress import Suppressions
 from torchmigrate.walk import walk
 
 # Cheap prefilter: a file that never mentions these cannot need a change.
 PREFILTER = ("torch", "apex")
+
+
+# Deep enough for anything CPython's own parser accepts (it stops near 3000 nested levels).
+RECURSION_LIMIT = 12000
 
 
 class InputError(Exception):
@@ -31,6 +38,10 @@ class InputError(Exception):
         self.message = message
         self.line = line
         self.col = col
+
+
+class RewriteError(InputError):
+    """The rewritten code would not compile (a rule bug): the file is left as it was."""
 
 
 @dataclass
@@ -44,7 +55,30 @@ class SourceResult:
         return self.new_source != self.source
 
 
+def check_syntax(source: str, what: str = "syntax error") -> None:
+    """Raise InputError unless CPython compiles `source` (about 6% of a LibCST parse).
+
+    Run before LibCST: it gives Python's own message and position (TabError, Python 2
+    `print x`, `async=True`, ...), rejects what the interpreter would reject even where LibCST
+    is lenient, and stops nesting deep enough to crash LibCST's native parser.
+    """
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # e.g. invalid escape sequences: not ours to report
+            compile(source, "<torchmigrate>", "exec", dont_inherit=True)
+    except SyntaxError as exc:  # includes IndentationError and TabError
+        version = "Python %d.%d" % sys.version_info[:2]
+        line = exc.lineno or 1
+        col = max((exc.offset or 1) - 1, 0)
+        raise InputError(f"{what}: {exc.msg} ({version})", line, col) from None
+    except (RecursionError, MemoryError):
+        raise InputError(f"{what}: too deeply nested to compile") from None
+    except ValueError as exc:  # e.g. "source code string cannot contain null bytes"
+        raise InputError(f"{what}: {exc}") from None
+
+
 def parse(source: str) -> cst.Module:
+    check_syntax(source)
     try:
         return cst.parse_module(source)
     except cst.ParserSyntaxError as exc:
@@ -87,18 +121,39 @@ def run_rules(module: cst.Module, path: str, options: Options, rules: Sequence[R
     return ctx
 
 
+@contextmanager
+def _deep_recursion() -> Iterator[None]:
+    """Room for deeply nested (generated) code; anything deeper is reported, not a crash."""
+    old = sys.getrecursionlimit()
+    if old < RECURSION_LIMIT:
+        sys.setrecursionlimit(RECURSION_LIMIT)
+    try:
+        yield
+    except RecursionError:
+        raise InputError("too deeply nested to process") from None
+    finally:
+        if old < RECURSION_LIMIT:
+            sys.setrecursionlimit(old)
+
+
 def process_source(source: str, path: str, options: Options, rules: Sequence[RuleType]) -> SourceResult:
     if not any(word in source for word in PREFILTER):
         return SourceResult(source, source)
     suppressions = Suppressions.scan(source)
     if suppressions.skip_file:
         return SourceResult(source, source)
+    with _deep_recursion():
+        return _process(source, path, options, rules, suppressions)
+
+
+def _process(source: str, path: str, options: Options, rules: Sequence[RuleType],
+             suppressions: Suppressions) -> SourceResult:
     module = parse(source)
     ctx = run_rules(module, path, options, rules)
     findings = ctx.findings
     if not findings:
         return SourceResult(source, source)
-    where = positions(module, [f.node for f in findings])
+    where, layout = positions_and_layout(module, [f.node for f in findings], source)
     for finding in findings:
         finding.line, finding.col = where.get(finding.node, (1, 0))
         finding.suppressed = suppressions.covers(finding.code, finding.line)
@@ -116,9 +171,24 @@ def process_source(source: str, path: str, options: Options, rules: Sequence[Rul
     new_source = source
     if edits or imports:
         new_module = apply_edits(module, edits, ctx.parents, imports, ctx.imports)
-        new_source = new_module.code
+        new_source = regenerate(new_module, layout)
+        if new_source != source:
+            _check_rewrite(new_source, findings)
     findings.sort(key=lambda f: (f.line, f.col, f.code))
     return SourceResult(source, new_source, findings)
+
+
+def _check_rewrite(new_source: str, findings: Sequence[Finding]) -> None:
+    """Never hand back code that does not compile: the input did (see `parse`), so this is a
+    rule bug; the file is left unchanged and the error names the rules that edited it."""
+    try:
+        check_syntax(new_source, "the rewritten code would not compile")
+    except InputError as exc:
+        codes = ", ".join(sorted({f.code for f in findings if f.applied})) or "none"
+        raise RewriteError(
+            f"internal error: {exc.message} at line {exc.line} of the rewritten file "
+            f"(rules applied: {codes}); the file was left unchanged, please report this",
+        ) from None
 
 
 def _normalise(ctx: Context, edits: Sequence[Edit]) -> List[Edit]:

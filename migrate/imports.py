@@ -41,7 +41,7 @@ def iter_statements(body) -> Iterator[cst.CSTNode]:
     for stmt in body:
         yield stmt
         if isinstance(stmt, cst.BaseCompoundStatement):
-            blocks = [stmt.body, getattr(stmt, "orelse", None), getattr(stmt, "finalbody", None)]
+            blocks = [getattr(stmt, "body", None), getattr(stmt, "orelse", None), getattr(stmt, "finalbody", None)]
             blocks += list(getattr(stmt, "handlers", ())) + list(getattr(stmt, "cases", ()))
             for block in blocks:
                 yield from _suite(block)

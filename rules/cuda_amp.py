@@ -10,6 +10,7 @@ from torchmigrate.finding import Safety, replace
 from torchmigrate.imports import dotted
 from torchmigrate.nodes import expr, kwarg, with_args
 from torchmigrate.rule import Example, Rule
+from torchmigrate.rules.amp import _in_taken_call, _is_attr_name, enabled_codes, policy_active, policy_takes, removal
 
 _OLD_MODULES = {"torch.cuda.amp": "cuda", "torch.cpu.amp": "cpu"}
 # Positional parameters of the deprecated callables, in order; the torch.amp versions take the
@@ -58,6 +59,12 @@ class TorchCudaAmp(Rule):
     `import torch.cuda.amp as amp`, `from torch.cuda import amp` and fully qualified use.
     Bare references that are not called (e.g. passing `torch.cuda.amp.autocast` around) are
     reported for a manual change.
+
+    In `ddp`/`amp` migrations (unless `--amp off`) the `autocast(...)`/`GradScaler(...)` calls
+    themselves belong to TM410, which turns them into the runtime's `tm.autocast(...)` /
+    `tm.GradScaler(...)`; this rule then only rewrites the imports (dropping names no longer
+    used), `custom_fwd`/`custom_bwd`, and calls TM410 cannot express (`cache_enabled=`).
+    `lint` always reports (and `--fix` modernises) every deprecated use.
     """
 
     code = "TM406"
@@ -97,20 +104,34 @@ class TorchCudaAmp(Rule):
 
     def __init__(self, ctx) -> None:
         super().__init__(ctx)
+        enabled_codes(ctx).add(self.code)
         self.handled = set()  # func nodes already rewritten as part of a call/decorator
         self.bare = []  # references that are neither called nor decorators
+        self.taken = set()  # calls TM410 rewrites to the runtime (see rules/amp.py)
+        self.deferred = []  # (import node, report function) decided in leave_Module
+        self.locals = {local for local, full in ctx.imports.names.items()
+                       if _deprecated(full) or full in _OLD_MODULES}
+        self.refs = []  # Name nodes that may refer to deprecated imports
+        # local names that can start a dotted path into torch.cuda.amp / torch.cpu.amp
+        self.heads = {local for local, full in ctx.imports.names.items()
+                      if full in ("torch", "torch.cuda", "torch.cpu") or _deprecated(full) or full in _OLD_MODULES}
 
     # --- imports --------------------------------------------------------------------
     def visit_ImportFrom(self, node: cst.ImportFrom) -> None:
         if node.relative or node.module is None or isinstance(node.names, cst.ImportStar):
             return
         module = dotted(node.module)
-        if module in _OLD_MODULES:
+        if module in _OLD_MODULES and policy_active(self.ctx):
+            self.deferred.append(node)
+        elif module in _OLD_MODULES:
             self.report(node, f"`from {module} import ...` is deprecated; import from torch.amp",
                         edits=[replace(node, lambda n: n.with_changes(module=expr("torch.amp")))])
         elif module in ("torch.cuda", "torch.cpu"):
             amp = [a for a in node.names if dotted(a.name) == "amp"]
             if not amp:
+                return
+            if policy_active(self.ctx):
+                self.deferred.append(node)
                 return
             line = self.ctx.parent(node)
             rest = [a for a in node.names if dotted(a.name) != "amp"]
@@ -127,6 +148,10 @@ class TorchCudaAmp(Rule):
 
     def visit_Import(self, node: cst.Import) -> None:
         if any(dotted(a.name) in _OLD_MODULES for a in node.names):
+            if policy_active(self.ctx):
+                self.deferred.append(node)
+                return
+
             def fix(n: cst.Import) -> cst.Import:
                 names = [a.with_changes(name=expr("torch.amp")) if dotted(a.name) in _OLD_MODULES else a
                          for a in n.names]
@@ -162,6 +187,9 @@ class TorchCudaAmp(Rule):
         if attr in _DECORATORS and isinstance(self.ctx.parent(node), cst.Decorator):
             return
         self.handled.add(node.func)
+        if policy_takes(self.ctx, node, self.ctx.resolve(node.func)):
+            self.taken.add(node)
+            return
         if attr not in ("autocast", "GradScaler"):
             self.report(node, f"torch.{device}.amp.{attr} is deprecated; use torch.amp.{attr}")
             return
@@ -179,12 +207,21 @@ class TorchCudaAmp(Rule):
                     edits=[replace(node, fix)])
 
     def visit_Attribute(self, node: cst.Attribute) -> None:
-        self._bare(node)
+        head = node.value
+        while isinstance(head, cst.Attribute):
+            head = head.value
+        if isinstance(head, cst.Name) and head.value in self.heads:
+            self._bare(node)
 
     def visit_Name(self, node: cst.Name) -> None:
-        self._bare(node)
+        if node.value in self.locals and not _is_attr_name(self.ctx, node):
+            self.refs.append(node)
+        if node.value in self.heads:
+            self._bare(node)
 
     def leave_Module(self, node: cst.Module) -> None:
+        for imp in self.deferred:
+            self._deferred_import(imp)
         for ref in self.bare:
             if ref not in self.handled:
                 found = _deprecated(self.ctx.resolve(ref))
@@ -195,13 +232,80 @@ class TorchCudaAmp(Rule):
         parent = self.ctx.parent(node)
         if isinstance(parent, cst.Attribute) and parent.value is node:
             return  # only the outermost part of a dotted name
-        if isinstance(parent, (cst.ImportAlias, cst.ImportFrom, cst.Import)) or self.ctx.enclosing(node, cst.ImportFrom, cst.Import):
-            return
         if isinstance(node, cst.Name) and isinstance(parent, cst.Attribute) and parent.attr is node:
             return
+        head = node
+        while isinstance(head, cst.Attribute):
+            head = head.value
+        if not isinstance(head, cst.Name) or head.value not in self.heads:
+            return
         found = _deprecated(self.ctx.resolve(node))
-        if found and found[1] in ("autocast", "GradScaler", *_DECORATORS):
-            self.bare.append(node)
+        if not found or found[1] not in ("autocast", "GradScaler", *_DECORATORS):
+            return
+        if isinstance(parent, (cst.ImportAlias, cst.ImportFrom, cst.Import)) or self.ctx.enclosing(node, cst.ImportFrom, cst.Import):
+            return
+        self.bare.append(node)
+
+
+    def _deferred_import(self, node) -> None:
+        """A deprecated import in a migration where TM410 rewrites the calls: drop the names only
+        those calls used, modernise the rest."""
+        drop = set(_unused_locals(self.ctx, node, self.refs, self.taken))
+        if isinstance(node, cst.Import):
+            def fix_import(n: cst.Import):
+                names = [a for a in n.names if _local(a) not in drop]
+                names = [a.with_changes(name=expr("torch.amp")) if dotted(a.name) in _OLD_MODULES else a
+                         for a in names]
+                if not names:
+                    return cst.RemovalSentinel.REMOVE
+                names[-1] = names[-1].with_changes(comma=cst.MaybeSentinel.DEFAULT)
+                return n.with_changes(names=names)
+            gone = all(_local(a) in drop for a in node.names)
+            self.report(node, "`import torch.cuda.amp` is deprecated; the runtime's AMP helpers replace it",
+                        edits=[removal(self.ctx, node) if gone else replace(node, fix_import)])
+            return
+        module = dotted(node.module)
+        if module in _OLD_MODULES:
+            def fix_from(n: cst.ImportFrom):
+                names = [a for a in n.names if _local(a) not in drop]
+                if not names:
+                    return cst.RemovalSentinel.REMOVE
+                names[-1] = names[-1].with_changes(comma=cst.MaybeSentinel.DEFAULT)
+                return n.with_changes(module=expr("torch.amp"), names=names)
+            gone = all(_local(a) in drop for a in node.names)
+            self.report(node, f"`from {module} import ...` is deprecated; the runtime's AMP helpers replace it",
+                        edits=[removal(self.ctx, node) if gone else replace(node, fix_from)])
+            return
+        # `from torch.cuda import amp[, other]`
+        amp_alias = [a for a in node.names if dotted(a.name) == "amp"][0]
+        rest = [a for a in node.names if dotted(a.name) != "amp"]
+        gone = _local(amp_alias) in drop
+
+        def fix_module(n: cst.ImportFrom):
+            if gone:
+                return _without_amp(n) if rest else cst.RemovalSentinel.REMOVE
+            return _amp_import(n) if not rest else cst.FlattenSentinel([_without_amp(n), _amp_import(n)])
+        self.report(node, f"`from {module} import amp` is deprecated; use `from torch import amp`",
+                    edits=[removal(self.ctx, node) if gone and not rest else replace(node, fix_module)])
+
+
+def _local(alias: cst.ImportAlias) -> str:
+    return alias.asname.name.value if alias.asname is not None else dotted(alias.name)
+
+
+def _unused_locals(ctx, node, refs, taken):
+    """Names bound by a deprecated import whose every use is a call TM410 rewrites."""
+    if isinstance(node.names, cst.ImportStar):
+        return []
+    out = []
+    for alias in node.names:
+        local = _local(alias)
+        if isinstance(node, cst.Import) and alias.asname is None:
+            continue  # `import torch.cuda.amp` binds `torch`
+        uses = [r for r in refs if r.value == local and not ctx.enclosing(r, cst.Import, cst.ImportFrom)]
+        if all(_in_taken_call(ctx, r, taken) for r in uses):
+            out.append(local)
+    return out
 
 
 def _amp_import(node: cst.ImportFrom) -> cst.ImportFrom:

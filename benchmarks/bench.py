@@ -1,0 +1,246 @@
+"""End-to-end timing of torchmigrate against `libcst.parse_module` alone (and TorchFix).
+
+    python benchmarks/bench.py                       # 200 generated files, 3 repeats
+    python benchmarks/bench.py --files 400 --repeat 5 --torchfix /path/to/venv/bin/torchfix
+    python benchmarks/bench.py --profile             # where the time goes, in-process (cProfile)
+
+Generates a deterministic corpus by varying `fixtures/scripts/*.py` (see corpus.py) in a
+temporary folder, then measures, each as the median of `--repeat` runs:
+
+- parse-only: read + decode + `libcst.parse_module` of every file, in-process and as a fresh
+  subprocess (interpreter start and `import libcst` included, which is what the CLI pays too);
+- `torchmigrate lint` and `torchmigrate ddp --check` end to end (subprocess, wall clock), with
+  `-j 1` and `-j 2`;
+- cold start: `torchmigrate lint one_file.py` (median of `--cold` runs);
+- peak RSS of `lint -j 1` on a quarter of the corpus vs the whole corpus (memory must be flat);
+- optionally TorchFix (`--torchfix PATH` to its console script, or found on PATH) with `-j 1`,
+  and parse-only under TorchFix's own interpreter (its libcst version may differ).
+
+The budget (2-core machine): a whole run <= 2x parse-only, cold start <= 0.35 s, flat memory,
+`-j 2` >= 1.6x faster than `-j 1`. Nothing here asserts: machines are noisy; read the numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import corpus  # noqa: E402
+
+PARSE_ONLY = r"""
+import os, sys, io, tokenize
+import libcst
+n = 0
+for root, dirs, names in os.walk(sys.argv[1]):
+    for name in sorted(names):
+        if name.endswith(".py"):
+            data = open(os.path.join(root, name), "rb").read()
+            enc, _ = tokenize.detect_encoding(io.BytesIO(data).readline)
+            libcst.parse_module(data.decode(enc))
+            n += 1
+print(n)
+"""
+
+
+def cli_command() -> List[str]:
+    exe = Path(sys.executable).with_name("torchmigrate")
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", "torchmigrate"]
+
+
+def timed(cmd: Sequence[str], ok=(0, 1)) -> Tuple[float, int]:
+    """Wall time and peak RSS (KiB) of one subprocess run."""
+    start = time.perf_counter()
+    proc = subprocess.Popen(list(cmd), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - start
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
+    if proc.stderr:
+        proc.stderr.close()
+    if proc.returncode not in ok:
+        raise SystemExit(f"command failed ({proc.returncode}): {' '.join(cmd)}\n{err[-2000:]}")
+    return wall, usage.ru_maxrss
+
+
+def median_run(cmd: Sequence[str], repeat: int, ok=(0, 1)) -> Tuple[float, int]:
+    walls, rss = [], 0
+    for _ in range(repeat):
+        wall, peak = timed(cmd, ok)
+        walls.append(wall)
+        rss = max(rss, peak)
+    return statistics.median(walls), rss
+
+
+def parse_in_process(paths: Sequence[Path], repeat: int) -> float:
+    import io
+    import tokenize
+
+    import libcst
+
+    walls = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        for path in paths:
+            data = path.read_bytes()
+            enc, _ = tokenize.detect_encoding(io.BytesIO(data).readline)
+            libcst.parse_module(data.decode(enc))
+        walls.append(time.perf_counter() - start)
+    return statistics.median(walls)
+
+
+def engine_in_process(paths: Sequence[Path], mode: str, repeat: int) -> float:
+    from torchmigrate.rule import Options
+    from torchmigrate.rules import select
+    from torchmigrate.runner import Job, process_file
+
+    codes = tuple(r.code for r in select(command=mode))
+    job = Job(Options(mode=mode), codes, write=False)
+    walls = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        for path in paths:
+            process_file(str(path), job)
+        walls.append(time.perf_counter() - start)
+    return statistics.median(walls)
+
+
+def profile(paths: Sequence[Path], mode: str, top: int = 30) -> None:
+    import cProfile
+    import pstats
+
+    from torchmigrate.rule import Options
+    from torchmigrate.rules import select
+    from torchmigrate.runner import Job, process_file
+
+    codes = tuple(r.code for r in select(command=mode))
+    job = Job(Options(mode=mode), codes, write=False)
+    for path in paths[:5]:  # warm up imports and caches
+        process_file(str(path), job)
+    prof = cProfile.Profile()
+    prof.enable()
+    for path in paths:
+        process_file(str(path), job)
+    prof.disable()
+    print(f"\n--- cProfile, {mode}, {len(paths)} files (cumulative) ---")
+    pstats.Stats(prof).sort_stats("cumulative").print_stats(top)
+    print(f"--- cProfile, {mode} (tottime) ---")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(top)
+
+
+def find_torchfix(arg: Optional[str]) -> Optional[Path]:
+    if arg:
+        return Path(arg)
+    found = shutil.which("torchfix")
+    return Path(found) if found else None
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--files", type=int, default=200)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--cold", type=int, default=15, help="runs for the cold-start median")
+    ap.add_argument("--torchfix", help="path to TorchFix's console script (default: on PATH)")
+    ap.add_argument("--no-torchfix", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="cProfile the engine in-process and exit")
+    ap.add_argument("--keep", help="generate the corpus into this folder and keep it")
+    args = ap.parse_args(argv)
+
+    tmp = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="tm-bench-"))
+    try:
+        big = tmp / "corpus"
+        small = tmp / "corpus_small"
+        if big.exists():
+            shutil.rmtree(big)
+        if small.exists():
+            shutil.rmtree(small)
+        paths = corpus.generate(big, args.files, args.seed)
+        n_small = max(1, args.files // 4)
+        corpus.generate(small, n_small, args.seed)
+        size = sum(p.stat().st_size for p in paths)
+        lines = sum(p.read_text(encoding="utf-8").count("\n") for p in paths)
+        print(f"corpus: {len(paths)} files, {lines} lines, {size / 1e6:.2f} MB (seed {args.seed}); "
+              f"python {sys.version.split()[0]}, {os.cpu_count()} CPUs")
+
+        if args.profile:
+            profile(paths, "ddp")
+            profile(paths, "lint")
+            return
+
+        tm = cli_command()
+        rows: List[Tuple[str, float]] = []
+
+        parse_inproc = parse_in_process(paths, args.repeat)
+        parse_sub, _ = median_run([sys.executable, "-c", PARSE_ONLY, str(big)], args.repeat, ok=(0,))
+        rows.append(("parse-only, in-process", parse_inproc))
+        rows.append(("parse-only, subprocess", parse_sub))
+        rows.append(("engine lint, in-process", engine_in_process(paths, "lint", args.repeat)))
+        rows.append(("engine ddp, in-process", engine_in_process(paths, "ddp", args.repeat)))
+        runs: Dict[str, float] = {}
+        for label, cmd in (
+            ("lint -j 1", [*tm, "lint", "--exit-zero", "-j", "1", str(big)]),
+            ("lint -j 2", [*tm, "lint", "--exit-zero", "-j", "2", str(big)]),
+            ("ddp --check -j 1", [*tm, "ddp", "--check", "-j", "1", str(big)]),
+            ("ddp --check -j 2", [*tm, "ddp", "--check", "-j", "2", str(big)]),
+        ):
+            wall, _ = median_run(cmd, args.repeat)
+            runs[label] = wall
+            rows.append((f"torchmigrate {label}", wall))
+
+        tf = None if args.no_torchfix else find_torchfix(args.torchfix)
+        tf_parse = None
+        if tf is not None and tf.exists():
+            wall, _ = median_run([str(tf), "-j", "1", str(big)], args.repeat, ok=(0, 1))
+            rows.append(("TorchFix -j 1", wall))
+            tf_python = tf.with_name("python")
+            if tf_python.exists():
+                tf_parse, _ = median_run([str(tf_python), "-c", PARSE_ONLY, str(big)], args.repeat, ok=(0,))
+                rows.append(("parse-only, subprocess, TorchFix's python/libcst", tf_parse))
+            runs["TorchFix -j 1"] = wall
+
+        print(f"\n{'what':<52} {'seconds':>8} {'files/s':>8} {'x parse':>8}")
+        for label, wall in rows:
+            base = parse_inproc if "in-process" in label else parse_sub
+            if label.startswith("parse-only, subprocess, TorchFix") or label.startswith("TorchFix"):
+                base = tf_parse or parse_sub
+            print(f"{label:<52} {wall:8.3f} {len(paths) / wall:8.1f} {wall / base:8.2f}")
+
+        print()
+        for cmd in ("lint", "ddp --check"):
+            j1, j2 = runs[f"{cmd} -j 1"], runs[f"{cmd} -j 2"]
+            print(f"{cmd}: -j 2 speed-up over -j 1: {j1 / j2:.2f}x")
+        if "TorchFix -j 1" in runs:
+            print(f"TorchFix -j 1 / torchmigrate lint -j 1: {runs['TorchFix -j 1'] / runs['lint -j 1']:.1f}x")
+
+        one = paths[0]
+        colds = [timed([*tm, "lint", "--exit-zero", str(one)])[0] for _ in range(args.cold)]
+        bare = statistics.median(timed([sys.executable, "-c", "pass"], ok=(0,))[0] for _ in range(args.cold))
+        imp = statistics.median(timed([sys.executable, "-c", "import libcst"], ok=(0,))[0] for _ in range(args.cold))
+        print(f"\ncold start `torchmigrate lint one_file.py`: median {statistics.median(colds):.3f} s "
+              f"(min {min(colds):.3f}); for scale: `python -c pass` {bare:.3f} s, "
+              f"`python -c 'import libcst'` {imp:.3f} s")
+
+        _, rss_small = median_run([*tm, "lint", "--exit-zero", "-j", "1", str(small)], 1)
+        _, rss_big = median_run([*tm, "lint", "--exit-zero", "-j", "1", str(big)], 1)
+        _, rss_ddp_small = median_run([*tm, "ddp", "--check", "-j", "1", str(small)], 1)
+        _, rss_ddp_big = median_run([*tm, "ddp", "--check", "-j", "1", str(big)], 1)
+        print(f"peak RSS, lint -j 1: {n_small} files {rss_small / 1024:.1f} MiB, "
+              f"{len(paths)} files {rss_big / 1024:.1f} MiB")
+        print(f"peak RSS, ddp --check -j 1: {n_small} files {rss_ddp_small / 1024:.1f} MiB, "
+              f"{len(paths)} files {rss_ddp_big / 1024:.1f} MiB")
+    finally:
+        if not args.keep:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

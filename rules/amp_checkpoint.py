@@ -1,0 +1,158 @@
+"""TM503: the GradScaler's state goes into checkpoints next to the optimizer's."""
+
+from __future__ import annotations
+
+from typing import List, Optional, Set
+
+import libcst as cst
+
+from torchmigrate import analysis
+from torchmigrate.finding import Safety, insert_after, replace
+from torchmigrate.imports import dotted
+from torchmigrate.nodes import code, expr, stmt
+from torchmigrate.rule import Example
+from torchmigrate.rules.amp import (APEX_AMP, AmpRule, _looks_like_optimizer, calls_by_method, line_of, method_name, plan, receiver,
+                                    scaler_visible)
+
+KEY = '"scaler"'
+
+
+def _optimizer_names(ctx) -> Set[str]:
+    return {o.target for o in analysis.optimizers(ctx) if o.target}
+
+
+def _is_optimizer(name: Optional[str], known: Set[str]) -> bool:
+    return bool(name) and (name in known or _looks_like_optimizer(name))
+
+
+class ScalerState(AmpRule):
+    """
+    ## What it does
+    When the script has a GradScaler (its own, or one the migration creates) and saves a
+    checkpoint dict holding an optimizer's state, adds `"scaler": scaler.state_dict()` next to
+    it, and after `optimizer.load_state_dict(ckpt[...])` restores it with
+    `if ckpt.get("scaler"): scaler.load_state_dict(ckpt["scaler"])`.
+
+    ## Why is this bad?
+    The loss scale adapts during training (it starts at 65536 and settles where gradients stop
+    overflowing). Without it in the checkpoint a resumed run starts over from the initial
+    scale and skips steps while it backs off again (AMP recipe, "Saving/Resuming"). The load is
+    guarded: checkpoints written before the migration have no scaler entry, and one saved with
+    the scaler disabled (bf16, CPU) holds an empty state that an enabled scaler refuses.
+
+    ## Limitations
+    Checkpoints built in another module, or dicts built with `dict(...)`, are not changed.
+    apex's `amp.state_dict()` entries are kept under their key (TM407 points them at the scaler).
+    """
+
+    code = "TM503"
+    name = "scaler-state"
+    summary = "Save and restore the GradScaler state in checkpoints"
+    safety = Safety.SAFE
+    commands = frozenset({"ddp", "amp", "lint"})
+    examples = (
+        Example(
+            before="""
+            import torch
+            scaler = torch.amp.GradScaler("cuda")
+            ckpt = torch.load(path, map_location="cpu")
+            optimizer.load_state_dict(ckpt["optimizer"])
+            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch}, path)
+            """,
+            after="""
+            import torch
+            scaler = torch.amp.GradScaler("cuda")
+            ckpt = torch.load(path, map_location="cpu")
+            optimizer.load_state_dict(ckpt["optimizer"])
+            if ckpt.get("scaler"):
+                scaler.load_state_dict(ckpt["scaler"])
+            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(), "epoch": epoch}, path)
+            """,
+            mode="lint",
+        ),
+    )
+
+    def __init__(self, ctx) -> None:
+        super().__init__(ctx)
+        self.dicts: List[cst.Dict] = []
+
+    def visit_Dict(self, node: cst.Dict) -> None:
+        self.dicts.append(node)
+
+    def leave_Module(self, node: cst.Module) -> None:
+        ctx = self.ctx
+        p = plan(ctx)
+        if p.skip or p.scaler is None:
+            return
+        if p.scaler.new and p.scaler_owner is None:
+            return  # no rule of this run creates it
+        if ctx.options.migrating and ctx.options.amp == "off" and not p.scaler.new:
+            return
+        scaler = p.scaler.text
+        known = _optimizer_names(ctx)
+        scaler_names = {scaler} | {t for t, _ in p.existing_scalers}
+        # a scaler/apex state already restored somewhere: the file handles it
+        restored = False
+        loads = calls_by_method(ctx).get("load_state_dict", ())
+        for call, name in loads:
+            owner = dotted(receiver(call))
+            if owner in scaler_names or name == f"{APEX_AMP}.load_state_dict":
+                restored = True
+        for d in self.dicts:
+            self._save(d, scaler, known, scaler_names)
+        if restored:
+            return
+        for call, name in loads:
+            if len(call.args) != 1:
+                continue
+            if not _is_optimizer(dotted(receiver(call)), known):
+                continue
+            arg = call.args[0].value
+            if not (isinstance(arg, cst.Subscript) and isinstance(arg.value, (cst.Name, cst.Attribute))):
+                continue
+            line = line_of(ctx, call)
+            if line is None or not scaler_visible(ctx, p.scaler, call):
+                continue
+            ckpt = code(arg.value)
+            text = f'if {ckpt}.get({KEY}):\n    {scaler}.load_state_dict({ckpt}[{KEY}])\n'
+            self.report(call, f"restore the loss scale on resume: `{scaler}.load_state_dict({ckpt}[{KEY}])` "
+                              "(guarded: older checkpoints have no scaler state)",
+                        edits=[insert_after(line, [stmt(text)])])
+
+    def _save(self, d: cst.Dict, scaler: str, known: Set[str], scaler_names: Set[str]) -> None:
+        ctx = self.ctx
+        elements = list(d.elements)
+        index = None
+        for i, el in enumerate(elements):
+            if not isinstance(el, cst.DictElement):
+                continue
+            key = el.key.evaluated_value if isinstance(el.key, cst.SimpleString) else None
+            if isinstance(key, str) and ("scaler" in key.lower() or key.lower() in ("amp", "amp_state")):
+                return
+            value = el.value
+            if isinstance(value, cst.Call) and method_name(value) == "state_dict":
+                owner = dotted(receiver(value))
+                if owner in scaler_names or ctx.resolve(value.func) == f"{APEX_AMP}.state_dict":
+                    return
+                if _is_optimizer(owner, known):
+                    index = i
+        if index is None or not scaler_visible(ctx, plan(ctx).scaler, d):
+            return
+        opt = elements[index]
+
+        def fix(node: cst.Dict) -> cst.Dict:
+            els = list(node.elements)
+            anchor = els[index]
+            new = cst.DictElement(
+                key=expr(KEY), value=expr(f"{scaler}.state_dict()"),
+                whitespace_before_colon=anchor.whitespace_before_colon,
+                whitespace_after_colon=anchor.whitespace_after_colon,
+                comma=anchor.comma,
+            )
+            if anchor.comma is cst.MaybeSentinel.DEFAULT:
+                els[index] = anchor.with_changes(comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" ")))
+            els.insert(index + 1, new)
+            return node.with_changes(elements=els)
+
+        self.report(opt, f"save the loss scale with the optimizer: `{KEY}: {scaler}.state_dict()`",
+                    edits=[replace(d, fix)])

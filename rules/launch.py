@@ -1,0 +1,1139 @@
+"""Launch rules: process-group setup (TM101), `--local_rank` (TM102), symmetric collectives
+(TM104) and per-rank seeds (TM105)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Set, Tuple
+
+import libcst as cst
+
+from torchmigrate import analysis
+from torchmigrate.finding import Import, Safety, insert_after, insert_before, remove, replace, wrap
+from torchmigrate.imports import dotted
+from torchmigrate.nodes import arg, code, expr, kwarg, stmt, with_args
+from torchmigrate.rule import Context, Example, Rule
+
+INIT_PG = "torch.distributed.init_process_group"
+RUNTIME = "torchmigrate.runtime"
+SPAWN = ("torch.multiprocessing.spawn", "torch.multiprocessing.start_processes",
+         "torch.multiprocessing.spawn.spawn", "torch.multiprocessing.spawn.start_processes")
+EXIT_CALLS = ("sys.exit", "os._exit")
+EXIT_BUILTINS = ("exit", "quit")
+# A user helper that initialises the process group itself (often in another module).
+_DIST_INIT_HELPER = re.compile(
+    r"^(init|setup|initialize|initialise)_?(distributed|dist|ddp|process_group|pg)(_mode|_env|_training)?$"
+    r"|^(distributed|dist|ddp)_?(init|setup)$", re.IGNORECASE)
+_SCRIPT_METHODS = {"backward", "step", "fit", "train", "run", "main", "train_model", "evaluate"}
+
+
+# --- where setup goes ------------------------------------------------------------------------
+
+@dataclass
+class SetupPlan:
+    kind: str  # "main-guard" or "top-level"
+    guard: Optional[cst.If] = None
+    entry: Optional[analysis.Entry] = None
+    # main-guard scripts that build their model/optimizer at module level: setup goes after
+    # the last import (`setup_after`, or before `setup_before`), cleanup stays in the guard.
+    setup_after: Optional[cst.CSTNode] = None
+    setup_before: Optional[cst.CSTNode] = None
+
+    @property
+    def setup_in_guard(self) -> bool:
+        return self.setup_after is None and self.setup_before is None
+
+
+def _top_anchor(ctx: Context):
+    """(after, before): after the last top-level import preceding the first def/class, else
+    before the first statement that is not the docstring."""
+    body = ctx.module.body
+    last = None
+    for s in body:
+        if isinstance(s, (cst.FunctionDef, cst.ClassDef)):
+            break
+        if isinstance(s, cst.SimpleStatementLine) and all(isinstance(x, (cst.Import, cst.ImportFrom)) for x in s.body):
+            last = s
+    if last is not None:
+        return last, None
+    first = body[0]
+    if isinstance(first, cst.SimpleStatementLine) and isinstance(first.body[0], cst.Expr) \
+            and isinstance(first.body[0].value, (cst.SimpleString, cst.ConcatenatedString)) and len(body) > 1:
+        return first, None
+    return None, first
+
+
+def _module_level_work(ctx: Context, guard: cst.If) -> bool:
+    """Code outside functions, classes and the `__main__` guard that needs the process set up
+    first: it builds an optimizer (the model TM301 wraps there), moves something to a device,
+    or loops/runs the program."""
+    def at_module_level(node: cst.CSTNode) -> bool:
+        for anc in ctx.ancestors(node):
+            if anc is guard or isinstance(anc, (cst.FunctionDef, cst.ClassDef, cst.Lambda)):
+                return False
+        return True
+
+    for opt in analysis.optimizers(ctx):
+        if at_module_level(opt.call):
+            return True
+    for call, name in analysis.facts(ctx).calls:
+        if name is None and isinstance(call.func, cst.Attribute) and call.func.attr.value in ("to", "cuda") \
+                and at_module_level(call):
+            return True
+    rest = [s for s in ctx.module.body if s is not guard]
+    return _is_script_body(ctx, rest)
+
+
+def _is_script(ctx: Context) -> bool:
+    """A module without a `__main__` guard is a script (rather than a library module) when its
+    module-level code loops or calls something that runs the program."""
+    return _is_script_body(ctx, ctx.module.body)
+
+
+def _is_script_body(ctx: Context, statements) -> bool:
+    functions = {s.name.value for s in ctx.module.body if isinstance(s, (cst.FunctionDef, cst.ClassDef))}
+
+    def runs(call: cst.BaseExpression) -> bool:
+        if not isinstance(call, cst.Call):
+            return False
+        if isinstance(call.func, cst.Name):
+            return call.func.value in functions
+        return isinstance(call.func, cst.Attribute) and call.func.attr.value in _SCRIPT_METHODS
+
+    def check(body) -> bool:
+        for s in body:
+            if isinstance(s, (cst.FunctionDef, cst.ClassDef)):
+                continue
+            if isinstance(s, (cst.For, cst.While)):
+                return True
+            if isinstance(s, cst.SimpleStatementLine):
+                for small in s.body:
+                    if isinstance(small, cst.Expr) and runs(small.value):
+                        return True
+                    if isinstance(small, (cst.Assign, cst.AnnAssign)) and small.value is not None and runs(small.value) \
+                            and isinstance(small.value.func, cst.Attribute):
+                        return True
+            elif isinstance(s, cst.BaseCompoundStatement):
+                blocks = [s.body, getattr(s, "orelse", None), getattr(s, "finalbody", None),
+                          *getattr(s, "handlers", ())]
+                for block in blocks:
+                    while block is not None and not isinstance(block, (cst.IndentedBlock, cst.SimpleStatementSuite)):
+                        if isinstance(block, cst.If):  # elif
+                            if check([block]):
+                                return True
+                            block = None
+                            break
+                        block = getattr(block, "body", None)
+                    if isinstance(block, cst.IndentedBlock) and check(block.body):
+                        return True
+        return False
+
+    return check(statements)
+
+
+def user_sets_up_elsewhere(ctx: Context) -> bool:
+    """The file (or a helper it calls) already initialises distributed training."""
+    if analysis.is_distributed(ctx) or analysis.calls_to(ctx, INIT_PG, RUNTIME + ".setup", *SPAWN):
+        return True
+    for call, name in analysis.facts(ctx).calls:
+        func = dotted(call.func)
+        if func and _DIST_INIT_HELPER.match(func.rsplit(".", 1)[-1]):
+            return True
+    return False
+
+
+def setup_plan(ctx: Context) -> Optional[SetupPlan]:
+    """Where TM101 puts `tm.setup()`/`tm.cleanup()`, or None when this file gets none (already
+    distributed, an `mp.spawn` launcher, or a library module). TM103 uses it too: `set_device`
+    calls are redundant only in files that get `tm.setup()`."""
+    def compute() -> Optional[SetupPlan]:
+        if user_sets_up_elsewhere(ctx):
+            return None
+        guard = analysis.facts(ctx).main_guard
+        if guard is not None:
+            if _module_level_work(ctx, guard):
+                after, before = _top_anchor(ctx)
+                return SetupPlan("main-guard", guard=guard, setup_after=after, setup_before=before)
+            return SetupPlan("main-guard", guard=guard)
+        if not _is_script(ctx):
+            return None
+        entry = analysis.entry(ctx)
+        if entry is None:
+            return None
+        return SetupPlan("top-level", entry=entry)
+
+    key = "launch.setup_plan"
+    if key not in ctx.facts:
+        ctx.facts[key] = compute()
+    return ctx.facts[key]  # type: ignore[return-value]
+
+
+def _is_exit(ctx: Context, node: cst.CSTNode) -> bool:
+    """`sys.exit(...)`, `exit()`, `quit()`, `os._exit(...)` or `raise SystemExit(...)` anywhere in node."""
+    found = False
+
+    def go(n: cst.CSTNode) -> None:
+        nonlocal found
+        if found or isinstance(n, (cst.FunctionDef, cst.ClassDef, cst.Lambda)):
+            return
+        if isinstance(n, cst.Call):
+            name = ctx.resolve(n.func)
+            if name in EXIT_CALLS or (isinstance(n.func, cst.Name) and n.func.value in EXIT_BUILTINS and name is None):
+                found = True
+                return
+        if isinstance(n, cst.Raise) and n.exc is not None:
+            target = n.exc.func if isinstance(n.exc, cst.Call) else n.exc
+            if isinstance(target, cst.Name) and target.value == "SystemExit":
+                found = True
+                return
+        for child in n.children:
+            go(child)
+
+    go(node)
+    return found
+
+
+def _has_call(node: cst.CSTNode) -> bool:
+    if isinstance(node, (cst.Call, cst.Await)):
+        return True
+    return any(_has_call(child) for child in node.children)
+
+
+def _plain_exit(ctx: Context, stmt_: cst.CSTNode) -> bool:
+    """`sys.exit(0)` / `raise SystemExit(code)`: an exit whose argument runs nothing, so cleanup
+    can simply go before it."""
+    if not (isinstance(stmt_, cst.SimpleStatementLine) and len(stmt_.body) == 1 and _is_exit(ctx, stmt_)):
+        return False
+    small = stmt_.body[0]
+    if isinstance(small, cst.Expr) and isinstance(small.value, cst.Call):
+        return not any(_has_call(a.value) for a in small.value.args)
+    if isinstance(small, cst.Raise) and small.exc is not None:
+        exc = small.exc
+        return not isinstance(exc, cst.Call) or not any(_has_call(a.value) for a in exc.args)
+    return False
+
+
+def _try_finally(body: Sequence[cst.BaseStatement], final: cst.BaseStatement) -> cst.Try:
+    body = list(body)
+    return cst.Try(body=cst.IndentedBlock(body=body),
+                   finalbody=cst.Finally(body=cst.IndentedBlock(body=[final])))
+
+
+def _lift_leading_lines(stmts: List[cst.BaseStatement], wrapper: cst.BaseStatement) -> cst.BaseStatement:
+    """Comments above the first wrapped statement move above the wrapper."""
+    lead = getattr(stmts[0], "leading_lines", ())
+    if lead:
+        stmts[0] = stmts[0].with_changes(leading_lines=[])
+        wrapper = wrapper.with_changes(body=wrapper.body.with_changes(body=stmts), leading_lines=list(lead))
+    return wrapper
+
+
+class SetupProcessGroup(Rule):
+    """
+    ## What it does
+    Inserts `tm.setup()` at the program's entry point and `tm.cleanup()` at its end: as the
+    first and last statements of the `if __name__ == "__main__":` block or, in a top-level
+    script, after the last top-level import and at the end of the module. When a script with a
+    `__main__` block builds its model or optimizer (or moves tensors to the device) at module
+    level, setup goes after the last import instead, so it runs before that code, and cleanup
+    stays at the end of the block. When the entry block leaves through `sys.exit(main())` /
+    `raise SystemExit(main())`, it is wrapped in `try: ... finally: tm.cleanup()`; a plain
+    `sys.exit(0)` simply gets the cleanup before it.
+
+    `tm.setup()` reads torchrun's (or SLURM's) environment: with `LOCAL_RANK` set it pins the
+    process to its GPU (`torch.cuda.set_device`) and, when the world size is above one, creates
+    the process group (nccl with CUDA, else gloo). Run as `python train.py` it creates nothing,
+    so the migrated script still runs as one process.
+
+    Files that already call `init_process_group`/`tm.setup` (or use DDP/`DistributedSampler`,
+    or call an `init_distributed_mode()`-style helper) are left as they are; library modules
+    without a `__main__` block or top-level training code get nothing. `mp.spawn` launchers
+    are reported: torchrun starts the processes itself.
+
+    In `lint` (distributed files) it reports `mp.spawn` launchers and `init_process_group`
+    calls with hard-coded `rank=`/`world_size=` numbers or a `tcp://`/`file://` `init_method`
+    literal, which ignore the environment torchrun sets. An unconditional
+    `init_process_group()` is not reported: scripts meant only for torchrun rightly call it.
+
+    ## Why is this bad?
+    DistributedDataParallel, `DistributedSampler` and every collective need an initialised
+    process group, and under torchrun each process must use its own GPU. A bare
+    `init_process_group()` fails when the script runs without torchrun ("environment variable
+    RANK expected, but not set"); `tm.setup()` works both ways.
+
+    ## Example
+    ```python
+    if __name__ == "__main__":
+        args = parser.parse_args()
+        main(args)
+    ```
+    becomes
+    ```python
+    import torchmigrate.runtime as tm
+    if __name__ == "__main__":
+        tm.setup()
+        args = parser.parse_args()
+        main(args)
+        tm.cleanup()
+    ```
+
+    ## Limitations
+    Only the first module-level `__main__` guard is used. A script whose entry point lives in
+    another module (e.g. `from pkg import cli; cli.main()` in a library module) needs the call
+    added by hand.
+    """
+
+    code = "TM101"
+    name = "setup-pg"
+    summary = "Set up (and tear down) the process group at the program's entry point"
+    safety = Safety.SAFE
+    commands = frozenset({"ddp", "lint"})
+    examples = (
+        Example(
+            before="""
+            import torch
+
+            if __name__ == "__main__":
+                args = parser.parse_args()
+                main(args)
+            """,
+            after="""
+            import torch
+            import torchmigrate.runtime as tm
+
+            if __name__ == "__main__":
+                tm.setup()
+                args = parser.parse_args()
+                main(args)
+                tm.cleanup()
+            """,
+        ),
+        Example(
+            before="""
+            import sys
+            import torch
+
+            if __name__ == "__main__":
+                sys.exit(main())
+            """,
+            after="""
+            import sys
+            import torch
+            import torchmigrate.runtime as tm
+
+            if __name__ == "__main__":
+                tm.setup()
+                try:
+                    sys.exit(main())
+                finally:
+                    tm.cleanup()
+            """,
+        ),
+    )
+
+    def leave_Module(self, node: cst.Module) -> None:
+        ctx = self.ctx
+        distributed = analysis.is_distributed(ctx)
+        for call in analysis.calls_to(ctx, *SPAWN):
+            if ctx.options.migrating or distributed:
+                self.report(call, "mp.spawn launcher: torchrun starts one process per GPU itself; call the "
+                                  "worker once per process (rank from the LOCAL_RANK/RANK environment, "
+                                  "e.g. tm.local_rank()) and launch with `torchrun --nproc-per-node=N`")
+        if distributed:
+            for call in analysis.calls_to(ctx, INIT_PG):
+                self._check_init(call)
+        if not ctx.options.migrating:
+            return
+        plan = setup_plan(ctx)
+        if plan is None:
+            return
+        tm = ctx.tm
+        message = f"insert {tm}.setup()/{tm}.cleanup() so the script runs under torchrun (process group, one GPU per process)"
+        if plan.kind == "main-guard":
+            guard = plan.guard
+            edits = [replace(guard, lambda g: self._fix_guard(g, plan.setup_in_guard))]
+            if plan.setup_after is not None:
+                edits.append(insert_after(plan.setup_after, [stmt(f"{tm}.setup()")]))
+            elif plan.setup_before is not None:
+                edits.append(insert_before(plan.setup_before, [stmt(f"{tm}.setup()")]))
+            self.report(guard, message, edits=edits, imports=[ctx.runtime_import()])
+            return
+        entry = plan.entry
+        edits = []
+        setup = stmt(f"{tm}.setup()")
+        if entry.setup_after is not None:
+            edits.append(insert_after(entry.setup_after, [setup]))
+        else:
+            edits.append(insert_before(entry.setup_before, [setup]))
+        last = entry.cleanup_after
+        cleanup = stmt(f"{tm}.cleanup()")
+        if _plain_exit(ctx, last) and last is not entry.setup_before:
+            edits.append(insert_before(last, [cleanup]))
+        elif _is_exit(ctx, last) and last is not entry.setup_before:
+            edits.append(wrap(last, last, lambda body: _lift_leading_lines(list(body), _try_finally(body, cleanup))))
+        else:
+            edits.append(insert_after(last, [cleanup]))
+        self.report(entry.setup_after or entry.setup_before, message, edits=edits, imports=[ctx.runtime_import()])
+
+    def _fix_guard(self, guard: cst.If, with_setup: bool = True) -> cst.If:
+        tm = self.ctx.tm
+        body = guard.body
+        if isinstance(body, cst.SimpleStatementSuite):
+            stmts: List[cst.BaseStatement] = [cst.SimpleStatementLine(
+                body=[s.with_changes(semicolon=cst.MaybeSentinel.DEFAULT) if i == len(body.body) - 1 else s
+                      for i, s in enumerate(body.body)],
+                trailing_whitespace=body.trailing_whitespace)]
+            block = cst.IndentedBlock(body=[])
+        else:
+            stmts = list(body.body)
+            block = body
+        setup, cleanup = stmt(f"{tm}.setup()"), stmt(f"{tm}.cleanup()")
+        first_exit = next((i for i, s in enumerate(stmts) if _is_exit(self.ctx, s)), None)
+        if first_exit is None:
+            new = [*stmts, cleanup]
+        elif first_exit == len(stmts) - 1 and _plain_exit(self.ctx, stmts[-1]):
+            new = [*stmts[:-1], cleanup, stmts[-1]]
+        else:
+            run = stmts[first_exit:]
+            new = [*stmts[:first_exit], _lift_leading_lines(run, _try_finally(run, cleanup))]
+        if with_setup:
+            new.insert(0, setup)
+        return guard.with_changes(body=block.with_changes(body=new))
+
+    def _check_init(self, call: cst.Call) -> None:
+        problems = []
+        for name in ("rank", "world_size"):
+            a = arg(call, name)
+            if a is not None and isinstance(a.value, cst.Integer):
+                problems.append(f"`{name}={a.value.value}`")
+        method = arg(call, "init_method")
+        if method is not None and isinstance(method.value, cst.SimpleString):
+            value = method.value.evaluated_value
+            if isinstance(value, str) and value.startswith(("tcp://", "file://")):
+                problems.append(f"`init_method={method.value.value}`")
+        if problems:
+            self.report(call, f"init_process_group with hard-coded {', '.join(problems)}: under torchrun every "
+                              "process gets the same value; use the default env:// init (rank and world size "
+                              "come from RANK/WORLD_SIZE) or tm.setup()")
+
+
+# --- TM102 -------------------------------------------------------------------------------------
+
+_LOCAL_RANK_FLAGS = ("--local_rank", "--local-rank")
+
+
+def _option_strings(call: cst.Call) -> List[cst.Arg]:
+    out = []
+    for a in call.args:
+        if a.keyword is not None or a.star:
+            break
+        if not isinstance(a.value, cst.SimpleString):
+            break
+        out.append(a)
+    return out
+
+
+def _string_value(node: cst.CSTNode) -> Optional[str]:
+    if isinstance(node, cst.SimpleString):
+        try:
+            value = node.evaluated_value
+        except Exception:  # pragma: no cover - malformed literal
+            return None
+        return value if isinstance(value, str) else None
+    return None
+
+
+def _mentions_local_rank(node: cst.CSTNode) -> bool:
+    """The expression reads the LOCAL_RANK environment variable (a "LOCAL_RANK" literal)."""
+    text = code(node)
+    return '"LOCAL_RANK"' in text or "'LOCAL_RANK'" in text
+
+
+class LocalRankArg(Rule):
+    """
+    ## What it does
+    Rewrites a `--local_rank` argparse option written for `python -m torch.distributed.launch`
+    so it accepts both spellings (`--local-rank`, `--local_rank`) and defaults to the
+    `LOCAL_RANK` environment variable, keeping the old default as the fallback:
+    `parser.add_argument("--local-rank", "--local_rank", type=int,
+    default=int(os.environ.get("LOCAL_RANK", -1)))`. The destination stays `local_rank`
+    (argparse derives it from the first long option), so `args.local_rank` keeps working.
+    A missing default becomes `int(os.environ["LOCAL_RANK"]) if "LOCAL_RANK" in os.environ
+    else None`; `required=True` is dropped (torchrun never passes the flag).
+
+    ## Why is this bad?
+    torchrun passes no `--local_rank` argument at all: it only sets `LOCAL_RANK`, so
+    `args.local_rank` silently keeps its default (every process thinks it is local rank 0 and
+    uses GPU 0). Recent `torch.distributed.launch` passes `--local-rank=N`, which an option
+    spelled only `--local_rank` rejects ("unrecognized arguments: --local-rank=0").
+
+    ## Example
+    ```python
+    parser.add_argument("--local_rank", type=int, default=-1)
+    ```
+    becomes
+    ```python
+    parser.add_argument("--local-rank", "--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", -1)))
+    ```
+    """
+
+    code = "TM102"
+    name = "local-rank-arg"
+    summary = "Accept --local-rank and --local_rank and default to the LOCAL_RANK environment variable"
+    safety = Safety.SAFE
+    commands = frozenset({"ddp", "lint"})
+    examples = (
+        Example(
+            before="""
+            import argparse
+            import os
+            import torch
+            parser = argparse.ArgumentParser()
+            parser.add_argument("--local_rank", type=int, default=-1)
+            """,
+            after="""
+            import argparse
+            import os
+            import torch
+            parser = argparse.ArgumentParser()
+            parser.add_argument("--local-rank", "--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", -1)))
+            """,
+        ),
+    )
+
+    def leave_Module(self, node: cst.Module) -> None:
+        for call, _name in analysis.facts(self.ctx).calls:
+            if not (isinstance(call.func, cst.Attribute) and call.func.attr.value == "add_argument"):
+                continue
+            options = _option_strings(call)
+            values = [_string_value(a.value) for a in options]
+            if not any(v in _LOCAL_RANK_FLAGS for v in values):
+                continue
+            action = arg(call, "action")
+            if action is not None and _string_value(action.value) not in (None, "store"):
+                continue
+            self._check(call, values)
+
+    def _check(self, call: cst.Call, values: List[Optional[str]]) -> None:
+        default = arg(call, "default")
+        env_default = default is not None and _mentions_local_rank(default.value)
+        both = all(flag in values for flag in _LOCAL_RANK_FLAGS)
+        required = arg(call, "required")
+        if both and env_default and required is None:
+            return
+        os_name = self.ctx.imports.alias_for("os") or "os"
+        imports = [] if os_name != "os" else [Import("os")]
+
+        def fix(c: cst.Call) -> cst.Call:
+            args = list(c.args)
+            options = _option_strings(c)
+            vals = [_string_value(a.value) for a in options]
+            if "--local-rank" not in vals or "--local_rank" not in vals:
+                i = next(i for i, v in enumerate(vals) if v in _LOCAL_RANK_FLAGS)
+                have = options[i]
+                quote = have.value.quote
+                prefix = have.value.prefix
+                missing = "--local_rank" if vals[i] == "--local-rank" else "--local-rank"
+                comma = have.comma if isinstance(have.comma, cst.Comma) else cst.Comma(
+                    whitespace_after=cst.SimpleWhitespace(" "))
+                new = cst.Arg(value=cst.SimpleString(f"{prefix}{quote}{missing}{quote}"), comma=comma)
+                pos = args.index(have)
+                if missing == "--local-rank":
+                    args.insert(pos, new)
+                else:
+                    if have.comma is cst.MaybeSentinel.DEFAULT:
+                        args[pos] = have.with_changes(comma=comma)
+                    args.insert(pos + 1, new if pos + 1 < len(args) else new.with_changes(comma=cst.MaybeSentinel.DEFAULT))
+            args = [a for a in args if not (a.keyword is not None and a.keyword.value == "required")]
+            d = next((a for a in args if a.keyword is not None and a.keyword.value == "default"), None)
+            if d is None or not _mentions_local_rank(d.value):
+                if d is None or (isinstance(d.value, cst.Name) and d.value.value == "None"):
+                    value = expr(f'int({os_name}.environ["LOCAL_RANK"]) if "LOCAL_RANK" in {os_name}.environ else None')
+                else:
+                    value = expr(f'int({os_name}.environ.get("LOCAL_RANK", {code(d.value)}))')
+                if d is None:
+                    kinds = [a.keyword.value if a.keyword is not None else None for a in args]
+                    if "type" in kinds:
+                        index = kinds.index("type") + 1
+                    else:
+                        index = len(_option_strings(c))
+                    args.insert(index, kwarg("default", value))
+                else:
+                    args[args.index(d)] = d.with_changes(value=value)
+            return with_args(c, args)
+
+        what = []
+        if not both:
+            what.append("accept both --local-rank and --local_rank")
+        if not env_default:
+            what.append("default to the LOCAL_RANK environment variable (torchrun passes no argument)")
+        if required is not None:
+            what.append("drop required=")
+        self.report(call, "--local_rank argument from torch.distributed.launch: " + "; ".join(what),
+                    edits=[replace(call, fix)], imports=imports)
+
+
+# --- TM104 -------------------------------------------------------------------------------------
+
+COLLECTIVES = {
+    f"torch.distributed.{n}" for n in (
+        "all_reduce", "all_gather", "all_gather_object", "all_gather_into_tensor", "_all_gather_base",
+        "reduce_scatter", "reduce_scatter_tensor", "_reduce_scatter_base", "broadcast", "broadcast_object_list",
+        "reduce", "barrier", "monitored_barrier", "gather", "gather_object", "scatter", "scatter_object_list",
+        "all_to_all", "all_to_all_single", "new_group")
+} | {f"{RUNTIME}.{n}" for n in ("all_reduce", "barrier", "gather_for_metrics", "wrap_model", "setup")} | {
+    "torch.nn.parallel.DistributedDataParallel", "torch.nn.parallel.distributed.DistributedDataParallel",
+}
+# Helpers from other modules (detectron2's comm, DETR's utils, ...) that communicate.
+_COLLECTIVE_HELPERS = {"synchronize", "barrier", "all_reduce", "all_gather", "reduce_dict", "reduce_tensor",
+                       "all_reduce_mean", "reduce_mean", "reduce_loss_dict", "wait_for_everyone",
+                       "gather_for_metrics", "broadcast_object", "all_gather_object", "reduce_value"}
+_DDP_CONSTRUCTORS = ("torch.nn.parallel.DistributedDataParallel",
+                     "torch.nn.parallel.distributed.DistributedDataParallel", RUNTIME + ".wrap_model")
+_RANK_WORD = re.compile(r"(^|_)rank($|_)", re.IGNORECASE)
+_MAIN_WORD = re.compile(
+    r"^(is_)?(local_|global_|world_)?(main|master|chief|leader|rank_?0|rank_?zero|global_zero|process_zero)"
+    r"(_process|_proc|_rank|_node|_worker)?$", re.IGNORECASE)
+_RANK_CALLS = {"get_rank", "get_local_rank", "get_global_rank", "rank", "local_rank", "get_node_rank"}
+
+
+def _last(node: cst.BaseExpression) -> Optional[str]:
+    if isinstance(node, cst.Name):
+        return node.value
+    if isinstance(node, cst.Attribute):
+        return node.attr.value
+    return None
+
+
+def _is_rankish(node: cst.BaseExpression) -> bool:
+    if isinstance(node, cst.Call):
+        name = _last(node.func)
+        if name == "int" and node.args:
+            return _is_rankish(node.args[0].value)
+        return name in _RANK_CALLS
+    if isinstance(node, cst.BinaryOperation) and isinstance(node.operator, cst.Modulo):
+        return _is_rankish(node.left)
+    if isinstance(node, cst.Subscript):  # os.environ["RANK"]
+        if len(node.slice) == 1 and isinstance(node.slice[0].slice, cst.Index):
+            value = _string_value(node.slice[0].slice.value)
+            return value in ("RANK", "LOCAL_RANK", "SLURM_PROCID", "SLURM_LOCALID")
+        return False
+    name = _last(node)
+    return bool(name and _RANK_WORD.search(name) and not name.lower().startswith(("lora", "low")))
+
+
+def _is_main_predicate(node: cst.BaseExpression) -> bool:
+    if isinstance(node, cst.Call):
+        node = node.func
+    name = _last(node)
+    return bool(name and _MAIN_WORD.match(name) and name.lower() not in ("main", "master"))
+
+
+def _ints(node: cst.BaseExpression) -> Optional[Set[int]]:
+    if isinstance(node, cst.Integer):
+        return {int(node.value)}
+    if isinstance(node, cst.UnaryOperation) and isinstance(node.operator, cst.Minus) and isinstance(node.expression, cst.Integer):
+        return {-int(node.expression.value)}
+    if isinstance(node, (cst.List, cst.Tuple, cst.Set)):
+        out: Set[int] = set()
+        for el in node.elements:
+            sub = _ints(el.value)
+            if sub is None:
+                return None
+            out |= sub
+        return out
+    return None
+
+
+def _flip(p: Optional[str]) -> Optional[str]:
+    return {"main": "other", "other": "main"}.get(p, p)
+
+
+def rank_polarity(test: cst.BaseExpression) -> Optional[str]:
+    """'main' when the test holds on rank 0 only, 'other' when it excludes rank 0, 'any' when
+    it depends on the rank some other way, None when it does not look rank-dependent."""
+    if isinstance(test, cst.UnaryOperation) and isinstance(test.operator, cst.Not):
+        inner = test.expression
+        if _is_rankish(inner):
+            return "main"  # `not rank`
+        return _flip(rank_polarity(inner))
+    if isinstance(test, cst.BooleanOperation):
+        left, right = rank_polarity(test.left), rank_polarity(test.right)
+        if left and right and left != right:
+            return "any"
+        return left or right
+    if isinstance(test, cst.Comparison) and len(test.comparisons) == 1:
+        comp = test.comparisons[0]
+        left, right = test.left, comp.comparator
+        if _is_rankish(right) and not _is_rankish(left):
+            left, right = right, left
+        if not _is_rankish(left):
+            return None
+        values = _ints(right)
+        if values is None:
+            return "any"
+        op = comp.operator
+        # -1 is the "not distributed" sentinel of torch.distributed.launch scripts: a test
+        # against it alone holds on every rank of a distributed run.
+        if isinstance(op, cst.GreaterThan) and max(values) < 0 or \
+                isinstance(op, cst.GreaterThanEqual) and max(values) <= 0:
+            return None
+        if not values - {-1} and isinstance(op, (cst.Equal, cst.NotEqual, cst.In, cst.NotIn, cst.Is, cst.IsNot)):
+            return None
+        has_zero = 0 in values
+        if isinstance(op, (cst.Equal, cst.In, cst.Is)):
+            return "main" if has_zero else "other"
+        if isinstance(op, (cst.NotEqual, cst.NotIn, cst.IsNot)):
+            return "other" if has_zero else "any"
+        if isinstance(op, (cst.GreaterThan, cst.GreaterThanEqual)):
+            return "other" if min(values) >= 0 else "any"
+        if isinstance(op, (cst.LessThan, cst.LessThanEqual)):
+            return "main" if max(values) <= 1 else "any"
+        return "any"
+    if isinstance(test, cst.Call) and _is_main_predicate(test):
+        return "main"
+    if isinstance(test, (cst.Name, cst.Attribute)):
+        if _is_main_predicate(test):
+            return "main"
+        if _is_rankish(test):
+            return "other"  # `if rank:`
+    return None
+
+
+class SymmetricCollectives(Rule):
+    """
+    ## What it does
+    Reports collectives (`dist.all_reduce`, `barrier`, `all_gather`, `broadcast`, `reduce`,
+    `tm.all_reduce`, `tm.barrier`, `tm.gather_for_metrics`, DDP construction, and helpers such
+    as `comm.synchronize()`) and forward passes through a DDP-wrapped model that run only on
+    some ranks: inside `if rank == 0:`, `if args.local_rank in [-1, 0]:`,
+    `if dist.get_rank() == 0:`, `if tm.is_main():`, `if is_main_process():` (and their `else`
+    branches), or inside `except` blocks. Calls to functions of the same file that run a
+    collective or a DDP forward are reported too (one level deep).
+
+    The common "rank 0 first" pattern, a `barrier()` under `if rank != 0:` matched by one
+    under `if rank == 0:` (or in both branches of one `if`), is recognised and not reported.
+
+    ## Why is this bad?
+    A collective completes only when every rank calls it. When rank 0 alone calls
+    `all_reduce` or `barrier` (or runs a DDP forward, which may broadcast buffers), the job
+    hangs until the process-group timeout (10 minutes with NCCL by default) and then dies.
+    The same happens when an exception is caught on one rank only. Evaluate on rank 0 with
+    `tm.unwrap(model)`, or run the collective on every rank.
+
+    ## Example
+    ```python
+    if rank == 0:
+        dist.all_reduce(t)      # ranks 1..N-1 never join: hang
+    ```
+
+    ## Limitations
+    Whether a branch really differs between ranks depends on program semantics, so this rule
+    only reports (it has no fix), and it looks through one level of same-file calls.
+    """
+
+    code = "TM104"
+    name = "symmetric-collectives"
+    summary = "Collectives and DDP forwards must run on every rank, not under rank guards or in except blocks"
+    safety = Safety.MANUAL
+    commands = frozenset({"ddp", "lint"})
+    examples = (
+        Example(
+            before="""
+            import torch.distributed as dist
+            if dist.get_rank() == 0:
+                dist.all_reduce(t)
+            """,
+            after="""
+            import torch.distributed as dist
+            if dist.get_rank() == 0:
+                # TODO(torchmigrate): TM104 `dist.all_reduce` is a collective under a rank guard (`if dist.get_rank() == 0`): the other ranks never join it and the job hangs; call it on every rank
+                dist.all_reduce(t)
+            """,
+        ),
+    )
+
+    def __init__(self, ctx: Context) -> None:
+        super().__init__(ctx)
+        self.regions: Dict[cst.CSTNode, Tuple[str, str]] = {}  # block -> (polarity, description)
+
+    def visit_If(self, node: cst.If) -> None:
+        polarity = rank_polarity(node.test)
+        if polarity is None:
+            return
+        text = f"if {code(node.test)}"
+        if len(text) > 60:
+            text = text[:57] + "..."
+        self.regions[node.body] = (polarity, f"`{text}`")
+        if node.orelse is not None:
+            target = node.orelse.body if isinstance(node.orelse, cst.Else) else node.orelse
+            self.regions[target] = (_flip(polarity), f"the else branch of `{text}`")
+
+    def visit_ExceptHandler(self, node: cst.ExceptHandler) -> None:
+        self.regions[node.body] = ("except", "an `except` block")
+
+    def _region(self, node: cst.CSTNode, stop: Optional[cst.CSTNode] = None):
+        """The innermost guarded region holding node (not crossing a def), and its scope."""
+        found = None
+        for anc in self.ctx.ancestors(node):
+            if anc is stop:
+                break
+            if found is None and anc in self.regions:
+                found = self.regions[anc]
+            if isinstance(anc, (cst.FunctionDef, cst.ClassDef, cst.Lambda)):
+                return found, anc
+        return found, self.ctx.module
+
+    def _collective_name(self, call: cst.Call, name: Optional[str]) -> Optional[str]:
+        if name in COLLECTIVES:
+            return name
+        last = _last(call.func)
+        if last in _COLLECTIVE_HELPERS:
+            if name is not None and not name.startswith("torch.") and not name.startswith(RUNTIME):
+                return name  # imported helper (comm.synchronize, utils.reduce_dict)
+            if isinstance(call.func, cst.Attribute) and last in ("wait_for_everyone", "gather_for_metrics"):
+                return dotted(call.func) or last
+        return None
+
+    def leave_Module(self, node: cst.Module) -> None:
+        if not self.regions:
+            return
+        ctx = self.ctx
+        calls = analysis.facts(ctx).calls
+        ddp = self._ddp_models()
+        # Direct offenders, by enclosing function (for the one-level look through calls).
+        by_function: Dict[cst.CSTNode, List[Tuple[str, str, Optional[str]]]] = {}
+        candidates = []  # (call, what, region, scope, key)
+        functions = analysis.facts(ctx).functions
+        methods: Dict[Tuple[cst.CSTNode, str], cst.FunctionDef] = {}
+        for cls in analysis.facts(ctx).classes.values():
+            if isinstance(cls.body, cst.IndentedBlock):
+                for s in cls.body.body:
+                    if isinstance(s, cst.FunctionDef):
+                        methods[(cls, s.name.value)] = s
+        for call, name in calls:
+            what = None
+            coll = self._collective_name(call, name)
+            if coll is not None:
+                what = ("collective", dotted(call.func) or coll.rsplit(".", 1)[-1], coll.rsplit(".", 1)[-1])
+            else:
+                func = dotted(call.func)
+                if func in ddp:
+                    what = ("forward", func, None)
+            if what is None:
+                continue
+            fn = ctx.enclosing(call, cst.FunctionDef)
+            if fn is not None:
+                by_function.setdefault(fn, []).append(what)
+            region, scope = self._region(call)
+            if region is not None:
+                candidates.append((call, what, region, scope))
+        # Calls to same-file functions that communicate, made under a guard.
+        param_forwards = self._param_forwards(ddp, calls)
+        for call, name in calls:
+            if name is not None:
+                continue
+            target = None
+            if isinstance(call.func, cst.Name):
+                target = functions.get(call.func.value)
+            elif isinstance(call.func, cst.Attribute) and isinstance(call.func.value, cst.Name) \
+                    and call.func.value.value == "self":
+                cls = ctx.enclosing(call, cst.ClassDef)
+                if cls is not None:
+                    target = methods.get((cls, call.func.attr.value))
+            if target is None:
+                continue
+            region, scope = self._region(call)
+            if region is None:
+                continue
+            inner = by_function.get(target, [])
+            fname = dotted(call.func)
+            if inner:
+                kind, name, _ = inner[0]
+                candidates.append((call, ("calls" if kind == "collective" else "calls-forward", fname, name),
+                                   region, scope))
+                continue
+            forwarded = self._passes_model(call, target, ddp, param_forwards)
+            if forwarded:
+                candidates.append((call, ("calls-forward", fname, forwarded), region, scope))
+        self._report(candidates)
+
+    def _report(self, candidates) -> None:
+        # "rank 0 first": the same collective under opposite guards of one scope is symmetric.
+        polarities: Dict[Tuple[cst.CSTNode, str], Set[str]] = {}
+        for call, what, region, scope in candidates:
+            if what[0] == "collective":
+                polarities.setdefault((scope, what[2]), set()).add(region[0])
+        seen = set()
+        for call, what, region, scope in candidates:
+            if call in seen:
+                continue
+            seen.add(call)
+            if what[0] == "collective" and {"main", "other"} <= polarities.get((scope, what[2]), set()):
+                continue
+            where = region[1]
+            if region[0] == "except":
+                consequence = "if only some ranks raise, the others wait for it forever; call it on every rank or re-raise"
+            else:
+                consequence = "the other ranks never join it and the job hangs; call it on every rank"
+            if what[0] == "collective":
+                msg = f"`{what[1]}` is a collective under a rank guard ({where}): {consequence}"
+                if region[0] == "except":
+                    msg = f"`{what[1]}` is a collective inside {where}: {consequence}"
+            elif what[0] == "forward":
+                msg = (f"forward through the DDP model `{what[1]}` only on some ranks ({where}) can hang (DDP syncs "
+                       f"buffers/gradients); use `tm.unwrap({what[1]})` for rank-0-only evaluation, or run it on every rank")
+            elif what[0] == "calls":
+                msg = f"`{what[1]}()` runs the collective `{what[2]}` but is called under a rank guard ({where}): {consequence}"
+            else:
+                msg = (f"`{what[1]}()` runs a forward through the DDP model `{what[2]}` but is called under a rank guard "
+                       f"({where}): it can hang; evaluate through `tm.unwrap({what[2]})` for rank-0-only work, or call it on every rank")
+            self.report(call, msg)
+
+    def _ddp_models(self) -> Set[str]:
+        ctx = self.ctx
+        names: Set[str] = set()
+        for call in analysis.calls_to(ctx, *_DDP_CONSTRUCTORS):
+            parent = ctx.parent(call)
+            if isinstance(parent, cst.Assign):
+                for t in parent.targets:
+                    name = dotted(t.target)
+                    if name:
+                        names.add(name)
+        if ctx.options.mode == "ddp":
+            names.update(analysis.trained_models(ctx))
+        return names
+
+    def _param_forwards(self, ddp: Set[str], calls) -> Dict[cst.CSTNode, Set[str]]:
+        """For each function, the parameter names it calls like a model (`model(x)`)."""
+        if not ddp:
+            return {}
+        out: Dict[cst.CSTNode, Set[str]] = {}
+        for call, name in calls:
+            if name is None and isinstance(call.func, cst.Name):
+                fn = self.ctx.enclosing(call, cst.FunctionDef)
+                if fn is not None:
+                    params = {p.name.value for p in fn.params.params} | {p.name.value for p in fn.params.kwonly_params}
+                    if call.func.value in params:
+                        out.setdefault(fn, set()).add(call.func.value)
+        return out
+
+    def _passes_model(self, call: cst.Call, target: cst.FunctionDef, ddp: Set[str],
+                      param_forwards: Dict[cst.CSTNode, Set[str]]) -> Optional[str]:
+        called = param_forwards.get(target)
+        if not called:
+            return None
+        params = [p.name.value for p in target.params.params]
+        if params and params[0] in ("self", "cls") and isinstance(call.func, cst.Attribute):
+            params = params[1:]
+        positional = [a for a in call.args if a.keyword is None and not a.star]
+        for i, a in enumerate(call.args):
+            name = dotted(a.value)
+            if name not in ddp:
+                continue
+            if a.keyword is not None:
+                param = a.keyword.value
+            elif a.star:
+                continue
+            else:
+                index = positional.index(a)
+                param = params[index] if index < len(params) else None
+            if param in called:
+                return name
+        return None
+
+
+# --- TM105 -------------------------------------------------------------------------------------
+
+SEEDERS = {
+    "torch.manual_seed", "torch.random.manual_seed", "torch.cuda.manual_seed", "torch.cuda.manual_seed_all",
+    "random.seed", "numpy.random.seed",
+}
+
+
+def _dotted_names(node: cst.CSTNode) -> List[str]:
+    """`a`, `self.x`: the variables an expression reads (outermost dotted chains)."""
+    name = dotted(node) if isinstance(node, (cst.Name, cst.Attribute)) else None
+    if name is not None:
+        return [name]
+    out: List[str] = []
+    for child in node.children:
+        out += _dotted_names(child)
+    return out
+
+
+class PerRankSeed(Rule):
+    """
+    ## What it does
+    Suggests replacing a group of global seeding statements (`torch.manual_seed(s)`,
+    `torch.cuda.manual_seed_all(s)`, `random.seed(s)`, `np.random.seed(s)`, adjacent in one
+    block) with one `tm.seed_everything(s, per_rank=True)` call, which seeds `random`, numpy
+    and torch with `s + rank`. The fix is unsafe (it changes the random streams), so it is
+    applied only by `lint --unsafe-fixes`; a migration reports it with a TODO. Seeds that
+    already depend on the rank (`args.seed + rank`) are left alone. Fires in distributed
+    files, and on every file in `ddp`.
+
+    ## Why is this bad?
+    With the same seed every rank draws the same random augmentations, dropout masks and
+    noise, so N ranks see N copies of one random stream instead of N independent ones. Model
+    weights do not need a shared seed: DDP broadcasts rank 0's parameters when it wraps the
+    model, and `DistributedSampler` shuffles with its own seed.
+
+    ## Example
+    ```python
+    torch.manual_seed(args.seed)
+    random.seed(args.seed)
+    ```
+    becomes (with `--unsafe-fixes`)
+    ```python
+    tm.seed_everything(args.seed, per_rank=True)
+    ```
+
+    ## Limitations
+    Code that relies on identical global random draws on every rank (a `random_split` of the
+    dataset, a randomly generated validation set, modules created after seeding but never
+    wrapped in DDP) must use an explicit `torch.Generator` before taking the fix.
+    """
+
+    code = "TM105"
+    name = "per-rank-seed"
+    summary = "Seed each rank differently so ranks draw different random augmentations"
+    safety = Safety.UNSAFE
+    commands = frozenset({"ddp", "lint"})
+    examples = (
+        Example(
+            before="""
+            import random
+            import torch
+            torch.manual_seed(args.seed)
+            random.seed(args.seed)
+            """,
+            after="""
+            import random
+            import torch
+            # TODO(torchmigrate): TM105 every rank uses the same seed (identical augmentations/dropout on all ranks): use `tm.seed_everything(args.seed, per_rank=True)` (unsafe: changes the random streams; keep dataset splits on an explicit generator)
+            torch.manual_seed(args.seed)
+            random.seed(args.seed)
+            """,
+        ),
+    )
+
+    def __init__(self, ctx: Context) -> None:
+        super().__init__(ctx)
+        self._assign_index: Optional[Dict[str, List[cst.BaseExpression]]] = None
+
+    def leave_Module(self, node: cst.Module) -> None:
+        ctx = self.ctx
+        if not (ctx.options.mode == "ddp" or analysis.is_distributed(ctx)):
+            return
+        seeds = analysis.calls_to(ctx, *SEEDERS)
+        seen: Set[cst.CSTNode] = set()
+        for call in seeds:
+            line = self._line(call)
+            if line is None or line in seen:
+                continue
+            group = self._group(line)
+            seen.update(group)
+            self._report_group(group)
+        for call in analysis.calls_to(ctx, RUNTIME + ".seed_everything"):
+            if arg(call, "per_rank", 1) is None and not any(a.star for a in call.args):
+                if self._rank_dependent(call):
+                    continue
+                self.report(call, "tm.seed_everything without per_rank: every rank draws the same random numbers; "
+                                  "pass per_rank=True (unsafe: changes the random streams)",
+                            edits=[replace(call, lambda c: with_args(c, [*c.args, kwarg("per_rank", expr("True"))]))])
+
+    def _is_seed_line(self, line: cst.CSTNode) -> bool:
+        if not isinstance(line, cst.SimpleStatementLine):
+            return False
+        for small in line.body:
+            if not (isinstance(small, cst.Expr) and isinstance(small.value, cst.Call)
+                    and self.ctx.resolve(small.value.func) in SEEDERS):
+                return False
+        return True
+
+    def _line(self, call: cst.Call) -> Optional[cst.SimpleStatementLine]:
+        parent = self.ctx.parent(call)
+        if not isinstance(parent, cst.Expr):
+            return None
+        line = self.ctx.parent(parent)
+        return line if self._is_seed_line(line) else None
+
+    def _group(self, line: cst.SimpleStatementLine) -> List[cst.SimpleStatementLine]:
+        block = self.ctx.parent(line)
+        body = list(getattr(block, "body", ()))
+        if line not in body:
+            return [line]
+        i = body.index(line)
+        group = [line]
+        for nxt in body[i + 1:]:
+            if not self._is_seed_line(nxt):
+                break
+            group.append(nxt)
+        return group
+
+    def _seed_value(self, call: cst.Call) -> Optional[cst.BaseExpression]:
+        a = arg(call, "seed", 0)
+        if a is None or len(call.args) != 1:
+            return None
+        return a.value
+
+    def _rank_dependent(self, call: cst.Call) -> bool:
+        """The seed already differs per rank: `seed + rank`, or a variable assigned from the rank
+        (`seed = args.seed + utils.get_rank()`, `self.seed_offset = ddp_rank`)."""
+        a = arg(call, "seed", 0)
+        if a is None:
+            return False
+        if "rank" in code(a.value).lower():
+            return True
+        index = self._assigned()
+        for name in _dotted_names(a.value):
+            if any("rank" in code(value).lower() for value in index.get(name, ())):
+                return True
+        return False
+
+    def _assigned(self) -> Dict[str, List[cst.BaseExpression]]:
+        """Assigned values by dotted target name, built once."""
+        if self._assign_index is None:
+            self._assign_index = {}
+            for assign in analysis.facts(self.ctx).assigns:
+                for t in assign.targets:
+                    name = dotted(t.target)
+                    if name:
+                        self._assign_index.setdefault(name, []).append(assign.value)
+        return self._assign_index
+
+    def _report_group(self, group: List[cst.SimpleStatementLine]) -> None:
+        calls = [small.value for line in group for small in line.body]
+        if any(self._rank_dependent(c) for c in calls):
+            return
+        values = [self._seed_value(c) for c in calls]
+        texts = {code(v) for v in values if v is not None}
+        tm = self.ctx.tm
+        first = calls[0]
+        if None in values or len(texts) != 1:
+            self.report(first, f"every rank uses the same seed (identical augmentations/dropout on all ranks): "
+                               f"seed with `{tm}.seed_everything(seed, per_rank=True)` (adds the rank)",
+                        statement=group[0])
+            return
+        seed = values[0]
+        seed_text = code(seed)
+
+        # Comments on the lines that go move above the one call that replaces them.
+        moved: List[cst.EmptyLine] = []
+        for line in group[1:]:
+            moved += [ln for ln in line.leading_lines if ln.comment is not None]
+            if line.trailing_whitespace.comment is not None:
+                moved.append(cst.EmptyLine(comment=line.trailing_whitespace.comment))
+
+        def fix(line: cst.SimpleStatementLine) -> cst.SimpleStatementLine:
+            call = expr(f"{tm}.seed_everything(__seed__, per_rank=True)")
+            call = call.with_changes(args=[call.args[0].with_changes(value=seed), call.args[1]])
+            return line.with_changes(body=[cst.Expr(call)], leading_lines=[*line.leading_lines, *moved])
+
+        edits = [replace(group[0], fix)] + [remove(line) for line in group[1:]]
+        self.report(first, f"every rank uses the same seed (identical augmentations/dropout on all ranks): use "
+                           f"`{tm}.seed_everything({seed_text}, per_rank=True)` (unsafe: changes the random streams; "
+                           f"keep dataset splits on an explicit generator)",
+                    edits=edits, imports=[self.ctx.runtime_import()], statement=group[0])

@@ -1,0 +1,1816 @@
+"""TM301-TM306: wrapping trained models in DDP, and what the wrap changes.
+
+One shared plan (`plan(ctx)`, computed once per file after the walk and cached on the context)
+decides for the whole file which models an optimizer trains, which of them are already wrapped
+(DDP, `tm.wrap_model`, apex DDP, `nn.DataParallel`, FSDP/Accelerate/DeepSpeed...), where each new
+`tm.wrap_model` goes, what happens to `nn.DataParallel`, and which attribute accesses must go
+through `tm.unwrap`. Each rule reports its own part of the plan, so whatever subset of the rules
+is enabled, every trained model ends up wrapped exactly once:
+
+- TM301 inserts `model = tm.wrap_model(model)` before the statement that builds the model's
+  optimizer (or before the call of a same-file helper that builds it from the model);
+- TM306 removes `nn.DataParallel` when TM301 wraps the same name in the same scope, else turns
+  it into `tm.wrap_model(...)` in place;
+- TM304 (`--sync-bn`) and the unused-parameter analysis of TM303 only add keyword arguments to
+  that one wrap statement.
+
+The plan publishes the wrapped names as `ctx.facts["wrapped_models"]` (also
+`analysis.wrapped_models(ctx)`, which computes the plan on demand for rules that run earlier) and
+the Attribute nodes TM302 rewrites as `ctx.facts["unwrapped_attrs"]`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Set, Tuple
+
+import libcst as cst
+
+from torchmigrate.analysis import Optimizer, facts, is_distributed, model_root, optimizers
+from torchmigrate.finding import Safety, insert_after, insert_before, remove, replace, replace_with
+from torchmigrate.imports import dotted, iter_statements
+from torchmigrate.nodes import arg as call_arg
+from torchmigrate.nodes import code, expr, kwarg, set_kwarg, stmt, with_args
+from torchmigrate.rule import Context, Example, Rule
+
+CODES = ("TM301", "TM302", "TM303", "TM304", "TM305", "TM306")
+
+_DDP = {"torch.nn.parallel.DistributedDataParallel", "torch.nn.parallel.distributed.DistributedDataParallel"}
+_APEX_DDP = {"apex.parallel.DistributedDataParallel", "apex.parallel.distributed.DistributedDataParallel"}
+_TM_WRAP = "torchmigrate.runtime.wrap_model"
+_TM_UNWRAP = "torchmigrate.runtime.unwrap"
+_DP = {"torch.nn.DataParallel", "torch.nn.parallel.DataParallel", "torch.nn.parallel.data_parallel.DataParallel"}
+_DP_FUNCTIONAL = {"torch.nn.parallel.data_parallel", "torch.nn.parallel.data_parallel.data_parallel"}
+_OTHER_WRAPS = (
+    "torch.distributed.fsdp.", "torch.distributed._composable.", "torch.distributed.tensor.parallel.",
+    "deepspeed.initialize", "fairscale.", "horovod.", "torch_xla.",
+)
+# Files driven by a framework that wraps models itself: never add a wrap there.
+_FRAMEWORKS = ("accelerate", "lightning", "pytorch_lightning", "deepspeed", "horovod", "colossalai",
+               "torch_xla", "fairscale", "ignite.distributed", "composer")
+_SYNC_BN = ("torch.nn.SyncBatchNorm.convert_sync_batchnorm", "apex.parallel.convert_syncbn_model")
+
+# Methods that return the module itself (`model.cuda()`, `Net().to(device)`).
+_MOVES = {"to", "cuda", "cpu", "float", "half", "double", "bfloat16", "train", "eval", "requires_grad_",
+          "share_memory", "xpu", "type", "to_empty"}
+# nn.Module / DDP API that works the same on the DDP wrapper: never rewritten by TM302.
+_MODULE_API = {
+    "forward", "parameters", "named_parameters", "buffers", "named_buffers", "children",
+    "named_children", "modules", "named_modules", "train", "eval", "to", "to_empty", "cuda", "cpu",
+    "xpu", "ipu", "mtia", "zero_grad", "requires_grad_", "apply", "half", "float", "double",
+    "bfloat16", "type", "share_memory", "add_module", "extra_repr", "training", "compile",
+    "dump_patches", "call_super_init",
+    # DistributedDataParallel's own API
+    "no_sync", "join", "join_hook", "join_device", "join_process_group", "register_comm_hook",
+    "device_ids", "output_device", "process_group", "broadcast_buffers", "find_unused_parameters",
+    "gradient_as_bucket_view", "static_graph", "reducer", "require_backward_grad_sync",
+    "require_forward_param_sync", "will_sync_module_buffers", "gather", "scatter", "to_kwargs",
+    "bucket_bytes_cap", "module",
+}
+_STATE = ("state_dict", "load_state_dict")
+_CONFIGISH = {"args", "opt", "opts", "cfg", "config", "conf", "hparams", "hp", "params", "flags", "FLAGS",
+              "settings", "options", "self.args", "self.cfg", "self.config", "self.opt", "self.hparams",
+              "self.params", "self.options"}
+# Layers without parameters: using them conditionally in forward() is harmless for DDP.
+_PARAMLESS = re.compile(
+    r"(Loss|ReLU\d*|GELU|SiLU|Mish|Tanh|Sigmoid|Softmax\d*d?|LogSoftmax|Softplus|Softsign|Hardswish|"
+    r"Hardsigmoid|Hardtanh|ELU|SELU|CELU|GLU|LeakyReLU|Threshold|Identity|Dropout\d*d?|AlphaDropout|"
+    r"\w*Pool\d*d|Flatten|Unflatten|Upsample\w*|PixelShuffle|PixelUnshuffle|\w*Pad\d*d|ChannelShuffle|"
+    r"CosineSimilarity|PairwiseDistance)$")
+_FREEZE = re.compile(r"requires_grad\s*=\s*False|requires_grad_\(\s*(requires_grad\s*=\s*)?False\s*\)")
+_UNFREEZE = re.compile(r"requires_grad\s*=\s*True|requires_grad_\(\s*(requires_grad\s*=\s*)?(True)?\s*\)")
+_WORLD = re.compile(r"world|n_?gpus?\b|num_gpus|ngpus|nprocs|n_procs|num_processes|num_replicas|"
+                    r"num_nodes|nnodes|get_world_size|device_count", re.IGNORECASE)
+_EMA = re.compile(r"EMA|Ema|AveragedModel|MovingAverage")
+_BN_TORCHVISION = re.compile(r"resne|wide_resnet|densenet|mobilenet|efficientnet|regnet|inception|googlenet|"
+                             r"shufflenet|mnasnet|_bn$|deeplab|fcn_|lraspp|__dict__")
+
+
+# --- small helpers -------------------------------------------------------------------------
+
+def _strip(node: cst.BaseExpression) -> cst.BaseExpression:
+    """`Net().to(device).cuda()` -> `Net()`; `model.cuda()` -> `model`."""
+    while isinstance(node, cst.Call) and isinstance(node.func, cst.Attribute) and node.func.attr.value in _MOVES:
+        node = node.func.value
+    return node
+
+
+def _wrapped_arg(call: cst.Call) -> Optional[cst.Arg]:
+    return call_arg(call, "module", 0) or call_arg(call, "model")
+
+
+def _targets(node: cst.BaseAssignTargetExpression, value: Optional[cst.BaseExpression]):
+    """(dotted target, value expression or None) pairs, unpacking `a, b = A(), B()`."""
+    if isinstance(node, (cst.Tuple, cst.List)):
+        values = None
+        if isinstance(value, (cst.Tuple, cst.List)) and len(value.elements) == len(node.elements):
+            values = [e.value for e in value.elements]
+        for i, element in enumerate(node.elements):
+            yield from _targets(element.value, values[i] if values else None)
+    else:
+        name = dotted(node)
+        if name:
+            yield name, value
+
+
+def _mentions(text: str, name: str) -> bool:
+    return re.search(r"(?<![\w.])" + re.escape(name) + r"\b", text) is not None
+
+
+@dataclass
+class Wrap:
+    """A binding that holds a wrapped model after the migration."""
+
+    name: str
+    kind: str  # new | ddp | apex | tm | dp | helper-<kind>
+    scope: cst.CSTNode  # function or module (the method, for `self.x`)
+    klass: Optional[cst.ClassDef]
+    boundary: cst.CSTNode  # statement: accesses from / past it see the wrapped model
+    inclusive: bool  # True: the boundary statement itself is after the wrap
+    statement: Optional[cst.CSTNode] = None  # the existing wrap statement (never rewritten)
+    call: Optional[cst.Call] = None  # the existing wrap call
+    arg: Optional[str] = None  # dotted name of the module it wraps
+
+    @property
+    def full(self) -> bool:
+        """`.module`, `state_dict()` and custom attributes all go through `tm.unwrap` (the binding
+        is a `tm.wrap_model` result: DDP under torchrun, the bare module in one process)."""
+        return self.kind.rsplit("-", 1)[-1] in ("new", "tm", "apex", "dp")
+
+
+@dataclass
+class NewWrap:
+    name: str
+    opt: Optimizer
+    scope: cst.CSTNode
+    klass: Optional[cst.ClassDef]
+    anchor: cst.CSTNode
+    after: bool = False
+    def_stmt: Optional[cst.CSTNode] = None
+    bn: bool = False
+    sync_bn: bool = False
+    find_unused: str = ""  # why find_unused_parameters=True is needed
+    dp: Optional["DPSite"] = None
+
+
+@dataclass
+class DPSite:
+    wrap: Wrap
+    outer: cst.BaseExpression  # the DataParallel call with any `.cuda()`/`.to()` chain
+    action: str = "keep"  # keep | remove | replace-if | move | inplace
+    target: Optional[cst.CSTNode] = None  # statement removed / replaced
+    note_stmt: Optional[cst.CSTNode] = None
+    conditional: bool = False
+    small: Optional[cst.CSTNode] = None  # the small statement holding the DataParallel call
+    wrap_after: bool = False  # collapse: append `name = tm.wrap_model(name)` after the else body
+    bn: bool = False
+    sync_bn: bool = False
+    find_unused: str = ""
+
+
+@dataclass
+class AttrRewrite:
+    node: cst.Attribute
+    name: str
+    attr: str
+    owner: str  # rule code that reports it
+    dp: bool = False
+
+
+# --- the plan ------------------------------------------------------------------------------
+
+def plan(ctx: Context) -> "Plan":
+    found = ctx.facts.get("model_plan")
+    if found is None:
+        found = Plan(ctx)
+        ctx.facts["model_plan"] = found
+    return found  # type: ignore[return-value]
+
+
+class Plan:
+    def __init__(self, ctx: Context) -> None:
+        self.ctx = ctx
+        self.f = facts(ctx)
+        enabled = ctx.facts.get("model_rules", set())
+        mode = ctx.options.mode
+        distributed = is_distributed(ctx)
+        self.active = {c: c in enabled and (mode == "ddp" or (mode == "lint" and (distributed or c == "TM306")))
+                       for c in CODES}
+        self.framework = any(ctx.imports.imports_module(m) for m in _FRAMEWORKS)
+        self.tm = ctx.tm
+        self._order: Dict[cst.CSTNode, int] = {}
+        self._last: Dict[cst.CSTNode, int] = {}
+        self._assigns: Dict[str, List[Tuple[cst.CSTNode, Optional[cst.BaseExpression]]]] = {}
+        self._bn_cache: Dict[cst.CSTNode, bool] = {}
+        self._text_cache: Dict[cst.CSTNode, str] = {}
+        self._delegated: Optional[Set[cst.CSTNode]] = None
+        self._final: Optional[List[Wrap]] = None
+        self._fscope: Dict[cst.CSTNode, cst.CSTNode] = {}
+        self._assigned: Optional[Dict[cst.CSTNode, Set[str]]] = None
+        self._freeze_sites: Optional[tuple] = None
+        self.wraps: List[Wrap] = []
+        self.covered: Set[Tuple[str, cst.CSTNode]] = set()  # wrapped by anything
+        self.covered_not_dp: Set[Tuple[str, cst.CSTNode]] = set()  # ... by anything but DataParallel
+        self.new: List[NewWrap] = []
+        self.manual301: List[Tuple[cst.CSTNode, str, Optional[cst.CSTNode]]] = []
+        self.device_fixes: List[Tuple[cst.Call, List[Tuple[cst.CSTNode, str]]]] = []
+        self.dp_sites: List[DPSite] = []
+        self.dp_functional: List[cst.Call] = []
+        self.rewrites: List[AttrRewrite] = []
+        self.notes: Dict[str, List[Tuple[cst.CSTNode, str, Optional[cst.CSTNode]]]] = {c: [] for c in CODES}
+        self.sync_bn_fixes: List[Tuple[cst.CSTNode, str, list]] = []
+        self.sync_bn_applies = (ctx.options.mode == "ddp" and ctx.options.sync_bn) or (
+            ctx.options.mode == "lint" and ctx.options.unsafe_fixes)
+        self.has_sync_bn = bool(analysis_calls(ctx, *_SYNC_BN))
+
+        self.error: Optional[str] = None
+        try:
+            self._index()
+            self._existing()
+            if self.active["TM301"] and not self.framework:
+                self._plan_new()
+            self._plan_dp()
+            self._unused_and_bn()
+            self._attributes()
+            self._lr_notes()
+        except Exception as exc:  # never lose the rest of the migration to a model-rule bug
+            if os.environ.get("TORCHMIGRATE_DEBUG"):
+                raise
+            self._reset(f"{type(exc).__name__}: {exc}")
+        names: List[str] = []
+        for w in self.final_wraps():
+            if w.name not in names:
+                names.append(w.name)
+        self.wrapped_names = names
+        ctx.facts["wrapped_models"] = names
+        ctx.facts["unwrapped_attrs"] = {r.node for r in self.rewrites}
+
+    def _reset(self, error: str) -> None:
+        """Give up on the whole plan: change nothing, report one manual finding (TM301)."""
+        self.error = error
+        self.wraps, self.new, self.dp_sites, self.dp_functional, self.rewrites = [], [], [], [], []
+        self.device_fixes, self.sync_bn_fixes, self.manual301 = [], [], []
+        self.notes = {c: [] for c in CODES}
+        self._final = []
+        self.manual301.append((self.ctx.module.body[0] if self.ctx.module.body else self.ctx.module,
+                               f"could not analyse the models of this file ({error}): wrap each trained model "
+                               f"with `{self.tm}.wrap_model(model)` before creating its optimizer", None))
+
+    # --- indexes -----------------------------------------------------------------------
+    def _index(self) -> None:
+        for i, s in enumerate(iter_statements(self.ctx.module.body)):
+            self._order[s] = i
+        for a in self.f.assigns:
+            for t in a.targets:
+                for name, value in _targets(t.target, a.value):
+                    self._assigns.setdefault(name, []).append((a, value))
+
+    def idx(self, statement: Optional[cst.CSTNode]) -> int:
+        return self._order.get(statement, -1) if statement is not None else -1
+
+    def last_idx(self, statement: cst.CSTNode) -> int:
+        """Index of the last statement inside `statement` (itself for a simple line)."""
+        if statement not in self._last:
+            count = sum(1 for _ in iter_statements([statement])) if isinstance(
+                statement, cst.BaseCompoundStatement) else 1
+            self._last[statement] = self.idx(statement) + count - 1
+        return self._last[statement]
+
+    def fscope(self, node: cst.CSTNode) -> cst.CSTNode:
+        found = self._fscope.get(node)
+        if found is None:
+            found = self._fscope[node] = self.ctx.enclosing(node, cst.FunctionDef) or self.ctx.module
+        return found
+
+    def klass_of(self, node: cst.CSTNode) -> Optional[cst.ClassDef]:
+        return self.ctx.enclosing(node, cst.ClassDef)
+
+    def key(self, name: str, node: cst.CSTNode):
+        if name.startswith(("self.", "cls.")):
+            return name, self.klass_of(node)
+        return name, self.fscope(node)
+
+    def text(self, node: cst.CSTNode) -> str:
+        if node not in self._text_cache:
+            self._text_cache[node] = self.ctx.module.code_for_node(node)
+        return self._text_cache[node]
+
+    @staticmethod
+    def params(func: cst.FunctionDef) -> Set[str]:
+        p = func.params
+        names = {x.name.value for x in (*p.posonly_params, *p.params, *p.kwonly_params)}
+        for star in (p.star_arg, p.star_kwarg):
+            if isinstance(star, cst.Param):
+                names.add(star.name.value)
+        return names
+
+    def assigned_in(self, scope: cst.CSTNode, name: str) -> bool:
+        if self._assigned is None:
+            self._assigned = {}
+            for n, pairs in self._assigns.items():
+                for a, _ in pairs:
+                    self._assigned.setdefault(self.fscope(a), set()).add(n)
+        return name in self._assigned.get(scope, ())
+
+    def definitions(self, name: str, scope: cst.CSTNode, klass: Optional[cst.ClassDef],
+                    before: Optional[int] = None) -> List[Tuple[cst.CSTNode, Optional[cst.BaseExpression]]]:
+        """Assignments of `name` that create the model (not wrap calls), in order."""
+        out = []
+        for a, value in self._assigns.get(name, ()):
+            if name.startswith(("self.", "cls.")):
+                if self.klass_of(a) is not klass:
+                    continue
+            elif self.fscope(a) is not scope:
+                continue
+            statement = self.ctx.statement_of(a)
+            if before is not None and self.idx(statement) >= before:
+                continue
+            if value is not None and self._is_wrap_value(value):
+                continue
+            out.append((a, value))
+        return out
+
+    def _is_wrap_value(self, value: cst.BaseExpression) -> bool:
+        inner = _strip(value)
+        if not isinstance(inner, cst.Call):
+            return False
+        name = self.ctx.resolve(inner.func)
+        return bool(name and (name in _DDP or name in _APEX_DDP or name in _DP or name == _TM_WRAP))
+
+    # --- existing wraps ----------------------------------------------------------------
+    def _kind(self, call: cst.Call, name: Optional[str]) -> Optional[str]:
+        if name:
+            if name in _DDP:
+                return "ddp"
+            if name in _APEX_DDP:
+                return "apex"
+            if name == _TM_WRAP:
+                return "tm"
+            if name in _DP:
+                return "dp"
+            if name.startswith(_OTHER_WRAPS):
+                return "other"
+        elif dotted(call.func) == f"{self.tm}.wrap_model":
+            return "tm"  # the runtime import went missing: still our wrap
+        if self.framework and isinstance(call.func, cst.Attribute) and call.func.attr.value in (
+                "prepare", "prepare_model", "setup", "setup_module", "initialize", "wrap"):
+            return "other"
+        return None
+
+    def _site(self, call: cst.Call):
+        node: cst.CSTNode = call
+        while True:
+            parent = self.ctx.parent(node)
+            if isinstance(parent, cst.Attribute) and parent.value is node and parent.attr.value in _MOVES:
+                grand = self.ctx.parent(parent)
+                if isinstance(grand, cst.Call) and grand.func is parent:
+                    node = grand
+                    continue
+            break
+        return node, self.ctx.parent(node)
+
+    def _existing(self) -> None:
+        returning: Dict[str, str] = {}
+        for call, name in self.f.calls:
+            kind = self._kind(call, name)
+            if name in _DP_FUNCTIONAL:
+                self.dp_functional.append(call)
+            if kind is None:
+                continue
+            outer, parent = self._site(call)
+            statement = self.ctx.statement_of(call)
+            if kind == "other":
+                for a in call.args:
+                    n = dotted(_strip(a.value))
+                    if n:
+                        self.covered.add(self.key(n, call))
+                        self.covered_not_dp.add(self.key(n, call))
+                if isinstance(parent, cst.Assign):
+                    for t in parent.targets:
+                        for n, _ in _targets(t.target, None):
+                            self.covered.add(self.key(n, call))
+                            self.covered_not_dp.add(self.key(n, call))
+                continue
+            a = _wrapped_arg(call)
+            arg = dotted(_strip(a.value)) if a is not None else None
+            target = None
+            if isinstance(parent, cst.Assign) and parent.value is outer and len(parent.targets) == 1:
+                target = dotted(parent.targets[0].target)
+            elif isinstance(parent, cst.AnnAssign) and parent.value is outer:
+                target = dotted(parent.target)
+            w = Wrap(target or arg or "", kind, self.fscope(call), self.klass_of(call), statement, False,
+                     statement=statement, call=call, arg=arg)
+            self.wraps.append(w)
+            if kind == "dp":
+                self.dp_sites.append(DPSite(w, outer))
+            for n in (target, arg):
+                if n:
+                    self.covered.add(self.key(n, call))
+                    if kind != "dp":
+                        self.covered_not_dp.add(self.key(n, call))
+            func = self.ctx.enclosing(call, cst.FunctionDef)
+            if func is not None and (isinstance(parent, cst.Return) or (target and self._returns(func, target))):
+                returning[func.name.value] = kind
+        if not returning:
+            return
+        for a in self.f.assigns:
+            value = _strip(a.value)
+            if not isinstance(value, cst.Call):
+                continue
+            f = value.func
+            fname = f.value if isinstance(f, cst.Name) else (
+                f.attr.value if isinstance(f, cst.Attribute) and dotted(f.value) in ("self", "cls") else None)
+            if fname not in returning:
+                continue
+            for t in a.targets:
+                for n, _ in _targets(t.target, None):
+                    statement = self.ctx.statement_of(a)
+                    self.wraps.append(Wrap(n, "helper-" + returning[fname], self.fscope(a), self.klass_of(a),
+                                           statement, False, statement=statement))
+                    self.covered.add(self.key(n, a))
+                    if returning[fname] != "dp":
+                        self.covered_not_dp.add(self.key(n, a))
+
+    def _returns(self, func: cst.FunctionDef, name: str) -> bool:
+        for s in iter_statements(func.body.body if isinstance(func.body, cst.IndentedBlock) else [func.body]):
+            if isinstance(s, (cst.SimpleStatementLine, cst.SimpleStatementSuite)):
+                for small in s.body:
+                    if isinstance(small, cst.Return) and small.value is not None:
+                        values = ([e.value for e in small.value.elements] if isinstance(small.value, cst.Tuple)
+                                  else [small.value])
+                        if any(dotted(v) == name for v in values):
+                            return True
+        return False
+
+    def _removable_dp(self, key) -> bool:
+        """DataParallel wraps TM306 may drop in favour of TM301's wrap: `m = DataParallel(m)`."""
+        if not self.active["TM306"] or key in self.covered_not_dp:
+            return False
+        for site in self.dp_sites:
+            w = site.wrap
+            if self.key(w.name, w.call) == key and w.name == w.arg and self._is_dp_assign(site):
+                return True
+        return False
+
+    def _is_dp_assign(self, site: DPSite) -> bool:
+        """`name = DataParallel(...)` alone on its line (or one-line suite)."""
+        parent = self.ctx.parent(site.outer)
+        if not (isinstance(parent, cst.Assign) and len(parent.targets) == 1 and parent.value is site.outer):
+            return False
+        container = self.ctx.parent(parent)
+        return isinstance(container, (cst.SimpleStatementLine, cst.SimpleStatementSuite)) and len(container.body) == 1
+
+    # --- new wraps (TM301) -------------------------------------------------------------
+    def _plan_new(self) -> None:
+        opts = optimizers(self.ctx)
+        best: Dict[tuple, NewWrap] = {}
+        for o in opts:
+            if self.delegated(o):
+                continue
+            if not o.models:
+                params = o.call.args[0].value if o.call.args else None
+                if o.via is not None or (params is not None and "param" in code(params).lower()):
+                    self.manual301.append((o.call, "cannot tell which model this optimizer trains: wrap that model "
+                                           f"with `model = {self.tm}.wrap_model(model)` before creating the optimizer",
+                                           o.statement))
+                continue
+            for m in o.models:
+                placed = self._placement(o, m)
+                if placed is None:
+                    continue
+                if isinstance(placed, str):
+                    self.manual301.append((o.call, placed, o.statement))
+                    continue
+                k = (m, placed.klass if m.startswith(("self.", "cls.")) else placed.scope)
+                old = best.get(k)
+                if old is None or self._prefer(placed, old):
+                    best[k] = placed
+        self.new = sorted(best.values(), key=lambda w: (self.idx(w.anchor), w.after))
+        self._merge_adjacent()
+
+    def delegated(self, o: Optimizer) -> bool:
+        """An optimizer built in a helper from its parameters, wrapped at the helper's call sites."""
+        if self._delegated is None:
+            self._delegated = set()
+            for c in optimizers(self.ctx):
+                if c.via is not None:
+                    func = self.ctx.enclosing(c.via.call, cst.FunctionDef)
+                    if func is not None:
+                        self._delegated.add(func)
+        if o.via is not None:
+            return False
+        func = self.ctx.enclosing(o.call, cst.FunctionDef)
+        if func not in self._delegated:
+            return False
+        params = self.params(func)
+        args = o.call.args
+        first = args[0].value if args and args[0].keyword is None else None
+        return bool(set(o.models) & (params | {"self", "cls"})) or (
+            isinstance(first, cst.Name) and first.value in params)
+
+    def _prefer(self, new: NewWrap, old: NewWrap) -> bool:
+        if new.klass is not None:
+            new_init = self.ctx.enclosing(new.anchor, cst.FunctionDef)
+            old_init = self.ctx.enclosing(old.anchor, cst.FunctionDef)
+            a = new_init is not None and new_init.name.value == "__init__"
+            b = old_init is not None and old_init.name.value == "__init__"
+            if a != b:
+                return a
+        return self.idx(new.anchor) < self.idx(old.anchor)
+
+    def _placement(self, o: Optimizer, m: str):
+        ctx, tm = self.ctx, self.tm
+        if m in ("self", "cls"):
+            return None
+        if m in _CONFIGISH:
+            return (f"the optimizer trains parameters reached through `{m}`: wrap that model with "
+                    f"`{tm}.wrap_model(...)` before creating the optimizer")
+        stmt0 = o.statement
+        scope = self.fscope(o.call)
+        # `optimizer = model.configure_optimizers(...)`: wrap after the call, which needs the bare model
+        after = isinstance(o.call.func, cst.Attribute) and model_root(dotted(o.call.func.value) or "") == m
+        if m.startswith(("self.", "cls.")):
+            klass = self.klass_of(o.call)
+            if klass is None:
+                return None
+            if (m, klass) in self.covered and not self._removable_dp((m, klass)):
+                return None
+            defs = self.definitions(m, scope, klass)
+            if not defs:
+                return (f"`{m}` is not assigned in class {klass.name.value}: wrap it with "
+                        f"`{m} = {tm}.wrap_model({m})` where it is created, before its optimizer")
+            local = [d for d, _ in defs if self.fscope(d) is scope and self.idx(ctx.statement_of(d)) < self.idx(stmt0)]
+            def_stmt = ctx.statement_of(local[-1]) if local else None
+            model_def = ctx.statement_of(local[-1] if local else defs[-1][0])
+        else:
+            if isinstance(ctx.scope_of(o.call), (cst.Lambda, cst.ClassDef)):
+                return None
+            if (m, scope) in self.covered and not self._removable_dp((m, scope)):
+                return None
+            defs = self.definitions(m, scope, None, before=self.idx(stmt0))
+            if not defs:
+                if any(self._is_wrap_value(v) for _, v in self._assigns.get(m, ()) if v is not None
+                       and self.fscope(_) is scope):
+                    return None
+                fname = scope.name.value if isinstance(scope, cst.FunctionDef) else None
+                if fname and m in self.params(scope):
+                    return (f"`{m}` is a parameter of {fname}(), which builds its optimizer: wrap the model with "
+                            f"`{tm}.wrap_model(...)` where {fname}() is called")
+                if fname and self.definitions(m, ctx.module, None):
+                    return (f"`{m}` is a module-level model whose optimizer is built in {fname}(): wrap it with "
+                            f"`{m} = {tm}.wrap_model({m})` at module level before {fname}() runs")
+                return (f"cannot find where `{m}` is created: wrap it with `{m} = {tm}.wrap_model({m})` "
+                        "before creating its optimizer")
+            klass = None
+            def_stmt = ctx.statement_of(defs[-1][0])
+            model_def = def_stmt
+        anchor = self._anchor(stmt0, def_stmt, scope)
+        return NewWrap(m, o, scope, klass, anchor, after=after, def_stmt=model_def)
+
+    def _blocks(self, node: cst.CSTNode, scope: cst.CSTNode) -> List[Tuple[cst.CSTNode, cst.CSTNode]]:
+        """(block, child statement) pairs from `node` up to `scope`, innermost first."""
+        chain = []
+        while True:
+            parent = self.ctx.parent(node)
+            if parent is None:
+                break
+            if isinstance(parent, (cst.IndentedBlock, cst.Module)):
+                chain.append((parent, node))
+            if parent is scope or isinstance(parent, cst.Module):
+                break
+            node = parent
+        return chain
+
+    def _anchor(self, stmt0: cst.CSTNode, def_stmt: Optional[cst.CSTNode], scope: cst.CSTNode) -> cst.CSTNode:
+        """The ancestor of the optimizer statement, in the innermost block that also holds the
+        model's creation, so that one wrap covers every branch that builds an optimizer."""
+        chain = self._blocks(stmt0, scope)
+        if not chain:
+            return stmt0
+        if def_stmt is None:
+            return chain[-1][1]
+        for block, _ in self._blocks(def_stmt, scope):
+            for b, child in chain:
+                if b is block:
+                    return child
+        return chain[-1][1]
+
+    def _merge_adjacent(self) -> None:
+        """GANs: `optD = Adam(netD...)` directly followed by `optG = Adam(netG...)` get both wraps
+        before the first optimizer statement."""
+        by_anchor = {w.anchor: w for w in self.new if not w.after}
+        for w in self.new:
+            if w.after:
+                continue
+            while True:
+                block = self.ctx.parent(w.anchor)
+                body = getattr(block, "body", None)
+                if not isinstance(body, (list, tuple)) or w.anchor not in body:
+                    break
+                i = list(body).index(w.anchor)
+                if i == 0:
+                    break
+                prev = body[i - 1]
+                other = by_anchor.get(prev)
+                if other is None or other is w:
+                    break
+                if w.def_stmt is not None and self.idx(w.def_stmt) >= self.idx(prev):
+                    break
+                w.anchor = prev
+        order = {id(w): i for i, w in enumerate(self.new)}
+        self.new.sort(key=lambda w: (self.idx(w.anchor), w.after, order[id(w)]))
+
+    # --- DataParallel (TM306) ----------------------------------------------------------
+    def _plan_dp(self) -> None:
+        by_key = {(w.name, w.klass if w.klass is not None and w.name.startswith(("self.", "cls.")) else w.scope): w
+                  for w in self.new}
+        for site in self.dp_sites:
+            if not self.active["TM306"]:
+                continue
+            w = site.wrap
+            small = self.ctx.enclosing(site.outer, cst.BaseSmallStatement)
+            container = self.ctx.parent(small) if small is not None else None
+            if small is None or not isinstance(container, (cst.SimpleStatementLine, cst.SimpleStatementSuite)):
+                # e.g. inside a decorator or a compound statement's header: convert in place
+                site.action, site.target = "inplace", site.outer
+                site.note_stmt = self.ctx.statement_of(site.outer)
+                w.boundary, w.inclusive = site.note_stmt, False
+                continue
+            site.small = small
+            line = self.ctx.statement_of(site.outer)  # the line, or the `if` of a one-line suite
+            block = container if isinstance(container, cst.SimpleStatementSuite) else self.ctx.parent(container)
+            owner = self.ctx.parent(block)
+            if isinstance(owner, cst.Else):
+                owner = self.ctx.parent(owner)
+            in_if = isinstance(owner, cst.If)
+            alone = False
+            if in_if and block is owner.body and owner.orelse is None and len(block.body) == 1 and len(container.body) == 1:
+                parent_if = self.ctx.parent(owner)
+                alone = not (isinstance(parent_if, cst.If) and parent_if.orelse is owner)
+            # `if n_gpu > 1: model = DataParallel(model)` + `else: <single-device code>`: every DDP
+            # rank runs the single-device branch, so the `if` becomes the `else` body.
+            collapse = (in_if and block is owner.body and isinstance(owner.orelse, cst.Else)
+                        and len(block.body) == 1 and len(container.body) == 1
+                        and not (isinstance(self.ctx.parent(owner), cst.If) and self.ctx.parent(owner).orelse is owner))
+            assign = self._is_dp_assign(site)
+            nw = by_key.get(self.key(w.name, w.call)) if (w.name == w.arg and assign) else None
+            if nw is None and w.name == w.arg and assign:
+                # `def train(model, ...): <optimizer>; if n_gpu > 1: model = DataParallel(model)`:
+                # TM301 wraps the model where train() is called.
+                func = self.ctx.enclosing(site.outer, cst.FunctionDef)
+                if func is not None and w.name in self.params(func):
+                    nw = next((n for n in self.new if n.opt.via is not None
+                               and self.ctx.enclosing(n.opt.via.call, cst.FunctionDef) is func), None)
+            if nw is not None:
+                site.action = "collapse" if collapse else "remove"
+                site.target = owner if (alone or collapse) else small
+                nw.dp = site
+                if alone or collapse:
+                    site.note_stmt = self._next_statement(owner) or nw.anchor
+                else:
+                    site.note_stmt = owner if in_if else (self._next_statement(line) or nw.anchor)
+                continue
+            if collapse and assign and w.name == w.arg:
+                site.action, site.target = "collapse", owner
+                site.wrap_after = True
+                site.note_stmt = self._next_statement(owner) or self._next_statement(owner, -1)
+                w.boundary, w.inclusive = owner, False
+                continue
+            # Converted in place: `tm.wrap_model(<module>)` where the DataParallel was, but never
+            # inside a `device_count() > 1` guard (the wrap must run on every rank).
+            if in_if and alone and assign:
+                site.action, site.target = "replace-if", owner
+                site.note_stmt = owner
+                boundary = owner
+            elif in_if and assign and w.name == w.arg:
+                outer_if = owner
+                while isinstance(self.ctx.parent(outer_if), cst.If):
+                    outer_if = self.ctx.parent(outer_if)
+                site.action, site.target = "move", outer_if
+                site.note_stmt = outer_if
+                boundary = outer_if
+            else:
+                site.action, site.target = "inplace", site.outer
+                site.note_stmt = line
+                site.conditional = in_if
+                boundary = line
+            w.boundary, w.inclusive = boundary, False
+
+    def _next_statement(self, statement: cst.CSTNode, step: int = 1) -> Optional[cst.CSTNode]:
+        block = self.ctx.parent(statement)
+        body = getattr(block, "body", None)
+        if isinstance(body, (list, tuple)) and statement in body:
+            i = list(body).index(statement) + step
+            if 0 <= i < len(body):
+                return body[i]
+        return None
+
+    # --- which bindings are wrapped after the migration ----------------------------------
+    def final_wraps(self) -> List[Wrap]:
+        if self._final is None:
+            self._final = self._final_wraps()
+        return self._final
+
+    def _final_wraps(self) -> List[Wrap]:
+        out = self._direct_wraps()
+        # `raw_model = model` after the wrap: the alias holds the wrapped model too
+        by_name: Dict[str, List[Wrap]] = {}
+        for w in out:
+            by_name.setdefault(w.name, []).append(w)
+        for a in self.f.assigns:
+            if len(a.targets) != 1:
+                continue
+            alias, source = dotted(a.targets[0].target), dotted(a.value)
+            if not alias or not source or alias == source or source not in by_name:
+                continue
+            statement = self.ctx.statement_of(a)
+            for w in by_name[source]:
+                if w.kind != "other" and self.applies(w, a, statement):
+                    out.append(Wrap(alias, "alias-" + w.kind.rsplit("-", 1)[-1], self.fscope(a), self.klass_of(a),
+                                    statement, False, statement=statement))
+                    break
+        return out
+
+    def _direct_wraps(self) -> List[Wrap]:
+        out = []
+        for nw in self.new:
+            out.append(Wrap(nw.name, "new", nw.scope, nw.klass, nw.anchor, not nw.after))
+        for w in self.wraps:
+            if w.kind == "dp" and not self.active["TM306"]:
+                out.append(w)  # DataParallel kept (TM306 off): still `.module`
+            elif w.kind != "other" and w.name:
+                out.append(w)
+        return out
+
+    def applies(self, w: Wrap, node: cst.CSTNode, statement: Optional[cst.CSTNode] = None) -> bool:
+        """Whether `node` (an access to `w.name`) sees the wrapped model."""
+        statement = statement or self.ctx.statement_of(node)
+        if w.statement is not None and statement is w.statement:
+            return False
+        fs = self.fscope(node)
+        if w.name.startswith(("self.", "cls.")):
+            if self.klass_of(node) is not w.klass:
+                return False
+            if fs is w.scope:
+                return self._after(w, statement)
+            # another method: if it calls the wrapping method (`self.build_optimizer()` in
+            # `__init__`), only what follows that call sees the wrapped model
+            calls = self._self_calls(w).get(fs)
+            if calls:
+                return self.idx(statement) >= min(self.idx(c) for c in calls)
+            return True
+        if fs is w.scope:
+            return self._after(w, statement)
+        if not isinstance(fs, cst.FunctionDef):
+            return False
+        root = w.name.split(".")[0]
+        if root in self.params(fs):
+            return True
+        if self.assigned_in(fs, root):
+            return False
+        if w.scope is self.ctx.module:
+            return True
+        return any(a is w.scope for a in self.ctx.ancestors(fs))
+
+    def _self_calls(self, w: Wrap) -> Dict[cst.CSTNode, List[cst.CSTNode]]:
+        """Statements calling `self.<method holding the wrap>()`, by the method they are in."""
+        if not isinstance(w.scope, cst.FunctionDef) or w.scope.name.value == "__init__":
+            return {}
+        key = ("self-calls", w.scope)
+        if key not in self._text_cache:
+            found: Dict[cst.CSTNode, List[cst.CSTNode]] = {}
+            name = w.scope.name.value
+            for call, _ in self.f.calls:
+                f = call.func
+                if isinstance(f, cst.Attribute) and f.attr.value == name and dotted(f.value) in ("self", "cls") \
+                        and self.klass_of(call) is w.klass:
+                    found.setdefault(self.fscope(call), []).append(self.ctx.statement_of(call))
+            self._text_cache[key] = found  # type: ignore[assignment]
+        return self._text_cache[key]  # type: ignore[return-value]
+
+    def _after(self, w: Wrap, statement: Optional[cst.CSTNode]) -> bool:
+        i = self.idx(statement)
+        if w.inclusive:
+            return i >= self.idx(w.boundary)
+        return i > self.last_idx(w.boundary)
+
+    # --- TM303 / TM304 analysis --------------------------------------------------------
+    def origin(self, name: str, scope: cst.CSTNode, klass: Optional[cst.ClassDef], before: Optional[int],
+               value: Optional[cst.BaseExpression] = None):
+        """(kind, node-or-name, call) for the expression that created the model: kind "class"
+        (a ClassDef of this file), "function" (a FunctionDef of this file) or "library" (a
+        qualified name); None when unknown. `value` is that expression when already known
+        (`DDP(Net())`), else the last assignment of `name` before `before`."""
+        if value is None or not isinstance(_strip(value), cst.Call):
+            defs = self.definitions(name, scope, klass, before)
+            value = defs[-1][1] if defs else None
+        if value is None:
+            return None
+        value = _strip(value)
+        if not isinstance(value, cst.Call):
+            return None
+        func = value.func
+        if isinstance(func, cst.Subscript):
+            resolved = self.ctx.resolve(func.value)
+            return ("library", resolved + ".__dict__", value) if resolved else None
+        fname = dotted(func)
+        if fname in self.f.classes:
+            return "class", self.f.classes[fname], value
+        if fname in self.f.functions:
+            return "function", self.f.functions[fname], value
+        resolved = self.ctx.resolve(func) or fname
+        return ("library", resolved, value) if resolved else None
+
+    def model_class(self, origin) -> Optional[cst.ClassDef]:
+        if origin is None:
+            return None
+        kind, node, _ = origin
+        if kind == "class":
+            return node
+        if kind == "function":
+            for s in iter_statements(node.body.body if isinstance(node.body, cst.IndentedBlock) else [node.body]):
+                if isinstance(s, cst.SimpleStatementLine):
+                    for small in s.body:
+                        if isinstance(small, cst.Return) and isinstance(small.value, cst.Call):
+                            inner = _strip(small.value)
+                            name = dotted(inner.func) if isinstance(inner, cst.Call) else None
+                            if name in self.f.classes:
+                                return self.f.classes[name]
+        return None
+
+    def has_bn(self, origin) -> bool:
+        """The model (probably) contains BatchNorm layers."""
+        if origin is None:
+            return False
+        kind, node, call = origin
+        if kind == "library":
+            if node.startswith("torchvision.models") and _BN_TORCHVISION.search(node.rsplit(".", 1)[-1]):
+                return True
+            # `nn.Sequential(nn.Conv2d(...), nn.BatchNorm2d(...))`, `Wrapper(conv_bn(3, 8))`
+            return self._text_has_bn(self.text(call), set())
+        return self._def_has_bn(node, set()) or self._text_has_bn(self.text(call), set())
+
+    def _text_has_bn(self, text: str, seen: set) -> bool:
+        if re.search(r"(?<!Frozen)BatchNorm", text):
+            return True
+        for name, other in (*self.f.classes.items(), *self.f.functions.items()):
+            if other not in seen and self.ctx.parent(other) is self.ctx.module and _mentions(text, name):
+                if self._def_has_bn(other, seen):
+                    return True
+        return False
+
+    def _def_has_bn(self, node: cst.CSTNode, seen: set) -> bool:
+        if node in self._bn_cache:
+            return self._bn_cache[node]
+        seen.add(node)
+        found = self._text_has_bn(self.text(node), seen)
+        self._bn_cache[node] = found
+        return found
+
+    def conditional_submodules(self, klass: Optional[cst.ClassDef]) -> List[Tuple[str, cst.CSTNode]]:
+        """Submodules with parameters that forward() uses only in some branches of an `if`."""
+        if klass is None or not isinstance(klass.body, cst.IndentedBlock):
+            return []
+        key = ("conditional", klass)
+        if key not in self._text_cache:
+            self._text_cache[key] = self._conditional_submodules(klass)  # type: ignore[assignment]
+        return self._text_cache[key]  # type: ignore[return-value]
+
+    def _conditional_submodules(self, klass: cst.ClassDef) -> List[Tuple[str, cst.CSTNode]]:
+        methods = {f.name.value: f for f in klass.body.body if isinstance(f, cst.FunctionDef)}
+        forward, init = methods.get("forward"), methods.get("__init__")
+        if forward is None or init is None or not isinstance(init.body, cst.IndentedBlock):
+            return []
+        subs: Set[str] = set()
+        for s in iter_statements(init.body.body):
+            if not isinstance(s, cst.SimpleStatementLine):
+                continue
+            for small in s.body:
+                if not (isinstance(small, cst.Assign) and isinstance(small.value, cst.Call)):
+                    continue
+                for t in small.targets:
+                    name = dotted(t.target)
+                    if not (name and name.startswith("self.")) or name.count(".") != 1:
+                        continue
+                    func = self.ctx.resolve(small.value.func) or dotted(small.value.func) or ""
+                    if _PARAMLESS.search(func.rsplit(".", 1)[-1]):
+                        continue
+                    if self.ctx.enclosing(small, cst.If, cst.FunctionDef) is not init:
+                        continue  # created conditionally: the same flag usually guards its use
+                    subs.add(name[5:])
+        if not subs:
+            return []
+        uses: Dict[str, List[Tuple[Optional[cst.CSTNode], str]]] = {}
+
+        def go(node: cst.CSTNode) -> None:
+            if isinstance(node, cst.Attribute) and isinstance(node.value, cst.Name) and node.value.value == "self" \
+                    and node.attr.value in subs:
+                uses.setdefault(node.attr.value, []).append(self._branch(node, forward))
+                return
+            for child in node.children:
+                go(child)
+
+        go(forward.body)
+        out = []
+        for name, found in uses.items():
+            if any(cond is None for cond, _ in found):
+                continue
+            conds = {}
+            for cond, branch in found:
+                conds.setdefault(cond, set()).add(branch)
+            if any(branches >= {"body", "orelse"} for branches in conds.values()):
+                continue
+            cond = found[0][0]
+            test = getattr(cond, "test", None)
+            test_text = self.text(test) if test is not None else ""
+            if test_text.strip() in ("self.training", "not self.training") or _mentions(test_text, "self." + name):
+                continue
+            out.append((name, cond))
+        return out
+
+    def _branch(self, node: cst.CSTNode, stop: cst.CSTNode) -> Tuple[Optional[cst.CSTNode], str]:
+        """The innermost `if` (statement or expression) whose branch holds `node`, and which branch."""
+        child = node
+        for anc in self.ctx.ancestors(node):
+            if anc is stop:
+                break
+            if isinstance(anc, (cst.If, cst.IfExp)):
+                if child is anc.body:
+                    return anc, "body"
+                if child is anc.orelse:
+                    return anc, "orelse"
+            child = anc
+        return None, ""
+
+    def _freezes(self, w: Wrap, klass: Optional[cst.ClassDef]) -> Tuple[str, str]:
+        """(freeze, unfreeze) descriptions of parameters whose requires_grad changes after wrapping."""
+        methods: Dict[str, str] = {}
+        if klass is not None and isinstance(klass.body, cst.IndentedBlock):
+            for f in klass.body.body:
+                if isinstance(f, cst.FunctionDef) and f.name.value != "__init__":
+                    text = self.text(f)
+                    if "requires_grad" in text:
+                        methods[f.name.value] = text
+        freeze = unfreeze = ""
+        root = w.name
+        if self._freeze_sites is None:
+            # calls that may change requires_grad: `x.requires_grad_(...)` or a method of a
+            # class of this file whose body sets requires_grad
+            names = {"requires_grad_"}
+            for k in self.f.classes.values():
+                if isinstance(k.body, cst.IndentedBlock):
+                    for f in k.body.body:
+                        if isinstance(f, cst.FunctionDef) and "requires_grad" in self.text(f):
+                            names.add(f.name.value)
+            method_calls = [(c, c.func.attr.value) for c, _ in self.f.calls
+                            if isinstance(c.func, cst.Attribute) and c.func.attr.value in names]
+            rg_assigns = [a for a in self.f.assigns if any(
+                isinstance(t.target, cst.Attribute) and t.target.attr.value == "requires_grad" for t in a.targets)]
+            self._freeze_sites = (method_calls, rg_assigns)
+        method_calls, rg_assigns = self._freeze_sites
+        for call, attr in method_calls:
+            func = call.func
+            if attr != "requires_grad_" and attr not in methods:
+                continue
+            if not _mentions(self.text(func.value), root):
+                continue
+            body = self.text(call) if attr == "requires_grad_" else methods[attr]
+            is_freeze, is_unfreeze = bool(_FREEZE.search(body)), bool(_UNFREEZE.search(body))
+            if not (is_freeze or is_unfreeze) or not self.applies(w, call):
+                continue
+            what = f"`{self.text(call)}`"
+            if is_freeze and not freeze:
+                freeze = what
+            if is_unfreeze and not unfreeze:
+                unfreeze = what
+        for a in rg_assigns:
+            loop = self.ctx.enclosing(a, cst.For, cst.FunctionDef)
+            if not isinstance(loop, cst.For) or not _mentions(self.text(loop.iter), root):
+                continue
+            if not self.applies(w, a):
+                continue
+            value = self.text(a.value)
+            if value == "False" and not freeze:
+                freeze = f"`for ... in {self.text(loop.iter)}: ...requires_grad = False`"
+            elif value != "False" and not unfreeze:
+                unfreeze = f"`for ... in {self.text(loop.iter)}: ...requires_grad = {value}`"
+        return freeze, unfreeze
+
+    def _unused_and_bn(self) -> None:
+        tm = self.tm
+        targets = []  # (wrap-like, name, scope, klass, before index, kind, existing call, note statement)
+        for nw in self.new:
+            targets.append((nw, Wrap(nw.name, "new", nw.scope, nw.klass, nw.anchor, not nw.after)))
+        for w in self.wraps:
+            if w.kind in ("ddp", "tm", "apex") and w.name and w.call is not None:
+                targets.append((w, w))
+        for site in self.dp_sites:
+            if site.action in ("replace-if", "move", "inplace"):
+                targets.append((site, site.wrap))
+        for owner, w in targets:
+            scope = w.scope
+            before = self.idx(w.boundary) if isinstance(owner, NewWrap) else self.idx(w.statement)
+            wrapped = _wrapped_arg(w.call) if w.call is not None else None
+            origin = self.origin(w.arg or w.name, scope, w.klass, before, wrapped.value if wrapped else None)
+            klass = self.model_class(origin)
+            cond = self.conditional_submodules(klass)
+            freeze, unfreeze = self._freezes(w, klass)
+            reason = ""
+            if freeze:
+                reason = f"parameters are frozen after wrapping ({freeze})"
+            elif cond:
+                names = ", ".join(f"self.{n}" for n, _ in cond)
+                reason = f"{klass.name.value}.forward() uses {names} only in some branches"
+            def_stmt = owner.def_stmt if isinstance(owner, NewWrap) else self._def_statement(w, before)
+            note_stmt = def_stmt or (owner.anchor if isinstance(owner, NewWrap) else w.statement)
+            if unfreeze:
+                self.notes["TM303"].append((w.call or getattr(owner, "opt", None) and owner.opt.call or w.boundary,
+                    f"parameters of `{w.name}` are unfrozen after it is wrapped ({unfreeze}): DDP only "
+                    f"synchronises parameters that required grad when it was built, so wrap after unfreezing "
+                    f"or re-wrap with `{tm}.wrap_model` when the trainable set changes", note_stmt))
+            bn = self.has_bn(origin) and not self.has_sync_bn
+            if isinstance(owner, (NewWrap, DPSite)):
+                owner.find_unused = reason
+                owner.bn = bn
+                owner.sync_bn = bn and self.active["TM304"] and self.sync_bn_applies
+                if bn and self.active["TM304"] and not owner.sync_bn:
+                    self.notes["TM304"].append((
+                        owner.opt.call if isinstance(owner, NewWrap) else owner.outer,
+                        self._bn_message(w.name), note_stmt))
+                continue
+            # an existing wrap call
+            call = w.call
+            fu = call_arg(call, "find_unused_parameters")
+            fu_true = fu is not None and code(fu.value) == "True"
+            if reason and fu is None:
+                self.notes["TM303"].append((call, f"{reason}: DDP then fails with \"Expected to have finished "
+                    f"reduction in the prior iteration\"; pass find_unused_parameters=True to the wrap "
+                    f"(or make every parameter take part in each step)", w.statement))
+            elif fu_true and not reason and klass is not None and self._straight(klass):
+                self.notes["TM303"].append((call, f"find_unused_parameters=True costs an extra autograd graph "
+                    f"traversal every step, and {klass.name.value}.forward() uses all its submodules "
+                    f"unconditionally: drop it (or pass static_graph=True if the set of used parameters never "
+                    f"changes)", w.statement))
+            if bn and self.active["TM304"] and call_arg(call, "sync_bn") is None:
+                if w.kind == "tm" and (self.sync_bn_applies or self.ctx.options.mode == "lint"):
+                    self.sync_bn_fixes.append((call, f"`{w.name}` contains BatchNorm layers: convert them to "
+                        f"SyncBatchNorm (`sync_bn=True`)", [replace(call, lambda c: set_kwarg(c, "sync_bn", expr("True")))]))
+                else:
+                    self.notes["TM304"].append((call, self._bn_message(w.name, w.kind != "tm"), note_stmt))
+
+    def _bn_message(self, name: str, plain_ddp: bool = False) -> str:
+        how = (f"convert with `nn.SyncBatchNorm.convert_sync_batchnorm({name})` before DDP"
+               if plain_ddp else f"pass `sync_bn=True` to `{self.tm}.wrap_model` (`torchmigrate ddp --sync-bn`)")
+        return (f"`{name}` contains BatchNorm layers, which now normalise over each rank's own batch; "
+                f"if per-rank batches are small, {how}")
+
+    def _def_statement(self, w: Wrap, before: int) -> Optional[cst.CSTNode]:
+        defs = self.definitions(w.arg or w.name, w.scope, w.klass, before)
+        return self.ctx.statement_of(defs[-1][0]) if defs else None
+
+    def _straight(self, klass: cst.ClassDef) -> bool:
+        """forward() has no branches or loops and uses every submodule assigned in __init__."""
+        if not isinstance(klass.body, cst.IndentedBlock):
+            return False
+        methods = {f.name.value: f for f in klass.body.body if isinstance(f, cst.FunctionDef)}
+        forward, init = methods.get("forward"), methods.get("__init__")
+        if forward is None or init is None or not isinstance(forward.body, cst.IndentedBlock):
+            return False
+        for s in iter_statements(forward.body.body):
+            if isinstance(s, (cst.If, cst.For, cst.While, cst.Try, cst.With)):
+                return False
+        text = self.text(forward)
+        if " if " in text:
+            return False
+        for s in iter_statements(init.body.body if isinstance(init.body, cst.IndentedBlock) else []):
+            if isinstance(s, cst.SimpleStatementLine):
+                for small in s.body:
+                    if isinstance(small, cst.Assign) and isinstance(small.value, cst.Call):
+                        for t in small.targets:
+                            name = dotted(t.target)
+                            if name and name.startswith("self.") and name.count(".") == 1:
+                                func = self.ctx.resolve(small.value.func) or dotted(small.value.func) or ""
+                                if not _PARAMLESS.search(func.rsplit(".", 1)[-1]) and not _mentions(text, name):
+                                    return False
+        return True
+
+    # --- attribute rewrites (TM302, and TM306 for DataParallel names) --------------------
+    def _attributes(self) -> None:
+        owner302 = self.active["TM302"]
+        owner306 = self.active["TM306"]
+        if not (owner302 or owner306):
+            return
+        wraps = self.final_wraps()
+        dp_wraps = {id(s.wrap) for s in self.dp_sites}
+        by_name: Dict[str, List[Wrap]] = {}
+        for w in wraps:
+            by_name.setdefault(w.name, []).append(w)
+        for node in self.ctx.facts.get("model_attrs", ()):
+            name = dotted(node.value)
+            candidates = by_name.get(name)
+            if not candidates:
+                continue
+            attr = node.attr.value
+            if attr.startswith("_") or (attr in _MODULE_API and attr != "module") or attr.startswith("register_"):
+                continue
+            parent = self.ctx.parent(node)
+            if attr == "module" and isinstance(parent, (cst.AssignTarget, cst.Del)):
+                continue
+            statement = self.ctx.statement_of(node)
+            seen_by = [w for w in candidates if (w.full or attr not in ("module", *_STATE))
+                       and self.applies(w, node, statement)]
+            if not seen_by:
+                continue
+            is_dp = any(id(w) in dp_wraps or w.kind.endswith("-dp") for w in seen_by)
+            if owner302:
+                self.rewrites.append(AttrRewrite(node, name, attr, "TM302", is_dp))
+            elif is_dp:  # TM306 alone must not leave `.module` behind on the model it unwrapped
+                self.rewrites.append(AttrRewrite(node, name, attr, "TM306", True))
+        if not owner302:
+            return
+        # `copy.deepcopy(model)`, `ModelEma(model)`, `AveragedModel(model)` after the wrap would
+        # copy the DDP wrapper: copy the module itself.
+        for call, qualified in self.f.calls:
+            label = (qualified or dotted(call.func) or "").rsplit(".", 1)[-1]
+            if not (label == "deepcopy" or _EMA.search(label)):
+                continue
+            a = call_arg(call, None, 0)
+            name = dotted(a.value) if a is not None else None
+            if name is None or name not in by_name:
+                continue
+            statement = self.ctx.statement_of(call)
+            if any(self.applies(w, call, statement) for w in by_name[name]):
+                self.rewrites.append(AttrRewrite(a.value, name, "", "TM302"))
+
+    # --- TM305 -------------------------------------------------------------------------
+    def _lr_notes(self) -> None:
+        if not self.active["TM305"]:
+            return
+        wrapped = {w.name for w in self.final_wraps() if w.kind.rsplit("-", 1)[-1] != "dp" or self.active["TM306"]}
+        if self._batch_scaled():
+            return
+        seen = set()
+        opts = optimizers(self.ctx)
+        for o in opts:
+            if o.via is not None:
+                continue
+            models = set(o.models)
+            callers = [c for c in opts if c.via is o]
+            for c in callers:
+                models |= set(c.models)
+            if not (models & wrapped) or o.statement in seen:
+                continue
+            name = self.ctx.resolve(o.call.func)
+            lr = call_arg(o.call, "lr", 1 if name and name.startswith("torch.optim.") else None)
+            if lr is None and not (name and name.startswith("torch.optim.")):
+                continue
+            if lr is not None and self._scaled(lr.value):
+                continue
+            seen.add(o.statement)
+            self.notes["TM305"].append((o.call, "each rank now loads a full batch (global batch = "
+                f"{self.tm}.world_size() x batch_size) but the learning rate is unchanged: scale it (e.g. "
+                f"`lr * {self.tm}.world_size()`) or divide the per-rank batch size", o.statement))
+
+    def _scaled(self, node: cst.BaseExpression) -> bool:
+        text = self.text(node)
+        if _WORLD.search(text):
+            return True
+        names = set(re.findall(r"[A-Za-z_][\w.]*", text))
+        for n in names:
+            for a, value in self._assigns.get(n, ()):
+                if value is not None and _WORLD.search(self.text(value)):
+                    return True
+        return False
+
+    def _batch_scaled(self) -> bool:
+        for call, name in self.f.calls:
+            if name and name.endswith("DataLoader"):
+                bs = call_arg(call, "batch_size", 1)
+                if bs is not None and self._scaled(bs.value):
+                    return True
+        return False
+
+
+def analysis_calls(ctx: Context, *names: str) -> List[cst.Call]:
+    from torchmigrate.analysis import calls_to
+
+    return calls_to(ctx, *names)
+
+
+# --- edits -------------------------------------------------------------------------------
+
+def _wrap_call(tm: str, module: cst.BaseExpression, find_unused: bool, sync_bn: bool) -> cst.Call:
+    args = [cst.Arg(module)]
+    if find_unused:
+        args.append(kwarg("find_unused_parameters", expr("True")))
+    if sync_bn:
+        args.append(kwarg("sync_bn", expr("True")))
+    return with_args(cst.Call(func=expr(f"{tm}.wrap_model")), args)
+
+
+def _is_unwrap(node: cst.BaseExpression, tm: str) -> bool:
+    return isinstance(node, cst.Call) and dotted(node.func) == f"{tm}.unwrap"
+
+
+def _unwrap_fix(tm: str, attr: str):
+    def fix(node):
+        if not attr:  # the model itself, passed to a copy
+            return cst.Call(func=expr(f"{tm}.unwrap"), args=[cst.Arg(node)])
+        if _is_unwrap(node.value, tm):
+            return node
+        call = cst.Call(func=expr(f"{tm}.unwrap"), args=[cst.Arg(node.value.with_changes(lpar=[], rpar=[]))])
+        if attr == "module":
+            return call.with_changes(lpar=node.lpar, rpar=node.rpar)
+        return node.with_changes(value=call)
+    return fix
+
+
+# --- rules -------------------------------------------------------------------------------
+
+class _ModelRule(Rule):
+    """Shared by the model rules: registers the rule as enabled for the plan."""
+
+    commands = frozenset({"ddp", "lint"})
+
+    def __init__(self, ctx: Context) -> None:
+        super().__init__(ctx)
+        ctx.facts.setdefault("model_rules", set()).add(self.code)
+
+    def plan(self) -> Plan:
+        return plan(self.ctx)
+
+    def notes(self, code_: str) -> None:
+        for node, message, statement in self.plan().notes[code_]:
+            self.report(node, message, statement=statement)
+
+
+class WrapDDP(_ModelRule):
+    """
+    ## What it does
+    Wraps every trained model in DistributedDataParallel: inserts `model = tm.wrap_model(model)`
+    right before the statement that creates the model's optimizer (`self.model = ...` in trainer
+    classes, one wrap per model for GANs). Only models whose parameters an optimizer trains are
+    wrapped; a frozen teacher or an EMA copy is never passed to an optimizer and stays as it is.
+    When a same-file helper builds the optimizer from a model it receives
+    (`optimizer = build_optimizer(model, cfg)`), the wrap goes before that call.
+
+    `tm.wrap_model` moves the model to the rank's device and wraps it in DDP when the script runs
+    under torchrun; in a plain `python train.py` run it returns the model unchanged. Models that
+    are already wrapped (`DistributedDataParallel`, `tm.wrap_model`, FSDP, Accelerate, DeepSpeed)
+    are left alone. When parameters are frozen after the wrap or `forward()` uses a submodule only
+    in some branches, the wrap passes `find_unused_parameters=True` (see TM303).
+
+    In `lint`, for files that already use torch.distributed: reports trained models that are
+    never wrapped, and DDP built with a hard-coded `device_ids=[0]` (every rank on GPU 0),
+    replaced by `[tm.local_rank()]`.
+
+    ## Why is this bad?
+    Without DDP every rank trains its own copy on its own shard and the copies drift apart: no
+    gradient is averaged. Wrapping after the optimizer's model is final (moved, loaded) and before
+    the first forward is what the DDP documentation requires.
+
+    ## Example
+    ```python
+    model = Net().to(device)
+    optimizer = torch.optim.AdamW(model.parameters())
+    ```
+    becomes
+    ```python
+    model = Net().to(device)
+    model = tm.wrap_model(model)
+    optimizer = torch.optim.AdamW(model.parameters())
+    ```
+
+    ## Limitations
+    A model created at module level whose optimizer is built inside a function, or an optimizer
+    whose model cannot be traced, is reported for a manual wrap.
+    """
+
+    code = "TM301"
+    name = "wrap-ddp"
+    summary = "Wrap each trained model in DDP (tm.wrap_model) before its optimizer is built"
+    safety = Safety.SAFE
+    examples = (
+        Example(
+            before="""
+            import torch
+            model = Net().to(device)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            """,
+            after="""
+            import torch
+            import torchmigrate.runtime as tm
+            model = Net().to(device)
+            model = tm.wrap_model(model)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            """,
+        ),
+        Example(
+            before="""
+            import torch
+            class Trainer:
+                def __init__(self, cfg):
+                    self.model = build_model(cfg)
+                    self.teacher = build_teacher(cfg).eval()
+                    self.optimizer = torch.optim.SGD(self.model.parameters(), lr=cfg.lr)
+            """,
+            after="""
+            import torch
+            import torchmigrate.runtime as tm
+            class Trainer:
+                def __init__(self, cfg):
+                    self.model = build_model(cfg)
+                    self.teacher = build_teacher(cfg).eval()
+                    self.model = tm.wrap_model(self.model)
+                    self.optimizer = torch.optim.SGD(self.model.parameters(), lr=cfg.lr)
+            """,
+        ),
+    )
+
+    def leave_Module(self, node: cst.Module) -> None:
+        p = self.plan()
+        if not p.active[self.code]:
+            return
+        tm = self.ctx.tm
+        for nw in p.new:
+            call = _wrap_call(tm, expr(nw.name), bool(nw.find_unused), nw.sync_bn)
+            statement = cst.SimpleStatementLine([cst.Assign([cst.AssignTarget(expr(nw.name))], call)])
+            edit = (insert_after if nw.after else insert_before)(nw.anchor, [statement])
+            extra = f" (find_unused_parameters=True: {nw.find_unused})" if nw.find_unused else ""
+            if nw.dp is not None:
+                extra += "; replaces nn.DataParallel"
+            self.report(nw.opt.call, f"wrap `{nw.name}` in DistributedDataParallel before building its optimizer: "
+                                     f"`{nw.name} = {tm}.wrap_model({nw.name})`{extra}",
+                        edits=[edit], imports=[self.ctx.runtime_import()])
+        for n, message, statement in p.manual301:
+            self.report(n, message, statement=statement)
+        for w in p.wraps:
+            if w.kind == "ddp" and w.call is not None:
+                self._device_ids(w.call)
+
+    def _device_ids(self, call: cst.Call) -> None:
+        tm = self.ctx.tm
+        edits = []
+        dev = call_arg(call, "device_ids", 1)
+        if dev is not None and _hardcoded(dev.value, many=True):
+            edits.append(replace_with(dev.value, expr(f"[{tm}.local_rank()]")))
+        out = call_arg(call, "output_device", 2)
+        if out is not None and _hardcoded(out.value, many=False):
+            edits.append(replace_with(out.value, expr(f"{tm}.local_rank()")))
+        if edits:
+            self.report(call, "DDP with a hard-coded GPU puts every rank on the same device: use the local rank "
+                              f"(`device_ids=[{tm}.local_rank()]`)", edits=edits, imports=[self.ctx.runtime_import()])
+
+
+def _else_body(node: cst.If, extra: List[cst.BaseStatement]):
+    """The statements of an `if`'s `else:` branch (then `extra`), in place of the `if`."""
+    body = node.orelse.body
+    if isinstance(body, cst.SimpleStatementSuite):
+        stmts = [cst.SimpleStatementLine(list(body.body))]
+    else:
+        stmts = list(body.body)
+    stmts = stmts + list(extra)
+    first = stmts[0]
+    stmts[0] = first.with_changes(leading_lines=[*node.leading_lines, *getattr(first, "leading_lines", [])])
+    return cst.FlattenSentinel(stmts)
+
+
+def _hardcoded(node: cst.BaseExpression, many: bool) -> bool:
+    if many:
+        if isinstance(node, (cst.List, cst.Tuple)):
+            return len(node.elements) >= 1 and all(_hardcoded(e.value, False) for e in node.elements)
+        return False
+    if isinstance(node, cst.Integer):
+        return True
+    if isinstance(node, cst.SimpleString):
+        return bool(re.fullmatch(r"cuda(:\d+)?", node.evaluated_value))
+    if isinstance(node, cst.Call) and dotted(node.func) in ("torch.device", "device"):
+        return bool(node.args) and all(_hardcoded(a.value, False) for a in node.args)
+    return False
+
+
+class _AttrCollector(_ModelRule):
+    """TM302 and TM306 rewrite attribute accesses; the first of them enabled collects them."""
+
+    def __init__(self, ctx: Context) -> None:
+        super().__init__(ctx)
+        self._collect = "model_attrs" not in ctx.facts
+        if self._collect:
+            ctx.facts["model_attrs"] = []
+
+    def visit_Attribute(self, node: cst.Attribute) -> None:
+        if self._collect:
+            value = node.value
+            if isinstance(value, cst.Name) or (isinstance(value, cst.Attribute) and isinstance(value.value, cst.Name)
+                                                and value.value.value in ("self", "cls")):
+                self.ctx.facts["model_attrs"].append(node)
+
+
+class UnwrapAttr(_AttrCollector):
+    """
+    ## What it does
+    After a model is wrapped (by TM301, `tm.wrap_model`, `DistributedDataParallel` or a former
+    `nn.DataParallel`), rewrites accesses that the wrapper does not forward:
+
+    - `model.module` → `tm.unwrap(model)` (also `model.module.x` → `tm.unwrap(model).x`);
+    - `model.state_dict()` / `model.load_state_dict(...)` → `tm.unwrap(model).state_dict()` /
+      `tm.unwrap(model).load_state_dict(...)`, so checkpoints have no `module.` prefix;
+    - custom attributes and methods (`model.encode(x)`, `model.config`, `model.fc`) →
+      `tm.unwrap(model).encode(x)`.
+
+    The `nn.Module` API that DDP itself provides (`model(x)`, `parameters()`, `train()`,
+    `eval()`, `to()`, `zero_grad()`, `no_sync()`, ...) is left alone. Accesses are rewritten in
+    the scope after the wrap and in other functions and methods of the file that receive the
+    model (`tm.unwrap` is the identity on a module that is not wrapped, so this is safe wherever
+    the name holds a plain module). For scripts that build DDP themselves, `.module` and
+    `state_dict()` stay as they are (they are right there) and only custom attributes change.
+
+    ## Why is this bad?
+    `DistributedDataParallel` only forwards `nn.Module` attributes: `model.encode(x)` raises
+    `AttributeError: 'DistributedDataParallel' object has no attribute 'encode'`, and
+    `model.state_dict()` saves every key with a `module.` prefix. `model.module` on the other
+    hand fails in a single-process run, where `tm.wrap_model` returns the bare model.
+
+    ## Example
+    ```python
+    model = tm.wrap_model(model)
+    z = model.encode(x)
+    model.module.head.reset_parameters()
+    ```
+    becomes
+    ```python
+    model = tm.wrap_model(model)
+    z = tm.unwrap(model).encode(x)
+    tm.unwrap(model).head.reset_parameters()
+    ```
+    """
+
+    code = "TM302"
+    name = "unwrap-attr"
+    summary = "Access custom attributes, .module and state_dict of wrapped models through tm.unwrap"
+    safety = Safety.SAFE
+    examples = (
+        Example(
+            before="""
+            import torchmigrate.runtime as tm
+            model = tm.wrap_model(model)
+            z = model.encode(x)
+            model.module.head.reset_parameters()
+            torch.save(model.state_dict(), "model.pt")
+            """,
+            after="""
+            import torchmigrate.runtime as tm
+            model = tm.wrap_model(model)
+            z = tm.unwrap(model).encode(x)
+            tm.unwrap(model).head.reset_parameters()
+            torch.save(tm.unwrap(model).state_dict(), "model.pt")
+            """,
+        ),
+    )
+
+    def leave_Module(self, node: cst.Module) -> None:
+        p = self.plan()
+        if not p.active[self.code]:
+            return
+        _report_rewrites(self, p, "TM302")
+
+
+def _report_rewrites(rule: Rule, p: Plan, owner: str) -> None:
+    tm = rule.ctx.tm
+    for r in p.rewrites:
+        if r.owner != owner:
+            continue
+        if not r.attr:
+            message = (f"copying a wrapped model copies the DDP wrapper: copy the module itself, "
+                       f"`{tm}.unwrap({r.name})`")
+        elif r.attr == "module":
+            message = f"`{r.name}.module` fails when the model is not wrapped: use `{tm}.unwrap({r.name})`"
+        elif r.attr in _STATE:
+            message = (f"`{r.name}.{r.attr}` of a DDP model has `module.`-prefixed keys: "
+                       f"use `{tm}.unwrap({r.name}).{r.attr}`")
+        else:
+            message = (f"DDP does not forward custom attributes (`{r.name}.{r.attr}` raises AttributeError): "
+                       f"use `{tm}.unwrap({r.name}).{r.attr}`")
+        rule.report(r.node, message, edits=[replace(r.node, _unwrap_fix(tm, r.attr))],
+                    imports=[rule.ctx.runtime_import()])
+
+
+class UnusedParams(_ModelRule):
+    """
+    ## What it does
+    Reports models whose set of parameters that receive gradients changes between steps while
+    DDP does not expect it, and the opposite, needless `find_unused_parameters=True`:
+
+    - `forward()` calls a submodule with parameters only in some branches of an `if`
+      (`if cfg.aux: out = out + self.aux(x)`), or parameters are frozen
+      (`requires_grad = False`) after the model was wrapped, and the existing DDP wrap lacks
+      `find_unused_parameters=True`; the wraps TM301 adds pass it in these cases;
+    - parameters are unfrozen after the wrap (DDP never synchronises them);
+    - `find_unused_parameters=True` on a model whose `forward()` is straight-line code using every
+      submodule.
+
+    ## Why is this bad?
+    A parameter that gets no gradient in a step makes DDP fail with "Expected to have finished
+    reduction in the prior iteration before starting a new one" (pytorch/pytorch#43259).
+    `find_unused_parameters=True` fixes that at the cost of an extra traversal of the autograd
+    graph every step, which is wasted when every parameter is always used (pytorch#50133);
+    `static_graph=True` is the cheaper option when the used set never changes.
+
+    ## Example
+    ```python
+    class Net(nn.Module):
+        def forward(self, x):
+            out = self.body(x)
+            if self.use_aux:
+                out = out + self.aux(x)   # self.aux unused when use_aux is False
+            return out
+    model = DDP(model, device_ids=[local_rank])
+    ```
+    """
+
+    code = "TM303"
+    name = "unused-params"
+    summary = "Report conditional parameter use under DDP and needless find_unused_parameters=True"
+    safety = Safety.MANUAL
+    examples = (
+        Example(
+            before="""
+            import torch.nn as nn
+            import torchmigrate.runtime as tm
+            class Net(nn.Module):
+                def __init__(self):
+                    super().__init__()
+                    self.body = nn.Linear(4, 4)
+                def forward(self, x):
+                    return self.body(x)
+            model = Net()
+            model = tm.wrap_model(model, find_unused_parameters=True)
+            """,
+            after="""
+            import torch.nn as nn
+            import torchmigrate.runtime as tm
+            class Net(nn.Module):
+                def __init__(self):
+                    super().__init__()
+                    self.body = nn.Linear(4, 4)
+                def forward(self, x):
+                    return self.body(x)
+            model = Net()
+            # TODO(torchmigrate): TM303 find_unused_parameters=True costs an extra autograd graph traversal every step, and Net.forward() uses all its submodules unconditionally: drop it (or pass static_graph=True if the set of used parameters never changes)
+            model = tm.wrap_model(model, find_unused_parameters=True)
+            """,
+        ),
+    )
+
+    def leave_Module(self, node: cst.Module) -> None:
+        if self.plan().active[self.code]:
+            self.notes(self.code)
+
+
+class SyncBN(_ModelRule):
+    """
+    ## What it does
+    For a wrapped model that contains BatchNorm layers (a model class of the file that uses
+    `nn.BatchNorm*d`, directly or through its building blocks, or a torchvision ResNet-style
+    model), `torchmigrate ddp --sync-bn` makes the wrap `tm.wrap_model(model, sync_bn=True)`,
+    which converts the layers to `nn.SyncBatchNorm` before DDP (on CUDA; a no-op on CPU).
+    Without `--sync-bn` it reports the model. In `lint` the fix is unsafe
+    (`--unsafe-fixes`).
+
+    ## Why is this bad?
+    Under DDP each rank normalises over its own per-rank batch. With small per-rank batches
+    (detection, segmentation) the statistics get noisy and accuracy drops; SyncBatchNorm
+    computes them over the global batch, at the cost of a collective per BatchNorm layer. The
+    conversion must happen before DDP wraps the model (NVIDIA/apex#109).
+
+    ## Example
+    ```python
+    model = ResNetLike().to(device)       # uses nn.BatchNorm2d
+    model = tm.wrap_model(model)
+    ```
+    becomes, with `--sync-bn`,
+    ```python
+    model = ResNetLike().to(device)
+    model = tm.wrap_model(model, sync_bn=True)
+    ```
+    """
+
+    code = "TM304"
+    name = "sync-bn"
+    summary = "Convert BatchNorm to SyncBatchNorm when wrapping (opt-in: --sync-bn)"
+    safety = Safety.UNSAFE
+    examples = (
+        Example(
+            before="""
+            import torch.nn as nn
+            import torchmigrate.runtime as tm
+            class Net(nn.Module):
+                def __init__(self):
+                    super().__init__()
+                    self.conv = nn.Conv2d(3, 8, 3)
+                    self.bn = nn.BatchNorm2d(8)
+            model = Net()
+            model = tm.wrap_model(model)
+            """,
+            after="""
+            import torch.nn as nn
+            import torchmigrate.runtime as tm
+            class Net(nn.Module):
+                def __init__(self):
+                    super().__init__()
+                    self.conv = nn.Conv2d(3, 8, 3)
+                    self.bn = nn.BatchNorm2d(8)
+            # TODO(torchmigrate): TM304 `model` contains BatchNorm layers, which now normalise over each rank's own batch; if per-rank batches are small, pass `sync_bn=True` to `tm.wrap_model` (`torchmigrate ddp --sync-bn`)
+            model = Net()
+            model = tm.wrap_model(model)
+            """,
+        ),
+    )
+
+    def leave_Module(self, node: cst.Module) -> None:
+        p = self.plan()
+        if not p.active[self.code]:
+            return
+        safety = Safety.SAFE if self.ctx.options.mode == "ddp" else Safety.UNSAFE
+        for nw in [*p.new, *p.dp_sites]:
+            if getattr(nw, "sync_bn", False):
+                name = nw.name if isinstance(nw, NewWrap) else nw.wrap.name
+                anchor = nw.anchor if isinstance(nw, NewWrap) else (nw.target or nw.outer)
+                if isinstance(nw, DPSite) and nw.action == "remove":
+                    continue
+                node_ = nw.opt.call if isinstance(nw, NewWrap) else nw.outer
+                # The keyword itself is part of the one wrap statement TM301/TM306 write.
+                self.report(node_, f"`{name}` contains BatchNorm layers: convert them to SyncBatchNorm when wrapping "
+                                   "(`sync_bn=True`)", edits=[replace(anchor, lambda n: n)], safety=safety)
+        for call, message, edits in p.sync_bn_fixes:
+            self.report(call, message, edits=edits, safety=safety)
+        self.notes(self.code)
+
+
+class LrWorldSize(_ModelRule):
+    """
+    ## What it does
+    Reports, once per optimizer of a wrapped model, that the learning rate is not scaled with
+    the number of processes, unless the learning rate or the DataLoader batch size already
+    involves the world size (`lr * world_size`, `batch_size // dist.get_world_size()`).
+
+    ## Why is this bad?
+    Every rank now loads `batch_size` samples and DDP averages the gradients, so N ranks train
+    with a global batch of N × `batch_size` at the old learning rate. Whether to scale the
+    learning rate (linear scaling rule) or to shrink the per-rank batch is a modelling choice
+    (Lightning-AI/pytorch-lightning#3706, facebookresearch/detectron2#934); the tool does not
+    make it silently.
+
+    ## Example
+    ```python
+    model = tm.wrap_model(model)
+    optimizer = SGD(model.parameters(), lr=args.lr)   # global batch is now N x larger
+    ```
+    """
+
+    code = "TM305"
+    name = "lr-world-size"
+    summary = "Report learning rates not scaled for the larger global batch"
+    safety = Safety.MANUAL
+    examples = (
+        Example(
+            before="""
+            import torch
+            import torchmigrate.runtime as tm
+            model = tm.wrap_model(model)
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            """,
+            after="""
+            import torch
+            import torchmigrate.runtime as tm
+            model = tm.wrap_model(model)
+            # TODO(torchmigrate): TM305 each rank now loads a full batch (global batch = tm.world_size() x batch_size) but the learning rate is unchanged: scale it (e.g. `lr * tm.world_size()`) or divide the per-rank batch size
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            """,
+        ),
+        Example(
+            before="""
+            import torch
+            import torchmigrate.runtime as tm
+            model = tm.wrap_model(model)
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1 * tm.world_size())
+            """,
+        ),
+    )
+
+    def leave_Module(self, node: cst.Module) -> None:
+        if self.plan().active[self.code]:
+            self.notes(self.code)
+
+
+class DataParallelToDDP(_AttrCollector):
+    """
+    ## What it does
+    Replaces `nn.DataParallel` by the DDP wrap. When TM301 wraps the same model before its
+    optimizer, `model = nn.DataParallel(model, device_ids=...)` is removed (with its
+    `if torch.cuda.device_count() > 1:` guard when that is all the `if` holds); otherwise it
+    becomes `tm.wrap_model(model)` in place (after the guard, never inside it). `model.module` becomes
+    `tm.unwrap(model)`. Reports that the batch size changes meaning. In `lint` it fires on any
+    file; `torchmigrate amp` keeps DataParallel (TM405 moves autocast into `forward`).
+
+    ## Why is this bad?
+    DataParallel is single-process multi-threaded replication: slower than DDP even on one
+    node, and the PyTorch docs recommend DDP instead. DataParallel split each batch across the
+    GPUs, while under DDP every rank loads a full `batch_size`, so the global batch becomes
+    world_size × larger (use `batch_size // tm.world_size()` to keep it).
+
+    ## Example
+    ```python
+    model = Net()
+    if torch.cuda.device_count() > 1:
+        model = nn.DataParallel(model)
+    model.to(device)
+    ```
+    becomes
+    ```python
+    model = Net()
+    model = tm.wrap_model(model)
+    model.to(device)
+    ```
+    """
+
+    code = "TM306"
+    name = "dataparallel"
+    summary = "Replace nn.DataParallel with the DDP wrap (tm.wrap_model / tm.unwrap)"
+    safety = Safety.SAFE
+    examples = (
+        Example(
+            before="""
+            import torch
+            import torch.nn as nn
+            model = Net()
+            if torch.cuda.device_count() > 1:
+                model = nn.DataParallel(model, device_ids=[0, 1])
+            model.to(device)
+            torch.save(model.module.state_dict(), "model.pt")
+            """,
+            after="""
+            import torch
+            import torch.nn as nn
+            import torchmigrate.runtime as tm
+            model = Net()
+            # TODO(torchmigrate): TM306 DataParallel split each batch across the GPUs; under DDP each rank loads a full batch, so the global batch is tm.world_size() times larger: use `batch_size // tm.world_size()` per rank to keep it (or scale the learning rate)
+            model = tm.wrap_model(model)
+            model.to(device)
+            torch.save(tm.unwrap(model).state_dict(), "model.pt")
+            """,
+        ),
+    )
+
+    def leave_Module(self, node: cst.Module) -> None:
+        p = self.plan()
+        if not p.active[self.code]:
+            return
+        tm = self.ctx.tm
+        note = (f"DataParallel split each batch across the GPUs; under DDP each rank loads a full batch, so the "
+                f"global batch is {tm}.world_size() times larger: use `batch_size // {tm}.world_size()` per rank to "
+                f"keep it (or scale the learning rate)")
+        for site in p.dp_sites:
+            if site.action == "keep":
+                continue
+            edits = []
+            w = site.wrap
+            if site.action == "remove" or (site.action == "collapse" and not site.wrap_after):
+                edits.append(remove(site.target) if site.action == "remove" else
+                             replace(site.target, lambda n: _else_body(n, [])))
+                message = f"remove nn.DataParallel: `{w.name}` is wrapped in DDP before its optimizer (TM301)"
+            else:
+                fu, sb = bool(site.find_unused), site.sync_bn
+
+                def build(node, fu=fu, sb=sb):
+                    inner = _strip(node) if isinstance(node, cst.Call) else node
+                    a = _wrapped_arg(inner) if isinstance(inner, cst.Call) else None
+                    module = a.value if a is not None else inner
+                    return _wrap_call(tm, module, fu, sb)
+
+                if site.action == "inplace":
+                    outer = site.outer
+                    edits.append(replace(outer, lambda n, build=build: build(n).with_changes(lpar=n.lpar, rpar=n.rpar)
+                                         if isinstance(n, cst.Call) else build(n)))
+                else:
+                    argx = _wrapped_arg(w.call)
+                    new = cst.SimpleStatementLine([cst.Assign([cst.AssignTarget(expr(w.name))],
+                                                              _wrap_call(tm, argx.value, fu, sb))])
+                    if site.action == "collapse":
+                        edits.append(replace(site.target, lambda n, new=new: _else_body(n, [new])))
+                    elif site.action == "replace-if":
+                        edits.append(replace(site.target, lambda n, new=new: new.with_changes(
+                            leading_lines=n.leading_lines)))
+                    else:  # move: drop the DataParallel line, wrap after the `if`
+                        edits.append(remove(site.small))
+                        edits.append(insert_after(site.target, [new]))
+                extra = " (the DataParallel was conditional: check the wrap runs on every rank)" if site.conditional else ""
+                message = f"replace nn.DataParallel with `{tm}.wrap_model(...)`{extra}"
+            self.report(w.call, message, edits=edits, imports=[self.ctx.runtime_import()])
+            self.report(w.call, note, statement=site.note_stmt)
+        for call in p.dp_functional:
+            self.report(call, "nn.parallel.data_parallel() replicates the module on every call: wrap the model once "
+                              f"with `{tm}.wrap_model(model)` and call it directly")
+        _report_rewrites(self, p, "TM306")

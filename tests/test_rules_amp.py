@@ -1,0 +1,230 @@
+"""Mixed-precision rules (TM401-TM410, TM503, TM604) beyond the per-rule fixtures: how the rules
+work together on whole scripts, the `--amp` policy options, the TM406/TM410 hand-over, and the
+promises of issue 5 (no apex import left, one rule per edited node, idempotent output)."""
+
+from __future__ import annotations
+
+import ast
+import re
+import textwrap
+from collections import defaultdict
+
+import libcst as cst
+import pytest
+
+from conftest import FIXTURES
+from torchmigrate.engine import process_source
+from torchmigrate.finding import EditKind
+from torchmigrate.rule import Options
+from torchmigrate.rules import get_rule, select
+from torchmigrate.rules.amp import convertible_call
+
+SCRIPTS = FIXTURES / "scripts"
+ALL_SCRIPTS = sorted(SCRIPTS.glob("*.py"))
+AMP_FAMILY = {"TM401", "TM402", "TM403", "TM404", "TM405", "TM406", "TM407", "TM408", "TM409", "TM410",
+              "TM503", "TM604"}
+
+
+def run(source: str, mode: str = "amp", amp: str = "auto", codes=None, path: str = "train.py"):
+    rules = [get_rule(c) for c in codes] if codes else select(command=mode)
+    options = Options(mode=mode, amp=amp, fix=mode == "lint")
+    return process_source(textwrap.dedent(source), path, options, rules)
+
+
+def code_only(source: str) -> str:
+    """The source without comment lines (TODO messages mention `tm.autocast` too)."""
+    return "\n".join(line for line in source.splitlines() if not line.lstrip().startswith("#"))
+
+
+def apex_imports(source: str):
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            out += [a.name for a in node.names if a.name.split(".")[0] == "apex"]
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "apex":
+            out.append(node.module)
+    return out
+
+
+@pytest.mark.parametrize("mode", ["amp", "ddp"])
+@pytest.mark.parametrize("script", ALL_SCRIPTS, ids=lambda p: p.name)
+def test_migrated_scripts_compile_are_idempotent_and_apex_free(script, mode):
+    source = script.read_text(encoding="utf-8")
+    result = run(source, mode)
+    compile(result.new_source, str(script), "exec")
+    assert run(result.new_source, mode).new_source == result.new_source, "second run must be a no-op"
+    assert not apex_imports(result.new_source)
+
+
+@pytest.mark.parametrize("mode", ["amp", "ddp"])
+def test_each_call_is_edited_by_one_rule(mode):
+    """TM406/TM410 (and every AMP rule) never both rewrite one node."""
+    sources = [p.read_text(encoding="utf-8") for p in ALL_SCRIPTS]
+    sources += [p.read_text(encoding="utf-8") for code in sorted(AMP_FAMILY)
+                for p in sorted((FIXTURES / code).glob("*.in.py"))]
+    for source in sources:
+        result = run(source, mode)
+        owners = defaultdict(set)
+        for f in result.findings:
+            if not f.applied:
+                continue
+            for edit in f.edits:
+                if edit.kind is EditKind.REPLACE and isinstance(edit.target, (cst.Call, cst.ImportFrom, cst.Import)):
+                    owners[edit.target].add(f.code)
+        clashes = {cst.Module([]).code_for_node(n): c for n, c in owners.items() if len(c) > 1 and c & AMP_FAMILY}
+        assert not clashes, clashes
+
+
+CUDA_AMP = (SCRIPTS / "cuda_amp_accum.py").read_text(encoding="utf-8")
+APEX = (SCRIPTS / "apex_amp.py").read_text(encoding="utf-8")
+PLAIN = (SCRIPTS / "toplevel_classifier.py").read_text(encoding="utf-8")
+
+
+def test_migration_hands_existing_amp_to_the_runtime():
+    out = run(CUDA_AMP, "amp").new_source
+    assert "scaler = tm.GradScaler(enabled=use_amp)" in out
+    assert "with tm.autocast(enabled=use_amp):" in out
+    assert "from torch.cuda.amp" not in out and "from torch.amp" not in out  # the imports went with the calls
+    codes = {f.code for f in run(CUDA_AMP, "amp").findings if f.applied}
+    assert {"TM406", "TM410"} <= codes
+
+
+def test_lint_still_reports_torch_cuda_amp():
+    result = run(CUDA_AMP, "lint")
+    reported = [f for f in result.findings if f.code == "TM406"]
+    assert len(reported) >= 3  # the import, GradScaler(...) and autocast(...)
+    assert not [f for f in result.findings if f.code == "TM410"]
+    assert 'GradScaler("cuda", enabled=use_amp)' in result.new_source  # `lint --fix` modernises
+
+
+def test_amp_off_leaves_mixed_precision_alone():
+    for source in (PLAIN, CUDA_AMP):
+        result = run(source, "amp", amp="off")
+        assert "tm.autocast" not in result.new_source and "tm.GradScaler" not in result.new_source
+        assert not [f for f in result.findings if f.code in ("TM401", "TM402", "TM403", "TM405", "TM410", "TM503")]
+    # torch.cuda.amp is still modernised (TM406), and apex still has to go (TM407)
+    assert 'autocast("cuda", enabled=use_amp)' in run(CUDA_AMP, "amp", amp="off").new_source
+    off = run(APEX, "amp", amp="off").new_source
+    assert not apex_imports(off) and "scaler = tm.GradScaler(enabled=False)" in off and "tm.autocast" not in off
+
+
+@pytest.mark.parametrize("amp", ["bf16", "fp16"])
+def test_forced_dtype_reaches_autocast_and_scaler(amp):
+    for source in (PLAIN, CUDA_AMP, APEX):
+        out = run(source, "ddp", amp=amp).new_source
+        calls = re.findall(r"tm\.(?:autocast|GradScaler)\([^)]*\)", out)
+        assert calls
+        assert all(f'dtype="{amp}"' in c for c in calls), calls
+
+
+def test_auto_policy_passes_no_dtype():
+    out = run(PLAIN, "ddp").new_source
+    assert "scaler = tm.GradScaler()" in out and "with tm.autocast():" in out
+
+
+def test_apex_script_becomes_torch_amp():
+    result = run(APEX, "amp")
+    out = result.new_source
+    assert not apex_imports(out)
+    assert "amp.initialize" not in out and "amp.scale_loss" not in out
+    assert "scaler.scale(loss).backward()" in out
+    assert "scaler.unscale_(optimizer)\n        torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)" in out
+    assert '"amp": scaler.state_dict()' in out and 'scaler.load_state_dict(checkpoint["amp"])' in out
+    assert "with tm.autocast():" in out
+    assert out.count("scaler.update()") == 1
+    # the report names what apex options were dropped
+    assert any("opt_level" in f.message for f in result.findings if f.code == "TM407")
+
+
+def test_accumulation_under_ddp():
+    result = run(CUDA_AMP, "ddp")
+    out = result.new_source
+    assert "with tm.no_sync(model, sync=(i + 1) % accum_steps == 0):" in out
+    no_sync = out.index("tm.no_sync"), out.index("with tm.autocast"), out.index("scaler.scale(loss).backward()")
+    assert no_sync[0] < no_sync[1] < no_sync[2], "forward and backward inside no_sync"
+    # the step condition is not changed; the partial last window is reported instead
+    assert "        if (i + 1) % accum_steps == 0:\n" in out
+    assert any(f.code == "TM404" and "partial" in f.message and not f.applied for f in result.findings)
+    # no DDP no_sync in single-GPU AMP migrations
+    assert "no_sync" not in run(CUDA_AMP, "amp").new_source
+
+
+def test_manual_cases_leave_one_todo_each():
+    source = """
+    import torch
+    model = Net().cuda().half()
+    optimizer = torch.optim.LBFGS(model.parameters())
+    for x, y in loader:
+        def closure():
+            optimizer.zero_grad()
+            loss = criterion(model(x), y)
+            loss.backward()
+            return loss
+        optimizer.step(closure)
+    """
+    once = run(source, "amp").new_source
+    assert once.count("TODO(torchmigrate): TM402") == 2  # .half() and the closure
+    assert "tm.autocast" not in code_only(once) and "GradScaler" not in code_only(once)
+    assert run(once, "amp").new_source == once
+
+
+def test_eval_loops_get_autocast_without_scaler():
+    out = run((SCRIPTS / "helper_loaders.py").read_text(encoding="utf-8"), "amp").new_source
+    evaluate = out[out.index("def evaluate"):]
+    evaluate = evaluate[:evaluate.index("\n\n\n")]
+    assert "with tm.autocast():\n                output = model(data)" in evaluate
+    assert "scaler" not in evaluate
+
+
+def test_bce_blocks_autocast_and_is_reported():
+    result = run((SCRIPTS / "binary_bce_steps.py").read_text(encoding="utf-8"), "amp")
+    assert any(f.code == "TM409" and "BCEWithLogitsLoss" in f.message for f in result.findings)
+    assert "tm.autocast" not in code_only(result.new_source)  # neither the training step nor the evaluation
+
+
+def test_dataparallel_forward_gets_autocast_in_amp_mode_only():
+    source = (SCRIPTS / "dataparallel.py").read_text(encoding="utf-8")
+    amp = run(source, "amp").new_source
+    assert "    def forward(self, x):\n        with tm.autocast():\n            return self.classifier(self.embed(x))" in amp
+    assert not [f for f in run(source, "ddp").findings if f.code == "TM405"]
+
+
+def test_policy_keeps_calls_it_cannot_express():
+    call = cst.parse_expression("autocast(cache_enabled=False)")
+    assert not convertible_call(call, "torch.cuda.amp.autocast")
+    assert convertible_call(cst.parse_expression("autocast(True, torch.float16)"), "torch.cuda.amp.autocast")
+    assert not convertible_call(cst.parse_expression('autocast("cuda", torch.float16, True, False)'), "torch.autocast")
+
+
+def test_frameworks_that_own_precision_are_left_alone():
+    source = """
+    import torch
+    from accelerate import Accelerator
+    accelerator = Accelerator(mixed_precision="fp16")
+    optimizer = torch.optim.AdamW(model.parameters())
+    for x, y in loader:
+        loss = criterion(model(x), y)
+        loss.backward()
+        optimizer.step()
+    """
+    result = run(source, "amp")
+    assert not [f for f in result.findings if f.code in AMP_FAMILY]
+
+
+def test_cli_amp_command_rewrites_apex(tmp_path, run_cli):
+    path = tmp_path / "train.py"
+    path.write_text(APEX, encoding="utf-8")
+    dry = run_cli("amp", "--dry-run", path)
+    assert dry.exit_code == 1 and "-from apex import amp" in dry.stdout
+    assert path.read_text(encoding="utf-8") == APEX
+    done = run_cli("amp", path)
+    assert "TM407" in done.output and not apex_imports(path.read_text(encoding="utf-8"))
+    again = run_cli("amp", "--dry-run", path)
+    assert "@@" not in again.stdout  # nothing left to change (manual findings may remain)
+
+
+@pytest.mark.parametrize("code", sorted(AMP_FAMILY))
+def test_amp_rules_are_documented(code, run_cli):
+    result = run_cli("explain", code)
+    assert result.exit_code == 0
+    assert "What it does" in result.stdout and "Why is this bad" in result.stdout
