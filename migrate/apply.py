@@ -82,7 +82,8 @@ class _Rebuilder:
                 elif isinstance(value, (tuple, list)) and any(self.touched(c) for c in value):
                     changes[name] = self.sequence(original, name, value)
             if any(isinstance(v, cst.RemovalSentinel) for v in changes.values()):
-                return cst.RemovalSentinel.REMOVE
+                # an emptied line goes, but insertions anchored on it must survive
+                return self.own_edits(original, cst.RemovalSentinel.REMOVE)
             updated = original.with_changes(**changes)
         return self.own_edits(original, updated)
 
