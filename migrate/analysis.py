@@ -17,7 +17,7 @@ from typing import Dict, List, Optional, Tuple
 
 import libcst as cst
 
-from torchmigrate.imports import dotted
+from torchmigrate.imports import dotted, leading_import_anchor
 from torchmigrate.rule import Context, Rule
 
 # Optimizer constructors: anything under these modules except schedulers and helpers.
@@ -437,19 +437,9 @@ def wrapped_models(ctx: Context) -> List[str]:
 
 # --- entry point ---------------------------------------------------------------------------
 
-def _is_import_line(stmt: cst.CSTNode) -> bool:
-    return isinstance(stmt, cst.SimpleStatementLine) and all(
-        isinstance(s, (cst.Import, cst.ImportFrom)) for s in stmt.body)
-
-
-def _is_docstring(stmt: cst.CSTNode) -> bool:
-    return (isinstance(stmt, cst.SimpleStatementLine) and isinstance(stmt.body[0], cst.Expr)
-            and isinstance(stmt.body[0].value, (cst.SimpleString, cst.ConcatenatedString)))
-
-
 def entry(ctx: Context) -> Optional[Entry]:
     """Where setup/cleanup go: first/last statement of the `__main__` block, or for a top-level
-    script after the last top-level import and at the end of the module."""
+    script after the first block of top-level imports and at the end of the module."""
     def compute() -> Optional[Entry]:
         guard = facts(ctx).main_guard
         if guard is not None and isinstance(guard.body, cst.IndentedBlock):
@@ -458,17 +448,9 @@ def entry(ctx: Context) -> Optional[Entry]:
         body = ctx.module.body
         if not body:
             return None
-        last_import = None
-        for stmt in body:
-            if isinstance(stmt, (cst.FunctionDef, cst.ClassDef)):
-                break
-            if _is_import_line(stmt):
-                last_import = stmt
-        if last_import is None:
-            first = body[0]
-            if _is_docstring(first) and len(body) > 1:
-                return Entry("top-level", None, first, body[-1])
-            return Entry("top-level", first, None, body[-1])
-        return Entry("top-level", None, last_import, body[-1])
+        anchor = leading_import_anchor(ctx.module)
+        if anchor is None:
+            return Entry("top-level", body[0], None, body[-1])
+        return Entry("top-level", None, anchor, body[-1])
 
     return _cached(ctx, "entry", compute)

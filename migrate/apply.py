@@ -13,7 +13,7 @@ from typing import Dict, Iterable, List, Sequence, Set
 import libcst as cst
 
 from torchmigrate.finding import Edit, EditKind, Import
-from torchmigrate.imports import ImportTable
+from torchmigrate.imports import ImportTable, leading_import_anchor
 from torchmigrate.walk import child_fields
 
 TODO_PREFIX = "# TODO(torchmigrate): "
@@ -31,7 +31,7 @@ def apply_edits(
         by_target[edit.target].append(edit)
     new_imports = _missing_imports(imports, table or ImportTable.from_module(module))
     if new_imports:
-        anchor = _import_anchor(module)
+        anchor = leading_import_anchor(module)
         stmts = [_import_statement(spec) for spec in new_imports]
         if anchor is None:
             by_target[module].append(Edit(EditKind.REPLACE, module, fn=_prepend(stmts)))
@@ -198,30 +198,6 @@ def _import_statement(spec: Import) -> cst.SimpleStatementLine:
     if spec.name is None:
         return cst.parse_statement(f"import {spec.module}{asname}\n")
     return cst.parse_statement(f"from {spec.module} import {spec.name}{asname}\n")
-
-
-def _is_import_line(stmt: cst.CSTNode) -> bool:
-    return isinstance(stmt, cst.SimpleStatementLine) and all(
-        isinstance(s, (cst.Import, cst.ImportFrom)) for s in stmt.body
-    )
-
-
-def _import_anchor(module: cst.Module):
-    """The last top-level import line before the first function or class definition."""
-    anchor = None
-    for stmt in module.body:
-        if isinstance(stmt, (cst.FunctionDef, cst.ClassDef)):
-            break
-        if _is_import_line(stmt):
-            anchor = stmt
-    if anchor is not None:
-        return anchor
-    # No imports: after the docstring, if any.
-    if module.body and isinstance(module.body[0], cst.SimpleStatementLine):
-        first = module.body[0].body[0]
-        if isinstance(first, cst.Expr) and isinstance(first.value, (cst.SimpleString, cst.ConcatenatedString)):
-            return module.body[0]
-    return None
 
 
 def _prepend(stmts):

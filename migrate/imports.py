@@ -9,7 +9,7 @@ to the same qualified names at a fraction of the cost.
 
 from __future__ import annotations
 
-from typing import Dict, Iterator, Optional
+from typing import Dict, Iterator, List, Optional
 
 import libcst as cst
 
@@ -60,12 +60,18 @@ def _suite(block) -> Iterator[cst.CSTNode]:
         yield from _suite(block.body)
 
 
+# After `from project.models import *`, these names almost always come through the star import
+# (project modules re-export torch), so they resolve as the usual torch spellings.
+_STAR_FALLBACK = {"torch": "torch", "nn": "torch.nn", "F": "torch.nn.functional", "optim": "torch.optim"}
+
+
 class ImportTable:
     """Maps local names to qualified names (`nn` -> `torch.nn`)."""
 
     def __init__(self) -> None:
         self.names: Dict[str, str] = {}
         self.import_statements = []
+        self.star_modules: List[str] = []
 
     @classmethod
     def from_module(cls, module: cst.Module) -> "ImportTable":
@@ -90,6 +96,7 @@ class ImportTable:
         elif isinstance(node, cst.ImportFrom) and not node.relative:
             module = _module_name(node.module)
             if isinstance(node.names, cst.ImportStar):
+                self.star_modules.append(module)
                 return
             for alias in node.names:
                 name = _module_name(alias.name)
@@ -105,8 +112,18 @@ class ImportTable:
         head, _, rest = name.partition(".")
         base = self.names.get(head)
         if base is None:
-            return None
+            base = self._from_star(head)
+            if base is None:
+                return None
         return f"{base}.{rest}" if rest else base
+
+    def _from_star(self, head: str) -> Optional[str]:
+        if not self.star_modules:
+            return None
+        torch_star = next((m for m in self.star_modules if m == "torch" or m.startswith("torch.")), None)
+        if torch_star is not None and head not in _STAR_FALLBACK:
+            return f"{torch_star}.{head}"  # `from torch.utils.data import *` then `DataLoader`
+        return _STAR_FALLBACK.get(head)
 
     def alias_for(self, qualified: str) -> Optional[str]:
         """The local name bound to exactly `qualified`, if the module imports it."""
@@ -118,3 +135,33 @@ class ImportTable:
     def imports_module(self, prefix: str) -> bool:
         """True if anything imported comes from `prefix` (e.g. `apex`)."""
         return any(full == prefix or full.startswith(prefix + ".") for full in self.names.values())
+
+
+def _is_import_line(stmt: cst.CSTNode) -> bool:
+    return isinstance(stmt, cst.SimpleStatementLine) and all(
+        isinstance(s, (cst.Import, cst.ImportFrom)) for s in stmt.body)
+
+
+def _is_docstring(stmt: cst.CSTNode) -> bool:
+    return (isinstance(stmt, cst.SimpleStatementLine) and isinstance(stmt.body[0], cst.Expr)
+            and isinstance(stmt.body[0].value, (cst.SimpleString, cst.ConcatenatedString)))
+
+
+def leading_import_anchor(module: cst.Module) -> Optional[cst.CSTNode]:
+    """The last line of the module's first run of top-level import lines.
+
+    New imports and a top-level `tm.setup()` go right after it: later imports may follow code
+    that already uses the runtime (`loader = DataLoader(...)` between two import blocks), so
+    "after the last import" can be too late. Without imports: the docstring, or None.
+    """
+    anchor = None
+    for stmt in module.body:
+        if _is_import_line(stmt):
+            anchor = stmt
+        elif anchor is not None:
+            break
+        elif isinstance(stmt, (cst.FunctionDef, cst.ClassDef)):
+            break
+    if anchor is None and module.body and _is_docstring(module.body[0]):
+        return module.body[0]
+    return anchor

@@ -1,0 +1,96 @@
+"""Engine pieces the rules rely on: import placement, name resolution, edit composition."""
+
+from __future__ import annotations
+
+import libcst as cst
+
+from torchmigrate.apply import apply_edits
+from torchmigrate.finding import Import, insert_before, remove, replace, wrap
+from torchmigrate.imports import ImportTable, leading_import_anchor
+from torchmigrate.nodes import expr, with_block
+from torchmigrate.walk import walk
+
+TM = Import("torchmigrate.runtime", asname="tm")
+
+
+def _apply(src, make_edits, imports=()):
+    module = cst.parse_module(src)
+    parents = {}
+    walk(module, {}, {}, parents)
+    return apply_edits(module, make_edits(module), parents, imports).code
+
+
+def test_runtime_import_goes_into_the_first_import_block():
+    src = "import torch\nloader = make(tm)\nimport numpy as np\n"
+    out = _apply(src, lambda m: [], [TM])
+    assert out == "import torch\nimport torchmigrate.runtime as tm\nloader = make(tm)\nimport numpy as np\n"
+
+
+def test_runtime_import_after_docstring_and_future():
+    src = '"""Doc."""\nfrom __future__ import annotations\nx = 1\n'
+    out = _apply(src, lambda m: [], [TM])
+    assert out == '"""Doc."""\nfrom __future__ import annotations\nimport torchmigrate.runtime as tm\nx = 1\n'
+    assert leading_import_anchor(cst.parse_module('"""Doc."""\nx = 1\n')) is not None
+
+
+def test_existing_import_is_not_duplicated():
+    src = "import torchmigrate.runtime as tm\nx = 1\n"
+    assert _apply(src, lambda m: [], [TM]) == src
+
+
+def test_insertions_survive_when_their_anchor_line_is_removed():
+    src = "import os\nfrom apex import amp\nx = 1\n"
+    out = _apply(src, lambda m: [remove(m.body[1].body[0])], [TM])
+    assert out == "import os\nimport torchmigrate.runtime as tm\nx = 1\n"
+
+
+def test_nested_wraps_and_inner_edits_compose():
+    src = "for x in loader:\n    # fwd\n    out = model(x)\n    loss = crit(out)\n    loss.backward()\n    opt.step()\n"
+
+    def edits(m):
+        body = m.body[0].body.body
+        return [
+            wrap(body[0], body[1], lambda b: with_block("tm.autocast()", b)),
+            wrap(body[0], body[2], lambda b: with_block("tm.no_sync(model, sync=s)", b)),
+            replace(body[2].body[0].value, lambda n: expr("scaler.scale(loss).backward()")),
+            insert_before(body[3], [cst.parse_statement("scaler.step(opt)\n")]),
+        ]
+
+    assert _apply(src, edits) == (
+        "for x in loader:\n    # fwd\n    with tm.no_sync(model, sync=s):\n        with tm.autocast():\n"
+        "            out = model(x)\n            loss = crit(out)\n        scaler.scale(loss).backward()\n"
+        "    scaler.step(opt)\n    opt.step()\n"
+    )
+
+
+def test_import_table_aliases_and_star_imports():
+    table = ImportTable.from_module(cst.parse_module(
+        "import torch.nn as nn\nfrom torch.cuda.amp import autocast as ac\nfrom models import *\n"
+        "try:\n    from torch.utils.data import DataLoader as DL\nexcept ImportError:\n    pass\n"))
+    assert table.resolve(expr("nn.DataParallel")) == "torch.nn.DataParallel"
+    assert table.resolve(expr("ac")) == "torch.cuda.amp.autocast"
+    assert table.resolve(expr("DL")) == "torch.utils.data.DataLoader"
+    assert table.resolve(expr("torch.nn.DataParallel")) == "torch.nn.DataParallel"  # via the star import
+    assert table.resolve(expr("unknown.thing")) is None
+    star = ImportTable.from_module(cst.parse_module("from torch.utils.data import *\n"))
+    assert star.resolve(expr("DataLoader")) == "torch.utils.data.DataLoader"
+    plain = ImportTable.from_module(cst.parse_module("import os\n"))
+    assert plain.resolve(expr("torch.save")) is None
+
+
+def test_todo_text_is_one_line(tmp_path):
+    from torchmigrate.engine import process_source
+    from torchmigrate.finding import Safety
+    from torchmigrate.rule import Example, Options, Rule
+
+    class Multiline(Rule):
+        code = "TM999"
+        name = "multiline"
+        summary = "test"
+
+        def visit_Call(self, node):
+            self.report(node, "first line\nsecond line", safety=Safety.MANUAL)
+
+    out = process_source("import torch\nf(torch)\n", "t.py", Options(mode="ddp"), [Multiline]).new_source
+    assert "# TODO(torchmigrate): TM999 first line second line\nf(torch)\n" in out
+    compile(out, "t.py", "exec")
