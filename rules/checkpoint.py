@@ -382,7 +382,8 @@ class SaveMainUnwrapped(Rule):
                 if first is not None and code(first.value) == path:
                     line = ctx.statement_of(save)
                     if collective_guard(ctx, save) is None and isinstance(line, cst.SimpleStatementLine) \
-                            and isinstance(ctx.parent(line), (cst.IndentedBlock, cst.Module)):
+                            and isinstance(ctx.parent(line), (cst.IndentedBlock, cst.Module)) \
+                            and _unconditional(ctx, line, scope):
                         self.report(call, "this file is loaded again after the save, which only the main process "
                                           "does: wait for it on every rank",
                                     edits=[insert_after(line, [cached_stmt(f"{ctx.tm}.barrier()")])],
@@ -391,6 +392,17 @@ class SaveMainUnwrapped(Rule):
                         self.report(call, f"this file was just saved by the main process only: call "
                                           f"`{ctx.tm}.barrier()` after the save (on every rank) before loading it")
                     return
+
+
+def _unconditional(ctx: Context, line: cst.CSTNode, scope: cst.CSTNode) -> bool:
+    """`line` runs whenever its function does (only `for`/`with` blocks around it): a barrier
+    there is reached by every rank. Under `if acc > best:` ranks may disagree and hang."""
+    for anc in ctx.ancestors(line):
+        if anc is scope:
+            return True
+        if isinstance(anc, (cst.If, cst.While, cst.Try, cst.TryStar, cst.ExceptHandler, cst.Match)):
+            return False
+    return True
 
 
 # --- TM502 ---------------------------------------------------------------------------------
