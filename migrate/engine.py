@@ -104,10 +104,45 @@ def accepted(finding: Finding, options: Options) -> bool:
     return False
 
 
+# Libraries that own process-group setup, wrapping and mixed precision: a script written for
+# them is already distributed, and rewriting it for DDP would fight the library.
+FRAMEWORKS = ("accelerate", "lightning", "pytorch_lightning", "deepspeed", "horovod", "colossalai")
+
+
+def _managing_framework(ctx: Context):
+    """(library, import line) when the file imports one of FRAMEWORKS, else None."""
+    for full in ctx.imports.names.values():
+        root = full.split(".")[0]
+        if root in FRAMEWORKS:
+            for stmt in ctx.imports.import_statements:
+                if any(root == _root_of(small) for small in stmt.body):
+                    return root, stmt
+    return None
+
+
+def _root_of(node) -> str:
+    from torchmigrate.imports import dotted
+
+    if isinstance(node, cst.ImportFrom) and node.module is not None and not node.relative:
+        return (dotted(node.module) or "").split(".")[0]
+    if isinstance(node, cst.Import):
+        return next(((dotted(a.name) or "").split(".")[0] for a in node.names
+                     if (dotted(a.name) or "").split(".")[0] in FRAMEWORKS), "")
+    return ""
+
+
 def run_rules(module: cst.Module, path: str, options: Options, rules: Sequence[RuleType]) -> Context:
     from torchmigrate.analysis import Facts
 
     ctx = Context(module, path, options)
+    if options.migrating:
+        framework = _managing_framework(ctx)
+        if framework is not None:
+            name, stmt = framework
+            ctx.findings.append(Finding(
+                code="TM101", node=stmt, safety=Safety.MANUAL, todo=False,
+                message=f"uses {name}, which launches, wraps and scales training itself; not migrated"))
+            return ctx
     visits: Dict[type, list] = {}
     leaves: Dict[type, list] = {}
     for rule_cls in (Facts, *rules):
@@ -164,7 +199,7 @@ def _process(source: str, path: str, options: Options, rules: Sequence[RuleType]
             finding.applied = True
             edits.extend(_normalise(ctx, finding.edits))
             imports.extend(finding.imports)
-        elif options.migrating and not finding.suppressed and finding.safety is not Safety.SAFE:
+        elif options.migrating and finding.todo and not finding.suppressed and finding.safety is not Safety.SAFE:
             stmt = finding.statement or ctx.statement_of(finding.node)
             if stmt is not None:
                 edits.append(Edit(EditKind.TODO, stmt, text=" ".join(f"{finding.code} {finding.message}".split())))

@@ -102,6 +102,7 @@ class Finding:
     col: int = 0
     applied: bool = False
     suppressed: bool = False
+    todo: bool = True  # leave an inline TODO when a migration cannot fix it
     # A statement that carries the inline TODO when a migration cannot fix this finding.
     statement: Optional[cst.CSTNode] = field(default=None, repr=False)
 

@@ -94,3 +94,15 @@ def test_todo_text_is_one_line(tmp_path):
     out = process_source("import torch\nf(torch)\n", "t.py", Options(mode="ddp"), [Multiline]).new_source
     assert "# TODO(torchmigrate): TM999 first line second line\nf(torch)\n" in out
     compile(out, "t.py", "exec")
+
+
+def test_framework_managed_scripts_are_left_alone(run_cli, tmp_path):
+    src = ("from accelerate import Accelerator\nimport torch\nfrom torch.utils.data import DataLoader\n"
+           "accelerator = Accelerator()\nloader = DataLoader(ds, shuffle=True)\nprint('hi')\n"
+           "torch.save(model.state_dict(), 'm.pt')\n")
+    path = tmp_path / "train.py"
+    path.write_text(src)
+    result = run_cli("ddp", path)
+    assert path.read_text() == src
+    assert "uses accelerate" in result.output and result.exit_code == 1
+    assert run_cli("amp", path).exit_code == 1 and path.read_text() == src
