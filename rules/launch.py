@@ -25,7 +25,6 @@ EXIT_BUILTINS = ("exit", "quit")
 _DIST_INIT_HELPER = re.compile(
     r"^(init|setup|initialize|initialise)_?(distributed|dist|ddp|process_group|pg)(_mode|_env|_training)?$"
     r"|^(distributed|dist|ddp)_?(init|setup)$", re.IGNORECASE)
-_SCRIPT_METHODS = {"backward", "step", "fit", "train", "run", "main", "train_model", "evaluate"}
 
 
 # --- where setup goes ------------------------------------------------------------------------
@@ -67,7 +66,7 @@ def _top_anchor(ctx: Context):
 def _module_level_work(ctx: Context, guard: cst.If) -> bool:
     """Code outside functions, classes and the `__main__` guard that needs the process set up
     first: it builds an optimizer (the model TM301 wraps there), moves something to a device,
-    or loops/runs the program."""
+    or trains (`_trains_at_module_level`)."""
     def at_module_level(node: cst.CSTNode) -> bool:
         for anc in ctx.ancestors(node):
             if anc is guard or isinstance(anc, (cst.FunctionDef, cst.ClassDef, cst.Lambda)):
@@ -81,55 +80,53 @@ def _module_level_work(ctx: Context, guard: cst.If) -> bool:
         if name is None and isinstance(call.func, cst.Attribute) and call.func.attr.value in ("to", "cuda") \
                 and at_module_level(call):
             return True
-    rest = [s for s in ctx.module.body if s is not guard]
-    return _is_script_body(ctx, rest)
+    return _trains_at_module_level(ctx, guard)
 
 
 def _is_script(ctx: Context) -> bool:
     """A module without a `__main__` guard is a script (rather than a library module) when its
-    module-level code loops or calls something that runs the program."""
-    return _is_script_body(ctx, ctx.module.body)
+    module-level code trains: see `_trains_at_module_level`."""
+    return _trains_at_module_level(ctx, None)
 
 
-def _is_script_body(ctx: Context, statements) -> bool:
-    functions = {s.name.value for s in ctx.module.body if isinstance(s, (cst.FunctionDef, cst.ClassDef))}
+_ENTRY_NAMES = re.compile(r"^(main|train|run|fit|train_\w+|run_\w+|\w+_main)$")
+_TRAINING_METHODS = ("backward", "step", "fit", "train_model")
 
-    def runs(call: cst.BaseExpression) -> bool:
-        if not isinstance(call, cst.Call):
-            return False
-        if isinstance(call.func, cst.Name):
-            return call.func.value in functions
-        return isinstance(call.func, cst.Attribute) and call.func.attr.value in _SCRIPT_METHODS
 
-    def check(body) -> bool:
-        for s in body:
-            if isinstance(s, (cst.FunctionDef, cst.ClassDef)):
-                continue
-            if isinstance(s, (cst.For, cst.While)):
+def _trains_at_module_level(ctx: Context, guard: Optional[cst.If]) -> bool:
+    """Module-level code (outside functions, classes and `guard`) calls `.backward()` /
+    `.step()` / `.fit()`, builds an optimizer, or calls an entry function of this file
+    (`main()`, `train()`, or one that runs `.backward()` or builds an optimizer)."""
+    def outside(node: cst.CSTNode) -> Optional[cst.CSTNode]:
+        """None at module level, else the enclosing function/class/guard."""
+        for anc in ctx.ancestors(node):
+            if anc is guard or isinstance(anc, (cst.FunctionDef, cst.ClassDef, cst.Lambda)):
+                return anc
+        return None
+
+    trainers = set()  # functions that train
+    for opt in analysis.optimizers(ctx):
+        where = outside(opt.call)
+        if where is None:
+            return True
+        trainers.add(where)
+    functions = analysis.facts(ctx).functions
+    entry_calls = []
+    for call, name in analysis.facts(ctx).calls:
+        func = call.func
+        if name is None and isinstance(func, cst.Attribute) and func.attr.value in _TRAINING_METHODS:
+            where = outside(call)
+            if where is None:
                 return True
-            if isinstance(s, cst.SimpleStatementLine):
-                for small in s.body:
-                    if isinstance(small, cst.Expr) and runs(small.value):
-                        return True
-                    if isinstance(small, (cst.Assign, cst.AnnAssign)) and small.value is not None and runs(small.value) \
-                            and isinstance(small.value.func, cst.Attribute):
-                        return True
-            elif isinstance(s, cst.BaseCompoundStatement):
-                blocks = [s.body, getattr(s, "orelse", None), getattr(s, "finalbody", None),
-                          *getattr(s, "handlers", ())]
-                for block in blocks:
-                    while block is not None and not isinstance(block, (cst.IndentedBlock, cst.SimpleStatementSuite)):
-                        if isinstance(block, cst.If):  # elif
-                            if check([block]):
-                                return True
-                            block = None
-                            break
-                        block = getattr(block, "body", None)
-                    if isinstance(block, cst.IndentedBlock) and check(block.body):
-                        return True
-        return False
-
-    return check(statements)
+            trainers.add(where)
+        elif name is None and isinstance(func, cst.Name) and func.value in functions:
+            entry_calls.append(call)
+    for call in entry_calls:
+        if outside(call) is None:
+            target = functions[call.func.value]
+            if _ENTRY_NAMES.match(call.func.value) or target in trainers:
+                return True
+    return False
 
 
 def user_sets_up_elsewhere(ctx: Context) -> bool:

@@ -35,6 +35,7 @@ import numbers
 import os
 import random
 import re
+import sys
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -183,9 +184,19 @@ def setup(backend: str | None = None, timeout=None) -> Ctx:
 
 def cleanup() -> None:
     """Destroy the process group ``setup()`` created (no-op without one; safe to call twice) and
-    re-enable logging on non-main ranks. A later ``setup()`` starts afresh."""
+    re-enable logging on non-main ranks. A later ``setup()`` starts afresh.
+
+    On a normal exit the ranks first meet at a barrier: a rank that tears the group down while
+    another is still saving can abort gloo ("terminate called without an active exception").
+    While an exception is propagating there is no barrier, since the other ranks may never come.
+    """
     global _CTX, _OWN_PG, _LOG_DISABLED
     if _OWN_PG and _pg():
+        if sys.exc_info()[0] is None:
+            try:
+                barrier()
+            except Exception:  # a peer already gone: tear down anyway
+                pass
         dist.destroy_process_group()
     if _LOG_DISABLED:
         logging.disable(logging.NOTSET)
