@@ -20,7 +20,11 @@ Published shape (``ctx.facts["loaders"]``, a list in source order) of `Loader`:
 - ``sampler``: the sampler the loader has once this run's fixes are in: ``"distributed"``
   (padded DistributedSampler semantics: ``tm.sampler`` or ``DistributedSampler``), ``"eval"``
   (``tm.eval_sampler``: every sample exactly once across ranks), ``"mixed"``, ``"custom"`` or
-  None (every rank iterates the whole dataset);
+  None (every rank iterates the whole dataset). An evaluation loader iterated with gradients
+  enabled gets the padded ``tm.sampler(ds, shuffle=False)`` (``eval_with_grad``): a DDP
+  forward then broadcasts buffers, so ranks must run equal batch counts or they hang;
+- ``needs_epoch``: its sampler reshuffles, so epoch loops over it need ``set_epoch`` (TM202);
+- ``dataset`` / ``shuffle``: the original argument expressions (None when absent);
 - ``refs``: every `Ref` (scope node, source text) under which the loader is visible in this
   file: its target, names bound from helper returns (``train_loader, val_loader =
   get_loaders()``), parameters it is passed to (``def evaluate(model, loader)``), ``self.``
@@ -298,26 +302,27 @@ class _Scan:
         return {n.value for n in self.names}
 
     def walk(self, module: cst.Module) -> "_Scan":
-        self.go(module)
+        """Fill the lists with one iterative walk (children in field order, as the shared walk)."""
+        stack: List[cst.CSTNode] = [module]
+        while stack:
+            node = stack.pop()
+            tp = type(node)
+            if tp is cst.Name:
+                self.names.append(node)
+                continue
+            if tp is cst.FunctionDef:
+                self.functions.append(node)
+            elif tp is cst.Return:
+                self.returns.append(node)
+            children: List[cst.CSTNode] = []
+            for name in child_fields(tp):
+                value = getattr(node, name)
+                if isinstance(value, cst.CSTNode):
+                    children.append(value)
+                elif type(value) is tuple or type(value) is list:
+                    children.extend(c for c in value if isinstance(c, cst.CSTNode))
+            stack.extend(reversed(children))
         return self
-
-    def go(self, node: cst.CSTNode) -> None:
-        tp = type(node)
-        if tp is cst.Name:
-            self.names.append(node)
-            return
-        if tp is cst.FunctionDef:
-            self.functions.append(node)
-        elif tp is cst.Return:
-            self.returns.append(node)
-        for name in child_fields(tp):
-            value = getattr(node, name)
-            if isinstance(value, cst.CSTNode):
-                self.go(value)
-            elif type(value) is tuple or type(value) is list:
-                for child in value:
-                    if isinstance(child, cst.CSTNode):
-                        self.go(child)
 
 
 class DataFacts:
@@ -1402,19 +1407,20 @@ class _DataRule(Rule):
         edits: List[Edit] = []
         capture = None
         new_dataset = None
+        shared = sum(1 for x in data.loaders if x.statement is loader.statement) > 1
+        layout = None if shared else layout_of(ctx, loader.call)  # widths are unknown when two change
         if loader.hoist is not None:
             mode, name = loader.hoist
             if mode == "line":
                 hoists = data.hoists.get(loader.statement)
                 if hoists is None:
                     hoists = data.hoists[loader.statement] = _Hoists(loader.statement)
-                old = _dataset_column(ctx, loader.call, layout_of(ctx, loader.call))
+                old = _dataset_column(ctx, loader.call, layout)
                 capture = hoists.add(name, 0 if old is None else len(name) + 3 - old)
                 new_dataset = cst.Name(name)
             else:
                 new_dataset = cst.NamedExpr(cst.Name(name), loader.dataset)
         kw = loader.kwargs_shuffle
-        layout = layout_of(ctx, loader.call)
         if layout is not None and loader.hoist is not None and loader.hoist[0] == "line":
             indent, first, widest = layout  # the dataset expression becomes a short name
             widest -= len(code(loader.dataset)) - len(loader.hoist[1])
@@ -1677,9 +1683,10 @@ class SetEpoch(_DataRule):
     iterates it. The loop variable may have any name; `while` loops need an evident counter
     (`while epoch < n` or an `x += 1` in the body). When the loader is created inside the loop
     the call goes right after its creation; when an iterator over it is re-created inside a
-    step loop (`except StopIteration: it = iter(loader)`) it goes before that. In files that
-    already use `DistributedSampler` a sampler variable is reseeded directly
-    (`train_sampler.set_epoch(epoch)`).
+    step loop (`except StopIteration: it = iter(loader)`) it goes before that. Code that does
+    not use the runtime yet stays plain torch where it can: `train_sampler.set_epoch(epoch)`
+    for a sampler variable, `loader.sampler.set_epoch(epoch)` for a
+    `sampler=DistributedSampler(...)` argument.
 
     ## Why is this bad?
     `DistributedSampler` shuffles with a seed derived from its epoch, which only `set_epoch`
@@ -1689,8 +1696,9 @@ class SetEpoch(_DataRule):
 
     ## Limitations
     `itertools.cycle(loader)` replays the first epoch forever and is reported for a manual
-    change, as are `while` loops without a counter and loaders passed to code in other modules
-    that run their own epochs.
+    change, as are `while` loops without a counter and one-line loop bodies. Loaders handed to
+    code in other modules that runs its own epoch loop (a framework `fit()`), and loaders
+    rebuilt by a helper call on every epoch, are not followed.
     """
 
     code = "TM202"
