@@ -14,6 +14,11 @@ is enabled, every trained model ends up wrapped exactly once:
 - TM304 (`--sync-bn`) and the unused-parameter analysis of TM303 only add keyword arguments to
   that one wrap statement.
 
+Advice (TM304 without `--sync-bn`, TM305, TM303's needless-flag remark) goes, in `ddp`, only
+to the wraps the migration itself creates, so a script that is already distributed changes only
+where it is broken; `lint` gives it for user-written DDP, and a file torchmigrate migrated
+lints clean.
+
 The plan publishes the wrapped names as `ctx.facts["wrapped_models"]` (also
 `analysis.wrapped_models(ctx)`, which computes the plan on demand for rules that run earlier) and
 the Attribute nodes TM302 rewrites as `ctx.facts["unwrapped_attrs"]`.
@@ -23,7 +28,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Set, Tuple
 
 import libcst as cst
@@ -165,6 +170,7 @@ class DPSite:
     conditional: bool = False
     small: Optional[cst.CSTNode] = None  # the small statement holding the DataParallel call
     wrap_after: bool = False  # collapse: append `name = tm.wrap_model(name)` after the else body
+    reason: str = ""  # why a "manual" site is left to the user
     bn: bool = False
     sync_bn: bool = False
     find_unused: str = ""
@@ -205,6 +211,7 @@ class Plan:
         self._assigns: Dict[str, List[Tuple[cst.CSTNode, Optional[cst.BaseExpression]]]] = {}
         self._bn_cache: Dict[cst.CSTNode, bool] = {}
         self._text_cache: Dict[cst.CSTNode, str] = {}
+        self._memo: Dict[tuple, object] = {}
         self._delegated: Optional[Set[cst.CSTNode]] = None
         self._final: Optional[List[Wrap]] = None
         self._fscope: Dict[cst.CSTNode, cst.CSTNode] = {}
@@ -215,7 +222,6 @@ class Plan:
         self.covered_not_dp: Set[Tuple[str, cst.CSTNode]] = set()  # ... by anything but DataParallel
         self.new: List[NewWrap] = []
         self.manual301: List[Tuple[cst.CSTNode, str, Optional[cst.CSTNode]]] = []
-        self.device_fixes: List[Tuple[cst.Call, List[Tuple[cst.CSTNode, str]]]] = []
         self.dp_sites: List[DPSite] = []
         self.dp_functional: List[cst.Call] = []
         self.rewrites: List[AttrRewrite] = []
@@ -235,14 +241,15 @@ class Plan:
             self._unused_and_bn()
             self._attributes()
             self._lr_notes()
+            names: List[str] = []
+            for w in self.final_wraps():
+                if w.name not in names:
+                    names.append(w.name)
         except Exception as exc:  # never lose the rest of the migration to a model-rule bug
             if os.environ.get("TORCHMIGRATE_DEBUG"):
                 raise
             self._reset(f"{type(exc).__name__}: {exc}")
-        names: List[str] = []
-        for w in self.final_wraps():
-            if w.name not in names:
-                names.append(w.name)
+            names = []
         self.wrapped_names = names
         ctx.facts["wrapped_models"] = names
         ctx.facts["unwrapped_attrs"] = {r.node for r in self.rewrites}
@@ -251,7 +258,7 @@ class Plan:
         """Give up on the whole plan: change nothing, report one manual finding (TM301)."""
         self.error = error
         self.wraps, self.new, self.dp_sites, self.dp_functional, self.rewrites = [], [], [], [], []
-        self.device_fixes, self.sync_bn_fixes, self.manual301 = [], [], []
+        self.sync_bn_fixes, self.manual301 = [], []
         self.notes = {c: [] for c in CODES}
         self._final = []
         self.manual301.append((self.ctx.module.body[0] if self.ctx.module.body else self.ctx.module,
@@ -567,6 +574,15 @@ class Plan:
             def_stmt = ctx.statement_of(defs[-1][0])
             model_def = def_stmt
         anchor = self._anchor(stmt0, def_stmt, scope)
+        # apex: `model, optimizer = amp.initialize(model, optimizer)` must see the bare model
+        # (TM407 removes it for O1; an O2/O3 one stays for the user)
+        for call in analysis_calls(ctx, "apex.amp.initialize"):
+            line = ctx.statement_of(call)
+            if (self.fscope(call) is scope and self.idx(line) > self.idx(anchor) and isinstance(line, cst.SimpleStatementLine)
+                    and any(_mentions(self.text(a.value), m) for a in call.args)
+                    and ctx.parent(line) is ctx.parent(anchor)):
+                anchor, after = line, True
+                break
         return NewWrap(m, o, scope, klass, anchor, after=after, def_stmt=model_def)
 
     def _blocks(self, node: cst.CSTNode, scope: cst.CSTNode) -> List[Tuple[cst.CSTNode, cst.CSTNode]]:
@@ -630,6 +646,29 @@ class Plan:
             if not self.active["TM306"]:
                 continue
             w = site.wrap
+            root = w.name.split(".")[0] if not w.name.startswith(("self.", "cls.")) else ".".join(w.name.split(".")[:2])
+            if self.key(root, w.call) in self.covered_not_dp or self.key(w.name, w.call) in self.covered_not_dp:
+                # the script wraps this model in DDP itself on another path (ImageNet example):
+                # DataParallel is its single-process fallback, which only the user can retire
+                site.action = "manual"
+                site.reason = (f"this script also wraps `{root}` in DistributedDataParallel on another path: under "
+                               f"torchrun drop the DataParallel and wrap the model once")
+                site.note_stmt = self.ctx.statement_of(site.outer)
+                continue
+            if root != w.name:
+                # `model.features = DataParallel(model.features)`: under DDP the whole model is
+                # wrapped, so the submodule's DataParallel just goes
+                nw = by_key.get(self.key(root, w.call))
+                small = self.ctx.enclosing(site.outer, cst.BaseSmallStatement)
+                if nw is not None and w.name == w.arg and self._is_dp_assign(site) and small is not None:
+                    site.action, site.target, site.small = "remove", small, small
+                    site.note_stmt = self._next_statement(self.ctx.statement_of(site.outer)) or nw.anchor
+                else:
+                    site.action = "manual"
+                    site.reason = (f"DataParallel of the submodule `{w.name}`: under torchrun drop it and wrap the "
+                                   f"whole model once with `{self.tm}.wrap_model({root})`")
+                    site.note_stmt = self.ctx.statement_of(site.outer)
+                continue
             small = self.ctx.enclosing(site.outer, cst.BaseSmallStatement)
             container = self.ctx.parent(small) if small is not None else None
             if small is None or not isinstance(container, (cst.SimpleStatementLine, cst.SimpleStatementSuite)):
@@ -779,7 +818,7 @@ class Plan:
         if not isinstance(w.scope, cst.FunctionDef) or w.scope.name.value == "__init__":
             return {}
         key = ("self-calls", w.scope)
-        if key not in self._text_cache:
+        if key not in self._memo:
             found: Dict[cst.CSTNode, List[cst.CSTNode]] = {}
             name = w.scope.name.value
             for call, _ in self.f.calls:
@@ -787,10 +826,31 @@ class Plan:
                 if isinstance(f, cst.Attribute) and f.attr.value == name and dotted(f.value) in ("self", "cls") \
                         and self.klass_of(call) is w.klass:
                     found.setdefault(self.fscope(call), []).append(self.ctx.statement_of(call))
-            self._text_cache[key] = found  # type: ignore[assignment]
-        return self._text_cache[key]  # type: ignore[return-value]
+            self._memo[key] = found
+        return self._memo[key]  # type: ignore[return-value]
+
+    def _branches(self, node: cst.CSTNode) -> Dict[cst.CSTNode, cst.CSTNode]:
+        """For each `if` enclosing `node`: the branch (body or orelse) that holds it."""
+        out: Dict[cst.CSTNode, cst.CSTNode] = {}
+        child = node
+        for anc in self.ctx.ancestors(node):
+            if isinstance(anc, cst.If) and (child is anc.body or child is anc.orelse):
+                out[anc] = child
+            if isinstance(anc, (cst.FunctionDef, cst.ClassDef)):
+                break
+            child = anc
+        return out
+
+    def _exclusive(self, a: cst.CSTNode, b: cst.CSTNode) -> bool:
+        """`a` and `b` sit in different branches of one `if`/`elif`/`else` chain."""
+        branches = self._branches(a)
+        if not branches:
+            return False
+        return any(branches.get(anc) not in (None, child) for anc, child in self._branches(b).items())
 
     def _after(self, w: Wrap, statement: Optional[cst.CSTNode]) -> bool:
+        if statement is not None and self._exclusive(w.boundary, statement):
+            return False
         i = self.idx(statement)
         if w.inclusive:
             return i >= self.idx(w.boundary)
@@ -874,9 +934,9 @@ class Plan:
         if klass is None or not isinstance(klass.body, cst.IndentedBlock):
             return []
         key = ("conditional", klass)
-        if key not in self._text_cache:
-            self._text_cache[key] = self._conditional_submodules(klass)  # type: ignore[assignment]
-        return self._text_cache[key]  # type: ignore[return-value]
+        if key not in self._memo:
+            self._memo[key] = self._conditional_submodules(klass)
+        return self._memo[key]  # type: ignore[return-value]
 
     def _conditional_submodules(self, klass: cst.ClassDef) -> List[Tuple[str, cst.CSTNode]]:
         methods = {f.name.value: f for f in klass.body.body if isinstance(f, cst.FunctionDef)}
@@ -1000,7 +1060,7 @@ class Plan:
 
     def _unused_and_bn(self) -> None:
         tm = self.tm
-        targets = []  # (wrap-like, name, scope, klass, before index, kind, existing call, note statement)
+        targets = []  # (what reports / carries the keywords, the binding it wraps)
         for nw in self.new:
             targets.append((nw, Wrap(nw.name, "new", nw.scope, nw.klass, nw.anchor, not nw.after)))
         for w in self.wraps:
@@ -1026,7 +1086,8 @@ class Plan:
             def_stmt = owner.def_stmt if isinstance(owner, NewWrap) else self._def_statement(w, before)
             note_stmt = def_stmt or (owner.anchor if isinstance(owner, NewWrap) else w.statement)
             if unfreeze:
-                self.notes["TM303"].append((w.call or getattr(owner, "opt", None) and owner.opt.call or w.boundary,
+                node = w.call if w.call is not None else owner.opt.call if isinstance(owner, NewWrap) else owner.outer
+                self.notes["TM303"].append((node,
                     f"parameters of `{w.name}` are unfrozen after it is wrapped ({unfreeze}): DDP only "
                     f"synchronises parameters that required grad when it was built, so wrap after unfreezing "
                     f"or re-wrap with `{tm}.wrap_model` when the trainable set changes", note_stmt))
@@ -1040,7 +1101,9 @@ class Plan:
                         owner.opt.call if isinstance(owner, NewWrap) else owner.outer,
                         self._bn_message(w.name), note_stmt))
                 continue
-            # an existing wrap call
+            # an existing wrap call: in `ddp`, only bugs are reported (nothing else changes in a
+            # script that is already distributed); `lint` also gives advice
+            lint = self.ctx.options.mode == "lint"
             call = w.call
             fu = call_arg(call, "find_unused_parameters")
             fu_true = fu is not None and code(fu.value) == "True"
@@ -1048,17 +1111,28 @@ class Plan:
                 self.notes["TM303"].append((call, f"{reason}: DDP then fails with \"Expected to have finished "
                     f"reduction in the prior iteration\"; pass find_unused_parameters=True to the wrap "
                     f"(or make every parameter take part in each step)", w.statement))
-            elif fu_true and not reason and klass is not None and self._straight(klass):
+            elif fu_true and not reason and lint and klass is not None and self._straight(klass):
                 self.notes["TM303"].append((call, f"find_unused_parameters=True costs an extra autograd graph "
                     f"traversal every step, and {klass.name.value}.forward() uses all its submodules "
                     f"unconditionally: drop it (or pass static_graph=True if the set of used parameters never "
                     f"changes)", w.statement))
-            if bn and self.active["TM304"] and call_arg(call, "sync_bn") is None:
-                if w.kind == "tm" and (self.sync_bn_applies or self.ctx.options.mode == "lint"):
+            if not (bn and self.active["TM304"]) or call_arg(call, "sync_bn") is not None:
+                continue
+            if w.kind == "tm":
+                # torchmigrate's own wrap: `ddp --sync-bn` adds the keyword; lint leaves it alone
+                if self.sync_bn_applies and not lint:
                     self.sync_bn_fixes.append((call, f"`{w.name}` contains BatchNorm layers: convert them to "
                         f"SyncBatchNorm (`sync_bn=True`)", [replace(call, lambda c: set_kwarg(c, "sync_bn", expr("True")))]))
+            elif lint:
+                # user-written DDP: an unsafe fix converting the layers right before the wrap
+                nn = self.ctx.imports.alias_for("torch.nn") or (
+                    f"{self.ctx.imports.alias_for('torch')}.nn" if self.ctx.imports.alias_for("torch") else None)
+                message = self._bn_message(w.name, True)
+                if nn and w.arg and isinstance(w.statement, cst.SimpleStatementLine):
+                    fix = stmt(f"{w.arg} = {nn}.SyncBatchNorm.convert_sync_batchnorm({w.arg})")
+                    self.sync_bn_fixes.append((call, message, [insert_before(w.statement, [fix])]))
                 else:
-                    self.notes["TM304"].append((call, self._bn_message(w.name, w.kind != "tm"), note_stmt))
+                    self.notes["TM304"].append((call, message, note_stmt))
 
     def _bn_message(self, name: str, plain_ddp: bool = False) -> str:
         how = (f"convert with `nn.SyncBatchNorm.convert_sync_batchnorm({name})` before DDP"
@@ -1148,7 +1222,13 @@ class Plan:
     def _lr_notes(self) -> None:
         if not self.active["TM305"]:
             return
-        wrapped = {w.name for w in self.final_wraps() if w.kind.rsplit("-", 1)[-1] != "dp" or self.active["TM306"]}
+        # `ddp`: optimizers of models this migration wraps (an existing DDP script keeps its
+        # learning rate untouched); `lint`: optimizers of user-written DDP models.
+        if self.ctx.options.mode == "lint":
+            wrapped = {w.name for w in self.final_wraps() if w.kind.rsplit("-", 1)[-1] in ("ddp", "apex")}
+        else:
+            wrapped = {w.name for w in self.new} | {s.wrap.name for s in self.dp_sites if s.action not in ("keep", "manual")} | {
+                s.wrap.arg for s in self.dp_sites if s.action not in ("keep", "manual") and s.wrap.arg}
         if self._batch_scaled():
             return
         seen = set()
@@ -1509,7 +1589,8 @@ class UnusedParams(_ModelRule):
       `find_unused_parameters=True`; the wraps TM301 adds pass it in these cases;
     - parameters are unfrozen after the wrap (DDP never synchronises them);
     - `find_unused_parameters=True` on a model whose `forward()` is straight-line code using every
-      submodule.
+      submodule (`lint` only: a migration changes nothing in a script that is already
+      distributed unless it is broken).
 
     ## Why is this bad?
     A parameter that gets no gradient in a step makes DDP fail with "Expected to have finished
@@ -1537,29 +1618,37 @@ class UnusedParams(_ModelRule):
     examples = (
         Example(
             before="""
+            import random
             import torch.nn as nn
-            import torchmigrate.runtime as tm
+            from torch.nn.parallel import DistributedDataParallel as DDP
             class Net(nn.Module):
                 def __init__(self):
                     super().__init__()
                     self.body = nn.Linear(4, 4)
+                    self.aux = nn.Linear(4, 4)
                 def forward(self, x):
-                    return self.body(x)
-            model = Net()
-            model = tm.wrap_model(model, find_unused_parameters=True)
+                    out = self.body(x)
+                    if random.random() < 0.5:
+                        out = out + self.aux(x)
+                    return out
+            model = DDP(Net())
             """,
             after="""
+            import random
             import torch.nn as nn
-            import torchmigrate.runtime as tm
+            from torch.nn.parallel import DistributedDataParallel as DDP
             class Net(nn.Module):
                 def __init__(self):
                     super().__init__()
                     self.body = nn.Linear(4, 4)
+                    self.aux = nn.Linear(4, 4)
                 def forward(self, x):
-                    return self.body(x)
-            model = Net()
-            # TODO(torchmigrate): TM303 find_unused_parameters=True costs an extra autograd graph traversal every step, and Net.forward() uses all its submodules unconditionally: drop it (or pass static_graph=True if the set of used parameters never changes)
-            model = tm.wrap_model(model, find_unused_parameters=True)
+                    out = self.body(x)
+                    if random.random() < 0.5:
+                        out = out + self.aux(x)
+                    return out
+            # TODO(torchmigrate): TM303 Net.forward() uses self.aux only in some branches: DDP then fails with "Expected to have finished reduction in the prior iteration"; pass find_unused_parameters=True to the wrap (or make every parameter take part in each step)
+            model = DDP(Net())
             """,
         ),
     )
@@ -1576,8 +1665,10 @@ class SyncBN(_ModelRule):
     `nn.BatchNorm*d`, directly or through its building blocks, or a torchvision ResNet-style
     model), `torchmigrate ddp --sync-bn` makes the wrap `tm.wrap_model(model, sync_bn=True)`,
     which converts the layers to `nn.SyncBatchNorm` before DDP (on CUDA; a no-op on CPU).
-    Without `--sync-bn` it reports the model. In `lint` the fix is unsafe
-    (`--unsafe-fixes`).
+    Without `--sync-bn` the migration reports the models it wraps. `lint` reports
+    user-written `DistributedDataParallel(model)` with an unsafe fix that inserts
+    `model = nn.SyncBatchNorm.convert_sync_batchnorm(model)` before it (`--unsafe-fixes`); a
+    DDP the user wrote is otherwise left alone by `ddp`, and `tm.wrap_model` by `lint`.
 
     ## Why is this bad?
     Under DDP each rank normalises over its own per-rank batch. With small per-rank batches
@@ -1605,27 +1696,13 @@ class SyncBN(_ModelRule):
         Example(
             before="""
             import torch.nn as nn
-            import torchmigrate.runtime as tm
-            class Net(nn.Module):
-                def __init__(self):
-                    super().__init__()
-                    self.conv = nn.Conv2d(3, 8, 3)
-                    self.bn = nn.BatchNorm2d(8)
-            model = Net()
-            model = tm.wrap_model(model)
+            import torch.distributed as dist
+            from torch.nn.parallel import DistributedDataParallel as DDP
+            dist.init_process_group("nccl")
+            model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8)).cuda()
+            model = DDP(model, device_ids=[local_rank])
             """,
-            after="""
-            import torch.nn as nn
-            import torchmigrate.runtime as tm
-            class Net(nn.Module):
-                def __init__(self):
-                    super().__init__()
-                    self.conv = nn.Conv2d(3, 8, 3)
-                    self.bn = nn.BatchNorm2d(8)
-            # TODO(torchmigrate): TM304 `model` contains BatchNorm layers, which now normalise over each rank's own batch; if per-rank batches are small, pass `sync_bn=True` to `tm.wrap_model` (`torchmigrate ddp --sync-bn`)
-            model = Net()
-            model = tm.wrap_model(model)
-            """,
+            mode="lint",  # reported with an unsafe fix (applied with --unsafe-fixes)
         ),
     )
 
@@ -1652,9 +1729,10 @@ class SyncBN(_ModelRule):
 class LrWorldSize(_ModelRule):
     """
     ## What it does
-    Reports, once per optimizer of a wrapped model, that the learning rate is not scaled with
-    the number of processes, unless the learning rate or the DataLoader batch size already
-    involves the world size (`lr * world_size`, `batch_size // dist.get_world_size()`).
+    Reports, once per optimizer, that the learning rate is not scaled with the number of
+    processes, unless the learning rate or the DataLoader batch size already involves the world
+    size (`lr * world_size`, `batch_size // dist.get_world_size()`). `ddp` reports the
+    optimizers of the models it wraps (a TODO comment); `lint` those of user-written DDP models.
 
     ## Why is this bad?
     Every rank now loads `batch_size` samples and DDP averages the gradients, so N ranks train
@@ -1678,25 +1756,24 @@ class LrWorldSize(_ModelRule):
         Example(
             before="""
             import torch
-            import torchmigrate.runtime as tm
-            model = tm.wrap_model(model)
+            import torch.distributed as dist
+            from torch.nn.parallel import DistributedDataParallel as DDP
+            dist.init_process_group("nccl")
+            model = DDP(Net().cuda(), device_ids=[local_rank])
             optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
             """,
-            after="""
-            import torch
-            import torchmigrate.runtime as tm
-            model = tm.wrap_model(model)
-            # TODO(torchmigrate): TM305 each rank now loads a full batch (global batch = tm.world_size() x batch_size) but the learning rate is unchanged: scale it (e.g. `lr * tm.world_size()`) or divide the per-rank batch size
-            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-            """,
+            mode="lint",  # reported (in `ddp`, for the models the migration wraps: a TODO comment)
         ),
         Example(
             before="""
             import torch
-            import torchmigrate.runtime as tm
-            model = tm.wrap_model(model)
-            optimizer = torch.optim.SGD(model.parameters(), lr=0.1 * tm.world_size())
+            import torch.distributed as dist
+            from torch.nn.parallel import DistributedDataParallel as DDP
+            dist.init_process_group("nccl")
+            model = DDP(Net().cuda(), device_ids=[local_rank])
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1 * dist.get_world_size())
             """,
+            mode="lint",  # not reported: the learning rate already scales with the world size
         ),
     )
 
@@ -1777,10 +1854,14 @@ class DataParallelToDDP(_AttrCollector):
                 continue
             edits = []
             w = site.wrap
+            if site.action == "manual":
+                self.report(w.call, f"{site.reason}; {note}", statement=site.note_stmt)
+                continue
             if site.action == "remove" or (site.action == "collapse" and not site.wrap_after):
                 edits.append(remove(site.target) if site.action == "remove" else
                              replace(site.target, lambda n: _else_body(n, [])))
-                message = f"remove nn.DataParallel: `{w.name}` is wrapped in DDP before its optimizer (TM301)"
+                message = (f"remove nn.DataParallel: `{w.name.split('.')[0]}` is wrapped in DDP before its "
+                           "optimizer (TM301)")
             else:
                 fu, sb = bool(site.find_unused), site.sync_bn
 

@@ -144,18 +144,57 @@ def test_lint_reports_without_rewriting_unless_fix():
     assert "tm.unwrap(model).generate(x)" in fixed.new_source
 
 
-def test_lint_sync_bn_is_an_unsafe_fix():
+def test_lint_sync_bn_is_an_unsafe_fix_for_user_ddp_only():
     source = """
+        import torch.distributed as dist
         import torch.nn as nn
-        import torchmigrate.runtime as tm
-        model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8))
-        model = tm.wrap_model(model)
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        dist.init_process_group("nccl")
+        model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8)).cuda()
+        model = DDP(model, device_ids=[local_rank])
     """
     result = run(source, mode="lint", codes=("TM304",))
     (f,) = findings(result, "TM304")
     assert f.safety is Safety.UNSAFE and f.edits and not f.applied
     result = run(source, mode="lint", codes=("TM304",), unsafe_fixes=True)
-    assert "tm.wrap_model(model, sync_bn=True)" in result.new_source
+    assert "model = nn.SyncBatchNorm.convert_sync_batchnorm(model)\nmodel = DDP(" in result.new_source
+    # torchmigrate's own wrap lints clean; `ddp` without --sync-bn leaves it alone too
+    migrated = """
+        import torch.nn as nn
+        import torchmigrate.runtime as tm
+        model = tm.wrap_model(nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8)))
+    """
+    assert not findings(run(migrated, mode="lint"))
+    assert not findings(run(migrated, mode="ddp"))
+
+
+def test_advice_goes_to_lint_for_user_ddp_and_to_ddp_for_new_wraps():
+    user = """
+        import torch
+        import torch.distributed as dist
+        import torch.nn as nn
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        class MLP(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = nn.Linear(4, 4)
+            def forward(self, x):
+                return self.fc(x)
+        dist.init_process_group("gloo")
+        model = DDP(MLP(), find_unused_parameters=True)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    """
+    ddp = run(user)
+    assert ddp.new_source == textwrap.dedent(user).lstrip() and not ddp.findings
+    lint = {f.code for f in run(user, mode="lint").findings}
+    assert lint == {"TM303", "TM305"}
+    single = """
+        import torch
+        model = Net()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    """
+    assert {f.code for f in run(single).findings} == {"TM301", "TM305"}
+    assert not run(single, mode="lint").findings
 
 
 def test_lint_dataparallel_fires_in_any_file_but_conversion_rules_do_not():
