@@ -473,8 +473,24 @@ class Plan:
     def _plan_new(self) -> None:
         opts = optimizers(self.ctx)
         best: Dict[tuple, NewWrap] = {}
+        own = self._own_optimizers(opts)
         for o in opts:
+            if id(o) in own:
+                self.manual301.append((o.call, own[id(o)], o.statement))
+                continue
+            if o.via is not None and (id(o.via) in own or self._super_site(o)) and not o.models:
+                continue
             if self.delegated(o):
+                continue
+            unwrapped = self._unwrapped_owners(o) if not o.models else []
+            if unwrapped:
+                # `SGD(tm.unwrap(model).fc.parameters())` (TM302's rewrite): `model` is wrapped
+                for m in unwrapped:
+                    placed = self._placement(o, m)
+                    if isinstance(placed, NewWrap):
+                        k = (m, placed.klass if m.startswith(("self.", "cls.")) else placed.scope)
+                        if k not in best:
+                            best[k] = placed
                 continue
             if not o.models:
                 params = o.call.args[0].value if o.call.args else None
@@ -496,6 +512,66 @@ class Plan:
                     best[k] = placed
         self.new = sorted(best.values(), key=lambda w: (self.idx(w.anchor), w.after))
         self._merge_adjacent()
+        if not opts and self.ctx.options.mode == "ddp" and not self.wraps:
+            self._no_optimizer()
+
+    def _own_optimizers(self, opts: List[Optimizer]) -> Dict[int, str]:
+        """Optimizers a module builds from its own `self.parameters()` (`self.opt = Adam(self.parameters())`
+        in a layer's `__init__`) that no call site of the file turns into a wrappable model."""
+        out: Dict[int, str] = {}
+        for o in opts:
+            if o.via is not None or not any(m in ("self", "cls") for m in o.models):
+                continue
+            klass = self.klass_of(o.call)
+            if klass is None:
+                continue
+            if any(s.via is o and s.models and not self._super_site(s) for s in opts):
+                continue
+            tm = self.tm
+            out[id(o)] = (f"class {klass.name.value} builds its own optimizer from `self.parameters()`, so its model "
+                      f"cannot be wrapped in DDP before the optimizer: wrap the module with "
+                      f"`{tm}.wrap_model(...)` and build the optimizer outside it, or wrap manually")
+        return out
+
+    @staticmethod
+    def _super_site(o: Optimizer) -> bool:
+        """`super().__init__(...)`: not a call of the helper that builds the optimizer."""
+        f = o.call.func
+        return (isinstance(f, cst.Attribute) and isinstance(f.value, cst.Call)
+                and isinstance(f.value.func, cst.Name) and f.value.func.value == "super")
+
+    def _unwrapped_owners(self, o: Optimizer) -> List[str]:
+        """`m` for optimizer parameters `tm.unwrap(m).<...>.parameters()`."""
+        if not o.call.args:
+            return []
+        text = self.text(o.call.args[0].value)
+        if "unwrap" not in text:
+            return []
+        out = []
+        for match in re.finditer(r"([\w.]+)\.unwrap\(\s*([A-Za-z_][\w.]*)\s*\)", text):
+            if self.ctx.resolve(expr(match.group(1) + ".unwrap")) == _TM_UNWRAP and match.group(2) not in out:
+                out.append(match.group(2))
+        return out
+
+    def _no_optimizer(self) -> None:
+        """A training script that updates its parameters by hand (`p.data.add_(...)`): nothing to wrap."""
+        for call, _ in self.f.calls:
+            f = call.func
+            if not (isinstance(f, cst.Attribute) and f.attr.value == "backward"):
+                continue
+            scope = self.fscope(call)
+            statement = self.ctx.statement_of(call)
+            node = statement
+            while node is not None and node is not scope:
+                if isinstance(node, (cst.For, cst.While)):
+                    statement = node
+                node = self.ctx.parent(node)
+            tm = self.tm
+            self.manual301.append((call, "no optimizer found (parameters updated by hand?), so no model was wrapped "
+                                   "in DDP and every rank trains its own copy: wrap the trained model with "
+                                   f"`model = {tm}.wrap_model(model)` after creating it (DDP averages the gradients "
+                                   "in backward(), so manual updates keep working)", statement))
+            return
 
     def delegated(self, o: Optimizer) -> bool:
         """An optimizer built in a helper from its parameters, wrapped at the helper's call sites."""
@@ -1364,8 +1440,10 @@ class WrapDDP(_ModelRule):
     ```
 
     ## Limitations
-    A model created at module level whose optimizer is built inside a function, or an optimizer
-    whose model cannot be traced, is reported for a manual wrap.
+    A model created at module level whose optimizer is built inside a function, an optimizer
+    whose model cannot be traced, a module that builds its own optimizer from `self.parameters()`,
+    and a training script with no optimizer at all (parameters updated by hand) are reported for a
+    manual wrap.
     """
 
     code = "TM301"
@@ -1559,6 +1637,7 @@ class UnwrapAttr(_AttrCollector):
 
 def _report_rewrites(rule: Rule, p: Plan, owner: str) -> None:
     tm = rule.ctx.tm
+    seen: Set[cst.CSTNode] = set()
     for r in p.rewrites:
         if r.owner != owner:
             continue
@@ -1573,8 +1652,42 @@ def _report_rewrites(rule: Rule, p: Plan, owner: str) -> None:
         else:
             message = (f"DDP does not forward custom attributes (`{r.name}.{r.attr}` raises AttributeError): "
                        f"use `{tm}.unwrap({r.name}).{r.attr}`")
-        rule.report(r.node, message, edits=[replace(r.node, _unwrap_fix(tm, r.attr))],
-                    imports=[rule.ctx.runtime_import()])
+        edits = [replace(r.node, _unwrap_fix(tm, r.attr))]
+        choice = _wrap_check(rule.ctx, r.node)
+        if choice is not None and choice not in seen:
+            # `m.module.state_dict() if type(m) is DDP else m.state_dict()`: both branches become
+            # `tm.unwrap(m).state_dict()`, so keep one
+            seen.add(choice)
+            edits.append(replace(choice, _same_branches))
+        rule.report(r.node, message, edits=edits, imports=[rule.ctx.runtime_import()])
+
+
+_PURE_TESTS = {"type", "isinstance", "hasattr", "getattr", "len"}
+
+
+def _wrap_check(ctx: Context, node: cst.CSTNode) -> Optional[cst.IfExp]:
+    """The `a if <check> else b` whose branch holds `node`, when the check has no side effects."""
+    child, parent = node, ctx.parent(node)
+    while parent is not None and not isinstance(parent, (cst.BaseStatement, cst.BaseSmallStatement, cst.Lambda)):
+        if isinstance(parent, cst.IfExp) and child is not parent.test:
+            calls: List[cst.Call] = []
+
+            class _Calls(cst.CSTVisitor):
+                def visit_Call(self, call: cst.Call) -> None:
+                    calls.append(call)
+
+            parent.test.visit(_Calls())
+            if all(isinstance(c.func, cst.Name) and c.func.value in _PURE_TESTS for c in calls):
+                return parent
+            return None
+        child, parent = parent, ctx.parent(parent)
+    return None
+
+
+def _same_branches(node: cst.CSTNode) -> cst.CSTNode:
+    if isinstance(node, cst.IfExp) and node.body.deep_equals(node.orelse):
+        return node.body.with_changes(lpar=node.lpar, rpar=node.rpar) if node.lpar else node.body
+    return node
 
 
 class UnusedParams(_ModelRule):
@@ -1849,13 +1962,22 @@ class DataParallelToDDP(_AttrCollector):
         note = (f"DataParallel split each batch across the GPUs; under DDP each rank loads a full batch, so the "
                 f"global batch is {tm}.world_size() times larger: use `batch_size // {tm}.world_size()` per rank to "
                 f"keep it (or scale the learning rate)")
+        # one batch-size note per function, not one per DataParallel: at the first site's statement
+        noted: Dict[cst.CSTNode, DPSite] = {}
+        for site in p.dp_sites:
+            if site.action != "keep":
+                scope = p.fscope(site.wrap.call)
+                first = noted.get(scope)
+                if first is None or p.idx(site.note_stmt) < p.idx(first.note_stmt):
+                    noted[scope] = site
         for site in p.dp_sites:
             if site.action == "keep":
                 continue
             edits = []
             w = site.wrap
             if site.action == "manual":
-                self.report(w.call, f"{site.reason}; {note}", statement=site.note_stmt)
+                chosen = noted.get(p.fscope(w.call)) is site
+                self.report(w.call, f"{site.reason}; {note}" if chosen else site.reason, statement=site.note_stmt)
                 continue
             if site.action == "remove" or (site.action == "collapse" and not site.wrap_after):
                 edits.append(remove(site.target) if site.action == "remove" else
@@ -1890,7 +2012,8 @@ class DataParallelToDDP(_AttrCollector):
                 extra = " (the DataParallel was conditional: check the wrap runs on every rank)" if site.conditional else ""
                 message = f"replace nn.DataParallel with `{tm}.wrap_model(...)`{extra}"
             self.report(w.call, message, edits=edits, imports=[self.ctx.runtime_import()])
-            self.report(w.call, note, statement=site.note_stmt)
+            if noted.get(p.fscope(w.call)) is site:
+                self.report(w.call, note, statement=site.note_stmt)
         for call in p.dp_functional:
             self.report(call, "nn.parallel.data_parallel() replicates the module on every call: wrap the model once "
                               f"with `{tm}.wrap_model(model)` and call it directly")
