@@ -17,6 +17,7 @@ TM406 leaves those calls alone (`policy_takes`); TM406 modernises in `lint` mode
 
 from __future__ import annotations
 
+import builtins
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Set, Tuple
 
@@ -70,6 +71,7 @@ _DATA_METHODS = frozenset({
 })
 _DATA_FUNCS = frozenset({"next", "iter", "len", "range", "int", "float", "enumerate", "zip", "list",
                          "tuple", "dict", "isinstance", "print", "str", "min", "max", "getattr"})
+_BUILTINS = frozenset(dir(builtins))
 # Methods that turn a low-precision tensor into something safe for numpy.
 _SAFE_CONVERSIONS = frozenset({"argmax", "argmin", "float", "double", "long", "int", "bool", "item",
                                "tolist", "topk", "eq", "ne", "gt", "lt", "ge", "le", "round"})
@@ -182,6 +184,28 @@ def _binds(statement: cst.CSTNode) -> Set[str]:
             out.update(target_names(n.name))
         elif isinstance(n, cst.NamedExpr):
             out.update(target_names(n.target))
+    return out
+
+
+def _binds_all(module: cst.Module) -> Set[str]:
+    """Names bound anywhere in the file, inside functions too, with their parameters."""
+    out: Set[str] = set()
+    for n in subnodes(module):
+        if isinstance(n, cst.Param):
+            out.add(n.name.value)
+        elif isinstance(n, cst.Assign):
+            for t in n.targets:
+                out.update(target_names(t.target))
+        elif isinstance(n, (cst.AugAssign, cst.AnnAssign)):
+            out.update(target_names(n.target))
+        elif isinstance(n, (cst.For, cst.CompFor)):
+            out.update(target_names(n.target))
+        elif isinstance(n, cst.AsName):
+            out.update(target_names(n.name))
+        elif isinstance(n, cst.NamedExpr):
+            out.update(target_names(n.target))
+        elif isinstance(n, (cst.FunctionDef, cst.ClassDef)):
+            out.add(n.name.value)
     return out
 
 
@@ -391,6 +415,8 @@ class ScalerInfo:
     scope: Optional[cst.CSTNode] = None  # function/module whose name it is (None: a `self.` attribute)
     klass: Optional[cst.ClassDef] = None  # for `self.scaler`
     unconditional: bool = True  # always bound (not `GradScaler() if amp else None`, not in an `if`)
+    before: Optional[cst.CSTNode] = None  # ...or before this one (a use would come first otherwise)
+    dtype: Optional[cst.BaseExpression] = None  # the constant dtype of the file's own autocasts
 
 
 def scaler_visible(ctx: Context, info: ScalerInfo, node: cst.CSTNode) -> bool:
@@ -474,6 +500,7 @@ class _Planner:
         self.p = Plan()
         self.order_cache: Dict[cst.CSTNode, Dict[cst.CSTNode, int]] = {}
         self.contains: Set[cst.CSTNode] = set()  # statements (and ancestors) holding a backward/step
+        self.region_sites: Set[int] = set()  # id() of sites whose loss gets a new autocast region
         self.resolved = {call: name for call, name in self.facts.calls}
 
     # -- entry ------------------------------------------------------------------------------
@@ -490,10 +517,13 @@ class _Planner:
         p.adding = amp_on and (ctx.options.migrating or (from_apex and "TM407" in enabled))
         self.training_scopes()
         self.find_blockers()
+        if p.adding and not p.blockers:
+            self.train_regions()  # first: a new scaler goes only where a step runs under autocast
         self.choose_scaler(from_apex)
+        if p.blockers:  # no place for the scaler: no autocast either
+            p.regions, p.region_manual, self.region_sites = [], [], set()
         self.bce_checks()
         if p.adding and not p.blockers:
-            self.train_regions()
             self.eval_regions()
         self.existing_autocast_checks()
         if p.scaler is not None:
@@ -504,6 +534,8 @@ class _Planner:
     def collect(self) -> None:
         ctx, p = self.ctx, self.p
         scaler_names: Set[str] = set()
+        holders: Set[str] = set()  # variables holding an autocast context (or factory)
+        factories: Set[str] = set()  # same-file functions returning one
         for call, name in self.facts.calls:
             if name in SCALER or name == TM_SCALER:
                 target = analysis._assign_target(ctx, call)
@@ -516,6 +548,13 @@ class _Planner:
                     with_node = ctx.parent(parent)
                     if isinstance(with_node, cst.With):
                         p.autocast_withs.append(with_node)
+                else:
+                    self.autocast_holder(call, holders, factories)
+            elif name == "functools.partial" and call.args and (
+                    self.ctx.resolve(call.args[0].value) in AUTOCAST | {TM_AUTOCAST}):
+                self.autocast_holder(call, holders, factories)  # `amp = partial(torch.autocast, "cuda")`
+        if holders or factories:
+            self.autocast_context_withs(holders, factories)
         self.scaler_names = scaler_names
         self.autocast_set = set(p.autocast_withs)
         apex_withs: Dict[cst.With, cst.Call] = {}
@@ -537,6 +576,55 @@ class _Planner:
             self.mark(site.statement)
         for step in p.steps:
             self.mark(ctx.statement_of(step.call))
+
+    def autocast_holder(self, call: cst.Call, holders: Set[str], factories: Set[str]) -> None:
+        """Record where an autocast context made outside a `with` goes: a variable (`ctx =
+        nullcontext() if cpu else torch.autocast(...)`, nanoGPT) or a function's return value."""
+        ctx = self.ctx
+        node: cst.CSTNode = call
+        while True:
+            parent = ctx.parent(node)
+            if isinstance(parent, (cst.IfExp, cst.BooleanOperation)) and getattr(parent, "test", None) is not node:
+                node = parent
+                continue
+            if isinstance(parent, cst.Assign) and parent.value is node:
+                holders.update(d for t in parent.targets for d in [dotted(t.target)] if d)
+            elif isinstance(parent, (cst.AnnAssign, cst.AugAssign)) and parent.value is node:
+                d = dotted(parent.target)
+                if d:
+                    holders.add(d)
+            elif isinstance(parent, cst.Return):
+                func = ctx.enclosing(parent, cst.FunctionDef, cst.Lambda)
+                if isinstance(func, cst.FunctionDef):
+                    factories.add(func.name.value)
+            return
+
+    def autocast_context_withs(self, holders: Set[str], factories: Set[str]) -> None:
+        """`with ctx:`, `with ctx():`, `with self.amp_ctx:`, `with get_autocast():` where the
+        name holds an autocast context: the block runs under autocast."""
+        p = self.p
+        for call, _ in self.facts.calls:  # `with holder(...)` / `with factory(...)`
+            func = call.func
+            d = dotted(func)
+            name = func.attr.value if isinstance(func, cst.Attribute) else d
+            if not (d in holders or name in factories):
+                continue
+            item = self.ctx.parent(call)
+            w = self.ctx.parent(item) if isinstance(item, cst.WithItem) else None
+            if isinstance(w, cst.With) and w not in p.autocast_withs:
+                p.autocast_withs.append(w)
+        for w in self.with_statements():  # `with holder:`
+            if w in p.autocast_withs:
+                continue
+            if any(isinstance(i.item, (cst.Name, cst.Attribute)) and dotted(i.item) in holders for i in w.items):
+                p.autocast_withs.append(w)
+
+    def with_statements(self) -> List[cst.With]:
+        out: List[cst.With] = []
+        for node in subnodes(self.ctx.module):
+            if type(node) is cst.With:
+                out.append(node)
+        return out
 
     def mark(self, node: Optional[cst.CSTNode]) -> None:
         while node is not None and node not in self.contains:
@@ -659,15 +747,31 @@ class _Planner:
             owner = "TM407"
         else:
             owner = None
+        # Loss scaling belongs to autocast: the scaler serves the functions where a training
+        # forward runs under autocast (existing, or added by this run) or a loss is already
+        # scaled, not steps autocast was withheld from (TM409's BCELoss, numpy outputs, inline
+        # forwards). In a function with both, every loss is scaled (harmless in fp32).
+        served = {s.scope for s in p.sites if not s.paired and (
+            s.kind in ("scaled", "apex") or self.under_autocast(s))}
         existing = self.existing_scaler()
         if existing is not None:
             p.scaler = existing
+            self.scaler_scopes &= served
         elif p.existing_scalers or owner is None or not (p.adding or from_apex):
             return  # several scalers already: the file manages its own
         else:
-            p.scaler = self.new_scaler()
+            if not served & {s.scope for s in needs}:
+                return
+            needs = [s for s in needs if s.scope in served]
+            p.scaler = self.new_scaler(served)
             if p.scaler is None:
                 return
+            if not p.regions and not runtime_kwargs(ctx, scaler=True):
+                # `autocast(dtype=torch.float16)` of the user's: a scaler enabled for that dtype
+                p.scaler.dtype = _caller_dtype(ctx)
+                if p.scaler.dtype is not None:
+                    p.scaler.create = p.scaler.create.replace(
+                        "GradScaler()", f"GradScaler(dtype={code(p.scaler.dtype)})")
         p.scaler_owner = owner
         scaler_scopes = self.scaler_visible_from
         for site in needs:
@@ -714,6 +818,8 @@ class _Planner:
             if block is None or isinstance(block, cst.Module):
                 return node
             owner = owner_statement(ctx, block)
+            if owner is self.facts.main_guard and block is owner.body:
+                return node  # the `__main__` block always runs (as module scope)
             if isinstance(owner, (cst.If, cst.Try, cst.With)) or type(owner).__name__ == "TryStar":
                 # an `elif` is an If inside the outer If's orelse
                 while isinstance(ctx.parent(owner), cst.If) or isinstance(ctx.parent(owner), cst.Else):
@@ -725,15 +831,38 @@ class _Planner:
                 continue
             return node
 
-    def new_scaler(self) -> Optional[ScalerInfo]:
+    def under_autocast(self, site: Site) -> bool:
+        """The forward and loss of this backward run under autocast after the migration (or
+        the model's own `forward` enters autocast, as recommended for DataParallel)."""
+        if self.covered(site.statement) or self.forward_autocast():
+            return True
+        last, why = self.loss_definition(site)
+        if why or last is None:
+            return False
+        return self.covered(last) or last in self.autocast_set or id(site) in self.region_sites
+
+    def forward_autocast(self) -> bool:
+        """A `forward` method of this file runs under autocast (a `with` or a decorator)."""
+        cached = getattr(self, "_forward_autocast", None)
+        if cached is None:
+            nodes: List[cst.CSTNode] = list(self.p.autocast_withs)
+            nodes += [c for c, n in self.facts.calls if (n in AUTOCAST or n == TM_AUTOCAST)
+                      and isinstance(self.ctx.parent(c), cst.Decorator)]
+            cached = any(getattr(self.ctx.enclosing(n, cst.FunctionDef), "name", None) is not None
+                         and self.ctx.enclosing(n, cst.FunctionDef).name.value == "forward" for n in nodes)
+            self._forward_autocast = cached
+        return cached
+
+    def new_scaler(self, amp_scopes: Set[cst.CSTNode]) -> Optional[ScalerInfo]:
         ctx, p = self.ctx, self.p
         args = dtype_arg(ctx)
         if ctx.options.amp == "off":
             args = "enabled=False"
         creation = runtime_call(ctx, "GradScaler", args)
         use_scopes = {s.scope for s in p.sites if not s.paired} | {s.scope for s in p.steps if s.scope in self.sites_by_scope}
+        use_scopes &= amp_scopes
         receivers = {dotted(s.optimizer) for s in p.steps if s.kind == "plain" and s.optimizer is not None
-                     and s.scope in self.sites_by_scope}
+                     and s.scope in use_scopes}
         receivers.discard(None)
         taken = self.bound_names()
         # trainer classes: `self.optimizer` -> `self.scaler` next to it
@@ -754,7 +883,8 @@ class _Planner:
             creation_scope = scope_of(ctx, anchor)
             if all(is_visible(ctx, creation_scope, s) for s in use_scopes):
                 self.scaler_scopes = set(use_scopes)
-                return ScalerInfo(name, True, anchor, f"{name} = {creation}", scope=creation_scope)
+                after, before = self.before_uses(anchor, creation_scope, use_scopes)
+                return ScalerInfo(name, True, after, f"{name} = {creation}", scope=creation_scope, before=before)
         if any(class_of(ctx, s) is not None and any(
                 st.optimizer is not None and (dotted(st.optimizer) or "").startswith("self.")
                 for st in p.steps if st.scope is s) for s in use_scopes):
@@ -764,6 +894,67 @@ class _Planner:
         anchor = _module_anchor(ctx)
         self.scaler_scopes = set(use_scopes)
         return ScalerInfo(name, True, anchor, f"{name} = {creation}", scope=ctx.module)
+
+    def before_uses(self, anchor: cst.CSTNode, scope: cst.CSTNode,
+                    use_scopes: Set[cst.CSTNode]) -> Tuple[Optional[cst.CSTNode], Optional[cst.CSTNode]]:
+        """(after, before): create the scaler after `anchor` unless code that uses it runs
+        there first (a hoisted `if` that also holds the training loop, a call of the training
+        function above it); then before the first statement of that block that uses it."""
+        ctx, p = self.ctx, self.p
+        points: List[cst.CSTNode] = [s.statement for s in p.sites if s.scope is scope and not s.paired]
+        points += [s.call for s in p.steps if s.scope is scope and s.kind == "plain"]
+        # calls of the functions that use it, followed through their callers in this file
+        frontier = {s for s in use_scopes if s is not scope and isinstance(s, cst.FunctionDef)}
+        seen = set(frontier)
+        depth = 0
+        while frontier and depth < 4:
+            depth += 1
+            names = {f.name.value for f in frontier}
+            frontier = set()
+            for call, _ in self.facts.calls:
+                func = call.func
+                called = func.value if isinstance(func, cst.Name) else (
+                    func.attr.value if isinstance(func, cst.Attribute) else None)
+                if called not in names:
+                    continue
+                where = scope_of(ctx, call)
+                if where is scope:
+                    points.append(call)
+                elif isinstance(where, cst.FunctionDef) and where not in seen:
+                    seen.add(where)
+                    frontier.add(where)
+        def first_use(at: cst.CSTNode) -> Tuple[Optional[int], bool]:
+            """(index of the first statement of `at`'s block at or before `at` that uses the
+            scaler, whether some use lies outside that block)"""
+            block, body = block_of(ctx, at)
+            body = list(body)
+            index = body.index(at)
+            earliest, outside = None, False
+            for point in points:
+                node = point
+                while node is not None and ctx.parent(node) is not block:
+                    node = ctx.parent(node)
+                if node is None:
+                    outside = True
+                    continue
+                i = body.index(node)
+                if i <= index and (earliest is None or i < earliest):
+                    earliest = i
+            return earliest, outside
+
+        if block_of(ctx, anchor)[0] is None:
+            return anchor, None
+        earliest, _ = first_use(anchor)
+        if earliest is None:
+            return anchor, None
+        # `if cfg.train: optimizer = ...; train(...)`: right after the optimizer when every use
+        # follows it in its own block, else before the first statement that uses the scaler
+        origin = self.anchor_origin
+        if origin is not None and origin is not anchor and block_of(ctx, origin)[0] is not None:
+            inner, outside = first_use(origin)
+            if inner is None and not outside:
+                return origin, None
+        return None, list(block_of(ctx, anchor)[1])[earliest]
 
     def scaler_blocker(self, why: str) -> None:
         step = next((s for s in self.p.steps if s.kind == "plain"), None)
@@ -778,6 +969,7 @@ class _Planner:
         """The statement after which the scaler is created: the (hoisted) creation of the first
         optimizer the steps use, moved past directly following optimizer creations."""
         ctx = self.ctx
+        self.anchor_origin: Optional[cst.CSTNode] = None
         candidates: List[cst.CSTNode] = []
         opts = analysis.optimizers(ctx)
         for o in opts:
@@ -795,6 +987,7 @@ class _Planner:
         candidates = [c for c in candidates if isinstance(c, (cst.SimpleStatementLine, cst.BaseCompoundStatement))]
         if not candidates:
             return None
+        self.anchor_origin = candidates[0]
         first = self.hoist(candidates[0])
         block, body = block_of(ctx, first)
         if block is None:
@@ -966,6 +1159,7 @@ class _Planner:
         index = body.index(last)
         deps = reads(last)
         start = last
+        chain = [last]
         for s in reversed(body[:index]):
             if self.barrier(s) or s is stop:
                 break
@@ -973,8 +1167,82 @@ class _Planner:
                 if self.data_only(s):
                     continue
                 start = s
+                chain.append(s)
                 deps |= reads(s)
+        # The forward starts at the first model call the loss depends on: input preparation
+        # before it (augmentation, `Variable(...)`, resizing) and whatever sits between
+        # (`zero_grad()`, LR warm-up, plotting) stays outside.
+        forward = [s for s in chain if self.calls_model(s)]
+        if forward:
+            return forward[-1]
         return start
+
+    def calls_model(self, statement: cst.CSTNode) -> bool:
+        """`statement` calls a model: a trained model, or a callable object held in a variable or
+        attribute (`teacher(x)`, `self.backbone(x)`, `vae.encode(x)`). Library functions and
+        classes (`F.interpolate`, `Variable`, also through star imports), builtins, data movement
+        (`.to()`, `.float()`), aliases of library callables (`Tensor = torch.cuda.FloatTensor`)
+        and helper functions not handed a trained model are not."""
+        models = self.model_roots()
+        bound = self.file_bindings()
+        functions, classes = self.facts.functions, self.facts.classes
+        for call in calls_in(statement):
+            if self.resolved.get(call) is not None:
+                continue
+            func = call.func
+            if isinstance(func, cst.Name):
+                name = func.value
+                if name in models:
+                    return True
+                if name in classes or name in _DATA_FUNCS or name in _BUILTINS:
+                    continue
+                if name in functions or name not in bound:  # a helper (here or star-imported)
+                    if any(analysis.model_root(r) in models for r in reads(call)):
+                        return True
+                    continue
+                if self.alias_only(name):
+                    continue
+                return True
+            if isinstance(func, cst.Attribute):
+                if func.attr.value in _DATA_METHODS:
+                    continue
+                owner = root_name(func.value)
+                if owner is None:
+                    continue  # a method of a call's result: the inner call decides
+                if analysis.model_root(owner) in models:
+                    return True
+                root = owner.split(".")[0]
+                if root in _BUILTINS or root not in bound or self.alias_only(root):
+                    continue  # `random.choice` from a star import, `Tensor.new(...)`
+                return True
+        return False
+
+    def file_bindings(self) -> Set[str]:
+        """First parts of every name the file binds (assignments, loop and `with` targets,
+        parameters, imports)."""
+        cached = getattr(self, "_bindings", None)
+        if cached is None:
+            cached = {n.split(".")[0] for n in _binds_all(self.ctx.module)}
+            cached.update(self.ctx.imports.names)
+            self._bindings = cached
+        return cached
+
+    def model_roots(self) -> Set[str]:
+        cached = getattr(self, "_model_roots", None)
+        if cached is None:
+            cached = self._model_roots = set(analysis.trained_models(self.ctx))
+        return cached
+
+    def alias_only(self, name: str) -> bool:
+        """Every assignment of `name` is a plain expression without a call (`Tensor =
+        torch.cuda.FloatTensor if cuda else torch.FloatTensor`): an alias, not a model."""
+        found = False
+        for assign in self.facts.assigns:
+            if any(dotted(t.target) == name for t in assign.targets):
+                found = True
+                if calls_in(assign.value):
+                    return False
+        return found
 
     def train_regions(self) -> None:
         ctx, p = self.ctx, self.p
@@ -1001,15 +1269,17 @@ class _Planner:
             for a, b, site in spans:
                 if merged and a <= merged[-1][1]:
                     merged[-1][1] = max(merged[-1][1], b)
+                    merged[-1][2].append(site)
                 else:
-                    merged.append([a, b])
-            for a, b in merged:
+                    merged.append([a, b, [site]])
+            for a, b, sites in merged:
                 region = Region(body[a], body[b], "train")
                 why = self.region_problem(region)
                 if why:
                     p.region_manual.append((body[a], why))
                     continue
                 p.regions.append(region)
+                self.region_sites.update(id(site) for site in sites)
 
     def covered_site(self, site: Site) -> bool:
         last, _ = self.loss_definition(site)
@@ -1190,7 +1460,7 @@ class _Planner:
                     better = "nn.BCEWithLogitsLoss" if name in BCE_CLASSES else "F.binary_cross_entropy_with_logits"
                     p.bce.append((call, f"`{what}` raises under CUDA autocast (unsafe in fp16): drop the final "
                                         f"sigmoid and use `{better}` on the logits, then put the forward and "
-                                        "loss under `with tm.autocast():`"))
+                                        "loss under `with tm.autocast():` and scale the loss with `tm.GradScaler()`"))
 
     def used_under_autocast(self, call: cst.Call) -> bool:
         target = analysis._assign_target(self.ctx, call)
@@ -1456,9 +1726,14 @@ class AutocastForward(AmpRule):
     `inference_mode()`) get autocast too, without a scaler. A `backward()` written inside an
     existing autocast block is moved out of it.
 
-    The wrapped run starts at the first statement the loss depends on that does more than move
-    data (`x.to(device)` stays outside) and ends at the last assignment of the loss before
-    `backward()`; a loss computed by a helper call is wrapped as that call.
+    The wrapped run starts at the first statement the loss depends on that calls a model (a
+    trained model, or a module held in a variable: `teacher(x)`, `vae.encode(x)`), so input
+    preparation before it (`x.to(device)`, `Variable(...)`, resizing) and unrelated statements
+    (`zero_grad()`, LR warm-up, plotting) stay outside; without such a call, at the first
+    dependency that does more than move data. It ends at the last assignment of the loss before
+    `backward()`; a loss computed by a helper call is wrapped as that call. A forward already
+    under autocast is left alone, also through a variable or helper that holds the context
+    (`ctx = nullcontext() if cpu else torch.autocast(...)` then `with ctx:`, nanoGPT).
 
     ## Why is this bad?
     Without autocast the model runs in fp32 and gets none of the speed or memory benefits of
@@ -1542,8 +1817,14 @@ class GradScalerRule(AmpRule):
     Scales every training loss with one shared `GradScaler` and steps the optimizers through
     it: `loss.backward()` becomes `scaler.scale(loss).backward()`, `optimizer.step()` becomes
     `scaler.step(optimizer)` followed by `scaler.update()`. `scaler = tm.GradScaler()` is created
-    once, beside the optimizer (`self.scaler` in trainer classes; at module level when the
-    optimizer is built in another function than the one that steps it).
+    once, beside the optimizer (`self.scaler` in trainer classes; inside the `__main__` block
+    when the optimizer is built there; at module level when the optimizer is built in another
+    function than the one that steps it), and always before the first statement that runs a
+    step using it. It is created only for training steps whose forward runs under autocast
+    (existing, or added by TM401): when autocast is withheld (TM409's `BCELoss`, numpy outputs,
+    a forward inside the `backward()` expression) the step is left as it is. A new scaler
+    follows the dtype of the file's own autocast when that is one constant
+    (`tm.GradScaler(dtype=torch.float16)`).
 
     Several losses or optimizers share the one scaler: each loss is scaled, each optimizer
     stepped through it, and `update()` runs once after the last step of the iteration. With
@@ -1613,7 +1894,10 @@ def emit_scaler(rule: Rule, p: Plan) -> None:
     s = p.scaler
     imports = [ctx.runtime_import()]
     def creation() -> cst.SimpleStatementLine:
-        return call_stmt(call_node(f"{ctx.tm}.GradScaler", **runtime_kwargs(ctx, scaler=True)), target=s.text)
+        kwargs = runtime_kwargs(ctx, scaler=True)
+        if s.dtype is not None and not kwargs:
+            kwargs = {"dtype": s.dtype}
+        return call_stmt(call_node(f"{ctx.tm}.GradScaler", **kwargs), target=s.text)
 
     if s.new and s.after is not None:
         line = creation()
@@ -1621,6 +1905,9 @@ def emit_scaler(rule: Rule, p: Plan) -> None:
             line = line.with_changes(leading_lines=[cst.EmptyLine()])
         rule.report(s.after, f"create one GradScaler for the training steps: `{s.create}`",
                     edits=[insert_after(s.after, [line])], imports=imports)
+    elif s.new and s.before is not None:
+        rule.report(s.before, f"create one GradScaler for the training steps: `{s.create}`",
+                    edits=[insert_before(s.before, [creation()])], imports=imports)
     elif s.new:
         rule.report(ctx.module, f"create one GradScaler for the training steps: `{s.create}`",
                     edits=[replace(ctx.module, lambda m: m.with_changes(body=[creation(), *m.body]))],
@@ -1809,7 +2096,9 @@ def accumulation(ctx: Context, p: Plan) -> List[tuple]:
         if not isinstance(loop, (cst.For, cst.While)):
             continue
         later = body[index + 1:]
-        direct = [s for s in later if any(ctx.statement_of(st.call) is s or line_of(ctx, st.call) is s for st in steps)]
+        # a step right after the backward, also on the same line (`loss.backward(); opt.step()`)
+        direct = [s for s in body[index:] if any(ctx.statement_of(st.call) is s or line_of(ctx, st.call) is s
+                                                 for st in steps)]
         if direct:
             continue
         holder = None
@@ -1896,15 +2185,25 @@ class DataParallelAutocast(AmpRule):
     """
     ## What it does
     For code that keeps `nn.DataParallel` (`torchmigrate amp`), runs the model's `forward`
-    under `with tm.autocast():` inside the model class, when the class is defined in the file.
+    under `with tm.autocast():` inside the model class, when the class is defined in the file
+    (with the caller's dtype when every autocast of the file names the same constant one). In
+    `lint`, reports DataParallel models in files whose autocast is not CUDA's default fp16
+    (`dtype=torch.bfloat16`, a dtype from a variable, `cache_enabled=`, `tm.autocast()`).
 
     ## Why is this bad?
     DataParallel runs each replica's forward in its own thread, and autocast state is
-    thread-local: autocast entered around `dp_model(x)` in the main thread does not reach the
-    replicas (PyTorch AMP examples, "Working with Multiple GPUs"). Autocast in `forward` does.
+    thread-local. Since PyTorch 1.10 `parallel_apply` re-enters autocast in every replica
+    thread, but only with the caller's *enabled* flag (`torch.autocast(device_type,
+    enabled=...)`): the dtype and the weight-cast cache setting fall back to the thread's
+    defaults. A bf16 autocast around `dp_model(x)` (what `tm.autocast()` picks on GPUs that
+    support it) runs the replicas in fp16, CUDA's default autocast dtype: fp16 activations where
+    bf16 was chosen, and an fp16 backward without loss scaling (small gradients underflow),
+    since the scaler is disabled for bf16. Autocast entered inside `forward` runs in the replica's thread and keeps the dtype.
 
     ## Limitations
     A model class from another module (torchvision, timm) is reported for a manual change.
+    Nothing is done when the dtype is forced to fp16 (`--amp fp16`), which the replicas
+    already use.
     """
 
     code = "TM405"
@@ -1939,21 +2238,30 @@ class DataParallelAutocast(AmpRule):
     def leave_Module(self, node: cst.Module) -> None:
         ctx = self.ctx
         p = plan(ctx)
-        if p.skip or ctx.options.amp == "off" or p.blockers:
-            return
-        if ctx.options.mode == "lint" and not p.autocast_withs:
+        if p.skip or ctx.options.amp in ("off", "fp16") or p.blockers:
             return
         if ctx.options.mode == "ddp":
             return
         facts = analysis.facts(ctx)
+        dp_calls = [call for call, name in facts.calls if name in DATA_PARALLEL and call.args]
+        if not dp_calls:
+            return
+        if ctx.options.mode == "lint" and not _replica_settings_lost(ctx):
+            return
+        kwargs = runtime_kwargs(ctx)
+        if not kwargs and not p.regions:  # (new autocast regions use the runtime's policy)
+            dtype = _caller_dtype(ctx)
+            if dtype is not None:
+                kwargs = {"dtype": dtype}
+        shown = ", ".join(f"{k}={code(v)}" for k, v in kwargs.items())
         done: Set[str] = set()
-        for call, name in facts.calls:
-            if name not in DATA_PARALLEL or not call.args:
-                continue
+        for call in dp_calls:
             klass = _model_class(ctx, call.args[0].value)
             if klass is None:
-                self.report(call, "autocast does not reach DataParallel's replica threads: put "
-                                  "`with tm.autocast():` inside the model's `forward` (or use DDP: `torchmigrate ddp`)")
+                self.report(call, "DataParallel replicas run autocast with CUDA's default dtype (fp16), not the "
+                                  "caller's (bf16 with `tm.autocast()` where supported): put "
+                                  f"`with tm.autocast({shown}):` inside the model's `forward`, or use DDP "
+                                  "(`torchmigrate ddp`)")
                 continue
             if klass.name.value in done:
                 continue
@@ -1961,19 +2269,82 @@ class DataParallelAutocast(AmpRule):
             forward = next((s for s in statements(klass.body) if isinstance(s, cst.FunctionDef)
                             and s.name.value == "forward"), None)
             if forward is None or not isinstance(forward.body, cst.IndentedBlock):
-                self.report(call, f"put `with tm.autocast():` inside `{klass.name.value}.forward` "
-                                  "(autocast does not reach DataParallel's replica threads)")
+                self.report(call, f"put `with tm.autocast({shown}):` inside `{klass.name.value}.forward`: "
+                                  "DataParallel replicas run autocast with CUDA's default dtype (fp16), not the caller's")
                 continue
             body = list(forward.body.body)
             if _is_docstring(body[0]):
                 body = body[1:]
             if not body or _forward_covered(ctx, forward, body):
                 continue
-            self.report(forward, f"run `{klass.name.value}.forward` under autocast: DataParallel replicas run "
-                                 "in threads that do not inherit the caller's autocast state",
-                        edits=[wrap(body[0], body[-1], lambda b: with_node(
-                            call_node(f"{ctx.tm}.autocast", **runtime_kwargs(ctx)), b))],
+            self.report(forward, f"run `{klass.name.value}.forward` under autocast: DataParallel replicas get "
+                                 "only the caller's autocast on/off state, not its dtype (bf16 would run as fp16)",
+                        edits=[wrap(body[0], body[-1], lambda b, kw=kwargs: with_node(
+                            call_node(f"{ctx.tm}.autocast", **kw), b))],
                         imports=[ctx.runtime_import()])
+
+
+_FP16 = frozenset({"torch.float16", "torch.half"})
+_CONSTANT_DTYPES = frozenset({"torch.float16", "torch.half", "torch.bfloat16"})
+
+
+def _autocast_settings(ctx: Context, call: cst.Call, qualified: str) -> Tuple[Optional[cst.BaseExpression], bool]:
+    """(the dtype argument, whether `cache_enabled` or `*args` is given) of an autocast call."""
+    if qualified == TM_AUTOCAST:
+        dtype = next((a.value for a in call.args if a.keyword and a.keyword.value == "dtype"), None)
+        if dtype is None:
+            positional = [a for a in call.args if a.keyword is None]
+            dtype = positional[0].value if positional else None
+        return dtype, any(a.star for a in call.args)
+    legacy = qualified.startswith(("torch.cuda.", "torch.cpu."))
+    params = ("enabled", "dtype", "cache_enabled") if legacy else ("device_type", "dtype", "enabled", "cache_enabled")
+    positional = [a for a in call.args if a.keyword is None and not a.star]
+    named = {p: a.value for p, a in zip(params, positional)}
+    named.update({a.keyword.value: a.value for a in call.args if a.keyword is not None})
+    return named.get("dtype"), "cache_enabled" in named or any(a.star for a in call.args)
+
+
+def _autocast_calls(ctx: Context) -> List[Tuple[cst.Call, str]]:
+    return [(c, n) for c, n in analysis.facts(ctx).calls if n in AUTOCAST or n == TM_AUTOCAST]
+
+
+def _replica_settings_lost(ctx: Context) -> bool:
+    """Some autocast of the file differs from what DataParallel's replica threads use (CUDA's
+    default dtype, fp16, with the cast cache on): `tm.autocast()` (bf16 where supported), an
+    explicit dtype other than fp16, or `cache_enabled=`."""
+    for call, name in _autocast_calls(ctx):
+        if name.startswith("torch.cpu."):
+            continue
+        dtype, cache = _autocast_settings(ctx, call, name)
+        if cache:
+            return True
+        if name == TM_AUTOCAST:
+            if dtype is None or not (isinstance(dtype, cst.SimpleString) and dtype.evaluated_value == "fp16") \
+                    and ctx.resolve(dtype) not in _FP16:
+                return True
+        elif dtype is not None and ctx.resolve(dtype) not in _FP16:
+            return True
+    return False
+
+
+def _caller_dtype(ctx: Context) -> Optional[cst.BaseExpression]:
+    """The dtype every autocast of the file names, when it is one constant (`torch.bfloat16`,
+    `"bf16"`): the forward's autocast uses it too."""
+    seen: List[str] = []
+    node = None
+    for call, name in _autocast_calls(ctx):
+        dtype, _ = _autocast_settings(ctx, call, name)
+        if dtype is None:
+            return None
+        constant = isinstance(dtype, cst.SimpleString) or ctx.resolve(dtype) in _CONSTANT_DTYPES
+        if not constant:
+            return None
+        text = code(dtype)
+        if seen and text != seen[0]:
+            return None
+        seen.append(text)
+        node = dtype
+    return node
 
 
 def _is_docstring(s: cst.CSTNode) -> bool:

@@ -180,6 +180,8 @@ def test_bce_blocks_autocast_and_is_reported():
     result = run((SCRIPTS / "binary_bce_steps.py").read_text(encoding="utf-8"), "amp")
     assert any(f.code == "TM409" and "BCEWithLogitsLoss" in f.message for f in result.findings)
     assert "tm.autocast" not in code_only(result.new_source)  # neither the training step nor the evaluation
+    assert "GradScaler" not in code_only(result.new_source)  # no loss scaling without autocast
+    assert ".backward()" in result.new_source and "scaler" not in code_only(result.new_source)
 
 
 def test_dataparallel_forward_gets_autocast_in_amp_mode_only():
@@ -228,3 +230,157 @@ def test_amp_rules_are_documented(code, run_cli):
     result = run_cli("explain", code)
     assert result.exit_code == 0
     assert "What it does" in result.stdout and "Why is this bad" in result.stdout
+
+
+# --- issues found on real scripts -------------------------------------------------------------
+
+GCN_LIKE = """
+import torch
+
+
+def train_iter(model, optimizer, x, y):
+    optimizer.zero_grad()
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    optimizer.step()
+    return loss.item()
+
+
+if __name__ == '__main__':
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(16, 4), torch.randn(16, 1)
+    losses = [train_iter(model, optimizer, x, y) for _ in range(5)]
+"""
+
+
+@pytest.mark.parametrize("mode", ["amp", "ddp"])
+def test_scaler_is_created_before_the_code_that_uses_it_runs(mode, monkeypatch):
+    """pytorch/examples gcn: the optimizer is built in the `__main__` block and stepped in a
+    function; a scaler appended after the block raised NameError."""
+    pytest.importorskip("torch")
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHMIGRATE_AMP"):
+        monkeypatch.delenv(key, raising=False)
+    out = run(GCN_LIKE, mode).new_source
+    guard = out.index("if __name__ == '__main__':")
+    assert guard < out.index("scaler = tm.GradScaler()") < out.index("losses = [train_iter(")
+    assert not out.rstrip().endswith("scaler = tm.GradScaler()")
+    namespace = {"__name__": "__main__"}
+    exec(compile(out, "gcn_like.py", "exec"), namespace)  # CPU: bf16 autocast, disabled scaler
+    assert len(namespace["losses"]) == 5
+    import torchmigrate.runtime as tm
+    tm.cleanup()
+
+
+NANOGPT_LIKE = """
+import torch
+from contextlib import nullcontext
+device_type = 'cuda' if 'cuda' in device else 'cpu'
+ptdtype = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}[dtype]
+ctx = nullcontext() if device_type == 'cpu' else torch.amp.autocast(device_type=device_type, dtype=ptdtype)
+scaler = torch.cuda.amp.GradScaler(enabled=(dtype == 'float16'))
+model = GPT(conf).to(device)
+optimizer = torch.optim.AdamW(model.parameters())
+
+@torch.no_grad()
+def estimate_loss():
+    for k in range(eval_iters):
+        with ctx:
+            logits, loss = model(X, Y)
+
+for it in range(100):
+    with ctx:
+        logits, loss = model(X, Y)
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad()
+"""
+
+
+@pytest.mark.parametrize("mode", ["amp", "ddp"])
+def test_autocast_held_in_a_variable_is_not_wrapped_again(mode):
+    out = run(NANOGPT_LIKE, mode).new_source
+    assert "with tm.autocast(" not in out
+    assert out.count("with ctx:") == 2
+    # TM410 still hands the context to the runtime's policy, keeping the user's dtype
+    assert "ctx = nullcontext() if device_type == 'cpu' else tm.autocast(dtype=ptdtype)" in out
+    assert "scaler = tm.GradScaler(enabled=(dtype == 'float16'))" in out
+
+
+def test_step_on_the_backward_line_is_no_accumulation():
+    source = """
+    import torch
+    opt = torch.optim.Adam(model.parameters())
+    for batch in loader:
+        opt.zero_grad()
+        loss = model(batch).sum()
+        loss.backward(); opt.step()
+    """
+    result = run(source, "ddp")
+    assert not [f for f in result.findings if f.code == "TM404"]
+    assert "TM404" not in result.new_source
+
+
+def test_autocast_dtype_does_not_reach_other_threads():
+    """What TM405 rests on: autocast's dtype is thread-local, and DataParallel's replica threads
+    re-enter autocast with the caller's enabled flag only, so they get the default dtype."""
+    import inspect
+    import threading
+
+    torch = pytest.importorskip("torch")
+    from torch.nn.parallel import parallel_apply
+
+    source = inspect.getsource(parallel_apply)
+    assert re.search(r"autocast\(\s*device_type,\s*enabled=autocast_enabled\s*\)", source)
+    seen = {}
+
+    def replica(enabled):  # what parallel_apply's worker does, on the CPU
+        with torch.autocast("cpu", enabled=enabled):
+            seen["enabled"] = torch.is_autocast_enabled("cpu")
+            seen["dtype"] = torch.get_autocast_dtype("cpu")
+
+    with torch.autocast("cpu", dtype=torch.float16):
+        thread = threading.Thread(target=replica, args=(torch.is_autocast_enabled("cpu"),))
+        thread.start()
+        thread.join()
+    assert seen == {"enabled": True, "dtype": torch.bfloat16}  # CPU's default, not the caller's float16
+
+
+def test_dataparallel_message_names_what_is_lost():
+    doc = get_rule("TM405").documentation()
+    assert "dtype" in doc and "enabled" in doc and "1.10" in doc
+    source = """
+    import torch
+    import torchvision
+    model = torch.nn.DataParallel(torchvision.models.resnet18()).cuda()
+    """
+    finding = next(f for f in run(source, "amp").findings if f.code == "TM405")
+    assert "default dtype" in finding.message and "does not reach" not in finding.message
+
+
+def test_autocast_starts_at_the_forward():
+    """yolov3 / ESRGAN: input preparation, LR warm-up, plotting and `zero_grad()` before the
+    model call stay outside autocast."""
+    source = """
+    import torch
+    import torch.nn.functional as F
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for i, (imgs, targets) in enumerate(loader):
+        imgs = F.interpolate(imgs.to(device), scale_factor=0.5)
+        optimizer.zero_grad()
+        if i <= warmup:
+            for g in optimizer.param_groups:
+                g["lr"] = 0.1 * i / warmup
+        if i == 0:
+            plot_images(imgs)
+        pred = model(imgs)
+        loss = F.cross_entropy(pred, targets)
+        loss.backward()
+        optimizer.step()
+    """
+    out = run(source, "amp").new_source
+    body = out[out.index("with tm.autocast():"):]
+    assert body.startswith("with tm.autocast():\n        pred = model(imgs)\n        loss = F.cross_entropy")
+    assert out.index("plot_images(imgs)") < out.index("with tm.autocast():")
