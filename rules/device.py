@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import re
-from typing import Dict, List, Optional, Set
+from typing import Dict, List, Optional, Set, Tuple
 
 import libcst as cst
 
 from torchmigrate import analysis
-from torchmigrate.finding import Safety, remove, replace, replace_with
+from torchmigrate.finding import Safety, insert_after, insert_before, remove, replace, replace_with
 from torchmigrate.imports import dotted
-from torchmigrate.nodes import arg, code, expr, kwarg, with_args
+from torchmigrate.nodes import arg, code, expr, kwarg, stmt, with_args
 from torchmigrate.rule import Context, Example, Rule
 from torchmigrate.rules.launch import INIT_PG, RUNTIME, setup_plan
 
@@ -65,6 +65,22 @@ def _int(node: cst.CSTNode) -> bool:
     return isinstance(node, cst.Integer)
 
 
+# Names that hold a GPU index (`args.gpu`, `gpu_id`, `opt.device_id`); never rank-derived ones.
+_GPU_NAME = re.compile(r"^(gpu|gpu_?id|gpu_?idx|gpu_?index|gpu_?num|gpu_?no|cuda_?id|cuda_?device|device_?id|dev_?id)$",
+                       re.IGNORECASE)
+
+
+def gpu_index(node: cst.CSTNode) -> Optional[str]:
+    """LITERAL for an int literal (`0`), EXPR for a variable named like a GPU index
+    (`args.gpu`, `gpu_id`), else None: both mean a CUDA device where a device is expected."""
+    if isinstance(node, cst.Integer):
+        return LITERAL
+    name = dotted(node) if isinstance(node, (cst.Name, cst.Attribute)) else None
+    if name and _GPU_NAME.match(name.rsplit(".", 1)[-1]):
+        return EXPR
+    return None
+
+
 class DeviceFromRank(Rule):
     """
     ## What it does
@@ -87,6 +103,23 @@ class DeviceFromRank(Rule):
       GPU before anything is allocated) and otherwise gets `tm.device()` as its argument.
     - `os.environ["CUDA_VISIBLE_DEVICES"] = ...` writes and `torch.cuda.device(N)` blocks are
       reported for a manual change.
+    - GPU indices where a device is expected: `.to(0)`, `.to(args.gpu)`, `torch.device(args.gpu)`
+      and `device=args.gpu` / `device=0` keywords of any call (`BucketIterator(...,
+      device=args.gpu)`; `device=-1`, the old "cpu", is kept) become `tm.device()`. A variable
+      assigned a GPU index (`device = 0`, `gpu = args.gpu`, `dev = int(...)`) is followed through
+      assignments (`self.gpu_id = gpu_id`) and calls of this file's functions and classes; when
+      every use is a device (`.to(x)`, `.cuda(x)`, `device=x`, `torch.device(x)`; printing is
+      fine) its value becomes `tm.device()`, otherwise (`gpu == 0`, arithmetic) it is reported.
+      `storage.cuda(args.gpu)` in a `map_location=` lambda is reported, not edited.
+    - In a file that never moves anything to a device (no `.to(device)`, `.cuda()`, `device=`)
+      but whose model `tm.wrap_model` (TM301) moves to `tm.device()`, the loops that feed the
+      model move their batch first: `inputs, labels = inputs.to(tm.device()),
+      labels.to(tm.device())` for `for inputs, labels in loader:`, `for i, (inputs, labels) in
+      enumerate(loader):` and `for data in loader: inputs, labels = data`. Moved are the names
+      the model reads and those used with its outputs (`criterion(outputs, labels)`,
+      `predicted == labels`); other loop shapes, batches that may not be tensors (custom
+      `collate_fn`, `batch.text`, `model(**batch)`) and forwards outside such loops are
+      reported.
 
     `device="cpu"`, `map_location=` (TM502) and `autocast`/`GradScaler` device types are never
     touched. In `lint`, and on files that already set up distributed training, only what is
@@ -151,6 +184,8 @@ class DeviceFromRank(Rule):
         self.names: Dict[str, List[cst.CSTNode]] = {}
         self.ifexps: List[cst.IfExp] = []
         self.env_writes: List[cst.CSTNode] = []
+        self.map_location_reported: Set[cst.CSTNode] = set()
+        self.int_device_uses: Set[cst.CSTNode] = set()  # uses whose origin gets tm.device()
 
     # --- collection ---------------------------------------------------------------------
     def visit_Name(self, node: cst.Name) -> None:
@@ -198,6 +233,9 @@ class DeviceFromRank(Rule):
             return True
         return kind == BARE and self.unpinned
 
+    def _is_tm_device(self, node: cst.CSTNode) -> bool:
+        return isinstance(node, cst.Call) and not node.args and self.ctx.resolve(node.func) == RUNTIME + ".device"
+
     def _tm_device(self) -> cst.BaseExpression:
         return expr(f"{self.ctx.tm}.device()")
 
@@ -221,6 +259,8 @@ class DeviceFromRank(Rule):
             return None
         kind = cuda_string(first.value)
         index = arg(call, "index", 1)
+        if kind is None and index is None and len(call.args) == 1:
+            return gpu_index(first.value)  # torch.device(0), torch.device(args.gpu)
         if kind == BARE and index is not None:
             return LITERAL if _int(index.value) else EXPR
         return kind
@@ -266,6 +306,8 @@ class DeviceFromRank(Rule):
             return
         handled: Set[cst.CSTNode] = set()
         self._ifexp_devices(handled)
+        if self.converting:
+            self._int_devices()
         for call, name in analysis.facts(self.ctx).calls:
             if call in handled:
                 continue
@@ -289,8 +331,12 @@ class DeviceFromRank(Rule):
                 self.env_writes.append(call)
             if name is not None and name.startswith("torch.") and name != "torch.device":
                 self._device_kwarg(call, name)
+            elif name is None or not name.startswith(("torch.", RUNTIME)):
+                self._other_device_kwarg(call)
         for assign in analysis.facts(self.ctx).assigns:
             self._string_assign(assign)
+        if self.converting and self.ctx.options.mode == "ddp":
+            self._batch_moves()
         for write in self.env_writes:
             self.report(write, "CUDA_VISIBLE_DEVICES set in the script: every rank sees the same GPUs (with one "
                                "visible GPU all ranks share it); let torchrun/the scheduler choose, each process "
@@ -345,9 +391,11 @@ class DeviceFromRank(Rule):
     def _dot_cuda(self, call: cst.Call) -> None:
         if self.ctx.resolve(call.func) is not None or any(a.star for a in call.args):
             return
-        if self._in_map_location(call):
-            return
         device = arg(call, "device", 0)
+        if self._in_map_location(call):
+            if device is not None and self.converting and gpu_index(device.value) is not None:
+                self._map_location_index(device.value)
+            return
         if device is None:
             kind = BARE
         elif _int(device.value):
@@ -376,14 +424,68 @@ class DeviceFromRank(Rule):
         target = arg(call, "device", 0)
         if target is None:
             return
+        if self._gpu_index_value(target.value, "`.to(...)`"):
+            return
         self._device_value(target.value, "`.to(...)` with a hard-coded CUDA device: every rank would use the same GPU")
+
+    def _gpu_index_value(self, value: cst.BaseExpression, where: str) -> bool:
+        """`.to(0)`, `device=args.gpu`: a GPU index where a device is expected becomes
+        tm.device(); inside a `map_location=` (TM502's) it is only reported. True when handled."""
+        kind = gpu_index(value)
+        if kind == EXPR and self._string_named(code(value)):
+            return False  # `gpu = "cuda:0"`: a string device, see _string_assign
+        if value in self.int_device_uses:
+            return True  # its origin (`device = 0`) becomes tm.device()
+        if kind is None or not self._wrong(kind):
+            return kind is not None
+        if self._in_map_location(value):
+            self._map_location_index(value)
+            return True
+        self._fix(value, f"{where} names GPU `{code(value)}`, the same on every rank (after tm.setup() each process "
+                         "has its own GPU); use tm.device()", replace_with(value, self._tm_device()))
+        return True
+
+    def _string_named(self, name: str) -> bool:
+        """Some assignment of this name in the file is a string (or a choice of strings)."""
+        for assign in analysis.facts(self.ctx).assigns:
+            if any(dotted(t.target) == name for t in assign.targets):
+                value = assign.value
+                branches = (value.body, value.orelse) if isinstance(value, cst.IfExp) else (value,)
+                if any(isinstance(b, (cst.SimpleString, cst.FormattedString, cst.ConcatenatedString))
+                       or isinstance(b, cst.Call) and dotted(b.func) == "str" for b in branches):
+                    return True
+        return False
+
+    def _map_location_index(self, node: cst.CSTNode) -> None:
+        if node in self.map_location_reported:
+            return
+        self.map_location_reported.add(node)
+        self.report(node, f"map_location puts the loaded tensors on GPU `{code(node)}` on every rank, which is "
+                          "the wrong GPU on ranks other than 0 now that each process has its own: use "
+                          "map_location=tm.device() (or \"cpu\" and move what you use)")
 
     def _device_kwarg(self, call: cst.Call, name: str) -> None:
         if any(name == p or (p.endswith(".") and name.startswith(p)) for p in _NOT_DEVICE_KW):
             return
         target = arg(call, "device")
         if target is not None:
+            if self._gpu_index_value(target.value, f"`device=` of {name.split('.', 1)[1]}(...)"):
+                return
             self._device_value(target.value, f"`device=` of {name.split('.', 1)[1]}(...) is a hard-coded CUDA device")
+
+    def _other_device_kwarg(self, call: cst.Call) -> None:
+        """`BucketIterator(..., device=args.gpu)`, `pipeline(..., device=0)`: a library call
+        given a GPU index (`device=-1`, the old "cpu", is left alone)."""
+        target = arg(call, "device")
+        if target is None:
+            return
+        func = call.func
+        f = analysis.facts(self.ctx)
+        if isinstance(func, cst.Name) and (func.value in f.functions or func.value in f.classes) \
+                or isinstance(func, cst.Attribute) and dotted(func.value) == "self":
+            return  # this file's own code: what it does with an index is followed by _int_devices
+        name = dotted(func) or "call"
+        self._gpu_index_value(target.value, f"`device=` of {name.rsplit('.', 1)[-1]}(...)")
 
     def _device_value(self, value: cst.BaseExpression, message: str) -> None:
         """A string device in a place that accepts a torch.device (`.to(...)`, `device=`)."""
@@ -414,6 +516,41 @@ class DeviceFromRank(Rule):
             self._fix(value, message, replace(value, lambda v: self._conditional(v, split[1], new)))
         else:
             self._fix(value, message, replace_with(value, new))
+
+    # --- batches --------------------------------------------------------------------------------
+    def _batch_moves(self) -> None:
+        if moves_to_devices(self.ctx):
+            return
+        from torchmigrate.rules.model import plan as model_plan
+
+        models = {w.name for w in model_plan(self.ctx).new}
+        if models:
+            _BatchMoves(self, models).run()
+
+    # --- integer device variables -------------------------------------------------------------
+    def _int_devices(self) -> None:
+        """`device = 0` (or `args.gpu`, `int(...)`) that ends up in `.to(...)`: the process's own
+        device instead, when every use treats it as a device; a TODO when it is also a number."""
+        tracer = _IntDevices(self)
+        for assign in tracer.origins():
+            device, other = tracer.follow(assign)
+            if not device:
+                continue
+            if self._is_tm_device(assign.value):
+                self.int_device_uses.update(device)
+                continue
+            target = assign.targets[0].target.value
+            uses = ", ".join(sorted({code(self.ctx.statement_of(u).body[0]) if isinstance(
+                self.ctx.statement_of(u), cst.SimpleStatementLine) else code(u) for u in device[:1]}))
+            if other:
+                self.report(assign, f"`{target} = {code(assign.value)}` is used as a device (`{uses}`) but also as a "
+                                    f"number: every rank would use that GPU; pass `{self.ctx.tm}.device()` where it "
+                                    f"is a device (or use `{self.ctx.tm}.local_rank()` as the index)")
+                continue
+            self.int_device_uses.update(device)
+            self._fix(assign.value, f"`{target} = {code(assign.value)}` is used as a device (`{uses}`): every rank "
+                                    f"would use that GPU; use {self.ctx.tm}.device() (cuda:LOCAL_RANK, or cpu "
+                                    "without CUDA)", replace_with(assign.value, self._tm_device()))
 
     # --- string variables ------------------------------------------------------------------
     def _string_assign(self, assign: cst.Assign) -> None:
@@ -534,3 +671,558 @@ class DeviceFromRank(Rule):
         if self.converting or _int(index.value):
             self.report(call, "torch.cuda.device(...) selects a fixed GPU for this block: under torchrun each "
                               "process must use its own GPU (tm.device()); drop the block or pass tm.device()")
+
+
+# --- integer device variables (`device = 0` ... `.to(device)`) --------------------------------------
+
+_PRINTERS = ("print", "tm.print", "logger.info", "logging.info", "log.info")
+_MAX_HOPS = 6
+
+
+class _IntDevices:
+    """Follows a variable assigned a GPU index (`device = 0`, `gpu = args.gpu`, `dev =
+    int(...)`) through assignments (`self.gpu_id = gpu_id`) and calls of this file's functions
+    and classes (`main(device)`, `Trainer(model, device)`) to what it is used for: as a device
+    (`.to(x)`, `.cuda(x)`, `device=x`, `torch.device(x)`, `set_device(x)`), only printed, or
+    anything else (arithmetic, comparisons, unknown calls)."""
+
+    def __init__(self, rule: "DeviceFromRank") -> None:
+        self.rule = rule
+        self.ctx = rule.ctx
+        self.facts = analysis.facts(rule.ctx)
+        self._locals: Dict[cst.CSTNode, Set[str]] = {}
+
+    # scopes
+    def _function(self, node: cst.CSTNode) -> cst.CSTNode:
+        return self.ctx.enclosing(node, cst.FunctionDef) or self.ctx.module
+
+    def _local_names(self, func: cst.FunctionDef) -> Set[str]:
+        names = self._locals.get(func)
+        if names is None:
+            p = func.params
+            names = {x.name.value for x in (*p.posonly_params, *p.params, *p.kwonly_params)}
+            for star in (p.star_arg, p.star_kwarg):
+                if isinstance(star, cst.Param):
+                    names.add(star.name.value)
+            for assign in self.facts.assigns:
+                if self._function(assign) is func:
+                    for t in assign.targets:
+                        names.update(n.value for n in _target_names(t.target))
+            self._locals[func] = names
+        return names
+
+    def _binds(self, use: cst.Name, scope: cst.CSTNode) -> bool:
+        """`use` reads the variable of `scope` (not a same-named local of an inner function)."""
+        node = use
+        while True:
+            func = self.ctx.enclosing(node, cst.FunctionDef)
+            if func is None:
+                return scope is self.ctx.module
+            if func is scope:
+                return True
+            if use.value in self._local_names(func):
+                return False
+            node = func
+
+    def _uses(self, binding) -> List[cst.CSTNode]:
+        kind, scope, name = binding
+        if kind == "attr":
+            return [u for u in self.rule.names.get(name, ()) if isinstance(u, cst.Attribute)
+                    and self.ctx.enclosing(u, cst.ClassDef) is scope]
+        return [u for u in self.rule.names.get(name, ()) if isinstance(u, cst.Name) and self._binds(u, scope)]
+
+    # origins
+    def origins(self) -> List[cst.Assign]:
+        counts: Dict[Tuple[cst.CSTNode, str], int] = {}
+        found = []
+        for assign in self.facts.assigns:
+            if len(assign.targets) != 1 or not isinstance(assign.targets[0].target, cst.Name):
+                continue
+            key = (self._function(assign), assign.targets[0].target.value)
+            counts[key] = counts.get(key, 0) + 1
+            if self._index_value(assign.value):
+                found.append(assign)
+        return [a for a in found if counts[(self._function(a), a.targets[0].target.value)] == 1]
+
+    def _index_value(self, value: cst.BaseExpression) -> bool:
+        if self.rule._is_tm_device(value):
+            return True  # already migrated: its uses are not GPU indices any more
+        if isinstance(value, cst.Integer):
+            return True
+        if isinstance(value, cst.Call) and dotted(value.func) == "int" and len(value.args) == 1:
+            return "rank" not in code(value).lower()
+        return isinstance(value, cst.Attribute) and gpu_index(value) == EXPR
+
+    def follow(self, assign: cst.Assign):
+        """(device uses, other uses) of the variable `assign` binds, through the file."""
+        start = ("name", self._function(assign), assign.targets[0].target.value)
+        todo, seen = [(start, 0)], {start}
+        device: List[cst.CSTNode] = []
+        other: List[cst.CSTNode] = []
+        while todo:
+            binding, hops = todo.pop()
+            for use in self._uses(binding):
+                verdict, nxt = self._classify(use)
+                if verdict == "device":
+                    device.append(use)
+                elif verdict == "other":
+                    other.append(use)
+                elif verdict == "pass" and nxt is not None:
+                    if nxt not in seen:
+                        if hops >= _MAX_HOPS:
+                            other.append(use)
+                            continue
+                        seen.add(nxt)
+                        todo.append((nxt, hops + 1))
+        return device, other
+
+    def _classify(self, use: cst.CSTNode):
+        ctx = self.ctx
+        parent = ctx.parent(use)
+        if isinstance(parent, (cst.AssignTarget, cst.Param, cst.NameItem, cst.ImportAlias, cst.FunctionDef,
+                               cst.ClassDef)):
+            return "def", None
+        if isinstance(parent, cst.AnnAssign) and parent.target is use:
+            return "def", None
+        if isinstance(parent, cst.FormattedStringExpression):
+            return "benign", None
+        if isinstance(parent, cst.Assign) and parent.value is use and len(parent.targets) == 1:
+            target = parent.targets[0].target
+            if isinstance(target, cst.Name):
+                return "pass", ("name", self._function(parent), target.value)
+            name = dotted(target)
+            klass = ctx.enclosing(parent, cst.ClassDef)
+            if name and name.count(".") == 1 and name.startswith("self.") and klass is not None:
+                return "pass", ("attr", klass, name)
+            return "other", None
+        if not isinstance(parent, cst.Arg) or parent.value is not use or parent.star:
+            return "other", None
+        call = ctx.parent(parent)
+        if not isinstance(call, cst.Call):
+            return "other", None
+        keyword = parent.keyword.value if parent.keyword is not None else None
+        resolved = ctx.resolve(call.func)
+        target = self._callee(call)
+        if target is not None:
+            param = self._param_for(call, parent, target)
+            return ("other", None) if param is None else ("pass", ("name", target, param))
+        if keyword in ("device", "output_device") and not self.rule._in_map_location(call):
+            return "device", None
+        func = call.func
+        if resolved is None and isinstance(func, cst.Attribute) and func.attr.value in ("to", "cuda"):
+            first = arg(call, "device", 0)
+            if first is parent and not self.rule._in_map_location(call):
+                return "device", None
+            return "other", None
+        if resolved == "torch.device":
+            if arg(call, "type", 0) is parent and len(call.args) == 1:
+                return "device", None
+            first = arg(call, "type", 0)
+            if arg(call, "index", 1) is parent and first is not None and cuda_string(first.value) == BARE:
+                return "device", None  # the whole torch.device("cuda", x) becomes tm.device()
+            return "other", None
+        if resolved in (SET_DEVICE,):
+            return "device", None
+        if (dotted(func) or "") in _PRINTERS or resolved == RUNTIME + ".print":
+            return "benign", None
+        return "other", None
+
+    def _callee(self, call: cst.Call) -> Optional[cst.FunctionDef]:
+        func = call.func
+        if isinstance(func, cst.Name) and self.ctx.resolve(func) is None:
+            if func.value in self.facts.functions:
+                return self.facts.functions[func.value]
+            klass = self.facts.classes.get(func.value)
+            if klass is not None and isinstance(klass.body, cst.IndentedBlock):
+                for s in klass.body.body:
+                    if isinstance(s, cst.FunctionDef) and s.name.value == "__init__":
+                        return s
+        if isinstance(func, cst.Attribute) and isinstance(func.value, cst.Name) and func.value.value == "self":
+            klass = self.ctx.enclosing(call, cst.ClassDef)
+            if klass is not None and isinstance(klass.body, cst.IndentedBlock):
+                for s in klass.body.body:
+                    if isinstance(s, cst.FunctionDef) and s.name.value == func.attr.value:
+                        return s
+        return None
+
+    def _param_for(self, call: cst.Call, a: cst.Arg, func: cst.FunctionDef) -> Optional[str]:
+        p = func.params
+        positional = [x.name.value for x in (*p.posonly_params, *p.params)]
+        if isinstance(self.ctx.parent(self.ctx.parent(func)), cst.ClassDef) and positional:
+            positional = positional[1:]  # self
+        if a.keyword is not None:
+            names = set(positional) | {x.name.value for x in p.kwonly_params}
+            return a.keyword.value if a.keyword.value in names else None
+        plain = []
+        for x in call.args:
+            if x.star:
+                return None
+            if x.keyword is None:
+                plain.append(x)
+        index = plain.index(a)
+        return positional[index] if index < len(positional) else None
+
+
+def _target_names(node: cst.CSTNode) -> List[cst.Name]:
+    if isinstance(node, cst.Name):
+        return [node]
+    if isinstance(node, (cst.Tuple, cst.List)):
+        return [n for el in node.elements for n in _target_names(el.value)]
+    if isinstance(node, cst.StarredElement):
+        return _target_names(node.value)
+    return []
+
+
+# --- batches for a model that tm.wrap_model moved (`for x, y in loader: net(x)`) ------------------
+
+_LOOP_OR_SCOPE = (cst.For, cst.While, cst.FunctionDef, cst.ClassDef, cst.Lambda)
+_DATALOADERS = ("torch.utils.data.DataLoader", "torch.utils.data.dataloader.DataLoader")
+# What a script does with a tensor batch (anything else, `batch.label`, suggests another type).
+_TENSOR_ATTRS = frozenset("""
+    size shape view view_as reshape reshape_as float double half bfloat16 long int bool byte char short
+    to numel dim ndim ndimension squeeze unsqueeze permute transpose t T flatten contiguous detach cpu
+    type type_as dtype device data sum mean max min argmax argmin eq ne gt lt ge le item tolist expand
+    expand_as repeat clone new_zeros new_ones new_full new_empty new_tensor requires_grad_ unbind split chunk
+    narrow masked_fill fill_ zero_ is_cuda element_size nelement std var abs norm softmax log_softmax
+    """.split())
+_DTYPE_ONLY = ("torch.float", "torch.double", "torch.half", "torch.bfloat16", "torch.long", "torch.int",
+               "torch.bool", "torch.uint8", "torch.int8", "torch.int16", "torch.int32", "torch.int64",
+               "torch.float16", "torch.float32", "torch.float64", "torch.complex64", "torch.channels_last",
+               "torch.contiguous_format", "torch.preserve_format")
+
+
+def _base(node: cst.BaseExpression) -> Optional[str]:
+    """The variable an expression is computed from: `x` for `x`, `x.view(-1)`, `x[0]`, `x.data`."""
+    while True:
+        if isinstance(node, cst.Name):
+            return node.value
+        if isinstance(node, cst.Attribute):
+            node = node.value
+        elif isinstance(node, cst.Subscript):
+            node = node.value
+        elif isinstance(node, cst.Call) and isinstance(node.func, cst.Attribute):
+            node = node.func.value
+        else:
+            return None
+
+
+_LOSS_NAME = re.compile(r"loss|crit|objective|distance", re.IGNORECASE)
+
+
+def _constant(node: cst.BaseExpression) -> bool:
+    if isinstance(node, (cst.Integer, cst.Float, cst.SimpleString, cst.ConcatenatedString, cst.FormattedString)):
+        return True
+    return isinstance(node, cst.Name) and node.value in ("None", "True", "False")
+
+
+def _names(node: cst.CSTNode) -> Set[str]:
+    out: Set[str] = set()
+
+    def go(n: cst.CSTNode) -> None:
+        if isinstance(n, cst.Name):
+            out.add(n.value)
+        elif isinstance(n, cst.Attribute):
+            go(n.value)
+        elif not isinstance(n, cst.Lambda):
+            for child in n.children:
+                go(child)
+
+    go(node)
+    return out
+
+
+class _BatchMoves:
+    """In a file that never moves anything to a device, `tm.wrap_model` (TM301) puts the model
+    on `tm.device()` while the batches stay on the CPU. Loops that feed the model get the
+    batch moved as their first statement: `inputs, labels = inputs.to(tm.device()),
+    labels.to(tm.device())`, for `for a, b in loader`, `for i, (a, b) in enumerate(loader)`
+    and `for batch in loader:` (optionally unpacked by the first statement, `a, b = batch`).
+    Moved are the names the model reads and those used together with its outputs (`labels` in
+    `criterion(outputs, labels)` or `predicted == labels`). Other shapes, batches that may not
+    be tensors (a custom `collate_fn`, `batch.text`, `model(**batch)`) and forwards outside such
+    loops get a TODO."""
+
+    def __init__(self, rule: "DeviceFromRank", models: Set[str]) -> None:
+        self.rule = rule
+        self.ctx = rule.ctx
+        self.models = models
+        self.facts = analysis.facts(rule.ctx)
+        self.tm = rule.ctx.tm
+        self.maybe: Set[str] = set()  # batch names used with the outputs in unknown calls
+        self.tainted: Set[str] = set()  # names computed from the model's outputs (current loop)
+
+    def _in_loop(self, node: cst.CSTNode, loop: cst.For) -> bool:
+        return self.ctx.enclosing(node, *_LOOP_OR_SCOPE) is loop
+
+    def run(self) -> None:
+        model_calls = [c for c, name in self.facts.calls if name is None and dotted(c.func) in self.models]
+        if not model_calls:
+            return
+        covered: Set[cst.Call] = set()
+        by_loop: Dict[cst.CSTNode, List[cst.Call]] = {}
+        for call in model_calls:
+            loop = self.ctx.enclosing(call, *_LOOP_OR_SCOPE)
+            if isinstance(loop, cst.For):
+                by_loop.setdefault(loop, []).append(call)
+        for loop, calls in by_loop.items():
+            if self._loop(loop, calls):
+                covered.update(calls)
+        reported: Set[cst.CSTNode] = set()
+        for call in model_calls:
+            if call in covered:
+                continue
+            inputs = [a.value for a in call.args if not a.star and not _constant(a.value)
+                      and _base(a.value) not in ("self", "args", "cfg", "config")]
+            line = self.ctx.statement_of(call)
+            if not inputs or line in reported:
+                continue
+            reported.add(line)
+            model = dotted(call.func)
+            self.rule.report(call, f"`{model}` now lives on {self.tm}.device() ({self.tm}.wrap_model moves it) but this "
+                                   f"file never moves its inputs: move `{code(inputs[0])}` (and any tensor its output is "
+                                   f"compared with) with `.to({self.tm}.device())` before the forward")
+
+    def _loop(self, loop: cst.For, calls: List[cst.Call]) -> bool:
+        """Handles one loop (edit or TODO); True when its forwards need nothing more."""
+        shape = self._shape(loop)
+        loop_names = _names(loop.target)
+        fed = any(_base(a.value) in loop_names or (a.star and _names(a.value) & loop_names)
+                  for c in calls for a in c.args)
+        if shape is None:
+            if fed:
+                self._todo(loop, "this loop's batch")
+                return True
+            return False
+        names, anchor, whole = shape
+        derived = self._derived(loop, names)
+        inputs = {derived[_base(a.value)] for c in calls for a in c.args
+                  if not a.star and _base(a.value) in derived}
+        starred = any(a.star and _names(a.value) & set(derived) for c in calls for a in c.args)
+        if not inputs and not starred:
+            return False
+        if starred or not isinstance(loop.body, cst.IndentedBlock) or self._custom_collate(loop):
+            self._todo(loop, "this loop's batch")
+            return True
+        with_outputs = self._with_outputs(loop, calls, derived)
+        move = [n for n in names if n in inputs or n in with_outputs]
+        if any(not self._tensor_like(loop, n, whole) for n in move):
+            self._todo(loop, f"this loop's batch (`{', '.join(move)}`)")
+            return True
+        tm = self.tm
+        line = stmt(f"{', '.join(move)} = {', '.join(f'{n}.to({tm}.device())' for n in move)}")
+        edit = insert_after(anchor, [line]) if anchor is not None else insert_before(loop.body.body[0], [line])
+        self.rule.report(loop, f"the model now lives on {tm}.device() ({tm}.wrap_model moves it) but the batches of "
+                               f"this loop stay on the CPU: move them first (`{code(line.body[0])}`)",
+                         edits=[edit], imports=[self.ctx.runtime_import()])
+        unsure = [n for n in names if n in self.maybe and n not in move]
+        if unsure:
+            self.rule.report(loop, f"`{', '.join(unsure)}` of this loop's batch stays on the CPU while the model's "
+                                   f"outputs are on {tm}.device(): if it is a tensor used with them, move it too "
+                                   f"(`.to({tm}.device())`)")
+        return True
+
+    def _todo(self, loop: cst.For, what: str) -> None:
+        tm = self.tm
+        self.rule.report(loop, f"the model now lives on {tm}.device() ({tm}.wrap_model moves it) but {what} stays on "
+                               f"the CPU: move the tensors the model and the loss use with `.to({tm}.device())` at the "
+                               "start of the loop body (not done automatically: the batch may not be all tensors, or "
+                               "code after the forward may expect it on the CPU)")
+
+    def _shape(self, loop: cst.For):
+        """(batch names, statement to insert after or None for the top of the body, whole batch)."""
+        target, source = loop.target, loop.iter
+        if isinstance(source, cst.Call) and dotted(source.func) == "enumerate" and self.ctx.resolve(source.func) is None:
+            if not (isinstance(target, cst.Tuple) and len(target.elements) == 2):
+                return None
+            target = target.elements[1].value
+        if isinstance(target, (cst.Tuple, cst.List)):
+            if all(isinstance(el.value, cst.Name) and not isinstance(el, cst.StarredElement) for el in target.elements):
+                return [el.value.value for el in target.elements], None, False
+            return None
+        if not isinstance(target, cst.Name):
+            return None
+        body = loop.body.body if isinstance(loop.body, cst.IndentedBlock) else ()
+        first = body[0] if body else None
+        if isinstance(first, cst.SimpleStatementLine) and len(first.body) == 1 and isinstance(first.body[0], cst.Assign):
+            assign = first.body[0]
+            t = assign.targets[0].target if len(assign.targets) == 1 else None
+            if isinstance(t, (cst.Tuple, cst.List)) and isinstance(assign.value, cst.Name) \
+                    and assign.value.value == target.value \
+                    and all(isinstance(el.value, cst.Name) and not isinstance(el, cst.StarredElement)
+                            for el in t.elements):
+                return [el.value.value for el in t.elements], first, False
+        return [target.value], None, True
+
+    def _loop_assigns(self, loop: cst.For) -> List[cst.Assign]:
+        return [a for a in self.facts.assigns if self._in_loop(a, loop)]
+
+    def _derived(self, loop: cst.For, names: List[str]) -> Dict[str, str]:
+        """Names computed from a batch name in the loop (`x = x.view(-1, 784)`) -> that name."""
+        derived = {n: n for n in names}
+        assigns = self._loop_assigns(loop)
+        for _ in range(3):
+            before = len(derived)
+            for a in assigns:
+                base = _base(a.value)
+                if base in derived:
+                    for t in a.targets:
+                        for n in _target_names(t.target):
+                            derived.setdefault(n.value, derived[base])
+            if len(derived) == before:
+                break
+        return derived
+
+    def _with_outputs(self, loop: cst.For, calls: List[cst.Call], derived: Dict[str, str]) -> Set[str]:
+        """Batch names used together with the model's outputs: `criterion(outputs, labels)`,
+        `predicted == labels`, `pred.eq(target.view_as(pred))`."""
+        tainted: Set[str] = set()
+        assigns = self._loop_assigns(loop)
+        call_set = set(calls)
+        for _ in range(4):
+            before = len(tainted)
+            for a in assigns:
+                value_names = _names(a.value)
+                if value_names & tainted or any(c in call_set for c in self._calls_in(a.value)):
+                    for t in a.targets:
+                        tainted.update(n.value for n in _target_names(t.target))
+            if len(tainted) == before:
+                break
+        out: Set[str] = set()
+        self.maybe: Set[str] = set()
+        self.tainted = tainted
+
+        def note(operands: List[cst.BaseExpression], into: Set[str] = out) -> None:
+            hot = [_base(o) not in derived and (bool(_names(o) & tainted)
+                                                or any(c in call_set for c in self._calls_in(o)))
+                   for o in operands]
+            if any(hot):
+                for o, h in zip(operands, hot):
+                    base = _base(o)
+                    if not h and base in derived:
+                        into.add(derived[base])
+
+        for node in self._nodes_in(loop):
+            if isinstance(node, cst.Call):
+                operands = [a.value for a in node.args if not a.star]
+                if isinstance(node.func, cst.Attribute) and self.ctx.resolve(node.func) is None:
+                    if _names(node.func.value) & tainted or node.func.value in call_set:
+                        note([node.func.value, *operands])  # outputs.eq(labels)
+                elif self._tensor_function(node.func):
+                    note(operands)  # criterion(outputs, labels), F.nll_loss(output, target)
+                else:
+                    note(operands, self.maybe)  # save(outputs, paths): a tensor or not?
+            elif isinstance(node, cst.Comparison):
+                note([node.left, *(c.comparator for c in node.comparisons)])
+            elif isinstance(node, cst.BinaryOperation):
+                note([node.left, node.right])
+        return out
+
+    def _tensor_function(self, func: cst.BaseExpression) -> bool:
+        """A torch function, or a loss: `criterion`/`loss_fn` or a variable holding a `torch.nn`
+        module (`crit = nn.CrossEntropyLoss()`). Not an arbitrary function (`save(out, paths)`)."""
+        resolved = self.ctx.resolve(func)
+        if resolved is not None:
+            return resolved.startswith("torch.")
+        name = dotted(func)
+        if name is None:
+            return False
+        if _LOSS_NAME.search(name.rsplit(".", 1)[-1]):
+            return True
+        for a in self.facts.assigns:
+            if isinstance(a.value, cst.Call) and any(dotted(t.target) == name for t in a.targets):
+                made = self.ctx.resolve(a.value.func) or ""
+                if made.startswith("torch.nn."):
+                    return True
+        return False
+
+    def _calls_in(self, node: cst.CSTNode) -> List[cst.Call]:
+        out: List[cst.Call] = []
+
+        def go(n: cst.CSTNode) -> None:
+            if isinstance(n, cst.Call):
+                out.append(n)
+            if not isinstance(n, cst.Lambda):
+                for child in n.children:
+                    go(child)
+
+        go(node)
+        return out
+
+    def _nodes_in(self, loop: cst.For) -> List[cst.CSTNode]:
+        out: List[cst.CSTNode] = []
+
+        def go(n: cst.CSTNode) -> None:
+            out.append(n)
+            for child in n.children:
+                if not isinstance(child, _LOOP_OR_SCOPE):
+                    go(child)
+
+        go(loop.body)
+        return out
+
+    def _tensor_like(self, loop: cst.For, name: str, whole: bool) -> bool:
+        """Nothing in the loop treats `name` as something other than a tensor, or hands it to
+        code that might need it on the CPU (`imshow(images)`, `all_labels.append(labels)`)."""
+        for node in self._nodes_in(loop):
+            if isinstance(node, cst.Attribute) and isinstance(node.value, cst.Name) and node.value.value == name:
+                if node.attr.value not in _TENSOR_ATTRS:
+                    return False
+            elif whole and isinstance(node, cst.Subscript) and isinstance(node.value, cst.Name) \
+                    and node.value.value == name:
+                return False
+            elif isinstance(node, cst.Call) and any(_base(a.value) == name for a in node.args) \
+                    and not self._takes_device_tensors(node):
+                return False
+        return True
+
+    def _takes_device_tensors(self, call: cst.Call) -> bool:
+        """The model, a torch/torchvision function, a loss, a method of the model's outputs, or
+        a builtin that accepts any tensor."""
+        func = call.func
+        if dotted(func) in self.models or self._tensor_function(func):
+            return True
+        resolved = self.ctx.resolve(func) or ""
+        if resolved.startswith(("torchvision.", RUNTIME)):
+            return True
+        if isinstance(func, cst.Name) and func.value in ("len", "print", "isinstance", "type", "zip", "enumerate"):
+            return True
+        if isinstance(func, cst.Attribute) and resolved == "":
+            receiver = _base(func.value)
+            return receiver is not None and receiver in self.tainted
+        return False
+
+    def _custom_collate(self, loop: cst.For) -> bool:
+        """The loop iterates a DataLoader of this file built with its own `collate_fn`."""
+        source = loop.iter
+        if isinstance(source, cst.Call) and dotted(source.func) == "enumerate" and source.args:
+            source = source.args[0].value
+        name = dotted(source)
+        if name is None:
+            return False
+        for a in self.facts.assigns:
+            if any(dotted(t.target) == name for t in a.targets) and isinstance(a.value, cst.Call) \
+                    and self.ctx.resolve(a.value.func) in _DATALOADERS and arg(a.value, "collate_fn") is not None:
+                return True
+        return False
+
+
+def moves_to_devices(ctx: Context) -> bool:
+    """The file moves something to a device itself: `.to(device)`/`.cuda()` (a dtype-only
+    `.to(torch.float16)` does not count), a `device=` argument, `set_default_device`."""
+    for call, name in analysis.facts(ctx).calls:
+        if name is None and isinstance(call.func, cst.Attribute) and call.func.attr.value in ("to", "cuda"):
+            if call.func.attr.value == "cuda":
+                return True
+            first = arg(call, "device", 0)
+            if first is not None and ctx.resolve(first.value) not in _DTYPE_ONLY:
+                return True
+            if arg(call, "device") is not None or arg(call, "other") is not None:
+                return True
+            continue
+        if name == "torch.set_default_device":
+            return True
+        device = arg(call, "device")
+        if device is not None and not (isinstance(device.value, cst.SimpleString)
+                                       and device.value.evaluated_value == "cpu"):
+            return True
+    return False

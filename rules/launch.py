@@ -11,7 +11,7 @@ import libcst as cst
 
 from torchmigrate import analysis
 from torchmigrate.finding import Import, Safety, insert_after, insert_before, remove, replace, wrap
-from torchmigrate.imports import dotted
+from torchmigrate.imports import dotted, leading_import_anchor
 from torchmigrate.nodes import arg, code, expr, kwarg, stmt, with_args
 from torchmigrate.rule import Context, Example, Rule
 
@@ -35,7 +35,7 @@ class SetupPlan:
     guard: Optional[cst.If] = None
     entry: Optional[analysis.Entry] = None
     # main-guard scripts that build their model/optimizer at module level: setup goes after
-    # the last import (`setup_after`, or before `setup_before`), cleanup stays in the guard.
+    # the first import block (`setup_after`, or before `setup_before`), cleanup stays in the guard.
     setup_after: Optional[cst.CSTNode] = None
     setup_before: Optional[cst.CSTNode] = None
 
@@ -45,22 +45,14 @@ class SetupPlan:
 
 
 def _top_anchor(ctx: Context):
-    """(after, before): after the last top-level import preceding the first def/class, else
-    before the first statement that is not the docstring."""
-    body = ctx.module.body
-    last = None
-    for s in body:
-        if isinstance(s, (cst.FunctionDef, cst.ClassDef)):
-            break
-        if isinstance(s, cst.SimpleStatementLine) and all(isinstance(x, (cst.Import, cst.ImportFrom)) for x in s.body):
-            last = s
-    if last is not None:
-        return last, None
-    first = body[0]
-    if isinstance(first, cst.SimpleStatementLine) and isinstance(first.body[0], cst.Expr) \
-            and isinstance(first.body[0].value, (cst.SimpleString, cst.ConcatenatedString)) and len(body) > 1:
-        return first, None
-    return None, first
+    """(after, before): after the module's first run of top-level imports (where the engine puts
+    the runtime import), else after the docstring, else before the first statement. Not after
+    the last import: module-level code between two import blocks may already use the runtime
+    (`model = tm.wrap_model(model)`, `sampler=tm.sampler(...)`), and setup must come first."""
+    anchor = leading_import_anchor(ctx.module)
+    if anchor is not None:
+        return anchor, None
+    return None, ctx.module.body[0]
 
 
 def _module_level_work(ctx: Context, guard: cst.If) -> bool:
@@ -231,9 +223,11 @@ class SetupProcessGroup(Rule):
     ## What it does
     Inserts `tm.setup()` at the program's entry point and `tm.cleanup()` at its end: as the
     first and last statements of the `if __name__ == "__main__":` block or, in a top-level
-    script, after the last top-level import and at the end of the module. When a script with a
-    `__main__` block builds its model or optimizer (or moves tensors to the device) at module
-    level, setup goes after the last import instead, so it runs before that code, and cleanup
+    script, after the first block of top-level imports (next to the runtime import; later
+    imports may follow code that already uses the runtime) and at the end of the module. When a
+    script with a `__main__` block builds its model or optimizer (or moves tensors to the
+    device) at module level, setup goes after that first import block instead, so it runs
+    before that code, and cleanup
     stays at the end of the block. When the entry block leaves through `sys.exit(main())` /
     `raise SystemExit(main())`, it is wrapped in `try: ... finally: tm.cleanup()`; a plain
     `sys.exit(0)` simply gets the cleanup before it.
@@ -965,8 +959,11 @@ class PerRankSeed(Rule):
     ## What it does
     Suggests replacing a group of global seeding statements (`torch.manual_seed(s)`,
     `torch.cuda.manual_seed_all(s)`, `random.seed(s)`, `np.random.seed(s)`, adjacent in one
-    block) with one `tm.seed_everything(s, per_rank=True)` call, which seeds `random`, numpy
-    and torch with `s + rank`. The fix is unsafe (it changes the random streams), so it is
+    block, also across imports) with one `tm.seed_everything(s, per_rank=True)` call, which
+    seeds `random`, numpy and torch with `s + rank`. The groups of one function (or of the
+    module) that use the same seed, e.g. `torch.manual_seed(s)` and a later
+    `if cuda: torch.cuda.manual_seed_all(s)`, are one finding with one TODO; the fix rewrites
+    each of them. The fix is unsafe (it changes the random streams), so it is
     applied only by `lint --unsafe-fixes`; a migration reports it with a TODO. Seeds that
     already depend on the rank (`args.seed + rank`) are left alone. Fires in distributed
     files, and on every file in `ddp`.
@@ -1026,13 +1023,21 @@ class PerRankSeed(Rule):
             return
         seeds = analysis.calls_to(ctx, *SEEDERS)
         seen: Set[cst.CSTNode] = set()
+        # Groups of one scope that seed with the same value are one finding (one TODO): a
+        # script often seeds torch/random first and CUDA a few lines later under `if cuda:`.
+        clusters: Dict[Tuple[cst.CSTNode, Optional[str]], List[List[cst.SimpleStatementLine]]] = {}
         for call in seeds:
             line = self._line(call)
             if line is None or line in seen:
                 continue
             group = self._group(line)
             seen.update(group)
-            self._report_group(group)
+            calls = [small.value for g in group for small in g.body]
+            if any(self._rank_dependent(c) for c in calls):
+                continue
+            clusters.setdefault((ctx.scope_of(line), self._common_seed(calls)), []).append(group)
+        for groups in clusters.values():
+            self._report_groups(groups)
         for call in analysis.calls_to(ctx, RUNTIME + ".seed_everything"):
             if arg(call, "per_rank", 1) is None and not any(a.star for a in call.args):
                 if self._rank_dependent(call):
@@ -1058,6 +1063,8 @@ class PerRankSeed(Rule):
         return line if self._is_seed_line(line) else None
 
     def _group(self, line: cst.SimpleStatementLine) -> List[cst.SimpleStatementLine]:
+        """The seeding lines from `line` on in its block, also across import lines between
+        them (`torch.manual_seed(s)` / `import random` / `random.seed(s)`)."""
         block = self.ctx.parent(line)
         body = list(getattr(block, "body", ()))
         if line not in body:
@@ -1065,9 +1072,11 @@ class PerRankSeed(Rule):
         i = body.index(line)
         group = [line]
         for nxt in body[i + 1:]:
-            if not self._is_seed_line(nxt):
+            if self._is_seed_line(nxt):
+                group.append(nxt)
+            elif not (isinstance(nxt, cst.SimpleStatementLine)
+                      and all(isinstance(x, (cst.Import, cst.ImportFrom)) for x in nxt.body)):
                 break
-            group.append(nxt)
         return group
 
     def _seed_value(self, call: cst.Call) -> Optional[cst.BaseExpression]:
@@ -1101,22 +1110,41 @@ class PerRankSeed(Rule):
                         self._assign_index.setdefault(name, []).append(assign.value)
         return self._assign_index
 
-    def _report_group(self, group: List[cst.SimpleStatementLine]) -> None:
-        calls = [small.value for line in group for small in line.body]
-        if any(self._rank_dependent(c) for c in calls):
-            return
+    def _common_seed(self, calls: List[cst.Call]) -> Optional[str]:
+        """The text of the one seed every call uses, or None (different or unknown seeds)."""
         values = [self._seed_value(c) for c in calls]
         texts = {code(v) for v in values if v is not None}
+        if None in values or len(texts) != 1:
+            return None
+        return texts.pop()
+
+    def _report_groups(self, groups: List[List[cst.SimpleStatementLine]]) -> None:
+        """One finding for the seeding groups of one scope that share a seed (or all have mixed
+        seeds): the TODO goes on the first group, the fix replaces every group."""
+        group = groups[0]
+        calls = [small.value for line in group for small in line.body]
         tm = self.ctx.tm
         first = calls[0]
-        if None in values or len(texts) != 1:
+        more = sum(len(g) for g in groups[1:])
+        also = f" (also for the {more} later seeding line{'s' if more > 1 else ''} in this scope)" if more else ""
+        if self._common_seed(calls) is None:
             self.report(first, f"every rank uses the same seed (identical augmentations/dropout on all ranks): "
-                               f"seed with `{tm}.seed_everything(seed, per_rank=True)` (adds the rank)",
+                               f"seed with `{tm}.seed_everything(seed, per_rank=True)` (adds the rank){also}",
                         statement=group[0])
             return
-        seed = values[0]
+        seed = self._seed_value(first)
         seed_text = code(seed)
+        edits = []
+        for g in groups:
+            edits += self._group_edits(g, seed)
+        self.report(first, f"every rank uses the same seed (identical augmentations/dropout on all ranks): use "
+                           f"`{tm}.seed_everything({seed_text}, per_rank=True)` (unsafe: changes the random streams; "
+                           f"keep dataset splits on an explicit generator){also}",
+                    edits=edits, imports=[self.ctx.runtime_import()], statement=group[0])
 
+    def _group_edits(self, group: List[cst.SimpleStatementLine], seed: cst.BaseExpression) -> list:
+        """The first line becomes `tm.seed_everything(seed, per_rank=True)`, the others go."""
+        tm = self.ctx.tm
         # Comments on the lines that go move above the one call that replaces them.
         moved: List[cst.EmptyLine] = []
         for line in group[1:]:
@@ -1129,8 +1157,4 @@ class PerRankSeed(Rule):
             call = call.with_changes(args=[call.args[0].with_changes(value=seed), call.args[1]])
             return line.with_changes(body=[cst.Expr(call)], leading_lines=[*line.leading_lines, *moved])
 
-        edits = [replace(group[0], fix)] + [remove(line) for line in group[1:]]
-        self.report(first, f"every rank uses the same seed (identical augmentations/dropout on all ranks): use "
-                           f"`{tm}.seed_everything({seed_text}, per_rank=True)` (unsafe: changes the random streams; "
-                           f"keep dataset splits on an explicit generator)",
-                    edits=edits, imports=[self.ctx.runtime_import()], statement=group[0])
+        return [replace(group[0], fix)] + [remove(line) for line in group[1:]]

@@ -191,6 +191,63 @@ def test_tm103_cuda_visible_devices_is_manual():
     assert "# TODO(torchmigrate): TM103" in result.new_source
 
 
+_BATCH_SCRIPT = """
+    import torch
+    import torch.nn as nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    loader = DataLoader(TensorDataset(torch.randn(32, 4), torch.randint(0, 2, (32,))), batch_size=8)
+    net = nn.Linear(4, 2)
+    criterion = nn.CrossEntropyLoss()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    for epoch in range(2):
+        for i, data in enumerate(loader, 0):
+            inputs, labels = data
+            optimizer.zero_grad()
+            loss = criterion(net(inputs), labels)
+            loss.backward()
+            optimizer.step()
+    with torch.no_grad():
+        for images, labels in loader:
+            _, predicted = torch.max(net(images).data, 1)
+            correct = (predicted == labels).sum()
+    """
+
+
+@pytest.mark.parametrize("codes, ok", [(("TM101", "TM301"), False), (("TM101", "TM103", "TM301"), True)])
+def test_tm103_batches_follow_the_wrapped_model(tmp_path, codes, ok):
+    """tm.wrap_model moves the model to tm.device(); in a file that never moves anything the
+    batches must follow. Without a GPU, a "meta" tm.device() shows the mismatch just the same."""
+    out = run(_BATCH_SCRIPT, *codes).new_source
+    assert ("inputs, labels = inputs.to(tm.device()), labels.to(tm.device())" in out) is ok
+    probe = tmp_path / "probe.py"
+    probe.write_text(out.replace("import torchmigrate.runtime as tm\n",
+                                 "import torchmigrate.runtime as tm\n"
+                                 "tm.device = lambda: torch.device('meta')\n"))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        env.pop(key, None)
+    proc = subprocess.run([sys.executable, str(probe)], capture_output=True, text=True, env=env, timeout=120)
+    assert (proc.returncode == 0) is ok, proc.stderr[-2000:]
+    if not ok:
+        assert "device" in proc.stderr
+
+
+def test_tm103_batch_moves_only_in_files_that_never_move_anything():
+    moved = _BATCH_SCRIPT.replace("inputs, labels = data", "inputs, labels = data[0].to(dev), data[1].to(dev)")
+    assert "to(tm.device())" not in run(moved, "TM101", "TM103", "TM301").new_source
+    # no TM301 (the model stays where it is): nothing to follow
+    assert "to(tm.device())" not in run(_BATCH_SCRIPT, "TM101", "TM103").new_source
+
+
+def test_tm103_int_device_followed_through_calls():
+    result = run((FIXTURES / "TM103" / "int_device_variable.in.py").read_text(), "TM103")
+    assert found(result) == [("TM103", 28)] and result.findings[0].safety is Safety.SAFE
+    assert "device = tm.device()  # shorthand for cuda:0" in result.new_source
+    mixed = run((FIXTURES / "TM103" / "int_device_mixed.in.py").read_text(), "TM103")
+    assert [f.safety for f in mixed.findings if f.line == 3] == [Safety.MANUAL]
+
+
 # --- TM104 -----------------------------------------------------------------------------------
 
 def test_tm104_reports_in_lint_without_changing_text():
@@ -224,6 +281,21 @@ def test_tm105_is_unsafe_and_only_applied_with_unsafe_fixes():
     assert not safe.changed and {f.safety for f in safe.findings} == {Safety.UNSAFE}
     unsafe = run(source, "TM105", mode="lint", unsafe=True)
     assert unsafe.changed and unsafe.new_source.count("tm.seed_everything(") == 2
+
+
+def test_tm105_one_finding_per_seed_and_scope():
+    """Seeding lines of one scope with the same seed are one finding (one TODO), even when an
+    import or an `if cuda:` separates them; the unsafe fix still rewrites every one of them."""
+    source = (FIXTURES / "TM105" / "cuda_seed_in_branch.in.py").read_text()
+    result = run(source, "TM105")
+    assert found(result) == [("TM105", 7), ("TM105", 14)]
+    assert result.new_source.count("TODO(torchmigrate): TM105") == 2
+    between = run((FIXTURES / "TM105" / "import_between_seeds.in.py").read_text(), "TM105")
+    assert found(between) == [("TM105", 5)]
+    lint = run((FIXTURES / "TM105" / "cuda_seed_in_branch_lint.in.py").read_text(), "TM105", mode="lint",
+               unsafe=True)
+    assert lint.new_source.count("tm.seed_everything(7, per_rank=True)") == 2
+    assert "manual_seed" not in lint.new_source and "random.seed" not in lint.new_source
 
 
 def test_tm105_lint_needs_a_distributed_file():
