@@ -56,28 +56,34 @@ def cli_command() -> List[str]:
     return [str(exe)] if exe.exists() else [sys.executable, "-m", "torchmigrate"]
 
 
-def timed(cmd: Sequence[str], ok=(0, 1)) -> Tuple[float, int]:
-    """Wall time and peak RSS (KiB) of one subprocess run."""
+ENV = dict(os.environ)
+
+
+def timed(cmd: Sequence[str], ok=(0, 1)) -> Tuple[float, float, int]:
+    """Wall time, CPU time (user + system, children included) and peak RSS (KiB) of one run."""
     start = time.perf_counter()
-    proc = subprocess.Popen(list(cmd), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(list(cmd), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=ENV)
+    err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
     _, status, usage = os.wait4(proc.pid, 0)
     wall = time.perf_counter() - start
     proc.returncode = os.waitstatus_to_exitcode(status)
-    err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
     if proc.stderr:
         proc.stderr.close()
     if proc.returncode not in ok:
         raise SystemExit(f"command failed ({proc.returncode}): {' '.join(cmd)}\n{err[-2000:]}")
-    return wall, usage.ru_maxrss
+    return wall, usage.ru_utime + usage.ru_stime, usage.ru_maxrss
 
 
-def median_run(cmd: Sequence[str], repeat: int, ok=(0, 1)) -> Tuple[float, int]:
-    walls, rss = [], 0
+def median_run(cmd: Sequence[str], repeat: int, ok=(0, 1)) -> Tuple[float, float, int]:
+    """Median wall and CPU time of `repeat` runs (after one untimed warm-up), max peak RSS."""
+    timed(cmd, ok)
+    walls, cpus, rss = [], [], 0
     for _ in range(repeat):
-        wall, peak = timed(cmd, ok)
+        wall, cpu, peak = timed(cmd, ok)
         walls.append(wall)
+        cpus.append(cpu)
         rss = max(rss, peak)
-    return statistics.median(walls), rss
+    return statistics.median(walls), statistics.median(cpus), rss
 
 
 def parse_in_process(paths: Sequence[Path], repeat: int) -> float:
@@ -150,26 +156,31 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--cold", type=int, default=15, help="runs for the cold-start median")
     ap.add_argument("--torchfix", help="path to TorchFix's console script (default: on PATH)")
+    ap.add_argument("--torchfix-repeat", type=int, default=1, help="TorchFix is slow: 1 run by default")
     ap.add_argument("--no-torchfix", action="store_true")
     ap.add_argument("--profile", action="store_true", help="cProfile the engine in-process and exit")
     ap.add_argument("--keep", help="generate the corpus into this folder and keep it")
     args = ap.parse_args(argv)
 
     tmp = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="tm-bench-"))
+    # Measure an installed tool: bytecode cached (as pip does), never written into the checkout.
+    ENV.pop("PYTHONDONTWRITEBYTECODE", None)
+    ENV["PYTHONPYCACHEPREFIX"] = str(tmp / "pycache")
+    ENV.setdefault("NO_COLOR", "1")
     try:
         big = tmp / "corpus"
         small = tmp / "corpus_small"
-        if big.exists():
-            shutil.rmtree(big)
-        if small.exists():
-            shutil.rmtree(small)
+        for folder in (big, small):
+            if folder.exists():
+                shutil.rmtree(folder)
         paths = corpus.generate(big, args.files, args.seed)
         n_small = max(1, args.files // 4)
         corpus.generate(small, n_small, args.seed)
         size = sum(p.stat().st_size for p in paths)
         lines = sum(p.read_text(encoding="utf-8").count("\n") for p in paths)
+        load = f", load average {os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else ""
         print(f"corpus: {len(paths)} files, {lines} lines, {size / 1e6:.2f} MB (seed {args.seed}); "
-              f"python {sys.version.split()[0]}, {os.cpu_count()} CPUs")
+              f"python {sys.version.split()[0]}, {os.cpu_count()} CPUs{load}")
 
         if args.profile:
             profile(paths, "ddp")
@@ -177,14 +188,16 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             return
 
         tm = cli_command()
-        rows: List[Tuple[str, float]] = []
+        rows: List[Tuple[str, float, Optional[float], str]] = []  # label, wall, cpu, baseline key
+        base: Dict[str, float] = {}
 
-        parse_inproc = parse_in_process(paths, args.repeat)
-        parse_sub, _ = median_run([sys.executable, "-c", PARSE_ONLY, str(big)], args.repeat, ok=(0,))
-        rows.append(("parse-only, in-process", parse_inproc))
-        rows.append(("parse-only, subprocess", parse_sub))
-        rows.append(("engine lint, in-process", engine_in_process(paths, "lint", args.repeat)))
-        rows.append(("engine ddp, in-process", engine_in_process(paths, "ddp", args.repeat)))
+        base["inproc"] = parse_in_process(paths, args.repeat)
+        rows.append(("parse-only, in-process", base["inproc"], None, "inproc"))
+        wall, cpu, _ = median_run([sys.executable, "-c", PARSE_ONLY, str(big)], args.repeat, ok=(0,))
+        base["sub"], base["sub_cpu"] = wall, cpu
+        rows.append(("parse-only, subprocess", wall, cpu, "sub"))
+        rows.append(("engine lint, in-process", engine_in_process(paths, "lint", args.repeat), None, "inproc"))
+        rows.append(("engine ddp, in-process", engine_in_process(paths, "ddp", args.repeat), None, "inproc"))
         runs: Dict[str, float] = {}
         for label, cmd in (
             ("lint -j 1", [*tm, "lint", "--exit-zero", "-j", "1", str(big)]),
@@ -192,51 +205,57 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             ("ddp --check -j 1", [*tm, "ddp", "--check", "-j", "1", str(big)]),
             ("ddp --check -j 2", [*tm, "ddp", "--check", "-j", "2", str(big)]),
         ):
-            wall, _ = median_run(cmd, args.repeat)
+            wall, cpu, _ = median_run(cmd, args.repeat)
             runs[label] = wall
-            rows.append((f"torchmigrate {label}", wall))
+            rows.append((f"torchmigrate {label}", wall, cpu, "sub"))
 
         tf = None if args.no_torchfix else find_torchfix(args.torchfix)
-        tf_parse = None
         if tf is not None and tf.exists():
-            wall, _ = median_run([str(tf), "-j", "1", str(big)], args.repeat, ok=(0, 1))
-            rows.append(("TorchFix -j 1", wall))
             tf_python = tf.with_name("python")
             if tf_python.exists():
-                tf_parse, _ = median_run([str(tf_python), "-c", PARSE_ONLY, str(big)], args.repeat, ok=(0,))
-                rows.append(("parse-only, subprocess, TorchFix's python/libcst", tf_parse))
+                wall, cpu, _ = median_run([str(tf_python), "-c", PARSE_ONLY, str(big)], args.repeat, ok=(0,))
+                base["tf"], base["tf_cpu"] = wall, cpu
+                rows.append(("parse-only, subprocess, TorchFix's python + libcst", wall, cpu, "tf"))
+            wall, cpu, _ = median_run([str(tf), "-j", "1", str(big)], args.torchfix_repeat, ok=(0, 1))
             runs["TorchFix -j 1"] = wall
+            rows.append(("TorchFix -j 1", wall, cpu, "tf" if "tf" in base else "sub"))
 
-        print(f"\n{'what':<52} {'seconds':>8} {'files/s':>8} {'x parse':>8}")
-        for label, wall in rows:
-            base = parse_inproc if "in-process" in label else parse_sub
-            if label.startswith("parse-only, subprocess, TorchFix") or label.startswith("TorchFix"):
-                base = tf_parse or parse_sub
-            print(f"{label:<52} {wall:8.3f} {len(paths) / wall:8.1f} {wall / base:8.2f}")
+        print(f"\n{'what':<52} {'wall s':>7} {'cpu s':>7} {'files/s':>8} {'x parse':>8}")
+        for label, wall, cpu, key in rows:
+            ratio = wall / base[key]
+            cpu_text = f"{cpu:7.2f}" if cpu is not None else f"{'':>7}"
+            print(f"{label:<52} {wall:7.2f} {cpu_text} {len(paths) / wall:8.1f} {ratio:8.2f}")
+        print("(x parse: wall-clock ratio to parse-only measured the same way: in-process rows to "
+              "in-process parsing, subprocess rows to the parse-only subprocess)")
 
         print()
         for cmd in ("lint", "ddp --check"):
             j1, j2 = runs[f"{cmd} -j 1"], runs[f"{cmd} -j 2"]
-            print(f"{cmd}: -j 2 speed-up over -j 1: {j1 / j2:.2f}x")
+            print(f"{cmd}: -j 2 is {j1 / j2:.2f}x faster than -j 1")
         if "TorchFix -j 1" in runs:
-            print(f"TorchFix -j 1 / torchmigrate lint -j 1: {runs['TorchFix -j 1'] / runs['lint -j 1']:.1f}x")
+            print(f"TorchFix -j 1 takes {runs['TorchFix -j 1'] / runs['lint -j 1']:.1f}x the time of "
+                  f"torchmigrate lint -j 1 ({runs['TorchFix -j 1'] / runs['ddp --check -j 1']:.1f}x ddp --check)")
 
         one = paths[0]
-        colds = [timed([*tm, "lint", "--exit-zero", str(one)])[0] for _ in range(args.cold)]
-        bare = statistics.median(timed([sys.executable, "-c", "pass"], ok=(0,))[0] for _ in range(args.cold))
-        imp = statistics.median(timed([sys.executable, "-c", "import libcst"], ok=(0,))[0] for _ in range(args.cold))
-        print(f"\ncold start `torchmigrate lint one_file.py`: median {statistics.median(colds):.3f} s "
-              f"(min {min(colds):.3f}); for scale: `python -c pass` {bare:.3f} s, "
-              f"`python -c 'import libcst'` {imp:.3f} s")
+        cold_cmd = [*tm, "lint", "--exit-zero", str(one)]
+        timed(cold_cmd)  # writes the bytecode cache
+        colds = [timed(cold_cmd) for _ in range(args.cold)]
+        bare = [timed([sys.executable, "-c", "pass"], ok=(0,)) for _ in range(args.cold)]
+        imp = [timed([sys.executable, "-c", "import libcst"], ok=(0,)) for _ in range(args.cold)]
+        med = lambda runs, i: statistics.median(r[i] for r in runs)  # noqa: E731
+        print(f"\ncold start `torchmigrate lint {one.name}` ({one.stat().st_size // 1024} KB), median of "
+              f"{args.cold}: {med(colds, 0):.3f} s wall, {med(colds, 1):.3f} s cpu "
+              f"(min {min(r[0] for r in colds):.3f} s wall)")
+        print(f"  for scale: `python -c pass` {med(bare, 0):.3f} s wall / {med(bare, 1):.3f} cpu; "
+              f"`python -c 'import libcst'` {med(imp, 0):.3f} s wall / {med(imp, 1):.3f} cpu")
 
-        _, rss_small = median_run([*tm, "lint", "--exit-zero", "-j", "1", str(small)], 1)
-        _, rss_big = median_run([*tm, "lint", "--exit-zero", "-j", "1", str(big)], 1)
-        _, rss_ddp_small = median_run([*tm, "ddp", "--check", "-j", "1", str(small)], 1)
-        _, rss_ddp_big = median_run([*tm, "ddp", "--check", "-j", "1", str(big)], 1)
-        print(f"peak RSS, lint -j 1: {n_small} files {rss_small / 1024:.1f} MiB, "
-              f"{len(paths)} files {rss_big / 1024:.1f} MiB")
-        print(f"peak RSS, ddp --check -j 1: {n_small} files {rss_ddp_small / 1024:.1f} MiB, "
-              f"{len(paths)} files {rss_ddp_big / 1024:.1f} MiB")
+        print()
+        for label, cmd in (("lint -j 1", [*tm, "lint", "--exit-zero", "-j", "1"]),
+                           ("ddp --check -j 1", [*tm, "ddp", "--check", "-j", "1"])):
+            _, _, rss_small = timed([*cmd, str(small)])
+            _, _, rss_big = timed([*cmd, str(big)])
+            print(f"peak RSS, {label}: {n_small} files {rss_small / 1024:.1f} MiB, "
+                  f"{len(paths)} files {rss_big / 1024:.1f} MiB")
     finally:
         if not args.keep:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -26,6 +26,8 @@ from torchmigrate.walk import walk
 PREFILTER = ("torch", "apex")
 
 
+# `lint --fix` repeats until no fix applies, at most this many passes.
+MAX_FIX_PASSES = 5
 # Deep enough for anything CPython's own parser accepts (it stops near 3000 nested levels).
 RECURSION_LIMIT = 12000
 
@@ -178,7 +180,21 @@ def process_source(source: str, path: str, options: Options, rules: Sequence[Rul
     if suppressions.skip_file:
         return SourceResult(source, source)
     with _deep_recursion():
-        return _process(source, path, options, rules, suppressions)
+        result = _process(source, path, options, rules, suppressions)
+        if options.migrating or not result.changed:
+            return result
+        # `lint --fix`: one fix can enable another (removing DataParallel makes the file
+        # distributed, which turns on the DDP checks), so fix until nothing changes, as Ruff
+        # does. A migration runs every rule unconditionally and needs one pass.
+        applied = [f for f in result.findings if f.applied]
+        for _ in range(MAX_FIX_PASSES - 1):
+            again = _process(result.new_source, path, options, rules, Suppressions.scan(result.new_source))
+            applied += [f for f in again.findings if f.applied]
+            result = SourceResult(source, again.new_source, again.findings)
+            if not again.changed:
+                break
+        result.findings = applied + [f for f in result.findings if not f.applied]
+        return result
 
 
 def _process(source: str, path: str, options: Options, rules: Sequence[RuleType],

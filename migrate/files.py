@@ -15,7 +15,7 @@ import tempfile
 import tokenize
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator, List, Sequence, Tuple
+from typing import Iterable, Iterator, List, Optional, Sequence, Tuple
 
 from torchmigrate.engine import InputError
 
@@ -88,6 +88,7 @@ def _walk(root: Path, exclude: Sequence[str]) -> Iterator[Path]:
 class Decoded:
     text: str
     encoding: str  # codec name used to write the text back ("utf-8-sig" keeps a BOM)
+    stamp: Optional[Tuple[int, int, int]] = None  # (inode, size, mtime_ns) when read from disk
 
 
 def decode(data: bytes) -> Decoded:
@@ -109,16 +110,23 @@ def decode(data: bytes) -> Decoded:
     return Decoded(text, encoding)
 
 
+def _stamp(st: os.stat_result) -> Tuple[int, int, int]:
+    return (st.st_ino, st.st_size, st.st_mtime_ns)
+
+
 def read(path: Path) -> Decoded:
     try:
-        data = path.read_bytes()
+        with open(path, "rb") as handle:
+            stamp = _stamp(os.fstat(handle.fileno()))
+            data = handle.read()
     except FileNotFoundError:
         raise InputError("file disappeared before it could be read") from None
     except IsADirectoryError:
         raise InputError("is a directory") from None
     except OSError as exc:
         raise InputError(f"cannot read: {exc.strerror or exc}") from None
-    return decode(data)
+    decoded = decode(data)
+    return Decoded(decoded.text, decoded.encoding, stamp)
 
 
 def encode(text: str, encoding: str) -> bytes:
@@ -128,25 +136,44 @@ def encode(text: str, encoding: str) -> bytes:
         raise InputError(f"the rewritten file cannot be encoded as {encoding}: {exc.reason}") from None
 
 
-def atomic_write(path: Path, data: bytes) -> None:
-    """Replace the file's content atomically, keeping its mode; follows symlinks to the target."""
+def atomic_write(path: Path, data: bytes, expect: Optional[Tuple[int, int, int]] = None) -> None:
+    """Replace the file's content atomically, keeping its mode (and owner, where allowed);
+    follows symlinks to the target. With `expect` (the `Decoded.stamp` of the read), a file
+    that changed on disk since it was read is not overwritten.
+
+    The data goes to a temporary file in the target's folder, is flushed and fsynced, then
+    renamed over the target: at every moment the target holds either the old or the new
+    content, and on any failure the temporary file is removed.
+    """
     target = Path(os.path.realpath(path))
     try:
-        mode = stat.S_IMODE(target.stat().st_mode)
+        st = target.stat()
+    except FileNotFoundError:
+        raise InputError("cannot write: the file disappeared while it was being processed") from None
     except OSError as exc:
         raise InputError(f"cannot write: {exc.strerror or exc}") from None
-    if not os.access(target, os.W_OK):
+    mode = stat.S_IMODE(st.st_mode)
+    # Read-only means no write bit at all, even for root (who os.access() says can write).
+    if not mode & (stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH) or not os.access(target, os.W_OK):
         raise InputError("cannot write: file is read-only")
+    if expect is not None and _stamp(st) != expect:
+        raise InputError("cannot write: the file changed on disk while it was being processed; run again")
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     except OSError as exc:
-        raise InputError(f"cannot write: {exc.strerror or exc}") from None
+        raise InputError(f"cannot write: cannot create a temporary file in {target.parent}: "
+                         f"{exc.strerror or exc}") from None
     try:
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
         os.chmod(tmp, mode)
+        if hasattr(os, "chown") and (st.st_uid, st.st_gid) != _owner(tmp):
+            try:
+                os.chown(tmp, st.st_uid, st.st_gid)
+            except OSError:
+                pass  # not permitted (not root): the file becomes ours, as with any editor
         os.replace(tmp, target)
     except BaseException as exc:
         try:
@@ -156,3 +183,8 @@ def atomic_write(path: Path, data: bytes) -> None:
         if isinstance(exc, OSError):
             raise InputError(f"cannot write: {exc.strerror or exc}") from None
         raise
+
+
+def _owner(path: str) -> Tuple[int, int]:
+    st = os.stat(path)
+    return st.st_uid, st.st_gid

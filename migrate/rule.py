@@ -23,6 +23,7 @@ from torchmigrate.finding import Edit, Finding, Import, Safety
 from torchmigrate.imports import ImportTable
 
 RUNTIME_MODULE = "torchmigrate.runtime"
+_MATCHES: Dict[Tuple[type, ...], Dict[type, bool]] = {}  # for Context.enclosing
 COMMANDS = ("ddp", "amp", "lint")
 
 
@@ -71,6 +72,8 @@ class Context:
         self.findings: List[Finding] = []
         # Free-form facts one rule publishes for others, e.g. names of wrapped models.
         self.facts: Dict[str, object] = {}
+        # enclosing(): (types) -> {id(node): answer}; ids are safe, the tree outlives the context.
+        self._enclosing: Dict[Tuple[type, ...], Dict[int, Optional[cst.CSTNode]]] = {}
 
     # --- navigation -----------------------------------------------------------------
     def parent(self, node: cst.CSTNode) -> Optional[cst.CSTNode]:
@@ -83,10 +86,42 @@ class Context:
             node = self.parents.get(node)
 
     def enclosing(self, node: cst.CSTNode, *types: type) -> Optional[cst.CSTNode]:
-        for anc in self.ancestors(node):
-            if isinstance(anc, types):
-                return anc
-        return None
+        # Hot path (rules ask it for most names they see): the type test is cached per node
+        # type (isinstance against LibCST's ABCs is slow) and answers are memoised for every
+        # node on the way up, so asking for all nodes of a deep tree stays linear.
+        matches = _MATCHES.get(types)
+        if matches is None:
+            matches = _MATCHES[types] = {}
+        memo = self._enclosing.get(types)
+        if memo is None:
+            memo = self._enclosing[types] = {}
+        key = id(node)
+        if key in memo:
+            return memo[key]
+        get = self.parents.get
+        path = [key]
+        top = node
+        node = get(node)
+        while node is not None:
+            tp = type(node)
+            hit = matches.get(tp)
+            if hit is None:
+                hit = matches[tp] = issubclass(tp, types)
+            if hit:
+                break
+            key = id(node)
+            if key in memo:
+                node = memo[key]
+                break
+            path.append(key)
+            top = node
+            node = get(node)
+        else:
+            if top is not self.module:
+                return None  # not (yet) linked up to the module: answer, but do not remember
+        for key in path:
+            memo[key] = node
+        return node
 
     def statement_of(self, node: cst.CSTNode) -> Optional[cst.CSTNode]:
         """The innermost statement (a line, or a compound statement header) holding `node`."""

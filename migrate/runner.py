@@ -85,7 +85,7 @@ def process_file(path: str, job: Job) -> Outcome:
             if job.want_diff:
                 outcome.diff = unified_diff(result.source, result.new_source, path)
             if new_bytes is not None:
-                files.atomic_write(Path(path), new_bytes)
+                files.atomic_write(Path(path), new_bytes, decoded.stamp)
                 outcome.written = True
         uses_runtime = job.options.runtime_module in result.new_source
         if job.vendor_runtime and job.write and uses_runtime:

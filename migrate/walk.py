@@ -5,12 +5,18 @@ itself; reading the dataclass fields directly costs a tenth of that. The walk al
 each node's parent, which lets rules find the enclosing statement or function of any node
 later (for reports made at the end of the module) and lets the applier rebuild only the
 path from the root to the nodes it changes.
+
+The walk is iterative (an explicit stack), so deeply nested generated code cannot exhaust
+Python's recursion limit here, and tells nodes from other field values by their exact type
+(`isinstance` against LibCST's abstract base classes goes through `ABCMeta.__instancecheck__`,
+which is several times slower).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Dict, List, Tuple
+from operator import attrgetter
+from typing import Callable, Dict, List, Optional, Tuple
 
 import libcst as cst
 
@@ -20,6 +26,8 @@ _SKIP = {
     "header", "footer", "trailing_whitespace", "newline", "equal", "colon", "dot",
 }
 _FIELDS: Dict[type, Tuple[str, ...]] = {}
+_IS_NODE: Dict[type, bool] = {}
+_GETTERS: Dict[type, Optional[Callable[[object], tuple]]] = {}
 
 
 def child_fields(tp: type) -> Tuple[str, ...]:
@@ -33,7 +41,31 @@ def child_fields(tp: type) -> Tuple[str, ...]:
     return fields
 
 
+def is_node_type(tp: type) -> bool:
+    """Whether values of type `tp` are CSTNodes (cached per type)."""
+    known = _IS_NODE.get(tp)
+    if known is None:
+        known = _IS_NODE[tp] = isinstance(tp, type) and issubclass(tp, cst.CSTNode)
+    return known
+
+
+def _getter(tp: type) -> Optional[Callable[[object], tuple]]:
+    """A C-level function returning the tuple of a node's child fields (None: no fields)."""
+    fields = child_fields(tp)
+    if not fields:
+        getter = None
+    elif len(fields) == 1:
+        one = attrgetter(fields[0])
+        getter = lambda node: (one(node),)  # noqa: E731
+    else:
+        getter = attrgetter(*fields)
+    _GETTERS[tp] = getter
+    return getter
+
+
 Callback = Callable[[cst.CSTNode], None]
+
+_LEAVE = object()  # stack marker: the node below it is finished
 
 
 def walk(
@@ -42,24 +74,52 @@ def walk(
     leaves: Dict[type, List[Callback]],
     parents: Dict[cst.CSTNode, cst.CSTNode],
 ) -> None:
-    """Depth-first walk calling `visits[type]` before and `leaves[type]` after the children."""
-    CSTNode = cst.CSTNode
-
-    def go(node: cst.CSTNode) -> None:
+    """Depth-first walk calling `visits[type]` before and `leaves[type]` after the children
+    (children in field order, as LibCST's visitors see them)."""
+    is_node = _IS_NODE
+    getters = _GETTERS
+    no_callbacks: Tuple[Callback, ...] = ()
+    stack: List[object] = [module]
+    push = stack.append
+    pop = stack.pop
+    while stack:
+        node = pop()
+        if node is _LEAVE:
+            node = pop()
+            for cb in leaves.get(type(node), no_callbacks):
+                cb(node)
+            continue
         tp = type(node)
-        for cb in visits.get(tp, ()):
+        for cb in visits.get(tp, no_callbacks):
             cb(node)
-        for name in child_fields(tp):
-            value = getattr(node, name)
-            if isinstance(value, CSTNode):
-                parents[value] = node
-                go(value)
-            elif type(value) is tuple or type(value) is list:
+        if tp in leaves:
+            push(node)
+            push(_LEAVE)
+        getter = getters.get(tp, _getter)
+        if getter is _getter:
+            getter = _getter(tp)
+        if getter is None:
+            continue
+        children: List[cst.CSTNode] = []
+        add = children.append
+        for value in getter(node):
+            vt = type(value)
+            if vt is tuple or vt is list:
                 for child in value:
-                    if isinstance(child, CSTNode):
+                    ct = type(child)
+                    flag = is_node.get(ct)
+                    if flag is None:
+                        flag = is_node_type(ct)
+                    if flag:
                         parents[child] = node
-                        go(child)
-        for cb in leaves.get(tp, ()):
-            cb(node)
-
-    go(module)
+                        add(child)
+            else:
+                flag = is_node.get(vt)
+                if flag is None:
+                    flag = is_node_type(vt)
+                if flag:
+                    parents[value] = node
+                    add(value)
+        if children:
+            children.reverse()
+            stack.extend(children)
