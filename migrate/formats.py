@@ -67,6 +67,9 @@ def text(outcomes: Sequence[Outcome], fix: bool = False, unsafe_fixes: bool = Fa
             hints.append(f"{unsafe} hidden fix{'es' if unsafe > 1 else ''} can be enabled with --unsafe-fixes")
         if hints:
             lines.append("; ".join(hints) + ".")
+    elif any(o.error for o in outcomes):
+        errors = sum(1 for o in outcomes if o.error)
+        lines.append(f"No findings in the files checked; {_plural(errors, 'file')} could not be checked.")
     else:
         lines.append("All checks passed!")
     return "\n".join(lines)

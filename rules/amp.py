@@ -1547,7 +1547,7 @@ class _Planner:
                 continue
             seen_stmt.add(s)
             consumers.append((s, scope, False))
-        done: Set[Tuple[int, str]] = set()
+        done: Set[Tuple[cst.CSTNode, int, str]] = set()  # (scope, window, optimizer)
         consumers.sort(key=lambda c: self.position(c[0], c[1]))
         for s, scope, apex in consumers:
             if not p.scaler.new and not scaler_visible(ctx, p.scaler, s):
@@ -1574,11 +1574,11 @@ class _Planner:
                 continue
             if self.has_unscale(scope, window, pos, text):
                 continue
-            names = [n for n in names if (window, n) not in done]
+            names = [n for n in names if (scope, window, n) not in done]
             if not names:
                 continue
             for n in names:
-                done.add((window, n))
+                done.add((scope, window, n))
             if not isinstance(s, cst.SimpleStatementLine) and not isinstance(ctx.parent(s), (cst.IndentedBlock, cst.Module)):
                 continue
             if apex:

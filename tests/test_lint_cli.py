@@ -574,3 +574,12 @@ def test_rules_markdown_escapes_pipes(run_cli, fake_rules):
     table = run_cli("rules", "--format", "markdown").stdout
     row = next(l for l in table.splitlines() if l.startswith("| TM990 "))
     assert row == "| TM990 | `fake-unsafe` | unsafe | lint | Replace torch.foo with torch.bar (unsafe \\| test) |"
+
+
+def test_input_errors_are_not_reported_as_all_clear(tmp_path, run_cli):
+    bad = tmp_path / "bad.py"
+    bad.write_bytes(b"import torch\nprint 'py2'\n")
+    result = run_cli("lint", bad)
+    assert result.exit_code == 2
+    assert "All checks passed" not in result.stdout
+    assert "1 file could not be checked" in result.stdout

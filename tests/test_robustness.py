@@ -264,10 +264,7 @@ def test_fragment_programs_lint_fix(source):
 # --- realistic scripts: the benchmark corpus (renamed identifiers, duplicated functions) -----------
 
 # Known rule bugs, recognised by what the second run adds; each has a minimal case below.
-KNOWN_BUGS = {
-    "TM403 adds `scaler.unscale_` to only the first of two identical training loops": re.compile(
-        r"^\+\s*[\w.]+\.unscale_\(\w+\)$"),
-}
+KNOWN_BUGS: dict = {}  # name -> regex every second-run diff line matches; none known now
 
 TM403_TWO_LOOPS = """\
 import torch
@@ -309,11 +306,10 @@ def _known(lines: List[str]) -> str:
     return ""
 
 
-@pytest.mark.xfail(reason="rule bug: TM403 keys the loops it handled by position only (rules/amp.py "
-                          "UnscaleBeforeClip / unscale_points `done`), so a second identical loop "
-                          "clips scaled gradients", strict=False)
 @pytest.mark.parametrize("mode", ["ddp", "amp"])
-def test_known_bug_tm403_two_identical_loops(mode):
+def test_tm403_two_identical_loops(mode):
+    """Was a rule bug: TM403 keyed the loops it handled by position only, so a second identical
+    loop in another function clipped scaled gradients."""
     assert _second_run_additions(TM403_TWO_LOOPS, mode) == []
 
 
