@@ -41,6 +41,18 @@ def child_fields(tp: type) -> Tuple[str, ...]:
     return fields
 
 
+def child_nodes(node: cst.CSTNode) -> List[cst.CSTNode]:
+    """The node's children that rules may visit, in field order (for rules' own small walks)."""
+    out: List[cst.CSTNode] = []
+    for name in child_fields(type(node)):
+        value = getattr(node, name)
+        if isinstance(value, cst.CSTNode):
+            out.append(value)
+        elif isinstance(value, (tuple, list)):
+            out.extend(c for c in value if isinstance(c, cst.CSTNode))
+    return out
+
+
 def is_node_type(tp: type) -> bool:
     """Whether values of type `tp` are CSTNodes (cached per type)."""
     known = _IS_NODE.get(tp)

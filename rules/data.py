@@ -47,7 +47,7 @@ from torchmigrate.finding import Edit, Safety, insert_after, insert_before, repl
 from torchmigrate.imports import dotted
 from torchmigrate.nodes import code, expr, kwarg, stmt
 from torchmigrate.rule import Example, Rule
-from torchmigrate.walk import child_fields
+from torchmigrate.walk import child_fields, child_nodes
 
 DATALOADERS = ("torch.utils.data.DataLoader", "torch.utils.data.dataloader.DataLoader")
 DIST_SAMPLERS = ("torch.utils.data.DistributedSampler", "torch.utils.data.distributed.DistributedSampler")
@@ -165,14 +165,8 @@ def _expression_words(node: cst.CSTNode) -> List[str]:
             elif n.keyword.value not in _TRAIN_FLAGS:
                 go(n.value)
             return
-        for name in child_fields(type(n)):
-            value = getattr(n, name)
-            if isinstance(value, cst.CSTNode):
-                go(value)
-            elif isinstance(value, (tuple, list)):
-                for child in value:
-                    if isinstance(child, cst.CSTNode):
-                        go(child)
+        for child in child_nodes(n):
+            go(child)
 
     go(node)
     return out
@@ -1073,14 +1067,8 @@ def _calls(node: cst.CSTNode) -> List[cst.Call]:
             return
         if isinstance(n, cst.Call):
             out.append(n)
-        for name in child_fields(type(n)):
-            value = getattr(n, name)
-            if isinstance(value, cst.CSTNode):
-                go(value)
-            elif isinstance(value, (tuple, list)):
-                for child in value:
-                    if isinstance(child, cst.CSTNode):
-                        go(child)
+        for child in child_nodes(n):
+            go(child)
 
     go(node)
     return out
@@ -1922,7 +1910,6 @@ class SetEpoch(_DataRule):
         return counter, ""
 
     def _counter(self, loop: cst.While) -> Optional[str]:
-        ctx = self.ctx
         increments: List[str] = []
         for n in _small_statements(loop.body):
             if isinstance(n, cst.AugAssign) and isinstance(n.target, cst.Name) and isinstance(n.operator, cst.AddAssign):
@@ -1948,7 +1935,6 @@ class SetEpoch(_DataRule):
         tm = ctx.tm
         for node, message in self.problems:
             self.report(node, message)
-        done: Set[Tuple[int, int]] = set()
         for ins in sorted((i for i in self.insertions.values() if i is not None), key=lambda i: i.loader.index):
             if ins.problem or ins.var is None:
                 self.report(ins.loop, f"`{ins.text}` needs `{tm}.set_epoch({ins.text}, epoch)` at the start of every "
@@ -1980,14 +1966,8 @@ def _small_statements(node: cst.CSTNode) -> List[cst.CSTNode]:
         if isinstance(n, cst.BaseSmallStatement):
             out.append(n)
             return
-        for name in child_fields(type(n)):
-            value = getattr(n, name)
-            if isinstance(value, cst.CSTNode):
-                go(value)
-            elif isinstance(value, (tuple, list)):
-                for child in value:
-                    if isinstance(child, cst.CSTNode):
-                        go(child)
+        for child in child_nodes(n):
+            go(child)
 
     go(node)
     return out
@@ -2000,14 +1980,8 @@ def _names(node: cst.CSTNode) -> List[cst.Name]:
         if isinstance(n, cst.Name):
             out.append(n)
             return
-        for name in child_fields(type(n)):
-            value = getattr(n, name)
-            if isinstance(value, cst.CSTNode):
-                go(value)
-            elif isinstance(value, (tuple, list)):
-                for child in value:
-                    if isinstance(child, cst.CSTNode):
-                        go(child)
+        for child in child_nodes(n):
+            go(child)
 
     go(node)
     return out

@@ -17,7 +17,7 @@ from torchmigrate.finding import Safety, replace, wrap
 from torchmigrate.imports import dotted
 from torchmigrate.nodes import expr, kwarg, set_kwarg, stmt
 from torchmigrate.rule import Context, Example, Rule
-from torchmigrate.walk import child_fields
+from torchmigrate.walk import child_nodes
 
 RUNTIME = "torchmigrate.runtime"
 
@@ -56,14 +56,7 @@ def iter_nodes(node: cst.CSTNode, skip_defs: bool = False) -> Iterable[cst.CSTNo
         yield n
         if skip_defs and n is not node and isinstance(n, (cst.FunctionDef, cst.ClassDef)):
             continue
-        children = []
-        for name in child_fields(type(n)):
-            value = getattr(n, name)
-            if isinstance(value, cst.CSTNode):
-                children.append(value)
-            elif type(value) in (tuple, list):
-                children.extend(c for c in value if isinstance(c, cst.CSTNode))
-        stack.extend(reversed(children))
+        stack.extend(reversed(child_nodes(n)))
 
 
 def rank_dependent(ctx: Context, test: cst.CSTNode) -> bool:
