@@ -53,9 +53,21 @@ def _run(args, cwd: Path, env: dict, timeout: int = 180) -> subprocess.Completed
     return proc
 
 
+# A known gloo teardown race in PyTorch: a rank aborts at interpreter exit, after training and
+# saving finished, with this message (seen about 1 run in 20 on 2 loaded cores even with the
+# runtime's barrier before destroy_process_group). One retry keeps CI honest but not flaky.
+GLOO_EXIT_ABORT = "terminate called without an active exception"
+
+
 def _torchrun(script: Path, cwd: Path, env: dict) -> subprocess.CompletedProcess:
-    return _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                 str(script)], cwd, env)
+    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script)]
+    proc = _run(args, cwd, env)
+    if proc.returncode != 0 and GLOO_EXIT_ABORT in proc.output:
+        probe = env.get("TM_PROBE_DIR")
+        for stale in Path(probe).glob("rank*.json") if probe else ():
+            stale.unlink()
+        proc = _run(args, cwd, env)
+    return proc
 
 
 def _epochs(output: str):
