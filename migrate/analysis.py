@@ -84,6 +84,10 @@ class Facts(Rule):
     def visit_ClassDef(self, node: cst.ClassDef) -> None:
         self.classes.setdefault(node.name.value, node)
 
+    def leave_Module(self, node: cst.Module) -> None:
+        # Runs before every rule's leave_Module (the collector is registered first).
+        self.ctx.walked = True
+
     def visit_If(self, node: cst.If) -> None:
         if self.main_guard is None and _is_main_guard(node.test) and self.ctx.parent(node) is self.ctx.module:
             self.main_guard = node

@@ -154,7 +154,7 @@ def run_rules(module: cst.Module, path: str, options: Options, rules: Sequence[R
             visits.setdefault(node_type, []).append(getattr(rule, attr))
         for node_type, attr in l:
             leaves.setdefault(node_type, []).append(getattr(rule, attr))
-    walk(module, visits, leaves, ctx.parents)
+    walk(module, visits, leaves, ctx.parents, ctx.preorder)
     return ctx
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import inspect
 import textwrap
+from bisect import bisect_left, bisect_right
 from dataclasses import dataclass, field
 from typing import ClassVar, Dict, FrozenSet, Iterable, List, Optional, Sequence, Tuple, Type
 
@@ -21,6 +22,7 @@ import libcst as cst
 
 from torchmigrate.finding import Edit, Finding, Import, Safety
 from torchmigrate.imports import ImportTable
+from torchmigrate.walk import child_nodes
 
 RUNTIME_MODULE = "torchmigrate.runtime"
 _MATCHES: Dict[Tuple[type, ...], Dict[type, bool]] = {}  # for Context.enclosing
@@ -69,6 +71,9 @@ class Context:
         self.options = options
         self.imports = ImportTable.from_module(module)
         self.parents: Dict[cst.CSTNode, cst.CSTNode] = {}
+        self.preorder: List[cst.CSTNode] = []  # every node, in the order the walk met it
+        self.walked = False  # the walk has met every node (set before any `leave_Module`)
+        self._index: Optional[_NodeIndex] = None
         self.findings: List[Finding] = []
         # Free-form facts one rule publishes for others, e.g. names of wrapped models.
         self.facts: Dict[str, object] = {}
@@ -123,6 +128,46 @@ class Context:
             memo[key] = node
         return node
 
+    # --- indexes over the walk's nodes (from `leave_Module` on; earlier they search) -------
+    def nodes(self, *types: type) -> List[cst.CSTNode]:
+        """Every node of these types in the module, in source order (no walk: an index)."""
+        if not self.walked:
+            return _search(self.module, types, False)
+        return self._node_index().find(types, 0, None)
+
+    def within(self, node: cst.CSTNode, *types: type, skip_defs: bool = False) -> List[cst.CSTNode]:
+        """Nodes of these types inside `node` (itself included), in source order; with
+        `skip_defs`, not those inside a function, class or lambda defined under `node`."""
+        if not self.walked:
+            return _search(node, types, skip_defs)
+        index = self._node_index()
+        start = index.position.get(id(node))
+        if start is None:  # a node built by a rule: not indexed, walk it
+            return _search(node, types, skip_defs)
+        end = index.end(node)
+        found = index.find(types, start, end)
+        if skip_defs and found:
+            defs = index.find(_DEFS, start + 1, end)
+            if defs:
+                spans = [(index.position[id(d)], index.end(d)) for d in defs]
+                found = [n for n in found if not any(a <= index.position[id(n)] <= b for a, b in spans)]
+        return found
+
+    def position(self, node: cst.CSTNode) -> Optional[int]:
+        """Where `node` comes in source order (None for a node the walk did not meet)."""
+        return self._node_index().position.get(id(node))
+
+    def last_position(self, node: cst.CSTNode) -> int:
+        """The `position` of the last node inside `node`: its subtree spans the two."""
+        return self._node_index().end(node)
+
+    def _node_index(self) -> "_NodeIndex":
+        if not self.walked:
+            raise RuntimeError("source positions are known only once the walk has met every node")
+        if self._index is None:
+            self._index = _NodeIndex(self.preorder)
+        return self._index
+
     def statement_of(self, node: cst.CSTNode) -> Optional[cst.CSTNode]:
         """The innermost statement (a line, or a compound statement header) holding `node`."""
         if isinstance(node, (cst.SimpleStatementLine, cst.BaseCompoundStatement)):
@@ -147,6 +192,62 @@ class Context:
 
     def uses_runtime(self) -> bool:
         return RUNTIME_MODULE in self.imports.names.values()
+
+
+_DEFS = (cst.FunctionDef, cst.ClassDef, cst.Lambda)
+
+
+def _search(node: cst.CSTNode, types: Tuple[type, ...], skip_defs: bool) -> List[cst.CSTNode]:
+    """`Context.within` for a node outside the index, by a walk of its subtree."""
+    found = []
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if isinstance(n, types):
+            found.append(n)
+        if skip_defs and n is not node and isinstance(n, _DEFS):
+            continue
+        stack.extend(reversed(child_nodes(n)))
+    return found
+
+
+class _NodeIndex:
+    """Positions of the walk's nodes, grouped by type: a subtree is a contiguous run of the
+    preorder, so "every call under this statement" is two bisections instead of a walk."""
+
+    def __init__(self, preorder: List[cst.CSTNode]) -> None:
+        self.preorder = preorder
+        self.size = len(preorder)
+        self.position: Dict[int, int] = {}
+        self.by_type: Dict[type, List[int]] = {}
+        by_type = self.by_type
+        for i, node in enumerate(preorder):
+            self.position[id(node)] = i
+            tp = type(node)
+            bucket = by_type.get(tp)
+            if bucket is None:
+                bucket = by_type[tp] = []
+            bucket.append(i)
+        self._types: Dict[Tuple[type, ...], List[int]] = {}
+
+    def end(self, node: cst.CSTNode) -> int:
+        """Preorder position of the last node of `node`'s subtree."""
+        while True:
+            children = child_nodes(node)
+            if not children:
+                return self.position[id(node)]
+            node = children[-1]
+
+    def find(self, types: Tuple[type, ...], start: int, end: Optional[int]) -> List[cst.CSTNode]:
+        spots = self._types.get(types)
+        if spots is None:
+            lists = [v for tp, v in self.by_type.items() if issubclass(tp, types)]
+            spots = lists[0] if len(lists) == 1 else sorted(i for v in lists for i in v)
+            self._types[types] = spots
+        lo = bisect_left(spots, start) if start else 0
+        hi = len(spots) if end is None else bisect_right(spots, end)
+        preorder = self.preorder
+        return [preorder[i] for i in spots[lo:hi]]
 
 
 class Rule:

@@ -6,6 +6,10 @@ each node's parent, which lets rules find the enclosing statement or function of
 later (for reports made at the end of the module) and lets the applier rebuild only the
 path from the root to the nodes it changes.
 
+It also lists the nodes in the order it meets them (source order, parents before children),
+which `Context.nodes` and `Context.within` turn into per-type indexes: a rule that needs every
+assignment of the file, or every call under one statement, asks the index instead of walking.
+
 The walk is iterative (an explicit stack), so deeply nested generated code cannot exhaust
 Python's recursion limit here, and tells nodes from other field values by their exact type
 (`isinstance` against LibCST's abstract base classes goes through `ABCMeta.__instancecheck__`,
@@ -85,15 +89,17 @@ def walk(
     visits: Dict[type, List[Callback]],
     leaves: Dict[type, List[Callback]],
     parents: Dict[cst.CSTNode, cst.CSTNode],
+    preorder: Optional[List[cst.CSTNode]] = None,
 ) -> None:
     """Depth-first walk calling `visits[type]` before and `leaves[type]` after the children
-    (children in field order, as LibCST's visitors see them)."""
+    (children in field order, as LibCST's visitors see them); appends each node to `preorder`."""
     is_node = _IS_NODE
     getters = _GETTERS
     no_callbacks: Tuple[Callback, ...] = ()
     stack: List[object] = [module]
     push = stack.append
     pop = stack.pop
+    seen = (preorder if preorder is not None else []).append
     while stack:
         node = pop()
         if node is _LEAVE:
@@ -101,6 +107,7 @@ def walk(
             for cb in leaves.get(type(node), no_callbacks):
                 cb(node)
             continue
+        seen(node)
         tp = type(node)
         for cb in visits.get(tp, no_callbacks):
             cb(node)

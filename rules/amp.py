@@ -187,10 +187,14 @@ def _binds(statement: cst.CSTNode) -> Set[str]:
     return out
 
 
-def _binds_all(module: cst.Module) -> Set[str]:
+_BINDING_NODES = (cst.Param, cst.Assign, cst.AugAssign, cst.AnnAssign, cst.For, cst.CompFor, cst.AsName,
+                  cst.NamedExpr, cst.FunctionDef, cst.ClassDef)
+
+
+def _binds_all(ctx: Context) -> Set[str]:
     """Names bound anywhere in the file, inside functions too, with their parameters."""
     out: Set[str] = set()
-    for n in subnodes(module):
+    for n in ctx.nodes(*_BINDING_NODES):
         if isinstance(n, cst.Param):
             out.add(n.name.value)
         elif isinstance(n, cst.Assign):
@@ -204,7 +208,7 @@ def _binds_all(module: cst.Module) -> Set[str]:
             out.update(target_names(n.name))
         elif isinstance(n, cst.NamedExpr):
             out.update(target_names(n.target))
-        elif isinstance(n, (cst.FunctionDef, cst.ClassDef)):
+        else:
             out.add(n.name.value)
     return out
 
@@ -620,11 +624,7 @@ class _Planner:
                 p.autocast_withs.append(w)
 
     def with_statements(self) -> List[cst.With]:
-        out: List[cst.With] = []
-        for node in subnodes(self.ctx.module):
-            if type(node) is cst.With:
-                out.append(node)
-        return out
+        return self.ctx.nodes(cst.With)  # type: ignore[return-value]
 
     def mark(self, node: Optional[cst.CSTNode]) -> None:
         while node is not None and node not in self.contains:
@@ -1222,7 +1222,7 @@ class _Planner:
         parameters, imports)."""
         cached = getattr(self, "_bindings", None)
         if cached is None:
-            cached = {n.split(".")[0] for n in _binds_all(self.ctx.module)}
+            cached = {n.split(".")[0] for n in _binds_all(self.ctx)}
             cached.update(self.ctx.imports.names)
             self._bindings = cached
         return cached

@@ -282,41 +282,29 @@ def _header_loop(node: cst.CSTNode, ctx) -> Optional[cst.For]:
 # --- the analysis -----------------------------------------------------------------------------
 
 class _Scan:
-    """Names, functions and returns of the module. Filled during the shared walk by the first
-    data rule (see `_DataRule`), or by one extra walk when another family asks for the facts
-    without any data rule enabled."""
+    """Names, functions and returns of the module, from the context's node index."""
 
-    def __init__(self) -> None:
-        self.names: List[cst.Name] = []
-        self.functions: List[cst.FunctionDef] = []
-        self.returns: List[cst.Return] = []
+    def __init__(self, ctx) -> None:
+        self.ctx = ctx
+        self.names: List[cst.Name] = ctx.nodes(cst.Name)
+        self.functions: List[cst.FunctionDef] = ctx.nodes(cst.FunctionDef)
+        self.returns: List[cst.Return] = ctx.nodes(cst.Return)
+        self._by_value: Optional[Dict[str, List[cst.Name]]] = None
 
     @property
     def identifiers(self) -> Set[str]:
         return {n.value for n in self.names}
 
-    def walk(self, module: cst.Module) -> "_Scan":
-        """Fill the lists with one iterative walk (children in field order, as the shared walk)."""
-        stack: List[cst.CSTNode] = [module]
-        while stack:
-            node = stack.pop()
-            tp = type(node)
-            if tp is cst.Name:
-                self.names.append(node)
-                continue
-            if tp is cst.FunctionDef:
-                self.functions.append(node)
-            elif tp is cst.Return:
-                self.returns.append(node)
-            children: List[cst.CSTNode] = []
-            for name in child_fields(tp):
-                value = getattr(node, name)
-                if isinstance(value, cst.CSTNode):
-                    children.append(value)
-                elif type(value) is tuple or type(value) is list:
-                    children.extend(c for c in value if isinstance(c, cst.CSTNode))
-            stack.extend(reversed(children))
-        return self
+    def named(self, values: Set[str]) -> List[cst.Name]:
+        """The Name nodes spelling one of `values`, in source order."""
+        if self._by_value is None:
+            self._by_value = {}
+            for n in self.names:
+                self._by_value.setdefault(n.value, []).append(n)
+        found = [n for v in values for n in self._by_value.get(v, ())]
+        if len(values) > 1:
+            found.sort(key=self.ctx.position)
+        return found
 
 
 class DataFacts:
@@ -336,7 +324,7 @@ class DataFacts:
         self.scan: Optional[_Scan] = None
         if not calls:
             return
-        self.scan = ctx.facts.get("data.scan") or _Scan().walk(ctx.module)
+        self.scan = _Scan(ctx)
         self.functions_by_name: Dict[str, List[cst.FunctionDef]] = {}
         for fn in self.scan.functions:
             self.functions_by_name.setdefault(fn.name.value, []).append(fn)
@@ -879,9 +867,7 @@ class DataFacts:
         ctx = self.ctx
         heads = {ref.key.split(".")[0].split("[")[0] for ref in self.refs.values()
                  if any(want(x) for x in ref.loaders)}
-        for name in self.scan.names if self.scan is not None else ():
-            if name.value not in heads:
-                continue
+        for name in self.scan.named(heads) if self.scan is not None else ():
             parent = ctx.parent(name)
             if isinstance(parent, cst.Attribute) and parent.attr is name:
                 continue
@@ -1342,25 +1328,6 @@ def rewrite_call(call: cst.Call, sampler: Optional[cst.BaseExpression], *, datas
 
 class _DataRule(Rule):
     commands = frozenset({"ddp", "lint"})
-
-    def __init__(self, ctx) -> None:
-        super().__init__(ctx)
-        # The first data rule of the run records what the analysis needs during the shared walk.
-        self._scan: Optional[_Scan] = None
-        if "data.scan" not in ctx.facts:
-            self._scan = ctx.facts["data.scan"] = _Scan()
-
-    def visit_Name(self, node: cst.Name) -> None:
-        if self._scan is not None:
-            self._scan.names.append(node)
-
-    def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
-        if self._scan is not None:
-            self._scan.functions.append(node)
-
-    def visit_Return(self, node: cst.Return) -> None:
-        if self._scan is not None:
-            self._scan.returns.append(node)
 
     @property
     def data(self) -> DataFacts:

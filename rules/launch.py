@@ -160,27 +160,18 @@ def setup_plan(ctx: Context) -> Optional[SetupPlan]:
 
 def _is_exit(ctx: Context, node: cst.CSTNode) -> bool:
     """`sys.exit(...)`, `exit()`, `quit()`, `os._exit(...)` or `raise SystemExit(...)` anywhere in node."""
-    found = False
-
-    def go(n: cst.CSTNode) -> None:
-        nonlocal found
-        if found or isinstance(n, (cst.FunctionDef, cst.ClassDef, cst.Lambda)):
-            return
+    if isinstance(node, (cst.FunctionDef, cst.ClassDef, cst.Lambda)):
+        return False
+    for n in ctx.within(node, cst.Call, cst.Raise, skip_defs=True):
         if isinstance(n, cst.Call):
             name = ctx.resolve(n.func)
             if name in EXIT_CALLS or (isinstance(n.func, cst.Name) and n.func.value in EXIT_BUILTINS and name is None):
-                found = True
-                return
-        if isinstance(n, cst.Raise) and n.exc is not None:
+                return True
+        elif n.exc is not None:
             target = n.exc.func if isinstance(n.exc, cst.Call) else n.exc
             if isinstance(target, cst.Name) and target.value == "SystemExit":
-                found = True
-                return
-        for child in n.children:
-            go(child)
-
-    go(node)
-    return found
+                return True
+    return False
 
 
 def _has_call(node: cst.CSTNode) -> bool:

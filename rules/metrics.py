@@ -139,44 +139,24 @@ def initial_value(ctx: Context, loop: cst.CSTNode, name: str) -> Tuple[bool, Opt
         node = parent
 
 
+_SPANNED = (cst.For, cst.Assign, cst.AnnAssign, cst.AugAssign)
+
+
 class SourceIndex:
-    """Source-order positions of every name and call, and where each loop and assignment ends,
-    built in one pass over the module on first use (only for files with candidate loops)."""
+    """Source-order positions of every name and call, where each loop and assignment starts
+    and ends, and the calls that communicate; built from the context's node index on first
+    use (only for files with candidate loops)."""
 
     def __init__(self, ctx: Context) -> None:
+        position = ctx.position
         self.names: Dict[str, List[Tuple[int, cst.Name]]] = {}
-        self.calls: List[Tuple[int, cst.Call]] = []
-        self.end: Dict[cst.CSTNode, int] = {}
-        self.start: Dict[cst.CSTNode, int] = {}
+        for name in ctx.nodes(cst.Name):
+            self.names.setdefault(name.value, []).append((position(name), name))
+        calls = self.calls = [(position(c), c) for c in ctx.nodes(cst.Call)]
+        self.start = _Spans(position)
+        self.end = _Spans(ctx.last_position)
         resolved = {call: name for call, name in analysis.facts(ctx).calls}
         self.resolved = resolved
-        from torchmigrate.walk import child_fields
-        counter = 0
-        stack: List[Tuple[cst.CSTNode, bool]] = [(ctx.module, False)]
-        names, calls = self.names, self.calls
-        while stack:
-            node, leaving = stack.pop()
-            if leaving:
-                self.end[node] = counter
-                continue
-            counter += 1
-            tp = type(node)
-            if tp is cst.Name:
-                names.setdefault(node.value, []).append((counter, node))
-                continue
-            if tp is cst.Call:
-                calls.append((counter, node))
-            elif tp in (cst.For, cst.Assign, cst.AnnAssign, cst.AugAssign):
-                self.start[node] = counter
-                stack.append((node, True))
-            children = []
-            for fname in child_fields(tp):
-                value = getattr(node, fname)
-                if isinstance(value, cst.CSTNode):
-                    children.append(value)
-                elif type(value) in (tuple, list):
-                    children.extend(c for c in value if isinstance(c, cst.CSTNode))
-            stack.extend((c, False) for c in reversed(children))
         self.collectives = [(o, c) for o, c in calls if is_collective(resolved.get(c))]
         # calls of this file's helpers that communicate (`reduce_tensor(t)` wrapping dist.all_reduce)
         helpers = set()
@@ -192,6 +172,21 @@ class SourceIndex:
                 if name in helpers:
                     self.collectives.append((o, c))
             self.collectives.sort(key=lambda item: item[0])
+
+
+class _Spans:
+    """`start[node]` / `end[node]` for loops and assignments (`get` defaults for others)."""
+
+    def __init__(self, where) -> None:
+        self.where = where
+
+    def __getitem__(self, node: cst.CSTNode) -> int:
+        if not isinstance(node, _SPANNED):
+            raise KeyError(node)
+        return self.where(node)
+
+    def get(self, node: cst.CSTNode, default: int) -> int:
+        return self.where(node) if isinstance(node, _SPANNED) else default
 
 
 def source_index(ctx: Context) -> SourceIndex:
@@ -488,7 +483,7 @@ class ReduceCounts(Rule):
 
     def _loop(self, loop: cst.For, names: List[str]) -> None:
         ctx = self.ctx
-        if any(isinstance(n, (cst.Return, cst.Yield)) for n in iter_nodes(loop.body, skip_defs=True)):
+        if ctx.within(loop.body, cst.Return, cst.Yield, skip_defs=True):
             return  # some ranks may leave the loop early and never reach a reduction after it
         candidates = []
         for name in names:

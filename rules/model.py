@@ -38,6 +38,7 @@ from torchmigrate.finding import Safety, insert_after, insert_before, remove, re
 from torchmigrate.imports import dotted, iter_statements
 from torchmigrate.nodes import arg as call_arg
 from torchmigrate.nodes import code, expr, kwarg, set_kwarg, stmt, with_args
+from torchmigrate.positions import code_for
 from torchmigrate.rule import Context, Example, Rule
 
 CODES = ("TM301", "TM302", "TM303", "TM304", "TM305", "TM306")
@@ -211,6 +212,7 @@ class Plan:
         self._assigns: Dict[str, List[Tuple[cst.CSTNode, Optional[cst.BaseExpression]]]] = {}
         self._bn_cache: Dict[cst.CSTNode, bool] = {}
         self._text_cache: Dict[cst.CSTNode, str] = {}
+        self._words_cache: Dict[cst.CSTNode, str] = {}
         self._memo: Dict[tuple, object] = {}
         self._delegated: Optional[Set[cst.CSTNode]] = None
         self._final: Optional[List[Wrap]] = None
@@ -301,8 +303,22 @@ class Plan:
 
     def text(self, node: cst.CSTNode) -> str:
         if node not in self._text_cache:
-            self._text_cache[node] = self.ctx.module.code_for_node(node)
+            self._text_cache[node] = code_for(node, self.ctx.module)
         return self._text_cache[node]
+
+    def words(self, node: cst.CSTNode) -> str:
+        """The names and string literals under `node`, space-separated, attribute names with
+        their dot (`.BatchNorm2d`): what the text searches below look for, without generating
+        the code of whole classes (comments are left out, which only removes false hits)."""
+        found = self._words_cache.get(node)
+        if found is None:
+            parent = self.ctx.parent
+            out = []
+            for n in self.ctx.within(node, cst.Name, cst.SimpleString):
+                up = parent(n)
+                out.append("." + n.value if type(up) is cst.Attribute and up.attr is n else n.value)
+            found = self._words_cache[node] = " ".join(out)
+        return found
 
     @staticmethod
     def params(func: cst.FunctionDef) -> Set[str]:
@@ -1001,7 +1017,7 @@ class Plan:
         if node in self._bn_cache:
             return self._bn_cache[node]
         seen.add(node)
-        found = self._text_has_bn(self.text(node), seen)
+        found = self._text_has_bn(self.words(node), seen)
         self._bn_cache[node] = found
         return found
 
@@ -1085,10 +1101,9 @@ class Plan:
         methods: Dict[str, str] = {}
         if klass is not None and isinstance(klass.body, cst.IndentedBlock):
             for f in klass.body.body:
-                if isinstance(f, cst.FunctionDef) and f.name.value != "__init__":
-                    text = self.text(f)
-                    if "requires_grad" in text:
-                        methods[f.name.value] = text
+                if isinstance(f, cst.FunctionDef) and f.name.value != "__init__" \
+                        and "requires_grad" in self.words(f):
+                    methods[f.name.value] = self.text(f)
         freeze = unfreeze = ""
         root = w.name
         if self._freeze_sites is None:
@@ -1098,7 +1113,7 @@ class Plan:
             for k in self.f.classes.values():
                 if isinstance(k.body, cst.IndentedBlock):
                     for f in k.body.body:
-                        if isinstance(f, cst.FunctionDef) and "requires_grad" in self.text(f):
+                        if isinstance(f, cst.FunctionDef) and "requires_grad" in self.words(f):
                             names.add(f.name.value)
             method_calls = [(c, c.func.attr.value) for c, _ in self.f.calls
                             if isinstance(c.func, cst.Attribute) and c.func.attr.value in names]
