@@ -291,7 +291,16 @@ class Rule:
 
     @classmethod
     def callbacks(cls) -> Tuple[List[Tuple[type, str]], List[Tuple[type, str]]]:
-        """(node type, method name) pairs for the visit and leave methods this rule defines."""
+        """(node type, method name) pairs for the visit and leave methods this rule defines
+        (found once per class: `dir()` of a rule costs more than a small file's walk)."""
+        found = cls.__dict__.get("_callbacks")
+        if found is None:
+            found = cls._find_callbacks()
+            cls._callbacks = found
+        return found
+
+    @classmethod
+    def _find_callbacks(cls) -> Tuple[List[Tuple[type, str]], List[Tuple[type, str]]]:
         visits, leaves = [], []
         for attr in dir(cls):
             for prefix, out in (("visit_", visits), ("leave_", leaves)):

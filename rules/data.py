@@ -318,6 +318,7 @@ class DataFacts:
         self.dict_refs: Dict[Tuple[int, str], List[Ref]] = {}
         self.heads: Set[str] = set()  # first names of every ref key: a cheap filter for lookups
         self.hoists: Dict[cst.CSTNode, "_Hoists"] = {}
+        self._sites: Optional[Tuple[Tuple[int, int, int], List[Tuple[cst.CSTNode, List[Ref]]]]] = None
         self.distributed = analysis.is_distributed(ctx)
         self.skip_file = any(ctx.imports.imports_module(m) for m in SELF_SHARDING)
         calls = [c for c, name in self.facts.calls if name in DATALOADERS]
@@ -864,10 +865,20 @@ class DataFacts:
         """(expression, ref) for every expression in the module that names a loader for which
         `want(loader)` holds: `train_loader`, `self.val_loader`, `loaders[phase]`. Attribute
         reads (`loader.dataset`) and parameter or definition names are not uses."""
+        for node, found in self._use_sites():
+            for ref in found:
+                if any(want(x) for x in ref.loaders):
+                    yield node, ref
+
+    def _use_sites(self) -> List[Tuple[cst.CSTNode, List[Ref]]]:
+        """Every expression naming a known loader, with its refs (found once, after the refs
+        are complete; recomputed if a ref is added later)."""
+        version = (len(self.refs), len(self.dict_refs), len(self.heads))
+        if self._sites is not None and self._sites[0] == version:
+            return self._sites[1]
         ctx = self.ctx
-        heads = {ref.key.split(".")[0].split("[")[0] for ref in self.refs.values()
-                 if any(want(x) for x in ref.loaders)}
-        for name in self.scan.named(heads) if self.scan is not None else ():
+        sites = []
+        for name in self.scan.named(self.heads) if self.scan is not None else ():
             parent = ctx.parent(name)
             if isinstance(parent, cst.Attribute) and parent.attr is name:
                 continue
@@ -884,14 +895,13 @@ class DataFacts:
                 if isinstance(up, (cst.Attribute, cst.Subscript)) and up.value is node:
                     node = up
                     continue
-                found = []
                 break
             up = ctx.parent(node)
             if not found or isinstance(up, (cst.Attribute, cst.Subscript)) and up.value is node:
                 continue  # `loader.dataset`, `loader.sampler`: not an iteration
-            for ref in found:
-                if any(want(x) for x in ref.loaders):
-                    yield node, ref
+            sites.append((node, found))
+        self._sites = (version, sites)
+        return sites
 
     def _iterated_with_grad(self, loader: Loader) -> bool:
         """A `for` (or comprehension) over the loader runs outside no_grad/inference_mode."""

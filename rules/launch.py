@@ -60,10 +60,7 @@ def _module_level_work(ctx: Context, guard: cst.If) -> bool:
     first: it builds an optimizer (the model TM301 wraps there), moves something to a device,
     or trains (`_trains_at_module_level`)."""
     def at_module_level(node: cst.CSTNode) -> bool:
-        for anc in ctx.ancestors(node):
-            if anc is guard or isinstance(anc, (cst.FunctionDef, cst.ClassDef, cst.Lambda)):
-                return False
-        return True
+        return _outside(ctx, node, guard) is None
 
     for opt in analysis.optimizers(ctx):
         if at_module_level(opt.call):
@@ -73,6 +70,21 @@ def _module_level_work(ctx: Context, guard: cst.If) -> bool:
                 and at_module_level(call):
             return True
     return _trains_at_module_level(ctx, guard)
+
+
+def _outside(ctx: Context, node: cst.CSTNode, guard: Optional[cst.If]) -> Optional[cst.CSTNode]:
+    """None for code at module level, else the innermost function, class or lambda holding
+    `node`, or the top-level `guard` (an `if __name__ == "__main__":`) holding it."""
+    scope = ctx.enclosing(node, cst.FunctionDef, cst.ClassDef, cst.Lambda)
+    if scope is not None:
+        return scope
+    if guard is not None:
+        where = ctx.position(node)
+        if where is None:  # a node built by a rule: ask its ancestors
+            return guard if any(anc is guard for anc in ctx.ancestors(node)) else None
+        if ctx.position(guard) <= where <= ctx.last_position(guard):
+            return guard
+    return None
 
 
 def _is_script(ctx: Context) -> bool:
@@ -90,11 +102,7 @@ def _trains_at_module_level(ctx: Context, guard: Optional[cst.If]) -> bool:
     `.step()` / `.fit()`, builds an optimizer, or calls an entry function of this file
     (`main()`, `train()`, or one that runs `.backward()` or builds an optimizer)."""
     def outside(node: cst.CSTNode) -> Optional[cst.CSTNode]:
-        """None at module level, else the enclosing function/class/guard."""
-        for anc in ctx.ancestors(node):
-            if anc is guard or isinstance(anc, (cst.FunctionDef, cst.ClassDef, cst.Lambda)):
-                return anc
-        return None
+        return _outside(ctx, node, guard)
 
     trainers = set()  # functions that train
     for opt in analysis.optimizers(ctx):

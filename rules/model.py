@@ -1055,16 +1055,9 @@ class Plan:
         if not subs:
             return []
         uses: Dict[str, List[Tuple[Optional[cst.CSTNode], str]]] = {}
-
-        def go(node: cst.CSTNode) -> None:
-            if isinstance(node, cst.Attribute) and isinstance(node.value, cst.Name) and node.value.value == "self" \
-                    and node.attr.value in subs:
+        for node in self.ctx.within(forward.body, cst.Attribute):
+            if isinstance(node.value, cst.Name) and node.value.value == "self" and node.attr.value in subs:
                 uses.setdefault(node.attr.value, []).append(self._branch(node, forward))
-                return
-            for child in node.children:
-                go(child)
-
-        go(forward.body)
         out = []
         for name, found in uses.items():
             if any(cond is None for cond, _ in found):
