@@ -153,6 +153,12 @@ class Context:
                 found = [n for n in found if not any(a <= index.position[id(n)] <= b for a, b in spans)]
         return found
 
+    def named(self, value: str) -> List[cst.Name]:
+        """Every `Name` node spelling `value` (attribute names included), in source order."""
+        if not self.walked:
+            return [n for n in _search(self.module, (cst.Name,), False) if n.value == value]  # type: ignore[attr-defined]
+        return self._node_index().named(value)
+
     def position(self, node: cst.CSTNode) -> Optional[int]:
         """Where `node` comes in source order (None for a node the walk did not meet)."""
         return self._node_index().position.get(id(node))
@@ -229,6 +235,15 @@ class _NodeIndex:
                 bucket = by_type[tp] = []
             bucket.append(i)
         self._types: Dict[Tuple[type, ...], List[int]] = {}
+        self._names: Optional[Dict[str, List[cst.Name]]] = None
+
+    def named(self, value: str) -> List[cst.Name]:
+        if self._names is None:
+            self._names = {}
+            for i in self.by_type.get(cst.Name, ()):
+                node = self.preorder[i]
+                self._names.setdefault(node.value, []).append(node)  # type: ignore[attr-defined]
+        return self._names.get(value, [])
 
     def end(self, node: cst.CSTNode) -> int:
         """Preorder position of the last node of `node`'s subtree."""

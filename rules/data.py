@@ -289,7 +289,6 @@ class _Scan:
         self.names: List[cst.Name] = ctx.nodes(cst.Name)
         self.functions: List[cst.FunctionDef] = ctx.nodes(cst.FunctionDef)
         self.returns: List[cst.Return] = ctx.nodes(cst.Return)
-        self._by_value: Optional[Dict[str, List[cst.Name]]] = None
 
     @property
     def identifiers(self) -> Set[str]:
@@ -297,11 +296,7 @@ class _Scan:
 
     def named(self, values: Set[str]) -> List[cst.Name]:
         """The Name nodes spelling one of `values`, in source order."""
-        if self._by_value is None:
-            self._by_value = {}
-            for n in self.names:
-                self._by_value.setdefault(n.value, []).append(n)
-        found = [n for v in values for n in self._by_value.get(v, ())]
+        found = [n for v in values for n in self.ctx.named(v)]
         if len(values) > 1:
             found.sort(key=self.ctx.position)
         return found

@@ -181,22 +181,26 @@ class DeviceFromRank(Rule):
 
     def __init__(self, ctx: Context) -> None:
         super().__init__(ctx)
-        self.names: Dict[str, List[cst.CSTNode]] = {}
+        self._attributes: Optional[Dict[str, List[cst.CSTNode]]] = None
         self.ifexps: List[cst.IfExp] = []
         self.env_writes: List[cst.CSTNode] = []
         self.map_location_reported: Set[cst.CSTNode] = set()
         self.int_device_uses: Set[cst.CSTNode] = set()  # uses whose origin gets tm.device()
 
     # --- collection ---------------------------------------------------------------------
-    def visit_Name(self, node: cst.Name) -> None:
-        parent = self.ctx.parent(node)
-        if isinstance(parent, cst.Attribute) and parent.attr is node:
-            return
-        self.names.setdefault(node.value, []).append(node)
-
-    def visit_Attribute(self, node: cst.Attribute) -> None:
-        if isinstance(node.value, cst.Name):
-            self.names.setdefault(f"{node.value.value}.{node.attr.value}", []).append(node)
+    def occurrences(self, key: str) -> List[cst.CSTNode]:
+        """Where `x` (a Name, not an attribute's name) or `x.y` (an Attribute of a Name) occurs,
+        in source order."""
+        if "." not in key:
+            parent = self.ctx.parent
+            return [n for n in self.ctx.named(key) if not (
+                type(parent(n)) is cst.Attribute and parent(n).attr is n)]  # type: ignore[union-attr]
+        if self._attributes is None:
+            self._attributes = {}
+            for node in self.ctx.nodes(cst.Attribute):
+                if isinstance(node.value, cst.Name):
+                    self._attributes.setdefault(f"{node.value.value}.{node.attr.value}", []).append(node)
+        return self._attributes.get(key, [])
 
     def visit_IfExp(self, node: cst.IfExp) -> None:
         self.ifexps.append(node)
@@ -583,7 +587,7 @@ class DeviceFromRank(Rule):
 
     def _device_uses_only(self, target: str, assign: cst.Assign) -> bool:
         """Every use of the variable (anywhere in the module, by name) accepts a torch.device."""
-        for use in self.names.get(target, ()):
+        for use in self.occurrences(target):
             parent = self.ctx.parent(use)
             if isinstance(parent, cst.AssignTarget) or isinstance(parent, (cst.Param, cst.ImportAlias)):
                 continue
@@ -727,9 +731,9 @@ class _IntDevices:
     def _uses(self, binding) -> List[cst.CSTNode]:
         kind, scope, name = binding
         if kind == "attr":
-            return [u for u in self.rule.names.get(name, ()) if isinstance(u, cst.Attribute)
+            return [u for u in self.rule.occurrences(name) if isinstance(u, cst.Attribute)
                     and self.ctx.enclosing(u, cst.ClassDef) is scope]
-        return [u for u in self.rule.names.get(name, ()) if isinstance(u, cst.Name) and self._binds(u, scope)]
+        return [u for u in self.rule.occurrences(name) if isinstance(u, cst.Name) and self._binds(u, scope)]
 
     # origins
     def origins(self) -> List[cst.Assign]:
