@@ -6,6 +6,7 @@ with the output assembled in input order.
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import os
 import sys
@@ -124,8 +125,29 @@ def vendor_runtime(folder: Path) -> str:
     return str(target)
 
 
-def _process_chunk(names: Sequence[str], job: Job) -> List[Outcome]:
-    return [process_file(name, job) for name in names]
+def _process_all(names: Sequence[str], job: Job, progress: Optional[Callable[[int], None]] = None) -> List[Outcome]:
+    """`process_file` for each name, with Python's cyclic garbage collector paused.
+
+    A parse allocates about a million small objects; with automatic collection on, the
+    collector runs hundreds of times per file and each pass walks every node still alive (the
+    whole tree, until the file is done): about 10% of a migration's time. Almost all of it is
+    freed by reference counting anyway, so collection is paused and the youngest generation,
+    which holds everything a file left behind (a few reference cycles), is collected after each
+    file: memory stays flat.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        results = []
+        for name in names:
+            results.append(process_file(name, job))
+            gc.collect(0)
+            if progress:
+                progress(1)
+        return results
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def run(paths: Sequence[Path], job: Job, jobs: int = 1, progress: Optional[Callable[[int], None]] = None) -> List[Outcome]:
@@ -138,12 +160,7 @@ def run(paths: Sequence[Path], job: Job, jobs: int = 1, progress: Optional[Calla
     names = [str(p) for p in paths]
     if jobs > 1 and len(names) > 1:
         return _run_parallel(names, job, jobs, progress)
-    results = []
-    for name in names:
-        results.append(process_file(name, job))
-        if progress:
-            progress(1)
-    return results
+    return _process_all(names, job, progress)
 
 
 def _run_parallel(names: List[str], job: Job, jobs: int, progress) -> List[Outcome]:
@@ -154,7 +171,7 @@ def _run_parallel(names: List[str], job: Job, jobs: int, progress) -> List[Outco
     chunks = [names[i:i + size] for i in range(0, len(names), size)]
     done: Dict[int, List[Outcome]] = {}
     with ProcessPoolExecutor(max_workers=workers) as pool:
-        futures = {pool.submit(_process_chunk, chunk, job): i for i, chunk in enumerate(chunks)}
+        futures = {pool.submit(_process_all, chunk, job): i for i, chunk in enumerate(chunks)}
         for future in as_completed(futures):
             i = futures[future]
             try:
