@@ -3,7 +3,6 @@ remain or a change is due, 2 usage or input error. Importing this module never i
 
 from __future__ import annotations
 
-import os
 import re
 import sys
 from pathlib import Path
@@ -16,7 +15,7 @@ from torchmigrate.config import Config, ConfigError, load as load_config
 from torchmigrate.diff import colorize, use_color
 from torchmigrate.files import discover
 from torchmigrate.rule import RUNTIME_MODULE, Options
-from torchmigrate.runner import VENDORED_NAME, Job, Outcome, Progress, run
+from torchmigrate.runner import AUTO_JOBS_MIN_FILES, VENDORED_NAME, Job, Outcome, Progress, auto_jobs, run
 
 AMP_CHOICES = ("auto", "bf16", "fp16", "off")
 
@@ -50,7 +49,7 @@ def _discover(paths: Sequence[str], config: Config) -> Tuple[List[Path], List[st
 def _run(files: List[Path], job: Job, jobs: int) -> List[Outcome]:
     """Run the job over the files; a progress bar goes to stderr on a terminal for long runs."""
     if jobs == 0:
-        jobs = os.cpu_count() or 1
+        jobs = auto_jobs(len(files))
     try:
         with Progress(len(files), click.get_text_stream("stderr")) as progress:
             return run(files, job, jobs=jobs, progress=progress)
@@ -84,8 +83,9 @@ def _select(command: str, select: Sequence[str], ignore: Sequence[str], config: 
 
 
 paths_argument = click.argument("paths", nargs=-1, required=True, type=click.Path())
-jobs_option = click.option("-j", "--jobs", type=click.IntRange(0, 256), default=1, show_default=True, metavar="N",
-                           help="Process files in N worker processes (0: one per CPU); output order is unchanged.")
+jobs_option = click.option("-j", "--jobs", type=click.IntRange(0, 256), default=0, metavar="N",
+                           help="Process files in N worker processes; 0 (the default): one per CPU for runs "
+                                f"of {AUTO_JOBS_MIN_FILES} files or more, else in-process. Output order is unchanged.")
 select_option = click.option("--select", multiple=True, metavar="CODES",
                              help="Only these rule codes or prefixes, comma-separated or repeated (e.g. TM2,TM406).")
 ignore_option = click.option("--ignore", multiple=True, metavar="CODES",

@@ -150,6 +150,23 @@ def _process_all(names: Sequence[str], job: Job, progress: Optional[Callable[[in
             gc.enable()
 
 
+# `-j 0` (the default) runs this many files or more in worker processes, one per usable CPU.
+# Below it, starting the pool costs more than it saves (a file takes ~10-40 ms).
+AUTO_JOBS_MIN_FILES = 8
+
+
+def auto_jobs(files: int) -> int:
+    """Worker processes for `files` files: one per CPU this process may use, at most one per
+    four files, and none (1: in-process) for small runs such as a one-file pre-commit call."""
+    if files < AUTO_JOBS_MIN_FILES:
+        return 1
+    try:
+        cpus = len(os.sched_getaffinity(0))  # what a container or taskset allows, not the host
+    except AttributeError:  # not on Linux
+        cpus = os.cpu_count() or 1
+    return max(1, min(cpus, files // 4))
+
+
 def run(paths: Sequence[Path], job: Job, jobs: int = 1, progress: Optional[Callable[[int], None]] = None) -> List[Outcome]:
     """Process every file and return the outcomes in input order.
 
@@ -159,8 +176,15 @@ def run(paths: Sequence[Path], job: Job, jobs: int = 1, progress: Optional[Calla
     """
     names = [str(p) for p in paths]
     if jobs > 1 and len(names) > 1:
-        return _run_parallel(names, job, jobs, progress)
+        try:
+            return _run_parallel(names, job, jobs, progress)
+        except _NoPool:
+            pass  # no worker processes here (a sandbox without semaphores): do it in-process
     return _process_all(names, job, progress)
+
+
+class _NoPool(Exception):
+    """Worker processes cannot be started on this system."""
 
 
 def _run_parallel(names: List[str], job: Job, jobs: int, progress) -> List[Outcome]:
@@ -170,7 +194,11 @@ def _run_parallel(names: List[str], job: Job, jobs: int, progress) -> List[Outco
     size = max(1, min(16, len(names) // (workers * 4)))
     chunks = [names[i:i + size] for i in range(0, len(names), size)]
     done: Dict[int, List[Outcome]] = {}
-    with ProcessPoolExecutor(max_workers=workers) as pool:
+    try:
+        pool = ProcessPoolExecutor(max_workers=workers)
+    except (OSError, NotImplementedError, ImportError) as exc:
+        raise _NoPool() from exc
+    with pool:
         futures = {pool.submit(_process_all, chunk, job): i for i, chunk in enumerate(chunks)}
         for future in as_completed(futures):
             i = futures[future]

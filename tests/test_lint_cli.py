@@ -429,6 +429,38 @@ def test_parallel_output_is_deterministic(tmp_path):
     assert [d["path"] for d in data] == sorted(d["path"] for d in data)
 
 
+def test_default_jobs_use_every_cpu_only_for_runs_worth_a_pool(monkeypatch):
+    from torchmigrate import runner
+
+    monkeypatch.setattr(runner.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    assert runner.auto_jobs(1) == 1  # a one-file pre-commit call: no pool start-up
+    assert runner.auto_jobs(runner.AUTO_JOBS_MIN_FILES - 1) == 1
+    assert runner.auto_jobs(runner.AUTO_JOBS_MIN_FILES) == 2  # at most one worker per four files
+    assert runner.auto_jobs(1000) == 4  # one per usable CPU
+
+
+def test_without_worker_processes_the_run_goes_on_in_process(tmp_path, monkeypatch):
+    """Sandboxes without POSIX semaphores cannot start a process pool: same results, serially."""
+    import concurrent.futures
+
+    from torchmigrate import runner
+    from torchmigrate.rule import Options
+
+    def refuse(*args, **kwargs):
+        raise OSError(38, "Function not implemented")
+
+    monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor", refuse)
+    paths = []
+    for i in range(10):
+        path = tmp_path / f"f{i}.py"
+        path.write_text("from torch.cuda.amp import autocast\n")
+        paths.append(path)
+    job = runner.Job(Options(mode="lint"), ("TM406",))
+    outcomes = runner.run(paths, job, jobs=4)
+    assert [o.path for o in outcomes] == [str(p) for p in paths]
+    assert all(o.error is None and [r.code for r in o.records] == ["TM406"] for o in outcomes)
+
+
 # --- --dry-run: summary, colour on a terminal only, progress bar -----------------------------
 
 def test_dry_run_summary(amp_file, tmp_path, run_cli):
