@@ -47,13 +47,20 @@ def child_fields(tp: type) -> Tuple[str, ...]:
 
 def child_nodes(node: cst.CSTNode) -> List[cst.CSTNode]:
     """The node's children that rules may visit, in field order (for rules' own small walks)."""
+    tp = type(node)
+    getter = _GETTERS.get(tp, _getter)
+    if getter is _getter:
+        getter = _getter(tp)
     out: List[cst.CSTNode] = []
-    for name in child_fields(type(node)):
-        value = getattr(node, name)
-        if isinstance(value, cst.CSTNode):
+    if getter is None:
+        return out
+    is_node = _IS_NODE
+    for value in getter(node):
+        vt = type(value)
+        if vt is tuple or vt is list:
+            out.extend(c for c in value if is_node.get(type(c)) or is_node_type(type(c)))
+        elif is_node.get(vt) or is_node_type(vt):
             out.append(value)
-        elif isinstance(value, (tuple, list)):
-            out.extend(c for c in value if isinstance(c, cst.CSTNode))
     return out
 
 
