@@ -204,7 +204,7 @@ def _process(source: str, path: str, options: Options, rules: Sequence[RuleType]
     findings = ctx.findings
     if not findings:
         return SourceResult(source, source)
-    where, layout = positions_and_layout(module, [f.node for f in findings], source)
+    where, layout = positions_and_layout(module, [f.node for f in findings], source, ctx.parents)
     for finding in findings:
         finding.line, finding.col = where.get(finding.node, (1, 0))
         finding.suppressed = suppressions.covers(finding.code, finding.line)
