@@ -1100,6 +1100,8 @@ class _Planner:
                 if d:
                     names.add(d)
         root = root_name(loss)
+        if root and self.resolved.get(loss) is not None:
+            root = None  # `F.cross_entropy(model(x), y)`: a library function, not a loss's method
         if root:
             names.add(root)
         if inline_call and not root:

@@ -216,9 +216,7 @@ def check_torch_program(source: str, mode: str) -> None:
 
 
 # Fixture inputs that hit a known rule bug (minimal cases in the xfail tests further down).
-KNOWN_FIXTURE_BUGS = {
-    ("TM301/unwrap_params.in.py", "ddp"): "TM401: forward inside `.backward()`, autocast added on the second run",
-}
+KNOWN_FIXTURE_BUGS: dict = {}  # (fixture, mode) -> description; none known now
 
 
 @pytest.mark.parametrize("mode", ["ddp", "amp", "lint-fix"])
@@ -325,11 +323,16 @@ for x, y in loader:
 """
 
 
-@pytest.mark.xfail(reason="rule bug: with the forward inside `....backward()` the first ddp run adds "
-                          "GradScaler but no autocast; the second run wraps the device-move line TM103 "
-                          "inserted in `with tm.autocast():` (TM401 region choice)", strict=False)
-def test_known_bug_tm401_forward_inside_backward():
-    assert _second_run_additions(TM401_FORWARD_IN_BACKWARD, "ddp") == []
+@pytest.mark.parametrize("mode", ["ddp", "amp"])
+def test_tm401_forward_inside_backward(mode):
+    """Was a rule bug: `F.cross_entropy(model(x), y).backward()` was read as a method call on
+    an object named `torch.nn.functional`, so the autocast region went back to the statement
+    binding `model` (its construction) and a second run wrapped the data move in autocast.
+    Now the forward inside the backward is reported for a manual change, and nothing moves."""
+    result = run(TM401_FORWARD_IN_BACKWARD, mode)
+    assert "with tm.autocast():\n    model = " not in result.new_source
+    assert any(f.code == "TM401" and "forward runs inside" in f.message for f in result.findings)
+    assert _second_run_additions(TM401_FORWARD_IN_BACKWARD, mode) == []
 
 
 @pytest.mark.parametrize("mode", ["ddp", "amp"])
