@@ -159,6 +159,12 @@ class Context:
             return [n for n in _search(self.module, (cst.Name,), False) if n.value == value]  # type: ignore[attr-defined]
         return self._node_index().named(value)
 
+    def positioned(self, *types: type) -> List[Tuple[int, cst.CSTNode]]:
+        """`(position, node)` for every node of these types, in source order."""
+        index = self._node_index()
+        preorder = index.preorder
+        return [(i, preorder[i]) for i in index.spots(types)]
+
     def position(self, node: cst.CSTNode) -> Optional[int]:
         """Where `node` comes in source order (None for a node the walk did not meet)."""
         return self._node_index().position.get(id(node))
@@ -253,12 +259,17 @@ class _NodeIndex:
                 return self.position[id(node)]
             node = children[-1]
 
-    def find(self, types: Tuple[type, ...], start: int, end: Optional[int]) -> List[cst.CSTNode]:
-        spots = self._types.get(types)
-        if spots is None:
+    def spots(self, types: Tuple[type, ...]) -> List[int]:
+        """Positions of the nodes of these types (or their subclasses), ascending."""
+        found = self._types.get(types)
+        if found is None:
             lists = [v for tp, v in self.by_type.items() if issubclass(tp, types)]
-            spots = lists[0] if len(lists) == 1 else sorted(i for v in lists for i in v)
-            self._types[types] = spots
+            found = lists[0] if len(lists) == 1 else sorted(i for v in lists for i in v)
+            self._types[types] = found
+        return found
+
+    def find(self, types: Tuple[type, ...], start: int, end: Optional[int]) -> List[cst.CSTNode]:
+        spots = self.spots(types)
         lo = bisect_left(spots, start) if start else 0
         hi = len(spots) if end is None else bisect_right(spots, end)
         preorder = self.preorder

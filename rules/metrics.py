@@ -148,12 +148,11 @@ class SourceIndex:
     use (only for files with candidate loops)."""
 
     def __init__(self, ctx: Context) -> None:
-        position = ctx.position
         self.names: Dict[str, List[Tuple[int, cst.Name]]] = {}
-        for name in ctx.nodes(cst.Name):
-            self.names.setdefault(name.value, []).append((position(name), name))
-        calls = self.calls = [(position(c), c) for c in ctx.nodes(cst.Call)]
-        self.start = _Spans(position)
+        for spot in ctx.positioned(cst.Name):
+            self.names.setdefault(spot[1].value, []).append(spot)  # type: ignore[attr-defined, arg-type]
+        calls = self.calls = ctx.positioned(cst.Call)  # type: ignore[assignment]
+        self.start = _Spans(ctx.position)
         self.end = _Spans(ctx.last_position)
         resolved = {call: name for call, name in analysis.facts(ctx).calls}
         self.resolved = resolved

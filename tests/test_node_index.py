@@ -96,3 +96,24 @@ def test_during_the_walk_queries_search_and_positions_refuse():
 
     run_rules(cst.parse_module("import torch\nf(g(1))\nh()\n"), "x.py", Options(mode="lint"), [Early])
     assert seen["calls"] == 3
+
+
+def test_positioned_pairs_positions_with_nodes(script):
+    assert script.positioned(cst.Name, cst.Call) == [
+        (script.position(n), n) for n in script.nodes(cst.Name, cst.Call)]
+
+
+def test_calls_to_answers_in_source_order_for_names_and_prefixes():
+    from torchmigrate.analysis import calls_to
+
+    ctx = walked(
+        "import torch\nimport torch.distributed as dist\n"
+        "dist.barrier()\ntorch.manual_seed(0)\ndist.init_process_group('gloo')\ntorch.manual_seed(1)\n"
+        "dist.barrier()\n")
+    text = lambda calls: [cst.Module([]).code_for_node(c) for c in calls]  # noqa: E731
+    assert text(calls_to(ctx, "torch.manual_seed")) == ["torch.manual_seed(0)", "torch.manual_seed(1)"]
+    assert text(calls_to(ctx, "torch.distributed.")) == [
+        "dist.barrier()", "dist.init_process_group('gloo')", "dist.barrier()"]
+    assert text(calls_to(ctx, "torch.distributed.barrier", "torch.manual_seed")) == [
+        "dist.barrier()", "torch.manual_seed(0)", "torch.manual_seed(1)", "dist.barrier()"]
+    assert calls_to(ctx, "torch.nothing") == []
