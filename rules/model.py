@@ -269,7 +269,9 @@ class Plan:
 
     # --- indexes -----------------------------------------------------------------------
     def _index(self) -> None:
-        for i, s in enumerate(iter_statements(self.ctx.module.body)):
+        # every statement line, one-line suite and compound statement, in source order
+        for i, s in enumerate(self.ctx.nodes(cst.SimpleStatementLine, cst.SimpleStatementSuite,
+                                             cst.BaseCompoundStatement)):
             self._order[s] = i
         for a in self.f.assigns:
             for t in a.targets:
