@@ -126,26 +126,22 @@ def walk(
             getter = _getter(tp)
         if getter is None:
             continue
-        children: List[cst.CSTNode] = []
-        add = children.append
-        for value in getter(node):
+        # children pushed last-first, so they pop in field order
+        for value in reversed(getter(node)):
             vt = type(value)
             if vt is tuple or vt is list:
-                for child in value:
+                for child in reversed(value):
                     ct = type(child)
                     flag = is_node.get(ct)
                     if flag is None:
                         flag = is_node_type(ct)
                     if flag:
                         parents[child] = node
-                        add(child)
+                        push(child)
             else:
                 flag = is_node.get(vt)
                 if flag is None:
                     flag = is_node_type(vt)
                 if flag:
                     parents[value] = node
-                    add(value)
-        if children:
-            children.reverse()
-            stack.extend(children)
+                    push(value)
