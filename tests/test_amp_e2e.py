@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 
 from conftest import FIXTURES
+from launcher import torchrun
 
 torch = pytest.importorskip("torch")
 
@@ -173,9 +174,9 @@ def test_ddp_migrated_script_trains_under_torchrun(probe, tmp_path, name):
     assert "tm.GradScaler(" in source and "tm.autocast(" in source
     out = tmp_path / "out"
     out.mkdir()
-    run = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", work / name],
-               tmp_path, _env(out, probe))
-    assert run.returncode == 0, run.output[-4000:]
+    run = torchrun("--standalone", "--nproc-per-node=2", work / name, env=_env(out, probe), cwd=tmp_path,
+                   timeout=300, stale=[out / "amp_*.json"])
+    assert run.returncode == 0, run.report()
     epochs = _epochs(run.output)
     assert [e for e, _ in epochs] == [0, 1, 2], f"each epoch line once:\n{run.output[-3000:]}"
     assert epochs[-1][1] < epochs[0][1], f"loss must go down: {epochs}"

@@ -5,16 +5,15 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import libcst as cst
 import pytest
 
 from conftest import FIXTURES, migrate
+from launcher import torchrun
 from torchmigrate.engine import process_source, run_rules
 from torchmigrate.nodes import code
 from torchmigrate.rule import Options
@@ -375,11 +374,6 @@ if __name__ == "__main__":
 '''
 
 
-def _torchrun():
-    exe = shutil.which("torchrun") or str(Path(sys.executable).with_name("torchrun"))
-    return exe if os.path.exists(exe) else None
-
-
 def test_migrated_loaders_shard_under_torchrun(tmp_path):
     script = tmp_path / "seen.py"
     result = process_source(SEEN, str(script), Options(mode="ddp"), DATA_RULES)
@@ -390,11 +384,9 @@ def test_migrated_loaders_shard_under_torchrun(tmp_path):
     subprocess.run([sys.executable, str(script)], env=env, check=True, timeout=120)
     single = json.loads((tmp_path / "seen_0.json").read_text())
     assert sorted(single["train"][0]) == list(range(64)) and single["val"][0] == list(range(21))
-    torchrun = _torchrun()
-    if torchrun is None:
-        pytest.skip("torchrun not available")
-    subprocess.run([torchrun, "--standalone", "--nproc-per-node=2", str(script)], env=env, check=True,
-                   timeout=180, capture_output=True)
+    run = torchrun("--standalone", "--nproc-per-node=2", script, env=env, timeout=180,
+                   stale=[tmp_path / "seen_*.json"])
+    assert run.returncode == 0, run.report()
     ranks = [json.loads((tmp_path / f"seen_{r}.json").read_text()) for r in (0, 1)]
     for epoch in range(3):
         a, b = ranks[0]["train"][epoch], ranks[1]["train"][epoch]

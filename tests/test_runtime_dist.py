@@ -8,12 +8,13 @@ from __future__ import annotations
 import json
 import os
 import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from launcher import Launch, launch_retrying_gloo_abort, torchrun, torchrun_cmd
 
 PROBES = Path(__file__).parent / "runtime_probe"
 TIMEOUT = 120
@@ -37,37 +38,17 @@ def clean_env(**extra) -> dict:
     return env
 
 
-def run(cmd, env) -> subprocess.CompletedProcess:
-    try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT)
-    except subprocess.TimeoutExpired as e:
-        raise AssertionError(f"{cmd} timed out:\n{e.stdout}\n{e.stderr}") from None
-    assert proc.returncode == 0, f"{cmd} failed:\n{proc.stdout}\n{proc.stderr}"
-    return proc
-
-
-def run_all(cmds, envs) -> list[str]:
-    """Start several processes at once (they rendezvous with each other); wait for all."""
-    procs = [subprocess.Popen(c, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for c, e in zip(cmds, envs)]
-    outs, timed_out = [], False
-    for p in procs:
-        try:
-            outs.append(p.communicate(timeout=TIMEOUT)[0])
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            for q in procs:
-                if q.poll() is None:
-                    q.kill()
-            outs.append(p.communicate()[0])
-    report = "\n".join(f"--- {p.args} rc={p.returncode}\n{out}" for p, out in zip(procs, outs))
-    if timed_out or any(p.returncode for p in procs):
-        raise LaunchError(report)
-    return outs
-
-
 class LaunchError(AssertionError):
-    pass
+    """A launch group failed; `run_with_free_port` reads its report to decide on a new port."""
+
+
+def run_group(cmds, envs, stale) -> Launch:
+    """Start processes that rendezvous with each other, retrying the whole group once on the gloo
+    exit abort; any failure raises with every process's full output."""
+    result = launch_retrying_gloo_abort(cmds, envs, timeout=TIMEOUT, stale=stale)
+    if result.returncode:
+        raise LaunchError(result.report())
+    return result
 
 
 def run_with_free_port(launch):
@@ -85,10 +66,6 @@ def read_ranks(outdir: Path, world: int) -> list[dict]:
     return [json.loads((outdir / f"rank{r}.json").read_text()) for r in range(world)]
 
 
-def torchrun(*args) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", *args]
-
-
 # ------------------------------------------------------------------ one node, two processes
 
 @pytest.fixture(scope="module", params=[
@@ -97,9 +74,10 @@ def collectives(request, tmp_path_factory):
     """Run tests/runtime_probe/collectives.py under torchrun with 2 processes, once per backend."""
     outdir = tmp_path_factory.mktemp(f"collectives_{request.param}")
     extra = {"CUDA_VISIBLE_DEVICES": ""} if request.param == "gloo" else {}
-    proc = run(torchrun("--standalone", "--nproc-per-node=2",
-                        str(PROBES / "collectives.py"), str(outdir)), clean_env(**extra))
-    return {"backend": request.param, "outdir": outdir, "stdout": proc.stdout,
+    run = torchrun("--standalone", "--nproc-per-node=2", PROBES / "collectives.py", outdir,
+                   env=clean_env(**extra), timeout=TIMEOUT, stale=[outdir / "*"])
+    assert run.returncode == 0, run.report()
+    return {"backend": request.param, "outdir": outdir, "output": run.output,
             "r": read_ranks(outdir, 2)}
 
 
@@ -201,7 +179,7 @@ def test_no_sync_skips_gradient_allreduce(collectives):
 
 
 def test_print_and_logging_once(collectives):
-    lines = collectives["stdout"].splitlines()
+    lines = collectives["output"].splitlines()
     assert [ln for ln in lines if "PRINT-MARKER" in ln] == ["PRINT-MARKER from rank 0"]
     assert [ln for ln in lines if "INFO-MARKER" in ln] == ["INFO-MARKER from rank 0"]
     warns = sorted(ln for ln in lines if "WARN-MARKER" in ln)
@@ -224,10 +202,11 @@ def check_training(ranks, world):
 def test_two_nodes_on_localhost(tmp_path):
     """Two torchrun agents (--nnodes=2), one process each, rendezvous on 127.0.0.1."""
     env = clean_env(CUDA_VISIBLE_DEVICES="")
-    run_with_free_port(lambda port: run_all(
-        [torchrun("--nnodes=2", f"--node-rank={node}", "--nproc-per-node=1",
-                  "--rdzv-backend=static", "--master-addr=127.0.0.1", f"--master-port={port}",
-                  str(PROBES / "train.py"), str(tmp_path)) for node in (0, 1)], [env, env]))
+    run_with_free_port(lambda port: run_group(
+        [torchrun_cmd("--nnodes=2", f"--node-rank={node}", "--nproc-per-node=1",
+                      "--rdzv-backend=static", "--master-addr=127.0.0.1", f"--master-port={port}",
+                      PROBES / "train.py", tmp_path) for node in (0, 1)], [env, env],
+        stale=[tmp_path / "rank*.json"]))
     ranks = read_ranks(tmp_path, 2)
     check_training(ranks, 2)
     assert [r["local_rank"] for r in ranks] == [0, 0]
@@ -239,7 +218,8 @@ def test_slurm_two_tasks_without_torchrun(tmp_path):
         envs = [clean_env(CUDA_VISIBLE_DEVICES="", SLURM_PROCID=str(r), SLURM_LOCALID=str(r),
                           SLURM_NTASKS="2", SLURM_JOB_ID="4242", MASTER_PORT=str(port))
                 for r in (0, 1)]
-        run_all([[sys.executable, str(PROBES / "train.py"), str(tmp_path)]] * 2, envs)
+        run_group([[sys.executable, PROBES / "train.py", tmp_path]] * 2, envs,
+                  stale=[tmp_path / "rank*.json"])
         return port
 
     port = run_with_free_port(launch)

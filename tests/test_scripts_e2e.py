@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from conftest import FIXTURES
+from launcher import Launch, torchrun
 
 torch = pytest.importorskip("torch")
 
@@ -53,21 +54,11 @@ def _run(args, cwd: Path, env: dict, timeout: int = 180) -> subprocess.Completed
     return proc
 
 
-# A known gloo teardown race in PyTorch: a rank aborts at interpreter exit, after training and
-# saving finished, with this message (seen about 1 run in 20 on 2 loaded cores even with the
-# runtime's barrier before destroy_process_group). One retry keeps CI honest but not flaky.
-GLOO_EXIT_ABORT = "terminate called without an active exception"
-
-
-def _torchrun(script: Path, cwd: Path, env: dict) -> subprocess.CompletedProcess:
-    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script)]
-    proc = _run(args, cwd, env)
-    if proc.returncode != 0 and GLOO_EXIT_ABORT in proc.output:
-        probe = env.get("TM_PROBE_DIR")
-        for stale in Path(probe).glob("rank*.json") if probe else ():
-            stale.unlink()
-        proc = _run(args, cwd, env)
-    return proc
+def _torchrun(script: Path, cwd: Path, env: dict) -> Launch:
+    """Two CPU ranks; a retry after the gloo exit abort starts without the probe's old records."""
+    probe = env.get("TM_PROBE_DIR")
+    return torchrun("--standalone", "--nproc-per-node=2", script, env=env, cwd=cwd, timeout=180,
+                    stale=[Path(probe) / "rank*.json"] if probe else [])
 
 
 def _epochs(output: str):
@@ -140,7 +131,7 @@ def test_migrated_script_trains_under_torchrun(name, migrated, tmp_path):
     probe.mkdir()
     env = _env(ddp_out, TM_PROBE_DIR=probe, PYTHONPATH=os.pathsep.join([str(PROBE), os.environ.get("PYTHONPATH", "")]))
     run = _torchrun(script, tmp_path, env)
-    assert run.returncode == 0, run.output[-4000:]
+    assert run.returncode == 0, run.report()
     epochs = _epochs(run.output)
     numbers = [e for e, _ in epochs]
     assert sorted(set(numbers)) == numbers and len(numbers) == 3, f"each epoch line once:\n{run.output[-3000:]}"
@@ -168,9 +159,10 @@ def test_migrated_script_trains_under_torchrun(name, migrated, tmp_path):
     assert records[0]["params"] and records[0]["params"] == records[1]["params"], "parameters identical across ranks"
 
     # resume from the checkpoint the distributed run wrote
-    if name in RESUMABLE:
-        resumed = _torchrun(script, tmp_path, _env(ddp_out, EPOCHS=5, RESUME=ckpt))
-        assert resumed.returncode == 0, resumed.output[-3000:]
+    if name in RESUMABLE:  # from a copy: a retried run must not resume from its first attempt's save
+        start = shutil.copy(ckpt, tmp_path / "resume_from.pt")
+        resumed = _torchrun(script, tmp_path, _env(ddp_out, EPOCHS=5, RESUME=start))
+        assert resumed.returncode == 0, resumed.report()
         assert resumed.output.count("resumed from epoch") == 1, resumed.output[-3000:]
         assert [e for e, _ in _epochs(resumed.output)] == [3, 4]
 
