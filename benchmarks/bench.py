@@ -10,7 +10,7 @@ temporary folder, then measures, each as the median of `--repeat` runs:
 - parse-only: read + decode + `libcst.parse_module` of every file, in-process and as a fresh
   subprocess (interpreter start and `import libcst` included, which is what the CLI pays too);
 - `torchmigrate lint` and `torchmigrate ddp --check` end to end (subprocess, wall clock), with
-  `-j 1` and `-j 2`;
+  `-j 1`, `-j 2` and the default (one worker per CPU for a run this size);
 - cold start: `torchmigrate lint one_file.py` (median of `--cold` runs);
 - peak RSS of `lint -j 1` on a quarter of the corpus vs the whole corpus (memory must be flat);
 - optionally TorchFix (`--torchfix PATH` to its console script, or found on PATH) with `-j 1`,
@@ -204,6 +204,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             ("lint -j 2", [*tm, "lint", "--exit-zero", "-j", "2", str(big)]),
             ("ddp --check -j 1", [*tm, "ddp", "--check", "-j", "1", str(big)]),
             ("ddp --check -j 2", [*tm, "ddp", "--check", "-j", "2", str(big)]),
+            ("lint (default -j)", [*tm, "lint", "--exit-zero", str(big)]),
+            ("ddp --check (default -j)", [*tm, "ddp", "--check", str(big)]),
         ):
             wall, cpu, _ = median_run(cmd, args.repeat)
             runs[label] = wall
