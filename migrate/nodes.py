@@ -6,6 +6,7 @@ rules use these plain functions instead.
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Optional, Sequence
 
 import libcst as cst
@@ -20,11 +21,17 @@ def code(node: cst.CSTNode) -> str:
     return code_for(node, _EMPTY)  # the text of `_EMPTY.code_for_node(node)`, ~1/3 faster
 
 
+@lru_cache(maxsize=4096)
 def expr(text: str) -> cst.BaseExpression:
+    """The expression `text`, parsed once per text: LibCST nodes are immutable, so one node can
+    serve every file and every place it is inserted (rules build the same `tm.device()`,
+    `tm.setup()`, `tm.is_main()` thousands of times in a large run)."""
     return cst.parse_expression(text)
 
 
+@lru_cache(maxsize=4096)
 def stmt(text: str) -> cst.BaseStatement:
+    """The statement `text`, parsed once per text (see `expr`)."""
     return cst.parse_statement(text if text.endswith("\n") else text + "\n")
 
 
