@@ -30,13 +30,16 @@ from __future__ import annotations
 import builtins
 import contextlib
 import datetime
+import gc
 import logging
 import numbers
 import os
 import random
 import re
 import sys
+import types
 import uuid
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -68,6 +71,7 @@ class Ctx:
 _CTX: Ctx | None = None
 _OWN_PG = False  # True when setup() created the process group (so cleanup() destroys it)
 _LOG_DISABLED = False
+_DDP_WRAPPERS: weakref.WeakSet = weakref.WeakSet()  # wrap_model's DDPs, released by cleanup()
 
 
 def _first_host(nodelist: str) -> str:
@@ -182,13 +186,46 @@ def setup(backend: str | None = None, timeout=None) -> Ctx:
     return _CTX
 
 
+def _plain_forward(self, *inputs, **kwargs):
+    return self.module(*inputs, **kwargs)
+
+
+def _release_ddp(ddp: DistributedDataParallel) -> None:
+    """Drop what ties a DDP wrapper to the process group, leaving a plain pass-through wrapper.
+
+    DDP's C++ ``reducer`` (also held by its ``logger``) owns references to the process group and
+    to gradient hooks on every parameter. While the user's script still holds the wrapper (a
+    module-level ``model``), that Reducer lives on past ``destroy_process_group()`` and is only
+    freed during interpreter shutdown, and gloo then sometimes aborts a rank at exit ("terminate
+    called without an active exception"; measured: freeing the wrapper before the teardown
+    avoids it). Dropping the Reducer also removes its autograd hooks. Afterwards the wrapper's
+    ``forward`` calls ``self.module`` directly (no gradient all-reduce, no buffer broadcast), so
+    ``model(x)``, ``model.module``, ``state_dict()`` and even local backward passes keep working
+    in this one process; DDP-specific methods (``join``, comm hooks) do not.
+    """
+    ddp.require_backward_grad_sync = False  # also turns off the python reducer's grad hooks
+    for handle in getattr(ddp, "_accum_grad_hooks", ()):
+        handle.remove()
+    for name in ("_accum_grad_hooks", "_comm_hooks"):
+        if isinstance(getattr(ddp, name, None), list):
+            setattr(ddp, name, [])
+    ddp.__dict__.pop("buffer_hook", None)  # a buffer comm hook's state may hold the group
+    ddp.forward = types.MethodType(_plain_forward, ddp)
+    ddp.reducer = ddp.logger = ddp.process_group = None
+
+
 def cleanup() -> None:
     """Destroy the process group ``setup()`` created (no-op without one; safe to call twice) and
     re-enable logging on non-main ranks. A later ``setup()`` starts afresh.
 
     On a normal exit the ranks first meet at a barrier: a rank that tears the group down while
     another is still saving can abort gloo ("terminate called without an active exception").
-    While an exception is propagating there is no barrier, since the other ranks may never come.
+    Then the DDP wrappers made by ``wrap_model`` are released (see ``_release_ddp``: their C++
+    Reducer, kept alive by the script's own ``model`` variable, is what otherwise outlives the
+    group and can abort gloo at interpreter exit) and ``gc.collect()`` runs before the group is
+    destroyed. The wrappers stay usable for plain forward passes in this process.
+    While an exception is propagating there is no barrier and no release (the other ranks may
+    never come, and a Reducer may be mid-backward): the group is just destroyed.
     """
     global _CTX, _OWN_PG, _LOG_DISABLED
     if _OWN_PG and _pg():
@@ -197,6 +234,11 @@ def cleanup() -> None:
                 barrier()
             except Exception:  # a peer already gone: tear down anyway
                 pass
+            for ddp in list(_DDP_WRAPPERS):
+                with contextlib.suppress(Exception):
+                    _release_ddp(ddp)
+            _DDP_WRAPPERS.clear()
+            gc.collect()
         dist.destroy_process_group()
     if _LOG_DISABLED:
         logging.disable(logging.NOTSET)
@@ -223,8 +265,10 @@ def wrap_model(model: nn.Module, *, find_unused_parameters: bool = False, sync_b
     _require_pg()
     if sync_bn and dev.type == "cuda":
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    return DistributedDataParallel(model, device_ids=[dev.index] if dev.type == "cuda" else None,
-                                   find_unused_parameters=find_unused_parameters, **ddp_kwargs)
+    ddp = DistributedDataParallel(model, device_ids=[dev.index] if dev.type == "cuda" else None,
+                                  find_unused_parameters=find_unused_parameters, **ddp_kwargs)
+    _DDP_WRAPPERS.add(ddp)  # cleanup() releases it before destroying the group
+    return ddp
 
 
 def unwrap(model):

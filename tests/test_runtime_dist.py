@@ -199,6 +199,22 @@ def check_training(ranks, world):
     assert [r["count"] for r in ranks] == [world * (world + 1) // 2] * world
 
 
+def test_cleanup_releases_ddp_wrapper(tmp_path):
+    """cleanup() frees the wrapper's Reducer and the gloo group although the script still holds
+    `model` (else gloo can abort a rank at interpreter exit); the wrapper still runs forward and
+    a local backward afterwards."""
+    run = torchrun("--standalone", "--nproc-per-node=2", PROBES / "release.py", tmp_path,
+                   env=clean_env(CUDA_VISIBLE_DEVICES=""), timeout=TIMEOUT,
+                   stale=[tmp_path / "*"])
+    assert run.returncode == 0, run.report()
+    for r in read_ranks(tmp_path, 2):
+        assert r["wrapped"] == "DistributedDataParallel"
+        assert r["pg_after"] is False
+        assert r["attrs"] == [True, True, True]
+        assert r["reducer_freed"] and r["group_freed"]
+        assert r["eval_same"] and r["grads"] and r["unwrap_same"]
+
+
 def test_two_nodes_on_localhost(tmp_path):
     """Two torchrun agents (--nnodes=2), one process each, rendezvous on 127.0.0.1."""
     env = clean_env(CUDA_VISIBLE_DEVICES="")
