@@ -51,7 +51,7 @@ def _run(files: List[Path], job: Job, jobs: int) -> List[Outcome]:
     if jobs == 0:
         jobs = auto_jobs(len(files))
     try:
-        with Progress(len(files), click.get_text_stream("stderr")) as progress:
+        with Progress(len(files), sys.stderr) as progress:
             return run(files, job, jobs=jobs, progress=progress)
     except KeyboardInterrupt:  # writes are atomic: every file is either done or untouched
         click.echo("\nInterrupted (every file was either fully processed or left untouched).", err=True)
@@ -119,7 +119,7 @@ def _migrate(command: str, paths, dry_run: bool, check: bool, amp: Optional[str]
     job = Job(options, _select(command, select, ignore, config), write=write, want_diff=dry_run,
               vendor_runtime=vendor)
     outcomes = _run(files, job, jobs)
-    diff_out = click.get_text_stream("stdout")
+    diff_out = sys.stdout
     color = use_color(diff_out)
     for outcome in outcomes:
         if outcome.diff:

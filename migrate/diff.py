@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import sys
 from typing import IO, Optional
 
 import click
@@ -31,7 +32,7 @@ def use_color(stream: Optional[IO] = None) -> bool:
         return True
     if os.environ.get("TERM") == "dumb":
         return False
-    stream = stream or click.get_text_stream("stdout")
+    stream = stream or sys.stdout
     try:
         return bool(stream.isatty())
     except (AttributeError, ValueError):
