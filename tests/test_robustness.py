@@ -264,28 +264,8 @@ def test_fragment_programs_lint_fix(source):
 # Known rule bugs, recognised by what the second run adds; each has a minimal case below.
 KNOWN_BUGS: dict = {}  # name -> regex every second-run diff line matches; none known now
 
-TM403_TWO_LOOPS = """\
-import torch
-import torch.nn as nn
-
-
-def train(model, loader, optimizer):
-    for x, y in loader:
-        loss = model(x).sum()
-        loss.backward()
-        nn.utils.clip_grad_norm_(model.parameters(), max_norm=5.0)
-        optimizer.step()
-        optimizer.zero_grad()
-
-
-def train_copy(model, loader, optimizer):
-    for x, y in loader:
-        loss = model(x).sum()
-        loss.backward()
-        nn.utils.clip_grad_norm_(model.parameters(), max_norm=5.0)
-        optimizer.step()
-        optimizer.zero_grad()
-"""
+# Two identical training loops in two functions (the TM403 fixture), run with every rule.
+TM403_TWO_LOOPS = (FIXTURES / "TM403" / "two_functions.in.py").read_text(encoding="utf-8")
 
 
 def _second_run_additions(source: str, mode: str) -> List[str]:
