@@ -39,7 +39,6 @@ import collections
 import difflib
 import io
 import json
-import os
 import shutil
 import subprocess
 import symtable
@@ -343,8 +342,6 @@ class InProcess:
 
     def run(self, source: str, path: str):
         """(new_source, applied codes, open codes)."""
-        from torchmigrate.finding import Safety
-
         result = self.process_source(source, path, self.options, self.rules)
         applied = collections.Counter(f.code for f in result.findings if f.applied)
         left = collections.Counter(f.code for f in result.findings if not f.applied and not f.suppressed)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import inspect
 import textwrap
 from bisect import bisect_left, bisect_right
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar, Dict, FrozenSet, Iterable, List, Optional, Sequence, Tuple, Type
 
 import libcst as cst

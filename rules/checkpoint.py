@@ -553,7 +553,6 @@ class LoadMapLocation(Rule):
     def _feeds_state_dict(self, call: cst.Call, lsd: List[cst.Call]) -> bool:
         """The loaded object goes into `load_state_dict(...)` or is moved with `.to()`/`.cuda()`."""
         ctx = self.ctx
-        node: cst.CSTNode = call
         target: Optional[str] = None
         for anc in ctx.ancestors(call):
             if isinstance(anc, cst.Call) and isinstance(anc.func, cst.Attribute) and anc.func.attr.value in _MOVES:
@@ -564,7 +563,6 @@ class LoadMapLocation(Rule):
                 break
             if isinstance(anc, (cst.BaseSmallStatement, cst.BaseCompoundStatement)):
                 break
-            node = anc
         if target is None:
             return False
         scope = scope_of(ctx, call)

@@ -47,7 +47,7 @@ from torchmigrate.finding import Edit, Safety, insert_after, insert_before, repl
 from torchmigrate.imports import dotted
 from torchmigrate.nodes import code, expr, kwarg, stmt
 from torchmigrate.rule import Example, Rule
-from torchmigrate.walk import child_fields, child_nodes
+from torchmigrate.walk import child_nodes
 
 DATALOADERS = ("torch.utils.data.DataLoader", "torch.utils.data.dataloader.DataLoader")
 DIST_SAMPLERS = ("torch.utils.data.DistributedSampler", "torch.utils.data.distributed.DistributedSampler")

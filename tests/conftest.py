@@ -10,7 +10,7 @@ import pytest
 
 from torchmigrate.engine import process_source
 from torchmigrate.rule import Options
-from torchmigrate.rules import all_rules, get_rule, select
+from torchmigrate.rules import get_rule, select
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "fixtures"

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import FIXTURES, ROOT
+from conftest import FIXTURES
 
 AMP_SCRIPT = FIXTURES / "TM406" / "from_import.in.py"
 AMP_EXPECTED = FIXTURES / "TM406" / "from_import.out.py"

@@ -83,7 +83,7 @@ def test_import_table_aliases_and_star_imports():
 def test_todo_text_is_one_line(tmp_path):
     from torchmigrate.engine import process_source
     from torchmigrate.finding import Safety
-    from torchmigrate.rule import Example, Options, Rule
+    from torchmigrate.rule import Options, Rule
 
     class Multiline(Rule):
         code = "TM999"

@@ -13,7 +13,6 @@ import libcst as cst
 import pytest
 
 from conftest import FIXTURES
-from torchmigrate import layout as layout_module
 from torchmigrate import positions
 from torchmigrate.layout import Layout
 

@@ -13,11 +13,9 @@ from __future__ import annotations
 
 import os
 import random
-import re
 import sys
 import textwrap
 from functools import lru_cache
-from pathlib import Path
 from typing import List, Tuple
 
 import hypothesmith
