@@ -229,7 +229,6 @@ class _NodeIndex:
 
     def __init__(self, preorder: List[cst.CSTNode]) -> None:
         self.preorder = preorder
-        self.size = len(preorder)
         self.position: Dict[int, int] = {}
         self.by_type: Dict[type, List[int]] = {}
         by_type = self.by_type

@@ -130,7 +130,7 @@ def _process_all(names: Sequence[str], job: Job, progress: Optional[Callable[[in
 
     A parse allocates about a million small objects; with automatic collection on, the
     collector runs hundreds of times per file and each pass walks every node still alive (the
-    whole tree, until the file is done): about 10% of a migration's time. Almost all of it is
+    whole tree, until the file is done): about 8% of a migration's time. Almost all of it is
     freed by reference counting anyway, so collection is paused and the youngest generation,
     which holds everything a file left behind (a few reference cycles), is collected after each
     file: memory stays flat.

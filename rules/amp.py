@@ -173,18 +173,19 @@ def binds(statement: cst.CSTNode) -> Set[str]:
 def _binds(statement: cst.CSTNode) -> Set[str]:
     out: Set[str] = set()
     for n in subnodes(statement, skip_defs=True):
-        if isinstance(n, cst.Assign):
-            for t in n.targets:
-                out.update(target_names(t.target))
-        elif isinstance(n, (cst.AugAssign, cst.AnnAssign)):
-            out.update(target_names(n.target))
-        elif isinstance(n, (cst.For, cst.CompFor)):
-            out.update(target_names(n.target))
-        elif isinstance(n, cst.AsName):
-            out.update(target_names(n.name))
-        elif isinstance(n, cst.NamedExpr):
-            out.update(target_names(n.target))
+        out.update(_targets_of(n))
     return out
+
+
+def _targets_of(n: cst.CSTNode) -> List[str]:
+    """Dotted names an assignment, loop, `as` or walrus node binds (none for other nodes)."""
+    if isinstance(n, cst.Assign):
+        return [name for t in n.targets for name in target_names(t.target)]
+    if isinstance(n, (cst.AugAssign, cst.AnnAssign, cst.For, cst.CompFor, cst.NamedExpr)):
+        return target_names(n.target)
+    if isinstance(n, cst.AsName):
+        return target_names(n.name)
+    return []
 
 
 _BINDING_NODES = (cst.Param, cst.Assign, cst.AugAssign, cst.AnnAssign, cst.For, cst.CompFor, cst.AsName,
@@ -195,21 +196,10 @@ def _binds_all(ctx: Context) -> Set[str]:
     """Names bound anywhere in the file, inside functions too, with their parameters."""
     out: Set[str] = set()
     for n in ctx.nodes(*_BINDING_NODES):
-        if isinstance(n, cst.Param):
+        if isinstance(n, (cst.Param, cst.FunctionDef, cst.ClassDef)):
             out.add(n.name.value)
-        elif isinstance(n, cst.Assign):
-            for t in n.targets:
-                out.update(target_names(t.target))
-        elif isinstance(n, (cst.AugAssign, cst.AnnAssign)):
-            out.update(target_names(n.target))
-        elif isinstance(n, (cst.For, cst.CompFor)):
-            out.update(target_names(n.target))
-        elif isinstance(n, cst.AsName):
-            out.update(target_names(n.name))
-        elif isinstance(n, cst.NamedExpr):
-            out.update(target_names(n.target))
         else:
-            out.add(n.name.value)
+            out.update(_targets_of(n))
     return out
 
 
