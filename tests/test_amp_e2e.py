@@ -10,8 +10,8 @@
   4. with a CUDA GPU only: the fp16 + GradScaler path really scales the loss and skips steps
      whose gradients overflowed.
 
-A test-only `sitecustomize.py` (written to a temp dir and put on PYTHONPATH) records which
-autocast contexts the scripts enter.
+A test-only `sitecustomize.py` (tests/amp_probe/, put on PYTHONPATH) records which autocast
+contexts the scripts enter.
 """
 
 from __future__ import annotations
@@ -41,31 +41,22 @@ BF16_ON_CPU = {"apex_amp.py", "grad_accum_resume.py"}
 RESUMABLE = {"apex_amp.py", "grad_accum_resume.py"}
 EPOCH = re.compile(r"epoch (\d+) loss ([0-9.]+)")
 
-PROBE = '''
-import atexit, json, os
-_dir = os.environ.get("TM_AMP_PROBE")
-if _dir:
-    import torch
-    _seen = {}
-    _enter = torch.autocast.__enter__
-
-    def _probe_enter(self):
-        key = f"{self.device}:{self.fast_dtype}:{bool(self._enabled)}"
-        _seen[key] = _seen.get(key, 0) + 1
-        return _enter(self)
-
-    torch.autocast.__enter__ = _probe_enter
-    atexit.register(lambda: open(os.path.join(_dir, f"amp_{os.getpid()}.json"), "w").write(json.dumps(_seen)))
-'''
+PROBE = Path(__file__).parent / "amp_probe"  # its sitecustomize.py records autocast contexts
 
 
-def _env(out_dir: Path, probe: Path, **extra) -> dict:
+def _env(out_dir: Path, gpu: bool = False, **extra) -> dict:
+    """The scripts' environment: the probe on PYTHONPATH, no launcher variables, and the GPUs
+    hidden unless ``gpu`` (the CPU tests assert on CPU autocast, also on a machine with a GPU)."""
     env = dict(os.environ)
+    if gpu:
+        env.pop("CUDA_VISIBLE_DEVICES", None)
+    else:
+        env["CUDA_VISIBLE_DEVICES"] = ""
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHMIGRATE_AMP", "RESUME"):
         env.pop(key, None)
     env.update(OUT_DIR=str(out_dir), EPOCHS="3", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                PYTHONWARNINGS="ignore", TM_AMP_PROBE=str(out_dir),
-               PYTHONPATH=os.pathsep.join(filter(None, [str(probe), env.get("PYTHONPATH", "")])))
+               PYTHONPATH=os.pathsep.join(filter(None, [str(PROBE), env.get("PYTHONPATH", "")])))
     env.update({k: str(v) for k, v in extra.items()})
     return env
 
@@ -111,13 +102,6 @@ def _check_checkpoint(path: Path, script: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def probe(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("amp_probe")
-    (folder / "sitecustomize.py").write_text(PROBE, encoding="utf-8")
-    return folder
-
-
-@pytest.fixture(scope="module")
 def amp_dir(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("amp_migrated")
     for name in MIGRATED:
@@ -141,10 +125,10 @@ def test_amp_migration_output(amp_dir):
 
 
 @pytest.mark.parametrize("name", MIGRATED)
-def test_amp_migrated_script_trains_single_process(amp_dir, probe, tmp_path, name):
+def test_amp_migrated_script_trains_single_process(amp_dir, tmp_path, name):
     out = tmp_path / "out"
     out.mkdir()
-    run = _run([sys.executable, amp_dir / name], tmp_path, _env(out, probe))
+    run = _run([sys.executable, amp_dir / name], tmp_path, _env(out))
     assert run.returncode == 0, run.output[-4000:]
     epochs = _epochs(run.output)
     assert [e for e, _ in epochs] == [0, 1, 2], run.output[-2000:]
@@ -155,7 +139,7 @@ def test_amp_migrated_script_trains_single_process(amp_dir, probe, tmp_path, nam
         assert seen.get("cpu:torch.bfloat16:True", 0) > 0, seen
     if name in RESUMABLE:
         more = _run([sys.executable, amp_dir / name], tmp_path,
-                    _env(out, probe, EPOCHS=4, RESUME=out / "checkpoint.pt"))
+                    _env(out, EPOCHS=4, RESUME=out / "checkpoint.pt"))
         assert more.returncode == 0, more.output[-4000:]
         assert "resumed from epoch 2" in more.output
         assert [e for e, _ in _epochs(more.output)] == [3]
@@ -163,7 +147,7 @@ def test_amp_migrated_script_trains_single_process(amp_dir, probe, tmp_path, nam
 
 
 @pytest.mark.parametrize("name", MIGRATED)
-def test_ddp_migrated_script_trains_under_torchrun(probe, tmp_path, name):
+def test_ddp_migrated_script_trains_under_torchrun(tmp_path, name):
     work = tmp_path / "work"
     work.mkdir()
     shutil.copy(SCRIPTS / name, work / name)
@@ -174,7 +158,7 @@ def test_ddp_migrated_script_trains_under_torchrun(probe, tmp_path, name):
     assert "tm.GradScaler(" in source and "tm.autocast(" in source
     out = tmp_path / "out"
     out.mkdir()
-    run = torchrun("--standalone", "--nproc-per-node=2", work / name, env=_env(out, probe), cwd=tmp_path,
+    run = torchrun("--standalone", "--nproc-per-node=2", work / name, env=_env(out), cwd=tmp_path,
                    timeout=300, stale=[out / "amp_*.json"])
     assert run.returncode == 0, run.report()
     epochs = _epochs(run.output)
@@ -228,10 +212,10 @@ def test_fp16_grad_scaler_scales_and_skips_overflow():
 
 
 @cuda
-def test_fp16_migrated_apex_script_on_gpu(amp_dir, probe, tmp_path):
+def test_fp16_migrated_apex_script_on_gpu(amp_dir, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
-    run = _run([sys.executable, amp_dir / "apex_amp.py"], tmp_path, _env(out, probe, TORCHMIGRATE_AMP="fp16"))
+    run = _run([sys.executable, amp_dir / "apex_amp.py"], tmp_path, _env(out, gpu=True, TORCHMIGRATE_AMP="fp16"))
     assert run.returncode == 0, run.output[-4000:]
     epochs = _epochs(run.output)
     assert epochs[-1][1] < epochs[0][1]

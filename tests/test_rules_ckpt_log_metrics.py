@@ -261,7 +261,7 @@ def test_migrated_eval_reduces_once_under_torchrun(tmp_path):
     script.write_text(out)
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", OUT_DIR=str(tmp_path))
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", OUT_DIR=str(tmp_path), CUDA_VISIBLE_DEVICES="")
     single = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
     assert single.returncode == 0, single.stderr
     assert single.stdout.count("acc 4/11") == 1

@@ -379,7 +379,8 @@ def test_migrated_loaders_shard_under_torchrun(tmp_path):
     result = process_source(SEEN, str(script), Options(mode="ddp"), DATA_RULES)
     assert "tm.set_epoch(train_loader, epoch)" in result.new_source
     script.write_text(result.new_source)
-    env = {**os.environ, "OUT_DIR": str(tmp_path), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OUT_DIR": str(tmp_path), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
+           "CUDA_VISIBLE_DEVICES": ""}
     # one process: the migrated script still runs as `python seen.py`
     subprocess.run([sys.executable, str(script)], env=env, check=True, timeout=120)
     single = json.loads((tmp_path / "seen_0.json").read_text())

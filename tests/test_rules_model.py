@@ -346,7 +346,7 @@ def test_migrated_dataparallel_script_trains_under_torchrun(tmp_path):
     assert "find_unused_parameters=True" in out and ".module" not in out
     script = tmp_path / "train.py"
     script.write_text(out)
-    env = dict(os.environ, OUT_DIR=str(tmp_path), OMP_NUM_THREADS="1")
+    env = dict(os.environ, OUT_DIR=str(tmp_path), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run(["torchrun", "--standalone", "--nproc-per-node=2", str(script)], env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

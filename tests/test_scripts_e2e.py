@@ -43,7 +43,7 @@ def _env(out_dir: Path, **extra) -> dict:
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHMIGRATE_AMP"):
         env.pop(key, None)
     env.update(OUT_DIR=str(out_dir), EPOCHS="3", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
-               PYTHONWARNINGS="ignore")
+               PYTHONWARNINGS="ignore", CUDA_VISIBLE_DEVICES="")  # CPU ranks, also where a GPU is
     env.update({k: str(v) for k, v in extra.items()})
     return env
 
