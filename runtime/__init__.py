@@ -150,13 +150,28 @@ def _require_pg() -> None:
                            "group exists; call tm.setup() first")
 
 
+def _check_gpu_per_process() -> None:
+    """NCCL refuses two processes on one GPU, but only inside ``init_process_group``, with
+    "Duplicate GPU detected : rank 0 and rank 1 both on CUDA device 60" (seen on an H100 with NCCL
+    2.28). torchrun's ``LOCAL_WORLD_SIZE`` says how many processes share this node, so say what to
+    change before that. SLURM tasks usually see one GPU each and have no such variable."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE") or 0)
+    gpus = torch.cuda.device_count()
+    if local > gpus:
+        raise RuntimeError(
+            f"torchmigrate.runtime: {local} processes on this node share {gpus} visible GPU(s), "
+            f"and NCCL needs one GPU per process: launch with --nproc-per-node={gpus} (or fewer), "
+            "or set TORCHMIGRATE_BACKEND=gloo to share the GPU(s), e.g. for a test run")
+
+
 def setup(backend: str | None = None, timeout=None) -> Ctx:
     """Initialise distributed training once and return a ``Ctx``; later calls return the same Ctx.
 
     1 process: no process group (also for torchrun with WORLD_SIZE=1); on CUDA the current device
     is set. gloo (CPU): ``init_process_group("gloo")``. nccl (CUDA): ``torch.cuda.set_device(
     local_rank)`` *before* ``init_process_group("nccl", device_id=device)``, so every rank owns its
-    GPU and NCCL initialises eagerly. ``backend`` (or ``TORCHMIGRATE_BACKEND``) overrides the
+    GPU and NCCL initialises eagerly; more processes on the node than visible GPUs is an error
+    that says what to change. ``backend`` (or ``TORCHMIGRATE_BACKEND``) overrides the
     choice; ``timeout`` is seconds or a ``timedelta``. A process group created by the user's own
     code is reused. On ranks other than 0, ``logging.disable(logging.INFO)`` silences INFO and
     DEBUG records so ``logging.info`` prints once; warnings and errors still show on every rank.
@@ -174,6 +189,8 @@ def setup(backend: str | None = None, timeout=None) -> Ctx:
     if env["WORLD_SIZE"] > 1 and not _pg():
         backend = backend or os.environ.get("TORCHMIGRATE_BACKEND") or (
             "nccl" if dev.type == "cuda" else "gloo")
+        if "nccl" in backend and dev.type == "cuda":
+            _check_gpu_per_process()
         if isinstance(timeout, (int, float)):
             timeout = datetime.timedelta(seconds=timeout)
         dist.init_process_group(backend, timeout=timeout,

@@ -113,6 +113,46 @@ def test_torchrun_world_size_one_creates_no_group(monkeypatch):
     assert not dist.is_initialized()
 
 
+@pytest.fixture
+def one_fake_gpu(monkeypatch):
+    """CUDA with one visible GPU, as far as setup() can tell; init_process_group only records."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda dev: calls.append(("set_device", dev)))
+    monkeypatch.setattr(dist, "init_process_group",
+                        lambda backend, **kw: calls.append(("init", backend, kw["device_id"])))
+    return calls
+
+
+@pytest.mark.parametrize("local_world, fails", [("2", True), ("1", False)])
+def test_nccl_needs_a_gpu_per_process_on_the_node(one_fake_gpu, monkeypatch, local_world, fails):
+    """torchrun --nproc-per-node=2 on a 1-GPU node: a clear error before NCCL's "Duplicate GPU
+    detected"; one process per node on two nodes is fine (rank 1, its node's only GPU)."""
+    for k, v in {"RANK": "1", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": local_world}.items():
+        monkeypatch.setenv(k, v)
+    if fails:
+        with pytest.raises(RuntimeError, match=r"2 processes on this node share 1 visible GPU.*"
+                                               r"--nproc-per-node=1.*TORCHMIGRATE_BACKEND=gloo"):
+            tm.setup()
+        assert ("init", "nccl", torch.device("cuda", 0)) not in one_fake_gpu
+    else:
+        tm.setup()
+        assert one_fake_gpu == [("set_device", torch.device("cuda", 0)),
+                                ("init", "nccl", torch.device("cuda", 0))]
+    monkeypatch.setattr(tm, "_CTX", None)  # nothing was really initialised
+
+
+def test_gloo_may_share_one_gpu(one_fake_gpu, monkeypatch):
+    for k, v in {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+                 "TORCHMIGRATE_BACKEND": "gloo"}.items():
+        monkeypatch.setenv(k, v)
+    ctx = tm.setup()
+    assert ctx.device == torch.device("cuda", 0)  # local rank 1 modulo one GPU
+    assert one_fake_gpu[-1] == ("init", "gloo", None)
+    monkeypatch.setattr(tm, "_CTX", None)
+
+
 def test_communicating_helpers_demand_setup(other_rank):
     with pytest.raises(RuntimeError, match="setup"):
         tm.all_reduce(1)
