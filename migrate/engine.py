@@ -6,17 +6,19 @@ they differ only in which findings' edits are accepted and what is done with the
 
 from __future__ import annotations
 
+import ast
 import re
 import sys
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Dict, Iterator, List, Sequence
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import libcst as cst
 
 from torchmigrate.apply import apply_edits
 from torchmigrate.finding import Edit, EditKind, Finding, Safety
+from torchmigrate.layout import statement_lines
 from torchmigrate.positions import positions_and_layout, regenerate
 from torchmigrate.rule import Context, Options, RuleType
 from torchmigrate.suppress import Suppressions
@@ -57,32 +59,78 @@ class SourceResult:
         return self.new_source != self.source
 
 
-def check_syntax(source: str, what: str = "syntax error") -> None:
-    """Raise InputError unless CPython compiles `source` (about 6% of a LibCST parse).
+def _syntax_error(exc: BaseException, what: str) -> InputError:
+    """CPython's verdict on a source, as the InputError the CLI reports (exit 2)."""
+    if isinstance(exc, SyntaxError):  # includes IndentationError and TabError
+        version = "Python %d.%d" % sys.version_info[:2]
+        return InputError(f"{what}: {exc.msg} ({version})", exc.lineno or 1, max((exc.offset or 1) - 1, 0))
+    if isinstance(exc, (RecursionError, MemoryError)):
+        return InputError(f"{what}: too deeply nested to compile")
+    return InputError(f"{what}: {exc}")  # ValueError, e.g. "source code string cannot contain null bytes"
 
-    Run before LibCST: it gives Python's own message and position (TabError, Python 2
-    `print x`, `async=True`, ...), rejects what the interpreter would reject even where LibCST
-    is lenient, and stops nesting deep enough to crash LibCST's native parser.
-    """
+
+def check_syntax(source: str, what: str = "syntax error") -> None:
+    """Raise InputError unless CPython compiles `source`: also what its parser accepts but its
+    compiler refuses (`return` outside a function, `nonlocal` at module level, ...)."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # e.g. invalid escape sequences: not ours to report
             compile(source, "<torchmigrate>", "exec", dont_inherit=True)
-    except SyntaxError as exc:  # includes IndentationError and TabError
-        version = "Python %d.%d" % sys.version_info[:2]
-        line = exc.lineno or 1
-        col = max((exc.offset or 1) - 1, 0)
-        raise InputError(f"{what}: {exc.msg} ({version})", line, col) from None
-    except (RecursionError, MemoryError):
-        raise InputError(f"{what}: too deeply nested to compile") from None
-    except ValueError as exc:  # e.g. "source code string cannot contain null bytes"
-        raise InputError(f"{what}: {exc}") from None
+    except (SyntaxError, RecursionError, MemoryError, ValueError) as exc:
+        raise _syntax_error(exc, what) from None
 
 
-def parse(source: str) -> cst.Module:
-    check_syntax(source)
+def python_tree(source: str) -> ast.Module:
+    """CPython's own parse of `source`, run before LibCST sees it.
+
+    It gives Python's own message and position (TabError, Python 2 `print x`, `async=True`,
+    ...), rejects what the interpreter would reject where LibCST is lenient, and stops nesting
+    deep enough to crash LibCST's native parser. The tree gives the statements' lines (see
+    `layout.statement_lines`). What only CPython's compiler refuses is checked once the result
+    is known: `check_syntax` on the rewritten code, or on the input when nothing changes.
+    """
     try:
-        return cst.parse_module(source)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return ast.parse(source, "<torchmigrate>")
+    except (SyntaxError, RecursionError, MemoryError, ValueError) as exc:
+        raise _syntax_error(exc, "syntax error") from None
+
+
+def _no_validation(node: cst.CSTNode) -> None:
+    """Stands in for `CSTNode.__post_init__` while the parser builds a tree (see `_parser_nodes`)."""
+
+
+@contextmanager
+def _parser_nodes() -> Iterator[None]:
+    """Skip LibCST's per-node validation for the nodes its parser builds.
+
+    Every LibCST node validates itself on construction (`CSTNode.__post_init__` calls
+    `_validate`): whitespace nodes match a regular expression, parentheses balance, and so on.
+    For a tree built by LibCST's own parser from code that CPython has just parsed this
+    cannot fail, yet it is about a sixth of `parse_module` (LibCST's source says as much: "it
+    might make more sense to move validation work into the visitor, which would allow us to
+    avoid validating the tree when parsing a file"). `_validate` has no side effects. Nodes the
+    rules build later are validated as usual, and the rewritten code is compiled before it is
+    written. The class attribute is restored even if parsing fails.
+    """
+    original = cst.CSTNode.__dict__.get("__post_init__")
+    if original is None:  # a LibCST that validates differently: leave it alone
+        yield
+        return
+    cst.CSTNode.__post_init__ = _no_validation  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        cst.CSTNode.__post_init__ = original  # type: ignore[method-assign]
+
+
+def parse(source: str) -> Tuple[cst.Module, Optional[Dict[int, int]]]:
+    """LibCST's tree of `source`, and its statements' lines (None if they cannot be mapped)."""
+    tree = python_tree(source)
+    try:
+        with _parser_nodes():
+            module = cst.parse_module(source)
     except cst.ParserSyntaxError as exc:
         line, col = exc.raw_line, exc.raw_column
         match = re.search(r"error at (\d+):(\d+)", exc.message)
@@ -93,6 +141,7 @@ def parse(source: str) -> cst.Module:
         raise InputError(f"syntax error: {message}", line, max(col, 0)) from None
     except (RecursionError, MemoryError) as exc:
         raise InputError(f"cannot parse: {type(exc).__name__}") from None
+    return module, statement_lines(module, tree)
 
 
 def accepted(finding: Finding, options: Options) -> bool:
@@ -199,12 +248,14 @@ def process_source(source: str, path: str, options: Options, rules: Sequence[Rul
 
 def _process(source: str, path: str, options: Options, rules: Sequence[RuleType],
              suppressions: Suppressions) -> SourceResult:
-    module = parse(source)
+    module, lines = parse(source)
     ctx = run_rules(module, path, options, rules)
     findings = ctx.findings
     if not findings:
+        ctx.close()
+        check_syntax(source)
         return SourceResult(source, source)
-    where, layout = positions_and_layout(module, [f.node for f in findings], source, ctx.parents)
+    where, layout = positions_and_layout(module, [f.node for f in findings], source, ctx.parents, lines)
     for finding in findings:
         finding.line, finding.col = where.get(finding.node, (1, 0))
         finding.suppressed = suppressions.covers(finding.code, finding.line)
@@ -223,18 +274,24 @@ def _process(source: str, path: str, options: Options, rules: Sequence[RuleType]
     if edits or imports:
         new_module = apply_edits(module, edits, ctx.parents, imports, ctx.imports)
         new_source = regenerate(new_module, layout)
-        if new_source != source:
-            _check_rewrite(new_source, findings)
+    ctx.close()
+    if new_source != source:
+        _check_rewrite(new_source, source, findings)
+    else:
+        check_syntax(source)
     findings.sort(key=lambda f: (f.line, f.col, f.code))
     return SourceResult(source, new_source, findings)
 
 
-def _check_rewrite(new_source: str, findings: Sequence[Finding]) -> None:
-    """Never hand back code that does not compile: the input did (see `parse`), so this is a
-    rule bug; the file is left unchanged and the error names the rules that edited it."""
+def _check_rewrite(new_source: str, source: str, findings: Sequence[Finding]) -> None:
+    """Never hand back code that does not compile. If the input does not compile either (what
+    only CPython's compiler refuses, e.g. `return` outside a function), that is the error;
+    otherwise it is a rule bug: the file is left unchanged and the error names the rules that
+    edited it."""
     try:
         check_syntax(new_source, "the rewritten code would not compile")
     except InputError as exc:
+        check_syntax(source)
         codes = ", ".join(sorted({f.code for f in findings if f.applied})) or "none"
         raise RewriteError(
             f"internal error: {exc.message} at line {exc.line} of the rewritten file "

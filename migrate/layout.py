@@ -61,17 +61,18 @@ class Layout:
         self._order: Dict[int, Dict[int, int]] = {}  # id(body owner) -> id(statement) -> index
 
     @classmethod
-    def build(cls, module: cst.Module, source: str,
-              parents: Dict[cst.CSTNode, cst.CSTNode]) -> Optional["Layout"]:
-        """The Layout of `module`, parsed from `source`; None when it cannot be mapped."""
+    def build(cls, module: cst.Module, source: str, parents: Dict[cst.CSTNode, cst.CSTNode],
+              lines: Optional[Dict[int, int]] = None) -> Optional["Layout"]:
+        """The Layout of `module`, parsed from `source`; None when it cannot be mapped.
+        `lines` is `statement_lines(module, ast.parse(source))` where the caller has it."""
         if "\r" in source and source.count("\r") != source.count("\r\n"):
             return None
-        lines: Dict[int, int] = {}
-        try:  # only the lines are kept: the ast tree is freed at once
-            _pair_body(module.body, ast.parse(source).body, lines)
-        except (SyntaxError, ValueError, RecursionError, MemoryError, Mismatch):
-            return None
-        return cls(module, source, lines, parents)
+        if lines is None:
+            try:
+                lines = statement_lines(module, ast.parse(source))
+            except (SyntaxError, ValueError, RecursionError, MemoryError):
+                return None
+        return None if lines is None else cls(module, source, lines, parents)
 
     def line_of(self, unit: cst.CSTNode) -> int:
         """The line of the first token of a statement or except clause."""
@@ -160,6 +161,18 @@ class Layout:
     def text(self, first: cst.BaseStatement, stop: cst.BaseStatement) -> str:
         """The source text from original statement `first` up to original statement `stop`."""
         return self.source[self.start(first): self.start(stop)]
+
+
+def statement_lines(module: cst.Module, tree: ast.Module) -> Optional[Dict[int, int]]:
+    """id(statement or except clause of `module`) -> the line of its first token, from CPython's
+    tree of the same source; None when the two trees do not pair up. Only these lines are kept,
+    so the caller can drop the ast tree at once (it is large for large files)."""
+    lines: Dict[int, int] = {}
+    try:
+        _pair_body(module.body, tree.body, lines)
+    except (RecursionError, Mismatch):
+        return None
+    return lines
 
 
 def _empty_line(line: cst.EmptyLine, indent: str, newline: str) -> str:

@@ -30,13 +30,15 @@ Position = Tuple[int, int]
 
 def positions_and_layout(
     module: cst.Module, nodes: Iterable[cst.CSTNode], source: Optional[str] = None,
-    parents: Optional[Dict[cst.CSTNode, cst.CSTNode]] = None,
+    parents: Optional[Dict[cst.CSTNode, cst.CSTNode]] = None, lines: Optional[Dict[int, int]] = None,
 ) -> Tuple[Dict[cst.CSTNode, Position], Optional[Layout]]:
     """Map each node to its 1-based line and 0-based column in `module.code`; with `source`
     (the text `module` was parsed from) and `parents` (every node's parent, as the walk records
-    them), also the Layout that lets `regenerate` copy unchanged statements."""
+    them), also the Layout that lets `regenerate` copy unchanged statements (`lines`: the
+    statements' lines where the caller already paired them, see `layout.statement_lines`)."""
     nodes = list(nodes)
-    layout = Layout.build(module, source, parents) if source is not None and parents is not None else None
+    layout = (Layout.build(module, source, parents, lines)
+              if source is not None and parents is not None else None)
     if layout is not None:
         try:
             units = _units(layout, nodes)

@@ -80,6 +80,13 @@ class Context:
         # enclosing(): (types) -> {id(node): answer}; ids are safe, the tree outlives the context.
         self._enclosing: Dict[Tuple[type, ...], Dict[int, Optional[cst.CSTNode]]] = {}
 
+    def close(self) -> None:
+        """Forget the file once its result is built. Rules keep the context and publish facts
+        that point back at it, so the tree would otherwise live on in reference cycles until the
+        garbage collector walks it; without these references most of it is freed at once. The
+        findings stay valid (they hold their own nodes); the context must not be used again."""
+        self.__dict__.clear()
+
     # --- navigation -----------------------------------------------------------------
     def parent(self, node: cst.CSTNode) -> Optional[cst.CSTNode]:
         return self.parents.get(node)

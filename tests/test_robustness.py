@@ -440,4 +440,17 @@ def test_rewrite_that_would_not_compile_is_refused(monkeypatch):
     monkeypatch.setattr(engine, "check_syntax", check)
     with pytest.raises(RewriteError, match="internal error.*left unchanged"):
         run(source, "ddp")
-    assert calls == ["syntax error", "the rewritten code would not compile"]
+    # the input is compiled only to tell whose fault it is: it compiles, so it is the rewrite's
+    assert calls == ["the rewritten code would not compile", "syntax error"]
+
+
+def test_input_that_only_the_compiler_refuses_is_the_inputs_error():
+    """`return` outside a function parses (CPython's parser and LibCST's accept it); only the
+    compiler refuses it. In a file the migration rewrites, the error is the input's (exit 2 with
+    Python's message and line), not an internal error blamed on the rules."""
+    source = (FIXTURES / "scripts" / "cuda_amp_accum.py").read_text() + "return None\n"
+    line = source.count("\n")
+    with pytest.raises(InputError) as raised:
+        run(source, "ddp")
+    assert not isinstance(raised.value, RewriteError)
+    assert "outside function" in raised.value.message and raised.value.line == line
