@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import libcst as cst
+import pytest
 
 from torchmigrate.apply import apply_edits
 from torchmigrate.finding import Import, insert_before, remove, replace, wrap
@@ -146,3 +147,31 @@ def test_files_are_processed_with_collection_paused_and_their_cycles_freed(tmp_p
         Context.__init__ = real_init
     assert [o.changed for o in outcomes] == [True, True, True]
     assert alive_at_start == [0, 0, 0]
+
+
+def test_parsing_skips_node_validation_only_while_libcst_parses(monkeypatch):
+    """The engine turns off LibCST's node validation for the parser's own nodes and always
+    turns it back on: nodes built afterwards (by rules, or by other code in this process) are
+    validated, also after a file LibCST could not parse."""
+    from torchmigrate import engine
+
+    original = cst.CSTNode.__post_init__
+    seen = []
+    real_parse = cst.parse_module
+
+    def parse_module(source):
+        seen.append(cst.CSTNode.__post_init__ is original)
+        return real_parse(source)
+
+    monkeypatch.setattr(cst, "parse_module", parse_module)
+    engine.parse("import torch\nx = torch.zeros(1)\n")
+    assert seen == [False] and cst.CSTNode.__post_init__ is original
+
+    def broken(source):
+        raise MemoryError
+    monkeypatch.setattr(cst, "parse_module", broken)
+    with pytest.raises(engine.InputError):
+        engine.parse("import torch\n")
+    assert cst.CSTNode.__post_init__ is original
+    with pytest.raises(cst.CSTValidationError):  # nodes built outside the parser are validated
+        cst.Name("not a name")
