@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import builtins
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Set, Tuple
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Set, Tuple
 
 import libcst as cst
 
@@ -92,7 +92,8 @@ class AmpRule(Rule):
 
 
 def subnodes(node: cst.CSTNode, skip_defs: bool = False) -> Iterator[cst.CSTNode]:
-    """Every node under `node` (itself included), reading dataclass fields directly (fast)."""
+    """Every node under `node` (itself included), reading dataclass fields directly (fast).
+    To find nodes of given types, `Context.within` is cheaper: it reads the file's node index."""
     stack = [node]
     while stack:
         n = stack.pop()
@@ -107,8 +108,13 @@ def subnodes(node: cst.CSTNode, skip_defs: bool = False) -> Iterator[cst.CSTNode
                 stack.extend(reversed([v for v in value if isinstance(v, cst.CSTNode)]))
 
 
-def calls_in(node: cst.CSTNode) -> List[cst.Call]:
-    return _memo("calls", node, lambda n: [c for c in subnodes(n, skip_defs=True) if isinstance(c, cst.Call)])
+def calls_in(ctx: Context, node: cst.CSTNode) -> List[cst.Call]:
+    """Calls under `node`, not those inside a function, class or lambda defined there."""
+    return _memo(ctx, "amp_calls_in", node, _calls_in)
+
+
+def _calls_in(ctx: Context, node: cst.CSTNode) -> List[cst.Call]:
+    return ctx.within(node, cst.Call, skip_defs=True)  # type: ignore[return-value]
 
 
 def method_name(call: cst.Call) -> Optional[str]:
@@ -149,30 +155,31 @@ def target_names(target: cst.CSTNode) -> List[str]:
     return []
 
 
-_MEMO: Dict[Tuple[str, int], Tuple[cst.CSTNode, object]] = {}
+def _memo(ctx: Context, kind: str, node: cst.CSTNode, compute: Callable[[Context, cst.CSTNode], object]):
+    """Per-file cache for the subtree helpers below (nodes are immutable). It lives in the
+    context's facts, so it goes away with the file; keyed by the node itself, so a node a rule
+    built stays alive while cached and its answer cannot pass to a later node at its address."""
+    cache = ctx.facts.get(kind)
+    if cache is None:
+        cache = ctx.facts[kind] = {}
+    found = cache.get(node)  # type: ignore[attr-defined]
+    if found is None:
+        found = cache[node] = compute(ctx, node)  # type: ignore[index]
+    return found
 
 
-def _memo(kind: str, node: cst.CSTNode, compute):
-    """Per-node cache for the pure helpers below (nodes are immutable; identity is checked)."""
-    key = (kind, id(node))
-    hit = _MEMO.get(key)
-    if hit is not None and hit[0] is node:
-        return hit[1]
-    value = compute(node)
-    if len(_MEMO) > 20000:
-        _MEMO.clear()
-    _MEMO[key] = (node, value)
-    return value
+# Nodes that bind names through a target: `binds` looks for them, `_targets_of` reads them.
+_TARGET_NODES = (cst.Assign, cst.AugAssign, cst.AnnAssign, cst.For, cst.CompFor, cst.AsName, cst.NamedExpr)
 
 
-def binds(statement: cst.CSTNode) -> Set[str]:
+def binds(ctx: Context, statement: cst.CSTNode) -> Set[str]:
     """Dotted names a statement assigns (recursing into compound statements, not into defs)."""
-    return _memo("binds", statement, _binds)
+    return _memo(ctx, "amp_binds", statement, _binds)
 
 
-def _binds(statement: cst.CSTNode) -> Set[str]:
+def _binds(ctx: Context, statement: cst.CSTNode) -> Set[str]:
     out: Set[str] = set()
-    for n in subnodes(statement, skip_defs=True):
+    for n in ctx.within(statement, *_TARGET_NODES, skip_defs=True):
         out.update(_targets_of(n))
     return out
 
@@ -188,35 +195,27 @@ def _targets_of(n: cst.CSTNode) -> List[str]:
     return []
 
 
-_BINDING_NODES = (cst.Param, cst.Assign, cst.AugAssign, cst.AnnAssign, cst.For, cst.CompFor, cst.AsName,
-                  cst.NamedExpr, cst.FunctionDef, cst.ClassDef)
-
-
 def _binds_all(ctx: Context) -> Set[str]:
     """Names bound anywhere in the file, inside functions too, with their parameters."""
-    out: Set[str] = set()
-    for n in ctx.nodes(*_BINDING_NODES):
-        if isinstance(n, (cst.Param, cst.FunctionDef, cst.ClassDef)):
-            out.add(n.name.value)
-        else:
-            out.update(_targets_of(n))
+    out = {n.name.value for n in ctx.nodes(cst.Param, cst.FunctionDef, cst.ClassDef)}  # type: ignore[attr-defined]
+    for n in ctx.nodes(*_TARGET_NODES):
+        out.update(_targets_of(n))
     return out
 
 
-def reads(node: cst.CSTNode) -> Set[str]:
-    """Dotted names (and their prefixes) read anywhere under `node`."""
-    return _memo("reads", node, _reads)
+def reads(ctx: Context, node: cst.CSTNode) -> Set[str]:
+    """Dotted names (and their prefixes) read anywhere under `node`, not inside defs there."""
+    return _memo(ctx, "amp_reads", node, _reads)
 
 
-def _reads(node: cst.CSTNode) -> Set[str]:
+def _reads(ctx: Context, node: cst.CSTNode) -> Set[str]:
     out: Set[str] = set()
-    for n in subnodes(node, skip_defs=True):
-        if isinstance(n, (cst.Name, cst.Attribute)):
-            d = dotted(n)
-            if d:
-                parts = d.split(".")
-                for i in range(1, len(parts) + 1):
-                    out.add(".".join(parts[:i]))
+    for n in ctx.within(node, cst.Name, cst.Attribute, skip_defs=True):
+        d = dotted(n)
+        if d:
+            parts = d.split(".")
+            for i in range(1, len(parts) + 1):
+                out.add(".".join(parts[:i]))
     return out
 
 
@@ -454,7 +453,6 @@ class Plan:
 def plan(ctx: Context) -> Plan:
     cached = ctx.facts.get("amp_plan")
     if cached is None:
-        _MEMO.clear()  # one file at a time: keep no earlier file's nodes alive
         planner = _Planner(ctx)
         cached = planner.build()
         ctx.facts["amp_plan"] = cached
@@ -1050,7 +1048,7 @@ class _Planner:
             return False
         index = list(body).index(anchor)
         for s in body[index + 1:index + 4]:
-            for c in calls_in(s):
+            for c in calls_in(self.ctx, s):
                 if method_name(c) == "update" and root_name(receiver(c)) == (self.p.scaler.text if self.p.scaler else None):
                     return True
             if s in self.contains:
@@ -1104,7 +1102,7 @@ class _Planner:
                 return None, None
             index = list(body).index(node)
             for s in reversed(body[:index]):
-                if binds(s) & names:
+                if binds(ctx, s) & names:
                     return s, None
             owner = owner_statement(ctx, block)
             if owner is None or isinstance(owner, (cst.FunctionDef, cst.ClassDef)):
@@ -1119,10 +1117,10 @@ class _Planner:
         if isinstance(statement, cst.If):
             # `if use_cuda: x, y = x.cuda(), y.cuda()`
             return all(self.data_only(s) for block in _suites(statement) for s in statements(block)) and \
-                not calls_in(statement.test)
+                not calls_in(self.ctx, statement.test)
         if not isinstance(statement, cst.SimpleStatementLine):
             return False
-        calls = calls_in(statement)
+        calls = calls_in(self.ctx, statement)
         for call in calls:
             meth = method_name(call)
             if meth in _DATA_METHODS:
@@ -1149,18 +1147,18 @@ class _Planner:
         block, body = block_of(ctx, last)
         body = list(body)
         index = body.index(last)
-        deps = reads(last)
+        deps = reads(ctx, last)
         start = last
         chain = [last]
         for s in reversed(body[:index]):
             if self.barrier(s) or s is stop:
                 break
-            if binds(s) & deps:
+            if binds(ctx, s) & deps:
                 if self.data_only(s):
                     continue
                 start = s
                 chain.append(s)
-                deps |= reads(s)
+                deps |= reads(ctx, s)
         # The forward starts at the first model call the loss depends on: input preparation
         # before it (augmentation, `Variable(...)`, resizing) and whatever sits between
         # (`zero_grad()`, LR warm-up, plotting) stays outside.
@@ -1178,7 +1176,7 @@ class _Planner:
         models = self.model_roots()
         bound = self.file_bindings()
         functions, classes = self.facts.functions, self.facts.classes
-        for call in calls_in(statement):
+        for call in calls_in(self.ctx, statement):
             if self.resolved.get(call) is not None:
                 continue
             func = call.func
@@ -1189,7 +1187,7 @@ class _Planner:
                 if name in classes or name in _DATA_FUNCS or name in _BUILTINS:
                     continue
                 if name in functions or name not in bound:  # a helper (here or star-imported)
-                    if any(analysis.model_root(r) in models for r in reads(call)):
+                    if any(analysis.model_root(r) in models for r in reads(self.ctx, call)):
                         return True
                     continue
                 if self.alias_only(name):
@@ -1232,7 +1230,7 @@ class _Planner:
         for assign in self.facts.assigns:
             if any(dotted(t.target) == name for t in assign.targets):
                 found = True
-                if calls_in(assign.value):
+                if calls_in(self.ctx, assign.value):
                     return False
         return found
 
@@ -1287,7 +1285,7 @@ class _Planner:
         bce = self.bce_names()
         local_funcs = self.bce_functions()
         for s in stmts:
-            for call in calls_in(s):
+            for call in calls_in(self.ctx, s):
                 name = self.ctx.resolve(call.func)
                 d = dotted(call.func)
                 if name in BCE_FUNCS or name in BCE_CLASSES or (d and d in bce) or (
@@ -1304,7 +1302,7 @@ class _Planner:
         ctx = self.ctx
         bound: Set[str] = set()
         for s in stmts:
-            bound |= binds(s)
+            bound |= binds(ctx, s)
         losses = {root_name(s.loss) for s in self.p.sites if s.loss is not None}
         bound -= losses
         if not bound:
@@ -1317,7 +1315,7 @@ class _Planner:
                 n and n.split(".")[0] in ("numpy", "sklearn", "scipy"))]
         # one level of taint through lists: `preds.append(outputs)`
         for call in self._appends:
-            if scope_of(ctx, call) is scope and reads(call) & bound:
+            if scope_of(ctx, call) is scope and reads(ctx, call) & bound:
                 r = root_name(receiver(call))
                 if r:
                     bound.add(r)
@@ -1528,7 +1526,7 @@ class _Planner:
             if s is None or s in seen_stmt:
                 continue
             seen_stmt.add(s)
-            apex = any(self.resolved.get(c) == f"{APEX_AMP}.master_params" for c in calls_in(call))
+            apex = any(self.resolved.get(c) == f"{APEX_AMP}.master_params" for c in calls_in(ctx, call))
             consumers.append((s, scope, apex))
         for node in self.grad_reads():
             scope = scope_of(ctx, node)
@@ -1623,8 +1621,8 @@ class _Planner:
             for s, pos in order.items():
                 if not (lo < pos < hi) or not isinstance(s, cst.SimpleStatementLine):
                     continue
-                for n in subnodes(s, skip_defs=True):
-                    if isinstance(n, cst.Attribute) and n.attr.value == "grad":
+                for n in self.ctx.within(s, cst.Attribute, skip_defs=True):
+                    if n.attr.value == "grad":  # type: ignore[attr-defined]
                         parent = self.ctx.parent(n)
                         if isinstance(parent, cst.AssignTarget):
                             continue
@@ -2116,7 +2114,7 @@ def accumulation(ctx: Context, p: Plan) -> List[tuple]:
             first = planner.region_start(last_def)
         cond = holder.test
         between = body[body.index(first): body.index(holder)]
-        if any(binds(s) & reads(cond) for s in between):
+        if any(binds(ctx, s) & reads(ctx, cond) for s in between):
             out.append(("manual", holder, "the accumulation step condition uses values computed after the "
                                           "forward: wrap non-boundary batches in `tm.no_sync(model, sync=...)` by hand"))
             continue
@@ -2127,7 +2125,7 @@ def accumulation(ctx: Context, p: Plan) -> List[tuple]:
                 models = []
         region_models = []
         for s in body[body.index(first): index + 1]:
-            for c in calls_in(s):
+            for c in calls_in(ctx, s):
                 d = dotted(c.func)
                 if d and d in models and d not in region_models:
                     region_models.append(d)
