@@ -43,6 +43,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 import libcst as cst
 
 from torchmigrate import analysis
+from torchmigrate.codegen import FastState
 from torchmigrate.finding import Edit, Safety, insert_after, insert_before, replace
 from torchmigrate.imports import dotted
 from torchmigrate.nodes import code, expr, kwarg, stmt
@@ -79,6 +80,13 @@ NO_GRAD = ("torch.no_grad", "torch.inference_mode", "torch.autograd.no_grad", "t
            "torch.autograd.grad_mode.inference_mode", "torch.autograd.inference_mode")
 _NON_CONSUMING = frozenset({"len", "print", "isinstance", "hasattr", "getattr", "type", "id", "str", "repr"})
 _COMPREHENSIONS = (cst.ListComp, cst.SetComp, cst.DictComp, cst.GeneratorExp)
+_EMPTY = cst.Module(body=[])  # code generation settings of `code()`
+# Exact-type tests for the hot paths: `isinstance` against a LibCST class goes through
+# ABCMeta.__instancecheck__ whenever the type differs; these classes have no subclasses.
+_REFERENCES = frozenset({cst.Name, cst.Attribute, cst.Subscript})  # what `key_of` may name
+_CHAIN = frozenset({cst.Attribute, cst.Subscript})  # `a.b`, `a[k]`: an expression on `.value`
+_DEFINITIONS = frozenset({cst.Param, cst.FunctionDef, cst.ClassDef, cst.ImportAlias, cst.AsName})
+_SCOPES = frozenset({cst.FunctionDef, cst.Lambda, cst.ClassDef})
 _EQ = cst.AssignEqual(whitespace_before=cst.SimpleWhitespace(""), whitespace_after=cst.SimpleWhitespace(""))
 
 
@@ -147,10 +155,11 @@ def _expression_words(node: cst.CSTNode) -> List[str]:
     out: List[str] = []
 
     def go(n: cst.CSTNode) -> None:
-        if isinstance(n, cst.Name):
+        tp = type(n)
+        if tp is cst.Name:
             out.extend(_words(n.value))
             return
-        if isinstance(n, cst.SimpleString):
+        if tp is cst.SimpleString:
             try:
                 value = n.evaluated_value
             except Exception:  # noqa: BLE001 - odd literals carry no signal
@@ -159,8 +168,8 @@ def _expression_words(node: cst.CSTNode) -> List[str]:
                 return
             out.extend(_words(value))
             return
-        if isinstance(n, cst.Arg) and n.keyword is not None:
-            if n.keyword.value in _TRAIN_FLAGS and isinstance(n.value, cst.Name) and n.value.value in ("True", "False"):
+        if tp is cst.Arg and n.keyword is not None:
+            if n.keyword.value in _TRAIN_FLAGS and type(n.value) is cst.Name and n.value.value in ("True", "False"):
                 out.append("train" if n.value.value == "True" else "eval")
             elif n.keyword.value not in _TRAIN_FLAGS:
                 go(n.value)
@@ -174,13 +183,14 @@ def _expression_words(node: cst.CSTNode) -> List[str]:
 
 def key_of(node: cst.CSTNode) -> Optional[str]:
     """`a.b` for Name/Attribute chains, `a.b['k']` for a string subscript of one, else None."""
-    if isinstance(node, cst.Subscript):
+    tp = type(node)
+    if tp is cst.Subscript:
         base = dotted(node.value)
         index = _literal_index(node)
         if base is not None and index is not None:
             return f"{base}[{index!r}]"
         return None
-    if isinstance(node, (cst.Name, cst.Attribute)):
+    if tp is cst.Name or tp is cst.Attribute:
         return dotted(node)
     return None
 
@@ -245,9 +255,10 @@ def bind_args(call: cst.Call) -> Optional[Dict[str, cst.Arg]]:
 
 
 def _func_name(call: cst.Call) -> Optional[str]:
-    if isinstance(call.func, cst.Name):
+    tp = type(call.func)
+    if tp is cst.Name:
         return call.func.value
-    if isinstance(call.func, cst.Attribute):
+    if tp is cst.Attribute:
         return call.func.attr.value
     return None
 
@@ -259,9 +270,10 @@ def _loops_of(node: cst.CSTNode, ctx, stop: cst.CSTNode) -> List[cst.CSTNode]:
     for anc in ctx.ancestors(node):
         if anc is stop:
             break
-        if isinstance(anc, (cst.For, cst.While)) and child in (anc.body, anc.orelse):
+        tp = type(anc)
+        if (tp is cst.For or tp is cst.While) and child in (anc.body, anc.orelse):
             out.append(anc)
-        if isinstance(anc, (cst.FunctionDef, cst.Lambda, cst.ClassDef)):
+        if tp in _SCOPES:
             break
         child = anc
     return out
@@ -286,13 +298,12 @@ class _Scan:
 
     def __init__(self, ctx) -> None:
         self.ctx = ctx
-        self.names: List[cst.Name] = ctx.nodes(cst.Name)
         self.functions: List[cst.FunctionDef] = ctx.nodes(cst.FunctionDef)
         self.returns: List[cst.Return] = ctx.nodes(cst.Return)
 
     @property
     def identifiers(self) -> Set[str]:
-        return {n.value for n in self.names}
+        return {n.value for n in self.ctx.nodes(cst.Name)}
 
     def named(self, values: Set[str]) -> List[cst.Name]:
         """The Name nodes spelling one of `values`, in source order."""
@@ -314,6 +325,8 @@ class DataFacts:
         self.heads: Set[str] = set()  # first names of every ref key: a cheap filter for lookups
         self.hoists: Dict[cst.CSTNode, "_Hoists"] = {}
         self._sites: Optional[Tuple[Tuple[int, int, int], List[Tuple[cst.CSTNode, List[Ref]]]]] = None
+        self._scope_chains: Dict[int, Tuple[cst.CSTNode, ...]] = {}  # see `scopes`
+        self._words_of_dataset: Dict[int, List[str]] = {}  # see `_dataset_words`
         self.distributed = analysis.is_distributed(ctx)
         self.skip_file = any(ctx.imports.imports_module(m) for m in SELF_SHARDING)
         calls = [c for c, name in self.facts.calls if name in DATALOADERS]
@@ -330,7 +343,7 @@ class DataFacts:
                 k = key_of(t.target)
                 if k is not None:
                     self.assigns_by_key.setdefault(k, []).append(assign)
-        self.used_names: Set[str] = set(self.scan.identifiers)
+        self._used_names: Optional[Set[str]] = None  # see `_taken_names`
         # same-file call graph (by name), computed once
         self.callee_map: Dict[int, List[Tuple[cst.FunctionDef, bool]]] = {}
         self.callers: Dict[int, List[cst.Call]] = {}
@@ -341,7 +354,7 @@ class DataFacts:
                 for fn, _skip in found:
                     self.callers.setdefault(id(fn), []).append(call)
         self.set_epoch_calls = [c for c, name in self.facts.calls if name == TM_SET_EPOCH or (
-            isinstance(c.func, cst.Attribute) and c.func.attr.value == "set_epoch")]
+            type(c.func) is cst.Attribute and c.func.attr.value == "set_epoch")]
         self.by_call: Dict[int, Loader] = {}
         for i, call in enumerate(calls):
             self.loaders.append(self._loader(call, i))
@@ -366,17 +379,19 @@ class DataFacts:
         owner = self.ctx.parent(block) if block is not None else None
         return owner if isinstance(owner, cst.ClassDef) else None
 
-    def scopes(self, node: cst.CSTNode) -> List[cst.CSTNode]:
-        """Scopes whose names `node` can see, innermost first (methods also see `self.` names)."""
-        out: List[cst.CSTNode] = []
-        for anc in self.ctx.ancestors(node):
-            if isinstance(anc, cst.FunctionDef):
-                out.append(anc)
-                cls = self.class_of(anc)
-                if cls is not None:
-                    out.append(cls)
-        out.append(self.ctx.module)
-        return out
+    def scopes(self, node: cst.CSTNode) -> Tuple[cst.CSTNode, ...]:
+        """Scopes whose names `node` can see, innermost first (methods also see `self.` names).
+        Every node of a function sees the same chain, so it is built once per function (lookups
+        ask for it for every name that may denote a loader)."""
+        fn = self.ctx.enclosing(node, cst.FunctionDef)
+        if fn is None:
+            return (self.ctx.module,)
+        chain = self._scope_chains.get(id(fn))
+        if chain is None:
+            cls = self.class_of(fn)
+            chain = (fn,) + ((cls,) if cls is not None else ()) + self.scopes(fn)
+            self._scope_chains[id(fn)] = chain
+        return chain
 
     def binding_scope(self, node: cst.CSTNode, key: str) -> cst.CSTNode:
         fn = self.function_of(node)
@@ -438,16 +453,16 @@ class DataFacts:
     def refs_at(self, node: cst.CSTNode) -> List[Ref]:
         """Refs that the expression `node` denotes (a wildcard subscript of a dict denotes all)."""
         head = node
-        while isinstance(head, (cst.Attribute, cst.Subscript)):
+        while type(head) in _CHAIN:
             head = head.value
-        if not isinstance(head, cst.Name) or head.value not in self.heads:
+        if type(head) is not cst.Name or head.value not in self.heads:
             return []
         k = key_of(node)
         if k is not None:
             ref = self.lookup(node, k)
             if ref is not None:
                 return [ref]
-        if isinstance(node, cst.Subscript):
+        if type(node) is cst.Subscript:
             base = dotted(node.value)
             if base is not None and _literal_index(node) is None:
                 return self.lookup_dict(node, base)
@@ -568,12 +583,7 @@ class DataFacts:
         if loader.target:
             sources.append(_words(loader.target.split(".")[-1]))
         if loader.dataset is not None:
-            words = _expression_words(loader.dataset)
-            k = key_of(loader.dataset)
-            if k is not None:
-                for assign in self.assigns_at(call, k)[:3]:
-                    words += _expression_words(assign.value)
-            sources.append(words)
+            sources.append(self._dataset_words(loader))
         fn = self.function_of(call)
         if isinstance(fn, cst.FunctionDef):
             sources.append(_words(fn.name.value))
@@ -587,6 +597,19 @@ class DataFacts:
                 loader.condition_is_shuffle = True
                 return "mixed", _parenthesize(code(shuffle), shuffle)
         return "train", None
+
+    def _dataset_words(self, loader: Loader) -> List[str]:
+        """Words of the dataset expression and of up to three assignments to it, which both
+        `_classify` and `_status` weigh: found once per loader (callers must not change it)."""
+        words = self._words_of_dataset.get(loader.index)
+        if words is None:
+            words = _expression_words(loader.dataset)
+            k = key_of(loader.dataset)
+            if k is not None:
+                for assign in self.assigns_at(loader.call, k)[:3]:
+                    words += _expression_words(assign.value)
+            self._words_of_dataset[loader.index] = words
+        return words
 
     def _status(self, call: cst.Call, loader: Loader, args) -> Tuple[str, str]:
         tm = self.ctx.tm
@@ -608,11 +631,7 @@ class DataFacts:
             return "iterable", ("an IterableDataset cannot take a sampler, so every rank streams the same samples: "
                                 f"shard the stream in `__iter__` (e.g. `itertools.islice(stream, {tm}.rank(), None, "
                                 f"{tm}.world_size())`, combined with `get_worker_info()` for workers)")
-        words = [w for w in _expression_words(loader.dataset)]
-        k = key_of(loader.dataset)
-        if k is not None:
-            for assign in self.assigns_at(call, k)[:3]:
-                words += _expression_words(assign.value)
+        words = self._dataset_words(loader)
         if any(_RANK_RE.match(w) for w in ["_".join(words[i:i + 2]) for i in range(len(words))] + words):
             return "sharded", ""
         for a in call.args:
@@ -697,7 +716,7 @@ class DataFacts:
 
         def calls_in(n: cst.CSTNode) -> bool:
             found = False
-            for c in _calls(n):
+            for c in _calls(self.ctx, n):
                 name = self.ctx.resolve(c.func)
                 if name in DIST_SAMPLERS:
                     shuffle = next((a.value for a in c.args if a.keyword and a.keyword.value == "shuffle"), None)
@@ -733,7 +752,7 @@ class DataFacts:
 
     def _iterable(self, node: cst.CSTNode, at: cst.CSTNode) -> bool:
         def iterable_call(n: cst.CSTNode) -> bool:
-            for c in _calls(n):
+            for c in _calls(self.ctx, n):
                 name = self.ctx.resolve(c.func)
                 if name and (name in ITERABLE_BASES or name.startswith(ITERABLE_FACTORIES)):
                     return True
@@ -826,12 +845,20 @@ class DataFacts:
                                            loader.scope.name.value))
         if not base or not base.isidentifier():
             base = "eval_dataset" if loader.kind == "eval" else "train_dataset" if loader.kind == "train" else "dataset"
+        taken = self._taken_names()
         name, n = base, 2
-        while name in self.used_names:
+        while name in taken:
             name = f"{base}_{n}"
             n += 1
-        self.used_names.add(name)
+        taken.add(name)
         return name
+
+    def _taken_names(self) -> Set[str]:
+        """The module's identifiers and the names given to hoisted datasets so far (gathered on
+        the first hoist: most files need none, and a module has many names)."""
+        if self._used_names is None:
+            self._used_names = self.scan.identifiers
+        return self._used_names
 
     def _sampler_after(self, loader: Loader) -> Optional[str]:
         if loader.status == "distributed":
@@ -875,11 +902,12 @@ class DataFacts:
         sites = []
         for name in self.scan.named(self.heads) if self.scan is not None else ():
             parent = ctx.parent(name)
-            if isinstance(parent, cst.Attribute) and parent.attr is name:
+            parent_type = type(parent)
+            if parent_type is cst.Attribute and parent.attr is name:
                 continue
-            if isinstance(parent, (cst.Param, cst.FunctionDef, cst.ClassDef, cst.ImportAlias, cst.AsName)):
+            if parent_type in _DEFINITIONS:
                 continue
-            if isinstance(parent, cst.Arg) and parent.keyword is name:
+            if parent_type is cst.Arg and parent.keyword is name:
                 continue
             node: cst.CSTNode = name
             while True:
@@ -887,12 +915,12 @@ class DataFacts:
                 if found:
                     break
                 up = ctx.parent(node)
-                if isinstance(up, (cst.Attribute, cst.Subscript)) and up.value is node:
+                if type(up) in _CHAIN and up.value is node:
                     node = up
                     continue
                 break
             up = ctx.parent(node)
-            if not found or isinstance(up, (cst.Attribute, cst.Subscript)) and up.value is node:
+            if not found or type(up) in _CHAIN and up.value is node:
                 continue  # `loader.dataset`, `loader.sampler`: not an iteration
             sites.append((node, found))
         self._sites = (version, sites)
@@ -966,7 +994,7 @@ class DataFacts:
     def _loaders_of(self, node: cst.CSTNode) -> List[Loader]:
         if id(node) in self.by_call:
             return [self.by_call[id(node)]]
-        refs = self.refs_at(node) if isinstance(node, (cst.Name, cst.Attribute, cst.Subscript)) else []
+        refs = self.refs_at(node) if type(node) in _REFERENCES else []
         return [x for r in refs for x in r.loaders]
 
     def _assign_ref(self, assign: cst.Assign, returns) -> bool:
@@ -974,9 +1002,8 @@ class DataFacts:
             return False
         target = assign.targets[0].target
         value = assign.value
-        statement = self.ctx.statement_of(assign)
         pairs: List[Tuple[cst.CSTNode, List[Loader]]] = []
-        if isinstance(value, cst.Call) and id(value) not in self.by_call:
+        if type(value) is cst.Call and id(value) not in self.by_call:
             name = _func_name(value)
             result = returns.get(name) if name else None
             if result:
@@ -986,7 +1013,7 @@ class DataFacts:
                             pairs.append((el.value, result[i]))
                 elif None in result:
                     pairs.append((target, result[None]))
-        elif isinstance(value, (cst.Name, cst.Attribute, cst.Subscript)):
+        elif type(value) in _REFERENCES:
             found = self._loaders_of(value)
             if found:
                 pairs.append((target, found))
@@ -995,6 +1022,7 @@ class DataFacts:
             k = key_of(node)
             if k is None or "[" in k:
                 continue
+            statement = self.ctx.statement_of(assign)
             changed |= self.add_ref(self.binding_scope(assign, k), k, code(node), found, statement)
         return changed
 
@@ -1002,7 +1030,7 @@ class DataFacts:
         changed = False
         for callee, skip_first in self._callees(call):
             for param, value in _bind_params(callee, call, skip_first):
-                found = self._loaders_of(value) if isinstance(value, (cst.Name, cst.Attribute, cst.Subscript)) else []
+                found = self._loaders_of(value) if type(value) in _REFERENCES else []
                 if found:
                     changed |= self.add_ref(callee, param, param, found, None)
         return changed
@@ -1016,7 +1044,8 @@ class DataFacts:
     def _find_callees(self, call: cst.Call) -> List[Tuple[cst.FunctionDef, bool]]:
         """Same-file functions a call may run: `f(...)`, `obj.f(...)` (methods), `Cls(...)` (__init__)."""
         out: List[Tuple[cst.FunctionDef, bool]] = []
-        if isinstance(call.func, cst.Name):
+        func_type = type(call.func)
+        if func_type is cst.Name:
             name = call.func.value
             for fn in self.functions_by_name.get(name, ()):
                 if self.class_of(fn) is None:
@@ -1026,7 +1055,7 @@ class DataFacts:
                 for fn in self.functions_by_name.get("__init__", ()):
                     if self.class_of(fn) is cls:
                         out.append((fn, True))
-        elif isinstance(call.func, cst.Attribute):
+        elif func_type is cst.Attribute:
             for fn in self.functions_by_name.get(call.func.attr.value, ()):
                 if self.class_of(fn) is not None:
                     out.append((fn, True))
@@ -1049,20 +1078,11 @@ def _within(node: cst.CSTNode, container: cst.CSTNode, ctx) -> bool:
     return node is container or any(anc is container for anc in ctx.ancestors(node))
 
 
-def _calls(node: cst.CSTNode) -> List[cst.Call]:
-    """Calls in an expression (not descending into lambdas)."""
-    out: List[cst.Call] = []
-
-    def go(n: cst.CSTNode) -> None:
-        if isinstance(n, cst.Lambda):
-            return
-        if isinstance(n, cst.Call):
-            out.append(n)
-        for child in child_nodes(n):
-            go(child)
-
-    go(node)
-    return out
+def _calls(ctx, node: cst.CSTNode) -> List[cst.Call]:
+    """Calls in an expression, in source order (not descending into lambdas), from the node index."""
+    if type(node) is cst.Lambda:
+        return []
+    return ctx.within(node, cst.Call, skip_defs=True)  # an expression holds no def or class
 
 
 def _param_names(fn: cst.FunctionDef) -> Set[str]:
@@ -1230,15 +1250,49 @@ def layout_of(ctx, call: cst.Call) -> Optional[Tuple[int, int, int]]:
     for anc in ctx.ancestors(statement):
         if isinstance(anc, cst.IndentedBlock):
             indent += len(anc.indent if anc.indent is not None else ctx.module.default_indent)
-    line = code(statement.body[0])
-    call_code = code(call)
+    line, call_code, func_width = _line_and_call(statement.body[0], call)
     at = line.find(call_code)
     if at < 0 or "\n" in line[:at] or line.count(call_code) != 1:
         return None
-    first = indent + at + len(code(call.func)) + 1
+    first = indent + at + func_width + 1
     lines = call_code.split("\n")
     widest = max([indent + at + len(lines[0])] + [indent + len(x) for x in lines[1:]])
     return indent, first, widest
+
+
+class _SpanState(FastState):
+    """Code generation that notes the token span of each wanted node (its first occurrence)."""
+
+    def __init__(self, wanted: Set[int], **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.wanted = wanted  # ids of the wanted nodes
+        self.spans: Dict[int, List[int]] = {}  # id -> [first token, token after the last]
+
+    def before_codegen(self, node: cst.CSTNode) -> None:
+        key = id(node)
+        if key in self.wanted and key not in self.spans:
+            self.spans[key] = [len(self.tokens), -1]
+
+    def after_codegen(self, node: cst.CSTNode) -> None:
+        span = self.spans.get(id(node))
+        if span is not None and span[1] < 0:
+            span[1] = len(self.tokens)
+
+
+def _line_and_call(small: cst.CSTNode, call: cst.Call) -> Tuple[str, str, int]:
+    """`code(small)`, `code(call)` and `len(code(call.func))` from one code generation of
+    `small` when it holds the call (a call generates the same code inside its statement as on
+    its own); layout_of runs for every loader that gets a sampler."""
+    state = _SpanState({id(call), id(call.func)}, default_indent=_EMPTY.default_indent,
+                       default_newline=_EMPTY.default_newline)
+    small._codegen(state)
+    tokens = state.tokens
+    line = "".join(tokens)
+    span = state.spans.get(id(call))
+    if span is None:  # the call is in another small statement of the line
+        return line, code(call), len(code(call.func))
+    func = state.spans[id(call.func)]
+    return line, "".join(tokens[span[0]:span[1]]), len("".join(tokens[func[0]:func[1]]))
 
 
 def _single_line(comma) -> bool:
@@ -1568,7 +1622,7 @@ class EvalUnpadded(_DataRule):
         node = sampler.value
         values = [node] + [a.value for a in self.data.assigns_at(loader.call, key_of(node) or "")]
         for value in values:
-            for c in _calls(value):
+            for c in _calls(self.ctx, value):
                 if self.ctx.resolve(c.func) in DIST_SAMPLERS:
                     if any(a.keyword and a.keyword.value == "drop_last" and _is_literal(a.value, "True") for a in c.args):
                         return False
