@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import os
 import re
+from bisect import bisect_left
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Set, Tuple
 
@@ -107,11 +108,14 @@ def _wrapped_arg(call: cst.Call) -> Optional[cst.Arg]:
     return call_arg(call, "module", 0) or call_arg(call, "model")
 
 
+_SEQUENCES = (cst.Tuple, cst.List)  # exact type tests: isinstance against LibCST's ABCs is slow
+
+
 def _targets(node: cst.BaseAssignTargetExpression, value: Optional[cst.BaseExpression]):
     """(dotted target, value expression or None) pairs, unpacking `a, b = A(), B()`."""
-    if isinstance(node, (cst.Tuple, cst.List)):
+    if type(node) in _SEQUENCES:
         values = None
-        if isinstance(value, (cst.Tuple, cst.List)) and len(value.elements) == len(node.elements):
+        if type(value) in _SEQUENCES and len(value.elements) == len(node.elements):
             values = [e.value for e in value.elements]
         for i, element in enumerate(node.elements):
             yield from _targets(element.value, values[i] if values else None)
@@ -123,6 +127,10 @@ def _targets(node: cst.BaseAssignTargetExpression, value: Optional[cst.BaseExpre
 
 def _mentions(text: str, name: str) -> bool:
     return re.search(r"(?<![\w.])" + re.escape(name) + r"\b", text) is not None
+
+
+_WORD = re.compile(r"\w+")
+_WORD_START = re.compile(r"(?<![\w.])\w+")  # a whole word, not after a dot: what `_mentions` matches
 
 
 @dataclass
@@ -207,12 +215,14 @@ class Plan:
                        for c in CODES}
         self.framework = any(ctx.imports.imports_module(m) for m in _FRAMEWORKS)
         self.tm = ctx.tm
-        self._order: Dict[cst.CSTNode, int] = {}
+        self._order: Dict[int, int] = {}  # id(statement) -> index: ids skip LibCST's Python-level __hash__
         self._last: Dict[cst.CSTNode, int] = {}
         self._assigns: Dict[str, List[Tuple[cst.CSTNode, Optional[cst.BaseExpression]]]] = {}
         self._bn_cache: Dict[cst.CSTNode, bool] = {}
         self._text_cache: Dict[cst.CSTNode, str] = {}
         self._words_cache: Dict[cst.CSTNode, str] = {}
+        self._requires_grad_spots: Optional[List[int]] = None  # see `_touches_requires_grad`
+        self._mentioned: Dict[str, Set[str]] = {}
         self._memo: Dict[tuple, object] = {}
         self._delegated: Optional[Set[cst.CSTNode]] = None
         self._final: Optional[List[Wrap]] = None
@@ -270,16 +280,17 @@ class Plan:
     # --- indexes -----------------------------------------------------------------------
     def _index(self) -> None:
         # every statement line, one-line suite and compound statement, in source order
+        order = self._order
         for i, s in enumerate(self.ctx.nodes(cst.SimpleStatementLine, cst.SimpleStatementSuite,
                                              cst.BaseCompoundStatement)):
-            self._order[s] = i
+            order[id(s)] = i
         for a in self.f.assigns:
             for t in a.targets:
                 for name, value in _targets(t.target, a.value):
                     self._assigns.setdefault(name, []).append((a, value))
 
     def idx(self, statement: Optional[cst.CSTNode]) -> int:
-        return self._order.get(statement, -1) if statement is not None else -1
+        return self._order.get(id(statement), -1) if statement is not None else -1
 
     def last_idx(self, statement: cst.CSTNode) -> int:
         """Index of the last statement inside `statement` (itself for a simple line)."""
@@ -321,6 +332,21 @@ class Plan:
                 out.append("." + n.value if type(up) is cst.Attribute and up.attr is n else n.value)
             found = self._words_cache[node] = " ".join(out)
         return found
+
+    def _touches_requires_grad(self, node: cst.CSTNode) -> bool:
+        """`"requires_grad" in self.words(node)`, asked of every method of every class: found by
+        bisecting the positions of the few names and strings that contain it, not by listing
+        all the words of each method."""
+        start = self.ctx.position(node)
+        if start is None:  # a node built by a rule: not indexed
+            return "requires_grad" in self.words(node)
+        if self._requires_grad_spots is None:
+            hits = [n for tp in (cst.Name, cst.SimpleString) for n in self.ctx.nodes(tp)
+                    if "requires_grad" in n.value]  # type: ignore[attr-defined]
+            self._requires_grad_spots = sorted(self.ctx.position(n) for n in hits)  # type: ignore[type-var]
+        spots = self._requires_grad_spots
+        first = bisect_left(spots, start)  # the first one at or after `node`: is it inside?
+        return first < len(spots) and spots[first] <= self.ctx.last_position(node)
 
     @staticmethod
     def params(func: cst.FunctionDef) -> Set[str]:
@@ -1010,10 +1036,20 @@ class Plan:
         if re.search(r"(?<!Frozen)BatchNorm", text):
             return True
         for name, other in (*self.f.classes.items(), *self.f.functions.items()):
-            if other not in seen and self.ctx.parent(other) is self.ctx.module and _mentions(text, name):
+            if other not in seen and self.ctx.parent(other) is self.ctx.module and self._text_mentions(text, name):
                 if self._def_has_bn(other, seen):
                     return True
         return False
+
+    def _text_mentions(self, text: str, name: str) -> bool:
+        """`_mentions(text, name)`, from the set of words of `text`: one scan of a (long) text
+        for all the names of the file's classes and functions instead of one scan per name."""
+        if not _WORD.fullmatch(name):
+            return _mentions(text, name)
+        found = self._mentioned.get(text)
+        if found is None:
+            found = self._mentioned[text] = set(_WORD_START.findall(text))
+        return name in found
 
     def _def_has_bn(self, node: cst.CSTNode, seen: set) -> bool:
         if node in self._bn_cache:
@@ -1097,7 +1133,7 @@ class Plan:
         if klass is not None and isinstance(klass.body, cst.IndentedBlock):
             for f in klass.body.body:
                 if isinstance(f, cst.FunctionDef) and f.name.value != "__init__" \
-                        and "requires_grad" in self.words(f):
+                        and self._touches_requires_grad(f):
                     methods[f.name.value] = self.text(f)
         freeze = unfreeze = ""
         root = w.name
@@ -1108,12 +1144,13 @@ class Plan:
             for k in self.f.classes.values():
                 if isinstance(k.body, cst.IndentedBlock):
                     for f in k.body.body:
-                        if isinstance(f, cst.FunctionDef) and "requires_grad" in self.words(f):
+                        if isinstance(f, cst.FunctionDef) and self._touches_requires_grad(f):
                             names.add(f.name.value)
+            # (exact type tests over every call and assignment: isinstance on LibCST's ABCs is slow)
             method_calls = [(c, c.func.attr.value) for c, _ in self.f.calls
-                            if isinstance(c.func, cst.Attribute) and c.func.attr.value in names]
+                            if type(c.func) is cst.Attribute and c.func.attr.value in names]
             rg_assigns = [a for a in self.f.assigns if any(
-                isinstance(t.target, cst.Attribute) and t.target.attr.value == "requires_grad" for t in a.targets)]
+                type(t.target) is cst.Attribute and t.target.attr.value == "requires_grad" for t in a.targets)]
             self._freeze_sites = (method_calls, rg_assigns)
         method_calls, rg_assigns = self._freeze_sites
         for call, attr in method_calls:
@@ -1267,6 +1304,8 @@ class Plan:
         by_name: Dict[str, List[Wrap]] = {}
         for w in wraps:
             by_name.setdefault(w.name, []).append(w)
+        if not by_name:
+            return  # nothing wrapped: no access to rewrite
         for node in self.ctx.facts.get("model_attrs", ()):
             name = dotted(node.value)
             candidates = by_name.get(name)
@@ -1570,9 +1609,10 @@ class _AttrCollector(_ModelRule):
 
     def visit_Attribute(self, node: cst.Attribute) -> None:
         if self._collect:
-            value = node.value
-            if isinstance(value, cst.Name) or (isinstance(value, cst.Attribute) and isinstance(value.value, cst.Name)
-                                                and value.value.value in ("self", "cls")):
+            value = node.value  # exact type tests: this runs for every attribute of the file
+            tp = type(value)
+            if tp is cst.Name or (tp is cst.Attribute and type(value.value) is cst.Name
+                                  and value.value.value in ("self", "cls")):
                 self.ctx.facts["model_attrs"].append(node)
 
 
