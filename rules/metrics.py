@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Dict, List, Optional, Set, Tuple
 
 import libcst as cst
@@ -143,20 +144,17 @@ _SPANNED = (cst.For, cst.Assign, cst.AnnAssign, cst.AugAssign)
 
 
 class SourceIndex:
-    """Source-order positions of every name and call, where each loop and assignment starts
-    and ends, and the calls that communicate; built from the context's node index on first
-    use (only for files with candidate loops)."""
+    """Source-order positions of names and calls, where each loop and assignment starts and
+    ends, and the calls that communicate; built from the context's node index on first use
+    (only for files with candidate loops). Names and calls are looked up when asked for, as
+    the rules ask about a few names and most files have no collective calls."""
 
     def __init__(self, ctx: Context) -> None:
-        self.names: Dict[str, List[Tuple[int, cst.Name]]] = {}
-        for spot in ctx.positioned(cst.Name):
-            self.names.setdefault(spot[1].value, []).append(spot)  # type: ignore[attr-defined, arg-type]
-        calls = self.calls = ctx.positioned(cst.Call)  # type: ignore[assignment]
+        self.ctx = ctx
+        self._names: Dict[str, List[Tuple[int, cst.Name]]] = {}
         self.start = _Spans(ctx.position)
         self.end = _Spans(ctx.last_position)
-        resolved = {call: name for call, name in analysis.facts(ctx).calls}
-        self.resolved = resolved
-        self.collectives = [(o, c) for o, c in calls if is_collective(resolved.get(c))]
+        self.collectives = [(ctx.position(c), c) for c, name in analysis.facts(ctx).calls if is_collective(name)]
         # calls of this file's helpers that communicate (`reduce_tensor(t)` wrapping dist.all_reduce)
         helpers = set()
         for _, c in self.collectives:
@@ -164,13 +162,31 @@ class SourceIndex:
             if fn is not None:
                 helpers.add(fn.name.value)
         if helpers:
-            for o, c in calls:
+            for o, c in self.calls:
                 func = c.func
                 name = func.value if isinstance(func, cst.Name) else (
                     func.attr.value if isinstance(func, cst.Attribute) and dotted(func.value) in ("self", "cls") else None)
                 if name in helpers:
                     self.collectives.append((o, c))
             self.collectives.sort(key=lambda item: item[0])
+
+    def names(self, value: str) -> List[Tuple[int, cst.Name]]:
+        """`(position, node)` of every Name spelling `value`, in source order."""
+        found = self._names.get(value)
+        if found is None:
+            position = self.ctx.position
+            found = self._names[value] = [(position(n), n) for n in self.ctx.named(value)]  # type: ignore[misc]
+        return found
+
+    @cached_property
+    def resolved(self) -> Dict[int, Optional[str]]:
+        """`id(call)` -> the call's qualified name (ids: no Python-level `__hash__`)."""
+        return {id(call): name for call, name in analysis.facts(self.ctx).calls}
+
+    @cached_property
+    def calls(self) -> List[Tuple[int, cst.Call]]:
+        """`(position, node)` of every call, in source order."""
+        return self.ctx.positioned(cst.Call)  # type: ignore[return-value]
 
 
 class _Spans:
@@ -180,12 +196,12 @@ class _Spans:
         self.where = where
 
     def __getitem__(self, node: cst.CSTNode) -> int:
-        if not isinstance(node, _SPANNED):
+        if type(node) not in _SPANNED:  # exact types: isinstance against LibCST's ABCs is slow
             raise KeyError(node)
         return self.where(node)
 
     def get(self, node: cst.CSTNode, default: int) -> int:
-        return self.where(node) if isinstance(node, _SPANNED) else default
+        return self.where(node) if type(node) in _SPANNED else default
 
 
 def source_index(ctx: Context) -> SourceIndex:
@@ -231,7 +247,7 @@ def events_after(ctx: Context, loop: cst.CSTNode, names: Set[str]) -> Dict[str, 
     for name in names:
         ev = out[name] = _Events()
         stop = None
-        for order, node in index.names.get(name, ()):
+        for order, node in index.names(name):
             if order <= start or (stop is not None and order > stop):
                 continue
             if scope_of(ctx, node) is not scope or not _is_load(ctx, node):
@@ -636,7 +652,7 @@ def _reassigned_in(ctx: Context, loop: cst.CSTNode, name: str) -> bool:
     """`name` is bound by something other than `name += ...` inside the loop."""
     index = source_index(ctx)
     begin, end = index.start[loop], index.end[loop]
-    for order, node in index.names.get(name, ()):
+    for order, node in index.names(name):
         if begin < order <= end and _is_load(ctx, node):
             binding = _binding(ctx, node)
             if binding is not None and not isinstance(binding, cst.AugAssign):
@@ -764,7 +780,7 @@ class GatherForMetrics(Rule):
         scope = scope_of(ctx, loop)
         for order, call in index.calls:
             if order > begin:
-                name = index.resolved.get(call) or dotted(call.func) or ""
+                name = index.resolved.get(id(call)) or dotted(call.func) or ""
                 if name.rsplit(".", 1)[-1] in _GATHERS and scope_of(ctx, call) is scope:
                     return  # already gathered
         origin: Dict[str, str] = {n: n for n in lists}
@@ -774,7 +790,7 @@ class GatherForMetrics(Rule):
         seen_calls: Set[cst.Call] = set()
         while work:
             name = work.pop(0)
-            for order, node in index.names.get(name, ()):
+            for order, node in index.names(name):
                 if order <= since[name] or scope_of(ctx, node) is not scope or _binding(ctx, node) is not None:
                     continue
                 for anc in ctx.ancestors(node):
