@@ -21,6 +21,7 @@ IS_AVAILABLE = "torch.cuda.is_available"
 # the ones where a string is required or the keyword means something else.
 _NOT_DEVICE_KW = ("torch.autocast", "torch.amp.", "torch.cuda.amp.", "torch.cpu.amp.", "torch.load",
                   "torch.jit.load", "torch.device", "torch.cuda.set_device", "torch.cuda.device")
+_NOT_DEVICE_PREFIXES = tuple(p for p in _NOT_DEVICE_KW if p.endswith("."))  # ... and what is under these
 _INDEX = re.compile(r"cuda:\d+")
 # Name uses that are fine whether the value is a string or a torch.device.
 _DEVICE_ATTRS = ("type", "index")
@@ -32,7 +33,8 @@ EXPR = "expr"  # f"cuda:{args.gpu}", .cuda(args.gpu): an index computed by the s
 
 def cuda_string(node: cst.CSTNode) -> Optional[str]:
     """BARE / LITERAL / EXPR when node is a string expression naming a CUDA device, else None."""
-    if isinstance(node, cst.SimpleString):
+    tp = type(node)  # exact type tests: asked of most expressions, isinstance on LibCST's ABCs is slow
+    if tp is cst.SimpleString:
         try:
             value = node.evaluated_value
         except Exception:  # pragma: no cover
@@ -42,20 +44,20 @@ def cuda_string(node: cst.CSTNode) -> Optional[str]:
         if value == "cuda":
             return BARE
         return LITERAL if _INDEX.fullmatch(value) else None
-    if isinstance(node, cst.FormattedString):
+    if tp is cst.FormattedString:
         parts = node.parts
         if (len(parts) == 2 and isinstance(parts[0], cst.FormattedStringText) and parts[0].value == "cuda:"
                 and isinstance(parts[1], cst.FormattedStringExpression)):
             return EXPR
         return None
-    if isinstance(node, cst.BinaryOperation) and isinstance(node.left, cst.SimpleString):
+    if tp is cst.BinaryOperation and isinstance(node.left, cst.SimpleString):
         text = node.left.evaluated_value
         if isinstance(node.operator, cst.Add) and text == "cuda:":
             return EXPR
         if isinstance(node.operator, cst.Modulo) and text in ("cuda:%d", "cuda:%s", "cuda:%i"):
             return EXPR
         return None
-    if (isinstance(node, cst.Call) and isinstance(node.func, cst.Attribute) and node.func.attr.value == "format"
+    if (tp is cst.Call and isinstance(node.func, cst.Attribute) and node.func.attr.value == "format"
             and isinstance(node.func.value, cst.SimpleString) and node.func.value.evaluated_value == "cuda:{}"):
         return EXPR
     return None
@@ -181,7 +183,7 @@ class DeviceFromRank(Rule):
 
     def __init__(self, ctx: Context) -> None:
         super().__init__(ctx)
-        self._attributes: Optional[Dict[str, List[cst.CSTNode]]] = None
+        self._occurrences: Dict[str, List[cst.CSTNode]] = {}
         self.ifexps: List[cst.IfExp] = []
         self.env_writes: List[cst.CSTNode] = []
         self.map_location_reported: Set[cst.CSTNode] = set()
@@ -190,17 +192,28 @@ class DeviceFromRank(Rule):
     # --- collection ---------------------------------------------------------------------
     def occurrences(self, key: str) -> List[cst.CSTNode]:
         """Where `x` (a Name, not an attribute's name) or `x.y` (an Attribute of a Name) occurs,
-        in source order."""
+        in source order. Found from the Name nodes spelling `x` (or `y`), not by a look at
+        every attribute of the file; asked repeatedly for the same keys, so remembered."""
+        found = self._occurrences.get(key)
+        if found is None:
+            found = self._occurrences[key] = self._find_occurrences(key)
+        return found
+
+    def _find_occurrences(self, key: str) -> List[cst.CSTNode]:
+        parent = self.ctx.parent
         if "." not in key:
-            parent = self.ctx.parent
             return [n for n in self.ctx.named(key) if not (
                 type(parent(n)) is cst.Attribute and parent(n).attr is n)]  # type: ignore[union-attr]
-        if self._attributes is None:
-            self._attributes = {}
-            for node in self.ctx.nodes(cst.Attribute):
-                if isinstance(node.value, cst.Name):
-                    self._attributes.setdefault(f"{node.value.value}.{node.attr.value}", []).append(node)
-        return self._attributes.get(key, [])
+        # `x.y`: the Attributes whose name is a `y` and whose value is a Name `x` (such an
+        # Attribute holds no other, so their order is that of their `y`s)
+        owner, attr = key.split(".", 1)
+        found = []
+        for n in self.ctx.named(attr):
+            up = parent(n)
+            if type(up) is cst.Attribute and up.attr is n and type(up.value) is cst.Name \
+                    and up.value.value == owner:  # type: ignore[union-attr, attr-defined]
+                found.append(up)
+        return found
 
     def visit_IfExp(self, node: cst.IfExp) -> None:
         self.ifexps.append(node)
@@ -238,7 +251,7 @@ class DeviceFromRank(Rule):
         return kind == BARE and self.unpinned
 
     def _is_tm_device(self, node: cst.CSTNode) -> bool:
-        return isinstance(node, cst.Call) and not node.args and self.ctx.resolve(node.func) == RUNTIME + ".device"
+        return type(node) is cst.Call and not node.args and self.ctx.resolve(node.func) == RUNTIME + ".device"
 
     def _tm_device(self) -> cst.BaseExpression:
         return expr(f"{self.ctx.tm}.device()")
@@ -469,7 +482,7 @@ class DeviceFromRank(Rule):
                           "map_location=tm.device() (or \"cpu\" and move what you use)")
 
     def _device_kwarg(self, call: cst.Call, name: str) -> None:
-        if any(name == p or (p.endswith(".") and name.startswith(p)) for p in _NOT_DEVICE_KW):
+        if name in _NOT_DEVICE_KW or name.startswith(_NOT_DEVICE_PREFIXES):
             return
         target = arg(call, "device")
         if target is not None:
@@ -695,6 +708,7 @@ class _IntDevices:
         self.ctx = rule.ctx
         self.facts = analysis.facts(rule.ctx)
         self._locals: Dict[cst.CSTNode, Set[str]] = {}
+        self._assigned: Optional[Dict[cst.CSTNode, Set[str]]] = None  # see `_assigned_in`
 
     # scopes
     def _function(self, node: cst.CSTNode) -> cst.CSTNode:
@@ -708,12 +722,20 @@ class _IntDevices:
             for star in (p.star_arg, p.star_kwarg):
                 if isinstance(star, cst.Param):
                     names.add(star.name.value)
-            for assign in self.facts.assigns:
-                if self._function(assign) is func:
-                    for t in assign.targets:
-                        names.update(n.value for n in _target_names(t.target))
+            names |= self._assigned_in(func)
             self._locals[func] = names
         return names
+
+    def _assigned_in(self, func: cst.FunctionDef) -> Set[str]:
+        """Names that assignments directly in `func` bind: grouped for all functions in one
+        pass over the file's assignments, not one pass per function."""
+        if self._assigned is None:
+            self._assigned = {}
+            for assign in self.facts.assigns:
+                names = self._assigned.setdefault(self._function(assign), set())
+                for t in assign.targets:
+                    names.update(n.value for n in _target_names(t.target))
+        return self._assigned.get(func, set())
 
     def _binds(self, use: cst.Name, scope: cst.CSTNode) -> bool:
         """`use` reads the variable of `scope` (not a same-named local of an inner function)."""
