@@ -365,8 +365,7 @@ class SaveMainUnwrapped(Rule):
     def _reload_check(self, index: int, save: cst.Call, scope: cst.CSTNode) -> None:
         """A file saved and then loaded again in the same run: other ranks must wait for it."""
         ctx = self.ctx
-        target = arg(save, "f", 1)
-        path = code(target.value)
+        path = None  # the saved path's text, generated only once a load in this scope needs it
         events = ctx.facts.get("tm_load_events")
         if events is None:
             events = [(i, call, name) for i, (call, name) in enumerate(analysis.facts(ctx).calls)
@@ -379,6 +378,8 @@ class SaveMainUnwrapped(Rule):
                 return
             if scope_of(ctx, call) is scope:
                 first = arg(call, "f", 0)
+                if path is None and first is not None:
+                    path = code(arg(save, "f", 1).value)
                 if first is not None and code(first.value) == path:
                     line = ctx.statement_of(save)
                     if collective_guard(ctx, save) is None and isinstance(line, cst.SimpleStatementLine) \

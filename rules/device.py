@@ -185,7 +185,7 @@ class DeviceFromRank(Rule):
         super().__init__(ctx)
         self._occurrences: Dict[str, List[cst.CSTNode]] = {}
         self.ifexps: List[cst.IfExp] = []
-        self.env_writes: List[cst.CSTNode] = []
+        self.env_writes: List[cst.CSTNode] = []  # filled by leave_Module
         self.map_location_reported: Set[cst.CSTNode] = set()
         self.int_device_uses: Set[cst.CSTNode] = set()  # uses whose origin gets tm.device()
 
@@ -218,10 +218,16 @@ class DeviceFromRank(Rule):
     def visit_IfExp(self, node: cst.IfExp) -> None:
         self.ifexps.append(node)
 
-    def visit_Assign(self, node: cst.Assign) -> None:
-        for t in node.targets:
-            if isinstance(t.target, cst.Subscript) and self._is_cvd(t.target):
-                self.env_writes.append(node)
+    def _env_assigns(self) -> List[cst.CSTNode]:
+        """`os.environ["CUDA_VISIBLE_DEVICES"] = ...` statements, in source order (once per
+        matching target). Read from the file's recorded assignments at the end rather than a
+        callback for every assignment; `Subscript` has no subclasses, so an exact type test."""
+        found: List[cst.CSTNode] = []
+        for assign in analysis.facts(self.ctx).assigns:
+            for t in assign.targets:
+                if type(t.target) is cst.Subscript and self._is_cvd(t.target):
+                    found.append(assign)
+        return found
 
     def _is_cvd(self, sub: cst.Subscript) -> bool:
         if self.ctx.resolve(sub.value) != "os.environ" or len(sub.slice) != 1:
@@ -321,6 +327,7 @@ class DeviceFromRank(Rule):
         self._setup()
         if not self.active:
             return
+        self.env_writes = self._env_assigns()
         handled: Set[cst.CSTNode] = set()
         self._ifexp_devices(handled)
         if self.converting:
@@ -573,13 +580,15 @@ class DeviceFromRank(Rule):
     def _string_assign(self, assign: cst.Assign) -> None:
         if len(assign.targets) != 1:
             return
-        target = dotted(assign.targets[0].target)
-        if target is None or target.count(".") > 1:
-            return
+        # Asked of every assignment: the cheap test of the value first, the target's name only
+        # for the few that hold a CUDA device.
         value = assign.value
-        split = self._split(value, string=True) if isinstance(value, cst.IfExp) else None
+        split = self._split(value, string=True) if type(value) is cst.IfExp else None
         kind = split[0] if split else cuda_string(value)
         if not self._wrong(kind):
+            return
+        target = dotted(assign.targets[0].target)
+        if target is None or target.count(".") > 1:
             return
         as_device = self._device_uses_only(target, assign)
         if as_device:

@@ -136,9 +136,13 @@ def user_sets_up_elsewhere(ctx: Context) -> bool:
     """The file (or a helper it calls) already initialises distributed training."""
     if analysis.is_distributed(ctx) or analysis.calls_to(ctx, INIT_PG, RUNTIME + ".setup", *SPAWN):
         return True
-    for call, name in analysis.facts(ctx).calls:
-        func = dotted(call.func)
-        if func and _DIST_INIT_HELPER.match(func.rsplit(".", 1)[-1]):
+    # Every call of the file is asked: test the last name of the callee (exact types, cheap)
+    # first and build the dotted name only for the rare one that matches.
+    for call, _name in analysis.facts(ctx).calls:
+        func = call.func
+        tp = type(func)
+        last = func.value if tp is cst.Name else func.attr.value if tp is cst.Attribute else None
+        if last is not None and _DIST_INIT_HELPER.match(last) and dotted(func):
             return True
     return False
 
@@ -1062,6 +1066,7 @@ class PerRankSeed(Rule):
     def __init__(self, ctx: Context) -> None:
         super().__init__(ctx)
         self._assign_index: Optional[Dict[str, List[cst.BaseExpression]]] = None
+        self._rank_text: Dict[cst.CSTNode, bool] = {}
 
     def leave_Module(self, node: cst.Module) -> None:
         ctx = self.ctx
@@ -1137,13 +1142,21 @@ class PerRankSeed(Rule):
         a = arg(call, "seed", 0)
         if a is None:
             return False
-        if "rank" in code(a.value).lower():
+        if self._mentions_rank(a.value):
             return True
         index = self._assigned()
         for name in _dotted_names(a.value):
-            if any("rank" in code(value).lower() for value in index.get(name, ())):
+            if any(self._mentions_rank(value) for value in index.get(name, ())):
                 return True
         return False
+
+    def _mentions_rank(self, node: cst.CSTNode) -> bool:
+        """Whether the source text of `node` contains "rank"; remembered per node, since the same
+        assigned values are asked about for every seeding call and generating their code is the cost."""
+        found = self._rank_text.get(node)
+        if found is None:
+            found = self._rank_text[node] = "rank" in code(node).lower()
+        return found
 
     def _assigned(self) -> Dict[str, List[cst.BaseExpression]]:
         """Assigned values by dotted target name, built once."""

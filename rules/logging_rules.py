@@ -202,11 +202,12 @@ def assignments(ctx: Context) -> Dict[tuple, List[cst.Assign]]:
 
 
 def names_in(ctx: Context, node: cst.CSTNode) -> frozenset:
-    """Plain names read or written anywhere under `node` (cached per node)."""
+    """Plain names read or written anywhere under `node` (cached per node; the names come from
+    the context's node index rather than a walk of the subtree)."""
     cache: Dict[cst.CSTNode, frozenset] = ctx.facts.setdefault("tm_names_in", {})  # type: ignore[assignment]
     hit = cache.get(node)
     if hit is None:
-        hit = cache[node] = frozenset(n.value for n in iter_nodes(node) if isinstance(n, cst.Name))
+        hit = cache[node] = frozenset(n.value for n in ctx.within(node, cst.Name))  # type: ignore[attr-defined]
     return hit
 
 
@@ -492,7 +493,10 @@ class MainPrint(Rule):
                 if name.startswith("wandb.") and self._wandb_disabled_elsewhere():
                     continue  # every wandb call is a no-op on the ranks where wandb.init got mode="disabled"
                 self._tracker_call(call, name, guard_lines)
-        for assign in f.assigns:
+        # Assignment targets resolve to tracker names only through an import of the tracker:
+        # a file that imports neither needs no resolving of every assignment's targets.
+        tracked = ctx.imports.imports_module("wandb") or ctx.imports.imports_module("mlflow")
+        for assign in f.assigns if tracked else ():
             if any(_tracker_target(ctx, t.target) for t in assign.targets):
                 if self._wandb_disabled_elsewhere() and (ctx.resolve(_base(assign.targets[0].target)) or "").startswith("wandb."):
                     continue

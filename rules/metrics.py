@@ -745,25 +745,32 @@ class GatherForMetrics(Rule):
         ),
     )
 
-    def __init__(self, ctx: Context) -> None:
-        super().__init__(ctx)
-        self.appends: List[Tuple[cst.CSTNode, str]] = []
-
-    def visit_Call(self, node: cst.Call) -> None:
-        func = node.func
-        if isinstance(func, cst.Attribute) and func.attr.value in ("append", "extend") and isinstance(func.value, cst.Name):
-            self.appends.append((node, func.value.value))
-
-    def visit_AugAssign(self, node: cst.AugAssign) -> None:
-        if isinstance(node.operator, cst.AddAssign) and isinstance(node.target, cst.Name):
-            self.appends.append((node, node.target.value))
+    def _appends(self) -> List[Tuple[cst.CSTNode, str]]:
+        """`name.append(...)` / `name.extend(...)` calls and `name += ...` statements, with the
+        list's name, in source order. Picked at the end from the file's recorded calls and the
+        node index rather than by a callback for each of the file's calls (exact type tests:
+        none of these classes has subclasses); the few found are then merged by position."""
+        ctx = self.ctx
+        appends: List[Tuple[cst.CSTNode, str]] = []
+        for call, _name in analysis.facts(ctx).calls:
+            func = call.func
+            if type(func) is cst.Attribute and func.attr.value in ("append", "extend") and type(func.value) is cst.Name:
+                appends.append((call, func.value.value))
+        augs = [(node, node.target.value) for node in ctx.nodes(cst.AugAssign)
+                if type(node.operator) is cst.AddAssign and type(node.target) is cst.Name]
+        if appends and augs:
+            return sorted(appends + augs, key=lambda found: ctx.position(found[0]))
+        return appends or augs
 
     def leave_Module(self, node: cst.Module) -> None:
         ctx = self.ctx
-        if not self.appends or not active(ctx):
+        if not active(ctx):
+            return
+        appends = self._appends()
+        if not appends:
             return
         loops: Dict[cst.CSTNode, List[str]] = {}
-        for n, name in self.appends:
+        for n, name in appends:
             loop = loader_loop(ctx, n)
             if loop is not None and name not in loops.setdefault(loop, []):
                 loops[loop].append(name)
