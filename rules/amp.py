@@ -134,6 +134,30 @@ def calls_by_method(ctx: Context) -> Dict[str, List[Tuple[cst.Call, Optional[str
     return index  # type: ignore[return-value]
 
 
+def calls_spelled(ctx: Context, spellings: Iterable[str]) -> List[cst.Call]:
+    """Calls whose function is written as one of the dotted `spellings` (`model`, `self.net`),
+    i.e. whose `dotted(call.func)` is one of them, in source order.
+
+    Found from the index's Names that head each spelling, following the attributes up to the
+    call, instead of spelling the function of every call in the file (tens of thousands)."""
+    parent_of = ctx.parents.get
+    found = []
+    for text in set(spellings):
+        head, *attrs = text.split(".")
+        for node in ctx.named(head):
+            for attr in attrs:
+                parent = parent_of(node)
+                if type(parent) is not cst.Attribute or parent.value is not node or parent.attr.value != attr:
+                    break
+                node = parent
+            else:
+                call = parent_of(node)
+                if type(call) is cst.Call and call.func is node:
+                    found.append(call)
+    found.sort(key=ctx.position)
+    return found
+
+
 def receiver(call: cst.Call) -> Optional[cst.BaseExpression]:
     return call.func.value if isinstance(call.func, cst.Attribute) else None
 
@@ -1367,12 +1391,7 @@ class _Planner:
         if not models:
             return
         by_loop: Dict[cst.CSTNode, List[cst.CSTNode]] = {}
-        for call, _ in self.facts.calls:
-            d = dotted(call.func)
-            if d is None:
-                continue
-            if d not in models and not (d.startswith("self.") and d in models):
-                continue
+        for call in calls_spelled(ctx, models):
             loop = ctx.enclosing(call, cst.For, cst.While, cst.FunctionDef, cst.ClassDef)
             if not isinstance(loop, (cst.For, cst.While)) or loop in self.contains:
                 continue
@@ -1430,13 +1449,13 @@ class _Planner:
         cached = getattr(self, "_bce_funcs", None)
         if cached is None:
             cached = set()
-            bce = self.bce_names()
-            for call, name in self.facts.calls:
-                d = dotted(call.func)
-                if name in BCE_FUNCS or (d and d in bce) or name in BCE_CLASSES:
-                    func = self.ctx.enclosing(call, cst.FunctionDef)
-                    if func is not None and class_of(self.ctx, func) is None:
-                        cached.add(func.name.value)
+            # BCE calls by resolved name, and calls of the variables holding a BCE loss module
+            # (a call in both lists only adds its function's name twice).
+            calls = analysis.calls_to(self.ctx, *BCE_FUNCS, *BCE_CLASSES) + calls_spelled(self.ctx, self.bce_names())
+            for call in calls:
+                func = self.ctx.enclosing(call, cst.FunctionDef)
+                if func is not None and class_of(self.ctx, func) is None:
+                    cached.add(func.name.value)
             self._bce_funcs = cached
         return cached
 
@@ -1456,10 +1475,7 @@ class _Planner:
         target = analysis._assign_target(self.ctx, call)
         if not target:
             return False
-        for other, _ in self.facts.calls:
-            if dotted(other.func) == target and self.covered(other):
-                return True
-        return False
+        return any(self.covered(other) for other in calls_spelled(self.ctx, (target,)))
 
     # -- existing autocast ------------------------------------------------------------------
     def existing_autocast_checks(self) -> None:
@@ -2470,12 +2486,7 @@ class AmpDtype(AmpRule):
     def __init__(self, ctx: Context) -> None:
         super().__init__(ctx)
         self.names = _modern_import_names(ctx)
-        self.refs: List[cst.Name] = []
         self.imports: List[cst.ImportFrom] = []
-
-    def visit_Name(self, node: cst.Name) -> None:
-        if node.value in self.names and not _is_attr_name(self.ctx, node):
-            self.refs.append(node)
 
     def visit_ImportFrom(self, node: cst.ImportFrom) -> None:
         if self.names and not node.relative and node.module is not None and dotted(node.module) in _MODERN_MODULES:
@@ -2510,8 +2521,9 @@ class AmpDtype(AmpRule):
                         name == TM_AUTOCAST and any(a.keyword is None for a in call.args)):
                     self.report(call, f"force the AMP dtype: `dtype={_DTYPE_TEXT[ctx.options.amp]}`",
                                 edits=[replace(call, lambda c: _add_kw(c, "dtype", expr(_DTYPE_TEXT[ctx.options.amp])))])
+        refs = name_refs(ctx, self.names) if self.imports else []
         for imp in self.imports:
-            drop = unused_aliases(ctx, imp, self.refs, taken)
+            drop = unused_aliases(ctx, imp, refs, taken)
             if drop:
                 edit = (removal(ctx, imp) if len(drop) == len(imp.names) else
                         replace(imp, lambda n, d=drop: _drop_aliases(n, d)))
@@ -2584,6 +2596,18 @@ def unused_aliases(ctx: Context, imp: cst.ImportFrom, refs: Iterable[cst.Name], 
         if all(_in_taken_call(ctx, r, taken) for r in uses):
             out.append(local)
     return out
+
+
+def name_refs(ctx: Context, values: Iterable[str]) -> List[cst.Name]:
+    """Every `Name` spelling one of `values` that is not an attribute name, in source order.
+
+    Asked of the node index once the walk is done, instead of a `visit_Name` that would test
+    each of the file's (many) names against a set of a few imported locals."""
+    values = list(values)
+    refs = [n for value in values for n in ctx.named(value) if not _is_attr_name(ctx, n)]
+    if len(values) > 1:
+        refs.sort(key=ctx.position)
+    return refs
 
 
 def _is_attr_name(ctx: Context, node: cst.Name) -> bool:

@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import libcst as cst
 
+from torchmigrate import analysis
 from torchmigrate.finding import Safety, replace
 from torchmigrate.imports import dotted
 from torchmigrate.nodes import expr, kwarg, with_args
 from torchmigrate.rule import Example, Rule
-from torchmigrate.rules.amp import _in_taken_call, _is_attr_name, enabled_codes, policy_active, policy_takes, removal
+from torchmigrate.rules.amp import _in_taken_call, enabled_codes, name_refs, policy_active, policy_takes, removal
 
 _OLD_MODULES = {"torch.cuda.amp": "cuda", "torch.cpu.amp": "cpu"}
+_OLD_PREFIXES = tuple(module + "." for module in _OLD_MODULES)
 # Positional parameters of the deprecated callables, in order; the torch.amp versions take the
 # device first and, for autocast, `dtype` before `enabled`, so positionals become keywords.
 _AUTOCAST_PARAMS = ("enabled", "dtype", "cache_enabled")
@@ -21,7 +23,7 @@ _DECORATORS = ("custom_fwd", "custom_bwd")
 
 def _deprecated(qualified: Optional[str]) -> Optional[Tuple[str, str]]:
     """(device, attribute) for `torch.cuda.amp.X` / `torch.cpu.amp.X`, including submodules."""
-    if not qualified:
+    if not qualified or not qualified.startswith(_OLD_PREFIXES):  # most names: one test
         return None
     for module, device in _OLD_MODULES.items():
         if qualified.startswith(module + "."):
@@ -105,13 +107,12 @@ class TorchCudaAmp(Rule):
     def __init__(self, ctx) -> None:
         super().__init__(ctx)
         enabled_codes(ctx).add(self.code)
+        self.calls = analysis.facts(ctx).calls  # (call, resolved name), as the walk meets them
         self.handled = set()  # func nodes already rewritten as part of a call/decorator
-        self.bare = []  # references that are neither called nor decorators
         self.taken = set()  # calls TM410 rewrites to the runtime (see rules/amp.py)
         self.deferred = []  # (import node, report function) decided in leave_Module
         self.locals = {local for local, full in ctx.imports.names.items()
                        if _deprecated(full) or full in _OLD_MODULES}
-        self.refs = []  # Name nodes that may refer to deprecated imports
         # local names that can start a dotted path into torch.cuda.amp / torch.cpu.amp
         self.heads = {local for local, full in ctx.imports.names.items()
                       if full in ("torch", "torch.cuda", "torch.cpu") or _deprecated(full) or full in _OLD_MODULES}
@@ -180,14 +181,19 @@ class TorchCudaAmp(Rule):
                     edits=[replace(node, fix)])
 
     def visit_Call(self, node: cst.Call) -> None:
-        found = _deprecated(self.ctx.resolve(node.func))
+        # The Facts collector visits each node before every rule, so its last entry is `node`,
+        # already resolved (checked: a rule run on its own resolves the call itself).
+        last, qualified = self.calls[-1] if self.calls else (None, None)
+        if last is not node:
+            qualified = self.ctx.resolve(node.func)
+        found = _deprecated(qualified)
         if not found or node.func in self.handled:
             return
         device, attr = found
         if attr in _DECORATORS and isinstance(self.ctx.parent(node), cst.Decorator):
             return
         self.handled.add(node.func)
-        if policy_takes(self.ctx, node, self.ctx.resolve(node.func)):
+        if policy_takes(self.ctx, node, qualified):
             self.taken.add(node)
             return
         if attr not in ("autocast", "GradScaler"):
@@ -206,51 +212,47 @@ class TorchCudaAmp(Rule):
         self.report(node, f"torch.{device}.amp.{attr}(...) is deprecated; use torch.amp.{attr}(\"{device}\", ...)",
                     edits=[replace(node, fix)])
 
-    def visit_Attribute(self, node: cst.Attribute) -> None:
-        head = node.value
-        while isinstance(head, cst.Attribute):
-            head = head.value
-        if isinstance(head, cst.Name) and head.value in self.heads:
-            self._bare(node)
-
-    def visit_Name(self, node: cst.Name) -> None:
-        if node.value in self.locals and not _is_attr_name(self.ctx, node):
-            self.refs.append(node)
-        if node.value in self.heads:
-            self._bare(node)
-
     def leave_Module(self, node: cst.Module) -> None:
-        for imp in self.deferred:
-            self._deferred_import(imp)
-        for ref in self.bare:
+        if self.deferred:
+            refs = name_refs(self.ctx, self.locals)  # Name nodes that may refer to deprecated imports
+            for imp in self.deferred:
+                self._deferred_import(imp, refs)
+        for ref in self._bare_references():
             if ref not in self.handled:
                 found = _deprecated(self.ctx.resolve(ref))
                 self.report(ref, f"reference to deprecated torch.{found[0]}.amp.{found[1]}: "
                                  f"use torch.amp.{found[1]} with the device argument")
 
-    def _bare(self, node) -> None:
-        parent = self.ctx.parent(node)
-        if isinstance(parent, cst.Attribute) and parent.value is node:
-            return  # only the outermost part of a dotted name
-        if isinstance(node, cst.Name) and isinstance(parent, cst.Attribute) and parent.attr is node:
-            return
-        head = node
-        while isinstance(head, cst.Attribute):
-            head = head.value
-        if not isinstance(head, cst.Name) or head.value not in self.heads:
-            return
-        found = _deprecated(self.ctx.resolve(node))
-        if not found or found[1] not in ("autocast", "GradScaler", *_DECORATORS):
-            return
-        if isinstance(parent, (cst.ImportAlias, cst.ImportFrom, cst.Import)) or self.ctx.enclosing(node, cst.ImportFrom, cst.Import):
-            return
-        self.bare.append(node)
+    def _bare_references(self) -> List[cst.BaseExpression]:
+        """Whole dotted names (`torch.cuda.amp.autocast`, `ac`) naming a deprecated autocast,
+        GradScaler or decorator outside the imports, in source order; `handled` ones included.
 
+        Every such name starts with one of `heads`, so it is found from the index's Names with
+        those values (the chain of attributes each one heads) rather than by testing each
+        Name and Attribute of the file as the walk meets it."""
+        ctx = self.ctx
+        parent_of = ctx.parents.get
+        found = []
+        for value in self.heads:
+            for head in ctx.named(value):
+                node, parent = head, parent_of(head)
+                while type(parent) is cst.Attribute and parent.value is node:
+                    node, parent = parent, parent_of(parent)  # only the outermost part counts
+                if node is head and type(parent) is cst.Attribute:
+                    continue  # the attribute name in `x.torch`
+                qualified = _deprecated(ctx.resolve(node))
+                if not qualified or qualified[1] not in ("autocast", "GradScaler", *_DECORATORS):
+                    continue
+                if isinstance(parent, (cst.ImportAlias, cst.ImportFrom, cst.Import)) or ctx.enclosing(node, cst.ImportFrom, cst.Import):
+                    continue
+                found.append(node)
+        found.sort(key=ctx.position)
+        return found
 
-    def _deferred_import(self, node) -> None:
+    def _deferred_import(self, node, refs: List[cst.Name]) -> None:
         """A deprecated import in a migration where TM410 rewrites the calls: drop the names only
         those calls used, modernise the rest."""
-        drop = set(_unused_locals(self.ctx, node, self.refs, self.taken))
+        drop = set(_unused_locals(self.ctx, node, refs, self.taken))
         if isinstance(node, cst.Import):
             def fix_import(n: cst.Import):
                 names = [a for a in n.names if _local(a) not in drop]
