@@ -151,7 +151,7 @@ def is_distributed(ctx: Context) -> bool:
 
 def _is_optimizer(name: Optional[str], call: cst.Call) -> bool:
     if name:
-        if any(name.startswith(m) for m in _OPTIMIZER_MODULES):
+        if name.startswith(_OPTIMIZER_MODULES):
             return not any(x in name + "." for x in _NOT_OPTIMIZERS) and name.rsplit(".", 1)[1][:1].isupper()
         return name.rsplit(".", 1)[-1] in _OPTIMIZER_NAMES and name.startswith(("transformers.", "torch_optimizer."))
     return False
@@ -193,11 +193,13 @@ _NOT_OPTIMIZER_CALLS = ("scheduler", "Scheduler", "swa_utils", "AveragedModel", 
 
 
 def _assign_target(ctx: Context, call: cst.Call) -> Optional[str]:
-    parent = ctx.parent(call)
-    if isinstance(parent, cst.Assign) and len(parent.targets) == 1:
-        return dotted(parent.targets[0].target)
-    if isinstance(parent, (cst.AnnAssign, cst.AugAssign)) and parent.value is call:
-        return dotted(parent.target)
+    # Asked about every call of the file (`optimizers`): exact type tests, as in `dotted`.
+    parent = ctx.parents.get(call)
+    tp = type(parent)
+    if tp is cst.Assign and len(parent.targets) == 1:  # type: ignore[union-attr]
+        return dotted(parent.targets[0].target)  # type: ignore[union-attr]
+    if (tp is cst.AnnAssign or tp is cst.AugAssign) and parent.value is call:  # type: ignore[union-attr]
+        return dotted(parent.target)  # type: ignore[union-attr]
     return None
 
 

@@ -38,6 +38,8 @@ def dotted(node: cst.BaseExpression) -> Optional[str]:
 
 
 _NAME, _ATTRIBUTE = cst.Name, cst.Attribute
+_LINES = (cst.SimpleStatementLine, cst.SimpleStatementSuite)
+_IMPORTS = (cst.Import, cst.ImportFrom)
 
 
 def _module_name(node: Optional[cst.BaseExpression]) -> str:
@@ -51,7 +53,8 @@ def iter_statements(body) -> Iterator[cst.CSTNode]:
     """
     for stmt in body:
         yield stmt
-        if isinstance(stmt, cst.BaseCompoundStatement):
+        # most statements are lines: skip them before the (slow, abstract) isinstance test
+        if type(stmt) is not cst.SimpleStatementLine and isinstance(stmt, cst.BaseCompoundStatement):
             blocks = [getattr(stmt, "body", None), getattr(stmt, "orelse", None), getattr(stmt, "finalbody", None)]
             blocks += list(getattr(stmt, "handlers", ())) + list(getattr(stmt, "cases", ()))
             for block in blocks:
@@ -87,10 +90,10 @@ class ImportTable:
     @classmethod
     def from_module(cls, module: cst.Module) -> "ImportTable":
         table = cls()
-        for stmt in iter_statements(module.body):
-            if isinstance(stmt, (cst.SimpleStatementLine, cst.SimpleStatementSuite)):
-                for small in stmt.body:
-                    if isinstance(small, (cst.Import, cst.ImportFrom)):
+        for stmt in iter_statements(module.body):  # exact type tests: this sees every statement
+            if type(stmt) in _LINES:
+                for small in stmt.body:  # type: ignore[attr-defined]
+                    if type(small) in _IMPORTS:
                         table.add(small)
                         table.import_statements.append(stmt)
         return table
@@ -116,17 +119,29 @@ class ImportTable:
                 self.names[local] = _CANONICAL.get(full, full)
 
     def resolve(self, node: cst.BaseExpression) -> Optional[str]:
-        """Qualified name of a Name/Attribute chain whose head is imported, else None."""
-        name = dotted(node)
-        if name is None:
+        """Qualified name of a Name/Attribute chain whose head is imported, else None.
+
+        Called for most names rules see: it finds the head before joining any text, since
+        most chains (`self.model.train`, `args.lr`) start with a name that is not imported."""
+        parts = []
+        tp = type(node)
+        while tp is _ATTRIBUTE:
+            parts.append(node.attr.value)  # type: ignore[attr-defined]
+            node = node.value  # type: ignore[attr-defined]
+            tp = type(node)
+        if tp is not _NAME:
             return None
-        head, _, rest = name.partition(".")
+        head = node.value  # type: ignore[attr-defined]
         base = self.names.get(head)
         if base is None:
             base = self._from_star(head)
             if base is None:
                 return None
-        return f"{base}.{rest}" if rest else base
+        if not parts:
+            return base
+        parts.append(base)
+        parts.reverse()
+        return ".".join(parts)
 
     def _from_star(self, head: str) -> Optional[str]:
         if not self.star_modules:

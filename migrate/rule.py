@@ -16,6 +16,7 @@ import inspect
 import textwrap
 from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
+from itertools import chain
 from typing import ClassVar, Dict, FrozenSet, Iterable, List, Optional, Sequence, Tuple, Type
 
 import libcst as cst
@@ -25,7 +26,8 @@ from torchmigrate.imports import ImportTable
 from torchmigrate.walk import child_nodes
 
 RUNTIME_MODULE = "torchmigrate.runtime"
-_MATCHES: Dict[Tuple[type, ...], Dict[type, bool]] = {}  # for Context.enclosing
+# (types) -> {node type: issubclass(node type, types)}, for Context.enclosing and _NodeIndex.spots
+_MATCHES: Dict[Tuple[type, ...], Dict[type, bool]] = {}
 COMMANDS = ("ddp", "amp", "lint")
 
 
@@ -269,8 +271,19 @@ class _NodeIndex:
         """Positions of the nodes of these types (or their subclasses), ascending."""
         found = self._types.get(types)
         if found is None:
-            lists = [v for tp, v in self.by_type.items() if issubclass(tp, types)]
-            found = lists[0] if len(lists) == 1 else sorted(i for v in lists for i in v)
+            # issubclass against LibCST's abstract bases is slow and a file has ~70 node types:
+            # the answers are kept across files.
+            matches = _MATCHES.get(types)
+            if matches is None:
+                matches = _MATCHES[types] = {}
+            lists = []
+            for tp, v in self.by_type.items():
+                hit = matches.get(tp)
+                if hit is None:
+                    hit = matches[tp] = issubclass(tp, types)
+                if hit:
+                    lists.append(v)
+            found = lists[0] if len(lists) == 1 else sorted(chain.from_iterable(lists))
             self._types[types] = found
         return found
 
