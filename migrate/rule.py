@@ -86,7 +86,12 @@ class Context:
         """Forget the file once its result is built. Rules keep the context and publish facts
         that point back at it, so the tree would otherwise live on in reference cycles until the
         garbage collector walks it; without these references most of it is freed at once. The
-        findings stay valid (they hold their own nodes); the context must not be used again."""
+        findings stay valid (they hold their own nodes); the context must not be used again.
+        A published fact with a `release()` method gets to break its own cycles first."""
+        for fact in self.facts.values():
+            release = getattr(fact, "release", None)
+            if release is not None:
+                release()
         self.__dict__.clear()
 
     # --- navigation -----------------------------------------------------------------

@@ -316,6 +316,12 @@ class _Scan:
 class DataFacts:
     """Loaders, where they are visible, and what each rule of the family should do with them."""
 
+    def release(self) -> None:
+        """Called by `Context.close()`: loaders and their refs point at each other (and at the
+        module, their scope), so unlink them to let reference counting free the file's tree."""
+        for loader in self.loaders:
+            loader.refs.clear()
+
     def __init__(self, ctx) -> None:
         self.ctx = ctx
         self.facts = analysis.facts(ctx)

@@ -175,3 +175,31 @@ def test_parsing_skips_node_validation_only_while_libcst_parses(monkeypatch):
     assert cst.CSTNode.__post_init__ is original
     with pytest.raises(cst.CSTValidationError):  # nodes built outside the parser are validated
         cst.Name("not a name")
+
+
+@pytest.mark.parametrize("script", ["main_function.py", "gan.py", "trainer_class.py"])
+def test_a_finished_files_tree_is_freed_by_reference_counting(script):
+    """Rules and the facts they publish point back at the context (and loaders at their refs),
+    which kept each file's tree in reference cycles for the collector to walk; `Context.close()`
+    breaks them, so the tree goes as soon as the result is built, with the collector off."""
+    import gc
+
+    from torchmigrate import engine
+    from torchmigrate.rule import Options
+    from torchmigrate.rules import select
+
+    source = (Path(__file__).parent.parent / "fixtures" / "scripts" / script).read_text()
+    rules = select(command="ddp")
+    gc.collect()
+    gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)  # what the collector would free lands in gc.garbage
+    try:
+        result = engine.process_source(source, script, Options(mode="ddp"), rules)
+        gc.collect()
+        trees = [o for o in gc.garbage if isinstance(o, cst.Module)]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+    assert result.changed
+    assert trees == [], "a reference cycle kept the tree alive"
