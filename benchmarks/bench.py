@@ -224,7 +224,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         # before and after the CLI rows
         last = median_run(parse_cmd, args.repeat, ok=(0,))
         base["sub"], base["sub_cpu"] = (first[0] + last[0]) / 2, (first[1] + last[1]) / 2
-        rows.insert(3, (f"parse-only, subprocess (before {first[0]:.2f} s, after {last[0]:.2f} s)",
+        rows.insert(2, (f"parse-only, subprocess (before {first[0]:.2f} s, after {last[0]:.2f} s)",
                         base["sub"], base["sub_cpu"], "sub"))
 
         tf = None if args.no_torchfix else find_torchfix(args.torchfix)
