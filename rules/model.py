@@ -30,7 +30,7 @@ import os
 import re
 from bisect import bisect_left
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Set, Tuple
+from typing import Dict, Iterable, List, Optional, Set, Tuple
 
 import libcst as cst
 
@@ -1306,11 +1306,9 @@ class Plan:
             by_name.setdefault(w.name, []).append(w)
         if not by_name:
             return  # nothing wrapped: no access to rewrite
-        for node in self.ctx.facts.get("model_attrs", ()):
+        for node in self._accesses(by_name):
             name = dotted(node.value)
-            candidates = by_name.get(name)
-            if not candidates:
-                continue
+            candidates = by_name[name]
             attr = node.attr.value
             if attr.startswith("_") or (attr in _MODULE_API and attr != "module") or attr.startswith("register_"):
                 continue
@@ -1342,6 +1340,33 @@ class Plan:
             statement = self.ctx.statement_of(call)
             if any(self.applies(w, call, statement) for w in by_name[name]):
                 self.rewrites.append(AttrRewrite(a.value, name, "", "TM302"))
+
+    def _accesses(self, names: Iterable[str]) -> List[cst.Attribute]:
+        """Attribute accesses `name.attr` of these names, in source order, for the names TM302
+        rewrites: a plain name (`model`) or one attribute of `self`/`cls` (`self.model`).
+
+        Found from the index's Names that spell each name's last part, following the parents
+        up, instead of visiting every attribute of the file (tens of thousands)."""
+        parent_of = self.ctx.parents.get
+        found = []
+        for name in names:
+            parts = name.split(".")
+            if len(parts) == 1:
+                for node in self.ctx.named(name):
+                    parent = parent_of(node)
+                    if type(parent) is cst.Attribute and parent.value is node:
+                        found.append(parent)
+            elif len(parts) == 2 and parts[0] in ("self", "cls"):
+                for node in self.ctx.named(parts[1]):
+                    value = parent_of(node)
+                    if not (type(value) is cst.Attribute and value.attr is node
+                            and type(value.value) is cst.Name and value.value.value == parts[0]):
+                        continue
+                    parent = parent_of(value)
+                    if type(parent) is cst.Attribute and parent.value is value:
+                        found.append(parent)
+        found.sort(key=self.ctx.position)
+        return found
 
     # --- TM305 -------------------------------------------------------------------------
     def _lr_notes(self) -> None:
@@ -1598,25 +1623,7 @@ def _hardcoded(node: cst.BaseExpression, many: bool) -> bool:
     return False
 
 
-class _AttrCollector(_ModelRule):
-    """TM302 and TM306 rewrite attribute accesses; the first of them enabled collects them."""
-
-    def __init__(self, ctx: Context) -> None:
-        super().__init__(ctx)
-        self._collect = "model_attrs" not in ctx.facts
-        if self._collect:
-            ctx.facts["model_attrs"] = []
-
-    def visit_Attribute(self, node: cst.Attribute) -> None:
-        if self._collect:
-            value = node.value  # exact type tests: this runs for every attribute of the file
-            tp = type(value)
-            if tp is cst.Name or (tp is cst.Attribute and type(value.value) is cst.Name
-                                  and value.value.value in ("self", "cls")):
-                self.ctx.facts["model_attrs"].append(node)
-
-
-class UnwrapAttr(_AttrCollector):
+class UnwrapAttr(_ModelRule):
     """
     ## What it does
     After a model is wrapped (by TM301, `tm.wrap_model`, `DistributedDataParallel` or a former
@@ -1945,7 +1952,7 @@ class LrWorldSize(_ModelRule):
             self.notes(self.code)
 
 
-class DataParallelToDDP(_AttrCollector):
+class DataParallelToDDP(_ModelRule):
     """
     ## What it does
     Replaces `nn.DataParallel` by the DDP wrap. When TM301 wraps the same model before its
