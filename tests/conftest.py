@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Sequence
@@ -14,6 +15,9 @@ from torchmigrate.rules import get_rule, select
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "fixtures"
+# On PYTHONPATH with TM_AMP_PROBE=<dir>, its sitecustomize.py records the autocast contexts a
+# script enters (device:dtype:enabled -> count) in <dir>/amp_<pid>.json.
+AMP_PROBE = Path(__file__).parent / "amp_probe"
 
 _HEADER = re.compile(r"#\s*fixture:\s*(.*)")
 
@@ -53,3 +57,12 @@ def run_cli():
         return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False, **kwargs)
 
     return invoke
+
+
+def autocast_seen(out_dir: Path) -> dict:
+    """The autocast contexts the AMP probe recorded in `out_dir`, summed over processes."""
+    seen: dict = {}
+    for f in out_dir.glob("amp_*.json"):
+        for k, v in json.loads(f.read_text()).items():
+            seen[k] = seen.get(k, 0) + v
+    return seen

@@ -17,7 +17,6 @@ contexts the scripts enter.
 from __future__ import annotations
 
 import ast
-import json
 import os
 import re
 import shutil
@@ -27,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FIXTURES
+from conftest import AMP_PROBE, FIXTURES, autocast_seen
 from launcher import torchrun
 
 torch = pytest.importorskip("torch")
@@ -40,8 +39,6 @@ SCALER_KEY = {"apex_amp.py": "amp", "cuda_amp_accum.py": "scaler", "grad_accum_r
 BF16_ON_CPU = {"apex_amp.py", "grad_accum_resume.py"}
 RESUMABLE = {"apex_amp.py", "grad_accum_resume.py"}
 EPOCH = re.compile(r"epoch (\d+) loss ([0-9.]+)")
-
-PROBE = Path(__file__).parent / "amp_probe"  # its sitecustomize.py records autocast contexts
 
 
 def _env(out_dir: Path, gpu: bool = False, **extra) -> dict:
@@ -56,7 +53,7 @@ def _env(out_dir: Path, gpu: bool = False, **extra) -> dict:
         env.pop(key, None)
     env.update(OUT_DIR=str(out_dir), EPOCHS="3", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                PYTHONWARNINGS="ignore", TM_AMP_PROBE=str(out_dir),
-               PYTHONPATH=os.pathsep.join(filter(None, [str(PROBE), env.get("PYTHONPATH", "")])))
+               PYTHONPATH=os.pathsep.join(filter(None, [str(AMP_PROBE), env.get("PYTHONPATH", "")])))
     env.update({k: str(v) for k, v in extra.items()})
     return env
 
@@ -84,14 +81,6 @@ def _apex_imports(source: str):
 
 def _epochs(output: str):
     return [(int(e), float(v)) for e, v in EPOCH.findall(output)]
-
-
-def _autocast_seen(out_dir: Path) -> dict:
-    seen: dict = {}
-    for f in out_dir.glob("amp_*.json"):
-        for k, v in json.loads(f.read_text()).items():
-            seen[k] = seen.get(k, 0) + v
-    return seen
 
 
 def _check_checkpoint(path: Path, script: str) -> None:
@@ -134,7 +123,7 @@ def test_amp_migrated_script_trains_single_process(amp_dir, tmp_path, name):
     assert [e for e, _ in epochs] == [0, 1, 2], run.output[-2000:]
     assert epochs[-1][1] < epochs[0][1], f"loss must go down: {epochs}"
     _check_checkpoint(out / "checkpoint.pt", name)
-    seen = _autocast_seen(out)
+    seen = autocast_seen(out)
     if name in BF16_ON_CPU:
         assert seen.get("cpu:torch.bfloat16:True", 0) > 0, seen
     if name in RESUMABLE:
@@ -166,7 +155,7 @@ def test_ddp_migrated_script_trains_under_torchrun(tmp_path, name):
     assert epochs[-1][1] < epochs[0][1], f"loss must go down: {epochs}"
     _check_checkpoint(out / "checkpoint.pt", name)
     if name in BF16_ON_CPU:
-        assert _autocast_seen(out).get("cpu:torch.bfloat16:True", 0) > 0
+        assert autocast_seen(out).get("cpu:torch.bfloat16:True", 0) > 0
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -221,4 +210,4 @@ def test_fp16_migrated_apex_script_on_gpu(amp_dir, tmp_path):
     assert epochs[-1][1] < epochs[0][1]
     state = torch.load(out / "checkpoint.pt", map_location="cpu", weights_only=False)["amp"]
     assert state and state["scale"] > 1, state  # an enabled, really scaling GradScaler was saved
-    assert _autocast_seen(out).get("cuda:torch.float16:True", 0) > 0
+    assert autocast_seen(out).get("cuda:torch.float16:True", 0) > 0

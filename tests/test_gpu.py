@@ -19,7 +19,6 @@ tests/amp_probe/sitecustomize.py records the autocast contexts each run enters.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -29,14 +28,13 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FIXTURES
+from conftest import AMP_PROBE, FIXTURES, autocast_seen
 from launcher import torchrun
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 SCRIPTS = FIXTURES / "scripts"
-PROBE = Path(__file__).parent / "amp_probe"
 EPOCH_LINE = re.compile(r"epoch (\d+) loss ([0-9.]+|nan|inf)")
 NOT_MONOTONE = {"gan.py"}  # the discriminator loss is not expected to fall every epoch
 ALL = sorted(p.name for p in SCRIPTS.glob("*.py"))
@@ -48,17 +46,9 @@ def _env(out_dir: Path, **extra) -> dict:
                         "TORCHMIGRATE_AMP", "CUDA_VISIBLE_DEVICES")}
     env.update(OUT_DIR=str(out_dir), EPOCHS="3", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
                PYTHONWARNINGS="ignore", TM_AMP_PROBE=str(out_dir),
-               PYTHONPATH=os.pathsep.join(filter(None, [str(PROBE), os.environ.get("PYTHONPATH")])))
+               PYTHONPATH=os.pathsep.join(filter(None, [str(AMP_PROBE), os.environ.get("PYTHONPATH")])))
     env.update({k: str(v) for k, v in extra.items()})
     return env
-
-
-def _autocast_seen(out_dir: Path) -> dict:
-    seen: dict = {}
-    for f in out_dir.glob("amp_*.json"):
-        for k, v in json.loads(f.read_text()).items():
-            seen[k] = seen.get(k, 0) + v
-    return seen
 
 
 def _state_dicts(obj, path=""):
@@ -94,7 +84,7 @@ def test_migrated_script_trains_on_gpu(name, amp, migrated, tmp_path):
     if name not in NOT_MONOTONE:
         assert epochs[-1][1] < epochs[0][1], f"loss must go down: {epochs}"
 
-    seen = _autocast_seen(out)
+    seen = autocast_seen(out)
     cuda_autocast = {k: n for k, n in seen.items() if k.startswith("cuda:") and k.endswith(":True")}
     if cuda_autocast:  # scripts that own their `enabled=` flag may keep AMP off; none run on CPU
         expected = "torch.float16" if amp == "fp16" else (
@@ -126,5 +116,5 @@ def test_two_processes_on_one_gpu(migrated, tmp_path):
                     env=_env(out, TORCHMIGRATE_BACKEND="gloo"), stale=[out / "amp_*.json"])
     assert gloo.returncode == 0, gloo.report()
     assert [int(e) for e, _ in EPOCH_LINE.findall(gloo.output)] == [0, 1, 2], gloo.output[-3000:]
-    assert any(k.startswith("cuda:") for k in _autocast_seen(out)), "both ranks ran on the GPU"
+    assert any(k.startswith("cuda:") for k in autocast_seen(out)), "both ranks ran on the GPU"
 
