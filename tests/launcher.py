@@ -15,20 +15,24 @@ import os
 import shutil
 import subprocess
 import sys
-from dataclasses import dataclass
-from typing import Iterable, Sequence
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
 
 GLOO_EXIT_ABORT = "terminate called without an active exception"
 
 
 @dataclass
 class Launch:
-    """How a group of processes ended: one command, return code and stdout+stderr per process."""
+    """How a group of processes ended: one command, return code and stdout+stderr per process;
+    for a torchrun launch also what each of its workers printed, by local rank (`ranks`)."""
 
     args: list[list[str]]
     returncodes: list[int]
     outputs: list[str]
     timed_out: bool
+    ranks: list[str] = field(default_factory=list)
 
     @property
     def returncode(self) -> int:
@@ -45,6 +49,9 @@ class Launch:
         head = "timed out\n" if self.timed_out else ""
         return head + "\n".join(f"--- {a} rc={rc}\n{out}"
                                 for a, rc, out in zip(self.args, self.returncodes, self.outputs))
+
+    def printed_abort(self) -> bool:
+        return GLOO_EXIT_ABORT in self.output or any(GLOO_EXIT_ABORT in r for r in self.ranks)
 
 
 def launch(cmds: Sequence[Sequence], envs: Sequence[dict | None], *, cwd=None,
@@ -69,17 +76,22 @@ def launch(cmds: Sequence[Sequence], envs: Sequence[dict | None], *, cwd=None,
 
 
 def launch_retrying_gloo_abort(cmds: Sequence[Sequence], envs: Sequence[dict | None], *,
-                               cwd=None, timeout: float = 180, stale: Iterable = ()) -> Launch:
+                               cwd=None, timeout: float = 180, stale: Iterable = (),
+                               finish: Callable[[Launch], None] = lambda result: None) -> Launch:
     """`launch` the group; if it failed and printed `GLOO_EXIT_ABORT`, delete what matches the
     `stale` glob patterns (files or folders the first attempt wrote that the test would otherwise
-    read) and launch the whole group once more. The second attempt's result is final."""
+    read) and launch the whole group once more. The second attempt's result is final. `finish`
+    completes each attempt's result before it is judged (torchrun's per-rank logs)."""
     result = launch(cmds, envs, cwd=cwd, timeout=timeout)
-    if result.returncode == 0 or GLOO_EXIT_ABORT not in result.output:
+    finish(result)
+    if result.returncode == 0 or not result.printed_abort():
         return result
     for pattern in stale:
         for path in glob.glob(str(pattern)):
             _remove(path)
-    return launch(cmds, envs, cwd=cwd, timeout=timeout)
+    result = launch(cmds, envs, cwd=cwd, timeout=timeout)
+    finish(result)
+    return result
 
 
 def _remove(path: str) -> None:
@@ -96,6 +108,23 @@ def torchrun_cmd(*args) -> list[str]:
 
 
 def torchrun(*args, env: dict, cwd=None, timeout: float = 180, stale: Iterable = ()) -> Launch:
-    """One torchrun launch, retried once on the gloo exit abort."""
-    return launch_retrying_gloo_abort([torchrun_cmd(*args)], [env], cwd=cwd, timeout=timeout,
-                                      stale=stale)
+    """One torchrun launch, retried once on the gloo exit abort.
+
+    torchrun tees each worker's stdout and stderr into its own files, and the result's `ranks`
+    holds them: the workers share one console, where a line one rank prints in two writes
+    (`print` writes the text, then the newline) can be split by another rank's line, so tests that
+    ask *which rank* printed something read `ranks`, not the console."""
+    with tempfile.TemporaryDirectory(prefix="torchrun-logs-") as logs:
+        cmd = torchrun_cmd("--tee", "3", "--log-dir", logs, *args)
+        return launch_retrying_gloo_abort([cmd], [env], cwd=cwd, timeout=timeout,
+                                          stale=[*stale, Path(logs) / "*"],
+                                          finish=lambda result: _read_rank_logs(result, logs))
+
+
+def _read_rank_logs(result: Launch, logs: str) -> None:
+    """Fill `result.ranks` from torchrun's `LOGS/<run>/attempt_0/<local rank>/std{out,err}.log`."""
+    folders = glob.glob(os.path.join(logs, "*", "attempt_*", "*"))
+    by_rank = sorted((int(os.path.basename(f)), f) for f in folders if os.path.basename(f).isdigit())
+    result.ranks = ["".join(Path(f, name).read_text(errors="replace")
+                            for name in ("stdout.log", "stderr.log") if Path(f, name).exists())
+                    for _, f in by_rank]

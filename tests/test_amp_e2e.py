@@ -150,8 +150,9 @@ def test_ddp_migrated_script_trains_under_torchrun(tmp_path, name):
     run = torchrun("--standalone", "--nproc-per-node=2", work / name, env=_env(out), cwd=tmp_path,
                    timeout=300, stale=[out / "amp_*.json"])
     assert run.returncode == 0, run.report()
-    epochs = _epochs(run.output)
+    epochs = _epochs(run.ranks[0])
     assert [e for e, _ in epochs] == [0, 1, 2], f"each epoch line once:\n{run.output[-3000:]}"
+    assert _epochs(run.ranks[1]) == [], f"rank 1 logs no epoch line:\n{run.ranks[1][-3000:]}"
     assert epochs[-1][1] < epochs[0][1], f"loss must go down: {epochs}"
     _check_checkpoint(out / "checkpoint.pt", name)
     if name in BF16_ON_CPU:

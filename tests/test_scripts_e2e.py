@@ -132,9 +132,10 @@ def test_migrated_script_trains_under_torchrun(name, migrated, tmp_path):
     env = _env(ddp_out, TM_PROBE_DIR=probe, PYTHONPATH=os.pathsep.join([str(PROBE), os.environ.get("PYTHONPATH", "")]))
     run = _torchrun(script, tmp_path, env)
     assert run.returncode == 0, run.report()
-    epochs = _epochs(run.output)
+    epochs = _epochs(run.ranks[0])
     numbers = [e for e, _ in epochs]
     assert sorted(set(numbers)) == numbers and len(numbers) == 3, f"each epoch line once:\n{run.output[-3000:]}"
+    assert _epochs(run.ranks[1]) == [], f"rank 1 logs no epoch line:\n{run.ranks[1][-3000:]}"
     if name not in NOT_MONOTONE:
         assert epochs[-1][1] < epochs[0][1], f"loss must go down: {epochs}"
     ckpt = ddp_out / "checkpoint.pt"
@@ -163,7 +164,7 @@ def test_migrated_script_trains_under_torchrun(name, migrated, tmp_path):
         start = shutil.copy(ckpt, tmp_path / "resume_from.pt")
         resumed = _torchrun(script, tmp_path, _env(ddp_out, EPOCHS=5, RESUME=start))
         assert resumed.returncode == 0, resumed.report()
-        assert resumed.output.count("resumed from epoch") == 1, resumed.output[-3000:]
+        assert [r.count("resumed from epoch") for r in resumed.ranks] == [1, 0], resumed.output[-3000:]
         assert [e for e, _ in _epochs(resumed.output)] == [3, 4]
 
     # 5. still a plain single-process script
