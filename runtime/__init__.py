@@ -31,6 +31,7 @@ import builtins
 import contextlib
 import datetime
 import gc
+import io
 import logging
 import numbers
 import os
@@ -401,11 +402,22 @@ def GradScaler(enabled=None, dtype=None, **kwargs) -> torch.amp.GradScaler:
     return torch.amp.GradScaler(dev_type, enabled=bool(enabled), **kwargs)
 
 
-def print(*args, **kwargs) -> None:  # noqa: A001 - mirrors builtins.print on purpose
-    """``print`` on global rank 0 only (flushes by default); silent on other ranks."""
-    if is_main():
-        kwargs.setdefault("flush", True)
-        builtins.print(*args, **kwargs)
+def print(*args, sep=" ", end="\n", file=None, flush=True) -> None:  # noqa: A001 - mirrors builtins.print
+    """``print`` on global rank 0 only (flushes by default); silent on other ranks.
+
+    The line reaches the stream in one write: ``builtins.print`` writes the text and then the
+    newline, and on the console every rank shares, another rank's warning can land between the
+    two and leave rank 0's line glued to it."""
+    if not is_main():
+        return
+    file = sys.stdout if file is None else file
+    if file is None:  # pythonw: no console
+        return
+    line = io.StringIO()
+    builtins.print(*args, sep=sep, end=end, file=line)
+    file.write(line.getvalue())
+    if flush:
+        file.flush()
 
 
 def _nccl() -> bool:

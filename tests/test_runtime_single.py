@@ -494,6 +494,23 @@ def test_print_only_on_main(capsys, monkeypatch):
     assert capsys.readouterr().out == ""
 
 
+def test_print_writes_each_line_in_one_write():
+    """Another rank's output cannot split the line on a shared console."""
+    class Stream:
+        writes, flushed = [], 0
+
+        def write(self, text):
+            self.writes.append(text)
+
+        def flush(self):
+            self.flushed += 1
+
+    stream = Stream()
+    tm.print("loss", 0.5, sep="=", end="!\n", file=stream)
+    tm.print("step", 3, file=stream, flush=False)
+    assert stream.writes == ["loss=0.5!\n", "step 3\n"] and stream.flushed == 1
+
+
 def test_seed_everything_reproducible(other_rank):
     def draw():
         return random.random(), float(np.random.rand()), torch.rand(3).tolist()
