@@ -168,8 +168,9 @@ def model_root(expression: str) -> str:
 def parameter_owners(node: cst.CSTNode) -> List[str]:
     """Dotted roots X of every `X.parameters()` / `X.named_parameters()` inside `node`."""
     found: List[str] = []
-
-    def go(n: cst.CSTNode) -> None:
+    stack = [node]
+    while stack:
+        n = stack.pop()
         if isinstance(n, cst.Call) and isinstance(n.func, cst.Attribute) and n.func.attr.value in (
                 "parameters", "named_parameters"):
             owner = dotted(n.func.value)
@@ -177,10 +178,7 @@ def parameter_owners(node: cst.CSTNode) -> List[str]:
                 root = model_root(owner)
                 if root not in found:
                     found.append(root)
-        for child in n.children:
-            go(child)
-
-    go(node)
+        stack.extend(reversed(n.children))
     return found
 
 

@@ -1503,18 +1503,13 @@ class _Planner:
         cached = self.order_cache.get(scope)
         if cached is None:
             cached = {}
-            body = scope.body if isinstance(scope, cst.Module) else getattr(scope, "body", None)
-
-            def go(stmts):
-                for s in stmts:
-                    cached[s] = len(cached)
-                    if isinstance(s, (cst.FunctionDef, cst.ClassDef)):
-                        continue
-                    if isinstance(s, cst.BaseCompoundStatement):
-                        for block in _suites(s):
-                            go(statements(block))
-
-            go(statements(body) if not isinstance(scope, cst.Module) else scope.body)
+            body = scope.body if isinstance(scope, cst.Module) else statements(getattr(scope, "body", None))
+            stack = list(reversed(body))  # statements in source order, nested blocks included
+            while stack:
+                s = stack.pop()
+                cached[s] = len(cached)
+                if isinstance(s, cst.BaseCompoundStatement) and not isinstance(s, (cst.FunctionDef, cst.ClassDef)):
+                    stack.extend(reversed([t for block in _suites(s) for t in statements(block)]))
             self.order_cache[scope] = cached
         return cached
 

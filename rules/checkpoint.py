@@ -90,6 +90,15 @@ def _local_rank_parts(test: cst.BaseExpression) -> List[cst.CSTNode]:
     return []
 
 
+def _dict_values(obj: cst.BaseExpression) -> List[cst.BaseExpression]:
+    """The values of a `{...}` or `dict(k=v, ...)` expression; [] for anything else."""
+    if isinstance(obj, cst.Dict):
+        return [e.value for e in obj.elements if isinstance(e, cst.DictElement)]
+    if isinstance(obj, cst.Call) and dotted(obj.func) == "dict":
+        return [a.value for a in obj.args if a.keyword is not None]
+    return []
+
+
 def _bound_from(ctx: Context, name: str, scope: cst.CSTNode) -> List[cst.BaseExpression]:
     """Values assigned to a plain name in a scope."""
     return [a.value for a in assignments(ctx).get((scope, name), ())]
@@ -627,19 +636,14 @@ class LoadMapLocation(Rule):
                 found.append(label)
 
         def values_of(obj: cst.BaseExpression, scope: cst.CSTNode) -> List[cst.BaseExpression]:
-            if isinstance(obj, cst.Dict):
-                return [e.value for e in obj.elements if isinstance(e, cst.DictElement)]
-            if isinstance(obj, cst.Call) and dotted(obj.func) == "dict":
-                return [a.value for a in obj.args if a.keyword is not None]
-            if isinstance(obj, cst.Name):
-                out: List[cst.BaseExpression] = []
-                for v in _bound_from(ctx, obj.value, scope):
-                    if isinstance(v, (cst.Dict, cst.Call)):
-                        out += values_of(v, scope)
-                for a in subscript_assigns.get(obj.value, ()):
-                    out.append(a.value)
-                return out
-            return []
+            if not isinstance(obj, cst.Name):
+                return _dict_values(obj)
+            out: List[cst.BaseExpression] = []
+            for v in _bound_from(ctx, obj.value, scope):
+                out += _dict_values(v)
+            for a in subscript_assigns.get(obj.value, ()):
+                out.append(a.value)
+            return out
 
         subscript_assigns: Dict[str, List[cst.Assign]] = {}
         for a in f.assigns:

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 import libcst as cst
@@ -151,33 +152,30 @@ def _verdict(words: Iterable[str]) -> Optional[str]:
 
 
 def _expression_words(node: cst.CSTNode) -> List[str]:
-    """Words of the names and strings in an expression; `train=False` counts as 'eval'."""
+    """Words of the names and strings in an expression; `train=False` counts as 'eval'.
+    (A loop, not a recursive closure: a closure that calls itself is a reference cycle, left for
+    the garbage collector, which the runner keeps paused while a file is processed.)"""
     out: List[str] = []
-
-    def go(n: cst.CSTNode) -> None:
+    stack = [node]
+    while stack:
+        n = stack.pop()
         tp = type(n)
         if tp is cst.Name:
             out.extend(_words(n.value))
-            return
-        if tp is cst.SimpleString:
+        elif tp is cst.SimpleString:
             try:
                 value = n.evaluated_value
             except Exception:  # noqa: BLE001 - odd literals carry no signal
-                return
-            if isinstance(value, bytes):
-                return
-            out.extend(_words(value))
-            return
-        if tp is cst.Arg and n.keyword is not None:
+                continue
+            if not isinstance(value, bytes):
+                out.extend(_words(value))
+        elif tp is cst.Arg and n.keyword is not None:
             if n.keyword.value in _TRAIN_FLAGS and type(n.value) is cst.Name and n.value.value in ("True", "False"):
                 out.append("train" if n.value.value == "True" else "eval")
             elif n.keyword.value not in _TRAIN_FLAGS:
-                go(n.value)
-            return
-        for child in child_nodes(n):
-            go(child)
-
-    go(node)
+                stack.append(n.value)
+        else:
+            stack.extend(reversed(child_nodes(n)))
     return out
 
 
@@ -1149,22 +1147,25 @@ class _Hoists:
 
     def __init__(self, statement: cst.CSTNode) -> None:
         self.items: List[List] = []  # [name, rewritten expression or None, column shift]
-        self.edit = replace(statement, self.apply)
+        # the edit holds the items, not this object (which holds the edit): no reference cycle
+        self.edit = replace(statement, partial(_hoist, self.items))
 
     def add(self, name: str, shift: int = 0) -> List:
         item = [name, None, shift]
         self.items.append(item)
         return item
 
-    def apply(self, updated):
-        if not isinstance(updated, cst.BaseStatement):
-            return updated
-        new = [cst.SimpleStatementLine([cst.Assign([cst.AssignTarget(cst.Name(name))], _shift(value, shift))])
-               for name, value, shift in self.items if value is not None]
-        if not new:
-            return updated
-        new[0] = new[0].with_changes(leading_lines=updated.leading_lines)
-        return cst.FlattenSentinel([*new, updated.with_changes(leading_lines=())])
+
+def _hoist(items: List[List], updated):
+    """`updated` (the rewritten statement) preceded by the `name = expression` assignments."""
+    if not isinstance(updated, cst.BaseStatement):
+        return updated
+    new = [cst.SimpleStatementLine([cst.Assign([cst.AssignTarget(cst.Name(name))], _shift(value, shift))])
+           for name, value, shift in items if value is not None]
+    if not new:
+        return updated
+    new[0] = new[0].with_changes(leading_lines=updated.leading_lines)
+    return cst.FlattenSentinel([*new, updated.with_changes(leading_lines=())])
 
 
 class _Shift(cst.CSTTransformer):

@@ -1727,13 +1727,7 @@ def _wrap_check(ctx: Context, node: cst.CSTNode) -> Optional[cst.IfExp]:
     child, parent = node, ctx.parent(node)
     while parent is not None and not isinstance(parent, (cst.BaseStatement, cst.BaseSmallStatement, cst.Lambda)):
         if isinstance(parent, cst.IfExp) and child is not parent.test:
-            calls: List[cst.Call] = []
-
-            class _Calls(cst.CSTVisitor):
-                def visit_Call(self, call: cst.Call) -> None:
-                    calls.append(call)
-
-            parent.test.visit(_Calls())
+            calls = ctx.within(parent.test, cst.Call)
             if all(isinstance(c.func, cst.Name) and c.func.value in _PURE_TESTS for c in calls):
                 return parent
             return None

@@ -177,11 +177,14 @@ def test_parsing_skips_node_validation_only_while_libcst_parses(monkeypatch):
         cst.Name("not a name")
 
 
-@pytest.mark.parametrize("script", ["main_function.py", "gan.py", "trainer_class.py"])
+@pytest.mark.parametrize("script", sorted(p.name for p in (Path(__file__).parent.parent / "fixtures" / "scripts").glob("*.py")))
 def test_a_finished_files_tree_is_freed_by_reference_counting(script):
     """Rules and the facts they publish point back at the context (and loaders at their refs),
     which kept each file's tree in reference cycles for the collector to walk; `Context.close()`
-    breaks them, so the tree goes as soon as the result is built, with the collector off."""
+    breaks them, so the tree goes as soon as the result is built, with the collector off. No
+    node at all may be left for the collector: an edit whose callback is a method of the object
+    holding the edit, or a closure that calls itself, is such a cycle (the runner keeps the
+    collector paused and collects once per file, which is only cheap when little is left)."""
     import gc
 
     from torchmigrate import engine
@@ -196,10 +199,10 @@ def test_a_finished_files_tree_is_freed_by_reference_counting(script):
     try:
         result = engine.process_source(source, script, Options(mode="ddp"), rules)
         gc.collect()
-        trees = [o for o in gc.garbage if isinstance(o, cst.Module)]
+        nodes = sorted({type(o).__name__ for o in gc.garbage if isinstance(o, cst.CSTNode)})
     finally:
         gc.set_debug(0)
         gc.garbage.clear()
         gc.enable()
     assert result.changed
-    assert trees == [], "a reference cycle kept the tree alive"
+    assert nodes == [], "a reference cycle kept nodes alive"
