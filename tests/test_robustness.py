@@ -379,6 +379,25 @@ def test_regenerate_matches_full_codegen(source, monkeypatch_regenerate):
     run(source, "ddp")
 
 
+@fuzz_settings(30)
+@given(source=st.one_of(hypothesmith.from_grammar(), hypothesmith.from_node()))
+def test_fast_printer_matches_libcst_on_arbitrary_programs(source):
+    """`codegen`'s printer against LibCST's code generation, for the module and each node."""
+    from torchmigrate.codegen import code_for, module_code
+    from torchmigrate.walk import walk
+
+    try:
+        module = cst.parse_module(source)
+    except cst.ParserSyntaxError:
+        reject()
+    assert module_code(module) == module.code
+    parents: dict = {}
+    walk(module, {}, {}, parents)
+    for node in parents:
+        if type(node) is not cst.Annotation:  # no code of its own
+            assert code_for(node, module) == module.code_for_node(node), type(node).__name__
+
+
 @pytest.fixture
 def monkeypatch_regenerate(monkeypatch):
     real = positions.regenerate
