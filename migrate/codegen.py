@@ -135,14 +135,6 @@ class _Printer:
         else:
             handler(self, node)
 
-    def parens(self, node, inner) -> None:
-        """`_parenthesize`: the node's parentheses around `inner(node)`."""
-        for lpar in node.lpar:
-            self.gen(lpar)
-        inner(self, node)
-        for rpar in node.rpar:
-            self.gen(rpar)
-
     def comma(self, comma, default: bool, default_text: str = ", ") -> None:
         if comma is _DEFAULT:
             if default:
@@ -167,11 +159,40 @@ def _value(p: _Printer, node) -> None:  # SimpleWhitespace, Comment, and the ato
     p.add(node.value)
 
 
-def _atom(p: _Printer, node) -> None:  # Name, Integer, Float, SimpleString
-    if node.lpar:
-        p.parens(node, _value)
-    else:
-        p.add(node.value)
+def _parenthesized(inner):
+    """The handler of an expression: `inner` between the node's parentheses (LibCST's
+    `_parenthesize`)."""
+    def handler(p: _Printer, node) -> None:
+        for lpar in node.lpar:
+            p.gen(lpar)
+        inner(p, node)
+        for rpar in node.rpar:
+            p.gen(rpar)
+    return handler
+
+
+def _fields(*names: str):
+    """The handler of a node whose code is that of these fields, in this order."""
+    def handler(p: _Printer, node) -> None:
+        for name in names:
+            p.gen(getattr(node, name))
+    return handler
+
+
+def _opening(token: str):
+    """The handler of `(`, `[` or `{`: the token, then the whitespace after it."""
+    def handler(p: _Printer, node) -> None:
+        p.add(token)
+        p.gen(node.whitespace_after)
+    return handler
+
+
+def _closing(token: str):
+    """The handler of `)`, `]` or `}`: the whitespace before it, then the token."""
+    def handler(p: _Printer, node) -> None:
+        p.gen(node.whitespace_before)
+        p.add(token)
+    return handler
 
 
 def _newline(p: _Printer, node: cst.Newline) -> None:
@@ -207,48 +228,24 @@ def _operator(p: _Printer, node) -> None:  # Dot, Comma, AssignEqual and the bin
     p.gen(node.whitespace_after)
 
 
-def _left_paren(p: _Printer, node: cst.LeftParen) -> None:
-    p.add("(")
-    p.gen(node.whitespace_after)
-
-
-def _right_paren(p: _Printer, node: cst.RightParen) -> None:
-    p.gen(node.whitespace_before)
-    p.add(")")
-
-
-def _attribute_inner(p: _Printer, node: cst.Attribute) -> None:
-    p.gen(node.value)
-    p.gen(node.dot)
-    p.gen(node.attr)
-
-
-def _attribute(p: _Printer, node: cst.Attribute) -> None:
-    if node.lpar:
-        p.parens(node, _attribute_inner)
-    else:
-        _attribute_inner(p, node)
-
-
 def _call_inner(p: _Printer, node: cst.Call) -> None:
     p.gen(node.func)
     p.gen(node.whitespace_after_func)
     p.add("(")
     p.gen(node.whitespace_before_args)
-    last = len(node.args) - 1
-    for i, arg in enumerate(node.args):
-        if type(arg) is cst.Arg:
-            _arg(p, arg, i != last)
-        else:
-            arg._codegen(p.state, default_comma=(i != last))
+    _comma_separated(p, node.args, cst.Arg, _arg)
     p.add(")")
 
 
-def _call(p: _Printer, node: cst.Call) -> None:
-    if node.lpar:
-        p.parens(node, _call_inner)
-    else:
-        _call_inner(p, node)
+def _comma_separated(p: _Printer, items, known: type, write) -> None:
+    """Items that LibCST separates with a default `, ` (arguments, `with` items, subscript
+    elements): `write(p, item, default_comma)` for the `known` type, LibCST for the others."""
+    last = len(items) - 1
+    for i, item in enumerate(items):
+        if type(item) is known:
+            write(p, item, i != last)
+        else:
+            item._codegen(p.state, default_comma=(i != last))
 
 
 def _arg(p: _Printer, node: cst.Arg, default_comma: bool) -> None:
@@ -265,19 +262,6 @@ def _arg(p: _Printer, node: cst.Arg, default_comma: bool) -> None:
     p.gen(node.value)
     p.comma(node.comma, default_comma)
     p.gen(node.whitespace_after_arg)
-
-
-def _binary_inner(p: _Printer, node: cst.BinaryOperation) -> None:
-    p.gen(node.left)
-    p.gen(node.operator)
-    p.gen(node.right)
-
-
-def _binary(p: _Printer, node: cst.BinaryOperation) -> None:
-    if node.lpar:
-        p.parens(node, _binary_inner)
-    else:
-        _binary_inner(p, node)
 
 
 def _element(p: _Printer, node: cst.Element, default_comma: bool, default_comma_whitespace: bool) -> None:
@@ -299,31 +283,10 @@ def _tuple_inner(p: _Printer, node: cst.Tuple) -> None:
     _elements(p, node.elements, single_tuple=len(node.elements) == 1)
 
 
-def _tuple(p: _Printer, node: cst.Tuple) -> None:
-    p.parens(node, _tuple_inner)
-
-
 def _list_inner(p: _Printer, node: cst.List) -> None:
     p.gen(node.lbracket)
     _elements(p, node.elements)
     p.gen(node.rbracket)
-
-
-def _list(p: _Printer, node: cst.List) -> None:
-    p.parens(node, _list_inner)
-
-
-def _bracket(p: _Printer, node) -> None:  # LeftSquareBracket, RightSquareBracket
-    if type(node) is cst.LeftSquareBracket:
-        p.add("[")
-        p.gen(node.whitespace_after)
-    else:
-        p.gen(node.whitespace_before)
-        p.add("]")
-
-
-def _expr(p: _Printer, node: cst.Expr) -> None:
-    p.gen(node.value)
 
 
 def _assign(p: _Printer, node: cst.Assign) -> None:
@@ -391,18 +354,13 @@ def _subscript_inner(p: _Printer, node: cst.Subscript) -> None:
     p.gen(node.value)
     p.gen(node.whitespace_after_value)
     p.gen(node.lbracket)
-    last = len(node.slice) - 1
-    for i, element in enumerate(node.slice):
-        if type(element) is cst.SubscriptElement:
-            p.gen(element.slice)
-            p.comma(element.comma, i != last)
-        else:
-            element._codegen(p.state, default_comma=(i != last))
+    _comma_separated(p, node.slice, cst.SubscriptElement, _subscript_element)
     p.gen(node.rbracket)
 
 
-def _subscript(p: _Printer, node: cst.Subscript) -> None:
-    p.parens(node, _subscript_inner)
+def _subscript_element(p: _Printer, node: cst.SubscriptElement, default_comma: bool) -> None:
+    p.gen(node.slice)
+    p.comma(node.comma, default_comma)
 
 
 def _index(p: _Printer, node: cst.Index) -> None:
@@ -430,43 +388,11 @@ def _dict_inner(p: _Printer, node: cst.Dict) -> None:
     p.gen(node.rbrace)
 
 
-def _dict(p: _Printer, node: cst.Dict) -> None:
-    p.parens(node, _dict_inner)
-
-
-def _brace(p: _Printer, node) -> None:  # LeftCurlyBrace, RightCurlyBrace
-    if type(node) is cst.LeftCurlyBrace:
-        p.add("{")
-        p.gen(node.whitespace_after)
-    else:
-        p.gen(node.whitespace_before)
-        p.add("}")
-
-
 def _comparison_inner(p: _Printer, node: cst.Comparison) -> None:
     p.gen(node.left)
     for target in node.comparisons:
         p.gen(target.operator)
         p.gen(target.comparator)
-
-
-def _comparison(p: _Printer, node: cst.Comparison) -> None:
-    p.parens(node, _comparison_inner)
-
-
-def _unary_inner(p: _Printer, node: cst.UnaryOperation) -> None:
-    p.gen(node.operator)
-    p.gen(node.expression)
-
-
-def _unary(p: _Printer, node: cst.UnaryOperation) -> None:
-    p.parens(node, _unary_inner)
-
-
-def _aug_assign(p: _Printer, node: cst.AugAssign) -> None:
-    p.gen(node.target)
-    p.gen(node.operator)
-    p.gen(node.value)
 
 
 def _return(p: _Printer, node: cst.Return) -> None:
@@ -500,7 +426,8 @@ def _colon_body(p: _Printer, node) -> None:
     p.gen(node.body)
 
 
-def _function_def(p: _Printer, node: cst.FunctionDef) -> None:
+def _decorated_start(p: _Printer, node) -> None:
+    """A function's or class's leading lines, decorators and indentation."""
     for line in node.leading_lines:
         p.gen(line)
     for decorator in node.decorators:
@@ -508,6 +435,10 @@ def _function_def(p: _Printer, node: cst.FunctionDef) -> None:
     for line in node.lines_after_decorators:
         p.gen(line)
     p.tokens.extend(p.state.indent_tokens)
+
+
+def _function_def(p: _Printer, node: cst.FunctionDef) -> None:
+    _decorated_start(p, node)
     if node.asynchronous is not None:
         p.gen(node.asynchronous)
     p.add("def")
@@ -527,13 +458,7 @@ def _function_def(p: _Printer, node: cst.FunctionDef) -> None:
 
 
 def _class_def(p: _Printer, node: cst.ClassDef) -> None:
-    for line in node.leading_lines:
-        p.gen(line)
-    for decorator in node.decorators:
-        p.gen(decorator)
-    for line in node.lines_after_decorators:
-        p.gen(line)
-    p.tokens.extend(p.state.indent_tokens)
+    _decorated_start(p, node)
     p.add("class")
     p.gen(node.whitespace_after_class)
     p.gen(node.name)
@@ -547,13 +472,7 @@ def _class_def(p: _Printer, node: cst.ClassDef) -> None:
             p.add("(")
     elif isinstance(node.lpar, cst.LeftParen):
         p.gen(node.lpar)
-    args = [*node.bases, *node.keywords]
-    last = len(args) - 1
-    for i, arg in enumerate(args):
-        if type(arg) is cst.Arg:
-            _arg(p, arg, i != last)
-        else:
-            arg._codegen(p.state, default_comma=(i != last))
+    _comma_separated(p, [*node.bases, *node.keywords], cst.Arg, _arg)
     if isinstance(node.rpar, cst.MaybeSentinel):
         if has_args:
             p.add(")")
@@ -615,20 +534,19 @@ def _with(p: _Printer, node: cst.With) -> None:
         p.gen(node.lpar)
     elif needs_paren:
         p.add("(")
-    last = len(node.items) - 1
-    for i, item in enumerate(node.items):
-        if type(item) is cst.WithItem:
-            p.gen(item.item)
-            if item.asname is not None:
-                p.gen(item.asname)
-            p.comma(item.comma, i != last)
-        else:
-            item._codegen(p.state, default_comma=(i != last))
+    _comma_separated(p, node.items, cst.WithItem, _with_item)
     if isinstance(node.rpar, cst.RightParen):
         p.gen(node.rpar)
     elif needs_paren:
         p.add(")")
     _colon_body(p, node)
+
+
+def _with_item(p: _Printer, node: cst.WithItem, default_comma: bool) -> None:
+    p.gen(node.item)
+    if node.asname is not None:
+        p.gen(node.asname)
+    p.comma(node.comma, default_comma)
 
 
 def _as_name(p: _Printer, node: cst.AsName) -> None:
@@ -640,20 +558,21 @@ def _as_name(p: _Printer, node: cst.AsName) -> None:
 
 _HANDLERS = {
     cst.SimpleWhitespace: _value, cst.Comment: _value,
-    cst.Name: _atom, cst.Integer: _atom, cst.Float: _atom, cst.SimpleString: _atom,
     cst.Newline: _newline, cst.TrailingWhitespace: _trailing_whitespace, cst.EmptyLine: _empty_line,
     cst.ParenthesizedWhitespace: _parenthesized_whitespace,
-    cst.LeftParen: _left_paren, cst.RightParen: _right_paren,
-    cst.LeftSquareBracket: _bracket, cst.RightSquareBracket: _bracket,
-    cst.Attribute: _attribute, cst.Call: _call, cst.BinaryOperation: _binary,
-    cst.Tuple: _tuple, cst.List: _list,
+    cst.LeftParen: _opening("("), cst.RightParen: _closing(")"),
+    cst.LeftSquareBracket: _opening("["), cst.RightSquareBracket: _closing("]"),
+    cst.LeftCurlyBrace: _opening("{"), cst.RightCurlyBrace: _closing("}"),
+    **{tp: _parenthesized(_value) for tp in (cst.Name, cst.Integer, cst.Float, cst.SimpleString)},
+    cst.Attribute: _parenthesized(_fields("value", "dot", "attr")), cst.Call: _parenthesized(_call_inner),
+    **{tp: _parenthesized(_fields("left", "operator", "right")) for tp in (cst.BinaryOperation, cst.BooleanOperation)},
+    cst.UnaryOperation: _parenthesized(_fields("operator", "expression")), cst.Comparison: _parenthesized(_comparison_inner),
+    cst.Tuple: _parenthesized(_tuple_inner), cst.List: _parenthesized(_list_inner),
+    cst.Dict: _parenthesized(_dict_inner), cst.Subscript: _parenthesized(_subscript_inner),
+    cst.Index: _index, cst.Arg: _arg_alone, cst.AssignTarget: _assign_target,
     cst.SimpleStatementLine: _simple_statement_line, cst.IndentedBlock: _indented_block,
-    cst.Module: _module, cst.AssignTarget: _assign_target, cst.Arg: _arg_alone,
-    cst.Subscript: _subscript, cst.Index: _index, cst.Dict: _dict,
-    cst.LeftCurlyBrace: _brace, cst.RightCurlyBrace: _brace,
-    cst.Comparison: _comparison, cst.UnaryOperation: _unary, cst.BooleanOperation: _binary,
     cst.FunctionDef: _function_def, cst.ClassDef: _class_def, cst.For: _for, cst.If: _if,
-    cst.Else: _else, cst.With: _with, cst.AsName: _as_name,
+    cst.Else: _else, cst.With: _with, cst.AsName: _as_name, cst.Module: _module,
     # one token between two whitespace fields
     **{tp: _operator for tp in (
         cst.Dot, cst.Comma, cst.AssignEqual, cst.Colon, cst.Add, cst.Subtract, cst.Multiply,
@@ -663,5 +582,6 @@ _HANDLERS = {
         cst.In, cst.Is, cst.AddAssign, cst.SubtractAssign, cst.MultiplyAssign, cst.DivideAssign)},
 }
 # small statements: the statement without its semicolon (`_Printer.small` adds that)
-_SMALL = {cst.Expr: _expr, cst.Assign: _assign, cst.AugAssign: _aug_assign, cst.Return: _return,
+_SMALL = {cst.Expr: _fields("value"), cst.Assign: _assign, cst.AugAssign: _fields("target", "operator", "value"),
+          cst.Return: _return,
           cst.Pass: _keyword("pass"), cst.Break: _keyword("break"), cst.Continue: _keyword("continue")}
