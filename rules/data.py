@@ -1248,8 +1248,10 @@ LINE_LIMIT = 99
 
 
 def layout_of(ctx, call: cst.Call) -> Optional[Tuple[int, int, int]]:
-    """(indentation of the statement, column just after the call's `(`, longest line of the
-    call today) when the call starts on its statement's first line; None when unknown."""
+    """(indentation of the statement, column where the call's arguments start, longest line of
+    the call today) when the call starts on its statement's first line; None when unknown. The
+    arguments start just after the `(`, or, when they begin on a line of their own (a hanging
+    indent, `DataLoader(\n    ds, ...`), at that line's indentation."""
     statement = ctx.statement_of(call)
     if not isinstance(statement, cst.SimpleStatementLine):
         return None
@@ -1262,6 +1264,9 @@ def layout_of(ctx, call: cst.Call) -> Optional[Tuple[int, int, int]]:
     if at < 0 or "\n" in line[:at] or line.count(call_code) != 1:
         return None
     first = indent + at + func_width + 1
+    hanging = call.whitespace_before_args
+    if isinstance(hanging, cst.ParenthesizedWhitespace):
+        first = (indent if hanging.indent else 0) + len(hanging.last_line.value)
     lines = call_code.split("\n")
     widest = max([indent + at + len(lines[0])] + [indent + len(x) for x in lines[1:]])
     return indent, first, widest
