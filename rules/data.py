@@ -1327,25 +1327,38 @@ def _wrap(args: List[cst.Arg], new: cst.Arg, layout: Tuple[int, int, int]) -> Li
         cont = cst.ParenthesizedWhitespace(indent=True, last_line=cst.SimpleWhitespace(" " * relative))
     cont_col = indent + len(cont.last_line.value) if cont.indent else len(cont.last_line.value)
     index = args.index(new)
-    # columns where each argument starts and ends (None once a multi-line argument breaks the count)
+    texts = [code(a.with_changes(comma=cst.MaybeSentinel.DEFAULT)) for a in args[:index + 2]]
+    if any("\n" in text for text in texts):
+        return args  # a multi-line argument: the columns cannot be counted
+    # the column where each argument starts, breaking before the new argument and before the
+    # one after it when their line would get too long
     col = first
-    for i, a in enumerate(args):
-        text = code(a.with_changes(comma=cst.MaybeSentinel.DEFAULT))
-        if "\n" in text:
-            return args
+    for i, text in enumerate(texts):
         if i == index and i > 0 and col + len(text) + 1 > limit and _single_line(args[i - 1].comma):
             args[i - 1] = args[i - 1].with_changes(comma=args[i - 1].comma.with_changes(whitespace_after=cont))
             col = cont_col
-        elif i == index + 1 and _single_line(args[i - 1].comma) and col + len(text) + 1 > limit:
+        elif i == index + 1 and _single_line(args[i - 1].comma) and col + _rest_of_line(args, i) > limit:
             args[i - 1] = args[i - 1].with_changes(comma=args[i - 1].comma.with_changes(whitespace_after=cont))
-            col = cont_col
         col += len(text)
         comma = args[i].comma
         if isinstance(comma, cst.Comma):
             col = cont_col if not _single_line(comma) else col + 1 + len(comma.whitespace_after.value)
-        if i > index + 1:
-            break
     return args
+
+
+def _rest_of_line(args: List[cst.Arg], i: int) -> int:
+    """Columns from the start of `args[i]` to the end of its line: the arguments after it up to
+    the next line break, with their separators, and the comma or `)` that ends the line."""
+    width = 0
+    for a in args[i:]:
+        text = code(a.with_changes(comma=cst.MaybeSentinel.DEFAULT))
+        if "\n" in text:
+            return width + text.index("\n")
+        width += len(text)
+        if not _single_line(a.comma):
+            break
+        width += 1 + len(a.comma.whitespace_after.value)
+    return width + 1
 
 
 def rewrite_call(call: cst.Call, sampler: Optional[cst.BaseExpression], *, dataset: Optional[cst.BaseExpression] = None,

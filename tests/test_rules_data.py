@@ -278,6 +278,21 @@ def test_long_lines_are_wrapped_at_the_open_parenthesis():
             "                            num_workers=args.workers)\n") in result.new_source
 
 
+def test_the_whole_rest_of_the_line_counts_when_wrapping():
+    """The arguments after the sampler stay on its line only if all of them fit, not just the
+    first (milesial/Pytorch-UNet's loaders went to 127 columns)."""
+    result = run("""
+        from torch.utils.data import DataLoader
+        def main():
+            val_loader = DataLoader(val, batch_size=batch_size, shuffle=False, num_workers=8, pin_memory=True, drop_last=True)
+            vl = DataLoader(val, batch_size=4, shuffle=False, num_workers=8, drop_last=True)
+    """, rules=[D.DistSampler, D.EvalUnpadded])
+    assert ("    val_loader = DataLoader(val, batch_size=batch_size, sampler=tm.eval_sampler(val),\n"
+            "                            num_workers=8, pin_memory=True, drop_last=True)\n") in result.new_source
+    assert ("    vl = DataLoader(val, batch_size=4, sampler=tm.eval_sampler(val), num_workers=8, drop_last=True)\n"
+            in result.new_source)
+
+
 def test_hoisted_names_do_not_clash():
     result = run("""
         from torch.utils.data import DataLoader
