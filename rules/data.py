@@ -1327,7 +1327,7 @@ def _wrap(args: List[cst.Arg], new: cst.Arg, layout: Tuple[int, int, int]) -> Li
         cont = cst.ParenthesizedWhitespace(indent=True, last_line=cst.SimpleWhitespace(" " * relative))
     cont_col = indent + len(cont.last_line.value) if cont.indent else len(cont.last_line.value)
     index = args.index(new)
-    texts = [code(a.with_changes(comma=cst.MaybeSentinel.DEFAULT)) for a in args[:index + 2]]
+    texts = [_arg_text(a) for a in args[:index + 2]]
     if any("\n" in text for text in texts):
         return args  # a multi-line argument: the columns cannot be counted
     # the column where each argument starts, breaking before the new argument and before the
@@ -1346,12 +1346,18 @@ def _wrap(args: List[cst.Arg], new: cst.Arg, layout: Tuple[int, int, int]) -> Li
     return args
 
 
+def _arg_text(arg: cst.Arg) -> str:
+    """An argument's code without its comma and the whitespace after it (which holds the line
+    break when the call's `)` stands on a line of its own)."""
+    return code(arg.with_changes(comma=cst.MaybeSentinel.DEFAULT, whitespace_after_arg=cst.SimpleWhitespace("")))
+
+
 def _rest_of_line(args: List[cst.Arg], i: int) -> int:
     """Columns from the start of `args[i]` to the end of its line: the arguments after it up to
     the next line break, with their separators, and the comma or `)` that ends the line."""
     width = 0
     for a in args[i:]:
-        text = code(a.with_changes(comma=cst.MaybeSentinel.DEFAULT))
+        text = _arg_text(a)
         if "\n" in text:
             return width + text.index("\n")
         width += len(text)
