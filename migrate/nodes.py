@@ -7,11 +7,12 @@ rules use these plain functions instead.
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import libcst as cst
 
 from torchmigrate.positions import code_for
+from torchmigrate.walk import child_nodes
 
 _EMPTY = cst.Module(body=[])
 
@@ -119,3 +120,44 @@ def with_block(items: str, body: Sequence[cst.BaseStatement]) -> cst.With:
     header = cst.parse_statement(f"with {items}:\n    pass\n")
     assert isinstance(header, cst.With)
     return header.with_changes(body=cst.IndentedBlock(body=list(body)))
+
+
+class _Shift(cst.CSTTransformer):
+    def __init__(self, delta: int) -> None:
+        super().__init__()
+        self.delta = delta
+
+    def leave_ParenthesizedWhitespace(self, original, updated):
+        width = max(0, len(updated.last_line.value) + self.delta)
+        return updated.with_changes(last_line=cst.SimpleWhitespace(" " * width))
+
+
+def shift_continuations(node: cst.CSTNode, delta: int) -> cst.CSTNode:
+    """Move the continuation lines of a multi-line expression `delta` columns (it moved)."""
+    if not delta or "\n" not in code(node):
+        return node
+    return node.visit(_Shift(delta))
+
+
+def keep_alignment(call: cst.Call, new_func: str) -> Optional[Callable[[cst.CSTNode], cst.CSTNode]]:
+    """For a call whose function is renamed to `new_func` (`print` -> `tm.print`): a replacement
+    for the call that moves its continuation lines as far as its first line moves, so arguments
+    aligned under the `(` (or under anything else on that line) stay aligned; None when nothing
+    needs to move: one line, the arguments on lines of their own (a hanging indent does not move
+    with the name), or a triple-quoted string whose text cannot move."""
+    delta = len(new_func) - len(code(call.func))
+    if not delta or isinstance(call.whitespace_before_args, cst.ParenthesizedWhitespace):
+        return None
+    if "\n" not in code(call) or _has_multiline_string(call):
+        return None
+    return lambda updated: shift_continuations(updated, delta) if isinstance(updated, cst.Call) else updated
+
+
+def _has_multiline_string(node: cst.CSTNode) -> bool:
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if isinstance(n, (cst.SimpleString, cst.FormattedString)) and "\n" in code(n):
+            return True
+        stack.extend(child_nodes(n))
+    return False

@@ -15,7 +15,7 @@ import libcst as cst
 from torchmigrate import analysis
 from torchmigrate.finding import Safety, insert_after, replace
 from torchmigrate.imports import dotted
-from torchmigrate.nodes import arg, code, set_kwarg
+from torchmigrate.nodes import arg, code, keep_alignment, set_kwarg
 from torchmigrate.rule import Context, Example, Rule
 from torchmigrate.rules.logging_rules import (
     RUNTIME, active, assignments, body_of, cached_expr, cached_stmt, collective_guard, guard_edit, guardable_line,
@@ -306,7 +306,11 @@ class SaveMainUnwrapped(Rule):
             message = ("torch.save without a rank guard in a file that initialises a process group: every rank "
                        "writes the same file" if ctx.options.mode == "lint" else
                        "torch.save runs on every rank; tm.save writes once, on the main process, atomically")
-            self.report(call, message, edits=[replace(call.func, lambda _f: cached_expr(f"{tm}.save"))], imports=imports)
+            edits = [replace(call.func, lambda _f: cached_expr(f"{tm}.save"))]
+            align = keep_alignment(call, f"{tm}.save")
+            if align is not None:
+                edits.append(replace(call, align))
+            self.report(call, message, edits=edits, imports=imports)
             stmt = ctx.statement_of(call)
             parent = ctx.parent(stmt) if stmt is not None else None
             if parent is not None and body_of(parent) is not None:

@@ -47,7 +47,7 @@ from torchmigrate import analysis
 from torchmigrate.codegen import FastState
 from torchmigrate.finding import Edit, Safety, insert_after, insert_before, replace
 from torchmigrate.imports import dotted
-from torchmigrate.nodes import code, expr, kwarg, stmt
+from torchmigrate.nodes import code, expr, kwarg, shift_continuations, stmt
 from torchmigrate.rule import Example, Rule
 from torchmigrate.walk import child_nodes
 
@@ -1160,29 +1160,12 @@ def _hoist(items: List[List], updated):
     """`updated` (the rewritten statement) preceded by the `name = expression` assignments."""
     if not isinstance(updated, cst.BaseStatement):
         return updated
-    new = [cst.SimpleStatementLine([cst.Assign([cst.AssignTarget(cst.Name(name))], _shift(value, shift))])
+    new = [cst.SimpleStatementLine([cst.Assign([cst.AssignTarget(cst.Name(name))], shift_continuations(value, shift))])
            for name, value, shift in items if value is not None]
     if not new:
         return updated
     new[0] = new[0].with_changes(leading_lines=updated.leading_lines)
     return cst.FlattenSentinel([*new, updated.with_changes(leading_lines=())])
-
-
-class _Shift(cst.CSTTransformer):
-    def __init__(self, delta: int) -> None:
-        super().__init__()
-        self.delta = delta
-
-    def leave_ParenthesizedWhitespace(self, original, updated):
-        width = max(0, len(updated.last_line.value) + self.delta)
-        return updated.with_changes(last_line=cst.SimpleWhitespace(" " * width))
-
-
-def _shift(node: cst.BaseExpression, delta: int) -> cst.BaseExpression:
-    """Move the continuation lines of a multi-line expression `delta` columns (it moved)."""
-    if not delta or "\n" not in code(node):
-        return node
-    return node.visit(_Shift(delta))
 
 
 def _dataset_column(ctx, call: cst.Call, layout) -> Optional[int]:

@@ -15,7 +15,7 @@ import libcst as cst
 from torchmigrate import analysis
 from torchmigrate.finding import Safety, replace, wrap
 from torchmigrate.imports import dotted
-from torchmigrate.nodes import expr, kwarg, set_kwarg, stmt
+from torchmigrate.nodes import expr, keep_alignment, kwarg, set_kwarg, stmt
 from torchmigrate.rule import Context, Example, Rule
 from torchmigrate.walk import child_nodes
 
@@ -384,7 +384,8 @@ class MainPrint(Rule):
 
     - `print(...)` becomes `tm.print(...)`, which prints on rank 0 only. The arguments are still
       evaluated on every rank, so a print that calls an evaluation helper (which may reduce
-      metrics across ranks) stays safe.
+      metrics across ranks) stays safe. Continuation lines aligned under the call's arguments
+      move with them.
     - `SummaryWriter(...)` (torch.utils.tensorboard, tensorboardX) becomes
       `tm.main_only(SummaryWriter, ...)`: the real writer on rank 0, a null object that absorbs
       every call elsewhere, so `writer.add_scalar(...)` / `writer.close()` need no guard.
@@ -479,8 +480,12 @@ class MainPrint(Rule):
                     shadowed = _print_shadowed(ctx)
                 if shadowed or under_rank_guard(ctx, call):
                     continue
+                edits = [replace(func, lambda _f: cached_expr(f"{tm}.print"))]
+                align = keep_alignment(call, f"{tm}.print")
+                if align is not None:
+                    edits.append(replace(call, align))
                 self.report(call, "print runs on every rank; tm.print prints once, on the main process",
-                            edits=[replace(func, lambda _f: cached_expr(f"{tm}.print"))], imports=imports)
+                            edits=edits, imports=imports)
             elif name in SUMMARY_WRITERS:
                 if under_rank_guard(ctx, call) or _is_main_only_arg(ctx, call):
                     continue
