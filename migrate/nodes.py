@@ -123,34 +123,41 @@ def with_block(items: str, body: Sequence[cst.BaseStatement]) -> cst.With:
 
 
 class _Shift(cst.CSTTransformer):
-    def __init__(self, delta: int) -> None:
+    def __init__(self, delta: int, start: int) -> None:
         super().__init__()
         self.delta = delta
+        self.start = start
 
     def leave_ParenthesizedWhitespace(self, original, updated):
-        width = max(0, len(updated.last_line.value) + self.delta)
-        return updated.with_changes(last_line=cst.SimpleWhitespace(" " * width))
+        width = len(updated.last_line.value)
+        if width < self.start or (self.start and not updated.indent):
+            return updated
+        return updated.with_changes(last_line=cst.SimpleWhitespace(" " * max(0, width + self.delta)))
 
 
-def shift_continuations(node: cst.CSTNode, delta: int) -> cst.CSTNode:
-    """Move the continuation lines of a multi-line expression `delta` columns (it moved)."""
+def shift_continuations(node: cst.CSTNode, delta: int, start: int = 0) -> cst.CSTNode:
+    """Move the continuation lines of a multi-line expression `delta` columns (it moved); with
+    `start`, only the lines indented at least that far past the block's indentation."""
     if not delta or "\n" not in code(node):
         return node
-    return node.visit(_Shift(delta))
+    return node.visit(_Shift(delta, start))
 
 
-def keep_alignment(call: cst.Call, new_func: str) -> Optional[Callable[[cst.CSTNode], cst.CSTNode]]:
-    """For a call whose function is renamed to `new_func` (`print` -> `tm.print`): a replacement
-    for the call that moves its continuation lines as far as its first line moves, so arguments
-    aligned under the `(` (or under anything else on that line) stay aligned; None when nothing
-    needs to move: one line, the arguments on lines of their own (a hanging indent does not move
-    with the name), or a triple-quoted string whose text cannot move."""
+def keep_alignment(call: cst.Call, new_func: str, column: Optional[int]) -> Optional[Callable[[cst.CSTNode], cst.CSTNode]]:
+    """For a call at `column` past its block's indentation whose function is renamed to
+    `new_func` (`print` -> `tm.print`): a replacement for the call that moves the continuation
+    lines aligned under its arguments as far as the first line moves. Lines indented less than
+    the arguments' start (the hanging indent of an inner `.format(` call, say) are relative to
+    the block, not to the name, and stay. None when nothing needs to move: one line, an
+    unknown column, the arguments on lines of their own (a hanging indent), or a
+    triple-quoted string whose text cannot move."""
     delta = len(new_func) - len(code(call.func))
-    if not delta or isinstance(call.whitespace_before_args, cst.ParenthesizedWhitespace):
+    if not delta or column is None or isinstance(call.whitespace_before_args, cst.ParenthesizedWhitespace):
         return None
     if "\n" not in code(call) or _has_multiline_string(call):
         return None
-    return lambda updated: shift_continuations(updated, delta) if isinstance(updated, cst.Call) else updated
+    start = column + len(code(call.func)) + len(code(call.whitespace_after_func)) + 1
+    return lambda updated: shift_continuations(updated, delta, start) if isinstance(updated, cst.Call) else updated
 
 
 def _has_multiline_string(node: cst.CSTNode) -> bool:

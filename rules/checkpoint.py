@@ -307,7 +307,7 @@ class SaveMainUnwrapped(Rule):
                        "writes the same file" if ctx.options.mode == "lint" else
                        "torch.save runs on every rank; tm.save writes once, on the main process, atomically")
             edits = [replace(call.func, lambda _f: cached_expr(f"{tm}.save"))]
-            align = keep_alignment(call, f"{tm}.save")
+            align = keep_alignment(call, f"{tm}.save", 0 if isinstance(ctx.parent(call), cst.Expr) else None)
             if align is not None:
                 edits.append(replace(call, align))
             self.report(call, message, edits=edits, imports=imports)

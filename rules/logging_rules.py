@@ -481,7 +481,7 @@ class MainPrint(Rule):
                 if shadowed or under_rank_guard(ctx, call):
                     continue
                 edits = [replace(func, lambda _f: cached_expr(f"{tm}.print"))]
-                align = keep_alignment(call, f"{tm}.print")
+                align = keep_alignment(call, f"{tm}.print", 0 if isinstance(ctx.parent(call), cst.Expr) else None)
                 if align is not None:
                     edits.append(replace(call, align))
                 self.report(call, "print runs on every rank; tm.print prints once, on the main process",
