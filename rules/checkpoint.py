@@ -177,7 +177,9 @@ class SaveMainUnwrapped(Rule):
     Every rank writing the same file races and can leave a corrupt checkpoint
     (pytorch/pytorch#12042); `local_rank == 0` is still true once per node, so a 4-node job
     writes 4 times to a shared filesystem (NVIDIA/apex#886). A file that is saved and then
-    loaded again in the same run needs `tm.barrier()` between the two (reported).
+    loaded again in the same run needs `tm.barrier()` between the two: added after an
+    unconditional save, reported otherwise (also when the file is written and read through
+    `with open(path) as f`).
 
     In `lint` mode (distributed files) `torch.save` without a rank guard and local-rank guards
     around saves are reported.
@@ -302,6 +304,7 @@ class SaveMainUnwrapped(Rule):
             is_handle, handle = _file_handle(ctx, call, target.value)
             if is_handle:
                 self._guard_handle(call, handle)
+                self._reload_check(index, call, scope, automatic=False)
                 continue
             message = ("torch.save without a rank guard in a file that initialises a process group: every rank "
                        "writes the same file" if ctx.options.mode == "lint" else
@@ -375,8 +378,11 @@ class SaveMainUnwrapped(Rule):
             self.report(run[0], "file operation on a checkpoint that only the main process writes",
                         edits=[guard_edit(ctx, run)], imports=[ctx.runtime_import()])
 
-    def _reload_check(self, index: int, save: cst.Call, scope: cst.CSTNode) -> None:
-        """A file saved and then loaded again in the same run: other ranks must wait for it."""
+    def _reload_check(self, index: int, save: cst.Call, scope: cst.CSTNode, automatic: bool = True) -> None:
+        """A file saved and then loaded again in the same run: other ranks must wait for it. A
+        path is matched by its text, also through `with open(path) as f` on either side; with
+        `automatic` off (a save into an opened file, whose `with` gets a rank guard) the barrier
+        is only reported."""
         ctx = self.ctx
         path = None  # the saved path's text, generated only once a load in this scope needs it
         events = ctx.facts.get("tm_load_events")
@@ -392,10 +398,10 @@ class SaveMainUnwrapped(Rule):
             if scope_of(ctx, call) is scope:
                 first = arg(call, "f", 0)
                 if path is None and first is not None:
-                    path = code(arg(save, "f", 1).value)
-                if first is not None and code(first.value) == path:
+                    path = _path_text(ctx, save, arg(save, "f", 1).value)
+                if first is not None and _path_text(ctx, call, first.value) == path:
                     line = ctx.statement_of(save)
-                    if collective_guard(ctx, save) is None and isinstance(line, cst.SimpleStatementLine) \
+                    if automatic and collective_guard(ctx, save) is None and isinstance(line, cst.SimpleStatementLine) \
                             and isinstance(ctx.parent(line), (cst.IndentedBlock, cst.Module)) \
                             and _unconditional(ctx, line, scope):
                         self.report(call, "this file is loaded again after the save, which only the main process "
@@ -406,6 +412,24 @@ class SaveMainUnwrapped(Rule):
                         self.report(call, f"this file was just saved by the main process only: call "
                                           f"`{ctx.tm}.barrier()` after the save (on every rank) before loading it")
                     return
+
+
+def _path_text(ctx: Context, call: cst.Call, file: cst.BaseExpression) -> str:
+    """The text of the path a save or load call writes or reads: `p` for a file object from
+    `with open(p, ...) as f:` around the call or for `open(p, ...)` itself, else the argument."""
+    opened = file
+    if isinstance(file, cst.Name):
+        for anc in ctx.ancestors(call):
+            if isinstance(anc, (cst.FunctionDef, cst.ClassDef)):
+                break
+            if isinstance(anc, cst.With):
+                for item in anc.items:
+                    if item.asname is not None and isinstance(item.asname.name, cst.Name) \
+                            and item.asname.name.value == file.value:
+                        opened = item.item
+    if isinstance(opened, cst.Call) and (dotted(opened.func) or "").split(".")[-1] == "open" and opened.args:
+        return code(opened.args[0].value)
+    return code(file)
 
 
 def _unconditional(ctx: Context, line: cst.CSTNode, scope: cst.CSTNode) -> bool:
