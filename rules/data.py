@@ -651,6 +651,15 @@ class DataFacts:
                     loader.kwargs_shuffle = a.value.value
         return "plain", ""
 
+    def _never_none(self, node: cst.CSTNode, at: cst.CSTNode) -> bool:
+        """A call, or a name whose every assignment in scope is a call (`sampler =
+        DistributedSampler(ds)`); not `... if distributed else None`, nor a parameter."""
+        if isinstance(node, cst.Call):
+            return True
+        k = key_of(node)
+        assigns = self.assigns_at(at, k) if k is not None else []
+        return bool(assigns) and all(isinstance(a.value, cst.Call) for a in assigns)
+
     def _always_none(self, node: cst.CSTNode, at: cst.CSTNode) -> bool:
         """A name whose every assignment in scope is `None` (`sampler = None`)."""
         k = key_of(node)
@@ -1648,6 +1657,9 @@ class SamplerShuffleConflict(_DataRule):
     """
     ## What it does
     Removes `shuffle=True` from DataLoaders that also get a `sampler=` or `batch_sampler=`.
+    When the sampler may be None (`sampler = DistributedSampler(ds) if distributed else None`,
+    a parameter), `shuffle=True` becomes `shuffle=sampler is None`: the loader still shuffles
+    when there is no sampler, as it did before.
 
     ## Why is this bad?
     PyTorch raises `ValueError: sampler option is mutually exclusive with shuffle` at
@@ -1684,9 +1696,18 @@ class SamplerShuffleConflict(_DataRule):
                      and not self.data._always_none(args[n].value, loader.call)]
             if not given:
                 continue
-            self.report(loader.call, f"`shuffle=True` together with `{given[0]}=` raises ValueError (mutually "
-                                     "exclusive); the sampler decides the order: drop `shuffle`",
-                        edits=[replace(loader.call, lambda call: rewrite_call(call, None))])
+            message = (f"`shuffle=True` together with `{given[0]}=` raises ValueError (mutually exclusive); "
+                       "the sampler decides the order")
+            values = [args[n].value for n in given]
+            if all(self.data._never_none(v, loader.call) for v in values):
+                self.report(loader.call, message + ": drop `shuffle`",
+                            edits=[replace(loader.call, lambda call: rewrite_call(call, None))])
+            elif len(values) == 1 and dotted(values[0]):
+                text = f"{dotted(values[0])} is None"
+                self.report(loader.call, message + f"; it may be None: `shuffle={text}`",
+                            edits=[replace(args["shuffle"], lambda a, text=text: a.with_changes(value=expr(text)))])
+            else:
+                self.report(loader.call, message + " when it is not None: pass `shuffle=` only without a sampler")
 
 
 # --- TM202 -----------------------------------------------------------------------------------
