@@ -651,14 +651,23 @@ class DataFacts:
                     loader.kwargs_shuffle = a.value.value
         return "plain", ""
 
-    def _never_none(self, node: cst.CSTNode, at: cst.CSTNode) -> bool:
-        """A call, or a name whose every assignment in scope is a call (`sampler =
-        DistributedSampler(ds)`); not `... if distributed else None`, nor a parameter."""
-        if isinstance(node, cst.Call):
+    def _may_be_none(self, node: cst.CSTNode, at: cst.CSTNode) -> bool:
+        """A sampler that can be None: `x if c else None`, a name assigned something other than a
+        call (`sampler = DistributedSampler(ds) if distributed else None`), or a parameter of the
+        enclosing function (`def make(ds, sampler=None)`)."""
+        if isinstance(node, cst.IfExp):
             return True
         k = key_of(node)
-        assigns = self.assigns_at(at, k) if k is not None else []
-        return bool(assigns) and all(isinstance(a.value, cst.Call) for a in assigns)
+        if k is None:
+            return False
+        assigns = self.assigns_at(at, k)
+        if any(not isinstance(a.value, cst.Call) for a in assigns):
+            return True
+        scope = self.ctx.scope_of(at)
+        if assigns or not isinstance(node, cst.Name) or not isinstance(scope, cst.FunctionDef):
+            return False
+        params = scope.params
+        return any(p.name.value == node.value for p in (*params.posonly_params, *params.params, *params.kwonly_params))
 
     def _always_none(self, node: cst.CSTNode, at: cst.CSTNode) -> bool:
         """A name whose every assignment in scope is `None` (`sampler = None`)."""
@@ -1699,7 +1708,7 @@ class SamplerShuffleConflict(_DataRule):
             message = (f"`shuffle=True` together with `{given[0]}=` raises ValueError (mutually exclusive); "
                        "the sampler decides the order")
             values = [args[n].value for n in given]
-            if all(self.data._never_none(v, loader.call) for v in values):
+            if not any(self.data._may_be_none(v, loader.call) for v in values):
                 self.report(loader.call, message + ": drop `shuffle`",
                             edits=[replace(loader.call, lambda call: rewrite_call(call, None))])
             elif len(values) == 1 and dotted(values[0]):
