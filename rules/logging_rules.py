@@ -350,6 +350,27 @@ def _is_main_only_arg(ctx: Context, node: cst.CSTNode) -> bool:
     return False
 
 
+def _attributes_read(ctx: Context, call: cst.Call) -> List[str]:
+    """Attributes of the writer `call` creates (`writer = SummaryWriter(...)`, `self.writer = ...`)
+    that the file reads as values (`writer.log_dir`), not calls (`writer.add_scalar(...)`)."""
+    parent = ctx.parent(call)
+    if not isinstance(parent, cst.Assign) or len(parent.targets) != 1:
+        return []
+    target = dotted(parent.targets[0].target)
+    if target is None:
+        return []
+    read = []
+    for name in ctx.named(target.rsplit(".", 1)[-1]):
+        owner = name if "." not in target else ctx.parent(name)  # the `writer` / `self.writer` expression
+        attribute = ctx.parent(owner)
+        if not isinstance(attribute, cst.Attribute) or attribute.value is not owner or dotted(owner) != target:
+            continue
+        used = ctx.parent(attribute)
+        if not (isinstance(used, cst.Call) and used.func is attribute) and attribute.attr.value not in read:
+            read.append(attribute.attr.value)
+    return read
+
+
 def _main_only_fix(tm: str):
     def fix(call: cst.Call) -> cst.Call:
         if not call.args:
@@ -388,7 +409,9 @@ class MainPrint(Rule):
       move with them.
     - `SummaryWriter(...)` (torch.utils.tensorboard, tensorboardX) becomes
       `tm.main_only(SummaryWriter, ...)`: the real writer on rank 0, a null object that absorbs
-      every call elsewhere, so `writer.add_scalar(...)` / `writer.close()` need no guard.
+      every call elsewhere, so `writer.add_scalar(...)` / `writer.close()` need no guard. A
+      writer whose attributes the file reads as values (`os.path.join(writer.log_dir, ...)`)
+      is reported instead: the stand-in has no `log_dir` to give.
     - `wandb.init(...)` gets `mode=None if tm.is_main() else "disabled"` (an existing `mode=m`
       becomes `m if tm.is_main() else "disabled"`): on the other ranks every wandb call is then a
       no-op and `wandb.config` still holds the values given to init, so `wandb.log(...)` needs no
@@ -488,6 +511,13 @@ class MainPrint(Rule):
                             edits=edits, imports=imports)
             elif name in SUMMARY_WRITERS:
                 if under_rank_guard(ctx, call) or _is_main_only_arg(ctx, call):
+                    continue
+                read = _attributes_read(ctx, call)
+                if read:
+                    self.report(call, f"every rank would write its own TensorBoard event files, and the writer's "
+                                      f"`{read[0]}` is read as a value, which tm.main_only's stand-in on the other "
+                                      f"ranks cannot give: create the writer under `if {tm}.is_main():` and take "
+                                      f"`{read[0]}` from the arguments")
                     continue
                 self.report(call, "every rank would write its own TensorBoard event files; create the "
                                   "writer on the main process only (tm.main_only)",
