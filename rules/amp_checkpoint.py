@@ -25,6 +25,30 @@ def _is_optimizer(name: Optional[str], known: Set[str]) -> bool:
     return bool(name) and (name in known or _looks_like_optimizer(name))
 
 
+def _clean(ws: cst.BaseParenthesizableWhitespace) -> cst.BaseParenthesizableWhitespace:
+    """`ws` without its comments: a line break and the indentation, or the spaces."""
+    if isinstance(ws, cst.ParenthesizedWhitespace):
+        return ws.with_changes(first_line=cst.TrailingWhitespace(), empty_lines=[])
+    return ws
+
+
+def _separator(node: cst.Dict, index: int) -> cst.BaseParenthesizableWhitespace:
+    """The whitespace that separates the entries of `node` (before entry `index`, or its first)."""
+    for el in reversed(node.elements[:index]):
+        if isinstance(el.comma, cst.Comma):
+            return _clean(el.comma.whitespace_after)
+    if isinstance(node.lbrace.whitespace_after, cst.ParenthesizedWhitespace):
+        return _clean(node.lbrace.whitespace_after)
+    return cst.SimpleWhitespace(" ")
+
+
+def _key_like(elements) -> str:
+    """KEY, in single quotes when the dict's string keys all use them."""
+    quotes = {el.key.quote for el in elements
+              if isinstance(el, cst.DictElement) and isinstance(el.key, cst.SimpleString) and not el.key.prefix}
+    return "'scaler'" if quotes == {"'"} else KEY
+
+
 class ScalerState(AmpRule):
     """
     ## What it does
@@ -144,13 +168,34 @@ class ScalerState(AmpRule):
             els = list(node.elements)
             anchor = els[index]
             new = cst.DictElement(
-                key=expr(KEY), value=expr(f"{scaler}.state_dict()"),
+                key=expr(_key_like(els)), value=expr(f"{scaler}.state_dict()"),
                 whitespace_before_colon=anchor.whitespace_before_colon,
                 whitespace_after_colon=anchor.whitespace_after_colon,
                 comma=anchor.comma,
             )
-            if anchor.comma is cst.MaybeSentinel.DEFAULT:
-                els[index] = anchor.with_changes(comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" ")))
+            if index + 1 < len(els) and isinstance(anchor.comma, cst.Comma):
+                # between two entries: the new one takes the anchor's separator; a comment at the
+                # end of the anchor's line stays there, comment lines below it move below the new entry
+                sep = anchor.comma.whitespace_after
+                if isinstance(sep, cst.ParenthesizedWhitespace):
+                    els[index] = anchor.with_changes(comma=anchor.comma.with_changes(
+                        whitespace_after=sep.with_changes(empty_lines=[])))
+                    new = new.with_changes(comma=anchor.comma.with_changes(
+                        whitespace_after=sep.with_changes(first_line=cst.TrailingWhitespace())))
+            else:
+                # the anchor is the last entry: the new one keeps the dict's trailing comma (or its
+                # absence) and goes where the next entry would, after the separator the others use
+                sep = _separator(node, index)
+                comma = anchor.comma if isinstance(anchor.comma, cst.Comma) else cst.Comma()
+                rbrace = node.rbrace
+                closing = rbrace.whitespace_before
+                if isinstance(sep, cst.ParenthesizedWhitespace) and isinstance(closing, cst.ParenthesizedWhitespace):
+                    # a comment after the anchor sits before the closing brace: keep it on its line
+                    sep = sep.with_changes(first_line=closing.first_line)
+                    rbrace = rbrace.with_changes(whitespace_before=closing.with_changes(
+                        first_line=cst.TrailingWhitespace()))
+                els[index] = anchor.with_changes(comma=comma.with_changes(whitespace_after=sep))
+                return node.with_changes(elements=els[:index + 1] + [new] + els[index + 1:], rbrace=rbrace)
             els.insert(index + 1, new)
             return node.with_changes(elements=els)
 
