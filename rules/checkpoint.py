@@ -1,7 +1,8 @@
 """TM501 save-main-unwrapped, TM502 load-map-location: checkpoints written once, read anywhere.
 
 Division of labour with TM302 (unwrap-attr): that rule rewrites `model.module` and the
-`model.state_dict` / `model.load_state_dict` *functions* of wrapped models to `tm.unwrap(model)...`.
+`model.state_dict` / `model.load_state_dict` *functions* of wrapped models to `tm.unwrap(model)...`,
+and a wrapped model saved whole (`torch.save(model, f)`, `{"net": net}`) to `tm.unwrap(model)`.
 These rules never touch those nodes: TM501 edits the `torch.save` function, rank-guard tests
 and whole statements; TM502 edits `torch.load` calls and the *argument* of `load_state_dict`.
 """

@@ -34,7 +34,7 @@ from typing import Dict, Iterable, List, Optional, Set, Tuple
 
 import libcst as cst
 
-from torchmigrate.analysis import Optimizer, facts, is_distributed, model_root, optimizers
+from torchmigrate.analysis import Optimizer, _call_arg_for, facts, is_distributed, model_root, optimizers
 from torchmigrate.finding import Safety, insert_after, insert_before, remove, replace, replace_with
 from torchmigrate.imports import dotted, iter_statements
 from torchmigrate.nodes import arg as call_arg
@@ -48,6 +48,7 @@ _DDP = {"torch.nn.parallel.DistributedDataParallel", "torch.nn.parallel.distribu
 _APEX_DDP = {"apex.parallel.DistributedDataParallel", "apex.parallel.distributed.DistributedDataParallel"}
 _TM_WRAP = "torchmigrate.runtime.wrap_model"
 _TM_UNWRAP = "torchmigrate.runtime.unwrap"
+_SAVES = {"torch.save", "torchmigrate.runtime.save"}
 _DP = {"torch.nn.DataParallel", "torch.nn.parallel.DataParallel", "torch.nn.parallel.data_parallel.DataParallel"}
 _DP_FUNCTIONAL = {"torch.nn.parallel.data_parallel", "torch.nn.parallel.data_parallel.data_parallel"}
 _OTHER_WRAPS = (
@@ -192,6 +193,7 @@ class AttrRewrite:
     attr: str
     owner: str  # rule code that reports it
     dp: bool = False
+    use: str = ""  # for the model itself (`attr` ""): "save" or "graph" (else a copy)
 
 
 # --- the plan ------------------------------------------------------------------------------
@@ -676,6 +678,8 @@ class Plan:
                 return None
             if (m, scope) in self.covered and not self._removable_dp((m, scope)):
                 return None
+            if self._wrapped_by_callee(m, scope):
+                return None
             defs = self.definitions(m, scope, None, before=self.idx(stmt0))
             if not defs:
                 if any(self._is_wrap_value(v) for _, v in self._assigns.get(m, ()) if v is not None
@@ -704,6 +708,47 @@ class Plan:
                 anchor, after = line, True
                 break
         return NewWrap(m, o, scope, klass, anchor, after=after, def_stmt=model_def)
+
+    def _callee_wraps(self) -> Dict[str, List[Tuple[cst.FunctionDef, str, bool]]]:
+        """Functions of the file that wrap one of their parameters in DDP themselves
+        (`def train(args, model): ... model = DDP(model, ...)`): by name, (function, parameter,
+        is a method)."""
+        key = ("callee-wraps",)
+        if key not in self._memo:
+            found: Dict[str, List[Tuple[cst.FunctionDef, str, bool]]] = {}
+            for w in self.wraps:
+                func = w.scope
+                if w.kind.rsplit("-", 1)[-1] == "dp" or not isinstance(func, cst.FunctionDef) or w.statement is None:
+                    continue
+                params = self.params(func)
+                method = isinstance(self.ctx.parent(self.ctx.parent(func)), cst.ClassDef)
+                for n in dict.fromkeys((w.arg, w.name)):
+                    # the parameter itself is wrapped, not a model the function builds under its name
+                    if n and n in params and not self.definitions(n, func, None, before=self.idx(w.statement)):
+                        entry = (func, n, method)
+                        if entry not in found.setdefault(func.name.value, []):
+                            found[func.name.value].append(entry)
+            self._memo[key] = found
+        return self._memo[key]  # type: ignore[return-value]
+
+    def _wrapped_by_callee(self, m: str, scope: cst.CSTNode) -> bool:
+        """`m` is passed (in `scope`) to a function of this file that wraps that parameter in
+        DDP itself: a wrap here would make DDP(DDP(model))."""
+        callees = self._callee_wraps()
+        if not callees:
+            return False
+        for call, _ in self.f.calls:
+            f = call.func
+            fname = f.value if isinstance(f, cst.Name) else f.attr.value if isinstance(f, cst.Attribute) else None
+            if fname not in callees or self.fscope(call) is not scope:
+                continue
+            for func, param, method in callees[fname]:
+                if method != isinstance(f, cst.Attribute):
+                    continue
+                value = _call_arg_for(call, func, param, method)
+                if value is not None and dotted(value) == m:
+                    return True
+        return False
 
     def _blocks(self, node: cst.CSTNode, scope: cst.CSTNode) -> List[Tuple[cst.CSTNode, cst.CSTNode]]:
         """(block, child statement) pairs from `node` up to `scope`, innermost first."""
@@ -1340,6 +1385,93 @@ class Plan:
             statement = self.ctx.statement_of(call)
             if any(self.applies(w, call, statement) for w in by_name[name]):
                 self.rewrites.append(AttrRewrite(a.value, name, "", "TM302"))
+        self._whole_model_uses(by_name)
+
+    def _whole_model_uses(self, by_name: Dict[str, List[Wrap]]) -> None:
+        """A wrapped model pickled whole into a checkpoint (`torch.save(model, f)`, or a value of
+        the saved dict / list / tuple, also through `state = {...}` or `state["net"] = net`),
+        which then holds a DDP object that cannot be loaded outside torchrun; and
+        `writer.add_graph(model, ...)`, whose jit trace fails on DDP: use the module itself.
+        Only for the wraps this migration makes (or `tm.wrap_model`): a DDP the script builds
+        itself was saved that way before."""
+        converted = {id(s.wrap) for s in self.dp_sites if s.action not in ("keep", "manual")}
+        manual_dp = any(s.action in ("keep", "manual") for s in self.dp_sites)
+
+        def ours(w: Wrap) -> bool:
+            kind = w.kind.rsplit("-", 1)[-1]
+            if kind in ("new", "tm"):
+                return True
+            if kind != "dp" or not self.active["TM306"]:
+                return False
+            return id(w) in converted or (w.kind != "dp" and not manual_dp)
+
+        found: List[Tuple[cst.BaseExpression, str, str]] = []
+        seen: Set[int] = set()
+
+        def add(node: cst.BaseExpression, use: str) -> None:
+            name = dotted(node) if type(node) in (cst.Name, cst.Attribute) else None
+            if name is None or name not in by_name or id(node) in seen:
+                return
+            statement = self.ctx.statement_of(node)
+            if any(ours(w) and self.applies(w, node, statement) for w in by_name[name]):
+                seen.add(id(node))
+                found.append((node, name, use))
+
+        def subscripts() -> Dict[Tuple[str, cst.CSTNode], List[cst.BaseExpression]]:
+            key = ("subscript-assigns",)
+            if key not in self._memo:
+                out: Dict[Tuple[str, cst.CSTNode], List[cst.BaseExpression]] = {}
+                for a in self.f.assigns:
+                    for t in a.targets:
+                        if type(t.target) is cst.Subscript and type(t.target.value) is cst.Name:
+                            out.setdefault((t.target.value.value, self.fscope(a)), []).append(a.value)
+                self._memo[key] = out
+            return self._memo[key]  # type: ignore[return-value]
+
+        def saved(node: cst.BaseExpression, scope: cst.CSTNode, before: int, depth: int) -> None:
+            if depth > 4:
+                return
+            tp = type(node)
+            if tp in (cst.Name, cst.Attribute):
+                name = dotted(node)
+                if name in by_name:
+                    add(node, "save")
+                elif tp is cst.Name:
+                    # `state = {"net": net, ...}; torch.save(state, path)`
+                    for a, value in self._assigns.get(node.value, ()):
+                        if value is not None and self.fscope(a) is scope \
+                                and self.idx(self.ctx.statement_of(a)) < before:
+                            saved(value, scope, before, depth + 1)
+                    for value in subscripts().get((node.value, scope), ()):
+                        if self.idx(self.ctx.statement_of(value)) < before:
+                            saved(value, scope, before, depth + 1)
+            elif tp is cst.Dict:
+                for e in node.elements:
+                    if type(e) is cst.DictElement:
+                        saved(e.value, scope, before, depth + 1)
+            elif tp in (cst.List, cst.Tuple, cst.Set):
+                for e in node.elements:
+                    if type(e) is cst.Element:
+                        saved(e.value, scope, before, depth + 1)
+            elif tp is cst.IfExp:
+                saved(node.body, scope, before, depth + 1)
+                saved(node.orelse, scope, before, depth + 1)
+            elif tp is cst.Call and dotted(node.func) == "dict":
+                for a in node.args:
+                    if a.keyword is not None:
+                        saved(a.value, scope, before, depth + 1)
+
+        for call, qualified in self.f.calls:
+            if qualified in _SAVES:
+                a = call_arg(call, "obj", 0)
+                if a is not None and not a.star:
+                    saved(a.value, self.fscope(call), self.idx(self.ctx.statement_of(call)), 0)
+            elif type(call.func) is cst.Attribute and call.func.attr.value == "add_graph":
+                a = call_arg(call, "model", 0)
+                if a is not None and not a.star:
+                    add(a.value, "graph")
+        for node, name, use in found:
+            self.rewrites.append(AttrRewrite(node, name, "", "TM302", use=use))
 
     def _accesses(self, names: Iterable[str]) -> List[cst.Attribute]:
         """Attribute accesses `name.attr` of these names, in source order, for the names TM302
@@ -1633,7 +1765,11 @@ class UnwrapAttr(_ModelRule):
     - `model.state_dict()` / `model.load_state_dict(...)` → `tm.unwrap(model).state_dict()` /
       `tm.unwrap(model).load_state_dict(...)`, so checkpoints have no `module.` prefix;
     - custom attributes and methods (`model.encode(x)`, `model.config`, `model.fc`) →
-      `tm.unwrap(model).encode(x)`.
+      `tm.unwrap(model).encode(x)`;
+    - the model itself where the wrapper must not go: copies (`copy.deepcopy(model)`, EMA),
+      whole-model checkpoints (`torch.save(model, f)`, a value of the saved dict, list or tuple,
+      also through `state = {"net": net}`) and `writer.add_graph(model, ...)` get
+      `tm.unwrap(model)` (for the wraps the migration makes).
 
     The `nn.Module` API that DDP itself provides (`model(x)`, `parameters()`, `train()`,
     `eval()`, `to()`, `zero_grad()`, `no_sync()`, ...) is left alone. Accesses are rewritten in
@@ -1698,7 +1834,13 @@ def _report_rewrites(rule: Rule, p: Plan, owner: str) -> None:
     for r in p.rewrites:
         if r.owner != owner:
             continue
-        if not r.attr:
+        if not r.attr and r.use == "save":
+            message = (f"saving the wrapped model `{r.name}` whole pickles the DDP wrapper, which cannot be loaded "
+                       f"outside torchrun: save the module itself, `{tm}.unwrap({r.name})`")
+        elif not r.attr and r.use == "graph":
+            message = (f"add_graph traces the model with torch.jit, which fails on the DDP wrapper: trace the module "
+                       f"itself, `{tm}.unwrap({r.name})`")
+        elif not r.attr:
             message = (f"copying a wrapped model copies the DDP wrapper: copy the module itself, "
                        f"`{tm}.unwrap({r.name})`")
         elif r.attr == "module":
