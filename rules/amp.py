@@ -1029,9 +1029,16 @@ class _Planner:
 
     def plan_updates(self) -> None:
         """`scaler.update()` once after the last step of each block (a repeated optimizer starts
-        a new group); after the whole loop for `for opt in optimizers: opt.step()`."""
+        a new group); after the whole loop for `for opt in optimizers: opt.step()`.
+
+        Steps nested in a later statement of the block (`if i % 4 == 0: r1.backward();
+        d_optim.step()`) count too: an optimizer of the group stepped again there needs an
+        update first ("step() has already been called since the last update()"); steps there
+        that apply the same backward's gradients (`dec.step(); if enc: enc.step()`) come before
+        the group's update, which then follows that statement instead of theirs."""
         ctx, p = self.ctx, self.p
         by_block: Dict[cst.CSTNode, List[Tuple[cst.CSTNode, Step]]] = {}
+        block_of_step: Dict[int, cst.CSTNode] = {}
         for step in p.step_calls:
             line = line_of(ctx, step.call)
             if line is None:
@@ -1049,22 +1056,77 @@ class _Planner:
             if block is None:
                 continue
             by_block.setdefault(block, []).append((anchor, step))
+            block_of_step[id(step)] = block
+
+        def key_of(step: Step) -> str:
+            return code(step.optimizer) if step.optimizer is not None else ""
+
+        def nested_steps(statement: cst.CSTNode, scope: cst.CSTNode) -> List[Step]:
+            return [s for s in p.step_calls if s.scope is scope and id(s) in block_of_step
+                    and statement in set(ctx.ancestors(s.call))]
+
+        def has_backward(statement: cst.CSTNode) -> bool:
+            return any(s.statement is statement or statement in set(ctx.ancestors(s.statement))
+                       for s in p.sites)
+
+        def through_loop(step: Step, statement: cst.CSTNode) -> bool:
+            for anc in ctx.ancestors(step.call):
+                if isinstance(anc, (cst.For, cst.While)):
+                    return True
+                if anc is statement:
+                    return False
+            return False
+
+        planned: List[Tuple[cst.CSTNode, cst.CSTNode, bool]] = []  # (anchor, block, trailing)
+        replaced: Set[cst.CSTNode] = set()  # blocks whose trailing update an outer one replaces
         for block, items in by_block.items():
             body = list(statements(block))
             items.sort(key=lambda it: body.index(it[0]) if it[0] in body else 0)
             seen: Set[str] = set()
             group: List[Tuple[cst.CSTNode, Step]] = []
-            for anchor, step in items:
-                key = code(step.optimizer) if step.optimizer is not None else ""
+            last: Optional[cst.CSTNode] = None
+            for n, (anchor, step) in enumerate(items):
+                key = key_of(step)
                 if key in seen and group:
-                    p.updates.append((group[-1][0], group[-1][0]))
+                    planned.append((last, block, False))
                     seen, group = set(), []
                 seen.add(key)
                 group.append((anchor, step))
+                last = anchor
+                # later statements of the block, up to the next step of its own
+                if anchor not in body:
+                    continue
+                stop = len(body)
+                if n + 1 < len(items) and items[n + 1][0] in body:
+                    stop = body.index(items[n + 1][0])
+                backward = False
+                for statement in body[body.index(anchor) + 1:stop]:
+                    if not group:
+                        break
+                    nested = nested_steps(statement, step.scope)
+                    if not nested:
+                        backward = backward or has_backward(statement)
+                        continue
+                    keys = {key_of(s) for s in nested}
+                    if keys & seen:  # the same optimizer again: update before it
+                        planned.append((last, block, False))
+                        seen, group = set(), []
+                        break
+                    if backward or has_backward(statement) or any(through_loop(s, statement) for s in nested):
+                        break
+                    # the same gradients: one update after the whole statement
+                    seen |= keys
+                    group.extend((statement, s) for s in nested)
+                    last = statement
+                    replaced.update(block_of_step[id(s)] for s in nested)
             if group:
-                already = self.has_update_after(group[-1][0])
-                if not already:
-                    p.updates.append((group[-1][0], group[-1][0]))
+                planned.append((last, block, True))
+        for anchor, block, trailing in planned:
+            if trailing and block in replaced:
+                continue
+            if trailing and self.has_update_after(anchor):
+                continue
+            p.updates.append((anchor, anchor))
 
     def has_update_after(self, anchor: cst.CSTNode) -> bool:
         block, body = block_of(self.ctx, anchor)
