@@ -132,9 +132,17 @@ def _trains_at_module_level(ctx: Context, guard: Optional[cst.If]) -> bool:
     return False
 
 
+# What shows that a process group exists when the file runs: it creates one (or has a helper, or
+# the runtime, create it) or wraps a model in DDP, which needs one. A DistributedSampler does not:
+# scripts build one behind a flag (`DistributedSampler(ds) if distributed else None`) without
+# ever initialising a group, and a migrated script must still get `tm.setup()`.
+_SETS_UP = (INIT_PG, RUNTIME + ".setup", RUNTIME + ".wrap_model", *SPAWN,
+            "torch.nn.parallel.DistributedDataParallel", "torch.nn.parallel.distributed.DistributedDataParallel")
+
+
 def user_sets_up_elsewhere(ctx: Context) -> bool:
     """The file (or a helper it calls) already initialises distributed training."""
-    if analysis.is_distributed(ctx) or analysis.calls_to(ctx, INIT_PG, RUNTIME + ".setup", *SPAWN):
+    if analysis.calls_to(ctx, *_SETS_UP):
         return True
     # Every call of the file is asked: test the last name of the callee (exact types, cheap)
     # first and build the dotted name only for the rare one that matches.
