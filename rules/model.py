@@ -41,6 +41,7 @@ from torchmigrate.nodes import arg as call_arg
 from torchmigrate.nodes import code, expr, kwarg, set_kwarg, stmt, with_args
 from torchmigrate.positions import code_for
 from torchmigrate.rule import Context, Example, Rule
+from torchmigrate.rules.launch import setup_plan, user_sets_up_elsewhere
 
 CODES = ("TM301", "TM302", "TM303", "TM304", "TM305", "TM306")
 
@@ -557,9 +558,30 @@ class Plan:
                 if old is None or self._prefer(placed, old):
                     best[k] = placed
         self.new = sorted(best.values(), key=lambda w: (self.idx(w.anchor), w.after))
+        self._leave_own_group_alone()
         self._merge_adjacent()
         if not opts and self.ctx.options.mode == "ddp" and not self.wraps:
             self._no_optimizer()
+
+    def _leave_own_group_alone(self) -> None:
+        """A script that creates its own process group (`init_process_group`, often behind a
+        flag) but wraps no model in DDP synchronises gradients its own way (NVIDIA/tacotron2's
+        `apply_gradient_allreduce`) or not at all: a `tm.wrap_model` there would average the
+        gradients twice, or find no process group when the flag is off. Reported instead."""
+        if not self.new or any(w.kind not in ("new", "dp") for w in self.wraps):
+            return
+        if not user_sets_up_elsewhere(self.ctx) or setup_plan(self.ctx) is not None:
+            return
+        keep = []
+        for w in self.new:
+            if w.dp is not None:
+                keep.append(w)
+                continue
+            self.manual301.append((w.opt.call, f"this script creates its own process group but wraps no model in DDP "
+                                   f"(it may average gradients itself): if `{w.name}` needs DDP, wrap it with "
+                                   f"`{w.name} = {self.tm}.wrap_model({w.name})` where the script's distributed "
+                                   f"setup has run", w.opt.statement))
+        self.new = keep
 
     def _own_optimizers(self, opts: List[Optimizer]) -> Dict[int, str]:
         """Optimizers a module builds from its own `self.parameters()` (`self.opt = Adam(self.parameters())`
