@@ -153,8 +153,25 @@ def _is_optimizer(name: Optional[str], call: cst.Call) -> bool:
     if name:
         if name.startswith(_OPTIMIZER_MODULES):
             return not any(x in name + "." for x in _NOT_OPTIMIZERS) and name.rsplit(".", 1)[1][:1].isupper()
-        return name.rsplit(".", 1)[-1] in _OPTIMIZER_NAMES and name.startswith(("transformers.", "torch_optimizer."))
-    return False
+        if name.rsplit(".", 1)[-1] in _OPTIMIZER_NAMES and name.startswith(("transformers.", "torch_optimizer.")):
+            return True
+    func = call.func
+    last = func.value if type(func) is cst.Name else func.attr.value if type(func) is cst.Attribute else ""
+    return _foreign_optimizer(last, call)
+
+
+# Optimizer classes of other libraries or of the script itself (pytorch_pretrained_bert's
+# `BertAdam`, LAMB and LARS ports, `Lion`): an optimizer-like class name *and* a model's
+# parameters as the first argument.
+_OPTIMIZER_CLASS = re.compile(r"(?:Adam|SGD|RMSprop|Adagrad|Adadelta|Adamax|Lamb|LAMB|Lars|LARS|Adafactor|Lion|"
+                              r"Ranger|NovoGrad|Novograd|Yogi|Sophia|Adan|Prodigy)[A-Za-z0-9]*$")
+
+
+def _foreign_optimizer(last: str, call: cst.Call) -> bool:
+    if not last[:1].isupper() or not _OPTIMIZER_CLASS.search(last) or any(x in last for x in _NOT_OPTIMIZER_CALLS):
+        return False
+    params = _params_arg(call)
+    return params is not None and bool(parameter_owners(params))
 
 
 def model_root(expression: str) -> str:
