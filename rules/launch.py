@@ -212,6 +212,24 @@ def _has_call(node: cst.CSTNode) -> bool:
     return any(_has_call(child) for child in node.children)
 
 
+def _may_exit(ctx: Context, node: cst.CSTNode) -> bool:
+    """`_is_exit`, also through the functions of this file that `node` calls, three calls deep
+    (`if __name__ == "__main__": train()` where `train` ends the run with `sys.exit()`): the
+    cleanup then goes in a `finally`, or it would never run."""
+    return _is_exit(ctx, node) or _calls_exiting_function(ctx, node, 3)
+
+
+def _calls_exiting_function(ctx: Context, node: cst.CSTNode, depth: int) -> bool:
+    functions = analysis.facts(ctx).functions
+    for call in ctx.within(node, cst.Call, skip_defs=True):
+        fn = functions.get(call.func.value) if isinstance(call.func, cst.Name) else None
+        if fn is None or fn is node:
+            continue
+        if _is_exit(ctx, fn.body) or (depth > 1 and _calls_exiting_function(ctx, fn.body, depth - 1)):
+            return True
+    return False
+
+
 def _plain_exit(ctx: Context, stmt_: cst.CSTNode) -> bool:
     """`sys.exit(0)` / `raise SystemExit(code)`: an exit whose argument runs nothing, so cleanup
     can simply go before it."""
@@ -393,7 +411,7 @@ class SetupProcessGroup(Rule):
         cleanup = stmt(f"{tm}.cleanup()")
         if _plain_exit(ctx, last) and last is not entry.setup_before:
             edits.append(insert_before(last, [cleanup]))
-        elif _is_exit(ctx, last) and last is not entry.setup_before:
+        elif _may_exit(ctx, last) and last is not entry.setup_before:
             edits.append(wrap(last, last, lambda body: _lift_leading_lines(list(body), _try_finally(body, cleanup))))
         else:
             edits.append(insert_after(last, [cleanup]))
@@ -412,7 +430,7 @@ class SetupProcessGroup(Rule):
             stmts = list(body.body)
             block = body
         setup, cleanup = stmt(f"{tm}.setup()"), stmt(f"{tm}.cleanup()")
-        first_exit = next((i for i, s in enumerate(stmts) if _is_exit(self.ctx, s)), None)
+        first_exit = next((i for i, s in enumerate(stmts) if _may_exit(self.ctx, s)), None)
         if first_exit is None:
             new = [*stmts, cleanup]
         elif first_exit == len(stmts) - 1 and _plain_exit(self.ctx, stmts[-1]):
