@@ -270,8 +270,10 @@ class SetupProcessGroup(Rule):
     device) at module level, setup goes after that first import block instead, so it runs
     before that code, and cleanup
     stays at the end of the block. When the entry block leaves through `sys.exit(main())` /
-    `raise SystemExit(main())`, it is wrapped in `try: ... finally: tm.cleanup()`; a plain
-    `sys.exit(0)` simply gets the cleanup before it.
+    `raise SystemExit(main())`, or calls a function of the file that exits (`train()` ending in
+    `sys.exit()`), it is wrapped in `try: ... finally: tm.cleanup()`; a plain `sys.exit(0)`
+    simply gets the cleanup before it. A script that creates a process group itself (or wraps
+    a model in DDP) gets no setup; a `DistributedSampler` alone does not count.
 
     `tm.setup()` reads torchrun's (or SLURM's) environment: with `LOCAL_RANK` set it pins the
     process to its GPU (`torch.cuda.set_device`) and, when the world size is above one, creates
