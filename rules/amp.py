@@ -1457,7 +1457,7 @@ class _Planner:
             loop = ctx.enclosing(call, cst.For, cst.While, cst.FunctionDef, cst.ClassDef)
             if not isinstance(loop, (cst.For, cst.While)) or loop in self.contains:
                 continue
-            if self.covered(call) or not self.no_grad(loop):
+            if self.covered(call) or not self.no_grad(loop) or self.non_amp_branch(call, loop):
                 continue
             by_loop.setdefault(loop, []).append(call)
         for loop, calls in by_loop.items():
@@ -1477,6 +1477,25 @@ class _Planner:
             why = self.region_problem(region)
             if why is None:
                 p.regions.append(region)
+
+    def non_amp_branch(self, call: cst.Call, stop: cst.CSTNode) -> bool:
+        """`call` sits in one branch of an `if` (inside `stop`) whose other branch runs its forward
+        under autocast (`if use_amp: with autocast(): out = model(x) else: out = model(x)`): the
+        deliberate non-AMP path of an optional-AMP script, left alone."""
+        ctx = self.ctx
+        child: cst.CSTNode = call
+        for anc in ctx.ancestors(call):
+            if anc is stop:
+                return False
+            if isinstance(anc, cst.If):
+                others = [b for b in (anc.body, anc.orelse) if b is not None and b is not child]
+                if child is not anc.body and child is not anc.orelse:
+                    others = []  # `child` is the test
+                for other in others:
+                    if any(w in self.autocast_set for w in ctx.within(other, cst.With, skip_defs=True)):
+                        return True
+            child = anc
+        return False
 
     def no_grad(self, node: cst.CSTNode) -> bool:
         for anc in self.ctx.ancestors(node):
@@ -1610,7 +1629,9 @@ class _Planner:
                 continue
             seen_stmt.add(s)
             consumers.append((s, scope, False))
-        done: Set[Tuple[cst.CSTNode, int, str]] = set()  # (scope, window, optimizer)
+        # (scope, window, optimizer) -> statements given an unscale_ there: a consumer in the
+        # other branch of an `if` (never run in the same pass) still needs its own
+        done: Dict[Tuple[cst.CSTNode, int, str], List[cst.CSTNode]] = {}
         consumers.sort(key=lambda c: self.position(c[0], c[1]))
         for s, scope, apex in consumers:
             if not p.scaler.new and not scaler_visible(ctx, p.scaler, s):
@@ -1635,13 +1656,14 @@ class _Planner:
                     names.append(opt)
             if not names:
                 continue
-            if self.has_unscale(scope, window, pos, text):
+            if self.has_unscale(scope, window, pos, text, s):
                 continue
-            names = [n for n in names if (scope, window, n) not in done]
+            names = [n for n in names if not any(
+                not self.exclusive(s, other) for other in done.get((scope, window, n), ()))]
             if not names:
                 continue
             for n in names:
-                done.add((scope, window, n))
+                done.setdefault((scope, window, n), []).append(s)
             if not isinstance(s, cst.SimpleStatementLine) and not isinstance(ctx.parent(s), (cst.IndentedBlock, cst.Module)):
                 continue
             if apex:
@@ -1665,10 +1687,12 @@ class _Planner:
             child = anc
         return False
 
-    def has_unscale(self, scope: cst.CSTNode, start: int, end: int, text: str) -> bool:
+    def has_unscale(self, scope: cst.CSTNode, start: int, end: int, text: str,
+                    consumer: Optional[cst.CSTNode] = None) -> bool:
         for call, _ in calls_by_method(self.ctx).get("unscale_", ()):
             if scope_of(self.ctx, call) is scope:
-                if start < self.position(call, scope) < end:
+                if start < self.position(call, scope) < end and not (
+                        consumer is not None and self.exclusive(consumer, call)):
                     return True
         return False
 
