@@ -99,6 +99,23 @@ _BN_TORCHVISION = re.compile(r"resne|wide_resnet|densenet|mobilenet|efficientnet
 
 # --- small helpers -------------------------------------------------------------------------
 
+# Calls that change a module's parameters in place (wrap only after them).
+_INPLACE = {"load_state_dict", "apply", "load_weights", "load_pretrained", "load_pretrained_weights",
+            "init_weights", "reset_parameters", "load_param", "load_params", "load_parameters"}
+
+
+def _root_name(node: cst.CSTNode) -> Optional[str]:
+    """`base` for `base.vgg[0].weight`, `base.fc.load_state_dict`, `base(...)...`."""
+    while True:
+        if type(node) in (cst.Attribute, cst.Subscript):
+            node = node.value
+        elif type(node) is cst.Call:
+            node = node.func
+        else:
+            break
+    return node.value if type(node) is cst.Name else None
+
+
 def _strip(node: cst.BaseExpression) -> cst.BaseExpression:
     """`Net().to(device).cuda()` -> `Net()`; `model.cuda()` -> `model`."""
     while isinstance(node, cst.Call) and isinstance(node.func, cst.Attribute) and node.func.attr.value in _MOVES:
@@ -169,6 +186,9 @@ class NewWrap:
     sync_bn: bool = False
     find_unused: str = ""  # why find_unused_parameters=True is needed
     dp: Optional["DPSite"] = None
+    # the same model (re)bound in another branch of an `if`/`try`: this wrap covers that branch
+    extra_of: Optional["NewWrap"] = None
+    bound: Optional[cst.CSTNode] = None  # the binding in that branch (when no optimizer is built there)
 
 
 @dataclass
@@ -508,6 +528,48 @@ class Plan:
                 return True
         return False
 
+    def _dp_to_defer(self, m: str, scope: cst.CSTNode, stmt0: cst.CSTNode) -> Optional[DPSite]:
+        """`net = DataParallel(base)`, then `base.load_state_dict(...)` / `base.apply(init)` /
+        `base.fc.weight = ...` before `net`'s optimizer: DDP broadcasts rank 0's parameters when it
+        is built, so the wrap must follow those. The DataParallel site whose wrap TM301 moves to
+        the optimizer instead (TM306 then leaves `net = base`)."""
+        if not self.active["TM306"] or (m, scope) in self.covered_not_dp or "." in m:
+            return None
+        found = None
+        for site in self.dp_sites:
+            w = site.wrap
+            if w.name != m or self.fscope(w.call) is not scope or not w.arg or "." in w.arg or w.arg == m:
+                continue
+            if found is not None or not self._is_dp_assign(site) or w.statement is None:
+                return None
+            found = site
+        if found is None:
+            return None
+        start, end = self.last_idx(found.wrap.statement), self.idx(stmt0)
+        return found if start < end and self._modified_between({m, found.wrap.arg}, scope, start, end) else None
+
+    def _modified_between(self, names: Set[str], scope: cst.CSTNode, start: int, end: int) -> bool:
+        """A statement of `scope` strictly between the indexes `start` and `end` changes the
+        parameters of one of the modules `names` in place."""
+        def inside(node: cst.CSTNode) -> bool:
+            return self.fscope(node) is scope and start < self.idx(self.ctx.statement_of(node)) < end
+
+        for call, name in self.f.calls:
+            f = call.func
+            if isinstance(f, cst.Attribute) and (f.attr.value in _INPLACE or (
+                    f.attr.value.endswith("_") and f.attr.value not in ("requires_grad_", "share_memory_"))):
+                if _root_name(f.value) in names and inside(call):
+                    return True
+            if name and name.startswith("torch.nn.init.") and call.args and _root_name(call.args[0].value) in names \
+                    and inside(call):
+                return True
+        for a in self.f.assigns:
+            for t in a.targets:
+                if type(t.target) in (cst.Attribute, cst.Subscript) and _root_name(t.target) in names and inside(a):
+                    if not (type(t.target) is cst.Attribute and t.target.attr.value == "requires_grad"):
+                        return True
+        return False
+
     def _is_dp_assign(self, site: DPSite) -> bool:
         """`name = DataParallel(...)` alone on its line (or one-line suite)."""
         parent = self.ctx.parent(site.outer)
@@ -520,6 +582,7 @@ class Plan:
     def _plan_new(self) -> None:
         opts = optimizers(self.ctx)
         best: Dict[tuple, NewWrap] = {}
+        cands: Dict[tuple, List[NewWrap]] = {}  # every placement, for `_other_branches`
         own = self._own_optimizers(opts)
         for o in opts:
             if id(o) in own:
@@ -536,6 +599,7 @@ class Plan:
                     placed = self._placement(o, m)
                     if isinstance(placed, NewWrap):
                         k = (m, placed.klass if m.startswith(("self.", "cls.")) else placed.scope)
+                        cands.setdefault(k, []).append(placed)
                         if k not in best:
                             best[k] = placed
                 continue
@@ -554,14 +618,90 @@ class Plan:
                     self.manual301.append((o.call, placed, o.statement))
                     continue
                 k = (m, placed.klass if m.startswith(("self.", "cls.")) else placed.scope)
+                cands.setdefault(k, []).append(placed)
                 old = best.get(k)
                 if old is None or self._prefer(placed, old):
                     best[k] = placed
         self.new = sorted(best.values(), key=lambda w: (self.idx(w.anchor), w.after))
         self._leave_own_group_alone()
+        self._other_branches(cands)
         self._merge_adjacent()
         if not opts and self.ctx.options.mode == "ddp" and not self.wraps:
             self._no_optimizer()
+
+    def _other_branches(self, cands: Dict[tuple, List[NewWrap]]) -> None:
+        """`if ckpt is None: model = Net(); opt = Adam(model.parameters())` / `else: model =
+        ckpt["model"]`: the wrap before the optimizer covers one branch only, so the model
+        (re)bound in the other branches of the `if` (or `try`) is wrapped there too: before that
+        branch's own optimizer for it, else at the end of the branch."""
+        extra: List[NewWrap] = []
+        for nw in list(self.new):
+            if nw.after or nw.extra_of is not None:
+                continue
+            k = (nw.name, nw.klass if nw.name.startswith(("self.", "cls.")) else nw.scope)
+            seen: Set[int] = set()
+            for d, _ in self.definitions(nw.name, nw.scope, nw.klass):
+                if self.fscope(d) is not nw.scope:
+                    continue
+                ds = self.ctx.statement_of(d)
+                branch = self._sibling_branch(nw.anchor, ds, nw.scope)
+                if branch is None or id(branch) in seen:
+                    continue
+                seen.add(id(branch))
+                inside = [c for c in cands.get(k, ()) if c is not nw and not c.after and c.extra_of is None
+                          and any(a is branch for a in self.ctx.ancestors(c.anchor))]
+                if inside:
+                    c = min(inside, key=lambda c: self.idx(c.anchor))
+                    c.extra_of = nw
+                    extra.append(c)
+                    continue
+                body = getattr(branch, "body", None)
+                last = body[-1] if isinstance(branch, cst.IndentedBlock) and body else None
+                # (not in an `except` block: a collective there hangs when only some ranks raise, TM104)
+                if last is None or self._exits(last) or isinstance(self.ctx.parent(branch), cst.ExceptHandler):
+                    self.manual301.append((d, f"`{nw.name}` is also bound here, in another branch than the one that "
+                                           f"builds its optimizer: wrap it with `{nw.name} = {self.tm}.wrap_model("
+                                           f"{nw.name})` on this path too (on every rank)", ds))
+                    continue
+                extra.append(NewWrap(nw.name, nw.opt, nw.scope, nw.klass, last, after=True, def_stmt=ds,
+                                     extra_of=nw, bound=d))
+        if extra:
+            self.new = sorted([*self.new, *extra], key=lambda w: (self.idx(w.anchor), w.after))
+
+    @staticmethod
+    def _exits(statement: cst.CSTNode) -> bool:
+        return isinstance(statement, cst.SimpleStatementLine) and isinstance(
+            statement.body[-1], (cst.Return, cst.Raise, cst.Continue, cst.Break))
+
+    def _sibling_branch(self, a: cst.CSTNode, b: cst.CSTNode, scope: cst.CSTNode) -> Optional[cst.CSTNode]:
+        """When statements `a` and `b` sit in mutually exclusive branches of one `if`/`elif`/`else`
+        (or `try` body / `except` handlers): the outermost block of `b`'s branch."""
+        up: Dict[int, cst.CSTNode] = {}  # id(ancestor of a) -> its child on a's path
+        node: Optional[cst.CSTNode] = a
+        while node is not None and node is not scope:
+            parent = self.ctx.parent(node)
+            if parent is not None:
+                up[id(parent)] = node
+            node = parent
+        path = [b]
+        node = b
+        while node is not None and node is not scope and id(node) not in up and node is not a:
+            node = self.ctx.parent(node)
+            path.append(node)
+        if node is None or node is scope or node is a or len(path) < 2:
+            return None
+        lca, child_b, child_a = node, path[-2], up[id(node)]
+        if isinstance(lca, cst.If):
+            if lca.test is child_a or lca.test is child_b:
+                return None
+        elif isinstance(lca, cst.Try):
+            kinds = {type(child_a), type(child_b)}
+            if cst.ExceptHandler not in kinds or cst.Finally in kinds:
+                return None
+        else:
+            return None
+        blocks = [n for n in path[:-1] if isinstance(n, (cst.IndentedBlock, cst.SimpleStatementSuite))]
+        return blocks[-1] if blocks else None
 
     def _leave_own_group_alone(self) -> None:
         """A script that creates its own process group (`init_process_group`, often behind a
@@ -698,8 +838,11 @@ class Plan:
         else:
             if isinstance(ctx.scope_of(o.call), (cst.Lambda, cst.ClassDef)):
                 return None
+            deferred = None
             if (m, scope) in self.covered and not self._removable_dp((m, scope)):
-                return None
+                deferred = self._dp_to_defer(m, scope, stmt0)
+                if deferred is None:
+                    return None
             if self._wrapped_by_callee(m, scope):
                 return None
             defs = self.definitions(m, scope, None, before=self.idx(stmt0))
@@ -729,7 +872,10 @@ class Plan:
                     and ctx.parent(line) is ctx.parent(anchor)):
                 anchor, after = line, True
                 break
-        return NewWrap(m, o, scope, klass, anchor, after=after, def_stmt=model_def)
+        placed = NewWrap(m, o, scope, klass, anchor, after=after, def_stmt=model_def)
+        if not m.startswith(("self.", "cls.")) and deferred is not None:
+            placed.dp = deferred
+        return placed
 
     def _callee_wraps(self) -> Dict[str, List[Tuple[cst.FunctionDef, str, bool]]]:
         """Functions of the file that wrap one of their parameters in DDP themselves
@@ -828,7 +974,7 @@ class Plan:
     # --- DataParallel (TM306) ----------------------------------------------------------
     def _plan_dp(self) -> None:
         by_key = {(w.name, w.klass if w.klass is not None and w.name.startswith(("self.", "cls.")) else w.scope): w
-                  for w in self.new}
+                  for w in self.new if w.extra_of is None}
         for site in self.dp_sites:
             if not self.active["TM306"]:
                 continue
@@ -866,6 +1012,12 @@ class Plan:
                 continue
             site.small = small
             line = self.ctx.statement_of(site.outer)  # the line, or the `if` of a one-line suite
+            deferred = by_key.get(self.key(w.name, w.call))
+            if deferred is not None and deferred.dp is site and w.name != w.arg:
+                # `net = DataParallel(base)` before `base`'s weights are loaded: TM301 wraps `net`
+                # before its optimizer, after them; here `net = base`
+                site.action, site.target, site.note_stmt = "alias", w.call, line
+                continue
             block = container if isinstance(container, cst.SimpleStatementSuite) else self.ctx.parent(container)
             owner = self.ctx.parent(block)
             if isinstance(owner, cst.Else):
@@ -887,7 +1039,7 @@ class Plan:
                 # TM301 wraps the model where train() is called.
                 func = self.ctx.enclosing(site.outer, cst.FunctionDef)
                 if func is not None and w.name in self.params(func):
-                    nw = next((n for n in self.new if n.opt.via is not None
+                    nw = next((n for n in self.new if n.opt.via is not None and n.extra_of is None
                                and self.ctx.enclosing(n.opt.via.call, cst.FunctionDef) is func), None)
             if nw is not None:
                 site.action = "collapse" if collapse else "remove"
@@ -1275,7 +1427,8 @@ class Plan:
                 reason = f"{klass.name.value}.forward() uses {names} only in some branches"
             def_stmt = owner.def_stmt if isinstance(owner, NewWrap) else self._def_statement(w, before)
             note_stmt = def_stmt or (owner.anchor if isinstance(owner, NewWrap) else w.statement)
-            if unfreeze:
+            dup = isinstance(owner, NewWrap) and owner.bound is not None  # noted at its primary wrap
+            if unfreeze and not dup:
                 node = w.call if w.call is not None else owner.opt.call if isinstance(owner, NewWrap) else owner.outer
                 self.notes["TM303"].append((node,
                     f"parameters of `{w.name}` are unfrozen after it is wrapped ({unfreeze}): DDP only "
@@ -1286,7 +1439,7 @@ class Plan:
                 owner.find_unused = reason
                 owner.bn = bn
                 owner.sync_bn = bn and self.active["TM304"] and self.sync_bn_applies
-                if bn and self.active["TM304"] and not owner.sync_bn:
+                if bn and self.active["TM304"] and not owner.sync_bn and not dup:
                     self.notes["TM304"].append((
                         owner.opt.call if isinstance(owner, NewWrap) else owner.outer,
                         self._bn_message(w.name), note_stmt))
@@ -1642,8 +1795,11 @@ class WrapDDP(_ModelRule):
 
     `tm.wrap_model` moves the model to the rank's device and wraps it in DDP when the script runs
     under torchrun; in a plain `python train.py` run it returns the model unchanged. Models that
-    are already wrapped (`DistributedDataParallel`, `tm.wrap_model`, FSDP, Accelerate, DeepSpeed)
-    are left alone. When parameters are frozen after the wrap or `forward()` uses a submodule only
+    are already wrapped (`DistributedDataParallel`, `tm.wrap_model`, FSDP, Accelerate, DeepSpeed),
+    also by a function of the file the model is passed to, are left alone. A script that creates
+    its own process group but wraps no model (it averages gradients itself, or not at all) gets
+    a report instead of a wrap. Optimizer classes of other libraries (`BertAdam`, `Lion`) count
+    when they receive a model's parameters. When parameters are frozen after the wrap or `forward()` uses a submodule only
     in some branches, the wrap passes `find_unused_parameters=True` (see TM303).
 
     In `lint`, for files that already use torch.distributed: reports trained models that are
@@ -1725,6 +1881,12 @@ class WrapDDP(_ModelRule):
             statement = cst.SimpleStatementLine([cst.Assign([cst.AssignTarget(expr(nw.name))], call)])
             edit = (insert_after if nw.after else insert_before)(nw.anchor, [statement])
             extra = f" (find_unused_parameters=True: {nw.find_unused})" if nw.find_unused else ""
+            if nw.bound is not None:
+                self.report(nw.bound, f"`{nw.name}` is also bound in this branch, which does not build its "
+                                      f"optimizer: wrap it at the end of the branch too: `{nw.name} = "
+                                      f"{tm}.wrap_model({nw.name})`{extra}",
+                            edits=[edit], imports=[self.ctx.runtime_import()])
+                continue
             if nw.dp is not None:
                 extra += "; replaces nn.DataParallel"
             self.report(nw.opt.call, f"wrap `{nw.name}` in DistributedDataParallel before building its optimizer: "
@@ -2040,7 +2202,7 @@ class SyncBN(_ModelRule):
             return
         safety = Safety.SAFE if self.ctx.options.mode == "ddp" else Safety.UNSAFE
         for nw in [*p.new, *p.dp_sites]:
-            if getattr(nw, "sync_bn", False):
+            if getattr(nw, "sync_bn", False) and getattr(nw, "bound", None) is None:
                 name = nw.name if isinstance(nw, NewWrap) else nw.wrap.name
                 anchor = nw.anchor if isinstance(nw, NewWrap) else (nw.target or nw.outer)
                 if isinstance(nw, DPSite) and nw.action == "remove":
@@ -2194,7 +2356,13 @@ class DataParallelToDDP(_ModelRule):
                 chosen = noted.get(p.fscope(w.call)) is site
                 self.report(w.call, f"{site.reason}; {note}" if chosen else site.reason, statement=site.note_stmt)
                 continue
-            if site.action == "remove" or (site.action == "collapse" and not site.wrap_after):
+            if site.action == "alias":
+                edits.append(replace(w.call, lambda n: _wrapped_arg(n).value.with_changes(
+                    lpar=n.lpar, rpar=n.rpar) if isinstance(n, cst.Call) and _wrapped_arg(n) is not None else n))
+                message = (f"remove nn.DataParallel: `{w.name}` is wrapped in DDP before its optimizer (TM301), "
+                           f"after the weights of `{w.arg}` are loaded or initialised (DDP copies rank 0's weights "
+                           "to every rank when it is built)")
+            elif site.action == "remove" or (site.action == "collapse" and not site.wrap_after):
                 edits.append(remove(site.target) if site.action == "remove" else
                              replace(site.target, lambda n: _else_body(n, [])))
                 message = (f"remove nn.DataParallel: `{w.name.split('.')[0]}` is wrapped in DDP before its "
