@@ -142,8 +142,17 @@ _SETS_UP = (INIT_PG, RUNTIME + ".setup", RUNTIME + ".wrap_model", *SPAWN,
 
 def user_sets_up_elsewhere(ctx: Context) -> bool:
     """The file (or a helper it calls) already initialises distributed training."""
-    if analysis.calls_to(ctx, *_SETS_UP):
-        return True
+    return bool(analysis.calls_to(ctx, *_SETS_UP)) or _calls_init_helper(ctx)
+
+
+def creates_own_group(ctx: Context) -> bool:
+    """The file creates its process group itself (`init_process_group`, an `init_distributed`
+    helper), not through `tm.setup()`."""
+    return (bool(analysis.calls_to(ctx, INIT_PG)) or _calls_init_helper(ctx)) \
+        and not analysis.calls_to(ctx, RUNTIME + ".setup")
+
+
+def _calls_init_helper(ctx: Context) -> bool:
     # Every call of the file is asked: test the last name of the callee (exact types, cheap)
     # first and build the dotted name only for the rare one that matches.
     for call, _name in analysis.facts(ctx).calls:

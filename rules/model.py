@@ -41,7 +41,7 @@ from torchmigrate.nodes import arg as call_arg
 from torchmigrate.nodes import code, expr, kwarg, set_kwarg, stmt, with_args
 from torchmigrate.positions import code_for
 from torchmigrate.rule import Context, Example, Rule
-from torchmigrate.rules.launch import setup_plan, user_sets_up_elsewhere
+from torchmigrate.rules.launch import creates_own_group
 
 CODES = ("TM301", "TM302", "TM303", "TM304", "TM305", "TM306")
 
@@ -708,9 +708,9 @@ class Plan:
         flag) but wraps no model in DDP synchronises gradients its own way (NVIDIA/tacotron2's
         `apply_gradient_allreduce`) or not at all: a `tm.wrap_model` there would average the
         gradients twice, or find no process group when the flag is off. Reported instead."""
-        if not self.new or any(w.kind not in ("new", "dp") for w in self.wraps):
-            return
-        if not user_sets_up_elsewhere(self.ctx) or setup_plan(self.ctx) is not None:
+        if not self.new or any(w.kind not in ("new", "dp", "tm") for w in self.wraps):
+            return  # the script's own DDP wraps (not `tm.wrap_model`, which a first run may have added)
+        if not creates_own_group(self.ctx):
             return
         keep = []
         for w in self.new:
@@ -1603,44 +1603,41 @@ class Plan:
                 self._memo[key] = out
             return self._memo[key]  # type: ignore[return-value]
 
-        def saved(node: cst.BaseExpression, scope: cst.CSTNode, before: int, depth: int) -> None:
-            if depth > 4:
-                return
-            tp = type(node)
-            if tp in (cst.Name, cst.Attribute):
-                name = dotted(node)
-                if name in by_name:
-                    add(node, "save")
-                elif tp is cst.Name:
-                    # `state = {"net": net, ...}; torch.save(state, path)`
-                    for a, value in self._assigns.get(node.value, ()):
-                        if value is not None and self.fscope(a) is scope \
-                                and self.idx(self.ctx.statement_of(a)) < before:
-                            saved(value, scope, before, depth + 1)
-                    for value in subscripts().get((node.value, scope), ()):
-                        if self.idx(self.ctx.statement_of(value)) < before:
-                            saved(value, scope, before, depth + 1)
-            elif tp is cst.Dict:
-                for e in node.elements:
-                    if type(e) is cst.DictElement:
-                        saved(e.value, scope, before, depth + 1)
-            elif tp in (cst.List, cst.Tuple, cst.Set):
-                for e in node.elements:
-                    if type(e) is cst.Element:
-                        saved(e.value, scope, before, depth + 1)
-            elif tp is cst.IfExp:
-                saved(node.body, scope, before, depth + 1)
-                saved(node.orelse, scope, before, depth + 1)
-            elif tp is cst.Call and dotted(node.func) == "dict":
-                for a in node.args:
-                    if a.keyword is not None:
-                        saved(a.value, scope, before, depth + 1)
+        def saved(root: cst.BaseExpression, scope: cst.CSTNode, before: int) -> None:
+            # a loop, not a recursive closure (a reference cycle, see test_engine)
+            stack = [(root, 0)]
+            while stack:
+                node, depth = stack.pop()
+                if depth > 4:
+                    continue
+                tp = type(node)
+                if tp in (cst.Name, cst.Attribute):
+                    name = dotted(node)
+                    if name in by_name:
+                        add(node, "save")
+                    elif tp is cst.Name:
+                        # `state = {"net": net, ...}; torch.save(state, path)`
+                        for a, value in self._assigns.get(node.value, ()):
+                            if value is not None and self.fscope(a) is scope \
+                                    and self.idx(self.ctx.statement_of(a)) < before:
+                                stack.append((value, depth + 1))
+                        for value in subscripts().get((node.value, scope), ()):
+                            if self.idx(self.ctx.statement_of(value)) < before:
+                                stack.append((value, depth + 1))
+                elif tp is cst.Dict:
+                    stack.extend((e.value, depth + 1) for e in reversed(node.elements) if type(e) is cst.DictElement)
+                elif tp in (cst.List, cst.Tuple, cst.Set):
+                    stack.extend((e.value, depth + 1) for e in reversed(node.elements) if type(e) is cst.Element)
+                elif tp is cst.IfExp:
+                    stack.extend(((node.orelse, depth + 1), (node.body, depth + 1)))
+                elif tp is cst.Call and dotted(node.func) == "dict":
+                    stack.extend((a.value, depth + 1) for a in reversed(node.args) if a.keyword is not None)
 
         for call, qualified in self.f.calls:
             if qualified in _SAVES:
                 a = call_arg(call, "obj", 0)
                 if a is not None and not a.star:
-                    saved(a.value, self.fscope(call), self.idx(self.ctx.statement_of(call)), 0)
+                    saved(a.value, self.fscope(call), self.idx(self.ctx.statement_of(call)))
             elif type(call.func) is cst.Attribute and call.func.attr.value == "add_graph":
                 a = call_arg(call, "model", 0)
                 if a is not None and not a.star:
