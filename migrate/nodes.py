@@ -151,10 +151,10 @@ def keep_alignment(call: cst.Call, new_func: str, column: Optional[int]) -> Opti
     the block, not to the name, and stay. None when nothing needs to move: one line, an
     unknown column, the arguments on lines of their own (a hanging indent), or a
     triple-quoted string whose text cannot move."""
-    delta = len(new_func) - len(code(call.func))
-    if not delta or column is None or isinstance(call.whitespace_before_args, cst.ParenthesizedWhitespace):
+    if column is None or isinstance(call.whitespace_before_args, cst.ParenthesizedWhitespace):
         return None
-    if "\n" not in code(call) or _has_multiline_string(call):
+    delta = len(new_func) - len(code(call.func))
+    if not delta or "\n" not in code(call) or _has_multiline_string(call):
         return None
     start = column + len(code(call.func)) + len(code(call.whitespace_after_func)) + 1
     return lambda updated: shift_continuations(updated, delta, start) if isinstance(updated, cst.Call) else updated
