@@ -230,11 +230,18 @@ def _may_exit(ctx: Context, node: cst.CSTNode) -> bool:
 
 def _calls_exiting_function(ctx: Context, node: cst.CSTNode, depth: int) -> bool:
     functions = analysis.facts(ctx).functions
+    if not functions:
+        return False
+    memo = ctx.facts.setdefault("launch.exiting_functions", {})  # (id(function), depth) -> bool
     for call in ctx.within(node, cst.Call, skip_defs=True):
-        fn = functions.get(call.func.value) if isinstance(call.func, cst.Name) else None
+        fn = functions.get(call.func.value) if type(call.func) is cst.Name else None
         if fn is None or fn is node:
             continue
-        if _is_exit(ctx, fn.body) or (depth > 1 and _calls_exiting_function(ctx, fn.body, depth - 1)):
+        key = (id(fn), depth)
+        if key not in memo:
+            memo[key] = False  # a recursive function asks for itself: not (yet) exiting
+            memo[key] = _is_exit(ctx, fn.body) or (depth > 1 and _calls_exiting_function(ctx, fn.body, depth - 1))
+        if memo[key]:
             return True
     return False
 
