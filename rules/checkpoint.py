@@ -139,20 +139,32 @@ def _file_handle(ctx: Context, call: cst.Call, target: cst.BaseExpression) -> Tu
         return (name.split(".")[-1] == "open", None)
     if not isinstance(target, cst.Name):
         return False, None
+    bound = _with_binding(ctx, call, target.value)
+    if bound is not None:
+        statement, value = bound
+        return (True, statement) if _is_open(value) else (False, None)
+    for value in _bound_from(ctx, target.value, scope_of(ctx, call)):
+        if _is_open(value):
+            return True, None
+    return False, None
+
+
+def _with_binding(ctx: Context, call: cst.Call, name: str) -> Optional[Tuple[cst.With, cst.BaseExpression]]:
+    """The innermost `with <value> as name:` around `call` in its function: (statement, value)."""
     for anc in ctx.ancestors(call):
         if isinstance(anc, cst.With):
             for item in anc.items:
                 if item.asname is not None and isinstance(item.asname.name, cst.Name) \
-                        and item.asname.name.value == target.value:
-                    call_ = item.item
-                    opened = isinstance(call_, cst.Call) and (dotted(call_.func) or "").split(".")[-1] == "open"
-                    return opened, anc if opened else None
+                        and item.asname.name.value == name:
+                    return anc, item.item
         if isinstance(anc, (cst.FunctionDef, cst.ClassDef)):
             break
-    for value in _bound_from(ctx, target.value, scope_of(ctx, call)):
-        if isinstance(value, cst.Call) and (dotted(value.func) or "").split(".")[-1] == "open":
-            return True, None
-    return False, None
+    return None
+
+
+def _is_open(node: cst.BaseExpression) -> bool:
+    """`open(...)` (any spelling ending in `open`)."""
+    return isinstance(node, cst.Call) and (dotted(node.func) or "").split(".")[-1] == "open"
 
 
 class SaveMainUnwrapped(Rule):
@@ -418,17 +430,9 @@ class SaveMainUnwrapped(Rule):
 def _path_text(ctx: Context, call: cst.Call, file: cst.BaseExpression) -> str:
     """The text of the path a save or load call writes or reads: `p` for a file object from
     `with open(p, ...) as f:` around the call or for `open(p, ...)` itself, else the argument."""
-    opened = file
-    if isinstance(file, cst.Name):
-        for anc in ctx.ancestors(call):
-            if isinstance(anc, (cst.FunctionDef, cst.ClassDef)):
-                break
-            if isinstance(anc, cst.With):
-                for item in anc.items:
-                    if item.asname is not None and isinstance(item.asname.name, cst.Name) \
-                            and item.asname.name.value == file.value:
-                        opened = item.item
-    if isinstance(opened, cst.Call) and (dotted(opened.func) or "").split(".")[-1] == "open" and opened.args:
+    bound = _with_binding(ctx, call, file.value) if isinstance(file, cst.Name) else None
+    opened = bound[1] if bound is not None else file
+    if _is_open(opened) and opened.args:
         return code(opened.args[0].value)
     return code(file)
 
