@@ -666,8 +666,8 @@ class DataFacts:
         scope = self.ctx.scope_of(at)
         if assigns or not isinstance(node, cst.Name) or not isinstance(scope, cst.FunctionDef):
             return False
-        params = scope.params
-        return any(p.name.value == node.value for p in (*params.posonly_params, *params.params, *params.kwonly_params))
+        positional, keyword_only = analysis._function_params(scope)
+        return node.value in positional or node.value in keyword_only
 
     def _always_none(self, node: cst.CSTNode, at: cst.CSTNode) -> bool:
         """A name whose every assignment in scope is `None` (`sampler = None`)."""

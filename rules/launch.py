@@ -153,15 +153,21 @@ def creates_own_group(ctx: Context) -> bool:
 
 
 def _calls_init_helper(ctx: Context) -> bool:
-    # Every call of the file is asked: test the last name of the callee (exact types, cheap)
-    # first and build the dotted name only for the rare one that matches.
-    for call, _name in analysis.facts(ctx).calls:
-        func = call.func
-        tp = type(func)
-        last = func.value if tp is cst.Name else func.attr.value if tp is cst.Attribute else None
-        if last is not None and _DIST_INIT_HELPER.match(last) and dotted(func):
-            return True
-    return False
+    """A call of an `init_distributed(...)`-style helper (asked by TM101 and TM301: kept)."""
+    found = ctx.facts.get("launch.init_helper")
+    if found is None:
+        # Every call of the file is asked: test the last name of the callee (exact types,
+        # cheap) first and build the dotted name only for the rare one that matches.
+        found = False
+        for call, _name in analysis.facts(ctx).calls:
+            func = call.func
+            tp = type(func)
+            last = func.value if tp is cst.Name else func.attr.value if tp is cst.Attribute else None
+            if last is not None and _DIST_INIT_HELPER.match(last) and dotted(func):
+                found = True
+                break
+        ctx.facts["launch.init_helper"] = found
+    return found
 
 
 def setup_plan(ctx: Context) -> Optional[SetupPlan]:
