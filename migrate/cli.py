@@ -15,7 +15,8 @@ from torchmigrate.config import Config, ConfigError, load as load_config
 from torchmigrate.diff import colorize, use_color
 from torchmigrate.files import discover
 from torchmigrate.rule import RUNTIME_MODULE, Options
-from torchmigrate.runner import AUTO_JOBS_MIN_FILES, VENDORED_NAME, Job, Outcome, Progress, auto_jobs, run
+from torchmigrate.runner import (AUTO_JOBS_MIN_FILES, VENDORED_NAME, Job, Outcome, Progress, auto_jobs, run,
+                                 write_together)
 
 AMP_CHOICES = ("auto", "bf16", "fp16", "off")
 
@@ -88,6 +89,10 @@ jobs_option = click.option("-j", "--jobs", type=click.IntRange(0, 256), default=
                                 f"of {AUTO_JOBS_MIN_FILES} files or more, else in-process. Output order is unchanged.")
 select_option = click.option("--select", multiple=True, metavar="CODES",
                              help="Only these rule codes or prefixes, comma-separated or repeated (e.g. TM2,TM406).")
+follow_option = click.option(
+    "--follow/--no-follow", default=True, show_default=True,
+    help="Follow the imports of the scripts into their project (sibling modules, packages, relative imports) "
+         "and treat them as one program; --no-follow: only the files given.")
 ignore_option = click.option("--ignore", multiple=True, metavar="CODES",
                              help="Skip these rule codes or prefixes, comma-separated or repeated.")
 
@@ -107,18 +112,33 @@ def main() -> None:
     """
 
 
+def _program(paths: Sequence[str], files: List[Path], config: Config, follow: bool):
+    """The program(s) the files make up: with `follow`, the project modules they import join."""
+    from torchmigrate.files import _excluded
+    from torchmigrate.program.build import build
+
+    named = [Path(p) for p in paths if not Path(p).is_dir()]
+    return build(files, named, follow, exclude=lambda p: _excluded(p, config.exclude))
+
+
 def _migrate(command: str, paths, dry_run: bool, check: bool, amp: Optional[str], sync_bn: bool,
-             report_file: Optional[str], vendor: bool, jobs: int, select, ignore) -> None:
+             report_file: Optional[str], vendor: bool, jobs: int, select, ignore, follow: bool = True) -> None:
     config = _config(paths)
     files, errors = _discover(paths, config)
+    program = _program(paths, files, config, follow)
+    files = program.files
     options = Options(
         mode=command, amp=amp or config.amp or "auto", sync_bn=sync_bn,
         runtime_module="torchmigrate_runtime" if vendor else RUNTIME_MODULE,
     )
     write = not (dry_run or check)
     job = Job(options, _select(command, select, ignore, config), write=write, want_diff=dry_run,
-              vendor_runtime=vendor)
+              vendor_runtime=vendor, program=program.views or None, together=write and len(files) > 1)
     outcomes = _run(files, job, jobs)
+    if job.together:
+        failed = write_together(outcomes, job)
+        if failed:
+            errors.append(f"error: {failed}")
     diff_out = sys.stdout
     color = use_color(diff_out)
     for outcome in outcomes:
@@ -127,7 +147,7 @@ def _migrate(command: str, paths, dry_run: bool, check: bool, amp: Optional[str]
     errors += report.error_lines(outcomes)
     for line in errors:
         click.echo(line, err=True)
-    text = report.migration_text(outcomes, dry_run or check, _rule_names())
+    text = report.migration_text(outcomes, dry_run or check, _rule_names(), program.followed)
     # With --dry-run stdout carries only the diff (so it can be piped to `git apply`); the
     # report and its summary line go to stderr.
     click.echo(text, err=dry_run)
@@ -146,6 +166,7 @@ def _migrate(command: str, paths, dry_run: bool, check: bool, amp: Optional[str]
 
 
 def _migration_options(func):
+    func = follow_option(func)
     func = click.option("--report", "report_file", type=click.Path(dir_okay=False),
                         help="Also write the report to FILE (JSON if it ends in .json).")(func)
     func = click.option("--amp", type=click.Choice(AMP_CHOICES), default=None,
@@ -165,12 +186,12 @@ def _migration_options(func):
 @select_option
 @ignore_option
 @jobs_option
-def ddp(paths, dry_run, check, amp, report_file, sync_bn, vendor_runtime, select, ignore, jobs):
+def ddp(paths, dry_run, check, amp, report_file, follow, sync_bn, vendor_runtime, select, ignore, jobs):
     """Rewrite training scripts in place for torchrun + DDP (+ AMP).
 
     With --dry-run, print the unified diff (coloured on a terminal) and the report, write nothing.
     """
-    _migrate("ddp", paths, dry_run, check, amp, sync_bn, report_file, vendor_runtime, jobs, select, ignore)
+    _migrate("ddp", paths, dry_run, check, amp, sync_bn, report_file, vendor_runtime, jobs, select, ignore, follow)
 
 
 @main.command()
@@ -181,12 +202,12 @@ def ddp(paths, dry_run, check, amp, report_file, sync_bn, vendor_runtime, select
 @select_option
 @ignore_option
 @jobs_option
-def amp(paths, dry_run, check, amp, report_file, vendor_runtime, select, ignore, jobs):
+def amp(paths, dry_run, check, amp, report_file, follow, vendor_runtime, select, ignore, jobs):
     """Add or modernise mixed precision only (no DDP).
 
     Code that keeps nn.DataParallel gets autocast inside the model's forward.
     """
-    _migrate("amp", paths, dry_run, check, amp, False, report_file, vendor_runtime, jobs, select, ignore)
+    _migrate("amp", paths, dry_run, check, amp, False, report_file, vendor_runtime, jobs, select, ignore, follow)
 
 
 @main.command()

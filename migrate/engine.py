@@ -20,6 +20,7 @@ from torchmigrate.apply import apply_edits
 from torchmigrate.finding import Edit, EditKind, Finding, Safety
 from torchmigrate.layout import statement_lines
 from torchmigrate.positions import positions_and_layout, regenerate
+from torchmigrate.program.view import ModuleView
 from torchmigrate.rule import Context, Options, RuleType
 from torchmigrate.suppress import Suppressions
 from torchmigrate.walk import walk
@@ -182,10 +183,11 @@ def _root_of(node) -> str:
     return ""
 
 
-def run_rules(module: cst.Module, path: str, options: Options, rules: Sequence[RuleType]) -> Context:
+def run_rules(module: cst.Module, path: str, options: Options, rules: Sequence[RuleType],
+              program: Optional[ModuleView] = None) -> Context:
     from torchmigrate.analysis import Facts
 
-    ctx = Context(module, path, options)
+    ctx = Context(module, path, options, program)
     if options.migrating:
         framework = _managing_framework(ctx)
         if framework is not None:
@@ -222,14 +224,19 @@ def _deep_recursion() -> Iterator[None]:
             sys.setrecursionlimit(old)
 
 
-def process_source(source: str, path: str, options: Options, rules: Sequence[RuleType]) -> SourceResult:
-    if not any(word in source for word in PREFILTER):
+def process_source(source: str, path: str, options: Options, rules: Sequence[RuleType],
+                   program: Optional[ModuleView] = None) -> SourceResult:
+    """`program`: what the rest of the program says about this module (None: a file alone)."""
+    # The entry of a program whose torch code lives in other modules (`Solver(cfg).train()`)
+    # still needs its process group, so the prefilter does not apply to it.
+    entry_of_torch_program = program is not None and program.followed and program.is_entry and program.program_torch
+    if not entry_of_torch_program and not any(word in source for word in PREFILTER):
         return SourceResult(source, source)
     suppressions = Suppressions.scan(source)
     if suppressions.skip_file:
         return SourceResult(source, source)
     with _deep_recursion():
-        result = _process(source, path, options, rules, suppressions)
+        result = _process(source, path, options, rules, suppressions, program)
         if options.migrating or not result.changed:
             return result
         # `lint --fix`: one fix can enable another (removing DataParallel makes the file
@@ -237,7 +244,7 @@ def process_source(source: str, path: str, options: Options, rules: Sequence[Rul
         # does. A migration runs every rule unconditionally and needs one pass.
         applied = [f for f in result.findings if f.applied]
         for _ in range(MAX_FIX_PASSES - 1):
-            again = _process(result.new_source, path, options, rules, Suppressions.scan(result.new_source))
+            again = _process(result.new_source, path, options, rules, Suppressions.scan(result.new_source), program)
             applied += [f for f in again.findings if f.applied]
             result = SourceResult(source, again.new_source, again.findings)
             if not again.changed:
@@ -247,9 +254,9 @@ def process_source(source: str, path: str, options: Options, rules: Sequence[Rul
 
 
 def _process(source: str, path: str, options: Options, rules: Sequence[RuleType],
-             suppressions: Suppressions) -> SourceResult:
+             suppressions: Suppressions, program: Optional[ModuleView] = None) -> SourceResult:
     module, lines = parse(source)
-    ctx = run_rules(module, path, options, rules)
+    ctx = run_rules(module, path, options, rules, program)
     findings = ctx.findings
     if not findings:
         ctx.close()

@@ -7,6 +7,7 @@ temporary file in the same directory that replaces the original only once it is 
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import io
 import os
@@ -145,6 +146,33 @@ def atomic_write(path: Path, data: bytes, expect: Optional[Tuple[int, int, int]]
     renamed over the target: at every moment the target holds either the old or the new
     content, and on any failure the temporary file is removed.
     """
+    staged = stage(path, data, expect)
+    try:
+        os.replace(staged.tmp, staged.target)
+    except BaseException as exc:
+        staged.discard()
+        if isinstance(exc, OSError):
+            raise InputError(f"cannot write: {exc.strerror or exc}") from None
+        raise
+
+
+@dataclass
+class Staged:
+    """New content written and fsynced beside its target, not yet renamed over it."""
+
+    target: Path
+    tmp: str
+
+    def discard(self) -> None:
+        try:
+            os.unlink(self.tmp)
+        except OSError:
+            pass
+
+
+def stage(path: Path, data: bytes, expect: Optional[Tuple[int, int, int]] = None) -> Staged:
+    """The first half of `atomic_write`: every check, and the complete temporary file (same
+    mode and owner as the target). Raises InputError, leaving nothing behind."""
     target = Path(os.path.realpath(path))
     try:
         st = target.stat()
@@ -174,7 +202,6 @@ def atomic_write(path: Path, data: bytes, expect: Optional[Tuple[int, int, int]]
                 os.chown(tmp, st.st_uid, st.st_gid)
             except OSError:
                 pass  # not permitted (not root): the file becomes ours, as with any editor
-        os.replace(tmp, target)
     except BaseException as exc:
         try:
             os.unlink(tmp)
@@ -183,6 +210,56 @@ def atomic_write(path: Path, data: bytes, expect: Optional[Tuple[int, int, int]]
         if isinstance(exc, OSError):
             raise InputError(f"cannot write: {exc.strerror or exc}") from None
         raise
+    return Staged(target, tmp)
+
+
+def write_all(changes: Sequence[Tuple[Path, bytes, Optional[Tuple[int, int, int]]]]) -> None:
+    """Write several files as one change: every file gets its new content, or none does.
+
+    All temporary files are written first (any check failing there leaves every file as it
+    was); then each original is kept under a hard link beside it and the new file is renamed
+    over it. If a rename fails, the files already replaced get their originals back. A
+    migrated program is never left half old, half new. Raises InputError naming the file.
+    """
+    staged: List[Tuple[Staged, Path]] = []
+    try:
+        for path, data, expect in changes:
+            try:
+                staged.append((stage(path, data, expect), path))
+            except InputError as exc:
+                raise InputError(f"{path}: {exc.message}; no file of the program was written") from None
+    except BaseException:
+        for s, _ in staged:
+            s.discard()
+        raise
+    done: List[Tuple[Staged, str]] = []
+    try:
+        for s, path in staged:
+            backup = f"{s.tmp}.orig"
+            try:
+                os.link(s.target, backup)
+            except OSError:
+                backup = ""
+            try:
+                os.replace(s.tmp, s.target)
+            except OSError as exc:
+                if backup:
+                    os.unlink(backup)
+                raise InputError(f"{path}: cannot write: {exc.strerror or exc}; "
+                                 "the files already written were restored") from None
+            done.append((s, backup))
+    except BaseException:
+        for s, backup in reversed(done):
+            if backup:
+                with contextlib.suppress(OSError):
+                    os.replace(backup, s.target)
+        for s, _ in staged[len(done):]:
+            s.discard()
+        raise
+    for _, backup in done:
+        if backup:
+            with contextlib.suppress(OSError):
+                os.unlink(backup)
 
 
 def _owner(path: str) -> Tuple[int, int]:

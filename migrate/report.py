@@ -6,7 +6,9 @@ Lint output (`--format text/json/github/sarif`, `--statistics`) lives in `format
 from __future__ import annotations
 
 import json
+import os
 from collections import Counter
+from pathlib import Path
 from typing import Dict, List, Sequence
 
 from torchmigrate.formats import error_lines
@@ -52,9 +54,24 @@ def summary_line(outcomes: Sequence[Outcome], dry_run: bool) -> str:
     return line
 
 
-def migration_text(outcomes: Sequence[Outcome], dry_run: bool, names: Dict[str, str]) -> str:
+def program_lines(outcomes: Sequence[Outcome], followed: Sequence[Path]) -> List[str]:
+    """Which files made up the program, so a user sees that `utils/ckpt.py` was migrated too."""
+    if not followed:
+        return []
+    keys = {os.path.realpath(p) for p in followed}
+    imported = [o for o in outcomes if os.path.realpath(o.path) in keys]
+    lines = [f"Program: {len(outcomes)} files ({_plural(len(imported), 'module')} found through imports)"]
+    for o in outcomes:
+        state = "error" if o.error else ("changed" if o.changed else "unchanged")
+        how = "imported" if o in imported else "given"
+        lines.append(f"  {o.path}  [{how}, {state}]")
+    return lines
+
+
+def migration_text(outcomes: Sequence[Outcome], dry_run: bool, names: Dict[str, str],
+                   followed: Sequence[Path] = ()) -> str:
     data = migration_summary(outcomes, dry_run)
-    lines: List[str] = []
+    lines: List[str] = program_lines(outcomes, followed)
     if data["changes"]:
         lines.append("Changes:" if not dry_run else "Changes (not written):")
         for code, n in data["changes"].items():

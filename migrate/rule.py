@@ -23,6 +23,7 @@ import libcst as cst
 
 from torchmigrate.finding import Edit, Finding, Import, Safety
 from torchmigrate.imports import ImportTable
+from torchmigrate.program.view import ModuleView
 from torchmigrate.walk import child_nodes
 
 RUNTIME_MODULE = "torchmigrate.runtime"
@@ -67,10 +68,13 @@ class Example:
 class Context:
     """What rules know about the file being processed: imports, parents, options, findings."""
 
-    def __init__(self, module: cst.Module, path: str, options: Options) -> None:
+    def __init__(self, module: cst.Module, path: str, options: Options,
+                 program: Optional[ModuleView] = None) -> None:
         self.module = module
         self.path = path
         self.options = options
+        # What the rest of the program says about this module (one file alone: its own entry).
+        self.program = program if program is not None else ModuleView()
         self.imports = ImportTable.from_module(module)
         self.parents: Dict[cst.CSTNode, cst.CSTNode] = {}
         self.preorder: List[cst.CSTNode] = []  # every node, in the order the walk met it

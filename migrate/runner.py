@@ -18,6 +18,7 @@ from typing import IO, Callable, Dict, List, Optional, Sequence, Tuple
 from torchmigrate import files
 from torchmigrate.diff import unified_diff
 from torchmigrate.engine import InputError, process_source
+from torchmigrate.program.view import ModuleView
 from torchmigrate.rule import Options
 
 VENDORED_NAME = "torchmigrate_runtime.py"
@@ -49,6 +50,9 @@ class Outcome:
     diff: str = ""
     error: Optional[Tuple[int, int, str]] = None
     vendored: Optional[str] = None
+    # with `Job.together`: the new bytes and the read's stamp, for `write_together`
+    pending: Optional[Tuple[bytes, Tuple[int, int, int]]] = None
+    uses_runtime: bool = False  # the (new) source imports the runtime
 
     @property
     def open_records(self) -> List[Record]:
@@ -63,6 +67,10 @@ class Job:
     write: bool = False
     want_diff: bool = False
     vendor_runtime: bool = False
+    # resolved path -> what the rest of its program says about the module (None: files alone)
+    program: Optional[Dict[str, ModuleView]] = None
+    # write every changed file at the end, all or none (a program), instead of one by one
+    together: bool = False
 
 
 def process_file(path: str, job: Job) -> Outcome:
@@ -74,7 +82,8 @@ def process_file(path: str, job: Job) -> Outcome:
     try:
         rules = [get_rule(code) for code in job.rule_codes]
         decoded = files.read(Path(path))
-        result = process_source(decoded.text, path, job.options, rules)
+        view = job.program.get(os.path.realpath(path)) if job.program else None
+        result = process_source(decoded.text, path, job.options, rules, view)
         records = [
             Record(path, f.line, f.col, f.code, f.message, f.safety.value, f.applied)
             for f in result.findings if not f.suppressed
@@ -85,11 +94,13 @@ def process_file(path: str, job: Job) -> Outcome:
         if result.changed:
             if job.want_diff:
                 outcome.diff = unified_diff(result.source, result.new_source, path)
-            if new_bytes is not None:
+            if new_bytes is not None and job.together:
+                outcome.pending = (new_bytes, decoded.stamp)
+            elif new_bytes is not None:
                 files.atomic_write(Path(path), new_bytes, decoded.stamp)
                 outcome.written = True
-        uses_runtime = job.options.runtime_module in result.new_source
-        if job.vendor_runtime and job.write and uses_runtime:
+        uses_runtime = outcome.uses_runtime = job.options.runtime_module in result.new_source
+        if job.vendor_runtime and job.write and uses_runtime and not job.together:
             outcome.vendored = vendor_runtime(Path(path).parent)
     except InputError as exc:
         _failed(outcome, exc.line, exc.col, exc.message)
@@ -97,6 +108,24 @@ def process_file(path: str, job: Job) -> Outcome:
         kept = "" if outcome.written else "; the file was left unchanged"
         _failed(outcome, 1, 0, f"internal error ({type(exc).__name__}: {exc}){kept}; please report it")
     return outcome
+
+
+def write_together(outcomes: Sequence[Outcome], job: Job) -> Optional[str]:
+    """Write the pending changes of a program's files as one change (`files.write_all`): all or
+    none. Returns the error that stopped it (then nothing was written), else None."""
+    ready = [o for o in outcomes if o.pending is not None and o.error is None]
+    try:
+        files.write_all([(Path(o.path), o.pending[0], o.pending[1]) for o in ready])
+    except InputError as exc:
+        for o in ready:
+            o.pending = None
+        return exc.message
+    for o in ready:
+        o.pending = None
+        o.written = True
+        if job.vendor_runtime and o.uses_runtime:
+            o.vendored = vendor_runtime(Path(o.path).parent)
+    return None
 
 
 def _failed(outcome: Outcome, line: int, col: int, message: str) -> None:

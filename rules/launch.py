@@ -175,8 +175,8 @@ def setup_plan(ctx: Context) -> Optional[SetupPlan]:
     distributed, an `mp.spawn` launcher, or a library module). TM103 uses it too: `set_device`
     calls are redundant only in files that get `tm.setup()`."""
     def compute() -> Optional[SetupPlan]:
-        if user_sets_up_elsewhere(ctx):
-            return None
+        if user_sets_up_elsewhere(ctx) or not ctx.program.is_entry:
+            return None  # a module the program's entry imports: the entry sets up
         guard = analysis.facts(ctx).main_guard
         if guard is not None:
             if _module_level_work(ctx, guard):

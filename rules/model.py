@@ -270,6 +270,7 @@ class Plan:
         try:
             self._index()
             self._existing()
+            self._from_other_modules()
             if self.active["TM301"] and not self.framework:
                 self._plan_new()
             self._plan_dp()
@@ -507,6 +508,48 @@ class Plan:
                     if returning[fname] != "dp":
                         self.covered_not_dp.add(self.key(n, a))
 
+    def _from_other_modules(self) -> None:
+        """Parameters (and `self.` attributes stored from them in `__init__`) that receive, from
+        another module of the program, a model the program wraps: `def evaluate(model, loader)`
+        in engine.py called as `evaluate(model, val_loader)` from train.py. They hold the
+        wrapped model from the top of the function, so custom attributes, `.module` and
+        `state_dict()` go through `tm.unwrap` (a no-op on a model that turns out unwrapped)."""
+        program = self.ctx.program
+        if not (program.wrapped_params or program.wrapped_attrs):
+            return
+        for top in self.ctx.module.body:
+            defs = [(top, None)] if isinstance(top, cst.FunctionDef) else []
+            if isinstance(top, cst.ClassDef) and isinstance(top.body, cst.IndentedBlock):
+                defs = [(d, top) for d in top.body.body if isinstance(d, cst.FunctionDef)]
+            for func, klass in defs:
+                qual = f"{klass.name.value}.{func.name.value}" if klass is not None else func.name.value
+                names = sorted(program.wrapped_params.get(qual, ()))
+                if klass is not None and func.name.value == "__init__":
+                    for attr in sorted(program.wrapped_attrs.get(klass.name.value, ())):
+                        store = self._self_store(func, attr)
+                        if store is not None:
+                            self.wraps.append(Wrap(f"self.{attr}", "program-tm", func, klass, store, False,
+                                                   statement=store))
+                            self.covered.add((f"self.{attr}", klass))
+                            self.covered_not_dp.add((f"self.{attr}", klass))
+                body = func.body.body if isinstance(func.body, cst.IndentedBlock) else [func.body]
+                if not names or not body:
+                    continue
+                for name in names:
+                    self.wraps.append(Wrap(name, "program-tm", func, klass, body[0], True))
+                    self.covered.add((name, func))
+                    self.covered_not_dp.add((name, func))
+
+    def _self_store(self, init: cst.FunctionDef, attr: str) -> Optional[cst.CSTNode]:
+        """The statement of `__init__` that assigns `self.<attr>`."""
+        for a in self.f.assigns:
+            if self.ctx.enclosing(a, cst.FunctionDef) is not init:
+                continue
+            for t in a.targets:
+                if any(n == f"self.{attr}" for n, _ in _targets(t.target, None)):
+                    return self.ctx.statement_of(a)
+        return None
+
     def _returns(self, func: cst.FunctionDef, name: str) -> bool:
         for s in iter_statements(func.body.body if isinstance(func.body, cst.IndentedBlock) else [func.body]):
             if isinstance(s, (cst.SimpleStatementLine, cst.SimpleStatementSuite)):
@@ -626,7 +669,10 @@ class Plan:
         self._leave_own_group_alone()
         self._other_branches(cands)
         self._merge_adjacent()
-        if not opts and self.ctx.options.mode == "ddp" and not self.wraps:
+        # A module of a program whose model is trained (and wrapped) elsewhere: its backward
+        # runs through the wrapper the caller passes in.
+        elsewhere = self.ctx.program.followed and self.ctx.program.program_trains
+        if not opts and self.ctx.options.mode == "ddp" and not self.wraps and not elsewhere:
             self._no_optimizer()
 
     def _other_branches(self, cands: Dict[tuple, List[NewWrap]]) -> None:

@@ -283,10 +283,71 @@ def wrap_model(model: nn.Module, *, find_unused_parameters: bool = False, sync_b
     _require_pg()
     if sync_bn and dev.type == "cuda":
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    ddp = DistributedDataParallel(model, device_ids=[dev.index] if dev.type == "cuda" else None,
-                                  find_unused_parameters=find_unused_parameters, **ddp_kwargs)
+    ddp = _DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None,
+               find_unused_parameters=find_unused_parameters, **ddp_kwargs)
     _DDP_WRAPPERS.add(ddp)  # cleanup() releases it before destroying the group
     return ddp
+
+
+# nn.Module's own API, reached on the wrapper as DDP's (never resolved from the inner module).
+_MODULE_API = frozenset(dir(nn.Module))
+
+
+class _DDP(DistributedDataParallel):
+    """The ``DistributedDataParallel`` that ``wrap_model`` returns: a program that worked as one
+    process keeps working when a module it calls reads the model's own attributes.
+
+    Code in another module often reads what the user's class defines (``model.n_classes``,
+    ``model.init_hidden(bsz)``, ``model.config``): on a plain DDP that is an ``AttributeError``
+    on every rank. Here an attribute DDP does not have is looked up on the wrapped module.
+    A *method* reached that way runs the module outside DDP's ``forward``: fine for inference
+    (sampling, ``init_hidden``), but gradients it produces are not averaged across ranks; such
+    a call made with gradients enabled in training mode warns once per method (rank 0), naming
+    the fix (call it inside ``forward``, or through ``tm.unwrap(model)`` only for inference).
+
+    ``load_state_dict`` also takes a checkpoint saved from the plain module (no ``module.``
+    prefix), as ``tm.save``'d checkpoints from ``tm.unwrap(model).state_dict()`` are.
+    """
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            inner = self.__dict__.get("_modules", {}).get("module")
+            if inner is None or name.startswith("__"):
+                raise
+        value = getattr(inner, name)
+        if callable(value) and name not in _MODULE_API and getattr(value, "__self__", None) is inner:
+            return _outside_forward(self, name, value)
+        return value
+
+    def load_state_dict(self, state_dict, strict: bool = True, *args, **kwargs):
+        keys = [k for k in state_dict.keys() if isinstance(k, str)]
+        if keys and not any(k.startswith("module.") for k in keys):
+            return self.module.load_state_dict(strip_prefix(state_dict), strict, *args, **kwargs)
+        return super().load_state_dict(state_dict, strict, *args, **kwargs)
+
+
+_WARNED_OUTSIDE: set = set()
+
+
+def _outside_forward(ddp: DistributedDataParallel, name: str, method):
+    """``method`` of the wrapped module, warning once when it runs with gradients in training."""
+    def call(*args, **kwargs):
+        if torch.is_grad_enabled() and ddp.training and name not in _WARNED_OUTSIDE:
+            _WARNED_OUTSIDE.add(name)
+            if is_main():
+                import warnings
+                warnings.warn(
+                    f"torchmigrate: `model.{name}()` runs the model outside DistributedDataParallel's forward: "
+                    "gradients it produces are NOT averaged across ranks. Compute the loss through "
+                    f"`model(...)` (move this into forward()), or call `tm.unwrap(model).{name}()` only for "
+                    "inference (under torch.no_grad()).", RuntimeWarning, stacklevel=2)
+        return method(*args, **kwargs)
+
+    call.__name__ = name
+    call.__doc__ = method.__doc__
+    return call
 
 
 def unwrap(model):
@@ -304,12 +365,12 @@ def unwrap(model):
 
 def sampler(dataset, shuffle=True, seed: int = 0, drop_last: bool = False) -> Sampler:
     """Training sampler. Distributed: ``DistributedSampler`` (each rank a disjoint shard, padded to
-    equal length unless ``drop_last``; reshuffled by ``set_epoch``; ``seed`` must match across
-    ranks). 1 process: ``RandomSampler`` (global torch RNG, like ``shuffle=True``) if ``shuffle``
+    equal length unless ``drop_last``; reshuffled by ``set_epoch``, or on every pass where nothing
+    calls it, see ``_EpochSampler``; ``seed`` must match across ranks). 1 process: ``RandomSampler`` (global torch RNG, like ``shuffle=True``) if ``shuffle``
     is truthy, else ``SequentialSampler``."""
     if is_distributed():
-        return DistributedSampler(dataset, num_replicas=world_size(), rank=rank(),
-                                  shuffle=bool(shuffle), seed=seed, drop_last=drop_last)
+        return _EpochSampler(dataset, num_replicas=world_size(), rank=rank(),
+                             shuffle=bool(shuffle), seed=seed, drop_last=drop_last)
     return RandomSampler(dataset) if shuffle else SequentialSampler(dataset)
 
 
@@ -327,6 +388,34 @@ class _StridedSampler(Sampler):
 
     def set_epoch(self, epoch: int) -> None:
         """No-op, so ``sampler.set_epoch(epoch)`` code works on eval loaders too."""
+
+
+class _EpochSampler(DistributedSampler):
+    """A ``DistributedSampler`` that reshuffles every epoch even where nobody calls ``set_epoch``.
+
+    A loader built in one module (``data.get_loaders()``) and iterated in another
+    (``engine.train_one_epoch(loader)``) often has no place where the epoch is known, and a plain
+    ``DistributedSampler`` then yields the same order every epoch. Until ``set_epoch`` is called,
+    each pass over the sampler uses the next epoch number (0, 1, 2, ...): every rank iterates
+    its loader the same number of times (DDP needs that anyway), so the ranks agree on the
+    permutation and their shards stay disjoint. Once ``set_epoch`` is called, the sampler
+    behaves exactly like ``DistributedSampler``.
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._explicit = False
+        self._passes = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self._explicit = True
+        super().set_epoch(epoch)
+
+    def __iter__(self):
+        if not self._explicit:
+            self.epoch = self._passes
+            self._passes += 1
+        return super().__iter__()
 
 
 def eval_sampler(dataset) -> Sampler:

@@ -1,0 +1,311 @@
+"""Cross-module facts of a program, from CPython's `ast` of each module (once per program).
+
+What one module cannot see of itself:
+- which of its functions' parameters (and which `self.` attributes of its classes) hold a model
+  that the program trains, hence wraps in DDP: the model is built and its optimizer created in
+  `train.py`, then passed to `engine.evaluate(model, loader)` or `utils.save_checkpoint(model)`,
+  which read custom attributes or `state_dict()` through the wrapper;
+- whether the program trains a model anywhere (so a library module's backward without an
+  optimizer in sight is not "a model nobody wraps");
+- which modules are entry points (only they set up the process group).
+
+The facts are plain, picklable data (`ModuleView` per module) so files can still be processed
+in worker processes. Name matching is syntactic and deliberately modest: a call counts when its
+callee resolves, through the caller's imports, to a function or class of another module of the
+program; everything else is left to the per-module rules and the runtime's safety nets.
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, FrozenSet, Iterable, List, Optional, Set, Tuple
+
+from torchmigrate.program.graph import Graph
+from torchmigrate.program.view import ModuleView
+
+# Optimizer classes by their last name (torch.optim and common ports). A call counts as an
+# optimizer when its name is one of these or it is reached through an `optim` module.
+OPTIMIZERS = frozenset({
+    "SGD", "Adam", "AdamW", "Adamax", "Adagrad", "Adadelta", "RMSprop", "Rprop", "NAdam", "RAdam",
+    "LBFGS", "SparseAdam", "ASGD", "Lion", "LAMB", "Lamb", "LARS", "Lars", "BertAdam", "Adafactor",
+    "FusedAdam", "FusedLAMB", "FusedSGD", "ZeroRedundancyOptimizer",
+})
+WRAPPERS = frozenset({"wrap_model", "DistributedDataParallel", "DDP", "DataParallel"})
+FUNC_TYPES = (ast.FunctionDef, ast.AsyncFunctionDef)
+
+
+@dataclass
+class _Module:
+    path: Path
+    tree: ast.Module
+    # local name -> (module path, symbol or None for the module itself)
+    imports: Dict[str, Tuple[Path, Optional[str]]] = field(default_factory=dict)
+    functions: Dict[str, ast.AST] = field(default_factory=dict)  # "f" / "Cls.m" -> def
+    classes: Dict[str, ast.ClassDef] = field(default_factory=dict)
+
+
+def _dotted(node: ast.AST) -> Optional[str]:
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name):
+        parts.append(node.id)
+        return ".".join(reversed(parts))
+    return None
+
+
+def _strip_moves(node: ast.AST) -> ast.AST:
+    """`model.to(dev)`, `model.cuda()`, `model.float()`: the same object."""
+    while (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+           and node.func.attr in ("to", "cuda", "cpu", "float", "half", "double", "train", "eval")):
+        node = node.func.value
+    return node
+
+
+def _params(func: ast.AST) -> List[str]:
+    a = func.args  # type: ignore[attr-defined]
+    return [p.arg for p in (*a.posonlyargs, *a.args, *a.kwonlyargs)]
+
+
+def _index(module: _Module) -> None:
+    for node in module.tree.body:
+        if isinstance(node, FUNC_TYPES):
+            module.functions[node.name] = node
+        elif isinstance(node, ast.ClassDef):
+            module.classes[node.name] = node
+            for item in node.body:
+                if isinstance(item, FUNC_TYPES):
+                    module.functions[f"{node.name}.{item.name}"] = item
+
+
+def _bind_imports(module: _Module, graph: Graph, by_stem: Dict[str, List[Path]]) -> None:
+    """Local names bound to another module of the program (or a symbol of one)."""
+    own = set(graph.imports.get(module.path, ()))
+    for node in ast.walk(module.tree):
+        if isinstance(node, ast.ImportFrom):
+            targets = [p for p in own if p.stem == (node.module or "").rsplit(".", 1)[-1]
+                       or (p.name == "__init__.py" and p.parent.name == (node.module or "").rsplit(".", 1)[-1])]
+            for alias in node.names:
+                local = alias.asname or alias.name
+                sub = [p for p in own if p.stem == alias.name]
+                if sub:
+                    module.imports[local] = (sub[0], None)
+                elif targets:
+                    module.imports[local] = (targets[0], alias.name)
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                last = alias.name.rsplit(".", 1)[-1]
+                hit = [p for p in own if p.stem == last or (p.name == "__init__.py" and p.parent.name == last)]
+                if hit:
+                    module.imports[alias.asname or alias.name] = (hit[0], None)
+
+
+class _Scope:
+    """One function (or the module body): the model names it trains and the calls it makes."""
+
+    def __init__(self, module: _Module, node: ast.AST, klass: Optional[str]) -> None:
+        self.module, self.node, self.klass = module, node, klass
+        self.calls: List[ast.Call] = []
+        self.models: Set[str] = set()
+        self.assigns: List[ast.Assign] = []
+        body = node.body if not isinstance(node, ast.Module) else [
+            s for s in node.body if not isinstance(s, (*FUNC_TYPES, ast.ClassDef))]
+        stack = list(body)
+        while stack:
+            n = stack.pop()
+            if isinstance(n, (*FUNC_TYPES, ast.ClassDef, ast.Lambda)):
+                continue
+            if isinstance(n, ast.Call):
+                self.calls.append(n)
+            elif isinstance(n, ast.Assign):
+                self.assigns.append(n)
+            stack.extend(ast.iter_child_nodes(n))
+
+
+def _optimizer_models(call: ast.Call) -> List[str]:
+    """`X` for `Adam(X.parameters())`, `SGD([{"params": X.head.parameters()}])`, ..."""
+    name = _dotted(call.func) or ""
+    last = name.rsplit(".", 1)[-1]
+    if not (last in OPTIMIZERS or ".optim." in f".{name}" and last[:1].isupper()):
+        return []
+    out = []
+    for arg in (*call.args, *(k.value for k in call.keywords)):
+        for n in ast.walk(arg):
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in (
+                    "parameters", "named_parameters"):
+                owner = _dotted(_strip_moves(n.func.value))
+                if owner:
+                    out.append(owner.split(".")[0] if not owner.startswith("self.") else ".".join(owner.split(".")[:2]))
+    return out
+
+
+def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]) -> Dict[Path, ModuleView]:
+    """A `ModuleView` for every module of the program."""
+    modules: Dict[Path, _Module] = {}
+    by_stem: Dict[str, List[Path]] = {}
+    for path in graph.modules:
+        tree = trees.get(path)
+        if tree is None:
+            continue
+        m = _Module(path, tree)
+        _index(m)
+        modules[path] = m
+        by_stem.setdefault(path.stem, []).append(path)
+    for m in modules.values():
+        _bind_imports(m, graph, by_stem)
+
+    scopes: List[_Scope] = []
+    for m in modules.values():
+        scopes.append(_Scope(m, m.tree, None))
+        for qual, func in m.functions.items():
+            scopes.append(_Scope(m, func, qual.split(".")[0] if "." in qual else None))
+
+    # Models trained with an optimizer, per scope; `self.x` ones class-wide.
+    trains = False
+    class_models: Dict[Tuple[Path, str], Set[str]] = {}
+    for s in scopes:
+        for call in s.calls:
+            last = (_dotted(call.func) or "").rsplit(".", 1)[-1]
+            found = _optimizer_models(call)
+            if last in WRAPPERS and call.args:
+                inner = _dotted(_strip_moves(call.args[0]))
+                found += [inner] if inner else []
+            for name in found:
+                trains = True
+                if name.startswith("self.") and s.klass:
+                    class_models.setdefault((s.module.path, s.klass), set()).add(name)
+                else:
+                    s.models.add(name)
+        for a in s.assigns:  # model = tm.wrap_model(model) / DDP(model): the target too
+            if isinstance(a.value, ast.Call) and (_dotted(a.value.func) or "").rsplit(".", 1)[-1] in WRAPPERS:
+                for t in a.targets:
+                    name = _dotted(t)
+                    if name and not name.startswith("self."):
+                        s.models.add(name)
+    for s in scopes:
+        if s.klass:
+            s.models |= class_models.get((s.module.path, s.klass), set())
+
+    wrapped: Dict[Tuple[Path, str], Set[str]] = {}
+    attrs: Dict[Tuple[Path, str], Set[str]] = {}
+    for _ in range(6):  # to a fixpoint: a parameter that holds a model passes it on
+        changed = False
+        for s in scopes:
+            held = set(s.models) | wrapped.get((s.module.path, _qual(s)), set())
+            if s.klass:
+                held |= {f"self.{a}" for a in attrs.get((s.module.path, s.klass), set())}
+            if not held:
+                continue
+            for call in s.calls:
+                target = _callee(s.module, modules, call)
+                if target is None:
+                    continue
+                path, qual, skip_self = target
+                func = modules[path].functions.get(qual)
+                if func is None:
+                    continue
+                for param, value in _bind(func, call, skip_self):
+                    name = _dotted(_strip_moves(value))
+                    if name in held:
+                        bucket = wrapped.setdefault((path, qual), set())
+                        if param not in bucket:
+                            bucket.add(param)
+                            changed = True
+                            if qual.endswith(".__init__"):
+                                klass = qual.split(".")[0]
+                                for attr in _self_stores(func, param):
+                                    attrs.setdefault((path, klass), set()).add(attr)
+        if not changed:
+            break
+
+    torch_anywhere = any(_uses_torch(m.tree) for m in modules.values())
+    entry_set = {Path(e).resolve() for e in entries}
+    several = len(modules) > 1
+    views: Dict[Path, ModuleView] = {}
+    for path, m in modules.items():
+        views[path] = ModuleView(
+            is_entry=path in entry_set or not several,
+            followed=several,
+            wrapped_params={q: frozenset(p) for (mp, q), p in wrapped.items() if mp == path},
+            wrapped_attrs={k: frozenset(a) for (mp, k), a in attrs.items() if mp == path},
+            program_trains=trains,
+            program_torch=torch_anywhere,
+        )
+    return views
+
+
+def _qual(s: _Scope) -> str:
+    if isinstance(s.node, ast.Module):
+        return "<module>"
+    return f"{s.klass}.{s.node.name}" if s.klass else s.node.name  # type: ignore[attr-defined]
+
+
+def _callee(module: _Module, modules: Dict[Path, _Module], call: ast.Call) -> Optional[Tuple[Path, str, bool]]:
+    """(module, "f" or "Cls.__init__", skip self) for a call of another module's function/class."""
+    func = call.func
+    if isinstance(func, ast.Name):
+        bound = module.imports.get(func.id)
+        if bound is None or bound[1] is None:
+            return None
+        path, symbol = bound
+    elif isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name):
+        bound = module.imports.get(func.value.id)
+        if bound is None or bound[1] is not None:
+            return None
+        path, symbol = bound[0], func.attr
+    else:
+        return None
+    target = modules.get(path)
+    if target is None:
+        return None
+    if symbol in target.classes:
+        return path, f"{symbol}.__init__", True
+    if symbol in target.functions:
+        return path, symbol, False
+    return None
+
+
+def _bind(func: ast.AST, call: ast.Call, skip_self: bool) -> List[Tuple[str, ast.AST]]:
+    params = _params(func)
+    positional = params[1:] if skip_self else params
+    out = []
+    for i, arg in enumerate(call.args):
+        if isinstance(arg, ast.Starred):
+            break
+        if i < len(positional):
+            out.append((positional[i], arg))
+    for kw in call.keywords:
+        if kw.arg and kw.arg in params:
+            out.append((kw.arg, kw.value))
+    return out
+
+
+def _self_stores(init: ast.AST, param: str) -> List[str]:
+    """`self.x = param` (or `param.to(dev)`, a tuple target) in `__init__`: the attributes."""
+    out = []
+    for n in ast.walk(init):
+        if not isinstance(n, ast.Assign):
+            continue
+        pairs = []
+        for t in n.targets:
+            if isinstance(t, ast.Tuple) and isinstance(n.value, ast.Tuple):
+                pairs += list(zip(t.elts, n.value.elts))
+            else:
+                pairs.append((t, n.value))
+        for t, v in pairs:
+            name = _dotted(t)
+            if name and name.startswith("self.") and name.count(".") == 1 and _dotted(_strip_moves(v)) == param:
+                out.append(name[5:])
+    return out
+
+
+def _uses_torch(tree: ast.Module) -> bool:
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import) and any(a.name.split(".")[0] in ("torch", "apex") for a in node.names):
+            return True
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in ("torch", "apex") and not node.level:
+            return True
+    return False

@@ -1,0 +1,185 @@
+"""Entry scripts -> the project's own modules they import, transitively.
+
+Resolution follows what Python does for a script run as `python train.py`: `sys.path[0]` is the
+script's folder, so `import data` finds a sibling `data.py` (or a package `data/`), and packages
+under the project root resolve from there too. Relative imports resolve against the importing
+module's package. Anything that does not resolve to a file inside the project root (the standard
+library, installed packages, a virtualenv inside the project) is not part of the program.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
+
+from torchmigrate.files import SKIP_DIRS
+
+ROOT_MARKERS = ("pyproject.toml", "setup.py", "setup.cfg", ".git")
+
+
+def project_root(script: Path) -> Path:
+    """The nearest folder above `script` with a project marker, else the script's own folder."""
+    folder = script.resolve().parent
+    for candidate in (folder, *folder.parents):
+        if any((candidate / marker).exists() for marker in ROOT_MARKERS):
+            return candidate
+    return folder
+
+
+@dataclass
+class Graph:
+    """The modules of a program: every file, and for each the project files it imports."""
+
+    entries: List[Path]
+    modules: List[Path] = field(default_factory=list)
+    imports: Dict[Path, List[Path]] = field(default_factory=dict)
+
+
+def _parse(path: Path) -> Optional[ast.Module]:
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return None
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return ast.parse(data, str(path))
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return None  # the engine reports it when the file is processed
+
+
+def _inside(path: Path, root: Path) -> bool:
+    try:
+        rel = path.relative_to(root)
+    except ValueError:
+        return False
+    return not any(part in SKIP_DIRS or part.startswith(".") for part in rel.parts[:-1])
+
+
+class _Resolver:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def module_file(self, base: Path, dotted: str) -> Optional[Path]:
+        """`a.b.c` under folder `base`: `a/b/c.py` or `a/b/c/__init__.py`."""
+        parts = dotted.split(".") if dotted else []
+        target = base.joinpath(*parts)
+        for candidate in (target.with_name(target.name + ".py") if parts else None, target / "__init__.py"):
+            if candidate is not None and candidate.is_file():
+                return candidate.resolve()
+        return None
+
+    def search_bases(self, importer: Path, entry_dirs: Sequence[Path]) -> List[Path]:
+        bases = [importer.parent]
+        for d in (*entry_dirs, self.root):
+            if d not in bases:
+                bases.append(d)
+        return bases
+
+    def absolute(self, importer: Path, dotted: str, entry_dirs: Sequence[Path]) -> List[Path]:
+        """The file for `dotted` and every package `__init__` on the way (Python runs them)."""
+        for base in self.search_bases(importer, entry_dirs):
+            found = self.module_file(base, dotted)
+            if found is not None:
+                parts = dotted.split(".")
+                inits = [self.module_file(base, ".".join(parts[:i])) for i in range(1, len(parts))]
+                return [p for p in inits if p is not None] + [found]
+        return []
+
+    def package_of(self, importer: Path, level: int) -> Path:
+        folder = importer.parent
+        for _ in range(level - 1):
+            folder = folder.parent
+        return folder
+
+
+def imported_files(tree: ast.Module, importer: Path, resolver: _Resolver, entry_dirs: Sequence[Path]) -> List[Path]:
+    """Project files that `tree` imports (any depth of the tree: imports inside functions count)."""
+    out: List[Path] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                out += resolver.absolute(importer, alias.name, entry_dirs)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = resolver.package_of(importer, node.level)
+                module = node.module or ""
+                found = resolver.module_file(base, module) if module else None
+                if found is not None:
+                    out.append(found)
+                    if found.name == "__init__.py":
+                        base = found.parent
+                    else:
+                        base = None
+                elif module:
+                    base = None
+                if base is not None:  # `from . import x`, `from .pkg import x`: x may be a module
+                    for alias in node.names:
+                        sub = resolver.module_file(base, alias.name) if alias.name != "*" else None
+                        if sub is not None:
+                            out.append(sub)
+            elif node.module:
+                found = resolver.absolute(importer, node.module, entry_dirs)
+                out += found
+                if found and found[-1].name == "__init__.py":
+                    for alias in node.names:
+                        sub = resolver.module_file(found[-1].parent, alias.name) if alias.name != "*" else None
+                        if sub is not None:
+                            out.append(sub)
+    return out
+
+
+def build(entries: Iterable[Path], trees: Optional[Dict[Path, ast.Module]] = None) -> Graph:
+    """Follow the entries' imports into their project; `trees` caches parses by resolved path."""
+    entries = [Path(e).resolve() for e in entries]
+    graph = Graph(entries)
+    trees = {} if trees is None else trees
+    seen: Set[Path] = set()
+    queue: List[Tuple[Path, Path]] = [(e, project_root(e)) for e in entries]
+    entry_dirs = []
+    for e in entries:
+        if e.parent not in entry_dirs:
+            entry_dirs.append(e.parent)
+    while queue:
+        path, root = queue.pop(0)
+        if path in seen:
+            continue
+        seen.add(path)
+        graph.modules.append(path)
+        tree = trees.get(path)
+        if tree is None:
+            tree = _parse(path)
+            if tree is None:
+                graph.imports[path] = []
+                continue
+            trees[path] = tree
+        resolver = _Resolver(root)
+        found = []
+        for f in imported_files(tree, path, resolver, entry_dirs):
+            if f != path and f not in found and (_inside(f, root) or f.parent in entry_dirs):
+                found.append(f)
+        graph.imports[path] = found
+        queue.extend((f, root) for f in found if f not in seen)
+    return graph
+
+
+def has_main_guard(tree: ast.Module) -> bool:
+    """`if __name__ == "__main__":` at module level: the file is meant to be run."""
+    for node in tree.body:
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Compare):
+            names = [node.test.left, *node.test.comparators]
+            if any(isinstance(n, ast.Name) and n.id == "__name__" for n in names) and any(
+                    isinstance(n, ast.Constant) and n.value == "__main__" for n in names):
+                return True
+    return False
+
+
+def relpath(path: Path) -> str:
+    try:
+        return os.path.relpath(path)
+    except ValueError:
+        return str(path)

@@ -1,0 +1,20 @@
+"""What the rules of one module may ask about the rest of its program (see `facts`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, FrozenSet
+
+
+@dataclass(frozen=True)
+class ModuleView:
+    """What the rules of one module may ask about the rest of the program."""
+
+    is_entry: bool = True
+    followed: bool = False  # part of a program of several modules
+    # "func" or "Class.method" -> parameter names that receive a wrapped model
+    wrapped_params: Dict[str, FrozenSet[str]] = field(default_factory=dict)
+    # class name -> `self.` attributes that hold a wrapped model
+    wrapped_attrs: Dict[str, FrozenSet[str]] = field(default_factory=dict)
+    program_trains: bool = False  # some module of the program builds an optimizer over a model
+    program_torch: bool = False  # some module of the program uses torch
