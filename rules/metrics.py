@@ -871,3 +871,146 @@ def _dataset_len(ctx: Context, loop: cst.For) -> str:
             if first is not None and (first.keyword is None or first.keyword.value == "dataset"):
                 return f"len({code(first.value)})"
     return f"len({name}.dataset)"
+
+
+# Calls that turn a list into its mean: the result is the same whichever rank's values it holds,
+# so gathering every rank's values into it is right whether or not the loader was sharded.
+_MEAN_CALLS = frozenset({"mean", "fmean", "average", "nanmean"})
+_TO_ARRAY = frozenset({"tensor", "as_tensor", "stack", "array", "asarray", "Tensor", "FloatTensor"})
+
+
+class GatherListMean(Rule):
+    """
+    ## What it does
+    For a list filled with one value per batch in a loop over a data loader (`losses = []`,
+    `losses.append(loss.item())`) whose every use after the loop is its mean —
+    `sum(losses) / len(losses)`, `np.mean(losses)`, `statistics.mean(losses)`,
+    `torch.tensor(losses).mean()` — inserts right after the loop:
+
+        losses = tm.gather_list(losses)
+
+    which concatenates the lists of all ranks (rank order; identity in one process).
+
+    ## Why is this bad?
+    Under DDP each rank iterates its own shard, so the mean of its list is the mean of one shard.
+    Rank 0 logs it, and where it drives control flow (`scheduler.step(val_loss)` with
+    ReduceLROnPlateau, early stopping, the best-checkpoint choice) the ranks decide differently:
+    their learning rates, and then their parameters, drift apart with no error. A mean over the
+    gathered values is the mean over every batch of every rank, and it is the same on every rank.
+    Only means are rewritten (a mean over duplicated values is unchanged, so this is right even
+    for a loader that turns out unsharded); a list used any other way is left alone.
+
+    The gather must run on every rank: a loop under a rank guard is reported instead.
+    """
+
+    code = "TM703"
+    name = "gather-list-mean"
+    summary = "Gather per-batch values from every rank before taking their mean"
+    safety = Safety.SAFE
+    commands = frozenset({"ddp", "lint"})
+    examples = (
+        Example(
+            before="""
+            import torch
+            @torch.no_grad()
+            def validate(model, val_loader, criterion):
+                losses = []
+                for x, y in val_loader:
+                    losses.append(criterion(model(x), y).item())
+                return sum(losses) / len(losses)
+            """,
+            after="""
+            import torch
+            import torchmigrate.runtime as tm
+            @torch.no_grad()
+            def validate(model, val_loader, criterion):
+                losses = []
+                for x, y in val_loader:
+                    losses.append(criterion(model(x), y).item())
+                losses = tm.gather_list(losses)
+                return sum(losses) / len(losses)
+            """,
+        ),
+    )
+
+    def leave_Module(self, node: cst.Module) -> None:
+        ctx = self.ctx
+        if not active(ctx):
+            return
+        loops: Dict[cst.CSTNode, List[str]] = {}
+        for call, _name in analysis.facts(ctx).calls:
+            func = call.func
+            if type(func) is cst.Attribute and func.attr.value == "append" and type(func.value) is cst.Name:
+                loop = loader_loop(ctx, call)
+                if loop is not None and func.value.value not in loops.setdefault(loop, []):
+                    loops[loop].append(func.value.value)
+        for loop, names in loops.items():
+            if ctx.within(loop.body, cst.Return, cst.Yield, cst.Break, skip_defs=True):
+                continue  # ranks may leave the loop at different points
+            lists = [n for n in names if _list_init(ctx, loop, n) and not _reassigned_in(ctx, loop, n)
+                     and self._means_only(loop, n)]
+            if not lists:
+                continue
+            tm = ctx.tm
+            listed = ", ".join(f"`{n}`" for n in lists)
+            lines = [f"{n} = {tm}.gather_list({n})" for n in lists]
+            guard = collective_guard(ctx, loop)
+            if guard is not None:
+                self.report(loop, f"{listed} {'holds' if len(lists) == 1 else 'hold'} this rank's values only, but "
+                                  "this loop runs under a rank guard, where a gather would hang the other ranks: "
+                                  f"evaluate on every rank and add `{'; '.join(lines)}` after the loop",
+                            statement=ctx.statement_of(loop))
+                continue
+            statements = [cst.parse_statement(line + "\n") for line in lines]
+            self.report(loop, f"the mean of {listed} covers this rank's batches only; gather every rank's values first",
+                        edits=[insert_after(loop, statements)], imports=[ctx.runtime_import()])
+
+    def _means_only(self, loop: cst.For, name: str) -> bool:
+        """Every use of `name` after `loop` (in its scope, before a rebinding) is inside a mean."""
+        ctx = self.ctx
+        index = source_index(ctx)
+        begin = index.end[loop]
+        scope = scope_of(ctx, loop)
+        uses = 0
+        for order, n in index.names(name):
+            if order <= begin or scope_of(ctx, n) is not scope or not _is_load(ctx, n):
+                continue
+            if _binding(ctx, n) is not None:
+                break  # rebound: later uses are of another list
+            if not self._in_mean(n, name):
+                return False
+            uses += 1
+        return uses > 0
+
+    def _in_mean(self, use: cst.Name, name: str) -> bool:
+        ctx = self.ctx
+        parent = ctx.parent(use)
+        if not isinstance(parent, cst.Arg):
+            return False
+        call = ctx.parent(parent)
+        if not isinstance(call, cst.Call) or call.args[0] is not parent:
+            return False
+        label = (dotted(call.func) or "").rsplit(".", 1)[-1]
+        if label in _MEAN_CALLS and len(call.args) == 1:
+            return True
+        if label in _TO_ARRAY:  # torch.tensor(losses).mean()
+            attr = ctx.parent(call)
+            return (isinstance(attr, cst.Attribute) and attr.attr.value in _MEAN_CALLS
+                    and isinstance(ctx.parent(attr), cst.Call))
+        if label in ("sum", "len") and len(call.args) == 1:
+            return _sum_over_len(ctx, call, name)
+        return False
+
+
+def _sum_over_len(ctx: Context, call: cst.Call, name: str) -> bool:
+    """`call` (`sum(x)` or `len(x)`) is a side of `sum(x) / len(x)` (also `max(len(x), 1)`)."""
+    node: cst.CSTNode = call
+    parent = ctx.parent(node)
+    if isinstance(parent, cst.Arg):  # max(len(x), 1)
+        outer = ctx.parent(parent)
+        if isinstance(outer, cst.Call) and dotted(outer.func) == "max":
+            node, parent = outer, ctx.parent(outer)
+    if not (isinstance(parent, cst.BinaryOperation) and isinstance(parent.operator, cst.Divide)):
+        return False
+    left, right = code(parent.left).replace(" ", ""), code(parent.right).replace(" ", "")
+    return left == f"sum({name})" and right in (f"len({name})", f"max(len({name}),1)", f"max(1,len({name}))")

@@ -22,7 +22,7 @@ Environment contract, read in this order:
 
 A process group is created only when world size > 1 (as Accelerate): ``torchrun
 --nproc-per-node=1`` behaves like ``python train.py``. Only ``setup``, ``wrap_model``, ``cleanup``,
-``barrier``, ``all_reduce`` and ``gather_for_metrics`` communicate; every other helper is
+``barrier``, ``all_reduce``, ``gather_for_metrics`` and ``gather_list`` communicate; every other helper is
 collective-free and safe inside ``if tm.is_main():`` blocks.
 """
 from __future__ import annotations
@@ -53,7 +53,7 @@ from torch.utils.data import DistributedSampler, RandomSampler, Sampler, Sequent
 __all__ = [
     "Ctx", "setup", "cleanup", "device", "rank", "local_rank", "world_size", "is_main",
     "is_distributed", "wrap_model", "unwrap", "sampler", "eval_sampler", "set_epoch", "no_sync",
-    "amp_dtype", "autocast", "GradScaler", "print", "barrier", "all_reduce", "gather_for_metrics",
+    "amp_dtype", "autocast", "GradScaler", "print", "barrier", "all_reduce", "gather_for_metrics", "gather_list",
     "save", "load", "strip_prefix", "load_state_dict", "seed_everything", "main_only",
 ]
 
@@ -612,6 +612,20 @@ def gather_for_metrics(x, total_len: int | None = None):
         keep = torch.arange(longest)[:, None] < sizes[None, :]  # (position, rank)
         x = torch.stack(parts, dim=1)[keep.to(comm)].to(x.device)
     return x if total_len is None else x[:total_len]
+
+
+def gather_list(values) -> list:
+    """Every rank's ``values`` (a list of numbers or small tensors), concatenated in rank order,
+    on every rank; 1 process: ``values`` itself. For means of per-batch values (``sum(l) / len(l)``),
+    which then cover every batch of every rank and agree across ranks. Tensors travel on the CPU
+    (detached). A collective: call it on every rank."""
+    if not is_distributed():
+        return values
+    _require_pg()
+    mine = [v.detach().cpu() if isinstance(v, torch.Tensor) else v for v in values]
+    parts = [None] * world_size()
+    dist.all_gather_object(parts, mine)
+    return [v for part in parts for v in part]
 
 
 def save(obj, path) -> None:

@@ -124,7 +124,7 @@ def test_all_reduce_numbers_and_tensors(collectives):
 
 def test_train_sampler_partitions_and_reshuffles(collectives):
     r0, r1 = collectives["r"]
-    assert r0["train_sampler_type"] == "DistributedSampler"
+    assert "DistributedSampler" in r0["train_sampler_type"]
     for epoch in range(2):
         a, b = r0["train_epochs"][epoch], r1["train_epochs"][epoch]
         assert len(a) == len(b) == 5
@@ -210,7 +210,7 @@ def test_cleanup_releases_ddp_wrapper(tmp_path):
                    stale=[tmp_path / "*"])
     assert run.returncode == 0, run.report()
     for r in read_ranks(tmp_path, 2):
-        assert r["wrapped"] == "DistributedDataParallel"
+        assert "DistributedDataParallel" in r["wrapped"]
         assert r["pg_after"] is False
         assert r["attrs"] == [True, True, True]
         assert r["reducer_freed"] and r["group_freed"]

@@ -81,7 +81,7 @@ def _index(module: _Module) -> None:
                     module.functions[f"{node.name}.{item.name}"] = item
 
 
-def _bind_imports(module: _Module, graph: Graph, by_stem: Dict[str, List[Path]]) -> None:
+def _bind_imports(module: _Module, graph: Graph, modules: Dict[Path, "_Module"]) -> None:
     """Local names bound to another module of the program (or a symbol of one)."""
     own = set(graph.imports.get(module.path, ()))
     for node in ast.walk(module.tree):
@@ -89,6 +89,11 @@ def _bind_imports(module: _Module, graph: Graph, by_stem: Dict[str, List[Path]])
             targets = [p for p in own if p.stem == (node.module or "").rsplit(".", 1)[-1]
                        or (p.name == "__init__.py" and p.parent.name == (node.module or "").rsplit(".", 1)[-1])]
             for alias in node.names:
+                if alias.name == "*":  # every public function and class of the module
+                    for target in targets:
+                        if target in modules:
+                            _star(module, modules[target].tree, target)
+                    continue
                 local = alias.asname or alias.name
                 sub = [p for p in own if p.stem == alias.name]
                 if sub:
@@ -101,6 +106,13 @@ def _bind_imports(module: _Module, graph: Graph, by_stem: Dict[str, List[Path]])
                 hit = [p for p in own if p.stem == last or (p.name == "__init__.py" and p.parent.name == last)]
                 if hit:
                     module.imports[alias.asname or alias.name] = (hit[0], None)
+
+
+def _star(module: _Module, tree: ast.Module, target: Path) -> None:
+    """`from target import *` binds the target's public top-level functions and classes."""
+    for node in tree.body:
+        if isinstance(node, (*FUNC_TYPES, ast.ClassDef)) and not node.name.startswith("_"):
+            module.imports.setdefault(node.name, (target, node.name))
 
 
 class _Scope:
@@ -145,7 +157,6 @@ def _optimizer_models(call: ast.Call) -> List[str]:
 def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]) -> Dict[Path, ModuleView]:
     """A `ModuleView` for every module of the program."""
     modules: Dict[Path, _Module] = {}
-    by_stem: Dict[str, List[Path]] = {}
     for path in graph.modules:
         tree = trees.get(path)
         if tree is None:
@@ -153,9 +164,8 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
         m = _Module(path, tree)
         _index(m)
         modules[path] = m
-        by_stem.setdefault(path.stem, []).append(path)
     for m in modules.values():
-        _bind_imports(m, graph, by_stem)
+        _bind_imports(m, graph, modules)
 
     scopes: List[_Scope] = []
     for m in modules.values():

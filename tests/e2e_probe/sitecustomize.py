@@ -4,7 +4,9 @@ Activated by `TM_PROBE_DIR` in a worker process (one with `RANK` set). It record
 script's cooperation, what the end-to-end tests assert on:
 - the indices each DistributedSampler yields per epoch (to prove ranks train on disjoint shards),
 - every `torch.save` call's path (to prove only one rank writes checkpoints),
-- a hash of the parameters of every DDP-wrapped module at exit (identical across ranks).
+- a hash of the parameters of every DDP-wrapped module at exit (identical across ranks),
+- the learning rates of every optimizer at exit (identical across ranks),
+- every file opened for writing under `OUT_DIR` (to prove only one rank writes files).
 Writes `rank<R>.json` into `TM_PROBE_DIR` at exit.
 """
 
@@ -19,8 +21,31 @@ if os.environ.get("TM_PROBE_DIR") and "RANK" in os.environ:
     import torch.utils.data.distributed as _dist_data
     from torch.nn.parallel import DistributedDataParallel as _DDP
 
-    _record = {"rank": int(os.environ["RANK"]), "samplers": [], "saves": [], "params": []}
+    import builtins
+
+    _record = {"rank": int(os.environ["RANK"]), "samplers": [], "saves": [], "params": [], "lrs": [], "writes": []}
     _models = []
+    _optimizers = []  # strong references: a script's optimizer may be freed before exit
+    _out_dir = os.path.abspath(os.environ.get("OUT_DIR", os.getcwd()))
+
+    _orig_opt_init = torch.optim.Optimizer.__init__
+
+    def _opt_init(self, *args, **kwargs):
+        _orig_opt_init(self, *args, **kwargs)
+        _optimizers.append(self)
+
+    torch.optim.Optimizer.__init__ = _opt_init
+
+    _orig_open = builtins.open
+
+    def _open(file, mode="r", *args, **kwargs):
+        if isinstance(file, (str, os.PathLike)) and any(c in mode for c in "wax+"):
+            path = os.path.abspath(os.fspath(file))
+            if path.startswith(_out_dir + os.sep):
+                _record["writes"].append(os.path.relpath(path, _out_dir))
+        return _orig_open(file, mode, *args, **kwargs)
+
+    builtins.open = _open
 
     _orig_iter = _dist_data.DistributedSampler.__iter__
 
@@ -54,8 +79,9 @@ if os.environ.get("TM_PROBE_DIR") and "RANK" in os.environ:
             for p in module.parameters():
                 digest.update(p.detach().cpu().contiguous().float().numpy().tobytes())
             _record["params"].append(digest.hexdigest())
+        _record["lrs"] = sorted([g["lr"] for g in opt.param_groups] for opt in _optimizers)
         path = os.path.join(os.environ["TM_PROBE_DIR"], f"rank{_record['rank']}.json")
-        with open(path, "w") as handle:
+        with _orig_open(path, "w") as handle:
             json.dump(_record, handle)
 
     atexit.register(_dump)

@@ -78,7 +78,7 @@ def main(outdir):
         tm.set_epoch(loader, epoch)
         epochs.append([int(i) for batch in loader for i in batch])
     res["train_epochs"] = epochs
-    res["train_sampler_type"] = type(sampler).__name__
+    res["train_sampler_type"] = [c.__name__ for c in type(sampler).__mro__]
 
     # eval sampler on an odd-length dataset + gather_for_metrics
     n = 7

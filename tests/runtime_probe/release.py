@@ -29,7 +29,7 @@ for _ in range(3):
     loss.backward()
     opt.step()
 tm.save(tm.unwrap(model).state_dict(), os.path.join(outdir, "model.pt"))
-res = {"rank": ctx.rank, "wrapped": type(model).__name__}
+res = {"rank": ctx.rank, "wrapped": [c.__name__ for c in type(model).__mro__]}
 tm.cleanup()
 gc.collect()
 res["pg_after"] = dist.is_initialized()

@@ -1,0 +1,139 @@
+"""TM504: files opened for writing, and folders created, by every rank."""
+
+from __future__ import annotations
+
+from typing import List
+
+import libcst as cst
+
+from torchmigrate import analysis
+from torchmigrate.finding import Safety, replace
+from torchmigrate.imports import dotted
+from torchmigrate.nodes import set_kwarg
+from torchmigrate.rule import Example, Rule
+from torchmigrate.rules.logging_rules import active, guard_edit, runs_user_code, sibling_runs, under_rank_guard
+
+_MAKEDIRS = "os.makedirs"
+_MKDIR = "os.mkdir"
+_EXISTS = ("os.path.isdir", "os.path.exists")
+
+
+class MainOnlyWrites(Rule):
+    """
+    ## What it does
+    - `with open(path, "w") as f: ...` (any mode that writes: `w`, `a`, `x`, `+`) becomes
+      `if tm.is_main(): with open(path, "w") as f: ...`, when the block runs no forward pass, no
+      collective and no function of the file (those must run on every rank; they are left as
+      they are).
+    - `os.makedirs(d)` without `exist_ok` gets `exist_ok=True`, and `os.mkdir(d)` under
+      `if not os.path.isdir(d):` / `os.path.exists(d)` becomes `os.makedirs(d, exist_ok=True)`.
+
+    ## Why is this bad?
+    Under torchrun every rank runs the same code: eight processes truncate and write the same
+    json history, csv log or sample file at once (interleaved or torn content), and the
+    check-then-create of a folder races, so a rank fails with `FileExistsError` in some runs
+    (seen in 2 of 5 two-rank runs of a public script). Checkpoints are TM501's; this rule is for
+    the other files a training program writes, often in a `utils.py` the entry script imports.
+    """
+
+    code = "TM504"
+    name = "main-only-writes"
+    summary = "Write files on the main process only, and create folders without racing"
+    safety = Safety.SAFE
+    commands = frozenset({"ddp", "lint"})
+    examples = (
+        Example(
+            before="""
+            import json
+            import os
+            import torch
+            def dump_history(history, out_dir):
+                if not os.path.isdir(out_dir):
+                    os.mkdir(out_dir)
+                with open(os.path.join(out_dir, "history.json"), "w") as f:
+                    json.dump(history, f)
+            """,
+            after="""
+            import json
+            import os
+            import torch
+            import torchmigrate.runtime as tm
+            def dump_history(history, out_dir):
+                if not os.path.isdir(out_dir):
+                    os.makedirs(out_dir, exist_ok=True)
+                if tm.is_main():
+                    with open(os.path.join(out_dir, "history.json"), "w") as f:
+                        json.dump(history, f)
+            """,
+        ),
+    )
+
+    def leave_Module(self, node: cst.Module) -> None:
+        ctx = self.ctx
+        if not active(ctx):
+            return
+        withs: List[cst.With] = []
+        for call, name in analysis.facts(ctx).calls:
+            if name == _MAKEDIRS and not any(a.keyword and a.keyword.value == "exist_ok" for a in call.args):
+                self.report(call, "every rank creates this folder: a rank that comes second fails with "
+                                  "FileExistsError; pass exist_ok=True",
+                            edits=[replace(call, lambda c: set_kwarg(c, "exist_ok", cst.Name("True")))])
+            elif name == _MKDIR and self._after_exists_test(call) and len(call.args) == 1:
+                self.report(call, "every rank tests for this folder and then creates it: a rank that comes second "
+                                  "fails with FileExistsError; use os.makedirs(..., exist_ok=True)",
+                            edits=[replace(call, lambda c: set_kwarg(
+                                c.with_changes(func=cst.parse_expression(
+                                    (dotted(c.func) or "os.mkdir").rsplit(".", 1)[0] + ".makedirs")),
+                                "exist_ok", cst.Name("True")))])
+            elif (dotted(call.func) or "") == "open" and _writes(call):
+                handle = ctx.parent(ctx.parent(call))
+                if isinstance(handle, cst.With) and handle.items[0].item is call:
+                    withs.append(handle)
+        lines = []
+        for handle in withs:
+            if under_rank_guard(ctx, handle) or not isinstance(ctx.parent(handle), (cst.IndentedBlock, cst.Module)):
+                continue
+            if runs_user_code(ctx, handle) or self._calls_a_parameter(handle):
+                self.report(handle, f"every rank writes this file; the block also runs code that must run on every "
+                                    f"rank, so write the file under `if {ctx.tm}.is_main():` yourself")
+                continue
+            lines.append(handle)
+        for run in sibling_runs(ctx, lines):
+            self.report(run[0], "every rank opens this file for writing; write it on the main process only",
+                        edits=[guard_edit(ctx, run)], imports=[ctx.runtime_import()])
+
+    def _calls_a_parameter(self, handle: cst.With) -> bool:
+        """The block calls a parameter of its function (`model(batch)`): maybe a forward pass."""
+        func = self.ctx.enclosing(handle, cst.FunctionDef)
+        if func is None:
+            return False
+        p = func.params
+        params = {x.name.value for x in (*p.posonly_params, *p.params, *p.kwonly_params)}
+        return any(isinstance(n, cst.Call) and isinstance(n.func, cst.Name) and n.func.value in params
+                   for n in self.ctx.within(handle, cst.Call, skip_defs=True))
+
+    def _after_exists_test(self, call: cst.Call) -> bool:
+        """`os.mkdir(d)` as the body of `if not os.path.isdir(d):` (or `exists`)."""
+        for anc in self.ctx.ancestors(call):
+            if isinstance(anc, cst.If):
+                test = anc.test
+                if isinstance(test, cst.UnaryOperation) and isinstance(test.expression, cst.Call):
+                    return self.ctx.resolve(test.expression.func) in _EXISTS
+                return False
+            if isinstance(anc, (cst.FunctionDef, cst.ClassDef)):
+                return False
+        return False
+
+
+def _writes(call: cst.Call) -> bool:
+    """`open(path, mode)` with a literal mode that writes."""
+    mode = None
+    if len(call.args) >= 2 and call.args[1].keyword is None:
+        mode = call.args[1].value
+    for a in call.args:
+        if a.keyword is not None and a.keyword.value == "mode":
+            mode = a.value
+    if not isinstance(mode, cst.SimpleString):
+        return False
+    text = mode.evaluated_value if isinstance(mode.evaluated_value, str) else ""
+    return any(c in text for c in "wax+")
