@@ -135,10 +135,12 @@ def _migrate(command: str, paths, dry_run: bool, check: bool, amp: Optional[str]
     job = Job(options, _select(command, select, ignore, config), write=write, want_diff=dry_run,
               vendor_runtime=vendor, program=program.views or None, together=write and len(files) > 1)
     outcomes = _run(files, job, jobs)
+    unwritten = False  # a program whose files could not all be written: none was
     if job.together:
         failed = write_together(outcomes, job)
         if failed:
             errors.append(f"error: {failed}")
+            unwritten = True
     diff_out = sys.stdout
     color = use_color(diff_out)
     for outcome in outcomes:
@@ -147,12 +149,12 @@ def _migrate(command: str, paths, dry_run: bool, check: bool, amp: Optional[str]
     errors += report.error_lines(outcomes)
     for line in errors:
         click.echo(line, err=True)
-    text = report.migration_text(outcomes, dry_run or check, _rule_names(), program.followed)
+    text = report.migration_text(outcomes, dry_run or check or unwritten, _rule_names(), program.followed)
     # With --dry-run stdout carries only the diff (so it can be piped to `git apply`); the
     # report and its summary line go to stderr.
     click.echo(text, err=dry_run)
     if report_file:
-        content = (report.migration_json(outcomes, dry_run or check) if report_file.endswith(".json") else text) + "\n"
+        content = (report.migration_json(outcomes, dry_run or check or unwritten) if report_file.endswith(".json") else text) + "\n"
         Path(report_file).write_text(content, encoding="utf-8")
     vendored = sorted({o.vendored for o in outcomes if o.vendored})
     for path in vendored:

@@ -302,8 +302,8 @@ class _DDP(DistributedDataParallel):
     on every rank. Here an attribute DDP does not have is looked up on the wrapped module.
     A *method* reached that way runs the module outside DDP's ``forward``: fine for inference
     (sampling, ``init_hidden``), but gradients it produces are not averaged across ranks; such
-    a call made with gradients enabled in training mode warns once per method (rank 0), naming
-    the fix (call it inside ``forward``, or through ``tm.unwrap(model)`` only for inference).
+    a call whose result carries a gradient graph warns once per method (rank 0), naming the fix
+    (call it inside ``forward``, or through ``tm.unwrap(model)`` only for inference).
 
     ``load_state_dict`` also takes a checkpoint saved from the plain module (no ``module.``
     prefix), as ``tm.save``'d checkpoints from ``tm.unwrap(model).state_dict()`` are.
@@ -332,9 +332,11 @@ _WARNED_OUTSIDE: set = set()
 
 
 def _outside_forward(ddp: DistributedDataParallel, name: str, method):
-    """``method`` of the wrapped module, warning once when it runs with gradients in training."""
+    """``method`` of the wrapped module; warns once when its result carries a gradient graph
+    (a forward that DDP does not see, so its gradients are not averaged)."""
     def call(*args, **kwargs):
-        if torch.is_grad_enabled() and ddp.training and name not in _WARNED_OUTSIDE:
+        result = method(*args, **kwargs)
+        if name not in _WARNED_OUTSIDE and torch.is_grad_enabled() and _has_graph(result):
             _WARNED_OUTSIDE.add(name)
             if is_main():
                 import warnings
@@ -343,11 +345,22 @@ def _outside_forward(ddp: DistributedDataParallel, name: str, method):
                     "gradients it produces are NOT averaged across ranks. Compute the loss through "
                     f"`model(...)` (move this into forward()), or call `tm.unwrap(model).{name}()` only for "
                     "inference (under torch.no_grad()).", RuntimeWarning, stacklevel=2)
-        return method(*args, **kwargs)
+        return result
 
     call.__name__ = name
     call.__doc__ = method.__doc__
     return call
+
+
+def _has_graph(value, depth: int = 0) -> bool:
+    """A tensor that requires grad, also inside tuples, lists and dicts (two levels)."""
+    if isinstance(value, torch.Tensor):
+        return value.requires_grad
+    if depth < 2 and isinstance(value, (tuple, list)):
+        return any(_has_graph(v, depth + 1) for v in value)
+    if depth < 2 and isinstance(value, dict):
+        return any(_has_graph(v, depth + 1) for v in value.values())
+    return False
 
 
 def unwrap(model):

@@ -1,0 +1,108 @@
+"""The program layer without any rule: which modules make up a program, and the cross-module
+facts the rules read (`ModuleView`)."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+from torchmigrate.program import graph
+from torchmigrate.program.build import build
+
+
+def write(root: Path, files: dict) -> None:
+    for name, text in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text).lstrip("\n"))
+
+
+def names(paths, root):
+    return sorted(str(Path(p).resolve().relative_to(root.resolve())) for p in paths)
+
+
+def test_follows_siblings_packages_relative_and_star_imports(tmp_path):
+    write(tmp_path, {
+        "pyproject.toml": "",
+        "scripts/train.py": "import helpers\nfrom pkg.engine import run\nfrom helpers import *\nimport os, torch\n",
+        "scripts/helpers.py": "import numpy\n",
+        "pkg/__init__.py": "from . import models\n",
+        "pkg/models.py": "import torch\n",
+        "pkg/engine.py": "from .utils import save\nfrom ..unrelated import x\n",
+        "pkg/utils.py": "def save(): pass\n",
+        "pkg/unused.py": "",
+        ".venv/lib/site.py": "",
+    })
+    g = graph.build([tmp_path / "scripts/train.py"])
+    assert names(g.modules, tmp_path) == ["pkg/__init__.py", "pkg/engine.py", "pkg/models.py", "pkg/utils.py",
+                                          "scripts/helpers.py", "scripts/train.py"]
+
+
+def test_installed_and_standard_modules_are_not_followed(tmp_path):
+    write(tmp_path, {"train.py": "import os\nimport torch\nimport json\nfrom torch.utils.data import DataLoader\n"})
+    assert names(graph.build([tmp_path / "train.py"]).modules, tmp_path) == ["train.py"]
+
+
+def test_project_root_is_the_nearest_marker(tmp_path):
+    write(tmp_path, {"repo/setup.py": "", "repo/src/app/train.py": ""})
+    assert graph.project_root(tmp_path / "repo/src/app/train.py") == (tmp_path / "repo").resolve()
+    write(tmp_path, {"lone/train.py": ""})
+    assert graph.project_root(tmp_path / "lone/train.py") == (tmp_path / "lone").resolve()
+
+
+def test_wrapped_model_flows_into_functions_and_trainer_attributes(tmp_path):
+    write(tmp_path, {
+        "train.py": """
+            import torch
+            from engine import evaluate, Trainer
+            import utils
+            model = Net()
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            evaluate(model.to("cpu"), loader)
+            utils.save_checkpoint(state=1, net=model)
+            Trainer(model, optimizer).fit()
+            """,
+        "engine.py": """
+            from utils import log_samples
+            def evaluate(model, loader):
+                log_samples(model)
+            class Trainer:
+                def __init__(self, net, opt):
+                    self.net, self.opt = net, opt
+            """,
+        "utils.py": """
+            def save_checkpoint(state, net):
+                pass
+            def log_samples(m):
+                pass
+            """,
+    })
+    program = build([tmp_path / "train.py"], [tmp_path / "train.py"])
+    views = {Path(k).name: v for k, v in program.views.items()}
+    assert views["train.py"].is_entry and not views["engine.py"].is_entry
+    assert views["engine.py"].wrapped_params == {"evaluate": {"model"}, "Trainer.__init__": {"net"}}
+    assert views["engine.py"].wrapped_attrs == {"Trainer": {"net"}}
+    assert views["utils.py"].wrapped_params == {"save_checkpoint": {"net"}, "log_samples": {"m"}}
+    assert all(v.program_trains and v.followed for v in views.values())
+
+
+def test_a_program_that_trains_nowhere(tmp_path):
+    write(tmp_path, {"infer.py": "import torch\nfrom model import Net\nNet()(torch.zeros(1))\n",
+                     "model.py": "import torch\nclass Net(torch.nn.Module):\n    pass\n"})
+    program = build([tmp_path / "infer.py"], [tmp_path / "infer.py"])
+    assert not any(v.program_trains for v in program.views.values())
+
+
+def test_folder_entries_are_main_scripts_and_unimported_files(tmp_path):
+    write(tmp_path, {"train.py": "import common\n", "finetune.py": "import common\nif __name__ == '__main__':\n    pass\n",
+                     "common.py": "import torch\n"})
+    files = sorted(tmp_path.glob("*.py"))
+    program = build(files, [])
+    assert names(program.entries, tmp_path) == ["finetune.py", "train.py"]
+    assert program.followed == []
+
+
+def test_no_follow(tmp_path):
+    write(tmp_path, {"train.py": "import common\n", "common.py": ""})
+    program = build([tmp_path / "train.py"], [tmp_path / "train.py"], follow=False)
+    assert program.files == [tmp_path / "train.py"] and not program.views

@@ -1,0 +1,86 @@
+"""The runtime's safety nets for programs of several modules, in one process: the DDP that
+`wrap_model` returns resolves the module's own attributes, the training sampler reshuffles where
+nobody calls `set_epoch`, and `gather_list` is the identity without a process group."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import torchmigrate.runtime as tm
+from torchmigrate.runtime import _DDP, _EpochSampler
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.n_classes = 3
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.fc(x)
+
+    def init_hidden(self, n):
+        return torch.zeros(n, 3)
+
+    def loss_of(self, x):  # a forward outside forward()
+        return self.fc(x).sum()
+
+
+@pytest.fixture
+def group():
+    """A one-rank gloo group, so DistributedDataParallel can be built in this process."""
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_wrapper_reads_the_modules_attributes(group):
+    ddp = _DDP(Net())
+    assert ddp.n_classes == 3
+    assert ddp.init_hidden(2).shape == (2, 3)
+    assert isinstance(ddp, nn.parallel.DistributedDataParallel)
+    with pytest.raises(AttributeError):
+        ddp.missing_attribute
+
+
+def test_a_method_run_with_gradients_outside_forward_warns_once(group):
+    ddp = _DDP(Net())
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        ddp.loss_of(torch.ones(1, 4)).backward()
+        ddp.loss_of(torch.ones(1, 4))
+        with torch.no_grad():
+            ddp.init_hidden(1)  # inference: no warning
+    messages = [str(w.message) for w in seen if "torchmigrate" in str(w.message)]
+    assert len(messages) == 1 and "`model.loss_of()`" in messages[0] and "NOT averaged" in messages[0]
+
+
+def test_wrapper_loads_a_checkpoint_of_the_plain_module(group):
+    plain = Net()
+    ddp = _DDP(Net())
+    ddp.load_state_dict(plain.state_dict())
+    assert torch.equal(ddp.module.fc.weight, plain.fc.weight)
+    ddp.load_state_dict(_DDP(plain).state_dict())  # prefixed keys still load the usual way
+
+
+def test_sampler_reshuffles_each_pass_until_set_epoch():
+    data = list(range(40))
+    sampler = _EpochSampler(data, num_replicas=2, rank=0, shuffle=True, seed=0)
+    other = _EpochSampler(data, num_replicas=2, rank=1, shuffle=True, seed=0)
+    first, second = list(sampler), list(sampler)
+    assert first != second, "a second pass is a new epoch"
+    a, b = list(other), list(other)
+    assert not set(first) & set(a) and not set(second) & set(b), "ranks stay disjoint each pass"
+    sampler.set_epoch(7)
+    assert list(sampler) == list(sampler), "an explicit epoch is kept, as DistributedSampler does"
+
+
+def test_gather_list_is_the_identity_in_one_process():
+    values = [1.0, 2.0]
+    assert tm.gather_list(values) is values
