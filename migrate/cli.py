@@ -135,12 +135,8 @@ def _migrate(command: str, paths, dry_run: bool, check: bool, amp: Optional[str]
     job = Job(options, _select(command, select, ignore, config), write=write, want_diff=dry_run,
               vendor_runtime=vendor, program=program.views or None, together=write and len(files) > 1)
     outcomes = _run(files, job, jobs)
-    unwritten = False  # a program whose files could not all be written: none was
     if job.together:
-        failed = write_together(outcomes, job)
-        if failed:
-            errors.append(f"error: {failed}")
-            unwritten = True
+        write_together(outcomes, job, program.groups)
     diff_out = sys.stdout
     color = use_color(diff_out)
     for outcome in outcomes:
@@ -149,12 +145,12 @@ def _migrate(command: str, paths, dry_run: bool, check: bool, amp: Optional[str]
     errors += report.error_lines(outcomes)
     for line in errors:
         click.echo(line, err=True)
-    text = report.migration_text(outcomes, dry_run or check or unwritten, _rule_names(), program.followed)
+    text = report.migration_text(outcomes, dry_run or check, _rule_names(), program.followed)
     # With --dry-run stdout carries only the diff (so it can be piped to `git apply`); the
     # report and its summary line go to stderr.
     click.echo(text, err=dry_run)
     if report_file:
-        content = (report.migration_json(outcomes, dry_run or check or unwritten) if report_file.endswith(".json") else text) + "\n"
+        content = (report.migration_json(outcomes, dry_run or check) if report_file.endswith(".json") else text) + "\n"
         Path(report_file).write_text(content, encoding="utf-8")
     vendored = sorted({o.vendored for o in outcomes if o.vendored})
     for path in vendored:
@@ -223,8 +219,9 @@ def amp(paths, dry_run, check, amp, report_file, follow, vendor_runtime, select,
               help="text: path:line:col: CODE message; json; github: workflow annotations; sarif: SARIF 2.1.0.")
 @click.option("--exit-zero", is_flag=True, help="Exit 0 even when findings remain (input errors still exit 2).")
 @click.option("--statistics", is_flag=True, help="Print a count per rule instead of each finding.")
+@follow_option
 @jobs_option
-def lint(paths, select, ignore, fix, unsafe_fixes, fmt, exit_zero, statistics, jobs):
+def lint(paths, select, ignore, fix, unsafe_fixes, fmt, exit_zero, statistics, follow, jobs):
     """Report rule findings (pre-commit hook / CI).
 
     Exit 0 when nothing remains (or everything was fixed), 1 when findings remain, 2 on bad
@@ -237,7 +234,10 @@ def lint(paths, select, ignore, fix, unsafe_fixes, fmt, exit_zero, statistics, j
     files, errors = _discover(paths, config)
     codes = _select("lint", select, ignore, config)
     options = Options(mode="lint", amp=config.amp or "auto", fix=fix, unsafe_fixes=fix and unsafe_fixes)
-    job = Job(options, codes, write=fix)
+    # The imported modules inform the checks (a model wrapped by the caller) but only the files
+    # given are checked, as a pre-commit hook expects.
+    program = _program(paths, files, config, follow)
+    job = Job(options, codes, write=fix, program=program.views or None)
     outcomes = _run(files, job, jobs)
     rules = [get_rule(code) for code in codes]
     errors += report.error_lines(outcomes)

@@ -213,13 +213,21 @@ def stage(path: Path, data: bytes, expect: Optional[Tuple[int, int, int]] = None
     return Staged(target, tmp)
 
 
+class ChangeSetError(InputError):
+    """One file of a change set could not be written (`path`); no file of the set was."""
+
+    def __init__(self, path: Path, message: str) -> None:
+        super().__init__(message)
+        self.path = path
+
+
 def write_all(changes: Sequence[Tuple[Path, bytes, Optional[Tuple[int, int, int]]]]) -> None:
     """Write several files as one change: every file gets its new content, or none does.
 
     All temporary files are written first (any check failing there leaves every file as it
     was); then each original is kept under a hard link beside it and the new file is renamed
     over it. If a rename fails, the files already replaced get their originals back. A
-    migrated program is never left half old, half new. Raises InputError naming the file.
+    migrated program is never left half old, half new. Raises ChangeSetError for the file.
     """
     staged: List[Tuple[Staged, Path]] = []
     try:
@@ -227,7 +235,7 @@ def write_all(changes: Sequence[Tuple[Path, bytes, Optional[Tuple[int, int, int]
             try:
                 staged.append((stage(path, data, expect), path))
             except InputError as exc:
-                raise InputError(f"{path}: {exc.message}; no file of the program was written") from None
+                raise ChangeSetError(path, exc.message) from None
     except BaseException:
         for s, _ in staged:
             s.discard()
@@ -245,8 +253,7 @@ def write_all(changes: Sequence[Tuple[Path, bytes, Optional[Tuple[int, int, int]
             except OSError as exc:
                 if backup:
                     os.unlink(backup)
-                raise InputError(f"{path}: cannot write: {exc.strerror or exc}; "
-                                 "the files already written were restored") from None
+                raise ChangeSetError(path, f"cannot write: {exc.strerror or exc}") from None
             done.append((s, backup))
     except BaseException:
         for s, backup in reversed(done):

@@ -110,22 +110,36 @@ def process_file(path: str, job: Job) -> Outcome:
     return outcome
 
 
-def write_together(outcomes: Sequence[Outcome], job: Job) -> Optional[str]:
-    """Write the pending changes of a program's files as one change (`files.write_all`): all or
-    none. Returns the error that stopped it (then nothing was written), else None."""
-    ready = [o for o in outcomes if o.pending is not None and o.error is None]
-    try:
-        files.write_all([(Path(o.path), o.pending[0], o.pending[1]) for o in ready])
-    except InputError as exc:
+def write_together(outcomes: Sequence[Outcome], job: Job, groups: Sequence[Sequence[str]]) -> bool:
+    """Write the pending changes, each group of files (one program) as one change
+    (`files.write_all`): all of a group or none. A group that could not be written gets an
+    error on the file that failed and on each of its other files. Returns whether all were."""
+    by_path = {os.path.realpath(o.path): o for o in outcomes}
+    grouped = {os.path.realpath(p) for g in groups for p in g}
+    sets = [list(g) for g in groups] + [[p] for p in by_path if p not in grouped]
+    ok = True
+    for group in sets:
+        ready = [by_path[os.path.realpath(p)] for p in group if os.path.realpath(p) in by_path]
+        ready = [o for o in ready if o.pending is not None and o.error is None]
+        try:
+            files.write_all([(Path(o.path), o.pending[0], o.pending[1]) for o in ready])
+        except files.ChangeSetError as exc:
+            ok = False
+            failed = os.path.realpath(exc.path)
+            for o in ready:
+                o.pending = None
+                if os.path.realpath(o.path) == failed:
+                    _failed(o, 1, 0, exc.message)
+                else:
+                    _failed(o, 1, 0, f"not written: {exc.path} of the same program could not be written "
+                                     "(a program is written whole or not at all)")
+            continue
         for o in ready:
             o.pending = None
-        return exc.message
-    for o in ready:
-        o.pending = None
-        o.written = True
-        if job.vendor_runtime and o.uses_runtime:
-            o.vendored = vendor_runtime(Path(o.path).parent)
-    return None
+            o.written = True
+            if job.vendor_runtime and o.uses_runtime:
+                o.vendored = vendor_runtime(Path(o.path).parent)
+    return ok
 
 
 def _failed(outcome: Outcome, line: int, col: int, message: str) -> None:

@@ -20,6 +20,8 @@ class Program:
     entries: List[Path] = field(default_factory=list)
     followed: List[Path] = field(default_factory=list)  # files found through imports only
     views: Dict[str, ModuleView] = field(default_factory=dict)
+    # files that import each other, directly or not: each group is written whole or not at all
+    groups: List[List[str]] = field(default_factory=list)
 
 
 def build(found: Sequence[Path], named: Sequence[Path], follow: bool = True,
@@ -52,4 +54,25 @@ def build(found: Sequence[Path], named: Sequence[Path], follow: bool = True,
             program.files.append(path if absolute else Path(graph.relpath(path)))
     views = facts.compute(start, trees, entries)
     program.views = {str(p): v for p, v in views.items()}
+    program.groups = _connected(start)
     return program
+
+
+def _connected(g: graph.Graph) -> List[List[str]]:
+    """The modules in groups connected by imports (either direction)."""
+    parent = {m: m for m in g.modules}
+
+    def root(m):
+        while parent[m] is not m:
+            parent[m] = parent[parent[m]]
+            m = parent[m]
+        return m
+
+    for m, deps in g.imports.items():
+        for d in deps:
+            if d in parent:
+                parent[root(d)] = root(m)
+    groups: Dict[Path, List[str]] = {}
+    for m in g.modules:
+        groups.setdefault(root(m), []).append(str(m))
+    return [v for v in groups.values() if len(v) > 1]

@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 
 from torchmigrate import files
-from torchmigrate.engine import InputError
 
 PROJECT = Path(__file__).resolve().parents[2] / "fixtures" / "projects" / "data_eval_modules"
 
@@ -30,8 +29,9 @@ def test_a_refused_file_writes_none(tmp_path):
     a.write_text("a = 1\n")
     b.write_text("b = 1\n")
     b.chmod(0o444)
-    with pytest.raises(InputError, match="b.py: cannot write: file is read-only; no file of the program"):
+    with pytest.raises(files.ChangeSetError, match="cannot write: file is read-only") as caught:
         files.write_all([(a, b"a = 2\n", None), (b, b"b = 2\n", None)])
+    assert caught.value.path == b
     assert (a.read_text(), b.read_text()) == ("a = 1\n", "b = 1\n")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.py", "b.py"]
 
@@ -50,8 +50,9 @@ def test_a_failed_rename_restores_the_files_done(tmp_path, monkeypatch):
         return real_replace(src, dst)
 
     monkeypatch.setattr(os, "replace", flaky)
-    with pytest.raises(InputError, match="m2.py: cannot write: No space left on device; the files already written"):
+    with pytest.raises(files.ChangeSetError, match="cannot write: No space left on device") as caught:
         files.write_all([(p, b"new\n", None) for p in paths])
+    assert caught.value.path == paths[2]
     monkeypatch.setattr(os, "replace", real_replace)
     assert [p.read_text() for p in paths] == ["old\n"] * 3
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m0.py", "m1.py", "m2.py"]
@@ -65,5 +66,18 @@ def test_cli_writes_no_module_of_a_program_when_one_cannot_be_written(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "torchmigrate", "ddp", "train.py"], cwd=folder,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert "no file of the program was written" in proc.stderr
+    assert "evaluate.py:1:1: cannot write: file is read-only" in proc.stderr
+    assert "train.py:1:1: not written: evaluate.py of the same program could not be written" in proc.stderr
     assert {p.name: p.read_text() for p in folder.glob("*.py")} == before
+
+
+def test_unrelated_scripts_are_written_independently(tmp_path):
+    """Two scripts that do not import each other are two programs: one that cannot be written
+    does not hold back the other."""
+    for name in ("a.py", "b.py"):
+        (tmp_path / name).write_text("import torch\nprint(torch.ones(1))\n")
+    (tmp_path / "a.py").chmod(0o444)
+    proc = subprocess.run([sys.executable, "-m", "torchmigrate", "ddp", "a.py", "b.py"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "a.py:1:1: cannot write: file is read-only" in proc.stderr
+    assert "tm.print" in (tmp_path / "b.py").read_text()
