@@ -84,7 +84,7 @@ def _index(module: _Module) -> None:
 def _bind_imports(module: _Module, graph: Graph, modules: Dict[Path, "_Module"]) -> None:
     """Local names bound to another module of the program (or a symbol of one)."""
     own = set(graph.imports.get(module.path, ()))
-    for node in ast.walk(module.tree):
+    for node in graph.statements.get(module.path, ()):
         if isinstance(node, ast.ImportFrom):
             targets = [p for p in own if p.stem == (node.module or "").rsplit(".", 1)[-1]
                        or (p.name == "__init__.py" and p.parent.name == (node.module or "").rsplit(".", 1)[-1])]
@@ -231,7 +231,7 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
         if not changed:
             break
 
-    torch_anywhere = any(_uses_torch(m.tree) for m in modules.values())
+    torch_anywhere = any(_uses_torch(graph.statements.get(p, ())) for p in modules)
     entry_set = {Path(e).resolve() for e in entries}
     several = len(modules) > 1
     views: Dict[Path, ModuleView] = {}
@@ -312,8 +312,8 @@ def _self_stores(init: ast.AST, param: str) -> List[str]:
     return out
 
 
-def _uses_torch(tree: ast.Module) -> bool:
-    for node in ast.walk(tree):
+def _uses_torch(statements) -> bool:
+    for node in statements:
         if isinstance(node, ast.Import) and any(a.name.split(".")[0] in ("torch", "apex") for a in node.names):
             return True
         if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in ("torch", "apex") and not node.level:

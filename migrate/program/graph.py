@@ -37,6 +37,8 @@ class Graph:
     entries: List[Path]
     modules: List[Path] = field(default_factory=list)
     imports: Dict[Path, List[Path]] = field(default_factory=dict)
+    # every import statement of each module (one walk of its tree, shared with `facts`)
+    statements: Dict[Path, List[ast.stmt]] = field(default_factory=dict)
 
 
 def _parse(path: Path) -> Optional[ast.Module]:
@@ -73,16 +75,11 @@ class _Resolver:
                 return candidate.resolve()
         return None
 
-    def search_bases(self, importer: Path, entry_dirs: Sequence[Path]) -> List[Path]:
-        bases = [importer.parent]
-        for d in (*entry_dirs, self.root):
-            if d not in bases:
-                bases.append(d)
-        return bases
-
-    def absolute(self, importer: Path, dotted: str, entry_dirs: Sequence[Path]) -> List[Path]:
-        """The file for `dotted` and every package `__init__` on the way (Python runs them)."""
-        for base in self.search_bases(importer, entry_dirs):
+    def absolute(self, importer: Path, dotted: str, entry_dir: Path) -> List[Path]:
+        """The file for `dotted` and every package `__init__` on the way (Python runs them),
+        looked up beside the importer, in the entry script's folder (`sys.path[0]`) and at the
+        project root."""
+        for base in dict.fromkeys((importer.parent, entry_dir, self.root)):
             found = self.module_file(base, dotted)
             if found is not None:
                 parts = dotted.split(".")
@@ -97,13 +94,18 @@ class _Resolver:
         return folder
 
 
-def imported_files(tree: ast.Module, importer: Path, resolver: _Resolver, entry_dirs: Sequence[Path]) -> List[Path]:
-    """Project files that `tree` imports (any depth of the tree: imports inside functions count)."""
+def import_statements(tree: ast.Module) -> List[ast.stmt]:
+    """Every `import`/`from ... import` of the module, also inside functions and blocks."""
+    return [node for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))]
+
+
+def imported_files(statements: List[ast.stmt], importer: Path, resolver: _Resolver, entry_dir: Path) -> List[Path]:
+    """Project files that these import statements of `importer` import."""
     out: List[Path] = []
-    for node in ast.walk(tree):
+    for node in statements:
         if isinstance(node, ast.Import):
             for alias in node.names:
-                out += resolver.absolute(importer, alias.name, entry_dirs)
+                out += resolver.absolute(importer, alias.name, entry_dir)
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = resolver.package_of(importer, node.level)
@@ -123,7 +125,7 @@ def imported_files(tree: ast.Module, importer: Path, resolver: _Resolver, entry_
                         if sub is not None:
                             out.append(sub)
             elif node.module:
-                found = resolver.absolute(importer, node.module, entry_dirs)
+                found = resolver.absolute(importer, node.module, entry_dir)
                 out += found
                 if found and found[-1].name == "__init__.py":
                     for alias in node.names:
@@ -139,13 +141,14 @@ def build(entries: Iterable[Path], trees: Optional[Dict[Path, ast.Module]] = Non
     graph = Graph(entries)
     trees = {} if trees is None else trees
     seen: Set[Path] = set()
-    queue: List[Tuple[Path, Path]] = [(e, project_root(e)) for e in entries]
-    entry_dirs = []
+    roots: Dict[Path, Path] = {}  # folder -> its project root, looked up once per folder
+    queue: List[Tuple[Path, Path, Path]] = []
     for e in entries:
-        if e.parent not in entry_dirs:
-            entry_dirs.append(e.parent)
+        if e.parent not in roots:
+            roots[e.parent] = project_root(e)
+        queue.append((e, roots[e.parent], e.parent))
     while queue:
-        path, root = queue.pop(0)
+        path, root, entry_dir = queue.pop(0)
         if path in seen:
             continue
         seen.add(path)
@@ -159,11 +162,12 @@ def build(entries: Iterable[Path], trees: Optional[Dict[Path, ast.Module]] = Non
             trees[path] = tree
         resolver = _Resolver(root)
         found = []
-        for f in imported_files(tree, path, resolver, entry_dirs):
-            if f != path and f not in found and (_inside(f, root) or f.parent in entry_dirs):
+        statements = graph.statements[path] = import_statements(tree)
+        for f in imported_files(statements, path, resolver, entry_dir):
+            if f != path and f not in found and (_inside(f, root) or f.parent == entry_dir):
                 found.append(f)
         graph.imports[path] = found
-        queue.extend((f, root) for f in found if f not in seen)
+        queue.extend((f, root, entry_dir) for f in found if f not in seen)
     return graph
 
 
