@@ -56,6 +56,7 @@ DIST_SAMPLERS = ("torch.utils.data.DistributedSampler", "torch.utils.data.distri
 RUNTIME = "torchmigrate.runtime"
 TM_SAMPLER = RUNTIME + ".sampler"
 TM_EVAL_SAMPLER = RUNTIME + ".eval_sampler"
+TM_SHARD_SAMPLER = RUNTIME + ".shard_sampler"
 TM_SET_EPOCH = RUNTIME + ".set_epoch"
 ITERABLE_BASES = ("torch.utils.data.IterableDataset", "torch.utils.data.dataset.IterableDataset",
                   "torch.utils.data.IterDataPipe", "torch.utils.data.datapipes.datapipe.IterDataPipe",
@@ -128,6 +129,7 @@ class Loader:
     inline_distributed: bool = False  # `sampler=DistributedSampler(...)` written in the call
     refs: List[Ref] = field(default_factory=list)
     index: int = 0
+    custom_arg: Optional[cst.Arg] = None  # its own `sampler=`/`batch_sampler=` (status "custom")
 
     @property
     def eval(self) -> Optional[bool]:
@@ -625,6 +627,9 @@ class DataFacts:
             if arg is not None and not _is_literal(arg.value, "None") and not self._always_none(arg.value, call):
                 if self._distributed_sampler(arg.value, loader):
                     return "distributed", ""
+                if self._mentions_rank(arg.value, call):
+                    return "sharded", ""
+                loader.custom_arg = arg
                 return "custom", (f"this DataLoader has its own `{name}=`, which every rank iterates in full: make it "
                                   "shard by rank (e.g. a DistributedSampler over its indices, or "
                                   f"`{tm}.rank()`/`{tm}.world_size()` inside it)")
@@ -650,6 +655,16 @@ class DataFacts:
                         return "unknown", "DataLoader gets `shuffle` from a dict and elsewhere: set the sampler by hand"
                     loader.kwargs_shuffle = a.value.value
         return "plain", ""
+
+    def _mentions_rank(self, node: cst.CSTNode, at: cst.CSTNode) -> bool:
+        """A sampler built with the rank or world size (a project's own distributed sampler)."""
+        words = _expression_words(node)
+        k = key_of(node)
+        if k is not None:
+            for assign in self.assigns_at(at, k)[:3]:
+                words += _expression_words(assign.value)
+        pairs = ["_".join(words[i:i + 2]) for i in range(len(words))]
+        return any(_RANK_RE.match(w) for w in pairs + words)
 
     def _may_be_none(self, node: cst.CSTNode, at: cst.CSTNode) -> bool:
         """A sampler that can be None: `x if c else None`, a name assigned something other than a
@@ -746,6 +761,9 @@ class DataFacts:
                     if shuffle is None and len(positional) >= 4:
                         shuffle = positional[3].value
                     shuffles.append(not _is_literal(shuffle, "False"))
+                    found = True
+                elif name == TM_SHARD_SAMPLER:
+                    shuffles.append(True)
                     found = True
                 elif name in (TM_SAMPLER, TM_EVAL_SAMPLER):
                     shuffle = next((a.value for a in c.args if a.keyword and a.keyword.value == "shuffle"), None)
@@ -885,8 +903,10 @@ class DataFacts:
     def _sampler_after(self, loader: Loader) -> Optional[str]:
         if loader.status == "distributed":
             return "distributed"
-        if loader.status == "custom":
-            return "custom"
+        if loader.status == "custom":  # TM201 wraps a training loader's own sampler in tm.shard_sampler
+            sharded = loader.custom_arg is not None and loader.kind != "eval" and not self.skip_file \
+                and not self.distributed
+            return "distributed" if sharded else "custom"
         if loader.status != "plain" or self.skip_file:
             return None
         if loader.kind == "eval":
@@ -898,6 +918,8 @@ class DataFacts:
             return False
         if loader.status == "distributed":
             return loader.sampler_shuffles
+        if loader.status == "custom":
+            return loader.sampler == "distributed"  # a tm.shard_sampler: a new draw each epoch
         if loader.status != "plain" or loader.sampler is None:
             return False
         if loader.kind == "mixed" or loader.kwargs_shuffle:
@@ -1507,8 +1529,12 @@ class DistSampler(_DataRule):
     `SequentialSampler` when not shuffling) in a plain `python train.py` run.
 
     Loaders whose name, dataset or enclosing function says val/test/eval/dev are left to TM203.
-    A loader with its own `sampler=`/`batch_sampler=`, an `IterableDataset`, or arguments hidden
-    in `*args`/`**kwargs` the tool cannot see is reported for a manual change instead. Loaders
+    A training loader with its own `sampler=`/`batch_sampler=` (`WeightedRandomSampler`,
+    `RandomSampler(replacement=True)`, a bucketing sampler of the project) gets it wrapped in
+    `tm.shard_sampler(...)`: the same draw on every rank (same seed, a new one each epoch), each
+    rank taking every W-th item, padded to equal step counts; a sampler built with the rank or
+    world size already shards and is left alone. An `IterableDataset`, or arguments hidden in
+    `*args`/`**kwargs` the tool cannot see, is reported for a manual change instead. Loaders
     that already have a `DistributedSampler` or a `tm` sampler are left alone. In `lint` the rule
     reports only in files that already use torch.distributed: a training loader there without a
     distributed sampler is a bug.
@@ -1562,8 +1588,20 @@ class DistSampler(_DataRule):
                 what = f"`{loader.target}`" if loader.target else "this DataLoader"
                 self.add_sampler(loader, f"{what} gives every rank the whole dataset: shard it with a distributed "
                                          f"sampler (`sampler={self.ctx.tm}.sampler(...)`)")
+            elif loader.status == "custom" and loader.custom_arg is not None and not self.data.distributed:
+                self._shard_custom(loader)
             elif loader.status in ("custom", "iterable", "unknown", "unhoistable") and not self.data.distributed:
                 self.manual(loader)
+
+    def _shard_custom(self, loader: Loader) -> None:
+        """`sampler=WeightedRandomSampler(...)` -> `sampler=tm.shard_sampler(WeightedRandomSampler(...))`."""
+        arg = loader.custom_arg
+        name = arg.keyword.value if arg.keyword is not None else "sampler"
+        tm = self.ctx.tm
+        self.report(arg.value, f"this DataLoader's own `{name}=` is iterated in full by every rank: "
+                               f"`{tm}.shard_sampler` shares it out by rank (same seed on every rank)",
+                    edits=[replace(arg.value, lambda v: cst.Call(func=expr(f"{tm}.shard_sampler"), args=[cst.Arg(v)]))],
+                    imports=[self.ctx.runtime_import()])
 
 
 class EvalUnpadded(_DataRule):

@@ -54,6 +54,7 @@ __all__ = [
     "Ctx", "setup", "cleanup", "device", "rank", "local_rank", "world_size", "is_main",
     "is_distributed", "wrap_model", "unwrap", "sampler", "eval_sampler", "set_epoch", "no_sync",
     "amp_dtype", "autocast", "GradScaler", "print", "barrier", "all_reduce", "gather_for_metrics", "gather_list",
+    "shard_sampler",
     "save", "load", "strip_prefix", "load_state_dict", "seed_everything", "main_only",
 ]
 
@@ -429,6 +430,66 @@ class _EpochSampler(DistributedSampler):
             self.epoch = self._passes
             self._passes += 1
         return super().__iter__()
+
+
+def shard_sampler(sampler, seed: int = 0):
+    """Any sampler or batch sampler (``WeightedRandomSampler``, ``RandomSampler(replacement=True)``,
+    a bucketing batch sampler of the project), shared out by rank. 1 process: ``sampler`` itself.
+
+    Distributed: each pass draws the sampler's whole sequence under the same seed on every rank
+    (``seed + epoch``: its ``generator`` if it has one, else torch's and Python's global RNGs,
+    restored afterwards), so the ranks agree on it, and rank r keeps items r, r+W, r+2W, ... of
+    it, padded from its start to a multiple of W so every rank runs the same number of steps.
+    The epoch advances on each pass, or follows ``set_epoch`` once called (forwarded to the
+    sampler too). Like Accelerate's sharded samplers, it works whatever the sampler does."""
+    if not is_distributed():
+        return sampler
+    return _ShardedSampler(sampler, seed)
+
+
+class _ShardedSampler(Sampler):
+    """See ``shard_sampler``."""
+
+    def __init__(self, inner, seed: int) -> None:
+        self.inner, self.seed = inner, int(seed)
+        self.epoch, self._explicit, self._passes = 0, False, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self._explicit, self.epoch = True, epoch
+        inner_set = getattr(self.inner, "set_epoch", None)
+        if callable(inner_set):
+            inner_set(epoch)
+
+    def __len__(self) -> int:
+        return -(-len(self.inner) // world_size())
+
+    def _draw(self) -> list:
+        seed = self.seed + self.epoch
+        if hasattr(self.inner, "generator"):
+            kept = self.inner.generator
+            self.inner.generator = torch.Generator().manual_seed(seed)
+            try:
+                return list(iter(self.inner))
+            finally:
+                self.inner.generator = kept
+        state = random.getstate()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            random.seed(seed)
+            try:
+                return list(iter(self.inner))
+            finally:
+                random.setstate(state)
+
+    def __iter__(self):
+        if not self._explicit:
+            self.epoch = self._passes
+            self._passes += 1
+        items = self._draw()
+        world, total = world_size(), len(self) * world_size()
+        if items and len(items) < total:
+            items = items + (items * (total // len(items) + 1))[: total - len(items)]
+        return iter(items[rank():total:world])
 
 
 def eval_sampler(dataset) -> Sampler:

@@ -84,3 +84,36 @@ def test_sampler_reshuffles_each_pass_until_set_epoch():
 def test_gather_list_is_the_identity_in_one_process():
     values = [1.0, 2.0]
     assert tm.gather_list(values) is values
+
+
+def _shards(inner, world=2, passes=2):
+    """What each rank of `world` draws from `shard_sampler(inner)` in `passes` passes."""
+    from unittest import mock
+
+    out = []
+    with mock.patch.object(tm, "world_size", lambda: world), mock.patch.object(tm, "is_distributed", lambda: True):
+        for r in range(world):
+            with mock.patch.object(tm, "rank", lambda r=r: r):
+                s = tm.shard_sampler(inner)
+                out.append([list(s) for _ in range(passes)] + [len(s)])
+    return out
+
+
+def test_shard_sampler_shares_any_sampler_out_by_rank():
+    from torch.utils.data import BatchSampler, SequentialSampler, WeightedRandomSampler
+
+    (a0, a1, n0), (b0, b1, n1) = _shards(WeightedRandomSampler(torch.ones(10), 10))
+    assert n0 == n1 == 5 and len(a0) == len(b0) == 5
+    assert a0 != a1, "a new draw each epoch"
+    # the same draw on both ranks, split: rank 0 takes items 0, 2, 4..., rank 1 items 1, 3, 5...
+    assert _shards(WeightedRandomSampler(torch.ones(10), 10)) == [[a0, a1, 5], [b0, b1, 5]]
+    (c, _, m0), (d, _, m1) = _shards(BatchSampler(SequentialSampler(range(9)), 2, False))
+    assert c == [[0, 1], [4, 5], [8]] and d == [[2, 3], [6, 7], [0, 1]], "padded to equal step counts"
+    assert m0 == m1 == 3
+
+
+def test_shard_sampler_is_the_sampler_itself_in_one_process():
+    from torch.utils.data import RandomSampler
+
+    s = RandomSampler(range(5))
+    assert tm.shard_sampler(s) is s
