@@ -130,6 +130,7 @@ class Loader:
     refs: List[Ref] = field(default_factory=list)
     index: int = 0
     custom_arg: Optional[cst.Arg] = None  # its own `sampler=`/`batch_sampler=` (status "custom")
+    runtime_sampler: bool = False  # already has `tm.sampler`/`tm.shard_sampler` (reshuffles by itself)
 
     @property
     def eval(self) -> Optional[bool]:
@@ -764,8 +765,9 @@ class DataFacts:
                     found = True
                 elif name == TM_SHARD_SAMPLER:
                     shuffles.append(True)
-                    found = True
+                    found = loader.runtime_sampler = True
                 elif name in (TM_SAMPLER, TM_EVAL_SAMPLER):
+                    loader.runtime_sampler = True
                     shuffle = next((a.value for a in c.args if a.keyword and a.keyword.value == "shuffle"), None)
                     if shuffle is None and len(c.args) > 1 and c.args[1].keyword is None:
                         shuffle = c.args[1].value
@@ -1790,11 +1792,14 @@ class SetEpoch(_DataRule):
     this in the sampler's docstring; the official DDP example forgets it). In a single-process
     run `tm.set_epoch` does nothing.
 
+    Where no epoch can be named (a `while True:` loop, a loop in a function its caller passes no
+    epoch to, a loop in another module), a loader whose sampler is the runtime's (`tm.sampler`,
+    `tm.shard_sampler`) needs nothing: those samplers start a new epoch on every pass over them
+    until `set_epoch` is called. A user's own `DistributedSampler` there is reported.
+
     ## Limitations
     `itertools.cycle(loader)` replays the first epoch forever and is reported for a manual
-    change, as are `while` loops without a counter and one-line loop bodies. Loaders handed to
-    code in other modules that runs its own epoch loop (a framework `fit()`), and loaders
-    rebuilt by a helper call on every epoch, are not followed.
+    change. Loaders rebuilt by a helper call on every epoch are not followed.
     """
 
     code = "TM202"
@@ -1846,7 +1851,7 @@ class SetEpoch(_DataRule):
             return
         data = self.data
         self.insertions: Dict[Tuple[int, int], _Insertion] = {}
-        self.problems: List[Tuple[cst.CSTNode, str]] = []
+        self.problems: List[Tuple[cst.CSTNode, str, Optional[Loader]]] = []
         self.seen: Set[Tuple[int, int]] = set()
         if not any(x.needs_epoch for x in data.loaders):
             return
@@ -1877,7 +1882,7 @@ class SetEpoch(_DataRule):
             if ctx.resolve(call.func) in ("itertools.cycle",):
                 self.problems.append((call, f"`itertools.cycle({text})` replays the first epoch's batches and never "
                                             f"reshuffles: loop over the loader per epoch and call "
-                                            f"`{ctx.tm}.set_epoch({text}, epoch)` before each pass"))
+                                            f"`{ctx.tm}.set_epoch({text}, epoch)` before each pass", None))
                 return
             if any(v is node for fn, skip in data._callees(call) for _p, v in _bind_params(fn, call, skip)):
                 return  # the callee's parameter is followed on its own
@@ -1901,7 +1906,7 @@ class SetEpoch(_DataRule):
                 elif _loops_of(call_site, ctx, data.function_of(call_site)):
                     self.problems.append((call_site, (
                         f"`{fn.name.value}()` iterates `{text}`, which its caller cannot name, inside an epoch loop: "
-                        f"pass the epoch to it and call `{ctx.tm}.set_epoch({text}, epoch)` before iterating")))
+                        f"pass the epoch to it and call `{ctx.tm}.set_epoch({text}, epoch)` before iterating"), loader))
 
     def _not_an_iteration(self, node: cst.CSTNode, parent: Optional[cst.CSTNode]) -> bool:
         """Assignment targets, aliases (`a = loader`), returns and tuples of them."""
@@ -2038,12 +2043,22 @@ class SetEpoch(_DataRule):
         return None
 
     # report --------------------------------------------------------------------------------
+    @staticmethod
+    def _reshuffles_itself(loader: Loader) -> bool:
+        """A loader whose sampler is (or becomes, in this run) one of the runtime's: `tm.sampler`
+        and `tm.shard_sampler` start a new epoch on every pass where nobody calls `set_epoch`, so
+        a place the tool cannot reach needs no TODO."""
+        return loader.runtime_sampler or (loader.status in ("plain", "custom") and loader.sampler == "distributed")
+
     def _report(self) -> None:
         ctx, data = self.ctx, self.data
         tm = ctx.tm
-        for node, message in self.problems:
-            self.report(node, message)
+        for node, message, loader in self.problems:
+            if loader is None or not self._reshuffles_itself(loader):  # `cycle()` replays whatever the sampler does
+                self.report(node, message)
         for ins in sorted((i for i in self.insertions.values() if i is not None), key=lambda i: i.loader.index):
+            if (ins.problem or ins.var is None) and self._reshuffles_itself(ins.loader):
+                continue
             if ins.problem or ins.var is None:
                 self.report(ins.loop, f"`{ins.text}` needs `{tm}.set_epoch({ins.text}, epoch)` at the start of every "
                                       f"epoch, but {ins.problem or 'no epoch variable was found'}: add it by hand")

@@ -92,7 +92,11 @@ def _outside(ctx: Context, node: cst.CSTNode, guard: Optional[cst.If]) -> Option
 
 def _is_script(ctx: Context) -> bool:
     """A module without a `__main__` guard is a script (rather than a library module) when its
-    module-level code trains: see `_trains_at_module_level`."""
+    module-level code trains (see `_trains_at_module_level`), or when it is the entry of a
+    program whose training happens in the modules it imports (`exp = Exp(args); exp.train()`)."""
+    program = ctx.program
+    if program.followed and program.is_entry and program.program_trains:
+        return True
     return _trains_at_module_level(ctx, None)
 
 
