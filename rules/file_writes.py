@@ -13,6 +13,18 @@ from torchmigrate.nodes import set_kwarg
 from torchmigrate.rule import Example, Rule
 from torchmigrate.rules.logging_rules import active, guard_edit, runs_user_code, sibling_runs, under_rank_guard
 
+# Calls that write a file as a statement of their own (resolved names; see `_writer`).
+_WRITERS = frozenset({
+    "numpy.save", "numpy.savez", "numpy.savez_compressed", "numpy.savetxt",
+    "matplotlib.pyplot.savefig", "imageio.imwrite", "imageio.imsave", "imageio.v2.imwrite",
+    "imageio.v3.imwrite", "cv2.imwrite", "scipy.io.savemat", "scipy.io.wavfile.write",
+    "soundfile.write", "torchaudio.save", "pickle.dump", "joblib.dump",
+})
+# Methods that write a file whatever object has them (a figure, a DataFrame, a pathlib.Path).
+_WRITER_METHODS = frozenset({"savefig", "to_csv", "to_parquet", "to_pickle", "to_excel", "to_feather",
+                             "write_text", "write_bytes"})
+_FILE_HANDLERS = ("logging.FileHandler", "logging.handlers.RotatingFileHandler",
+                  "logging.handlers.TimedRotatingFileHandler")
 _MAKEDIRS = "os.makedirs"
 _MKDIR = "os.mkdir"
 _EXISTS = ("os.path.isdir", "os.path.exists")
@@ -25,6 +37,13 @@ class MainOnlyWrites(Rule):
       `if tm.is_main(): with open(path, "w") as f: ...`, when the block runs no forward pass, no
       collective and no function of the file (those must run on every rank; they are left as
       they are).
+    - A statement that writes a file by itself (`np.save(path, a)`, `plt.savefig(path)`,
+      `fig.savefig(path)`, `df.to_csv(path)`, `Path(p).write_text(s)`, `cv2.imwrite(...)`,
+      `pickle.dump(obj, f)`, ...) goes under `if tm.is_main():` on the same terms; adjacent ones
+      share one guard.
+    - `logging.FileHandler(path)` (and the rotating ones) becomes
+      `(logging.FileHandler(path) if tm.is_main() else logging.NullHandler())`: one log file,
+      written by the main process.
     - `os.makedirs(d)` without `exist_ok` gets `exist_ok=True`, and `os.mkdir(d)` under
       `if not os.path.isdir(d):` / `os.path.exists(d)` becomes `os.makedirs(d, exist_ok=True)`.
 
@@ -89,18 +108,51 @@ class MainOnlyWrites(Rule):
                 handle = ctx.parent(ctx.parent(call))
                 if isinstance(handle, cst.With) and handle.items[0].item is call:
                     withs.append(handle)
+            elif name in _FILE_HANDLERS:
+                self._handler(call)
+            elif self._writer(call, name):
+                statement = ctx.parent(ctx.parent(call))
+                expr_stmt = ctx.parent(call)
+                if isinstance(expr_stmt, cst.Expr) and isinstance(statement, cst.SimpleStatementLine) \
+                        and len(statement.body) == 1:
+                    withs.append(statement)
         lines = []
         for handle in withs:
             if under_rank_guard(ctx, handle) or not isinstance(ctx.parent(handle), (cst.IndentedBlock, cst.Module)):
                 continue
             if runs_user_code(ctx, handle) or self._calls_a_parameter(handle):
-                self.report(handle, f"every rank writes this file; the block also runs code that must run on every "
-                                    f"rank, so write the file under `if {ctx.tm}.is_main():` yourself")
+                self.report(handle, f"every rank writes this file; the {'block' if isinstance(handle, cst.With) else 'call'}"
+                                    f" also runs code that must run on every rank, so write the file under "
+                                    f"`if {ctx.tm}.is_main():` yourself")
                 continue
             lines.append(handle)
         for run in sibling_runs(ctx, lines):
-            self.report(run[0], "every rank opens this file for writing; write it on the main process only",
+            self.report(run[0], "every rank writes this file; write it on the main process only",
                         edits=[guard_edit(ctx, run)], imports=[ctx.runtime_import()])
+
+    def _writer(self, call: cst.Call, name) -> bool:
+        if name in _WRITERS:
+            return True
+        func = call.func
+        return isinstance(func, cst.Attribute) and func.attr.value in _WRITER_METHODS and bool(call.args)
+
+    def _handler(self, call: cst.Call) -> None:
+        ctx = self.ctx
+        parent = ctx.parent(call)
+        if isinstance(parent, cst.IfExp) or under_rank_guard(ctx, call):
+            return  # already chosen by rank
+        tm = ctx.tm
+        if not (dotted(call.func) or "").startswith("logging."):  # `from logging import FileHandler`
+            self.report(call, f"every rank opens this log file and appends to it: create the handler on the main "
+                              f"process only (`... if {tm}.is_main() else logging.NullHandler()`)")
+            return
+        self.report(call, "every rank opens this log file and appends to it: only the main process writes it, the "
+                          "others get a logging.NullHandler",
+                    edits=[replace(call, lambda c: cst.IfExp(
+                        test=cst.parse_expression(f"{tm}.is_main()"), body=c,
+                        orelse=cst.parse_expression("logging.NullHandler()"),
+                        lpar=[cst.LeftParen()], rpar=[cst.RightParen()]))],
+                    imports=[ctx.runtime_import()])
 
     def _calls_a_parameter(self, handle: cst.With) -> bool:
         """The block calls a parameter of its function (`model(batch)`): maybe a forward pass."""

@@ -32,6 +32,7 @@ import contextlib
 import datetime
 import gc
 import io
+import itertools
 import logging
 import numbers
 import os
@@ -463,13 +464,18 @@ class _ShardedSampler(Sampler):
     def __len__(self) -> int:
         return -(-len(self.inner) // world_size())
 
-    def _draw(self) -> list:
+    def _start(self):
+        """The sampler's iterator, and its first item, drawn under ``seed + epoch``: its own
+        ``generator`` if it has one, else torch's and Python's global RNGs (restored after). Samplers
+        fix their order when they start (torch's draw a seed, bucketing samplers shuffle first),
+        so the ranks agree on the whole sequence."""
         seed = self.seed + self.epoch
         if hasattr(self.inner, "generator"):
             kept = self.inner.generator
             self.inner.generator = torch.Generator().manual_seed(seed)
             try:
-                return list(iter(self.inner))
+                it = iter(self.inner)
+                return it, next(it, _END)
             finally:
                 self.inner.generator = kept
         state = random.getstate()
@@ -477,19 +483,38 @@ class _ShardedSampler(Sampler):
             torch.manual_seed(seed)
             random.seed(seed)
             try:
-                return list(iter(self.inner))
+                it = iter(self.inner)
+                return it, next(it, _END)
             finally:
                 random.setstate(state)
 
     def __iter__(self):
+        """Streams (a sampler may be huge: ``RandomSampler(num_samples=10**10)``): rank r keeps
+        items r, r+W, ...; if the sequence does not fill W equal shares, its first items pad it, as
+        ``DistributedSampler`` pads."""
         if not self._explicit:
             self.epoch = self._passes
             self._passes += 1
-        items = self._draw()
-        world, total = world_size(), len(self) * world_size()
-        if items and len(items) < total:
-            items = items + (items * (total // len(items) + 1))[: total - len(items)]
-        return iter(items[rank():total:world])
+        world, me, share = world_size(), rank(), len(self)
+        it, first = self._start()
+        if first is _END:
+            return
+        head, kept, total = [], 0, 0
+        for item in itertools.chain((first,), it):
+            if total < world:
+                head.append(item)
+            if total % world == me:
+                yield item
+                kept += 1
+                if kept == share:
+                    return
+            total += 1
+        for j in range(total, share * world):  # padding
+            if j % world == me:
+                yield head[(j - total) % len(head)]
+
+
+_END = object()
 
 
 def eval_sampler(dataset) -> Sampler:
