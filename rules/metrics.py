@@ -877,6 +877,8 @@ def _dataset_len(ctx: Context, loop: cst.For) -> str:
 # so gathering every rank's values into it is right whether or not the loader was sharded.
 _MEAN_CALLS = frozenset({"mean", "fmean", "average", "nanmean"})
 _TO_ARRAY = frozenset({"tensor", "as_tensor", "stack", "array", "asarray", "Tensor", "FloatTensor"})
+# `AverageMeter()`, `RunningAverage()`, `LossTracker()`: objects that keep a running sum and count
+_METER = re.compile(r"(?i)(meter|average|avg|tracker|accumulator)$")
 
 
 class GatherListMean(Rule):
@@ -890,6 +892,11 @@ class GatherListMean(Rule):
         losses = tm.gather_list(losses)
 
     which concatenates the lists of all ranks (rank order; identity in one process).
+
+    A meter object built before the loop (`meter = AverageMeter()`, any class named like a
+    meter, average or tracker) and updated in it (`meter.update(loss.item(), x.size(0))`) gets
+    `tm.reduce_meter(meter)` after the loop: its `sum` and `count` are summed across ranks and
+    its `avg` recomputed (a meter without those attributes is left as it is, on every rank).
 
     ## Why is this bad?
     Under DDP each rank iterates its own shard, so the mean of its list is the mean of one shard.
@@ -938,12 +945,16 @@ class GatherListMean(Rule):
         if not active(ctx):
             return
         loops: Dict[cst.CSTNode, List[str]] = {}
+        meters: Dict[cst.CSTNode, List[str]] = {}
         for call, _name in analysis.facts(ctx).calls:
             func = call.func
-            if type(func) is cst.Attribute and func.attr.value == "append" and type(func.value) is cst.Name:
+            if type(func) is cst.Attribute and func.attr.value in ("append", "update") and type(func.value) is cst.Name:
                 loop = loader_loop(ctx, call)
-                if loop is not None and func.value.value not in loops.setdefault(loop, []):
-                    loops[loop].append(func.value.value)
+                found = (loops if func.attr.value == "append" else meters).setdefault(loop, []) if loop else None
+                if found is not None and func.value.value not in found:
+                    found.append(func.value.value)
+        for loop, names in meters.items():
+            self._meters(loop, names)
         for loop, names in loops.items():
             if ctx.within(loop.body, cst.Return, cst.Yield, cst.Break, skip_defs=True):
                 continue  # ranks may leave the loop at different points
@@ -965,6 +976,43 @@ class GatherListMean(Rule):
             self.report(loop, f"the mean of {listed} covers this rank's batches only; gather every rank's values first",
                         edits=[insert_after(loop, statements)], imports=[ctx.runtime_import()])
 
+    def _meters(self, loop: cst.For, names: List[str]) -> None:
+        ctx = self.ctx
+        if ctx.within(loop.body, cst.Return, cst.Yield, cst.Break, skip_defs=True):
+            return
+        found = []
+        for name in names:
+            ok, value = initial_value(ctx, loop, name)
+            label = (dotted(value.func) or "").rsplit(".", 1)[-1] if ok and isinstance(value, cst.Call) else ""
+            if _METER.search(label) and not _reassigned_in(ctx, loop, name) and self._read_after(loop, name):
+                found.append(name)
+        if not found or self._reduced_after(loop, found):
+            return
+        tm = ctx.tm
+        lines = [f"{tm}.reduce_meter({n})" for n in found]
+        listed = ", ".join(f"`{n}`" for n in found)
+        if collective_guard(ctx, loop) is not None:
+            self.report(loop, f"{listed} average{'s' if len(found) == 1 else ''} this rank's batches only, but this "
+                              "loop runs under a rank guard, where a reduction would hang the other ranks: evaluate "
+                              f"on every rank and add `{'; '.join(lines)}` after the loop",
+                        statement=ctx.statement_of(loop))
+            return
+        self.report(loop, f"{listed} average{'s' if len(found) == 1 else ''} this rank's batches only; reduce "
+                          f"{'its' if len(found) == 1 else 'their'} sum and count across ranks",
+                    edits=[insert_after(loop, [cst.parse_statement(line + "\n") for line in lines])],
+                    imports=[ctx.runtime_import()])
+
+    def _read_after(self, loop: cst.For, name: str) -> bool:
+        ctx = self.ctx
+        index = source_index(ctx)
+        begin, scope = index.end[loop], scope_of(ctx, loop)
+        return any(order > begin and scope_of(ctx, n) is scope and _is_load(ctx, n) for order, n in index.names(name))
+
+    def _reduced_after(self, loop: cst.For, names: List[str]) -> bool:
+        """`tm.reduce_meter(meter)` already follows the loop (a second run)."""
+        nxt = _next_sibling(self.ctx, loop)
+        return nxt is not None and "reduce_meter(" in code(nxt) and any(n in code(nxt) for n in names)
+
     def _means_only(self, loop: cst.For, name: str) -> bool:
         """Every use of `name` after `loop` (in its scope, before a rebinding) is inside a mean."""
         ctx = self.ctx
@@ -976,10 +1024,13 @@ class GatherListMean(Rule):
             if order <= begin or scope_of(ctx, n) is not scope or not _is_load(ctx, n):
                 continue
             if _binding(ctx, n) is not None:
-                break  # rebound: later uses are of another list
+                continue  # `losses = np.mean(losses)`: the target; its value's uses are checked
             if not self._in_mean(n, name):
                 return False
             uses += 1
+            statement = ctx.statement_of(n)
+            if any(_binding(ctx, t) is not None for t in ctx.within(statement, cst.Name) if t.value == name):
+                break  # rebound here: later uses are of the mean, not the list
         return uses > 0
 
     def _in_mean(self, use: cst.Name, name: str) -> bool:
@@ -1000,6 +1051,14 @@ class GatherListMean(Rule):
         if label in ("sum", "len") and len(call.args) == 1:
             return _sum_over_len(ctx, call, name)
         return False
+
+
+def _next_sibling(ctx: Context, statement: cst.CSTNode) -> Optional[cst.CSTNode]:
+    body = body_of(ctx.parent(statement))
+    if body is None:
+        return None
+    i = index_in(body, statement)
+    return body[i + 1] if i is not None and i + 1 < len(body) else None
 
 
 def _sum_over_len(ctx: Context, call: cst.Call, name: str) -> bool:

@@ -22,7 +22,7 @@ Environment contract, read in this order:
 
 A process group is created only when world size > 1 (as Accelerate): ``torchrun
 --nproc-per-node=1`` behaves like ``python train.py``. Only ``setup``, ``wrap_model``, ``cleanup``,
-``barrier``, ``all_reduce``, ``gather_for_metrics`` and ``gather_list`` communicate; every other helper is
+``barrier``, ``all_reduce``, ``gather_for_metrics``, ``gather_list`` and ``reduce_meter`` communicate; every other helper is
 collective-free and safe inside ``if tm.is_main():`` blocks.
 """
 from __future__ import annotations
@@ -55,7 +55,7 @@ __all__ = [
     "Ctx", "setup", "cleanup", "device", "rank", "local_rank", "world_size", "is_main",
     "is_distributed", "wrap_model", "unwrap", "sampler", "eval_sampler", "set_epoch", "no_sync",
     "amp_dtype", "autocast", "GradScaler", "print", "barrier", "all_reduce", "gather_for_metrics", "gather_list",
-    "shard_sampler",
+    "shard_sampler", "reduce_meter",
     "save", "load", "strip_prefix", "load_state_dict", "seed_everything", "main_only",
 ]
 
@@ -725,6 +725,21 @@ def gather_list(values) -> list:
     parts = [None] * world_size()
     dist.all_gather_object(parts, mine)
     return [v for part in parts for v in part]
+
+
+def reduce_meter(meter):
+    """Sum a running-average object's ``sum`` and ``count`` across ranks, in place, and recompute
+    its ``avg`` (``AverageMeter``-style classes); returns it. An object without numeric ``sum`` and
+    ``count`` is returned unchanged (every rank has the same class, so every rank skips alike).
+    1 process: unchanged. A collective: call it on every rank."""
+    total, count = getattr(meter, "sum", None), getattr(meter, "count", None)
+    if not is_distributed() or not isinstance(total, (numbers.Real, torch.Tensor)) \
+            or not isinstance(count, (numbers.Real, torch.Tensor)):
+        return meter
+    meter.sum, meter.count = all_reduce(total, count)
+    if hasattr(meter, "avg"):
+        meter.avg = meter.sum / meter.count if meter.count else meter.avg
+    return meter
 
 
 def save(obj, path) -> None:

@@ -117,3 +117,11 @@ def test_shard_sampler_is_the_sampler_itself_in_one_process():
 
     s = RandomSampler(range(5))
     assert tm.shard_sampler(s) is s
+
+
+def test_reduce_meter_leaves_a_meter_alone_in_one_process():
+    class Meter:
+        sum, count, avg = 6.0, 3, 2.0
+
+    m = Meter()
+    assert tm.reduce_meter(m) is m and (m.sum, m.count, m.avg) == (6.0, 3, 2.0)
