@@ -336,7 +336,9 @@ class DataFacts:
         self._words_of_dataset: Dict[int, List[str]] = {}  # see `_dataset_words`
         self.distributed = analysis.is_distributed(ctx)
         self.skip_file = any(ctx.imports.imports_module(m) for m in SELF_SHARDING)
-        calls = [c for c, name in self.facts.calls if name in DATALOADERS]
+        subclasses = ctx.program.loader_classes  # the program's own DataLoader subclasses
+        calls = [c for c, name in self.facts.calls
+                 if name in DATALOADERS or (subclasses and dotted(c.func) in subclasses)]
         self.scan: Optional[_Scan] = None
         if not calls:
             return

@@ -45,7 +45,7 @@ def loader_names(ctx: Context) -> Set[str]:
             if not isinstance(value, cst.Call):
                 continue
             resolved = ctx.resolve(value.func)
-            if resolved in DATALOADERS or (resolved in TQDM_CALLS and value.args and _iterates_loader(ctx, value.args[0].value, names)):
+            if resolved in DATALOADERS or dotted(value.func) in ctx.program.loader_classes or (resolved in TQDM_CALLS and value.args and _iterates_loader(ctx, value.args[0].value, names)):
                 for t in assign.targets:
                     d = dotted(t.target)
                     if d:

@@ -231,6 +231,7 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
         if not changed:
             break
 
+    loader_classes = {(p, name) for p, m in modules.items() for name, c in m.classes.items() if _loader_subclass(c)}
     torch_anywhere = any(_uses_torch(graph.statements.get(p, ())) for p in modules)
     entry_set = {Path(e).resolve() for e in entries}
     several = len(modules) > 1
@@ -241,10 +242,33 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
             followed=several,
             wrapped_params={q: frozenset(p) for (mp, q), p in wrapped.items() if mp == path},
             wrapped_attrs={k: frozenset(a) for (mp, k), a in attrs.items() if mp == path},
+            loader_classes=frozenset(_spellings(m, modules, loader_classes)),
             program_trains=trains,
             program_torch=torch_anywhere,
         )
     return views
+
+
+def _loader_subclass(klass: ast.ClassDef) -> bool:
+    """`class AudioDataLoader(DataLoader)` whose `__init__` (if any) passes `**kwargs` on, so a
+    `sampler=` added at its call sites reaches DataLoader."""
+    if not any((_dotted(b) or "").rsplit(".", 1)[-1] == "DataLoader" for b in klass.bases):
+        return False
+    for item in klass.body:
+        if isinstance(item, FUNC_TYPES) and item.name == "__init__":
+            return item.args.kwarg is not None
+    return True
+
+
+def _spellings(m: _Module, modules: Dict[Path, _Module], classes: Set[Tuple[Path, str]]) -> Set[str]:
+    """How module `m` names the loader classes: its own, imported ones, `module.Class`."""
+    out = {name for (p, name) in classes if p == m.path}
+    for local, (path, symbol) in m.imports.items():
+        if symbol is not None and (path, symbol) in classes:
+            out.add(local)
+        elif symbol is None:
+            out |= {f"{local}.{name}" for (p, name) in classes if p == path}
+    return out
 
 
 def _qual(s: _Scope) -> str:

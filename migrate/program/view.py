@@ -16,5 +16,8 @@ class ModuleView:
     wrapped_params: Dict[str, FrozenSet[str]] = field(default_factory=dict)
     # class name -> `self.` attributes that hold a wrapped model
     wrapped_attrs: Dict[str, FrozenSet[str]] = field(default_factory=dict)
+    # names (as this module spells them) of the program's DataLoader subclasses that pass
+    # keyword arguments through: `AudioDataLoader`, `data.AudioDataLoader`
+    loader_classes: FrozenSet[str] = frozenset()
     program_trains: bool = False  # some module of the program builds an optimizer over a model
     program_torch: bool = False  # some module of the program uses torch
