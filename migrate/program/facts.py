@@ -122,6 +122,7 @@ class _Scope:
         self.module, self.node, self.klass = module, node, klass
         self.calls: List[ast.Call] = []
         self.models: Set[str] = set()
+        self.instances: Dict[str, Tuple[Path, str]] = {}  # name -> (module, class) of the program
         self.assigns: List[ast.Assign] = []
         body = node.body if not isinstance(node, ast.Module) else [
             s for s in node.body if not isinstance(s, (*FUNC_TYPES, ast.ClassDef))]
@@ -199,6 +200,28 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
         if s.klass:
             s.models |= class_models.get((s.module.path, s.klass), set())
 
+    # Instances of the program's classes: `stopper = EarlyStopping(...)` (per scope) or
+    # `self.saver = Saver(...)` (class-wide), so `stopper(loss, model)` and
+    # `self.saver.save(model)` reach `EarlyStopping.__call__` and `Saver.save`.
+    class_instances: Dict[Tuple[Path, str], Dict[str, Tuple[Path, str]]] = {}
+    for s in scopes:
+        for a in s.assigns:
+            if not isinstance(a.value, ast.Call):
+                continue
+            target = _callee(s.module, modules, a.value)
+            if target is None or not target[1].endswith(".__init__"):
+                continue
+            klass = (target[0], target[1].split(".")[0])
+            for t in a.targets:
+                name = _dotted(t)
+                if name and name.startswith("self.") and s.klass:
+                    class_instances.setdefault((s.module.path, s.klass), {})[name] = klass
+                elif name:
+                    s.instances[name] = klass
+    for s in scopes:
+        if s.klass:
+            s.instances.update(class_instances.get((s.module.path, s.klass), {}))
+
     wrapped: Dict[Tuple[Path, str], Set[str]] = {}
     attrs: Dict[Tuple[Path, str], Set[str]] = {}
     for _ in range(6):  # to a fixpoint: a parameter that holds a model passes it on
@@ -210,7 +233,7 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
             if not held:
                 continue
             for call in s.calls:
-                target = _callee(s.module, modules, call)
+                target = _callee(s.module, modules, call) or _method_of_instance(s, modules, call)
                 if target is None:
                     continue
                 path, qual, skip_self = target
@@ -300,6 +323,19 @@ def _callee(module: _Module, modules: Dict[Path, _Module], call: ast.Call) -> Op
     if symbol in target.functions:
         return path, symbol, False
     return None
+
+
+def _method_of_instance(s: "_Scope", modules: Dict[Path, _Module], call: ast.Call) -> Optional[Tuple[Path, str, bool]]:
+    """`stopper(...)` -> `EarlyStopping.__call__`, `self.saver.save(...)` -> `Saver.save`."""
+    func = call.func
+    name, method = _dotted(func), "__call__"
+    if name not in s.instances and isinstance(func, ast.Attribute):
+        name, method = _dotted(func.value), func.attr
+    if name not in s.instances:
+        return None
+    path, klass = s.instances[name]
+    qual = f"{klass}.{method}"
+    return (path, qual, True) if qual in modules[path].functions else None
 
 
 def _bind(func: ast.AST, call: ast.Call, skip_self: bool) -> List[Tuple[str, ast.AST]]:

@@ -106,3 +106,34 @@ def test_no_follow(tmp_path):
     write(tmp_path, {"train.py": "import common\n", "common.py": ""})
     program = build([tmp_path / "train.py"], [tmp_path / "train.py"], follow=False)
     assert program.files == [tmp_path / "train.py"] and not program.views
+
+
+def test_models_reach_methods_of_instances_of_the_programs_classes(tmp_path):
+    write(tmp_path, {
+        "exp.py": """
+            import torch
+            from tools import EarlyStopping, Saver
+            class Exp:
+                def __init__(self):
+                    self.model = build()
+                    self.saver = Saver()
+                def train(self):
+                    opt = torch.optim.Adam(self.model.parameters())
+                    stopper = EarlyStopping(patience=3)
+                    stopper(0.1, self.model, "ckpt")
+                    self.saver.save(self.model)
+            """,
+        "tools.py": """
+            class EarlyStopping:
+                def __init__(self, patience):
+                    self.patience = patience
+                def __call__(self, val_loss, model, path):
+                    pass
+            class Saver:
+                def save(self, net):
+                    pass
+            """,
+    })
+    program = build([tmp_path / "exp.py"], [tmp_path / "exp.py"])
+    views = {Path(k).name: v for k, v in program.views.items()}
+    assert views["tools.py"].wrapped_params == {"EarlyStopping.__call__": {"model"}, "Saver.save": {"net"}}
