@@ -16,6 +16,7 @@ from torchmigrate.diff import colorize, use_color
 from torchmigrate.files import discover
 from torchmigrate.rule import RUNTIME_MODULE, Options
 from torchmigrate.runner import AUTO_JOBS_MIN_FILES, VENDORED_NAME, Job, Outcome, Progress, auto_jobs, run
+from torchmigrate.verify import command as verify_command
 
 AMP_CHOICES = ("auto", "bf16", "fp16", "off")
 
@@ -241,6 +242,9 @@ def markdown_table(rules) -> str:
     for r in rules:
         lines.append(f"| {r.code} | `{r.name}` | {r.safety.value} | {', '.join(sorted(r.commands))} | {cell(r.summary)} |")
     return "\n".join(lines)
+
+
+main.add_command(verify_command)
 
 
 @main.command("rules")
