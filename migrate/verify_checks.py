@@ -110,7 +110,8 @@ def _training(run: Run) -> dict:
 
 def sharded(run: Run) -> Check:
     """In each epoch the ranks draw disjoint samples of a training loader (up to the padding a
-    DistributedSampler adds so every rank gets as many)."""
+    DistributedSampler adds so every rank gets as many) and, unless it drops the last samples,
+    together every sample."""
     title = "training loaders are sharded"
     sites = _training(run)
     if not sites:
@@ -135,8 +136,14 @@ def sharded(run: Run) -> Check:
                 evidence.append(f"DataLoader created at {site}: {what} ({n} samples, sampler {info['loader']['sampler']})")
                 where.append(site)
                 break
+            drawn_all = set().union(*map(set, drawn.values()))
+            if n and not info["loader"]["drop_last"] and len(drawn_all) < n:
+                evidence.append(f"DataLoader created at {site}: the ranks together drew {len(drawn_all)} of "
+                                f"{n} samples in epoch {epoch}")
+                where.append(site)
+                break
     if evidence:
-        return Check("sharded", title, FAIL, f"{len(where)} training loader(s) not sharded across ranks", evidence, where)
+        return Check("sharded", title, FAIL, f"{len(where)} training loader(s) not sharded correctly across ranks", evidence, where)
     return Check("sharded", title, PASS, f"each rank drew a disjoint shard of {', '.join(sites)}")
 
 

@@ -105,6 +105,7 @@ def _loader(loader) -> dict:
         "site": site, "sampler": type(sampler).__name__,
         "shuffle": getattr(sampler, "shuffle", isinstance(sampler, torch.utils.data.RandomSampler)),
         "dataset_len": _len(loader.dataset),
+        "drop_last": bool(loader.drop_last or getattr(sampler, "drop_last", False)),
         "iterations": []})
 
 
