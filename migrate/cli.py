@@ -102,6 +102,7 @@ def main() -> None:
       torchmigrate ddp train.py            rewrite in place (DDP + AMP)
       torchmigrate ddp --dry-run train.py  print the diff and the report, write nothing
       torchmigrate lint src/               report findings (pre-commit hook, CI)
+      torchmigrate verify train.py         run it on 2 CPU ranks and check it trains correctly
       torchmigrate explain TM406           a rule's documentation and example
 
     Exit codes: 0 clean or all fixed, 1 findings remain or a change is due, 2 usage or input error.

@@ -185,7 +185,7 @@ def split_args(text: Optional[str]) -> Optional[List[str]]:
     return None if text is None else shlex.split(text)
 
 
-@click.command("verify", context_settings={"ignore_unknown_options": False})
+@click.command("verify")
 @click.argument("script", type=click.Path(exists=True, dir_okay=False))
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
 @click.option("--nproc", type=click.IntRange(1, 64), default=2, show_default=True, help="Number of ranks.")
@@ -194,16 +194,23 @@ def split_args(text: Optional[str]) -> Optional[List[str]]:
 @click.option("--steps", type=click.IntRange(0), default=10, show_default=True,
               help="End each training epoch after K optimizer steps (0: the whole epoch).")
 @click.option("--epochs", type=click.IntRange(0), default=2, show_default=True,
-              help="Stop the program, on every rank at the same point, before epoch E+1 (0: no limit).")
+              help="Stop the program, on every rank at the same point, before epoch E+1 (0: no limit). "
+                   "Code after the training loop (a final save) then does not run: to check it, "
+                   "shorten the run with the script's own options and pass 0.")
 @click.option("--timeout", type=click.FloatRange(min=1), default=300, show_default=True,
               help="Stop the run after S seconds and report where each rank was.")
 @click.option("--resume-args", metavar="ARGS", help="Run a second time with these script arguments "
               "(one shell-quoted string) and check it resumes from a file the first run wrote.")
 @click.option("--resume-env", metavar="NAME=VALUE", multiple=True,
               help="Environment for that second run (repeatable); implies a resume run.")
-@click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
+@click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True,
+              help="text: a table for a terminal; json: the checks and each rank's output, for CI.")
 def command(script, script_args, nproc, device, steps, epochs, timeout, resume_args, resume_env, fmt):
     """Run SCRIPT on N ranks under torchrun and check it trains correctly.
+
+    \b
+      torchmigrate verify train.py                       2 CPU ranks (gloo)
+      torchmigrate verify --steps 5 train.py -- --lr 0.1 script arguments after --
 
     This RUNS YOUR CODE (as `torchrun --standalone --nproc-per-node N SCRIPT ARGS` would), with a
     probe that records, without changing your files: crashes, the samples each rank draws, final

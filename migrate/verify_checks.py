@@ -98,13 +98,17 @@ def exits(run: Run) -> Check:
 
 
 def _training(run: Run) -> dict:
-    """site -> per rank, the loader's reads during which an optimizer stepped (training epochs)."""
+    """loader -> per rank, the loader's reads during which an optimizer stepped (training epochs).
+    Loaders are matched across ranks by creation site and order of creation."""
     sites: dict = {}
     for rank, rec in enumerate(run.records):
-        for site, loader in (rec or {}).get("loaders", {}).items():
+        seen: dict = {}
+        for loader in (rec or {}).get("loaders", {}).values():
             reads = [it for it in loader["iterations"] if it["steps"]]
             if reads:
-                sites.setdefault(site, {"loader": loader, "reads": {}})["reads"][rank] = reads
+                key = (loader["site"], seen.setdefault(loader["site"], 0))
+                seen[loader["site"]] += 1
+                sites.setdefault(key, {"loader": loader, "reads": {}})["reads"][rank] = reads
     return sites
 
 
@@ -118,7 +122,7 @@ def sharded(run: Run) -> Check:
         return Check("sharded", title, SKIP, "no training loader seen (no optimizer step while a DataLoader was read)")
     evidence, where = [], []
     world = len(run.records)
-    for site, info in sites.items():
+    for (site, _), info in sites.items():
         n, reads = info["loader"]["dataset_len"], info["reads"]
         if len(reads) < 2:
             continue
@@ -144,7 +148,7 @@ def sharded(run: Run) -> Check:
                 break
     if evidence:
         return Check("sharded", title, FAIL, f"{len(where)} training loader(s) not sharded correctly across ranks", evidence, where)
-    return Check("sharded", title, PASS, f"each rank drew a disjoint shard of {', '.join(sites)}")
+    return Check("sharded", title, PASS, f"each rank drew a disjoint shard of the loader at {', '.join(s for s, _ in sites)}")
 
 
 def reshuffled(run: Run) -> Check:
@@ -152,7 +156,7 @@ def reshuffled(run: Run) -> Check:
     title = "training order changes every epoch"
     sites = _training(run)
     evidence, where, judged = [], [], []
-    for site, info in sites.items():
+    for (site, _), info in sites.items():
         loader, reads = info["loader"], info["reads"].get(0) or next(iter(info["reads"].values()))
         if len(reads) < 2 or reads[0]["indices"] is None or loader["shuffle"] is False:
             continue
@@ -167,7 +171,7 @@ def reshuffled(run: Run) -> Check:
         return Check("reshuffled", title, FAIL, "the same sample order every epoch", evidence, where)
     if not judged:
         return Check("reshuffled", title, SKIP, "no shuffling training loader was read for two epochs")
-    return Check("reshuffled", title, PASS, f"a new order every epoch in {', '.join(judged)}")
+    return Check("reshuffled", title, PASS, f"a new order every epoch from the loader at {', '.join(judged)}")
 
 
 def _by_optimizer(run: Run):
@@ -184,8 +188,8 @@ def params_in_sync(run: Run) -> Check:
     title = "parameters identical on all ranks"
     records = [rec for rec in run.records if rec]
     optimizers = list(_by_optimizer(run))
-    if not optimizers:
-        return Check("params", title, SKIP, "no optimizer was created")
+    if not optimizers or not any(rec["steps"] for rec in records):
+        return Check("params", title, SKIP, "no optimizer step ran")
     if not any(rec["process_group"] for rec in records):
         return Check("params", title, FAIL,
                      "no process group: each rank trains its own copy and nothing synchronises gradients "

@@ -49,7 +49,7 @@ _OWN = tuple(os.path.dirname(os.path.abspath(importlib.util.find_spec(name).orig
 _open, _save, _load, _replace, _rename = builtins.open, torch.save, torch.load, os.replace, os.rename
 
 record: dict = {"rank": int(os.environ.get("RANK", "0")), "status": None, "exit_code": None,
-                "error": None, "process_group": False, "loaders": {}, "optimizers": [], "ddp": [],
+                "error": None, "steps": 0, "process_group": False, "loaders": {}, "optimizers": [], "ddp": [],
                 "writes": {}, "saves": [], "loads": [], "plateau": []}
 _optimizers: list = []
 _ddp: list = []
@@ -88,20 +88,24 @@ def _sampler(loader):
     return loader.sampler
 
 
+def _index(i):
+    try:
+        return int(i)
+    except (TypeError, ValueError):  # a sampler of keys, not positions: compared as text
+        return repr(i)
+
+
 def _flat(items) -> list:
-    out = []
-    for item in items:
-        for i in (item if isinstance(item, (list, tuple)) else [item]):
-            out.append(int(i) if isinstance(i, int) or hasattr(i, "__index__") else repr(i))
-    return out
+    return [_index(i) for item in items for i in (item if isinstance(item, (list, tuple)) else [item])]
 
 
 def _loader(loader) -> dict:
-    """The record of a DataLoader, keyed by where it was created (a script that builds a new loader
-    every epoch still has one training loader)."""
-    site = getattr(loader, "_tm_verify_site", None) or f"DataLoader#{id(loader)}"
+    """The record of a DataLoader, keyed by where it was created and its dataset (a script that
+    builds a new loader every epoch still has one training loader; a helper that builds the train
+    and the val loader on one line has two)."""
+    site = getattr(loader, "_tm_verify_site", None) or "a DataLoader outside your files"
     sampler = _sampler(loader)
-    return record["loaders"].setdefault(site, {
+    return record["loaders"].setdefault(f"{site} {id(loader.dataset)}", {
         "site": site, "sampler": type(sampler).__name__,
         "shuffle": getattr(sampler, "shuffle", isinstance(sampler, torch.utils.data.RandomSampler)),
         "dataset_len": _len(loader.dataset),
@@ -167,6 +171,7 @@ def _patch_training() -> None:
         _ddp.append((module, _where()))
 
     def stepped(optimizer, args, kwargs):
+        record["steps"] += 1
         if "it" in _active:
             _active["it"]["steps"] += 1
         record["process_group"] = record["process_group"] or (dist.is_available() and dist.is_initialized())

@@ -119,7 +119,7 @@ def test_help_says_it_runs_the_code():
 # --- the checks on hand-made records (no launch) ---------------------------------------------
 
 def _record(indices_per_epoch, *, sampler="DistributedSampler", shuffle=True, n=8):
-    return {"status": "finished", "exit_code": 0, "error": None, "process_group": True,
+    return {"status": "finished", "exit_code": 0, "error": None, "steps": 2, "process_group": True,
             "loaders": {"train.py:10": {"site": "train.py:10", "sampler": sampler, "shuffle": shuffle,
                                         "dataset_len": n, "drop_last": False,
                                         "iterations": [{"indices": i, "steps": 2, "batches": 2, "epoch": e}
