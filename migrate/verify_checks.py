@@ -279,8 +279,9 @@ def unprefixed(run: Run) -> Check:
     bad = [s for s in saves if s["prefixed"]]
     if not bad:
         return Check("prefixes", title, PASS, f"no module./_orig_mod. keys in {len(saves)} torch.save call(s)")
-    evidence = [f"{_show(s['path'])} (torch.save at {s['where'] or '?'}): keys such as {', '.join(s['prefixed'][:3])}"
-                for s in bad]
+    first = {(s["path"], s["where"]): s for s in reversed(bad)}  # one line per file and call site
+    evidence = [f"{_show(path)} (torch.save at {where or '?'}): keys such as {', '.join(s['prefixed'][:3])}"
+                for (path, where), s in sorted(first.items(), key=lambda item: str(item[0]))]
     return Check("prefixes", title, FAIL, "a saved state dict has wrapper prefixes (save tm.unwrap(model).state_dict())",
                  evidence, sorted({s["where"] for s in bad if s["where"]}))
 
