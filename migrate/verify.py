@@ -43,6 +43,10 @@ class Options:
     resume_env: Optional[dict] = None
 
 
+class LaunchError(Exception):
+    """torchrun itself could not start the ranks (no torch in this interpreter, a bad option)."""
+
+
 def _env(options: Options, records: str, extra: Optional[dict] = None) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in _DIST_ENV}
     env.update(TM_VERIFY_DIR=records, TM_VERIFY_STEPS=str(options.steps), TM_VERIFY_EPOCHS=str(options.epochs),
@@ -73,10 +77,6 @@ def _launch(options: Options, args: Sequence[str], extra_env: Optional[dict], fo
     if all(rec is None for rec in recs) and not any(outputs) and proc.returncode:
         raise LaunchError(f"torchrun failed before any rank started:\n{launcher[-3000:]}")
     return Run(recs, outputs, timed_out, options.timeout)
-
-
-class LaunchError(Exception):
-    """torchrun itself could not start the ranks (no torch in this interpreter, a bad option)."""
 
 
 def _stop(proc: subprocess.Popen) -> str:
