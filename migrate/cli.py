@@ -17,6 +17,7 @@ from torchmigrate.files import discover
 from torchmigrate.rule import RUNTIME_MODULE, Options
 from torchmigrate.runner import (AUTO_JOBS_MIN_FILES, VENDORED_NAME, Job, Outcome, Progress, auto_jobs, run,
                                  write_together)
+from torchmigrate.verify import command as verify_command
 
 AMP_CHOICES = ("auto", "bf16", "fp16", "off")
 
@@ -106,6 +107,7 @@ def main() -> None:
       torchmigrate ddp train.py            rewrite in place (DDP + AMP)
       torchmigrate ddp --dry-run train.py  print the diff and the report, write nothing
       torchmigrate lint src/               report findings (pre-commit hook, CI)
+      torchmigrate verify train.py         run it on 2 CPU ranks and check it trains correctly
       torchmigrate explain TM406           a rule's documentation and example
 
     Exit codes: 0 clean or all fixed, 1 findings remain or a change is due, 2 usage or input error.
@@ -264,6 +266,9 @@ def markdown_table(rules) -> str:
     for r in rules:
         lines.append(f"| {r.code} | `{r.name}` | {r.safety.value} | {', '.join(sorted(r.commands))} | {cell(r.summary)} |")
     return "\n".join(lines)
+
+
+main.add_command(verify_command)
 
 
 @main.command("rules")

@@ -1,14 +1,14 @@
 """Multi-module programs (fixtures/projects/) are migrated as a whole from their entry script and
-*run*: under torchrun with 2 CPU ranks (gloo) and as one process.
+*run*: through `torchmigrate verify` (torchrun, 2 CPU ranks, gloo) and as one process.
 
 Each project spreads the training program over several modules the way research repositories do
 (a package with relative imports, `from helpers import *`, a Trainer class in its own module, a
 data module returning loaders, an evaluation module returning means and counts, a utils module
 writing checkpoints, samples and json, one module shared by two entry scripts). `torchmigrate ddp
-ENTRY` must find and migrate every module; then the run must show: exit 0, every rank a disjoint
-shard reshuffled every epoch, parameters and learning rates equal across ranks, files written by
-rank 0 only, no `module.` keys, each epoch line once, and the program still running as
-`python ENTRY`. The probe is tests/e2e_probe/sitecustomize.py.
+ENTRY` must find and migrate every module; then every verify check must pass (clean exits,
+disjoint shards reshuffled every epoch, parameters and learning rates equal across ranks, files
+written by rank 0 only, no `module.` keys, no line printed by both ranks), each epoch line is
+printed once, by rank 0, and the program still runs as `python ENTRY`.
 """
 
 from __future__ import annotations
@@ -24,12 +24,10 @@ from pathlib import Path
 import pytest
 
 from conftest import FIXTURES
-from launcher import torchrun
 
 torch = pytest.importorskip("torch")
 
 PROJECTS = FIXTURES / "projects"
-PROBE = Path(__file__).parent / "e2e_probe"
 EPOCH_LINE = re.compile(r"epoch (\d+) loss ([0-9.]+)")
 # project -> (entry scripts run in order, modules the migration must change besides the entries)
 CASES = {
@@ -58,20 +56,15 @@ def _all_keys(obj) -> list:
     return []
 
 
-def _migrate(project: str, folder: Path) -> subprocess.CompletedProcess:
-    entries = CASES[project][0]
-    return subprocess.run([sys.executable, "-m", "torchmigrate", "ddp", *entries], cwd=folder,
-                          capture_output=True, text=True, timeout=120)
-
-
 @pytest.mark.parametrize("project", sorted(CASES))
 def test_project_migrates_and_trains(project, tmp_path):
     entries, modules = CASES[project]
     folder = tmp_path / project
     shutil.copytree(PROJECTS / project, folder)
-    proc = _migrate(project, folder)
-    assert proc.returncode in (0, 1), proc.stdout + proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "torchmigrate", "ddp", *entries], cwd=folder,
+                          capture_output=True, text=True, timeout=120)
     report = proc.stdout + proc.stderr
+    assert proc.returncode in (0, 1), report
     assert "found through imports" in report, report
     for module in modules:
         assert (folder / module).read_text() != (PROJECTS / project / module).read_text(), f"{module} not migrated"
@@ -80,32 +73,19 @@ def test_project_migrates_and_trains(project, tmp_path):
                            capture_output=True, text=True, timeout=120)
     assert "would be changed" not in again.stdout + again.stderr, "a second migration must be a no-op"
 
-    out_dir, probe = tmp_path / "ddp", tmp_path / "probe"
+    out_dir = tmp_path / "ddp"
     out_dir.mkdir()
     for entry in entries:
-        probe_dir = probe / entry
-        probe_dir.mkdir(parents=True)
-        env = _env(out_dir, TM_PROBE_DIR=probe_dir,
-                   PYTHONPATH=os.pathsep.join([str(PROBE), os.environ.get("PYTHONPATH", "")]))
-        run = torchrun("--standalone", "--nproc-per-node=2", entry, env=env, cwd=folder, timeout=180,
-                       stale=[probe_dir / "rank*.json"])
-        assert run.returncode == 0, run.report()
-        epochs = [int(m.group(1)) for m in EPOCH_LINE.finditer(run.ranks[0])]
-        assert epochs == [0, 1, 2], f"each epoch line once, on rank 0:\n{run.ranks[0][-3000:]}"
-        assert not EPOCH_LINE.search(run.ranks[1]), f"rank 1 logs no epoch line:\n{run.ranks[1][-3000:]}"
-        r0, r1 = (json.loads((probe_dir / f"rank{r}.json").read_text()) for r in (0, 1))
-
-        train = [[s for s in rec["samplers"] if s["shuffle"]] for rec in (r0, r1)]
-        assert train[0] and len(train[0]) == len(train[1]), "a distributed training sampler is used"
-        for s0, s1 in zip(*train):
-            padding = s0["total_size"] - s0["dataset_len"]
-            assert len(set(s0["indices"]) & set(s1["indices"])) <= padding, "ranks must get disjoint shards"
-        orders = [tuple(s["indices"]) for s in train[0]]
-        assert len(set(orders)) == len(orders), "the shuffle must change every epoch"
-        assert r0["params"] and r0["params"] == r1["params"], "parameters identical across ranks"
-        assert r0["lrs"] and r0["lrs"] == r1["lrs"], f"learning rates identical across ranks: {r0['lrs']} {r1['lrs']}"
-        assert r0["saves"] and not r1["saves"], f"only rank 0 saves: {r1['saves']}"
-        assert not r1["writes"], f"only rank 0 writes files: {r1['writes']}"
+        run = subprocess.run([sys.executable, "-m", "torchmigrate", "verify", "--format", "json", "--steps", "0",
+                              "--epochs", "0", "--timeout", "240", entry], cwd=folder, env=_env(out_dir),
+                             capture_output=True, text=True, timeout=600)
+        assert run.returncode in (0, 1) and run.stdout.startswith("{"), run.stdout[-2000:] + run.stderr[-3000:]
+        verdict = json.loads(run.stdout)
+        failed = [c for c in verdict["checks"] if c["status"] != "pass"]
+        assert not failed, json.dumps(failed, indent=1)
+        ranks = [r["output"] for r in verdict["ranks"]]
+        assert [int(m.group(1)) for m in EPOCH_LINE.finditer(ranks[0])] == [0, 1, 2], ranks[0][-3000:]
+        assert not EPOCH_LINE.search(ranks[1]), f"rank 1 logs no epoch line:\n{ranks[1][-3000:]}"
 
     for ckpt in out_dir.rglob("*.pt"):
         obj = torch.load(ckpt, map_location="cpu", weights_only=False)

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 REGENERATE = "python tests/test_readme.py"
 
-CLI_COMMANDS = ("ddp", "amp", "lint", "rules", "explain")
+CLI_COMMANDS = ("ddp", "amp", "lint", "verify", "rules", "explain")
 
 
 def rules_table() -> str:

@@ -4,12 +4,13 @@ For each script in fixtures/scripts/ the test
   1. runs the original once (single process) to get its checkpoint keys,
   2. migrates a copy with `torchmigrate ddp`,
   3. checks the copy compiles and a second migration is a no-op,
-  4. runs the copy with `torchrun --standalone --nproc-per-node=2` and asserts: exit 0, every
-     per-epoch log line printed once, the checkpoint written by one rank only with exactly the
-     single-process keys (no `module.`), ranks trained on disjoint shards, parameters identical
-     across ranks at the end, and (where the script supports it) resuming from that checkpoint,
+  4. runs the copy through `torchmigrate verify` (torchrun, 2 ranks, its probe) and asserts: every
+     check passes (clean exits, disjoint and complete shards reshuffled every epoch, parameters
+     and learning rates identical across ranks, only rank 0 writes files, no `module.` keys in
+     saved state dicts, no line printed by both ranks), every per-epoch log line printed once by
+     rank 0, the checkpoint has exactly the single-process keys, and (where the script supports
+     it) a second run resumes from that checkpoint,
   5. runs the migrated copy as plain `python script.py`.
-A test-only probe (tests/e2e_probe/sitecustomize.py) records samplers, saves and parameters.
 """
 
 from __future__ import annotations
@@ -25,12 +26,10 @@ from pathlib import Path
 import pytest
 
 from conftest import FIXTURES
-from launcher import Launch, torchrun
 
 torch = pytest.importorskip("torch")
 
 SCRIPTS = FIXTURES / "scripts"
-PROBE = Path(__file__).parent / "e2e_probe"
 EPOCH_LINE = re.compile(r"epoch (\d+) loss ([0-9.]+|nan|inf)")
 RESUMABLE = {"main_function.py", "grad_accum_resume.py", "local_rank_launch.py", "apex_amp.py"}
 NOT_MONOTONE = {"gan.py"}  # the discriminator loss is not expected to fall every epoch
@@ -54,11 +53,17 @@ def _run(args, cwd: Path, env: dict, timeout: int = 180) -> subprocess.Completed
     return proc
 
 
-def _torchrun(script: Path, cwd: Path, env: dict) -> Launch:
-    """Two CPU ranks; a retry after the gloo exit abort starts without the probe's old records."""
-    probe = env.get("TM_PROBE_DIR")
-    return torchrun("--standalone", "--nproc-per-node=2", script, env=env, cwd=cwd, timeout=180,
-                    stale=[Path(probe) / "rank*.json"] if probe else [])
+def _verify(script: Path, cwd: Path, env: dict, *args) -> dict:
+    """`torchmigrate verify` on 2 CPU ranks, every epoch the script runs, in full (the scripts
+    are small): the JSON report, with what each rank printed."""
+    proc = _run([sys.executable, "-m", "torchmigrate", "verify", "--format", "json", "--steps", "0",
+                 "--epochs", "0", "--timeout", "240", *args, script], cwd, env, timeout=600)
+    assert proc.returncode in (0, 1) and proc.stdout.startswith("{"), proc.output[-3000:]
+    return json.loads(proc.stdout)
+
+
+def _failures(report: dict) -> str:
+    return json.dumps([c for c in report["checks"] if c["status"] != "pass"], indent=1)
 
 
 def _epochs(output: str):
@@ -125,17 +130,22 @@ def test_migrated_script_trains_under_torchrun(name, migrated, tmp_path):
         assert orig.returncode == 0, orig.output[-3000:]
         expected_keys = _keys(orig_out / "checkpoint.pt")
 
-    # 4. torchrun, 2 ranks on CPU
-    ddp_out, probe = tmp_path / "ddp", tmp_path / "probe"
+    # 4. torchrun, 2 ranks on CPU, through verify
+    ddp_out = tmp_path / "ddp"
     ddp_out.mkdir()
-    probe.mkdir()
-    env = _env(ddp_out, TM_PROBE_DIR=probe, PYTHONPATH=os.pathsep.join([str(PROBE), os.environ.get("PYTHONPATH", "")]))
-    run = _torchrun(script, tmp_path, env)
-    assert run.returncode == 0, run.report()
-    epochs = _epochs(run.ranks[0])
+    resume = {}
+    if name in RESUMABLE:  # a second run resumes from the checkpoint the first one wrote
+        resume = {"--resume-env": [f"RESUME={ddp_out / 'checkpoint.pt'}", "EPOCHS=5", f"OUT_DIR={tmp_path / 'resumed'}"]}
+        (tmp_path / "resumed").mkdir()
+    report = _verify(script, tmp_path, _env(ddp_out), *[a for k, vs in resume.items() for v in vs for a in (k, v)])
+    checks = {c["name"]: c for c in report["checks"]}
+    assert all(c["status"] == "pass" for c in checks.values()), _failures(report)  # none skipped either
+    assert len(checks) == 8 + bool(resume)
+    ranks = [r["output"] for r in report["ranks"]]
+    epochs = _epochs(ranks[0])
     numbers = [e for e, _ in epochs]
-    assert sorted(set(numbers)) == numbers and len(numbers) == 3, f"each epoch line once:\n{run.output[-3000:]}"
-    assert _epochs(run.ranks[1]) == [], f"rank 1 logs no epoch line:\n{run.ranks[1][-3000:]}"
+    assert sorted(set(numbers)) == numbers and len(numbers) == 3, f"each epoch line once:\n{ranks[0][-3000:]}"
+    assert _epochs(ranks[1]) == [], f"rank 1 logs no epoch line:\n{ranks[1][-3000:]}"
     if name not in NOT_MONOTONE:
         assert epochs[-1][1] < epochs[0][1], f"loss must go down: {epochs}"
     ckpt = ddp_out / "checkpoint.pt"
@@ -144,28 +154,10 @@ def test_migrated_script_trains_under_torchrun(name, migrated, tmp_path):
     assert not [k for k in _all_keys(keys) if k.startswith("module.")]
     if expected_keys is not None:
         _assert_same_keys(keys, expected_keys)
-
-    records = [json.loads((probe / f"rank{r}.json").read_text()) for r in (0, 1)]
-    assert records[0]["saves"], "rank 0 writes the checkpoint"
-    assert not [s for s in records[1]["saves"] if "checkpoint" in s], "rank 1 must not write checkpoints"
-    train = [[s for s in rec["samplers"] if s["shuffle"]] for rec in records]
-    assert train[0] and len(train[0]) == len(train[1]), "a distributed training sampler is used"
-    for s0, s1 in zip(*train):
-        padding = s0["total_size"] - s0["dataset_len"]
-        assert len(set(s0["indices"]) & set(s1["indices"])) <= padding, "ranks must get disjoint shards"
-        assert set(s0["indices"]) | set(s1["indices"]) == set(range(s0["dataset_len"]))
-    by_epoch = {s["epoch"]: tuple(s["indices"]) for s in train[0]}  # a loader may be read twice an epoch
-    assert len(by_epoch) >= 2 and len(set(by_epoch.values())) == len(by_epoch), \
-        "the shuffle must change every epoch (set_epoch)"
-    assert records[0]["params"] and records[0]["params"] == records[1]["params"], "parameters identical across ranks"
-
-    # resume from the checkpoint the distributed run wrote
-    if name in RESUMABLE:  # from a copy: a retried run must not resume from its first attempt's save
-        start = shutil.copy(ckpt, tmp_path / "resume_from.pt")
-        resumed = _torchrun(script, tmp_path, _env(ddp_out, EPOCHS=5, RESUME=start))
-        assert resumed.returncode == 0, resumed.report()
-        assert [r.count("resumed from epoch") for r in resumed.ranks] == [1, 0], resumed.output[-3000:]
-        assert [e for e, _ in _epochs(resumed.output)] == [3, 4]
+    if resume:
+        resumed = [r["output"] for r in report["resume_ranks"]]
+        assert [r.count("resumed from epoch") for r in resumed] == [1, 0], resumed[0][-3000:]
+        assert [e for e, _ in _epochs("\n".join(resumed))] == [3, 4]
 
     # 5. still a plain single-process script
     plain_out = tmp_path / "plain"

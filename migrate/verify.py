@@ -1,0 +1,233 @@
+"""`torchmigrate verify`: run a training script on N ranks under torchrun and say what is wrong.
+
+This side never imports torch: it starts `python -m torch.distributed.run` as a child process with
+every worker running the script through the probe (`python -m torchmigrate.verify_probe SCRIPT`),
+reads back what each rank recorded and printed, and judges it with `torchmigrate.verify_checks`.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import List, Optional, Sequence
+
+import click
+
+from torchmigrate import verify_checks
+from torchmigrate.verify_checks import FAIL, Run
+
+# A known PyTorch teardown race: a gloo rank aborts at interpreter exit after everything ran; it is
+# not the script's fault, so such a launch is run once more (as the test suite's launcher does).
+GLOO_EXIT_ABORT = "terminate called without an active exception"
+_DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass
+class Options:
+    script: Path
+    args: List[str]
+    nproc: int = 2
+    device: str = "cpu"
+    steps: int = 10
+    epochs: int = 2
+    timeout: float = 300
+    resume_args: Optional[List[str]] = None
+    resume_env: Optional[dict] = None
+
+
+class LaunchError(Exception):
+    """torchrun itself could not start the ranks (no torch in this interpreter, a bad option)."""
+
+
+def _env(options: Options, records: str, extra: Optional[dict] = None) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in _DIST_ENV}
+    env.update(TM_VERIFY_DIR=records, TM_VERIFY_STEPS=str(options.steps), TM_VERIFY_EPOCHS=str(options.epochs),
+               TM_VERIFY_ROOT=str(options.script.resolve().parent), PYTHONUNBUFFERED="1")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    if options.device == "cpu":  # CPU ranks with gloo, also on a machine with GPUs
+        env.update(CUDA_VISIBLE_DEVICES="", TORCHMIGRATE_BACKEND="gloo")
+    env.update(extra or {})
+    return env
+
+
+def _launch(options: Options, args: Sequence[str], extra_env: Optional[dict], folder: str) -> Run:
+    """One torchrun launch of the script under the probe; every rank's output goes to its own log."""
+    records, logs = os.path.join(folder, "records"), os.path.join(folder, "logs")
+    os.makedirs(records)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={options.nproc}",
+           "--redirects", "3", "--log-dir", logs, "-m", "torchmigrate.verify_probe", str(options.script), *args]
+    proc = subprocess.Popen(cmd, env=_env(options, records, extra_env), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    timed_out = False
+    try:
+        launcher, _ = proc.communicate(timeout=options.timeout)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        launcher = _stop(proc)
+    outputs = _rank_logs(logs, options.nproc)
+    recs = [_read(os.path.join(records, f"rank{r}.json")) for r in range(options.nproc)]
+    if all(rec is None for rec in recs) and not any(outputs) and proc.returncode:
+        raise LaunchError(f"torchrun failed before any rank started:\n{launcher[-3000:]}")
+    return Run(recs, outputs, timed_out, options.timeout)
+
+
+def _stop(proc: subprocess.Popen) -> str:
+    """SIGTERM the whole launch (each rank's probe records where it was), then SIGKILL it."""
+    for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            return proc.communicate(timeout=wait)[0]
+        except subprocess.TimeoutExpired:
+            continue
+    return ""
+
+
+def _read(path: str) -> Optional[dict]:
+    try:
+        with open(path) as handle:
+            return json.load(handle)
+    except (OSError, ValueError):
+        return None
+
+
+def _rank_logs(logs: str, nproc: int) -> List[str]:
+    """What each rank printed: torchrun's `LOGS/<run>/attempt_0/<rank>/std{out,err}.log`."""
+    outputs = []
+    for rank in range(nproc):
+        text = ""
+        for name in ("stdout.log", "stderr.log"):
+            for path in glob.glob(os.path.join(logs, "*", "attempt_*", str(rank), name)):
+                text += Path(path).read_text(errors="replace")
+        outputs.append(text)
+    return outputs
+
+
+def _aborted(run: Run) -> bool:
+    return any(GLOO_EXIT_ABORT in out for out in run.outputs) and verify_checks.exits(run).status == FAIL
+
+
+def launch(options: Options, args: Sequence[str], extra_env: Optional[dict] = None) -> Run:
+    """Launch; once more when the only failure is gloo's teardown abort."""
+    with tempfile.TemporaryDirectory(prefix="torchmigrate-verify-") as folder:
+        run = _launch(options, args, extra_env, os.path.join(folder, "1"))
+        if _aborted(run):
+            run = _launch(options, args, extra_env, os.path.join(folder, "2"))
+        return run
+
+
+def verify(options: Options) -> dict:
+    """Run the script (and its resumption), judge both; the report as plain data."""
+    run = launch(options, options.args)
+    checks = verify_checks.all_checks(run)
+    resumed = None
+    if options.resume_args is not None or options.resume_env:
+        args = options.args if options.resume_args is None else options.resume_args
+        resumed = launch(options, args, options.resume_env)
+        checks.append(verify_checks.resumed(run, resumed))
+    stopped = [rec["status"] == "stopped" for rec in run.records if rec]
+    return {
+        "script": str(options.script), "args": options.args, "nproc": options.nproc, "device": options.device,
+        "steps": options.steps, "epochs": options.epochs, "stopped_by_verify": bool(stopped) and all(stopped),
+        "timed_out": run.timed_out, "passed": all(c.status != FAIL for c in checks),
+        "checks": [c.to_json() for c in checks],
+        "ranks": _ranks(run), "resume_ranks": _ranks(resumed) if resumed else None,
+    }
+
+
+def _ranks(run: Run) -> list:
+    return [{"rank": r, "status": rec["status"] if rec else None, "exit_code": rec["exit_code"] if rec else None,
+             "output": out[-20000:]} for r, (rec, out) in enumerate(zip(run.records, run.outputs))]
+
+
+def render(report: dict) -> str:
+    """The terminal table: one line per check, its evidence and `file:line` indented below."""
+    limit = (f"at most {report['steps']} optimizer steps per epoch" if report["steps"] else "every batch") + \
+        (f", {report['epochs']} epoch(s)" if report["epochs"] else "")
+    how = ("stopped by verify before the next epoch: code after the training loop did not run"
+           if report["stopped_by_verify"] else "timed out" if report["timed_out"]
+           else "ran to its end" if report["checks"][0]["status"] != FAIL else "failed")
+    lines = [f"torchmigrate verify {report['script']}: {report['nproc']} ranks on {report['device']} "
+             f"({limit}; {how})", ""]
+    width = max(len(c["title"]) for c in report["checks"])
+    for c in report["checks"]:
+        lines.append(f"  {c['status'].upper():4}  {c['title']:<{width}}  {c['message']}")
+        lines += [f"{'':{width + 10}}{e}" for e in c["evidence"]]
+        if c["status"] == FAIL and c["where"]:
+            lines.append(f"{'':{width + 10}}at {', '.join(c['where'])}")
+    failed = [c for c in report["checks"] if c["status"] == FAIL]
+    lines += ["", f"{len(failed)} of {len(report['checks'])} checks failed." if failed else "All checks passed."]
+    return "\n".join(lines)
+
+
+def parse_env(pairs: Sequence[str]) -> dict:
+    """`NAME=VALUE` pairs (for --resume-env) as a dict; ValueError names a bad one."""
+    env = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep or not name:
+            raise ValueError(f"expected NAME=VALUE, got {pair!r}")
+        env[name] = value
+    return env
+
+
+def split_args(text: Optional[str]) -> Optional[List[str]]:
+    return None if text is None else shlex.split(text)
+
+
+@click.command("verify")
+@click.argument("script", type=click.Path(exists=True, dir_okay=False))
+@click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
+@click.option("--nproc", type=click.IntRange(1, 64), default=2, show_default=True, help="Number of ranks.")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
+              help="cpu: gloo, GPUs hidden; cuda: the runtime's choice (NCCL), one GPU per rank.")
+@click.option("--steps", type=click.IntRange(0), default=10, show_default=True,
+              help="End each training epoch after K optimizer steps (0: the whole epoch).")
+@click.option("--epochs", type=click.IntRange(0), default=2, show_default=True,
+              help="Stop the program, on every rank at the same point, before epoch E+1 (0: no limit). "
+                   "Code after the training loop (a final save) then does not run: to check it, "
+                   "shorten the run with the script's own options and pass 0.")
+@click.option("--timeout", type=click.FloatRange(min=1), default=300, show_default=True,
+              help="Stop the run after S seconds and report where each rank was.")
+@click.option("--resume-args", metavar="ARGS", help="Run a second time with these script arguments "
+              "(one shell-quoted string) and check it resumes from a file the first run wrote.")
+@click.option("--resume-env", metavar="NAME=VALUE", multiple=True,
+              help="Environment for that second run (repeatable); implies a resume run.")
+@click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True,
+              help="text: a table for a terminal; json: the checks and each rank's output, for CI.")
+def command(script, script_args, nproc, device, steps, epochs, timeout, resume_args, resume_env, fmt):
+    """Run SCRIPT on N ranks under torchrun and check it trains correctly.
+
+    \b
+      torchmigrate verify train.py                       2 CPU ranks (gloo)
+      torchmigrate verify --steps 5 train.py -- --lr 0.1 script arguments after --
+
+    This RUNS YOUR CODE (as `torchrun --standalone --nproc-per-node N SCRIPT ARGS` would), with a
+    probe that records, without changing your files: crashes, the samples each rank draws, final
+    parameters and learning rates, files written, saved state dict keys and printed lines.
+    Arguments after `--` go to the script unchanged. Checks: every rank exits cleanly, training
+    loaders are sharded and reshuffled, parameters and learning rates equal on all ranks, only
+    rank 0 writes files, no module./_orig_mod. keys in saved state dicts, log lines printed once
+    (and with --resume-args/--resume-env, that a second run resumes from the checkpoint).
+
+    Exit codes: 0 every check passed, 1 a check failed, 2 usage error or torchrun could not start.
+    """
+    try:
+        options = Options(Path(script), list(script_args), nproc, device, steps, epochs, timeout,
+                          split_args(resume_args), parse_env(resume_env))
+        report = verify(options)
+    except (ValueError, LaunchError) as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(2)
+    click.echo(json.dumps(report, indent=2) if fmt == "json" else render(report))
+    sys.exit(0 if report["passed"] else 1)

@@ -1,0 +1,332 @@
+"""The checks of `torchmigrate verify`: plain functions over what each rank's probe recorded
+(`torchmigrate.verify_probe`) and what each rank printed. No torch here: the CLI process judges
+the records; only the children run the user's code.
+
+Each check returns a `Check`: pass, fail or skip (nothing to judge, e.g. no checkpoint was saved),
+a one-line message a user can act on, the evidence lines and the user's `file:line` responsible.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import List, Optional
+
+PASS, FAIL, SKIP = "pass", "fail", "skip"
+
+
+@dataclass
+class Check:
+    name: str
+    title: str
+    status: str
+    message: str
+    evidence: List[str] = field(default_factory=list)
+    where: List[str] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class Run:
+    """One torchrun launch: each rank's record (None when the rank left none) and its output."""
+
+    records: List[Optional[dict]]
+    outputs: List[str]
+    timed_out: bool = False
+    timeout: float = 0
+
+
+def _ranks(ranks) -> str:
+    ranks = sorted(ranks)
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+
+
+def _tail(text: str, n: int = 6) -> List[str]:
+    return [line for line in text.splitlines() if line.strip()][-n:]
+
+
+# How a rank fails in a collective when its peer has died: a consequence, not the cause.
+_PEER_GONE = re.compile(r"closed by peer|reset by peer|Broken pipe|DistBackendError|remote worker", re.IGNORECASE)
+
+
+def exits(run: Run) -> Check:
+    """Every rank ran to its end (or was stopped by the probe) and exited 0. A rank that failed
+    only because another one died (a collective lost its peer) is named as a consequence."""
+    title, world = "every rank exits cleanly", len(run.records)
+    crashed = [r for r, rec in enumerate(run.records) if rec and rec["status"] == "crashed"]
+    first = [r for r in crashed if not _PEER_GONE.search(run.records[r]["error"]["message"])] or crashed
+    bad, evidence, where = [], [], []
+    for rank, (rec, out) in enumerate(zip(run.records, run.outputs)):
+        error = (rec or {}).get("error") or {}
+        at = error.get("where") or "a line outside your files"
+        if rec is None:
+            evidence.append(f"rank {rank} left no record (killed, or the probe never started); its last lines:")
+            evidence += ["    " + line for line in _tail(out)]
+        elif rank in first:
+            evidence.append(f"rank {rank} crashed at {at}: {error['message']}")
+            evidence += ["    " + line for line in error["traceback"]]
+            where += [error["where"]] if error.get("where") else []
+        elif rec["status"] == "crashed":
+            evidence.append(f"rank {rank} then failed at {at}: {error['message'][:120]}")
+        elif rec["status"] == "terminated":
+            why = f"was stopped at the --timeout of {run.timeout:g}s" if run.timed_out else "was killed by torchrun after another rank failed"
+            evidence.append(f"rank {rank} {why}, while at {at}")
+            where += [error["where"]] if run.timed_out and error.get("where") else []
+        elif rec["exit_code"]:
+            evidence.append(f"rank {rank} exited with status {rec['exit_code']}")
+        else:
+            continue
+        bad.append(rank)
+    if run.timed_out and not bad:
+        bad, evidence = list(range(world)), [f"the run did not end within the --timeout of {run.timeout:g}s"]
+    if not bad:
+        stopped = {rec["status"] for rec in run.records} == {"stopped"}
+        return Check("exit", title, PASS, "every rank " + ("was stopped by verify after the requested epochs"
+                                                            if stopped else "exited 0"))
+    if crashed:
+        followed = sorted(set(bad) - set(first))
+        message = f"{_ranks(first)} crashed" + (f"; then {_ranks(followed)} failed too" if followed else "")
+    elif run.timed_out:
+        message = f"the program did not stop within {run.timeout:g}s (no training loader ended the run; see --steps/--epochs)"
+    else:
+        message = f"{_ranks(bad)} did not exit cleanly"
+    return Check("exit", title, FAIL, message, evidence, sorted(set(where)))
+
+
+def _training(run: Run) -> dict:
+    """loader -> per rank, the loader's reads during which an optimizer stepped (training epochs).
+    Loaders are matched across ranks by creation site and order of creation."""
+    sites: dict = {}
+    for rank, rec in enumerate(run.records):
+        seen: dict = {}
+        for loader in (rec or {}).get("loaders", {}).values():
+            reads = [it for it in loader["iterations"] if it["steps"]]
+            if reads:
+                key = (loader["site"], seen.setdefault(loader["site"], 0))
+                seen[loader["site"]] += 1
+                sites.setdefault(key, {"loader": loader, "reads": {}})["reads"][rank] = reads
+    return sites
+
+
+def sharded(run: Run) -> Check:
+    """In each epoch the ranks draw disjoint samples of a training loader (up to the padding a
+    DistributedSampler adds so every rank gets as many) and, unless it drops the last samples,
+    together every sample."""
+    title = "training loaders are sharded"
+    sites = _training(run)
+    if not sites:
+        return Check("sharded", title, SKIP, "no training loader seen (no optimizer step while a DataLoader was read)")
+    evidence, where = [], []
+    world = len(run.records)
+    for (site, _), info in sites.items():
+        n, reads = info["loader"]["dataset_len"], info["reads"]
+        if len(reads) < 2:
+            continue
+        epochs = min(len(r) for r in reads.values())
+        for epoch in range(epochs):
+            drawn = {rank: r[epoch]["indices"] for rank, r in reads.items()}
+            if any(d is None for d in drawn.values()):
+                break  # an IterableDataset: the dataset itself decides what each rank reads
+            padding = (-n) % world if n else 0  # a DistributedSampler repeats this many to even out
+            common = set.intersection(*(set(d) for d in drawn.values()))
+            if len(common) > padding:
+                whole = n is not None and all(len(set(d)) >= n for d in drawn.values())
+                what = ("every rank iterates the whole dataset" if whole
+                        else f"{_ranks(drawn)} drew {len(common)} of the same samples in epoch {epoch}")
+                evidence.append(f"DataLoader created at {site}: {what} ({n} samples, sampler {info['loader']['sampler']})")
+                where.append(site)
+                break
+            drawn_all = set().union(*map(set, drawn.values()))
+            if n and not info["loader"]["drop_last"] and len(drawn_all) < n:
+                evidence.append(f"DataLoader created at {site}: the ranks together drew {len(drawn_all)} of "
+                                f"{n} samples in epoch {epoch}")
+                where.append(site)
+                break
+    if evidence:
+        return Check("sharded", title, FAIL, f"{len(where)} training loader(s) not sharded correctly across ranks", evidence, where)
+    return Check("sharded", title, PASS, f"each rank drew a disjoint shard of the loader at {', '.join(s for s, _ in sites)}")
+
+
+def reshuffled(run: Run) -> Check:
+    """A shuffling training loader draws a new order every epoch (set_epoch is called)."""
+    title = "training order changes every epoch"
+    sites = _training(run)
+    evidence, where, judged = [], [], []
+    for (site, _), info in sites.items():
+        loader, reads = info["loader"], info["reads"].get(0) or next(iter(info["reads"].values()))
+        if len(reads) < 2 or reads[0]["indices"] is None or loader["shuffle"] is False:
+            continue
+        judged.append(site)
+        same = [i for i in range(1, len(reads)) if reads[i]["indices"] == reads[i - 1]["indices"]]
+        if same:
+            why = (" (set_epoch is not called on its DistributedSampler)"
+                   if loader["sampler"] == "DistributedSampler" else "")
+            evidence.append(f"DataLoader created at {site}: epoch {same[0]} drew the same order as epoch {same[0] - 1}{why}")
+            where.append(site)
+    if evidence:
+        return Check("reshuffled", title, FAIL, "the same sample order every epoch", evidence, where)
+    if not judged:
+        return Check("reshuffled", title, SKIP, "no shuffling training loader was read for two epochs")
+    return Check("reshuffled", title, PASS, f"a new order every epoch from the loader at {', '.join(judged)}")
+
+
+def _by_optimizer(run: Run):
+    """Optimizers matched across ranks by creation order: (label, where, [record per rank])."""
+    recs = [rec["optimizers"] if rec else [] for rec in run.records]
+    for i in range(min(map(len, recs)) if recs else 0):
+        first = recs[0][i]
+        yield f"{first['name']} created at {first['where'] or '?'}", first["where"], [r[i] for r in recs]
+
+
+def params_in_sync(run: Run) -> Check:
+    """Every optimised model ends with the same parameters on every rank, and something keeps
+    them so: a process group with DDP (or the user's own all-reduce)."""
+    title = "parameters identical on all ranks"
+    records = [rec for rec in run.records if rec]
+    optimizers = list(_by_optimizer(run))
+    if not optimizers or not any(rec["steps"] for rec in records):
+        return Check("params", title, SKIP, "no optimizer step ran")
+    if not any(rec["process_group"] for rec in records):
+        return Check("params", title, FAIL,
+                     "no process group: each rank trains its own copy and nothing synchronises gradients "
+                     "(the model is not wrapped in DDP)", [f"{label}: no process group when it stepped" for label, _, _ in optimizers],
+                     [w for _, w, _ in optimizers if w])
+    evidence, where, notes = [], [], []
+    for label, site, per_rank in optimizers:
+        differ = len({o["hash"] for o in per_rank}) > 1
+        if differ:
+            why = "" if all(o["in_ddp"] for o in per_rank) else " (its model is not wrapped in DDP, so gradients are not synchronised)"
+            evidence.append(f"parameters optimised by {label} differ across ranks{why}")
+            where += [site] if site else []
+        elif not per_rank[0]["in_ddp"]:
+            notes.append(f"{label}: model not wrapped in DDP, yet its parameters are equal on every rank")
+    for i, ddp in enumerate(records[0]["ddp"]):
+        hashes = {rec["ddp"][i]["hash"] for rec in records if len(rec["ddp"]) > i}
+        if len(hashes) > 1:
+            evidence.append(f"the DDP model wrapped at {ddp['where'] or '?'} differs across ranks")
+    if evidence:
+        return Check("params", title, FAIL, "parameters differ across ranks", evidence, where)
+    return Check("params", title, PASS, f"{len(optimizers)} optimised model(s) equal on every rank", notes)
+
+
+def lrs_in_sync(run: Run) -> Check:
+    """Learning rates agree across ranks; a per-rank metric fed to a scheduler breaks that."""
+    title = "learning rates identical on all ranks"
+    optimizers = list(_by_optimizer(run))
+    if not optimizers:
+        return Check("lr", title, SKIP, "no optimizer was created")
+    evidence, where = [], []
+    for label, site, per_rank in optimizers:
+        if len({tuple(o["lrs"]) for o in per_rank}) > 1:
+            values = ", ".join(f"rank {r}: {o['lrs'][0]:g}" for r, o in enumerate(per_rank))
+            evidence.append(f"learning rate of {label} diverged ({values})")
+            where += [site] if site else []
+    plateau = _per_rank_plateau(run)
+    if plateau:
+        evidence.append(plateau[0])
+        where.append(plateau[1])
+    if evidence:
+        message = ("learning rates diverged across ranks" if len(evidence) > bool(plateau)
+                   else "a per-rank metric drives ReduceLROnPlateau, so learning rates can diverge across ranks")
+        return Check("lr", title, FAIL, message, evidence, where)
+    return Check("lr", title, PASS, "equal on every rank")
+
+
+def _per_rank_plateau(run: Run):
+    """The first ReduceLROnPlateau.step(metric) call that got a different value on each rank."""
+    calls = [rec["plateau"] if rec else [] for rec in run.records]
+    for i in range(min(map(len, calls)) if calls else 0):
+        values = [c[i]["value"] for c in calls]
+        if len(set(values)) > 1:
+            shown = ", ".join(f"rank {r}: {v:.6g}" for r, v in enumerate(values))
+            site = calls[0][i]["where"] or "?"
+            return (f"ReduceLROnPlateau.step(metric) at {site} got a different metric on each rank ({shown}): "
+                    "reduce it across ranks (tm.all_reduce) first", site)
+    return None
+
+
+def _show(path: str) -> str:
+    rel = os.path.relpath(path)
+    return path if rel.startswith("..") else rel
+
+
+def one_writer(run: Run) -> Check:
+    """Only rank 0 writes files (checkpoints, logs, csv, images)."""
+    title = "only rank 0 writes files"
+    evidence, where = [], []
+    for rank, rec in enumerate(run.records):
+        if rank == 0 or not rec:
+            continue
+        for write in rec["writes"]:
+            evidence.append(f"rank {rank} wrote {_show(write['path'])} ({write['how']} at {write['where'] or '?'})")
+            where += [write["where"]] if write["where"] else []
+    if evidence:
+        return Check("writers", title, FAIL, f"{len(evidence)} file(s) written by ranks other than 0", evidence, sorted(set(where)))
+    written = len(run.records[0]["writes"]) if run.records and run.records[0] else 0
+    return Check("writers", title, PASS, f"rank 0 wrote {written} file(s), the other ranks none")
+
+
+def unprefixed(run: Run) -> Check:
+    """Saved state dicts load into the plain model: no `module.`/`_orig_mod.` keys."""
+    title = "saved state dicts have plain keys"
+    saves = [s for rec in run.records if rec for s in rec["saves"]]
+    if not saves:
+        return Check("prefixes", title, SKIP, "nothing was saved with torch.save")
+    bad = [s for s in saves if s["prefixed"]]
+    if not bad:
+        return Check("prefixes", title, PASS, f"no module./_orig_mod. keys in {len(saves)} torch.save call(s)")
+    first = {(s["path"], s["where"]): s for s in reversed(bad)}  # one line per file and call site
+    evidence = [f"{_show(path)} (torch.save at {where or '?'}): keys such as {', '.join(s['prefixed'][:3])}"
+                for (path, where), s in sorted(first.items(), key=lambda item: str(item[0]))]
+    return Check("prefixes", title, FAIL, "a saved state dict has wrapper prefixes (save tm.unwrap(model).state_dict())",
+                 evidence, sorted({s["where"] for s in bad if s["where"]}))
+
+
+_NOISE = re.compile(r"warn|^\s|^\[[WIE]\s?\d|^Traceback|Error\b|^W\d{4}|^I\d{4}", re.IGNORECASE)
+
+
+def _lines(output: str) -> set:
+    """The lines a rank printed, less warnings and tracebacks (those every rank prints by design)."""
+    lines = set()
+    for raw in output.replace("\r", "\n").splitlines():
+        if raw.strip() and not _NOISE.search(raw):
+            lines.add(raw.strip())
+    return lines
+
+
+def logs_once(run: Run) -> Check:
+    """A log line (epoch loss, accuracy) is printed by one rank, not once per rank."""
+    title = "log lines printed once"
+    per_rank = [_lines(out) for out in run.outputs]
+    if len(per_rank) < 2:
+        return Check("logs", title, SKIP, "one rank only")
+    counts = Counter(line for lines in per_rank for line in lines)
+    repeated = sorted(line for line, n in counts.items() if n > 1)
+    if not repeated:
+        return Check("logs", title, PASS, "no line printed by more than one rank")
+    return Check("logs", title, FAIL, f"{len(repeated)} line(s) printed by more than one rank (print or log on rank 0 only)",
+                 [f"e.g. {line!r}" for line in repeated[:3]])
+
+
+def resumed(first: Run, second: Run) -> Check:
+    """The second run loads a file the first one wrote, and every rank exits cleanly."""
+    title = "resumes from its checkpoint"
+    written = {w["path"] for rec in first.records if rec for w in rec["writes"]}
+    loaded = {p for rec in second.records if rec for p in rec["loads"]}
+    ended = exits(second)
+    if ended.status == FAIL:
+        return Check("resume", title, FAIL, f"the resumed run failed: {ended.message}", ended.evidence, ended.where)
+    used = sorted(written & loaded)
+    if not used:
+        return Check("resume", title, FAIL, "the resumed run loaded no file the first run wrote",
+                     [f"loaded: {', '.join(map(_show, sorted(loaded))) or 'nothing'}"])
+    return Check("resume", title, PASS, f"loaded {', '.join(map(_show, used))} and exited cleanly")
+
+
+def all_checks(run: Run) -> List[Check]:
+    return [exits(run), sharded(run), reshuffled(run), params_in_sync(run), lrs_in_sync(run),
+            one_writer(run), unprefixed(run), logs_once(run)]
