@@ -1538,7 +1538,9 @@ class DistSampler(_DataRule):
     `tm.shard_sampler(...)`: the same draw on every rank (same seed, a new one each epoch), each
     rank taking every W-th item, padded to equal step counts; a sampler built with the rank or
     world size already shards and is left alone. An `IterableDataset`, or arguments hidden in
-    `*args`/`**kwargs` the tool cannot see, is reported for a manual change instead. Loaders
+    `*args`/`**kwargs` the tool cannot see, is reported for a manual change instead, and so is a
+    training step in a program that builds no DataLoader at all (full-batch tensors, a token
+    stream, a hand-made batch iterator): every rank would train on the same batches. Loaders
     that already have a `DistributedSampler` or a `tm` sampler are left alone. In `lint` the rule
     reports only in files that already use torch.distributed: a training loader there without a
     distributed sampler is a bug.
@@ -1583,6 +1585,7 @@ class DistSampler(_DataRule):
     )
 
     def leave_Module(self, node: cst.Module) -> None:
+        self._no_loader_anywhere()
         if not self.active():
             return
         for loader in self.data.loaders:
@@ -1596,6 +1599,25 @@ class DistSampler(_DataRule):
                 self._shard_custom(loader)
             elif loader.status in ("custom", "iterable", "unknown", "unhoistable") and not self.data.distributed:
                 self.manual(loader)
+
+    def _no_loader_anywhere(self) -> None:
+        """A training step in a program that builds no DataLoader: its batches come from
+        tensors (full-batch training), a token stream (`batchify`/`get_batch`) or a hand-made
+        iterator, which no sampler shards. Said plainly, once, at the first backward."""
+        ctx, data = self.ctx, self.data
+        if not ctx.options.migrating or data.loaders or data.distributed or data.skip_file \
+                or ctx.program.program_loaders:
+            return
+        for call, _name in analysis.facts(ctx).calls:
+            func = call.func
+            if isinstance(func, cst.Attribute) and func.attr.value == "backward" and not call.args:
+                tm = ctx.tm
+                self.report(call, "no DataLoader in this program: every rank trains on the same batches (full-batch "
+                                  "tensors, a token stream, a hand-made iterator); give each rank its own part "
+                                  f"(e.g. every `{tm}.world_size()`-th batch starting at `{tm}.rank()`), or keep "
+                                  "identical data on purpose (full-batch training)",
+                            statement=ctx.statement_of(call))
+                return
 
     def _shard_custom(self, loader: Loader) -> None:
         """`sampler=WeightedRandomSampler(...)` -> `sampler=tm.shard_sampler(WeightedRandomSampler(...))`."""

@@ -1729,7 +1729,7 @@ class Plan:
         else:
             wrapped = {w.name for w in self.new} | {s.wrap.name for s in self.dp_sites if s.action not in ("keep", "manual")} | {
                 s.wrap.arg for s in self.dp_sites if s.action not in ("keep", "manual") and s.wrap.arg}
-        if self._batch_scaled():
+        if self._batch_scaled() or not self._loads_batches():
             return
         seen = set()
         opts = optimizers(self.ctx)
@@ -1752,6 +1752,15 @@ class Plan:
             self.notes["TM305"].append((o.call, "each rank now loads a full batch (global batch = "
                 f"{self.tm}.world_size() x batch_size) but the learning rate is unchanged: scale it (e.g. "
                 f"`lr * {self.tm}.world_size()`) or divide the per-rank batch size", o.statement))
+
+    def _loads_batches(self) -> bool:
+        """The file, or its program, builds a DataLoader: only then does the global batch grow
+        with the ranks. Full-batch training (a graph's nodes) and hand-made iterators keep it."""
+        if self.ctx.program.program_loaders:
+            return True
+        return any((qualified or dotted(call.func) or "").rsplit(".", 1)[-1] == "DataLoader"
+                   or (dotted(call.func) or "") in self.ctx.program.loader_classes
+                   for call, qualified in self.f.calls)
 
     def _scaled(self, node: cst.BaseExpression) -> bool:
         text = self.text(node)

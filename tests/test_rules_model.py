@@ -120,6 +120,7 @@ def test_reports_are_positioned_and_manual_notes_become_todos():
         import torch
         model = Net().cuda()
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        loader = torch.utils.data.DataLoader(train_ds, batch_size=32)
     """, codes=("TM301", "TM305"))
     (wrap,) = findings(result, "TM301")
     (note,) = findings(result, "TM305")
@@ -183,6 +184,7 @@ def test_advice_goes_to_lint_for_user_ddp_and_to_ddp_for_new_wraps():
         dist.init_process_group("gloo")
         model = DDP(MLP(), find_unused_parameters=True)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        loader = torch.utils.data.DataLoader(train_ds, batch_size=32, sampler=sampler)
     """
     ddp = run(user)
     assert ddp.new_source == textwrap.dedent(user).lstrip() and not ddp.findings
@@ -192,8 +194,15 @@ def test_advice_goes_to_lint_for_user_ddp_and_to_ddp_for_new_wraps():
         import torch
         model = Net()
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        loader = torch.utils.data.DataLoader(train_ds, batch_size=32)
     """
     assert {f.code for f in run(single).findings} == {"TM301", "TM305"}
+    full_batch = """
+        import torch
+        model = Net()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    """
+    assert {f.code for f in run(full_batch).findings} == {"TM301"}, "no DataLoader: the batch does not grow"
     assert not run(single, mode="lint").findings
 
 

@@ -256,6 +256,8 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
 
     loader_classes = {(p, name) for p, m in modules.items() for name, c in m.classes.items() if _loader_subclass(c)}
     torch_anywhere = any(_uses_torch(graph.statements.get(p, ())) for p in modules)
+    loader_names = {"DataLoader"} | {name for _, name in loader_classes}
+    builds_loaders = any((_dotted(c.func) or "").rsplit(".", 1)[-1] in loader_names for s in scopes for c in s.calls)
     entry_set = {Path(e).resolve() for e in entries}
     several = len(modules) > 1
     views: Dict[Path, ModuleView] = {}
@@ -267,6 +269,7 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
             wrapped_attrs={k: frozenset(a) for (mp, k), a in attrs.items() if mp == path},
             loader_classes=frozenset(_spellings(m, modules, loader_classes)),
             program_trains=trains,
+            program_loaders=builds_loaders,
             program_torch=torch_anywhere,
         )
     return views

@@ -20,4 +20,5 @@ class ModuleView:
     # keyword arguments through: `AudioDataLoader`, `data.AudioDataLoader`
     loader_classes: FrozenSet[str] = frozenset()
     program_trains: bool = False  # some module of the program builds an optimizer over a model
+    program_loaders: bool = False  # some module of the program builds a DataLoader (or subclass)
     program_torch: bool = False  # some module of the program uses torch
