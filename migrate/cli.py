@@ -134,7 +134,10 @@ def _migrate(command: str, paths, dry_run: bool, check: bool, amp: Optional[str]
         runtime_module="torchmigrate_runtime" if vendor else RUNTIME_MODULE,
     )
     write = not (dry_run or check)
-    job = Job(options, _select(command, select, ignore, config), write=write, want_diff=dry_run,
+    codes = _select(command, select, ignore, config)
+    # the program summary judges DDP only when the rules that make it are on
+    whole = command == "ddp" and {"TM201", "TM301"} <= set(codes)
+    job = Job(options, codes, write=write, want_diff=dry_run,
               vendor_runtime=vendor, program=program.views or None, together=write and len(files) > 1)
     outcomes = _run(files, job, jobs)
     if job.together:
@@ -147,12 +150,12 @@ def _migrate(command: str, paths, dry_run: bool, check: bool, amp: Optional[str]
     errors += report.error_lines(outcomes)
     for line in errors:
         click.echo(line, err=True)
-    text = report.migration_text(outcomes, dry_run or check, _rule_names(), program.followed)
+    text = report.migration_text(outcomes, dry_run or check, _rule_names(), program.followed, whole)
     # With --dry-run stdout carries only the diff (so it can be piped to `git apply`); the
     # report and its summary line go to stderr.
     click.echo(text, err=dry_run)
     if report_file:
-        content = (report.migration_json(outcomes, dry_run or check) if report_file.endswith(".json") else text) + "\n"
+        content = (report.migration_json(outcomes, dry_run or check, whole) if report_file.endswith(".json") else text) + "\n"
         Path(report_file).write_text(content, encoding="utf-8")
     vendored = sorted({o.vendored for o in outcomes if o.vendored})
     for path in vendored:
@@ -161,7 +164,7 @@ def _migrate(command: str, paths, dry_run: bool, check: bool, amp: Optional[str]
         sys.exit(2)
     if (dry_run or check) and any(o.changed for o in outcomes):
         sys.exit(1)
-    if any(o.open_records for o in outcomes):
+    if any(o.open_records for o in outcomes) or (whole and report.not_done(outcomes)):
         sys.exit(1)
 
 

@@ -14,14 +14,14 @@ from typing import Dict, List, Sequence
 from torchmigrate.formats import error_lines
 from torchmigrate.runner import Outcome
 
-__all__ = ["error_lines", "migration_summary", "migration_text", "migration_json", "summary_line"]
+__all__ = ["error_lines", "migration_summary", "migration_text", "migration_json", "summary_line", "not_done"]
 
 
 def _plural(n: int, word: str) -> str:
     return f"{n} {word}{'' if n == 1 else 's'}"
 
 
-def migration_summary(outcomes: Sequence[Outcome], dry_run: bool) -> Dict:
+def migration_summary(outcomes: Sequence[Outcome], dry_run: bool, ddp: bool = False) -> Dict:
     changes = Counter(r.code for o in outcomes for r in o.records if r.applied)
     attention = [r for o in outcomes for r in o.open_records]
     changed_files = [o.path for o in outcomes if o.changed]
@@ -32,14 +32,15 @@ def migration_summary(outcomes: Sequence[Outcome], dry_run: bool) -> Dict:
         "changes": dict(sorted(changes.items())),
         "attention": [r.__dict__ for r in attention],
         "errors": error_lines(outcomes),
+        "not_done": not_done(outcomes) if ddp else [],
     }
 
 
-def summary_line(outcomes: Sequence[Outcome], dry_run: bool) -> str:
+def summary_line(outcomes: Sequence[Outcome], dry_run: bool, ddp: bool = False) -> str:
     """The last line of a migration report: `N files would be changed; M findings need attention.`
     (`changed` when written), or `Nothing to change (N files checked)[; M findings need attention].`"""
     n_files = sum(1 for o in outcomes if o.changed)
-    attention = sum(len(o.open_records) for o in outcomes)
+    attention = sum(len(o.open_records) for o in outcomes) + (len(not_done(outcomes)) if ddp else 0)
     n_errors = sum(1 for o in outcomes if o.error)
     checked = len(outcomes) - n_errors
     need = f"{_plural(attention, 'finding')} {'needs' if attention == 1 else 'need'} attention"
@@ -68,10 +69,52 @@ def program_lines(outcomes: Sequence[Outcome], followed: Sequence[Path]) -> List
     return lines
 
 
+_DONE = (  # (what, rule codes whose applied changes show it)
+    ("models wrapped in DDP (gradients averaged)", ("TM301", "TM306", "TM407")),
+    ("training loaders sharded", ("TM201",)),
+    ("evaluation loaders sharded (each sample once)", ("TM203",)),
+    ("epoch loops reshuffling (set_epoch)", ("TM202",)),
+    ("writes, saves and logs on rank 0 only", ("TM501", "TM504", "TM601", "TM602")),
+    ("metrics reduced across ranks", ("TM701", "TM703")),
+)
+
+
+def not_done(outcomes: Sequence[Outcome]) -> List[str]:
+    """What the program still does wrong under torchrun, whatever the findings say: a program
+    that trains with no model wrapped in DDP, or builds loaders and shards none of them."""
+    have = {s for o in outcomes for s in o.signals}
+    out = []
+    if "trains" in have and "wraps" not in have:
+        out.append("no model is wrapped in DDP although the program trains: gradients are NOT synchronised, "
+                   "every rank trains its own copy (see the TM301 findings)")
+    if "loaders" in have and "shards" not in have:
+        out.append("no DataLoader is sharded: every rank iterates the whole dataset (see the TM201 findings)")
+    if "trains" in have and "loaders" not in have:
+        out.append("the program builds no DataLoader: every rank trains on the same batches unless the code "
+                   "shares them out by rank (see the TM201 findings)")
+    return out
+
+
+def torchrun_lines(outcomes: Sequence[Outcome]) -> List[str]:
+    """The program summary: what the program does under torchrun after this run, where, and
+    prominently what it does not."""
+    applied = [r for o in outcomes for r in o.records if r.applied]
+    lines = []
+    for what, codes in _DONE:
+        where = [r.location for r in applied if r.code in codes]
+        if where:
+            shown = ", ".join(where[:3]) + (f", +{len(where) - 3} more" if len(where) > 3 else "")
+            lines.append(f"  done: {what}: {shown}")
+    missing = not_done(outcomes)
+    lines += [f"  NOT DONE: {m}" for m in missing]
+    return (["Under torchrun:"] + lines) if lines else []
+
+
 def migration_text(outcomes: Sequence[Outcome], dry_run: bool, names: Dict[str, str],
-                   followed: Sequence[Path] = ()) -> str:
+                   followed: Sequence[Path] = (), ddp: bool = False) -> str:
+    """The report; with `ddp`, it opens with what the program does under torchrun."""
     data = migration_summary(outcomes, dry_run)
-    lines: List[str] = program_lines(outcomes, followed)
+    lines: List[str] = program_lines(outcomes, followed) + (torchrun_lines(outcomes) if ddp else [])
     if data["changes"]:
         lines.append("Changes:" if not dry_run else "Changes (not written):")
         for code, n in data["changes"].items():
@@ -81,9 +124,9 @@ def migration_text(outcomes: Sequence[Outcome], dry_run: bool, names: Dict[str, 
         lines.append("Needs attention:")
         for r in attention:
             lines.append(f"  {r.location}: {r.code} {r.message}")
-    lines.append(summary_line(outcomes, dry_run))
+    lines.append(summary_line(outcomes, dry_run, ddp))
     return "\n".join(lines)
 
 
-def migration_json(outcomes: Sequence[Outcome], dry_run: bool) -> str:
-    return json.dumps(migration_summary(outcomes, dry_run), indent=2)
+def migration_json(outcomes: Sequence[Outcome], dry_run: bool, ddp: bool = False) -> str:
+    return json.dumps(migration_summary(outcomes, dry_run, ddp), indent=2)

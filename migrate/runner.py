@@ -53,6 +53,9 @@ class Outcome:
     # with `Job.together`: the new bytes and the read's stamp, for `write_together`
     pending: Optional[Tuple[bytes, Tuple[int, int, int]]] = None
     uses_runtime: bool = False  # the (new) source imports the runtime
+    # what the file does once migrated, read off its new source (see `signals`): the report's
+    # program summary says what the program does under torchrun, and what it does not
+    signals: Tuple[str, ...] = ()
 
     @property
     def open_records(self) -> List[Record]:
@@ -100,6 +103,7 @@ def process_file(path: str, job: Job) -> Outcome:
                 files.atomic_write(Path(path), new_bytes, decoded.stamp)
                 outcome.written = True
         uses_runtime = outcome.uses_runtime = job.options.runtime_module in result.new_source
+        outcome.signals = signals(result.new_source)
         if job.vendor_runtime and job.write and uses_runtime and not job.together:
             outcome.vendored = vendor_runtime(Path(path).parent)
     except InputError as exc:
@@ -108,6 +112,21 @@ def process_file(path: str, job: Job) -> Outcome:
         kept = "" if outcome.written else "; the file was left unchanged"
         _failed(outcome, 1, 0, f"internal error ({type(exc).__name__}: {exc}){kept}; please report it")
     return outcome
+
+
+# signal -> any of these in a migrated source
+_SIGNALS = {
+    "trains": (".backward(",),
+    "wraps": ("wrap_model(", "DistributedDataParallel(", "DDP("),
+    "loaders": ("DataLoader(",),
+    "shards": ("tm.sampler(", "eval_sampler(", "shard_sampler(", "DistributedSampler(", ".sampler("),
+    "guards": ("tm.save(", "is_main()", "tm.print("),
+}
+
+
+def signals(source: str) -> Tuple[str, ...]:
+    """Cheap textual facts about a migrated file, for the program summary (not for decisions)."""
+    return tuple(name for name, needles in _SIGNALS.items() if any(n in source for n in needles))
 
 
 def write_together(outcomes: Sequence[Outcome], job: Job, groups: Sequence[Sequence[str]]) -> bool:
