@@ -14,12 +14,13 @@ import multiprocessing
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 
 from conftest import FIXTURES
-from torchmigrate import engine, runner
+from torchmigrate import engine, files, runner
 from torchmigrate.engine import InputError, check_parser_depth, python_tree
 from torchmigrate.rule import Options
 from torchmigrate.rules import select
@@ -104,3 +105,71 @@ def test_a_crashing_worker_loses_only_its_file(tmp_path, monkeypatch):
     assert [o.path for o in crashed] == [str(bad)]
     assert "died (signal SIGSEGV)" in crashed[0].error[2]
     assert all(o.records for o in outcomes if o is not crashed[0])
+
+
+# --- what is not a regular file -------------------------------------------------------------
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="named pipes")
+@pytest.mark.parametrize("jobs", ["1", "2"])
+def test_pipes_and_devices_are_skipped_not_read(tmp_path, jobs):
+    folder = tmp_path / "src"
+    folder.mkdir()
+    os.mkfifo(folder / "x.py")
+    (folder / "zero.py").symlink_to("/dev/zero")
+    good = good_file(folder)
+    os.mkfifo(tmp_path / "named.py")
+    result = cli("ddp", "-j", jobs, "src", "named.py", cwd=tmp_path, timeout=60)
+    assert result.returncode == 2, result.stderr
+    for path in ("src/x.py", "named.py"):
+        assert f"{path}: skipped: a named pipe, not a regular file" in result.stderr
+    assert "src/zero.py: skipped: a character device, not a regular file" in result.stderr
+    assert good.read_bytes() != GOOD_SCRIPT.read_bytes()
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="named pipes")
+def test_read_never_blocks_on_a_pipe(tmp_path):
+    """A pipe put in place after discovery: opening it for reading would wait for a writer."""
+    pipe = tmp_path / "late.py"
+    os.mkfifo(pipe)
+    outcome = {}
+
+    def read():
+        try:
+            files.read(pipe)
+        except InputError as exc:
+            outcome["error"] = exc.message
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(10)
+    if reader.is_alive():  # release the blocked open before failing
+        os.close(os.open(pipe, os.O_WRONLY | os.O_NONBLOCK))
+        pytest.fail("files.read blocked on a named pipe")
+    assert outcome == {"error": "not a regular file"}
+
+
+def test_read_is_bounded(tmp_path, monkeypatch):
+    monkeypatch.setattr(files, "MAX_SOURCE_BYTES", 100)
+    path = tmp_path / "big.py"
+    path.write_text("x = 1\n" * 20)
+    with pytest.raises(InputError, match="too large"):
+        files.read(path)
+
+
+# --- reports and arguments ------------------------------------------------------------------
+
+def test_report_into_a_missing_folder_is_refused_before_any_write(tmp_path, run_cli):
+    good = good_file(tmp_path)
+    result = run_cli("ddp", "--report", tmp_path / "nowhere" / "report.json", good)
+    assert result.exit_code == 2
+    assert "error: --report" in result.stderr and "does not exist" in result.stderr
+    assert good.read_bytes() == GOOD_SCRIPT.read_bytes()
+
+
+def test_a_path_the_system_refuses_is_one_input_error(tmp_path, run_cli):
+    good = good_file(tmp_path)
+    too_long = tmp_path / ("n" * 5000 + ".py")
+    result = run_cli("ddp", too_long, good)
+    assert result.exit_code == 2
+    assert f"{too_long}: cannot read: File name too long" in result.stderr
+    assert good.read_bytes() != GOOD_SCRIPT.read_bytes()
