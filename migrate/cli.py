@@ -109,6 +109,10 @@ def main() -> None:
 
 def _migrate(command: str, paths, dry_run: bool, check: bool, amp: Optional[str], sync_bn: bool,
              report_file: Optional[str], vendor: bool, jobs: int, select, ignore) -> None:
+    problem = report_file and report.target_problem(report_file)
+    if problem:
+        click.echo(f"error: --report {problem}", err=True)
+        sys.exit(2)
     config = _config(paths)
     files, errors = _discover(paths, config)
     options = Options(
@@ -133,7 +137,10 @@ def _migrate(command: str, paths, dry_run: bool, check: bool, amp: Optional[str]
     click.echo(text, err=dry_run)
     if report_file:
         content = (report.migration_json(outcomes, dry_run or check) if report_file.endswith(".json") else text) + "\n"
-        Path(report_file).write_text(content, encoding="utf-8")
+        problem = report.write(report_file, content)
+        if problem:
+            click.echo(f"error: --report {problem}", err=True)
+            errors.append(problem)
     vendored = sorted({o.vendored for o in outcomes if o.vendored})
     for path in vendored:
         click.echo(f"Wrote {path}")
