@@ -109,7 +109,7 @@ def _not_regular(path: Path) -> Optional[str]:
         return None
     if stat.S_ISREG(mode):
         return None
-    kind = next((name for test, name in _KINDS if test(mode)), "not a regular file")
+    kind = next((name for test, name in _KINDS if test(mode)), "a special file")
     return f"skipped: {kind}, not a regular file"
 
 

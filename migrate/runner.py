@@ -231,7 +231,7 @@ def _isolated(name: str, job: Job) -> Outcome:
         try:
             return future.result()
         except Exception as exc:
-            codes = [p.exitcode for p in getattr(pool, "_processes", {}).values()]
+            codes = [p.exitcode for p in (getattr(pool, "_processes", None) or {}).values()]
             why = next((_death(code) for code in codes if code), f"{type(exc).__name__}: {exc}")
             return Outcome(name, error=(1, 0, f"internal error: the process working on this file "
                                               f"died ({why}); the file was left unchanged, please report it"))

@@ -197,6 +197,9 @@ def setup(backend: str | None = None, timeout=None) -> Ctx:
     choice; ``timeout`` is seconds or a ``timedelta``. A process group created by the user's own
     code is reused. On ranks other than 0, ``logging.disable(logging.INFO)`` silences INFO and
     DEBUG records so ``logging.info`` prints once; warnings and errors still show on every rank.
+    With a process group, an uncaught exception on one rank is named on every rank (see
+    ``_install_failure_hook``), and a torchrun restart gets a rendezvous of its own (see
+    ``_restart_store``); a ``MASTER_PORT`` already in use is an error that says so.
     """
     global _CTX, _OWN_PG, _LOG_DISABLED
     if _CTX is not None:
