@@ -119,12 +119,23 @@ def _program(paths: Sequence[str], files: List[Path], config: Config, follow: bo
     from torchmigrate.files import _excluded
     from torchmigrate.program.build import build
 
-    named = [Path(p) for p in paths if not Path(p).is_dir()]
+    named = [Path(p) for p in paths if not _is_dir(p)]
     return build(files, named, follow, exclude=lambda p: _excluded(p, config.exclude))
+
+
+def _is_dir(path: str) -> bool:
+    try:
+        return Path(path).is_dir()
+    except OSError:  # a name the system refuses: reported by discovery
+        return False
 
 
 def _migrate(command: str, paths, dry_run: bool, check: bool, amp: Optional[str], sync_bn: bool,
              report_file: Optional[str], vendor: bool, jobs: int, select, ignore, follow: bool = True) -> None:
+    problem = report_file and report.target_problem(report_file)
+    if problem:
+        click.echo(f"error: --report {problem}", err=True)
+        sys.exit(2)
     config = _config(paths)
     files, errors = _discover(paths, config)
     program = _program(paths, files, config, follow)
@@ -156,7 +167,10 @@ def _migrate(command: str, paths, dry_run: bool, check: bool, amp: Optional[str]
     click.echo(text, err=dry_run)
     if report_file:
         content = (report.migration_json(outcomes, dry_run or check, whole) if report_file.endswith(".json") else text) + "\n"
-        Path(report_file).write_text(content, encoding="utf-8")
+        problem = report.write(report_file, content)
+        if problem:
+            click.echo(f"error: --report {problem}", err=True)
+            errors.append(problem)
     vendored = sorted({o.vendored for o in outcomes if o.vendored})
     for path in vendored:
         click.echo(f"Wrote {path}")

@@ -48,7 +48,11 @@ def _strings(value, key: str, path: Path) -> Tuple[str, ...]:
 def load(paths: Sequence[str]) -> Config:
     """Config from the pyproject.toml nearest to the first path (or the working directory)."""
     start = Path(paths[0]) if paths else Path.cwd()
-    if not start.exists():
+    try:
+        exists = start.exists()
+    except (OSError, ValueError):  # e.g. a name too long: discovery reports it for that path
+        exists = False
+    if not exists:
         start = Path.cwd()
     pyproject = find_pyproject(start)
     if pyproject is None:

@@ -44,27 +44,39 @@ def discover(paths: Iterable[str], exclude: Sequence[str] = ()) -> Tuple[List[Pa
     """Python files under `paths` (sorted, deduplicated) and (path, error) for bad arguments.
 
     Files named explicitly are always taken, whatever their suffix; directories are searched
-    for `*.py`, skipping VCS, cache, build and virtualenv folders and `exclude` patterns.
+    for `*.py`, skipping VCS, cache, build and virtualenv folders and `exclude` patterns. What
+    is not a regular file (a named pipe, a device, a link to one) is reported and skipped:
+    reading it could block forever or never end. A path the system refuses to look at (too
+    long, not permitted) is reported for that path alone.
     """
     found: List[Path] = []
     errors: List[Tuple[str, str]] = []
     seen = set()
+
+    def take(file: Path, arg: str) -> None:
+        why = _not_regular(file)
+        if why:
+            errors.append((arg, why))
+            return
+        key = os.path.normcase(os.path.abspath(file))
+        if key not in seen:
+            seen.add(key)
+            found.append(file)
+
     for arg in paths:
         path = Path(arg)
-        if path.is_dir():
+        try:
+            is_dir, exists, is_link = path.is_dir(), path.exists(), path.is_symlink()
+        except (OSError, ValueError) as exc:
+            errors.append((arg, f"cannot read: {getattr(exc, 'strerror', None) or exc}"))
+            continue
+        if is_dir:
             for file in _walk(path, exclude):
-                key = os.path.normcase(os.path.abspath(file))
-                if key not in seen:
-                    seen.add(key)
-                    found.append(file)
-        elif path.exists() or path.is_symlink():
-            if not path.exists():
-                errors.append((arg, "broken symbolic link"))
-                continue
-            key = os.path.normcase(os.path.abspath(path))
-            if key not in seen:
-                seen.add(key)
-                found.append(path)
+                take(file, str(file))
+        elif exists:
+            take(path, arg)
+        elif is_link:
+            errors.append((arg, "broken symbolic link"))
         else:
             errors.append((arg, "no such file or directory"))
     return found, errors
@@ -83,6 +95,23 @@ def _walk(root: Path, exclude: Sequence[str]) -> Iterator[Path]:
                 file = base / name
                 if not _excluded(file, exclude):
                     yield file
+
+
+_KINDS = ((stat.S_ISFIFO, "a named pipe"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def _not_regular(path: Path) -> Optional[str]:
+    """Why `path` (followed through symlinks) is skipped, or None for a regular file. A path
+    that cannot be looked at is taken: its read reports why."""
+    try:
+        mode = os.stat(path).st_mode
+    except (OSError, ValueError):
+        return None
+    if stat.S_ISREG(mode):
+        return None
+    kind = next((name for test, name in _KINDS if test(mode)), "a special file")
+    return f"skipped: {kind}, not a regular file"
 
 
 @dataclass(frozen=True)
@@ -115,17 +144,31 @@ def _stamp(st: os.stat_result) -> Tuple[int, int, int]:
     return (st.st_ino, st.st_size, st.st_mtime_ns)
 
 
+# A source file larger than this is refused rather than read: the parse would take minutes.
+MAX_SOURCE_BYTES = 64 * 1024 * 1024
+
+
 def read(path: Path) -> Decoded:
+    """Read a source file, bounded: opening never blocks (O_NONBLOCK, for a named pipe put in
+    place after discovery), only a regular file is read, and at most `MAX_SOURCE_BYTES`."""
     try:
-        with open(path, "rb") as handle:
-            stamp = _stamp(os.fstat(handle.fileno()))
-            data = handle.read()
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
+        with open(fd, "rb") as handle:
+            st = os.fstat(fd)
+            if stat.S_ISDIR(st.st_mode):
+                raise IsADirectoryError
+            if not stat.S_ISREG(st.st_mode):
+                raise InputError("not a regular file")
+            stamp = _stamp(st)
+            data = handle.read(MAX_SOURCE_BYTES + 1)
     except FileNotFoundError:
         raise InputError("file disappeared before it could be read") from None
     except IsADirectoryError:
         raise InputError("is a directory") from None
     except OSError as exc:
         raise InputError(f"cannot read: {exc.strerror or exc}") from None
+    if len(data) > MAX_SOURCE_BYTES:
+        raise InputError(f"too large to process (over {MAX_SOURCE_BYTES // 2 ** 20} MiB)")
     decoded = decode(data)
     return Decoded(decoded.text, decoded.encoding, stamp)
 

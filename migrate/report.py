@@ -9,12 +9,13 @@ import json
 import os
 from collections import Counter
 from pathlib import Path
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 from torchmigrate.formats import error_lines
 from torchmigrate.runner import Outcome
 
-__all__ = ["error_lines", "migration_summary", "migration_text", "migration_json", "summary_line", "not_done"]
+__all__ = ["error_lines", "target_problem", "write", "migration_summary", "migration_text", "migration_json",
+           "summary_line", "not_done"]
 
 
 def _plural(n: int, word: str) -> str:
@@ -130,3 +131,25 @@ def migration_text(outcomes: Sequence[Outcome], dry_run: bool, names: Dict[str, 
 
 def migration_json(outcomes: Sequence[Outcome], dry_run: bool, ddp: bool = False) -> str:
     return json.dumps(migration_summary(outcomes, dry_run, ddp), indent=2)
+
+
+def target_problem(path: str) -> Optional[str]:
+    """Why `--report PATH` could not be written, checked before any file is processed (so a
+    typo in the folder name does not surface only after every file was rewritten); None if
+    it can be."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        return f"{path}: the folder {folder} does not exist"
+    if not os.access(folder, os.W_OK):
+        return f"{path}: the folder {folder} is not writable"
+    return None
+
+
+def write(path: str, content: str) -> Optional[str]:
+    """Write the report; the error line if that fails after all (disk full, a race)."""
+    try:
+        with open(path, "w", encoding="utf-8") as handle:
+            handle.write(content)
+    except OSError as exc:
+        return f"{path}: cannot write the report: {exc.strerror or exc}"
+    return None

@@ -266,12 +266,59 @@ def _run_parallel(names: List[str], job: Job, jobs: int, progress) -> List[Outco
             i = futures[future]
             try:
                 done[i] = future.result()
-            except Exception as exc:  # a worker died (e.g. killed); report its files, keep the rest
-                done[i] = [Outcome(name, error=(1, 0, f"internal error: worker process failed ({type(exc).__name__}: {exc})"))
-                           for name in chunks[i]]
+            except Exception:  # a worker died (a native crash, killed): see _isolated below
+                continue
             if progress:
                 progress(len(chunks[i]))
+    for i, chunk in enumerate(chunks):
+        if i not in done:
+            done[i] = [_isolated(name, job) for name in chunk]
+            if progress:
+                progress(len(chunk))
     return [outcome for i in range(len(chunks)) for outcome in done[i]]
+
+
+def _isolated(name: str, job: Job) -> Outcome:
+    """`process_file` in a process of its own, for the files of a worker that died.
+
+    When one worker dies the pool is broken and every chunk not yet finished fails with it,
+    whichever file was at fault. Each of those files gets a fresh process, so only the file
+    that kills its process is reported (by the signal or exit code that ended it) and the
+    rest of the run is kept. A plain process and a pipe, not a one-worker pool: the pool
+    forgets its dead worker's exit code in a race with its own cleanup.
+    """
+    import multiprocessing
+
+    receive, send = multiprocessing.Pipe(duplex=False)
+    process = multiprocessing.Process(target=_process_and_send, args=(send, name, job))
+    process.start()
+    send.close()
+    try:
+        outcome: Optional[Outcome] = receive.recv()
+    except EOFError:  # it died before sending
+        outcome = None
+    process.join()
+    if outcome is not None:
+        return outcome
+    return Outcome(name, error=(1, 0, f"internal error: the process working on this file died "
+                                      f"({_death(process.exitcode or 0)}); the file was left unchanged, please report it"))
+
+
+def _process_and_send(send, name: str, job: Job) -> None:
+    send.send(process_file(name, job))
+    send.close()
+
+
+def _death(exitcode: int) -> str:
+    """`exit code 3` or `signal SIGSEGV` for a dead process's exit code."""
+    import signal
+
+    if exitcode < 0:
+        try:
+            return f"signal {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"signal {-exitcode}"
+    return f"exit code {exitcode}"
 
 
 PROGRESS_MIN_FILES = 20

@@ -167,6 +167,27 @@ def _check_gpu_per_process() -> None:
             "or set TORCHMIGRATE_BACKEND=gloo to share the GPU(s), e.g. for a test run")
 
 
+def _restart_store(env: dict, timeout) -> dict:
+    """``init_process_group`` arguments that keep a torchrun restart from reading the previous
+    attempt's rendezvous.
+
+    Under torchrun (``TORCHELASTIC_USE_AGENT_STORE=True``) the workers' store is the agent's,
+    which outlives a failed attempt. Measured with torch 2.13 and ``--max-restarts=1`` after a
+    rank was killed: the restarted rank 0 read the dead rank's gloo address left in that store
+    and failed with "Gloo connectFullMesh failed ... Connection refused", so the restart never
+    trained. Keys under a prefix per attempt (``TORCHELASTIC_RESTART_COUNT``) cannot collide.
+    Elsewhere: no arguments (torch's own ``env://`` rendezvous).
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    wait = timeout or datetime.timedelta(minutes=30)
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=wait)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return {"store": dist.PrefixStore(f"torchmigrate/attempt_{attempt}", store),
+            "rank": env["RANK"], "world_size": env["WORLD_SIZE"]}
+
+
 def setup(backend: str | None = None, timeout=None) -> Ctx:
     """Initialise distributed training once and return a ``Ctx``; later calls return the same Ctx.
 
@@ -178,6 +199,9 @@ def setup(backend: str | None = None, timeout=None) -> Ctx:
     choice; ``timeout`` is seconds or a ``timedelta``. A process group created by the user's own
     code is reused. On ranks other than 0, ``logging.disable(logging.INFO)`` silences INFO and
     DEBUG records so ``logging.info`` prints once; warnings and errors still show on every rank.
+    With a process group, an uncaught exception on one rank is named on every rank (see
+    ``_install_failure_hook``), and a torchrun restart gets a rendezvous of its own (see
+    ``_restart_store``); a ``MASTER_PORT`` already in use is an error that says so.
     """
     global _CTX, _OWN_PG, _LOG_DISABLED
     if _CTX is not None:
@@ -196,14 +220,62 @@ def setup(backend: str | None = None, timeout=None) -> Ctx:
             _check_gpu_per_process()
         if isinstance(timeout, (int, float)):
             timeout = datetime.timedelta(seconds=timeout)
-        dist.init_process_group(backend, timeout=timeout,
-                                device_id=dev if dev.type == "cuda" and "nccl" in backend else None)
+        try:
+            dist.init_process_group(backend, timeout=timeout, **_restart_store(env, timeout),
+                                    device_id=dev if dev.type == "cuda" and "nccl" in backend else None)
+        except RuntimeError as exc:  # DistNetworkError is a RuntimeError
+            if "EADDRINUSE" not in str(exc) and "address already in use" not in str(exc).lower():
+                raise
+            raise RuntimeError(
+                f"torchmigrate.runtime: MASTER_PORT {os.environ.get('MASTER_PORT')} on "
+                f"{os.environ.get('MASTER_ADDR')} is already in use (another job, or a previous run "
+                "still alive): pick a free port (torchrun --master-port=N, or export MASTER_PORT=N "
+                "before srun)") from exc
         _OWN_PG = True
+        _install_failure_hook(rank())
     _CTX = Ctx(rank(), env["LOCAL_RANK"], world_size(), dev, rank() == 0)
     if not _CTX.is_main and not _LOG_DISABLED:
         logging.disable(logging.INFO)
         _LOG_DISABLED = True
     return _CTX
+
+
+_FAILED_KEY = "torchmigrate/failed_rank"
+_PREVIOUS_HOOK = None  # sys.excepthook before setup() installed its own
+
+
+def _install_failure_hook(me: int) -> None:
+    """Make an uncaught exception on one rank name that rank on every rank.
+
+    Without it, the rank that failed prints its traceback and exits, and the others stop in
+    their next collective with gloo's "Connection closed by peer" (or NCCL's timeout), which
+    names no rank; torchrun's agent terminates them (SIGTERM) within a few seconds, and without
+    torchrun (srun) each fails at its next collective. The hook chains to the previous
+    ``sys.excepthook`` (the traceback is printed as before), then records the first failure in
+    the process group's store and prints ``torchmigrate.runtime: rank N failed (...)`` on the
+    failing rank and ``rank M stopped because rank N failed (...)`` on a rank whose collective
+    broke because of it. It never blocks for long: the store is asked with a 5 s timeout.
+    ``cleanup()`` puts the previous hook back.
+    """
+    global _PREVIOUS_HOOK
+    previous = _PREVIOUS_HOOK = sys.excepthook
+
+    def hook(exc_type, exc, tb):
+        previous(exc_type, exc, tb)
+        what = f"{exc_type.__name__}: {exc}".splitlines()[0][:300]
+        first = f"{me}\t{what}"
+        with contextlib.suppress(Exception):
+            store = dist.distributed_c10d._get_default_store()
+            store.set_timeout(datetime.timedelta(seconds=5))
+            first = store.compare_set(_FAILED_KEY, "", first).decode("utf-8", "replace")
+        who, _, why = first.partition("\t")
+        line = (f"rank {me} failed ({why})" if who == str(me)
+                else f"rank {me} stopped because rank {who} failed ({why})")
+        with contextlib.suppress(Exception):
+            sys.stderr.write(f"torchmigrate.runtime: {line}\n")
+            sys.stderr.flush()
+
+    sys.excepthook = hook
 
 
 def _plain_forward(self, *inputs, **kwargs):
@@ -247,7 +319,9 @@ def cleanup() -> None:
     While an exception is propagating there is no barrier and no release (the other ranks may
     never come, and a Reducer may be mid-backward): the group is just destroyed.
     """
-    global _CTX, _OWN_PG, _LOG_DISABLED
+    global _CTX, _OWN_PG, _LOG_DISABLED, _PREVIOUS_HOOK
+    if _PREVIOUS_HOOK is not None and sys.exc_info()[0] is None:
+        sys.excepthook, _PREVIOUS_HOOK = _PREVIOUS_HOOK, None
     if _OWN_PG and _pg():
         if sys.exc_info()[0] is None:
             try:
@@ -767,13 +841,15 @@ def save(obj, path) -> None:
         raise
 
 
-def load(path, map_location="cpu", weights_only=None, **kwargs):
+def load(path, map_location="cpu", weights_only=True, **kwargs):
     """``torch.load`` onto the CPU by default (every rank loading to cuda:0 would crowd one GPU).
 
-    ``weights_only=None`` keeps torch's own default (True since torch 2.6: only tensors and plain
-    containers are unpickled). Checkpoints holding arbitrary objects, e.g. an
-    ``argparse.Namespace`` of hyper-parameters, then fail to load and need an explicit
-    ``weights_only=False`` (only for files you trust). torchmigrate never flips it silently.
+    ``weights_only=True`` on every torch version (torch's own default only since 2.6): only
+    tensors and plain containers are unpickled, so a checkpoint from an untrusted source cannot
+    run code on load. Checkpoints holding arbitrary objects, e.g. an ``argparse.Namespace`` of
+    hyper-parameters, fail with ``UnpicklingError`` and need ``weights_only=False``, which
+    executes whatever the file's pickle says: only for files you trust. torchmigrate never
+    flips it silently.
     """
     return torch.load(path, map_location=map_location, weights_only=weights_only, **kwargs)
 

@@ -218,12 +218,13 @@ def test_cleanup_releases_ddp_wrapper(tmp_path):
 
 
 def test_two_nodes_on_localhost(tmp_path):
-    """Two torchrun agents (--nnodes=2), one process each, rendezvous on 127.0.0.1."""
+    """Two torchrun agents (--nnodes=2), one process each, meet through a c10d rendezvous on
+    127.0.0.1 (as on a cluster without a fixed master: the first agent hosts the store)."""
     env = clean_env(CUDA_VISIBLE_DEVICES="")
     run_with_free_port(lambda port: run_group(
-        [torchrun_cmd("--nnodes=2", f"--node-rank={node}", "--nproc-per-node=1",
-                      "--rdzv-backend=static", "--master-addr=127.0.0.1", f"--master-port={port}",
-                      PROBES / "train.py", tmp_path) for node in (0, 1)], [env, env],
+        [torchrun_cmd("--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d",
+                      f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=two-nodes-{port}",
+                      PROBES / "train.py", tmp_path) for _ in (0, 1)], [env, env],
         stale=[tmp_path / "rank*.json"]))
     ranks = read_ranks(tmp_path, 2)
     check_training(ranks, 2)

@@ -34,8 +34,8 @@ def build(found: Sequence[Path], named: Sequence[Path], follow: bool = True,
     configuration excludes.
     """
     trees: Dict[Path, ast.Module] = {}
-    resolved = {Path(os.path.realpath(p)): p for p in found}
-    named_set = {Path(os.path.realpath(p)) for p in named}
+    resolved = {Path(_real(p)): p for p in found}
+    named_set = {Path(_real(p)) for p in named}
     program = Program(list(found))
     start = graph.build(resolved, trees)
     imported: Set[Path] = {f for deps in start.imports.values() for f in deps}
@@ -56,6 +56,13 @@ def build(found: Sequence[Path], named: Sequence[Path], follow: bool = True,
     program.views = {str(p): v for p, v in views.items()}
     program.groups = _connected(start)
     return program
+
+
+def _real(path) -> str:
+    try:
+        return os.path.realpath(path)
+    except OSError:
+        return os.path.abspath(path)
 
 
 def _connected(g: graph.Graph) -> List[List[str]]:

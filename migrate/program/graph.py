@@ -145,7 +145,10 @@ def build(entries: Iterable[Path], trees: Optional[Dict[Path, ast.Module]] = Non
     queue: List[Tuple[Path, Path, Path]] = []
     for e in entries:
         if e.parent not in roots:
-            roots[e.parent] = project_root(e)
+            try:
+                roots[e.parent] = project_root(e)
+            except OSError:  # a path the system refuses: the engine reports it
+                roots[e.parent] = e.parent
         queue.append((e, roots[e.parent], e.parent))
     while queue:
         path, root, entry_dir = queue.pop(0)
@@ -163,7 +166,11 @@ def build(entries: Iterable[Path], trees: Optional[Dict[Path, ast.Module]] = Non
         resolver = _Resolver(root)
         found = []
         statements = graph.statements[path] = import_statements(tree)
-        for f in imported_files(statements, path, resolver, entry_dir):
+        try:
+            imported = imported_files(statements, path, resolver, entry_dir)
+        except OSError:  # an import name the file system refuses (too long): not followed
+            imported = []
+        for f in imported:
             if f != path and f not in found and (_inside(f, root) or f.parent == entry_dir):
                 found.append(f)
         graph.imports[path] = found
