@@ -312,7 +312,7 @@ def _process(source: str, path: str, options: Options, rules: Sequence[RuleType]
              suppressions: Suppressions, program: Optional[ModuleView] = None) -> SourceResult:
     module, lines = parse(source)
     ctx = run_rules(module, path, options, rules, program)
-    findings = ctx.findings
+    findings = ctx.findings = _outside_self_test(ctx, ctx.findings)
     if not findings:
         ctx.close()
         check_syntax(source)
@@ -343,6 +343,22 @@ def _process(source: str, path: str, options: Options, rules: Sequence[RuleType]
         check_syntax(source)
     findings.sort(key=lambda f: (f.line, f.col, f.code))
     return SourceResult(source, new_source, findings)
+
+
+def _outside_self_test(ctx: Context, findings: List[Finding]) -> List[Finding]:
+    """Findings of a module the program imports, less those in its own `__main__` block.
+
+    `data.py` or `model.py` often ends with a self-test (`if __name__ == "__main__": print(
+    model(x).shape)`) that never runs as part of the program: rewriting it, or filling the
+    report with TODOs for it, buries the findings that matter."""
+    if not findings or not ctx.program.followed or ctx.program.is_entry:
+        return findings
+    from torchmigrate.analysis import facts
+
+    guard = facts(ctx).main_guard
+    if guard is None:
+        return findings
+    return [f for f in findings if f.node is not guard and not any(a is guard for a in ctx.ancestors(f.node))]
 
 
 def _check_rewrite(new_source: str, source: str, findings: Sequence[Finding]) -> None:

@@ -39,8 +39,8 @@ class MainOnlyWrites(Rule):
       they are).
     - A statement that writes a file by itself (`np.save(path, a)`, `plt.savefig(path)`,
       `fig.savefig(path)`, `df.to_csv(path)`, `Path(p).write_text(s)`, `cv2.imwrite(...)`,
-      `pickle.dump(obj, f)`, ...) goes under `if tm.is_main():` on the same terms; adjacent ones
-      share one guard.
+      `pickle.dump(obj, f)`, a PIL image's `im.save(path)`, ...) goes under `if tm.is_main():`
+      on the same terms; adjacent ones share one guard.
     - `logging.FileHandler(path)` (and the rotating ones) becomes
       `(logging.FileHandler(path) if tm.is_main() else logging.NullHandler())`: one log file,
       written by the main process.
@@ -134,7 +134,29 @@ class MainOnlyWrites(Rule):
         if name in _WRITERS:
             return True
         func = call.func
-        return isinstance(func, cst.Attribute) and func.attr.value in _WRITER_METHODS and bool(call.args)
+        if not isinstance(func, cst.Attribute) or not call.args:
+            return False
+        if func.attr.value in _WRITER_METHODS:
+            return True
+        return func.attr.value == "save" and self._pil_image(func.value, call)
+
+    def _pil_image(self, node: cst.BaseExpression, at: cst.CSTNode) -> bool:
+        """A PIL image: `Image.fromarray(a)` (also `.convert(...)` of one), or a name the
+        enclosing function binds to one (`im = Image.fromarray(a); im.save(path)`)."""
+        ctx = self.ctx
+        while isinstance(node, cst.Call):
+            if (ctx.resolve(node.func) or "").startswith("PIL.Image."):
+                return True
+            node = node.func.value if isinstance(node.func, cst.Attribute) else None
+        if not isinstance(node, cst.Name):
+            return False
+        scope = ctx.enclosing(at, cst.FunctionDef)
+        for a in analysis.facts(ctx).assigns:
+            if ctx.enclosing(a, cst.FunctionDef) is scope and any(
+                    isinstance(t.target, cst.Name) and t.target.value == node.value for t in a.targets) \
+                    and isinstance(a.value, cst.Call) and self._pil_image(a.value, a):
+                return True
+        return False
 
     def _handler(self, call: cst.Call) -> None:
         ctx = self.ctx
