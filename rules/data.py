@@ -131,6 +131,7 @@ class Loader:
     index: int = 0
     custom_arg: Optional[cst.Arg] = None  # its own `sampler=`/`batch_sampler=` (status "custom")
     runtime_sampler: bool = False  # already has `tm.sampler`/`tm.shard_sampler` (reshuffles by itself)
+    grouped: Optional[str] = None  # an evaluation batch size that is a computed group size (kept unsharded)
 
     @property
     def eval(self) -> Optional[bool]:
@@ -504,6 +505,12 @@ class DataFacts:
             loader.shuffle = args["shuffle"].value if "shuffle" in args else None
         loader.kind, loader.condition = self._classify(call, loader, keys)
         loader.status, loader.reason = self._status(call, loader, args)
+        if loader.kind == "eval" and args is not None and "batch_size" in args:
+            size = args["batch_size"].value
+            # `num_neg + 1`: one positive and its negatives per batch (`2 * bs` is just a size)
+            if isinstance(size, cst.BinaryOperation) and isinstance(size.operator, (cst.Add, cst.Subtract)) \
+                    and not _is_literal(loader.shuffle, "True"):
+                loader.grouped = code(size)
         if loader.status == "plain":
             loader.hoist = self._hoist_plan(call, loader)
             if loader.hoist is None and not _pure(loader.dataset):
@@ -914,7 +921,7 @@ class DataFacts:
         if loader.status != "plain" or self.skip_file:
             return None
         if loader.kind == "eval":
-            return None if self.distributed else "eval"
+            return None if self.distributed or loader.grouped else "eval"
         return "distributed" if loader.kind == "train" else "mixed"
 
     def _needs_epoch(self, loader: Loader, args) -> bool:
@@ -1638,6 +1645,11 @@ class EvalUnpadded(_DataRule):
     `sampler=tm.eval_sampler(dataset)`, and drops `shuffle`. In `lint`, in files that already
     use torch.distributed, it reports evaluation loaders sharded with a `DistributedSampler`.
 
+    An evaluation loader whose batch size is a computed group size (`batch_size=num_neg + 1`:
+    each batch is one user's positive and negatives, read as `item[0]`) is kept unsharded and
+    reported: sharding by sample would split every group across ranks and silently change the
+    metric (found on guoyang9/NCF).
+
     ## Why is this bad?
     Without a sampler every rank evaluates the whole set (N times the work); with a
     `DistributedSampler` the set is padded with repeated samples so that it divides evenly, so
@@ -1691,7 +1703,12 @@ class EvalUnpadded(_DataRule):
         for loader in data.loaders:
             if loader.kind != "eval":
                 continue
-            if loader.status == "plain" and not data.distributed:
+            if loader.status == "plain" and not data.distributed and loader.grouped:
+                self.report(loader.call, f"kept unsharded: its batch size `{loader.grouped}` is a computed group size, as when each "
+                                         "batch is one group (a user's candidate items, a query's documents) that "
+                                         "sharding by sample would split; every rank evaluates the whole set, so "
+                                         "its metrics agree across ranks: shard whole batches by hand for a speed-up")
+            elif loader.status == "plain" and not data.distributed:
                 what = f"`{loader.target}`" if loader.target else "this evaluation DataLoader"
                 if loader.eval_with_grad:
                     self.add_sampler(loader, (
