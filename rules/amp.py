@@ -2534,7 +2534,8 @@ class AmpDtype(AmpRule):
     `autocast("cuda")` does nothing on a CPU-only run and warns; a hard-coded fp16 policy is
     slower and less stable than bf16 on GPUs that support it, and fp16 without loss scaling
     lets small gradients underflow. `tm.autocast()` picks bf16 where supported, else fp16 (with
-    `tm.GradScaler()` enabled only then), and bf16 on CPU, so the script runs everywhere.
+    `tm.GradScaler()` enabled only then), and no autocast on the CPU (bf16 there only when
+    `TORCHMIGRATE_AMP=bf16` asks for it), so the script runs everywhere at full speed.
 
     ## Limitations
     Calls with `cache_enabled=` or `*args` are left to TM406 (modernised to `torch.amp`).

@@ -51,6 +51,8 @@ def _env(out_dir: Path, gpu: bool = False, **extra) -> dict:
         env["CUDA_VISIBLE_DEVICES"] = ""
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHMIGRATE_AMP", "RESUME"):
         env.pop(key, None)
+    if not gpu:  # `auto` runs no autocast on the CPU: ask for bf16, to see the runtime enter it
+        env["TORCHMIGRATE_AMP"] = "bf16"
     env.update(OUT_DIR=str(out_dir), EPOCHS="3", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                PYTHONWARNINGS="ignore", TM_AMP_PROBE=str(out_dir),
                PYTHONPATH=os.pathsep.join(filter(None, [str(AMP_PROBE), env.get("PYTHONPATH", "")])))

@@ -434,9 +434,8 @@ def test_no_sync_enters_model_no_sync_when_distributed(other_rank):
 def test_amp_dtype_policy(monkeypatch, env, expected):
     if env is not None:
         monkeypatch.setenv("TORCHMIGRATE_AMP", env)
-    if expected == "auto":
-        expected = (torch.bfloat16 if not CUDA or torch.cuda.is_bf16_supported()
-                    else torch.float16)
+    if expected == "auto":  # no autocast on the CPU: it would slow CPUs without bf16 units down
+        expected = None if not CUDA else torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     assert tm.amp_dtype() == expected
 
 
@@ -457,7 +456,7 @@ def matmul_dtype(ctx):
 
 
 def test_autocast_follows_policy(monkeypatch):
-    assert matmul_dtype(tm.autocast()) == tm.amp_dtype()
+    assert matmul_dtype(tm.autocast()) == (tm.amp_dtype() or torch.float32)
     assert matmul_dtype(tm.autocast("bf16")) == torch.bfloat16
     assert matmul_dtype(tm.autocast(enabled=False)) == torch.float32
     assert matmul_dtype(tm.autocast("off")) == torch.float32
