@@ -40,6 +40,9 @@ CASES = {
 }
 
 
+RESUMABLE = {"package_relative"}  # reads RESUME (a checkpoint) and continues after its epoch
+
+
 def _env(out_dir: Path, **extra) -> dict:
     env = dict(os.environ)
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHMIGRATE_AMP"):
@@ -76,8 +79,13 @@ def test_project_migrates_and_trains(project, tmp_path):
     out_dir = tmp_path / "ddp"
     out_dir.mkdir()
     for entry in entries:
+        resume = []
+        if project in RESUMABLE:  # a second run resumes from the checkpoint the first one wrote
+            (tmp_path / "resumed").mkdir()
+            resume = ["--resume-env", f"RESUME={out_dir / 'checkpoint.pt'}", "--resume-env", "EPOCHS=5",
+                      "--resume-env", f"OUT_DIR={tmp_path / 'resumed'}"]
         run = subprocess.run([sys.executable, "-m", "torchmigrate", "verify", "--format", "json", "--steps", "0",
-                              "--epochs", "0", "--timeout", "240", entry], cwd=folder, env=_env(out_dir),
+                              "--epochs", "0", "--timeout", "240", *resume, entry], cwd=folder, env=_env(out_dir),
                              capture_output=True, text=True, timeout=600)
         assert run.returncode in (0, 1) and run.stdout.startswith("{"), run.stdout[-2000:] + run.stderr[-3000:]
         verdict = json.loads(run.stdout)
@@ -86,6 +94,10 @@ def test_project_migrates_and_trains(project, tmp_path):
         ranks = [r["output"] for r in verdict["ranks"]]
         assert [int(m.group(1)) for m in EPOCH_LINE.finditer(ranks[0])] == [0, 1, 2], ranks[0][-3000:]
         assert not EPOCH_LINE.search(ranks[1]), f"rank 1 logs no epoch line:\n{ranks[1][-3000:]}"
+        if resume:
+            resumed = [r["output"] for r in verdict["resume_ranks"]]
+            assert [r.count("resumed from epoch 2") for r in resumed] == [1, 0], resumed[0][-3000:]
+            assert [int(m.group(1)) for m in EPOCH_LINE.finditer(resumed[0])] == [3, 4]
 
     for ckpt in out_dir.rglob("*.pt"):
         obj = torch.load(ckpt, map_location="cpu", weights_only=False)
