@@ -41,7 +41,8 @@ def summary_line(outcomes: Sequence[Outcome], dry_run: bool, ddp: bool = False) 
     """The last line of a migration report: `N files would be changed; M findings need attention.`
     (`changed` when written), or `Nothing to change (N files checked)[; M findings need attention].`"""
     n_files = sum(1 for o in outcomes if o.changed)
-    attention = sum(len(o.open_records) for o in outcomes) + (len(not_done(outcomes)) if ddp else 0)
+    attention = sum(len(o.open_records) for o in outcomes)
+    missing = len(not_done(outcomes)) if ddp else 0
     n_errors = sum(1 for o in outcomes if o.error)
     checked = len(outcomes) - n_errors
     need = f"{_plural(attention, 'finding')} {'needs' if attention == 1 else 'need'} attention"
@@ -51,6 +52,8 @@ def summary_line(outcomes: Sequence[Outcome], dry_run: bool, ddp: bool = False) 
     else:
         verb = "would be changed" if dry_run else "changed"
         line = f"{n_files} file{'' if n_files == 1 else 's'} {verb}; {need}."
+    if missing:
+        line += f" NOT DONE under torchrun: {missing} (see above)."
     if n_errors:
         line += f" {_plural(n_errors, 'file')} could not be processed (see errors above)."
     return line

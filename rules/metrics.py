@@ -1036,8 +1036,22 @@ class GatherListMean(Rule):
     def _in_mean(self, use: cst.Name, name: str) -> bool:
         ctx = self.ctx
         parent = ctx.parent(use)
+        if isinstance(parent, cst.CompFor) and parent.iter is use:
+            # `np.mean([x["acc"] for x in summ])`: a mean over the (gathered) list's items
+            comp = ctx.parent(parent)
+            if isinstance(comp, (cst.ListComp, cst.GeneratorExp)) and isinstance(ctx.parent(comp), cst.Arg):
+                return self._in_mean_call(ctx.parent(comp), name)
+            return False
+        if isinstance(parent, cst.Subscript) and _is_first_item(parent) and isinstance(ctx.parent(parent), cst.CompFor) \
+                and ctx.parent(parent).iter is parent:
+            return True  # `for metric in summ[0]`: the keys of one item, the same on every rank
         if not isinstance(parent, cst.Arg):
             return False
+        return self._in_mean_call(parent, name)
+
+    def _in_mean_call(self, parent: cst.Arg, name: str) -> bool:
+        """`parent` is the first and only argument of a mean (or a side of sum/len)."""
+        ctx = self.ctx
         call = ctx.parent(parent)
         if not isinstance(call, cst.Call) or call.args[0] is not parent:
             return False
@@ -1051,6 +1065,14 @@ class GatherListMean(Rule):
         if label in ("sum", "len") and len(call.args) == 1:
             return _sum_over_len(ctx, call, name)
         return False
+
+
+def _is_first_item(node: cst.Subscript) -> bool:
+    """`x[0]`."""
+    if len(node.slice) != 1 or not isinstance(node.slice[0].slice, cst.Index):
+        return False
+    value = node.slice[0].slice.value
+    return isinstance(value, cst.Integer) and value.value == "0"
 
 
 def _next_sibling(ctx: Context, statement: cst.CSTNode) -> Optional[cst.CSTNode]:

@@ -793,14 +793,14 @@ def gather_for_metrics(x, total_len: int | None = None):
 
 
 def gather_list(values) -> list:
-    """Every rank's ``values`` (a list of numbers or small tensors), concatenated in rank order,
+    """Every rank's ``values`` (a list of numbers, small tensors or dicts of them), concatenated in rank order,
     on every rank; 1 process: ``values`` itself. For means of per-batch values (``sum(l) / len(l)``),
     which then cover every batch of every rank and agree across ranks. Tensors travel on the CPU
     (detached). A collective: call it on every rank."""
     if not is_distributed():
         return values
     _require_pg()
-    mine = [v.detach().cpu() if isinstance(v, torch.Tensor) else v for v in values]
+    mine = [_to_cpu(v) for v in values]
     parts = [None] * world_size()
     dist.all_gather_object(parts, mine)
     return [v for part in parts for v in part]
@@ -819,6 +819,17 @@ def reduce_meter(meter):
     if hasattr(meter, "avg"):
         meter.avg = meter.sum / meter.count if meter.count else meter.avg
     return meter
+
+
+def _to_cpu(value):
+    """Tensors (also inside a dict, list or tuple of one item's metrics) detached on the CPU."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_cpu(v) for v in value)
+    return value
 
 
 def save(obj, path) -> None:
