@@ -14,7 +14,7 @@ from typing import Dict, List, Optional, Set, Tuple
 import libcst as cst
 
 from torchmigrate import analysis
-from torchmigrate.finding import Safety, insert_after, replace
+from torchmigrate.finding import Safety, insert_after, insert_before, replace
 from torchmigrate.imports import dotted
 from torchmigrate.nodes import arg, code, keep_alignment, set_kwarg
 from torchmigrate.rule import Context, Example, Rule
@@ -192,7 +192,9 @@ class SaveMainUnwrapped(Rule):
     writes 4 times to a shared filesystem (NVIDIA/apex#886). A file that is saved and then
     loaded again in the same run needs `tm.barrier()` between the two: added after an
     unconditional save, reported otherwise (also when the file is written and read through
-    `with open(path) as f`).
+    `with open(path) as f`). A `torch.load` after the training loop of its function (the best
+    checkpoint, saved during training by a helper elsewhere, reloaded for testing) gets
+    `tm.barrier()` just before it, where every rank reaches it.
 
     In `lint` mode (distributed files) `torch.save` without a rank guard and local-rank guards
     around saves are reported.
@@ -261,6 +263,8 @@ class SaveMainUnwrapped(Rule):
         ctx = self.ctx
         if not active(ctx):
             return
+        if ctx.options.migrating:
+            self._reload_after_training()
         f = analysis.facts(ctx)
         tm = ctx.tm
         imports = [ctx.runtime_import()]
@@ -390,6 +394,41 @@ class SaveMainUnwrapped(Rule):
         for run in sibling_runs(ctx, lines):
             self.report(run[0], "file operation on a checkpoint that only the main process writes",
                         edits=[guard_edit(ctx, run)], imports=[ctx.runtime_import()])
+
+    def _reload_after_training(self) -> None:
+        """`torch.load(best_path)` after the training loop of the same function, the checkpoint
+        having been saved during training by a helper (an `EarlyStopping`, a `save_checkpoint` of
+        another module): only the main process writes it now, so every other rank may read it
+        while it is still being written, or before it exists. A barrier before the load, where
+        every rank reaches it (found on zhouhaoyi/Informer2020, kimiyoung/transformer-xl)."""
+        ctx = self.ctx
+        calls = analysis.facts(ctx).calls
+        trained: Dict[cst.CSTNode, int] = {}  # scope -> index of its first training call
+        for i, (call, name) in enumerate(calls):
+            func = call.func
+            if isinstance(func, cst.Attribute) and func.attr.value == "backward" and not call.args:
+                trained.setdefault(scope_of(ctx, call), i)
+        if not trained:
+            return
+        for i, (call, name) in enumerate(calls):
+            if name not in LOADS and name != RUNTIME + ".load":
+                continue
+            scope = scope_of(ctx, call)
+            start = trained.get(scope)
+            if start is None or i < start:
+                continue
+            between = calls[start:i]
+            if any(n and (n.endswith(".barrier") or n in SAVES) and scope_of(ctx, c) is scope for c, n in between):
+                continue  # already waited for, or saved here (the save's own reload check)
+            line = ctx.statement_of(call)
+            if collective_guard(ctx, call) is not None or not isinstance(line, cst.SimpleStatementLine) \
+                    or not isinstance(ctx.parent(line), (cst.IndentedBlock, cst.Module)) \
+                    or not _unconditional(ctx, line, scope):
+                continue
+            self.report(call, "every rank loads this file after training, but only the main process wrote it: "
+                              "wait until it is complete",
+                        edits=[insert_before(line, [cached_stmt(f"{ctx.tm}.barrier()")])],
+                        imports=[ctx.runtime_import()])
 
     def _reload_check(self, index: int, save: cst.Call, scope: cst.CSTNode, automatic: bool = True) -> None:
         """A file saved and then loaded again in the same run: other ranks must wait for it. A
