@@ -120,7 +120,6 @@ _SIGNALS = {
     "wraps": ("wrap_model(", "DistributedDataParallel(", "DDP("),
     "loaders": ("DataLoader(",),
     "shards": ("tm.sampler(", "eval_sampler(", "shard_sampler(", "DistributedSampler(", ".sampler("),
-    "guards": ("tm.save(", "is_main()", "tm.print("),
 }
 
 
@@ -129,21 +128,19 @@ def signals(source: str) -> Tuple[str, ...]:
     return tuple(name for name, needles in _SIGNALS.items() if any(n in source for n in needles))
 
 
-def write_together(outcomes: Sequence[Outcome], job: Job, groups: Sequence[Sequence[str]]) -> bool:
+def write_together(outcomes: Sequence[Outcome], job: Job, groups: Sequence[Sequence[str]]) -> None:
     """Write the pending changes, each group of files (one program) as one change
     (`files.write_all`): all of a group or none. A group that could not be written gets an
-    error on the file that failed and on each of its other files. Returns whether all were."""
+    error on the file that failed and on each of its other files."""
     by_path = {os.path.realpath(o.path): o for o in outcomes}
     grouped = {os.path.realpath(p) for g in groups for p in g}
     sets = [list(g) for g in groups] + [[p] for p in by_path if p not in grouped]
-    ok = True
     for group in sets:
         ready = [by_path[os.path.realpath(p)] for p in group if os.path.realpath(p) in by_path]
         ready = [o for o in ready if o.pending is not None and o.error is None]
         try:
             files.write_all([(Path(o.path), o.pending[0], o.pending[1]) for o in ready])
         except files.ChangeSetError as exc:
-            ok = False
             failed = os.path.realpath(exc.path)
             for o in ready:
                 o.pending = None
@@ -158,7 +155,6 @@ def write_together(outcomes: Sequence[Outcome], job: Job, groups: Sequence[Seque
             o.written = True
             if job.vendor_runtime and o.uses_runtime:
                 o.vendored = vendor_runtime(Path(o.path).parent)
-    return ok
 
 
 def _failed(outcome: Outcome, line: int, col: int, message: str) -> None:

@@ -181,8 +181,8 @@ class MainOnlyWrites(Rule):
         func = self.ctx.enclosing(handle, cst.FunctionDef)
         if func is None:
             return False
-        p = func.params
-        params = {x.name.value for x in (*p.posonly_params, *p.params, *p.kwonly_params)}
+        positional, keyword_only = analysis._function_params(func)
+        params = set(positional) | set(keyword_only)
         return any(isinstance(n, cst.Call) and isinstance(n.func, cst.Name) and n.func.value in params
                    for n in self.ctx.within(handle, cst.Call, skip_defs=True))
 

@@ -954,32 +954,32 @@ class GatherListMean(Rule):
                 if found is not None and func.value.value not in found:
                     found.append(func.value.value)
         for loop, names in meters.items():
-            self._meters(loop, names)
+            if not _leaves_early(ctx, loop):
+                self._meters(loop, names)
         for loop, names in loops.items():
-            if ctx.within(loop.body, cst.Return, cst.Yield, cst.Break, skip_defs=True):
-                continue  # ranks may leave the loop at different points
             lists = [n for n in names if _list_init(ctx, loop, n) and not _reassigned_in(ctx, loop, n)
                      and self._means_only(loop, n)]
-            if not lists:
+            if not lists or _leaves_early(ctx, loop):
                 continue
-            tm = ctx.tm
             listed = ", ".join(f"`{n}`" for n in lists)
-            lines = [f"{n} = {tm}.gather_list({n})" for n in lists]
-            guard = collective_guard(ctx, loop)
-            if guard is not None:
-                self.report(loop, f"{listed} {'holds' if len(lists) == 1 else 'hold'} this rank's values only, but "
-                                  "this loop runs under a rank guard, where a gather would hang the other ranks: "
-                                  f"evaluate on every rank and add `{'; '.join(lines)}` after the loop",
-                            statement=ctx.statement_of(loop))
-                continue
-            statements = [cst.parse_statement(line + "\n") for line in lines]
-            self.report(loop, f"the mean of {listed} covers this rank's batches only; gather every rank's values first",
-                        edits=[insert_after(loop, statements)], imports=[ctx.runtime_import()])
+            self._after_loop(loop, [f"{n} = {ctx.tm}.gather_list({n})" for n in lists],
+                             f"{listed} {'holds' if len(lists) == 1 else 'hold'} this rank's values only, but this "
+                             "loop runs under a rank guard, where a gather would hang the other ranks",
+                             f"the mean of {listed} covers this rank's batches only; gather every rank's values first")
+
+    def _after_loop(self, loop: cst.For, lines: List[str], guarded: str, message: str) -> None:
+        """Insert `lines` (collectives) right after `loop`, or, where a rank guard would keep some
+        ranks from them and hang the others, say `guarded` and what to add."""
+        ctx = self.ctx
+        if collective_guard(ctx, loop) is not None:
+            self.report(loop, f"{guarded}: evaluate on every rank and add `{'; '.join(lines)}` after the loop",
+                        statement=ctx.statement_of(loop))
+            return
+        self.report(loop, message, edits=[insert_after(loop, [cst.parse_statement(line + "\n") for line in lines])],
+                    imports=[ctx.runtime_import()])
 
     def _meters(self, loop: cst.For, names: List[str]) -> None:
         ctx = self.ctx
-        if ctx.within(loop.body, cst.Return, cst.Yield, cst.Break, skip_defs=True):
-            return
         found = []
         for name in names:
             ok, value = initial_value(ctx, loop, name)
@@ -988,19 +988,12 @@ class GatherListMean(Rule):
                 found.append(name)
         if not found or self._reduced_after(loop, found):
             return
-        tm = ctx.tm
-        lines = [f"{tm}.reduce_meter({n})" for n in found]
         listed = ", ".join(f"`{n}`" for n in found)
-        if collective_guard(ctx, loop) is not None:
-            self.report(loop, f"{listed} average{'s' if len(found) == 1 else ''} this rank's batches only, but this "
-                              "loop runs under a rank guard, where a reduction would hang the other ranks: evaluate "
-                              f"on every rank and add `{'; '.join(lines)}` after the loop",
-                        statement=ctx.statement_of(loop))
-            return
-        self.report(loop, f"{listed} average{'s' if len(found) == 1 else ''} this rank's batches only; reduce "
-                          f"{'its' if len(found) == 1 else 'their'} sum and count across ranks",
-                    edits=[insert_after(loop, [cst.parse_statement(line + "\n") for line in lines])],
-                    imports=[ctx.runtime_import()])
+        averages = f"{listed} average{'s' if len(found) == 1 else ''} this rank's batches only"
+        self._after_loop(loop, [f"{ctx.tm}.reduce_meter({n})" for n in found],
+                         f"{averages}, but this loop runs under a rank guard, where a reduction would hang the "
+                         "other ranks",
+                         f"{averages}; reduce {'its' if len(found) == 1 else 'their'} sum and count across ranks")
 
     def _read_after(self, loop: cst.For, name: str) -> bool:
         ctx = self.ctx
@@ -1073,6 +1066,12 @@ def _is_first_item(node: cst.Subscript) -> bool:
         return False
     value = node.slice[0].slice.value
     return isinstance(value, cst.Integer) and value.value == "0"
+
+
+def _leaves_early(ctx: Context, loop: cst.For) -> bool:
+    """A `return`, `yield` or `break` in the loop: ranks may leave it at different points and
+    never all reach a collective after it."""
+    return bool(ctx.within(loop.body, cst.Return, cst.Yield, cst.Break, skip_defs=True))
 
 
 def _next_sibling(ctx: Context, statement: cst.CSTNode) -> Optional[cst.CSTNode]:

@@ -14,7 +14,7 @@ import os
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
+from typing import Dict, Iterable, List, Optional, Set, Tuple
 
 from torchmigrate.files import SKIP_DIRS
 
@@ -34,7 +34,6 @@ def project_root(script: Path) -> Path:
 class Graph:
     """The modules of a program: every file, and for each the project files it imports."""
 
-    entries: List[Path]
     modules: List[Path] = field(default_factory=list)
     imports: Dict[Path, List[Path]] = field(default_factory=dict)
     # every import statement of each module (one walk of its tree, shared with `facts`)
@@ -106,39 +105,35 @@ def imported_files(statements: List[ast.stmt], importer: Path, resolver: _Resolv
         if isinstance(node, ast.Import):
             for alias in node.names:
                 out += resolver.absolute(importer, alias.name, entry_dir)
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = resolver.package_of(importer, node.level)
-                module = node.module or ""
-                found = resolver.module_file(base, module) if module else None
-                if found is not None:
-                    out.append(found)
-                    if found.name == "__init__.py":
-                        base = found.parent
-                    else:
-                        base = None
-                elif module:
-                    base = None
-                if base is not None:  # `from . import x`, `from .pkg import x`: x may be a module
-                    for alias in node.names:
-                        sub = resolver.module_file(base, alias.name) if alias.name != "*" else None
-                        if sub is not None:
-                            out.append(sub)
-            elif node.module:
-                found = resolver.absolute(importer, node.module, entry_dir)
-                out += found
-                if found and found[-1].name == "__init__.py":
-                    for alias in node.names:
-                        sub = resolver.module_file(found[-1].parent, alias.name) if alias.name != "*" else None
-                        if sub is not None:
-                            out.append(sub)
+        elif isinstance(node, ast.ImportFrom) and node.level:
+            package = resolver.package_of(importer, node.level)
+            if node.module:
+                found = resolver.module_file(package, node.module)
+                if found is None:
+                    continue
+                out.append(found)
+                if found.name != "__init__.py":
+                    continue
+                package = found.parent
+            out += _submodules(resolver, package, node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found = resolver.absolute(importer, node.module, entry_dir)
+            out += found
+            if found and found[-1].name == "__init__.py":
+                out += _submodules(resolver, found[-1].parent, node.names)
     return out
+
+
+def _submodules(resolver: _Resolver, package: Path, names: List[ast.alias]) -> List[Path]:
+    """`from package import x, y`: those of `x`, `y` that are modules of the package."""
+    found = (resolver.module_file(package, alias.name) for alias in names if alias.name != "*")
+    return [f for f in found if f is not None]
 
 
 def build(entries: Iterable[Path], trees: Optional[Dict[Path, ast.Module]] = None) -> Graph:
     """Follow the entries' imports into their project; `trees` caches parses by resolved path."""
     entries = [Path(e).resolve() for e in entries]
-    graph = Graph(entries)
+    graph = Graph()
     trees = {} if trees is None else trees
     seen: Set[Path] = set()
     roots: Dict[Path, Path] = {}  # folder -> its project root, looked up once per folder
