@@ -118,7 +118,7 @@ def process_file(path: str, job: Job) -> Outcome:
 _SIGNALS = {
     "trains": (".backward(",),
     "wraps": ("wrap_model(", "DistributedDataParallel(", "DDP("),
-    "loaders": ("DataLoader(",),
+    "loaders": ("DataLoader(", "DataLoader as "),  # `from torch.utils.data import DataLoader as DL`
     "shards": ("tm.sampler(", "eval_sampler(", "shard_sampler(", "DistributedSampler(", ".sampler("),
 }
 

@@ -54,7 +54,7 @@ from torch.utils.data import DistributedSampler, RandomSampler, Sampler, Sequent
 __all__ = [
     "Ctx", "setup", "cleanup", "device", "rank", "local_rank", "world_size", "is_main",
     "is_distributed", "wrap_model", "unwrap", "sampler", "eval_sampler", "set_epoch", "no_sync",
-    "amp_dtype", "autocast", "GradScaler", "print", "barrier", "all_reduce", "gather_for_metrics", "gather_list",
+    "amp_dtype", "autocast", "GradScaler", "print", "barrier", "all_reduce", "gather_for_metrics", "gather_list", "broadcast_object", "shared_generator",
     "shard_sampler", "reduce_meter",
     "save", "load", "strip_prefix", "load_state_dict", "seed_everything", "main_only",
 ]
@@ -804,6 +804,33 @@ def gather_list(values) -> list:
     parts = [None] * world_size()
     dist.all_gather_object(parts, mine)
     return [v for part in parts for v in part]
+
+
+def broadcast_object(value, src: int = 0):
+    """Rank ``src``'s ``value`` (any picklable object) on every rank; 1 process: ``value``. For
+    values drawn at random that every rank must agree on: a learning rate or epoch count picked
+    at random, a shuffled file list or a permutation that splits train from validation. Sets up
+    the process group first if the program has not yet (the draw may come before the code that
+    does). Tensors come back on the device they were on. A collective: call it on every rank."""
+    if world_size() <= 1:
+        return value
+    if not _pg():
+        setup()
+    box = [_to_cpu(value) if rank() == src else None]
+    dist.broadcast_object_list(box, src=src)
+    if isinstance(value, torch.Tensor):
+        return box[0].to(value.device)
+    return box[0]
+
+
+def shared_generator(seed: int | None = None) -> torch.Generator:
+    """A CPU ``torch.Generator`` seeded alike on every rank, for ``random_split(...,
+    generator=tm.shared_generator())``: every rank makes the same split. The seed is ``seed``, or
+    rank 0's ``torch.initial_seed()``: fixed when the program seeds torch, new each run when it
+    does not, as the split was before. A collective: call it on every rank."""
+    generator = torch.Generator()
+    generator.manual_seed(int(broadcast_object(torch.initial_seed() if seed is None else seed)))
+    return generator
 
 
 def reduce_meter(meter):

@@ -122,6 +122,14 @@ def test_all_reduce_numbers_and_tensors(collectives):
         assert r["input_untouched"]
 
 
+def test_broadcast_object_and_shared_generator_agree_across_ranks(collectives):
+    r0, r1 = collectives["r"]
+    assert r0["broadcast"] == r1["broadcast"]
+    assert r0["broadcast_tensor"] == r1["broadcast_tensor"]
+    assert r0["split"] == r1["split"]
+    assert sorted(r0["split"][0] + r0["split"][1]) == list(range(12))
+
+
 def test_train_sampler_partitions_and_reshuffles(collectives):
     r0, r1 = collectives["r"]
     assert "DistributedSampler" in r0["train_sampler_type"]

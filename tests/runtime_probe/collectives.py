@@ -3,6 +3,7 @@ helper of torchmigrate.runtime and writes this rank's observations to <outdir>/r
 import json
 import logging
 import os
+import random
 import sys
 
 import torch
@@ -69,6 +70,14 @@ def main(outdir):
     inp = torch.tensor([float(r)])
     tm.all_reduce(inp)
     res["input_untouched"] = inp.tolist() == [float(r)]
+
+    # broadcast_object / shared_generator: rank 0's draw on every rank
+    random.seed(1000 + r)
+    res["broadcast"] = tm.broadcast_object({"lr": random.random(), "files": random.sample(range(50), 5)})
+    res["broadcast_tensor"] = described(tm.broadcast_object(torch.randperm(6, generator=torch.Generator().manual_seed(r))))
+    torch.manual_seed(r)  # unseeded alike: the split must still agree
+    split = torch.utils.data.random_split(list(range(12)), [8, 4], generator=tm.shared_generator())
+    res["split"] = [list(split[0].indices), list(split[1].indices)]
 
     # training sampler: disjoint shards, reshuffled by set_epoch
     sampler = tm.sampler(list(range(10)), shuffle=True, seed=0)

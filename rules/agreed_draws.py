@@ -1,0 +1,311 @@
+"""TM107: random draws every rank must agree on (a random learning rate, a shuffled split)."""
+
+from __future__ import annotations
+
+from typing import List, Optional, Set
+
+import libcst as cst
+
+from torchmigrate import analysis
+from torchmigrate.finding import Safety, insert_after, replace
+from torchmigrate.imports import dotted
+from torchmigrate.nodes import set_kwarg
+from torchmigrate.rule import Example, Rule
+from torchmigrate.rules.launch import SEEDERS
+from torchmigrate.rules.logging_rules import active, collective_guard
+
+_RANDOM = ("random.", "numpy.random.")
+# Draws of these modules that are not draws: generators and seeding.
+_NOT_DRAWS = frozenset({"random.seed", "random.Random", "random.SystemRandom", "random.getstate",
+                        "random.setstate", "numpy.random.seed", "numpy.random.default_rng",
+                        "numpy.random.RandomState", "numpy.random.get_state", "numpy.random.set_state",
+                        "numpy.random.Generator"})
+# Of torch's draws only the permutation is configuration-like (a split); `torch.randn(...)` at
+# function level is a fixed noise batch or a dummy input, the same whoever draws it.
+_TORCH_DRAWS = frozenset({"torch.randperm"})
+_SHUFFLES = frozenset({"random.shuffle", "numpy.random.shuffle"})
+_SPLIT = "torch.utils.data.random_split"
+# Functions that belong to the data pipeline or the model: their randomness is per sample
+# (augmentation, dropout, noise), and differing across ranks is what the user wants.
+_PER_SAMPLE_METHODS = frozenset({"__getitem__", "__iter__", "__next__", "__call__", "forward", "__len__"})
+_PER_SAMPLE_WORDS = ("transform", "augment", "collate", "worker_init", "noise", "crop", "flip", "jitter")
+_PER_SAMPLE_BASES = ("Dataset", "Module", "Sampler", "Transform", "nn.", "Layer", "Loss")
+
+
+class AgreedDraws(Rule):
+    """
+    ## What it does
+    - `lr = random.random() * 1e-3` (any draw of `random`, `numpy.random`, or `torch.randperm`
+      and the like) in the program's own code, outside the data pipeline and the model, becomes
+      `lr = tm.broadcast_object(random.random() * 1e-3)`: rank 0 draws, every rank uses its value.
+      This covers hyperparameters picked at random, epoch counts, permutations that split the
+      data into train and validation, and draws inside a loop that set how many steps it takes
+      (`seq_len = int(np.random.normal(bptt, 5))` followed by `i += seq_len`).
+    - `random.shuffle(files)` (or `np.random.shuffle`) outside a loop is followed by
+      `files[:] = tm.broadcast_object(files)`.
+    - `random_split(dataset, lengths)` without a generator gets
+      `generator=tm.shared_generator()`, seeded alike on every rank.
+
+    ## Why is this bad?
+    Each process has its own random stream (unseeded, it starts from the OS; seeded per rank, it
+    differs by design). A value drawn once and then used as configuration differs per rank:
+    ranks train with different learning rates or epoch counts (one rank leaves the loop while
+    the others wait in a collective), or split the files differently so one rank's validation
+    set is another rank's training set. A draw that sets the number of steps of a loop makes
+    ranks run different numbers of steps, which hangs DDP.
+
+    Draws in `__getitem__`, `forward`, transforms and collate functions are left alone: there
+    different values per rank are what augmentation and dropout want. Values that only seed a
+    generator are left alone too (TM105 is about seeds).
+    """
+
+    code = "TM107"
+    name = "agreed-draws"
+    summary = "Draw random configuration once, on rank 0, and share it with every rank"
+    safety = Safety.SAFE
+    commands = frozenset({"ddp", "lint"})
+    examples = (
+        Example(
+            before="""
+            import random
+            import torch
+            def main(config):
+                lr = random.random() * 0.0005
+                epochs = random.choice([100, 150])
+                train(config, lr, epochs)
+            """,
+            after="""
+            import random
+            import torch
+            import torchmigrate.runtime as tm
+            def main(config):
+                lr = tm.broadcast_object(random.random() * 0.0005)
+                epochs = tm.broadcast_object(random.choice([100, 150]))
+                train(config, lr, epochs)
+            """,
+        ),
+    )
+
+    def leave_Module(self, node: cst.Module) -> None:
+        ctx = self.ctx
+        if not active(ctx) or not analysis.facts(ctx).calls:
+            return
+        done: Set[cst.CSTNode] = set()
+        for call, name in analysis.facts(ctx).calls:
+            if not name:
+                continue
+            if name == _SPLIT:
+                self._split(call)
+            elif name in _SHUFFLES:
+                self._shuffle(call)
+            elif _is_draw(name):
+                assign = self._assignment(call)
+                if assign is not None and assign not in done:
+                    done.add(assign)
+                    self._draw(assign)
+
+    # --- what qualifies -------------------------------------------------------------------
+
+    def _assignment(self, call: cst.Call) -> Optional[cst.Assign]:
+        """The `x = ...` statement whose value holds the draw (not inside a lambda or a def
+        nested in the value)."""
+        for anc in self.ctx.ancestors(call):
+            if isinstance(anc, cst.Call) and (self.ctx.resolve(anc.func) or "").endswith(".broadcast_object"):
+                return None  # already shared
+            if isinstance(anc, cst.Assign):
+                return anc
+            if isinstance(anc, (cst.BaseStatement, cst.Lambda, cst.BaseSmallStatement)):
+                return None
+        return None
+
+    def _agreed_place(self, node: cst.CSTNode) -> bool:
+        """Code that runs once per rank in step with the others: not in the data pipeline or
+        the model, not under a rank guard, and in an entry module if at module level."""
+        ctx = self.ctx
+        if not ctx.program.is_entry:
+            # A draw in another module may run per sample in a data-loader worker (a crop
+            # helper of `transforms.py`), where a collective cannot run.
+            return False
+        func = ctx.enclosing(node, cst.FunctionDef)
+        if func is not None and (self._per_sample(func) or not self._called_in_step(func)):
+            return False
+        return collective_guard(ctx, node) is None
+
+    def _called_in_step(self, func: cst.FunctionDef) -> bool:
+        """Every use of a module-level function is a plain call from code that is not per
+        sample: a function passed as a value (`transform=random_crop`, `map(f, ...)`) may run
+        in a data-loader worker. Methods are judged by their class (`_per_sample`)."""
+        ctx = self.ctx
+        if ctx.parent(func) is not ctx.module:
+            return True
+        for name in ctx.named(func.name.value):
+            if name is func.name:
+                continue
+            call = ctx.parent(name)
+            if not (isinstance(call, cst.Call) and call.func is name):
+                return False
+            caller = ctx.enclosing(call, cst.FunctionDef)
+            if caller is not None and self._per_sample(caller):
+                return False
+        return True
+
+    def _per_sample(self, func: cst.FunctionDef) -> bool:
+        name = func.name.value.lower()
+        if func.name.value in _PER_SAMPLE_METHODS or any(w in name for w in _PER_SAMPLE_WORDS):
+            return True
+        for anc in self.ctx.ancestors(func):
+            if isinstance(anc, cst.ClassDef):
+                bases = " ".join(dotted(b.value) or "" for b in anc.bases)
+                if any(b in bases for b in _PER_SAMPLE_BASES):
+                    return True
+            if isinstance(anc, cst.FunctionDef) and self._per_sample(anc):
+                return True
+        return False
+
+    def _loops_between(self, node: cst.CSTNode) -> List[cst.CSTNode]:
+        loops = []
+        for anc in self.ctx.ancestors(node):
+            if isinstance(anc, (cst.FunctionDef, cst.ClassDef)):
+                break
+            if isinstance(anc, (cst.For, cst.While)):
+                loops.append(anc)
+        return loops
+
+    # --- the three forms ------------------------------------------------------------------
+
+    def _draw(self, assign: cst.Assign) -> None:
+        ctx = self.ctx
+        if len(assign.targets) != 1 or not self._agreed_place(assign):
+            return
+        target = dotted(assign.targets[0].target)
+        if target is None:
+            return
+        uses = self._uses_after(assign, target)
+        if uses and all(self._seeds(u) for u in uses):
+            return
+        loops = self._loops_between(assign)
+        if loops and not self._sets_step_count(loops[0], target):
+            return
+        why = ("sets how many steps this loop takes, so ranks would run different numbers of steps (DDP hangs)"
+               if loops else "is configuration that would differ on each rank")
+        self.report(assign, f"`{target}` is drawn at random on every rank and {why}: rank 0 draws and "
+                            f"every rank uses its value",
+                    edits=[replace(assign.value, lambda v: cst.Call(
+                        func=cst.parse_expression(f"{ctx.tm}.broadcast_object"), args=[cst.Arg(v)]))],
+                    imports=[ctx.runtime_import()])
+
+    def _shuffle(self, call: cst.Call) -> None:
+        ctx = self.ctx
+        statement = ctx.parent(ctx.parent(call))
+        if not (isinstance(ctx.parent(call), cst.Expr) and isinstance(statement, cst.SimpleStatementLine)
+                and len(statement.body) == 1 and len(call.args) == 1 and not call.args[0].star):
+            return
+        if not self._agreed_place(call) or self._loops_between(call):
+            return
+        if self._next_is_broadcast(statement):
+            return
+        target = cst.helpers.get_full_name_for_node(call.args[0].value)
+        if target is None:
+            return
+        line = cst.parse_statement(f"{target}[:] = {ctx.tm}.broadcast_object({target})")
+        self.report(call, f"every rank shuffles `{target}` its own way, so ranks disagree on its order (a split "
+                          f"taken from it differs per rank): rank 0's order is shared with every rank",
+                    edits=[insert_after(statement, [line])], imports=[ctx.runtime_import()])
+
+    def _split(self, call: cst.Call) -> None:
+        ctx = self.ctx
+        if any(a.keyword is not None and a.keyword.value == "generator" for a in call.args) \
+                or any(a.star for a in call.args) or len(call.args) >= 3:
+            return
+        func = ctx.enclosing(call, cst.FunctionDef)
+        # A split is never drawn per sample, so it is fixed in every module of the program.
+        if (func is not None and self._per_sample(func)) or collective_guard(ctx, call) is not None:
+            return
+        self.report(call, "random_split draws from each rank's own random stream, so ranks split the dataset "
+                          "differently (one rank's validation samples are another's training samples): split with "
+                          "a generator seeded alike on every rank",
+                    edits=[replace(call, lambda c: set_kwarg(
+                        c, "generator", cst.parse_expression(f"{ctx.tm}.shared_generator()")))],
+                    imports=[ctx.runtime_import()])
+
+    # --- helpers --------------------------------------------------------------------------
+
+    def _next_is_broadcast(self, statement: cst.CSTNode) -> bool:
+        block = self.ctx.parent(statement)
+        body = list(getattr(block, "body", ()))
+        if statement not in body or body.index(statement) + 1 >= len(body):
+            return False
+        return "broadcast_object" in cst.Module(body=[body[body.index(statement) + 1]]).code
+
+    def _uses_after(self, assign: cst.Assign, target: str) -> List[cst.CSTNode]:
+        """Reads of `target` in the scope of the assignment (a dotted `config.lr` counts by its
+        attribute reads)."""
+        ctx = self.ctx
+        scope = ctx.scope_of(assign)
+        head = target.split(".")[-1]
+        found = []
+        for name in ctx.named(head):
+            if ctx.scope_of(name) is not scope or _inside(ctx, name, assign):
+                continue
+            full = name
+            parent = ctx.parent(name)
+            if "." in target:
+                if not (isinstance(parent, cst.Attribute) and parent.attr is name and dotted(parent) == target):
+                    continue
+                full = parent
+            found.append(full)
+        return found
+
+    def _seeds(self, use: cst.CSTNode) -> bool:
+        """A use as the argument of a seeding call, or in a print."""
+        for anc in self.ctx.ancestors(use):
+            if isinstance(anc, cst.Call):
+                name = self.ctx.resolve(anc.func) or dotted(anc.func) or ""
+                if name in SEEDERS or name.endswith("seed_everything") or name in ("print", "tm.print"):
+                    return True
+            if isinstance(anc, cst.BaseStatement):
+                return False
+        return False
+
+    def _sets_step_count(self, loop: cst.CSTNode, target: str) -> bool:
+        """`target` bounds the loop: read in a `while` test, a `range(...)` of a `for`, or added
+        to a counter that the `while` test reads (`i += seq_len`)."""
+        if isinstance(loop, cst.While):
+            tested = _names_in(loop.test)
+            if target in tested:
+                return True
+            for node in self.ctx.within(loop, cst.AugAssign, skip_defs=True):
+                if dotted(node.target) in tested and target in _names_in(node.value):
+                    return True
+            return False
+        if isinstance(loop, cst.For) and isinstance(loop.iter, cst.Call) and dotted(loop.iter.func) == "range":
+            return target in _names_in(loop.iter)
+        return False
+
+
+def _is_draw(name: str) -> bool:
+    if name in _TORCH_DRAWS:
+        return True
+    return name.startswith(_RANDOM) and name not in _NOT_DRAWS and name not in _SHUFFLES
+
+
+def _inside(ctx, node: cst.CSTNode, container: cst.CSTNode) -> bool:
+    return any(anc is container for anc in ctx.ancestors(node))
+
+
+def _names_in(node: cst.CSTNode) -> Set[str]:
+    """Dotted names read in an expression (`i`, `data.size`, `self.n`)."""
+    out: Set[str] = set()
+
+    def go(n: cst.CSTNode) -> None:
+        if isinstance(n, (cst.Name, cst.Attribute)):
+            name = dotted(n)
+            if name:
+                out.add(name)
+                if isinstance(n, cst.Name):
+                    return
+        for child in n.children:
+            go(child)
+
+    go(node)
+    return out
