@@ -54,7 +54,7 @@ from torch.utils.data import DistributedSampler, RandomSampler, Sampler, Sequent
 __all__ = [
     "Ctx", "setup", "cleanup", "device", "rank", "local_rank", "world_size", "is_main",
     "is_distributed", "wrap_model", "unwrap", "sampler", "eval_sampler", "set_epoch", "no_sync",
-    "amp_dtype", "autocast", "GradScaler", "print", "barrier", "all_reduce", "gather_for_metrics", "gather_list", "broadcast_object", "shared_generator",
+    "amp_dtype", "autocast", "GradScaler", "print", "barrier", "all_reduce", "gather_for_metrics", "gather_list", "broadcast_object", "shared_generator", "grad",
     "shard_sampler", "reduce_meter",
     "save", "load", "strip_prefix", "load_state_dict", "seed_everything", "main_only",
 ]
@@ -666,7 +666,30 @@ def GradScaler(enabled=None, dtype=None, **kwargs) -> torch.amp.GradScaler:
     dev_type = device().type
     if enabled is None:
         enabled = dev_type == "cuda" and amp_dtype(dtype) == torch.float16
-    return torch.amp.GradScaler(dev_type, enabled=bool(enabled), **kwargs)
+    scaler = torch.amp.GradScaler(dev_type, enabled=bool(enabled), **kwargs)
+    _SCALERS.append(weakref.ref(scaler))
+    return scaler
+
+
+_SCALERS: list = []  # weak references to the GradScalers made by GradScaler(), oldest first
+
+
+def grad(outputs, inputs, grad_outputs=None, scaler=None, **kwargs):
+    """``torch.autograd.grad`` for a gradient penalty (``create_graph=True``) in a program with
+    mixed precision, by the AMP recipe: with an enabled (fp16) GradScaler the outputs are scaled
+    before differentiating and the gradients unscaled after, so small gradients do not flush to
+    zero in fp16 (an overflow gives inf, which reaches the loss, and the scaler skips that
+    step). ``scaler`` defaults to the newest enabled ``tm.GradScaler``: any scale protects the
+    gradients, as they are divided by the same scale. Without one (bf16, CPU, AMP off) it is
+    ``torch.autograd.grad`` unchanged."""
+    if scaler is None:
+        live = [s for s in (ref() for ref in _SCALERS) if s is not None and s.is_enabled()]
+        scaler = live[-1] if live else None
+    if scaler is None or not scaler.is_enabled():
+        return torch.autograd.grad(outputs, inputs, grad_outputs=grad_outputs, **kwargs)
+    scale = scaler.get_scale()
+    grads = torch.autograd.grad(scaler.scale(outputs), inputs, grad_outputs=grad_outputs, **kwargs)
+    return tuple(None if g is None else g * (1.0 / scale) for g in grads)
 
 
 def print(*args, sep=" ", end="\n", file=None, flush=True) -> None:  # noqa: A001 - mirrors builtins.print

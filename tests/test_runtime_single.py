@@ -577,3 +577,19 @@ def test_cuda_amp_policy_and_scaler(monkeypatch):
     scaled.backward()
     scaler.step(opt)
     scaler.update()
+
+
+def test_grad_scales_a_gradient_penalty_that_would_flush_to_zero_in_fp16():
+    """tm.grad (TM411) follows the AMP recipe: the fp16 gradient 1e-8 flushes to zero unscaled,
+    and survives when the outputs are scaled and the result unscaled."""
+    def penalty_grad(grad_fn):
+        x = torch.tensor([1.0], requires_grad=True)
+        y = (x.half() * 1e-4) * 1e-4
+        return grad_fn(outputs=y, inputs=x, grad_outputs=torch.ones_like(y), create_graph=True)[0]
+
+    assert penalty_grad(torch.autograd.grad).item() == 0.0
+    scaler = tm.GradScaler(enabled=True, init_scale=2.0 ** 10)  # the newest enabled scaler is the default
+    got = penalty_grad(tm.grad)
+    assert got.item() == pytest.approx(1e-8, rel=1e-2)
+    assert penalty_grad(lambda **kw: tm.grad(scaler=tm.GradScaler(enabled=False), **kw)).item() == 0.0
+    del scaler

@@ -1,0 +1,85 @@
+"""TM411: gradients taken inside the loss (gradient penalties) under mixed precision."""
+
+from __future__ import annotations
+
+import libcst as cst
+
+from torchmigrate import analysis
+from torchmigrate.finding import Safety, replace
+from torchmigrate.nodes import arg
+from torchmigrate.rule import RUNTIME_MODULE, Example, Rule
+
+_GRAD = "torch.autograd.grad"
+_SCALERS = ("torch.amp.GradScaler", "torch.cuda.amp.GradScaler", "torch.cpu.amp.GradScaler")
+
+
+class AmpGradPenalty(Rule):
+    """
+    ## What it does
+    `torch.autograd.grad(outputs, inputs, ..., create_graph=True)`, the gradient a penalty term
+    is built from (WGAN-GP, R1, StarGAN's `gradient_penalty`, MAML's inner step), becomes
+    `tm.grad(outputs, inputs, ..., create_graph=True)` in a program that gets (or has) mixed
+    precision. `tm.grad` follows the AMP recipe for gradient penalties: with an fp16
+    `tm.GradScaler` it scales the outputs before differentiating and unscales the gradients
+    after; with bf16, on the CPU or with AMP off it is `torch.autograd.grad` unchanged.
+
+    ## Why is this bad?
+    The backward of the loss is scaled by the GradScaler, but this gradient is not: its small
+    fp16 values flush to zero, so the penalty silently becomes a constant and stops shaping
+    the discriminator (or the inner step stops learning). An overflow in the scaled gradient
+    gives inf, which reaches the loss, so the scaler skips that step as it should.
+
+    Calls whose outputs the code already scales (`scaler.scale(out)`) are left alone.
+    """
+
+    code = "TM411"
+    name = "amp-grad-penalty"
+    summary = "Scale gradient penalties (autograd.grad with create_graph) like the loss under fp16"
+    safety = Safety.SAFE
+    commands = frozenset({"ddp", "amp", "lint"})
+    examples = (
+        Example(
+            before="""
+            import torch
+            def gradient_penalty(y, x):
+                dydx = torch.autograd.grad(outputs=y, inputs=x, grad_outputs=torch.ones_like(y),
+                                           retain_graph=True, create_graph=True)[0]
+                return ((dydx.flatten(1).norm(dim=1) - 1) ** 2).mean()
+            """,
+            after="""
+            import torch
+            import torchmigrate.runtime as tm
+            def gradient_penalty(y, x):
+                dydx = tm.grad(outputs=y, inputs=x, grad_outputs=torch.ones_like(y),
+                                           retain_graph=True, create_graph=True)[0]
+                return ((dydx.flatten(1).norm(dim=1) - 1) ** 2).mean()
+            """,
+        ),
+    )
+
+    def leave_Module(self, node: cst.Module) -> None:
+        ctx = self.ctx
+        grads = analysis.calls_to(ctx, _GRAD)
+        if not grads:
+            return
+        if ctx.options.migrating:
+            if ctx.options.amp == "off":
+                return
+        elif not analysis.calls_to(ctx, *_SCALERS, RUNTIME_MODULE + ".GradScaler"):
+            return  # lint: only files that scale their loss
+        for call in grads:
+            create = arg(call, "create_graph", 4)
+            if create is None or (isinstance(create.value, cst.Name) and create.value.value in ("False", "None")):
+                continue
+            outputs = arg(call, "outputs", 0)
+            if outputs is not None and ".scale(" in cst.Module(body=[]).code_for_node(outputs.value):
+                continue
+            positional = [a for a in call.args if a.keyword is None]
+            if any(a.star for a in call.args) or len(positional) > 3:
+                self.report(call, f"a gradient penalty under mixed precision: its fp16 gradients flush to zero "
+                                  f"unless scaled like the loss; use `{ctx.tm}.grad(...)` (the AMP recipe)")
+                continue
+            self.report(call, "a gradient penalty under mixed precision: its fp16 gradients flush to zero unless "
+                              "scaled like the loss; tm.grad scales the outputs and unscales the gradients",
+                        edits=[replace(call.func, lambda f: cst.parse_expression(f"{ctx.tm}.grad"))],
+                        imports=[ctx.runtime_import()])
