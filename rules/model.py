@@ -123,8 +123,31 @@ def _strip(node: cst.BaseExpression) -> cst.BaseExpression:
     return node
 
 
-def _wrapped_arg(call: cst.Call) -> Optional[cst.Arg]:
-    return call_arg(call, "module", 0) or call_arg(call, "model")
+def _binds_on_every_path(node: cst.If, name: str) -> bool:
+    """Every branch of the `if` (an `else` included) assigns `name` in its own block, or holds
+    an `if` that does."""
+    def block_binds(block: cst.BaseSuite) -> bool:
+        for stmt in getattr(block, "body", ()):
+            if isinstance(stmt, cst.SimpleStatementLine):
+                for small in stmt.body:
+                    if isinstance(small, cst.Assign) and any(dotted(t.target) == name for t in small.targets):
+                        return True
+            elif isinstance(stmt, cst.If) and _binds_on_every_path(stmt, name):
+                return True
+        return False
+
+    branch: Optional[cst.BaseStatement] = node
+    while isinstance(branch, cst.If):
+        if not block_binds(branch.body):
+            return False
+        branch = branch.orelse
+    return isinstance(branch, cst.Else) and block_binds(branch.body)
+
+
+def _wrapped_arg(call: cst.Call, position: int = 0) -> Optional[cst.Arg]:
+    """The module a wrapper call wraps; `position` for a program's DataParallel subclass whose
+    own arguments come first (`ModuleView.dp_classes`)."""
+    return call_arg(call, "module", position) or call_arg(call, "model")
 
 
 _SEQUENCES = (cst.Tuple, cst.List)  # exact type tests: isinstance against LibCST's ABCs is slow
@@ -201,6 +224,9 @@ class DPSite:
     conditional: bool = False
     small: Optional[cst.CSTNode] = None  # the small statement holding the DataParallel call
     wrap_after: bool = False  # collapse: append `name = tm.wrap_model(name)` after the else body
+    # inplace in one branch of an `if` whose every branch binds the name: `name =
+    # tm.wrap_model(name)` goes after that `if` too, so the single-device branch is wrapped
+    ensure_after: Optional[cst.CSTNode] = None
     reason: str = ""  # why a "manual" site is left to the user
     bn: bool = False
     sync_bn: bool = False
@@ -415,7 +441,12 @@ class Plan:
         return bool(name and (name in _DDP or name in _APEX_DDP or name in _DP or name == _TM_WRAP))
 
     # --- existing wraps ----------------------------------------------------------------
+    def dp_position(self, call: cst.Call) -> int:
+        return self.ctx.program.dp_classes.get(dotted(call.func) or "", 0)
+
     def _kind(self, call: cst.Call, name: Optional[str]) -> Optional[str]:
+        if (dotted(call.func) or "") in self.ctx.program.dp_classes:
+            return "dp"  # the program's own DataParallel subclass
         if name:
             if name in _DDP:
                 return "ddp"
@@ -468,7 +499,7 @@ class Plan:
                             self.covered.add(self.key(n, call))
                             self.covered_not_dp.add(self.key(n, call))
                 continue
-            a = _wrapped_arg(call)
+            a = _wrapped_arg(call, self.dp_position(call))
             arg = dotted(_strip(a.value)) if a is not None else None
             target = None
             if isinstance(parent, cst.Assign) and parent.value is outer and len(parent.targets) == 1:
@@ -1120,7 +1151,22 @@ class Plan:
                 site.note_stmt = line
                 site.conditional = in_if
                 boundary = line
+                if in_if and assign and w.name and "." not in w.name:
+                    site.ensure_after = self._widest_binding_if(owner, w.name)
             w.boundary, w.inclusive = boundary, False
+
+    def _widest_binding_if(self, node: cst.If, name: str) -> Optional[cst.If]:
+        """The outermost `if` around `node` (through `elif`, `else` and nested branches, not
+        past a loop, `with`, `try` or `def`) whose every branch binds `name`."""
+        chain = []
+        for anc in [node, *self.ctx.ancestors(node)]:
+            if isinstance(anc, cst.If):
+                parent = self.ctx.parent(anc)
+                if not (isinstance(parent, cst.If) and parent.orelse is anc):  # an `elif` is its `if`
+                    chain.append(anc)
+            elif isinstance(anc, (cst.For, cst.While, cst.With, cst.Try, cst.FunctionDef, cst.ClassDef, cst.Module)):
+                break
+        return next((c for c in reversed(chain) if _binds_on_every_path(c, name)), None)
 
     def _next_statement(self, statement: cst.CSTNode, step: int = 1) -> Optional[cst.CSTNode]:
         block = self.ctx.parent(statement)
@@ -1460,7 +1506,7 @@ class Plan:
         for owner, w in targets:
             scope = w.scope
             before = self.idx(w.boundary) if isinstance(owner, NewWrap) else self.idx(w.statement)
-            wrapped = _wrapped_arg(w.call) if w.call is not None else None
+            wrapped = _wrapped_arg(w.call, self.dp_position(w.call)) if w.call is not None else None
             origin = self.origin(w.arg or w.name, scope, w.klass, before, wrapped.value if wrapped else None)
             klass = self.model_class(origin)
             cond = self.conditional_submodules(klass)
@@ -2399,6 +2445,7 @@ class DataParallelToDDP(_ModelRule):
                 first = noted.get(scope)
                 if first is None or p.idx(site.note_stmt) < p.idx(first.note_stmt):
                     noted[scope] = site
+        ensured: Set[Tuple[cst.CSTNode, str]] = set()
         for site in p.dp_sites:
             if site.action == "keep":
                 continue
@@ -2409,8 +2456,9 @@ class DataParallelToDDP(_ModelRule):
                 self.report(w.call, f"{site.reason}; {note}" if chosen else site.reason, statement=site.note_stmt)
                 continue
             if site.action == "alias":
-                edits.append(replace(w.call, lambda n: _wrapped_arg(n).value.with_changes(
-                    lpar=n.lpar, rpar=n.rpar) if isinstance(n, cst.Call) and _wrapped_arg(n) is not None else n))
+                edits.append(replace(w.call, lambda n: _wrapped_arg(n, p.dp_position(n)).value.with_changes(
+                    lpar=n.lpar, rpar=n.rpar) if isinstance(n, cst.Call) and _wrapped_arg(n, p.dp_position(n)) is not None
+                    else n))
                 message = (f"remove nn.DataParallel: `{w.name}` is wrapped in DDP before its optimizer (TM301), "
                            f"after the weights of `{w.arg}` are loaded or initialised (DDP copies rank 0's weights "
                            "to every rank when it is built)")
@@ -2424,7 +2472,7 @@ class DataParallelToDDP(_ModelRule):
 
                 def build(node, fu=fu, sb=sb):
                     inner = _strip(node) if isinstance(node, cst.Call) else node
-                    a = _wrapped_arg(inner) if isinstance(inner, cst.Call) else None
+                    a = _wrapped_arg(inner, p.dp_position(inner)) if isinstance(inner, cst.Call) else None
                     module = a.value if a is not None else inner
                     return _wrap_call(tm, module, fu, sb)
 
@@ -2433,7 +2481,7 @@ class DataParallelToDDP(_ModelRule):
                     edits.append(replace(outer, lambda n, build=build: build(n).with_changes(lpar=n.lpar, rpar=n.rpar)
                                          if isinstance(n, cst.Call) else build(n)))
                 else:
-                    argx = _wrapped_arg(w.call)
+                    argx = _wrapped_arg(w.call, p.dp_position(w.call))
                     new = cst.SimpleStatementLine([cst.Assign([cst.AssignTarget(expr(w.name))],
                                                               _wrap_call(tm, argx.value, fu, sb))])
                     if site.action == "collapse":
@@ -2444,7 +2492,18 @@ class DataParallelToDDP(_ModelRule):
                     else:  # move: drop the DataParallel line, wrap after the `if`
                         edits.append(remove(site.small))
                         edits.append(insert_after(site.target, [new]))
-                extra = " (the DataParallel was conditional: check the wrap runs on every rank)" if site.conditional else ""
+                if site.ensure_after is not None:
+                    key = (site.ensure_after, w.name)
+                    if key not in ensured:
+                        ensured.add(key)
+                        edits.append(insert_after(site.ensure_after, [cst.parse_statement(
+                            f"{w.name} = {tm}.wrap_model({w.name})")]))
+                    extra = (f" (it was in one branch: `{w.name}` is also wrapped after the `if`, so every branch "
+                             "trains in DDP)")
+                elif site.conditional:
+                    extra = " (the DataParallel was conditional: check the wrap runs on every rank)"
+                else:
+                    extra = ""
                 message = f"replace nn.DataParallel with `{tm}.wrap_model(...)`{extra}"
             self.report(w.call, message, edits=edits, imports=[self.ctx.runtime_import()])
             if noted.get(p.fscope(w.call)) is site:

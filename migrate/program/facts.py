@@ -255,6 +255,8 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
             break
 
     loader_classes = {(p, name) for p, m in modules.items() for name, c in m.classes.items() if _loader_subclass(c)}
+    dp_classes = {(p, name): _dp_module_position(c) for p, m in modules.items() for name, c in m.classes.items()
+                  if _dp_subclass(c)}
     torch_anywhere = any(_uses_torch(graph.statements.get(p, ())) for p in modules)
     loader_names = {"DataLoader"} | {name for _, name in loader_classes}
     builds_loaders = any((_dotted(c.func) or "").rsplit(".", 1)[-1] in loader_names for s in scopes for c in s.calls)
@@ -268,6 +270,8 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
             wrapped_params={q: frozenset(p) for (mp, q), p in wrapped.items() if mp == path},
             wrapped_attrs={k: frozenset(a) for (mp, k), a in attrs.items() if mp == path},
             loader_classes=frozenset(_spellings(m, modules, loader_classes)),
+            dp_classes={spelled: dp_classes[key] for key in dp_classes
+                        for spelled in _spellings(m, modules, {key})},
             program_trains=trains,
             program_loaders=builds_loaders,
             program_torch=torch_anywhere,
@@ -284,6 +288,25 @@ def _loader_subclass(klass: ast.ClassDef) -> bool:
         if isinstance(item, FUNC_TYPES) and item.name == "__init__":
             return item.args.kwarg is not None
     return True
+
+
+def _dp_subclass(klass: ast.ClassDef) -> bool:
+    """`class BalancedDataParallel(DataParallel)`: a DataParallel under another name."""
+    return any((_dotted(b) or "").rsplit(".", 1)[-1] == "DataParallel" for b in klass.bases)
+
+
+def _dp_module_position(klass: ast.ClassDef) -> int:
+    """Where the wrapped module sits among the positional arguments of the subclass: its
+    `__init__`'s `module`/`model` parameter, or the first of `*args` passed on to
+    DataParallel (`def __init__(self, gpu0_bsz, *args, **kwargs)`: 1); 0 without `__init__`."""
+    for item in klass.body:
+        if isinstance(item, FUNC_TYPES) and item.name == "__init__":
+            names = [a.arg for a in item.args.posonlyargs + item.args.args][1:]
+            for i, name in enumerate(names):
+                if name in ("module", "model", "net", "network"):
+                    return i
+            return len(names) if item.args.vararg is not None else 0
+    return 0
 
 
 def _spellings(m: _Module, modules: Dict[Path, _Module], classes: Set[Tuple[Path, str]]) -> Set[str]:

@@ -19,6 +19,9 @@ class ModuleView:
     # names (as this module spells them) of the program's DataLoader subclasses that pass
     # keyword arguments through: `AudioDataLoader`, `data.AudioDataLoader`
     loader_classes: FrozenSet[str] = frozenset()
+    # the program's `nn.DataParallel` subclasses as this module spells them -> the position of
+    # the module among their positional arguments (`BalancedDataParallel(gpu0_bsz, model)`: 1)
+    dp_classes: Dict[str, int] = field(default_factory=dict)
     program_trains: bool = False  # some module of the program builds an optimizer over a model
     program_loaders: bool = False  # some module of the program builds a DataLoader (or subclass)
     program_torch: bool = False  # some module of the program uses torch
