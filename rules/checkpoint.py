@@ -410,6 +410,17 @@ class SaveMainUnwrapped(Rule):
                 trained.setdefault(scope_of(ctx, call), i)
         if not trained:
             return
+        # A call of a function of this file that trains is training where it is called
+        # (`for epoch in ...: train()` at module level, then the best model reloaded).
+        for _ in range(2):
+            training = {scope.name.value for scope in trained if isinstance(scope, cst.FunctionDef)}
+            for i, (call, name) in enumerate(calls):
+                func = call.func
+                callee = func.value if isinstance(func, cst.Name) else (
+                    func.attr.value if isinstance(func, cst.Attribute) and dotted(func.value) == "self" else None)
+                if callee in training:
+                    scope = scope_of(ctx, call)
+                    trained[scope] = min(trained.get(scope, i), i)
         for i, (call, name) in enumerate(calls):
             if name not in LOADS and name != RUNTIME + ".load":
                 continue
@@ -421,7 +432,13 @@ class SaveMainUnwrapped(Rule):
             if any(n and (n.endswith(".barrier") or n in SAVES) and scope_of(ctx, c) is scope for c, n in between):
                 continue  # already waited for, or saved here (the save's own reload check)
             line = ctx.statement_of(call)
-            if collective_guard(ctx, call) is not None or not isinstance(line, cst.SimpleStatementLine) \
+            first = arg(call, "f", 0)
+            opened = _with_binding(ctx, call, first.value.value) if first is not None and isinstance(
+                first.value, cst.Name) else None
+            if opened is not None and _is_open(opened[1]):
+                line = opened[0]  # `with open(best) as f: torch.load(f)`: wait before opening
+            if collective_guard(ctx, call) is not None \
+                    or not isinstance(line, (cst.SimpleStatementLine, cst.With)) \
                     or not isinstance(ctx.parent(line), (cst.IndentedBlock, cst.Module)) \
                     or not _unconditional(ctx, line, scope):
                 continue

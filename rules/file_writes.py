@@ -11,6 +11,7 @@ from torchmigrate.finding import Safety, replace
 from torchmigrate.imports import dotted
 from torchmigrate.nodes import set_kwarg
 from torchmigrate.rule import Example, Rule
+from torchmigrate.rules.checkpoint import SAVES
 from torchmigrate.rules.logging_rules import active, guard_edit, runs_user_code, sibling_runs, under_rank_guard
 
 # Calls that write a file as a statement of their own (resolved names; see `_writer`).
@@ -19,7 +20,11 @@ _WRITERS = frozenset({
     "matplotlib.pyplot.savefig", "imageio.imwrite", "imageio.imsave", "imageio.v2.imwrite",
     "imageio.v3.imwrite", "cv2.imwrite", "scipy.io.savemat", "scipy.io.wavfile.write",
     "soundfile.write", "torchaudio.save", "pickle.dump", "joblib.dump",
+    # copies into the experiment folder (`create_exp_dir` copying the scripts); right after a
+    # checkpoint save they are TM501's
+    "shutil.copy", "shutil.copyfile", "shutil.copy2", "shutil.copytree", "shutil.move",
 })
+_COPIES = ("shutil.",)
 # Methods that write a file whatever object has them (a figure, a DataFrame, a pathlib.Path).
 _WRITER_METHODS = frozenset({"savefig", "to_csv", "to_parquet", "to_pickle", "to_excel", "to_feather",
                              "write_text", "write_bytes"})
@@ -39,7 +44,8 @@ class MainOnlyWrites(Rule):
       they are).
     - A statement that writes a file by itself (`np.save(path, a)`, `plt.savefig(path)`,
       `fig.savefig(path)`, `df.to_csv(path)`, `Path(p).write_text(s)`, `cv2.imwrite(...)`,
-      `pickle.dump(obj, f)`, a PIL image's `im.save(path)`, ...) goes under `if tm.is_main():`
+      `pickle.dump(obj, f)`, a PIL image's `im.save(path)`, `shutil.copyfile(src, dst)`, ...) goes
+      under `if tm.is_main():`
       on the same terms; adjacent ones share one guard.
     - `logging.FileHandler(path)` (and the rotating ones) becomes
       `(logging.FileHandler(path) if tm.is_main() else logging.NullHandler())`: one log file,
@@ -132,13 +138,28 @@ class MainOnlyWrites(Rule):
 
     def _writer(self, call: cst.Call, name) -> bool:
         if name in _WRITERS:
-            return True
+            return not (name.startswith(_COPIES) and self._after_save(call))
         func = call.func
         if not isinstance(func, cst.Attribute) or not call.args:
             return False
         if func.attr.value in _WRITER_METHODS:
             return True
         return func.attr.value == "save" and self._pil_image(func.value, call)
+
+    def _after_save(self, call: cst.Call) -> bool:
+        """A statement of a block that saved a checkpoint before it (TM501 guards those)."""
+        ctx = self.ctx
+        child: cst.CSTNode = call
+        for anc in ctx.ancestors(call):
+            body = getattr(anc, "body", None)
+            if isinstance(body, (list, tuple)) and child in body:
+                for before in body[:list(body).index(child)]:
+                    if any(ctx.resolve(c.func) in SAVES for c in ctx.within(before, cst.Call)):
+                        return True
+            if isinstance(anc, (cst.FunctionDef, cst.ClassDef)):
+                return False
+            child = anc
+        return False
 
     def _pil_image(self, node: cst.BaseExpression, at: cst.CSTNode) -> bool:
         """A PIL image: `Image.fromarray(a)` (also `.convert(...)` of one), or a name the
