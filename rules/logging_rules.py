@@ -247,10 +247,14 @@ def runs_user_code(ctx: Context, node: cst.CSTNode) -> bool:
             continue
         func = n.func
         if isinstance(func, cst.Name) and func.value in f.functions:
-            return True
+            if not pure_helper(ctx, f.functions[func.value]):
+                return True
+            continue
         if isinstance(func, cst.Attribute) and isinstance(func.value, cst.Name) and func.value.value in ("self", "cls") \
                 and func.attr.value in f.functions:
-            return True
+            if not pure_helper(ctx, f.functions[func.attr.value]):
+                return True
+            continue
         name = ctx.resolve(func)
         if is_collective(name):
             return True
@@ -258,6 +262,41 @@ def runs_user_code(ctx: Context, node: cst.CSTNode) -> bool:
         if d and analysis.model_root(d) in models and d == analysis.model_root(d):
             return True  # model(x)
     return False
+
+
+# Builtins and tensor/array methods that compute on values: no forward pass, no collective.
+_PURE_BUILTINS = frozenset({"len", "min", "max", "abs", "sum", "range", "float", "int", "str", "round", "list",
+                            "tuple", "dict", "zip", "enumerate", "sorted", "isinstance", "format"})
+_PURE_METHODS = frozenset({"clamp", "clamp_", "cpu", "numpy", "detach", "float", "double", "half", "int", "long",
+                           "mul", "mul_", "add", "add_", "div", "div_", "sub", "permute", "transpose", "view",
+                           "reshape", "squeeze", "unsqueeze", "clone", "to", "item", "tolist", "max", "min", "sum",
+                           "mean", "astype", "size", "contiguous", "flatten", "expand", "repeat", "type", "format",
+                           "append", "join", "split", "cat", "stack", "zeros", "ones", "zeros_like", "ones_like",
+                           "arange", "linspace", "tensor", "from_numpy", "clip", "round", "exp", "log", "sqrt", "pow"})
+
+
+def pure_helper(ctx: Context, func: cst.FunctionDef) -> bool:
+    """A function of this file that only computes on values (`denorm(x)`: `(x + 1) / 2`,
+    clamped): builtins and tensor/array methods, no call of a model, of `self.<anything>`, of
+    another function of the file, or of a collective. Its calls may go under a rank guard."""
+    memo = ctx.facts.setdefault("tm_pure_helpers", {})
+    if func in memo:
+        return memo[func]
+    pure = True
+    for call in ctx.within(func, cst.Call):
+        target = call.func
+        if isinstance(target, cst.Name):
+            pure = target.value in _PURE_BUILTINS
+        elif isinstance(target, cst.Attribute):
+            receiver = target.value
+            pure = not (isinstance(receiver, cst.Name) and receiver.value in ("self", "cls")) \
+                and target.attr.value in _PURE_METHODS and not is_collective(ctx.resolve(target))
+        else:
+            pure = False
+        if not pure:
+            break
+    memo[func] = pure
+    return pure
 
 
 _IF_MAIN_CACHE: Dict[str, cst.If] = {}
