@@ -415,6 +415,8 @@ class DeviceFromRank(Rule):
     def _dot_cuda(self, call: cst.Call) -> None:
         if self.ctx.resolve(call.func) is not None or any(a.star for a in call.args):
             return
+        if self._own_cuda_method(call.func.value):
+            return  # the program's own `cuda()` (its tensors are moved inside, in its module)
         device = arg(call, "device", 0)
         if self._in_map_location(call):
             if device is not None and self.converting and gpu_index(device.value) is not None:
@@ -441,6 +443,20 @@ class DeviceFromRank(Rule):
         what = "`.cuda()` uses the current GPU" if kind == BARE else f"`.cuda({code(device.value)})` uses a fixed GPU"
         self._fix(call, f"{what}, the same on every rank unless set per process; use .to(tm.device())",
                   replace(call, fix))
+
+    def _own_cuda_method(self, receiver: cst.BaseExpression) -> bool:
+        """`receiver` is an instance of a program class with a `cuda()` method of its own and no
+        `.to()` (`ModuleView.cuda_classes`): `Cls(...)`, or a name bound to one in this file."""
+        classes = self.ctx.program.cuda_classes
+        if not classes:
+            return False
+        if isinstance(receiver, cst.Call):
+            return (dotted(receiver.func) or "") in classes
+        name = dotted(receiver)
+        return name is not None and any(
+            isinstance(a.value, cst.Call) and (dotted(a.value.func) or "") in classes
+            and any(dotted(t.target) == name for t in a.targets)
+            for a in analysis.facts(self.ctx).assigns)
 
     def _dot_to(self, call: cst.Call) -> None:
         if self.ctx.resolve(call.func) is not None:

@@ -255,6 +255,7 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
             break
 
     loader_classes = {(p, name) for p, m in modules.items() for name, c in m.classes.items() if _loader_subclass(c)}
+    cuda_classes = {(p, name) for p, m in modules.items() for name, c in m.classes.items() if _own_cuda(c)}
     dp_classes = {(p, name): _dp_module_position(c) for p, m in modules.items() for name, c in m.classes.items()
                   if _dp_subclass(c)}
     torch_anywhere = any(_uses_torch(graph.statements.get(p, ())) for p in modules)
@@ -270,6 +271,7 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
             wrapped_params={q: frozenset(p) for (mp, q), p in wrapped.items() if mp == path},
             wrapped_attrs={k: frozenset(a) for (mp, k), a in attrs.items() if mp == path},
             loader_classes=frozenset(_spellings(m, modules, loader_classes)),
+            cuda_classes=frozenset(_spellings(m, modules, cuda_classes)),
             dp_classes={spelled: dp_classes[key] for key in dp_classes
                         for spelled in _spellings(m, modules, {key})},
             program_trains=trains,
@@ -288,6 +290,15 @@ def _loader_subclass(klass: ast.ClassDef) -> bool:
         if isinstance(item, FUNC_TYPES) and item.name == "__init__":
             return item.args.kwarg is not None
     return True
+
+
+def _own_cuda(klass: ast.ClassDef) -> bool:
+    """A class with its own `cuda()` method whose bases do not look like an `nn.Module`: its
+    instances have no `.to()`."""
+    bases = " ".join(_dotted(b) or "" for b in klass.bases)
+    if any(word in bases for word in ("Module", "nn.", "Tensor", "Loss")):
+        return False
+    return any(isinstance(item, FUNC_TYPES) and item.name == "cuda" for item in klass.body)
 
 
 def _dp_subclass(klass: ast.ClassDef) -> bool:

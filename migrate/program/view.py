@@ -22,6 +22,9 @@ class ModuleView:
     # the program's `nn.DataParallel` subclasses as this module spells them -> the position of
     # the module among their positional arguments (`BalancedDataParallel(gpu0_bsz, model)`: 1)
     dp_classes: Dict[str, int] = field(default_factory=dict)
+    # the program's classes that are not modules but have a `cuda()` method of their own (a
+    # loss or metric object), as this module spells them: `x.cuda()` on one is their method
+    cuda_classes: FrozenSet[str] = frozenset()
     program_trains: bool = False  # some module of the program builds an optimizer over a model
     program_loaders: bool = False  # some module of the program builds a DataLoader (or subclass)
     program_torch: bool = False  # some module of the program uses torch
