@@ -74,7 +74,7 @@ def _launch(options: Options, args: Sequence[str], extra_env: Optional[dict], fo
         launcher = _stop(proc)
     outputs = _rank_logs(logs, options.nproc)
     recs = [_read(os.path.join(records, f"rank{r}.json")) for r in range(options.nproc)]
-    if all(rec is None for rec in recs) and not any(outputs) and proc.returncode:
+    if all(rec is None for rec in recs) and not any(outputs) and proc.returncode and not timed_out:
         raise LaunchError(f"torchrun failed before any rank started:\n{launcher[-3000:]}")
     return Run(recs, outputs, timed_out, options.timeout)
 

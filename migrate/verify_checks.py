@@ -90,6 +90,12 @@ def exits(run: Run) -> Check:
     if crashed:
         followed = sorted(set(bad) - set(first))
         message = f"{_ranks(first)} crashed" + (f"; then {_ranks(followed)} failed too" if followed else "")
+    elif run.timed_out and all(rec is None for rec in run.records):
+        # The probe records where a rank is when it is stopped, unless the rank is blocked
+        # inside a collective (C++ code, where Python's signal handlers never run).
+        message = (f"no rank ended within {run.timeout:g}s and none could be stopped to say where it was: the ranks "
+                   "hang, most likely one waits in a collective (the all-reduce of a backward pass, a barrier) that "
+                   "another rank skipped")
     elif run.timed_out:
         message = f"the program did not stop within {run.timeout:g}s (no training loader ended the run; see --steps/--epochs)"
     else:

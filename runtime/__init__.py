@@ -54,7 +54,7 @@ from torch.utils.data import DistributedSampler, RandomSampler, Sampler, Sequent
 __all__ = [
     "Ctx", "setup", "cleanup", "device", "rank", "local_rank", "world_size", "is_main",
     "is_distributed", "wrap_model", "unwrap", "sampler", "eval_sampler", "set_epoch", "no_sync",
-    "amp_dtype", "autocast", "GradScaler", "print", "barrier", "all_reduce", "gather_for_metrics", "gather_list", "broadcast_object", "shared_generator", "grad",
+    "amp_dtype", "autocast", "GradScaler", "print", "barrier", "all_reduce", "gather_for_metrics", "gather_list", "broadcast_object", "shared_generator", "grad", "any_rank",
     "shard_sampler", "reduce_meter",
     "save", "load", "strip_prefix", "load_state_dict", "seed_everything", "main_only",
 ]
@@ -854,6 +854,16 @@ def shared_generator(seed: int | None = None) -> torch.Generator:
     generator = torch.Generator()
     generator.manual_seed(int(broadcast_object(torch.initial_seed() if seed is None else seed)))
     return generator
+
+
+def any_rank(flag) -> bool:
+    """True on every rank when ``flag`` is true on any rank; 1 process: ``bool(flag)``. For a
+    training step that a rank would skip on its own (``if tm.any_rank(torch.isnan(loss)):
+    continue``): DDP's backward is a collective, so the ranks must skip together. A
+    collective: call it on every rank."""
+    if not is_distributed():
+        return bool(flag)
+    return all_reduce(int(bool(flag)), op="max") > 0
 
 
 def reduce_meter(meter):

@@ -148,3 +148,15 @@ def test_warnings_and_tracebacks_are_not_duplicate_log_lines():
     out = "UserWarning: something\n  warnings.warn(x)\nTraceback (most recent call last):\n"
     assert checks.logs_once(Run([None, None], [out + "rank 0 only\n", out])).status == "pass"
     assert checks.logs_once(Run([None, None], ["epoch 0 loss 1\n", "epoch 0 loss 1\n"])).status == "fail"
+
+
+
+def test_ranks_that_cannot_be_stopped_at_the_timeout_are_named_as_a_hang():
+    """Ranks blocked inside a collective (C++ code) never run the probe's signal handler, so no
+    rank leaves a record: the report says they hang (seen when one rank skipped a backward
+    pass), not that no loader ended the run."""
+    check = checks.exits(Run([None, None], ["", ""], timed_out=True, timeout=40))
+    assert check.status == "fail" and "the ranks hang" in check.message, check
+    stopped = checks.exits(Run([_record([[0, 2]]) | {"status": "terminated"}, None], ["", ""], timed_out=True,
+                               timeout=40))
+    assert "the ranks hang" not in stopped.message, stopped

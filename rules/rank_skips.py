@@ -1,0 +1,154 @@
+"""TM108: training steps that one rank skips on its own while the others wait in the all-reduce."""
+
+from __future__ import annotations
+
+from typing import List, Set
+
+import libcst as cst
+
+from torchmigrate.finding import Safety, replace
+from torchmigrate.rule import Example, Rule
+from torchmigrate.rules.launch import rank_polarity
+from torchmigrate.rules.logging_rules import active, collective_guard
+
+_LOOP_EXITS = (cst.Continue, cst.Break)
+
+
+class RankSkips(Rule):
+    """
+    ## What it does
+    - In a training loop, `if <test on this batch or its loss>: continue` before the backward
+      pass (or `break` anywhere in the loop) becomes `if tm.any_rank(<test>): continue`: when
+      any rank skips the step (or leaves the loop), every rank does.
+    - A `try:` around the forward/backward whose `except` skips the step (`continue`, the
+      classic out-of-memory handler) is reported: one rank skipping leaves the others waiting.
+
+    ## Why is this bad?
+    The backward pass of a DDP model is a collective: every rank's gradients are averaged as
+    they are computed. A rank that skips a step on its own (a NaN or zero loss, an empty batch,
+    a caught error) never joins that all-reduce, so the other ranks wait for it until the
+    process-group timeout, or the ranks silently average gradients of different steps.
+    Tests on the loop's index or epoch are the same on every rank and are left alone.
+    """
+
+    code = "TM108"
+    name = "skip-together"
+    summary = "Skip a training step on every rank or on none"
+    safety = Safety.SAFE
+    commands = frozenset({"ddp", "lint"})
+    examples = (
+        Example(
+            before="""
+            import torch
+            for x, y in loader:
+                loss = criterion(model(x), y)
+                if torch.isnan(loss):
+                    continue
+                loss.backward()
+                optimizer.step()
+            """,
+            after="""
+            import torch
+            import torchmigrate.runtime as tm
+            for x, y in loader:
+                loss = criterion(model(x), y)
+                if tm.any_rank(torch.isnan(loss)):
+                    continue
+                loss.backward()
+                optimizer.step()
+            """,
+        ),
+    )
+
+    def leave_Module(self, node: cst.Module) -> None:
+        ctx = self.ctx
+        if not active(ctx):
+            return
+        for loop in ctx.nodes(cst.For, cst.While):
+            backwards = [c for c in ctx.within(loop, cst.Call, skip_defs=True) if _is_backward(c)]
+            if not backwards:
+                continue
+            last = max(ctx.position(c) or 0 for c in backwards)
+            data = self._data_names(loop)
+            for test_if in ctx.within(loop, cst.If, skip_defs=True):
+                if self._loop_of(test_if) is loop:
+                    self._skip_if(test_if, data, before=(ctx.position(test_if) or 0) < last)
+            for attempt in ctx.within(loop, cst.Try, skip_defs=True):
+                if self._loop_of(attempt) is loop and any(_is_backward(c) for c in ctx.within(attempt.body, cst.Call)):
+                    self._skip_except(attempt)
+
+    def _loop_of(self, node: cst.CSTNode):
+        for anc in self.ctx.ancestors(node):
+            if isinstance(anc, (cst.For, cst.While, cst.FunctionDef, cst.ClassDef, cst.Lambda)):
+                return anc
+        return None
+
+    def _data_names(self, loop: cst.CSTNode) -> Set[str]:
+        """Names that differ per rank in the loop: what it assigns, and what a `for` binds from
+        its batches (not the index of an `enumerate`)."""
+        names: Set[str] = set()
+        for assign in self.ctx.within(loop, cst.Assign, skip_defs=True):
+            for t in assign.targets:
+                names |= _names(t.target)
+        for assign in self.ctx.within(loop, cst.AugAssign, skip_defs=True):
+            names |= _names(assign.target)
+        names.discard("self")  # `self.step = ...` does not make every `self.x` per rank
+        if isinstance(loop, cst.For):
+            target = loop.target
+            if isinstance(loop.iter, cst.Call) and isinstance(loop.iter.func, cst.Name) \
+                    and loop.iter.func.value == "enumerate" and isinstance(target, cst.Tuple) and target.elements:
+                target = cst.Tuple(elements=target.elements[1:])
+            names |= _names(target)
+        return names
+
+    def _skip_if(self, test_if: cst.If, data: Set[str], before: bool) -> None:
+        """`if <per-rank test>: continue` before the backward, or `break` anywhere in the loop
+        (the other ranks' next backward would wait for this rank)."""
+        ctx = self.ctx
+        smalls: List[cst.CSTNode] = []
+        for line in test_if.body.body:  # an indented block's lines, or a one-line suite's statements
+            smalls += list(line.body) if isinstance(line, cst.SimpleStatementLine) else [line]
+        if test_if.orelse is not None or len(smalls) != 1 or not isinstance(smalls[0], _LOOP_EXITS):
+            return
+        if isinstance(smalls[0], cst.Continue) and not before:
+            return  # after this step's backward: the step was taken on every rank
+        test = test_if.test
+        if rank_polarity(test) is not None or not (_names(test) & data) or collective_guard(ctx, test_if) is not None:
+            return
+        if isinstance(test, cst.Call) and (cst.helpers.get_full_name_for_node(test.func) or "").endswith("any_rank"):
+            return
+        what = "continue" if isinstance(smalls[0], cst.Continue) else "break"
+        self.report(test_if, f"a rank that takes this `{what}` on its own misses a backward pass while the others "
+                             f"wait for it in the gradient all-reduce: take it on every rank when any rank does",
+                    edits=[replace(test, lambda t: cst.Call(func=cst.parse_expression(f"{ctx.tm}.any_rank"),
+                                                            args=[cst.Arg(t)]))],
+                    imports=[ctx.runtime_import()])
+
+    def _skip_except(self, attempt: cst.Try) -> None:
+        for handler in attempt.handlers:
+            exits = [n for n in self.ctx.within(handler.body, cst.Continue, cst.Break, skip_defs=True)
+                     if self._loop_of(n) is self._loop_of(attempt)]
+            if exits:
+                self.report(handler, "a rank whose step raises here skips it (the usual out-of-memory handler) while the "
+                                     "others wait in the gradient all-reduce: let the error end the run, or agree on "
+                                     f"skipping with `{self.ctx.tm}.any_rank(failed)` after the `try` on every rank")
+                return
+
+
+def _is_backward(call: cst.Call) -> bool:
+    func = call.func
+    return isinstance(func, cst.Attribute) and func.attr.value == "backward"
+
+
+def _names(node: cst.CSTNode) -> Set[str]:
+    out: Set[str] = set()
+    stack: List[cst.CSTNode] = [node]
+    while stack:
+        n = stack.pop()
+        if isinstance(n, cst.Name):
+            out.add(n.value)
+        elif isinstance(n, cst.Attribute):
+            stack.append(n.value)  # `self.x`: the object's name
+        else:
+            stack.extend(n.children)
+    return out
