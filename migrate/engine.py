@@ -273,7 +273,10 @@ def _deep_recursion() -> Iterator[None]:
     try:
         yield
     except RecursionError:
-        raise InputError("too deeply nested to process") from None
+        # The parser's depth is checked first (check_parser_depth), so this is a rule that
+        # recursed without end (a bug of this tool), or rarely code just under that depth.
+        raise InputError("recursion without end while processing this file (a torchmigrate bug, please report "
+                         "it; or code nested too deeply): the file is left unchanged") from None
     finally:
         if old < RECURSION_LIMIT:
             sys.setrecursionlimit(old)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import List
+from typing import List, Optional, Set
 
 import libcst as cst
 
@@ -161,10 +161,12 @@ class MainOnlyWrites(Rule):
             child = anc
         return False
 
-    def _pil_image(self, node: cst.BaseExpression, at: cst.CSTNode) -> bool:
+    def _pil_image(self, node: cst.BaseExpression, at: cst.CSTNode, seen: Optional[Set[cst.CSTNode]] = None) -> bool:
         """A PIL image: `Image.fromarray(a)` (also `.convert(...)` of one), or a name the
-        enclosing function binds to one (`im = Image.fromarray(a); im.save(path)`)."""
+        enclosing function binds to one (`im = Image.fromarray(a); im.save(path)`). `seen`: the
+        assignments followed so far (`img = f(img)` binds a name to a call of itself)."""
         ctx = self.ctx
+        seen = set() if seen is None else seen
         while isinstance(node, cst.Call):
             if (ctx.resolve(node.func) or "").startswith("PIL.Image."):
                 return True
@@ -175,8 +177,10 @@ class MainOnlyWrites(Rule):
         for a in analysis.facts(ctx).assigns:
             if ctx.enclosing(a, cst.FunctionDef) is scope and any(
                     isinstance(t.target, cst.Name) and t.target.value == node.value for t in a.targets) \
-                    and isinstance(a.value, cst.Call) and self._pil_image(a.value, a):
-                return True
+                    and isinstance(a.value, cst.Call) and a not in seen:
+                seen.add(a)
+                if self._pil_image(a.value, a, seen):
+                    return True
         return False
 
     def _handler(self, call: cst.Call) -> None:
