@@ -429,10 +429,14 @@ class SaveMainUnwrapped(Rule):
             if start is None or i < start:
                 continue
             between = calls[start:i]
-            if any(n and (n.endswith(".barrier") or n in SAVES) and scope_of(ctx, c) is scope for c, n in between):
-                continue  # already waited for, or saved here (the save's own reload check)
-            line = ctx.statement_of(call)
+            if any(n and n.endswith(".barrier") and scope_of(ctx, c) is scope for c, n in between):
+                continue  # already waited for
             first = arg(call, "f", 0)
+            loaded = _path_text(ctx, call, first.value) if first is not None else None
+            if any(n in SAVES and scope_of(ctx, c) is scope and arg(c, "f", 1) is not None
+                   and _path_text(ctx, c, arg(c, "f", 1).value) == loaded for c, n in between):
+                continue  # saved here under the same name: the save's own reload check waits for it
+            line = ctx.statement_of(call)
             opened = _with_binding(ctx, call, first.value.value) if first is not None and isinstance(
                 first.value, cst.Name) else None
             if opened is not None and _is_open(opened[1]):

@@ -25,6 +25,10 @@ _WRITERS = frozenset({
     "shutil.copy", "shutil.copyfile", "shutil.copy2", "shutil.copytree", "shutil.move",
 })
 _COPIES = ("shutil.",)
+# Removals: in a single-process program every removed file is shared, so under torchrun the
+# second rank to remove it fails with FileNotFoundError (`ddp` only: distributed code may remove
+# files of its own rank).
+_REMOVALS = frozenset({"os.remove", "os.unlink", "shutil.rmtree"})
 # Methods that write a file whatever object has them (a figure, a DataFrame, a pathlib.Path).
 _WRITER_METHODS = frozenset({"savefig", "to_csv", "to_parquet", "to_pickle", "to_excel", "to_feather",
                              "write_text", "write_bytes"})
@@ -44,8 +48,8 @@ class MainOnlyWrites(Rule):
       they are).
     - A statement that writes a file by itself (`np.save(path, a)`, `plt.savefig(path)`,
       `fig.savefig(path)`, `df.to_csv(path)`, `Path(p).write_text(s)`, `cv2.imwrite(...)`,
-      `pickle.dump(obj, f)`, a PIL image's `im.save(path)`, `shutil.copyfile(src, dst)`, ...) goes
-      under `if tm.is_main():`
+      `pickle.dump(obj, f)`, a PIL image's `im.save(path)`, `shutil.copyfile(src, dst)`, and in
+      `ddp` `os.remove(path)`, ...) goes under `if tm.is_main():`
       on the same terms; adjacent ones share one guard.
     - `logging.FileHandler(path)` (and the rotating ones) becomes
       `(logging.FileHandler(path) if tm.is_main() else logging.NullHandler())`: one log file,
@@ -137,6 +141,8 @@ class MainOnlyWrites(Rule):
                         edits=[guard_edit(ctx, run)], imports=[ctx.runtime_import()])
 
     def _writer(self, call: cst.Call, name) -> bool:
+        if name in _REMOVALS:
+            return self.ctx.options.mode == "ddp" and not self._after_save(call)
         if name in _WRITERS:
             return not (name.startswith(_COPIES) and self._after_save(call))
         func = call.func
@@ -147,14 +153,15 @@ class MainOnlyWrites(Rule):
         return func.attr.value == "save" and self._pil_image(func.value, call)
 
     def _after_save(self, call: cst.Call) -> bool:
-        """A statement of a block that saved a checkpoint before it (TM501 guards those)."""
+        """A statement after a checkpoint save line of the same block (TM501 guards those)."""
         ctx = self.ctx
         child: cst.CSTNode = call
         for anc in ctx.ancestors(call):
             body = getattr(anc, "body", None)
             if isinstance(body, (list, tuple)) and child in body:
                 for before in body[:list(body).index(child)]:
-                    if any(ctx.resolve(c.func) in SAVES for c in ctx.within(before, cst.Call)):
+                    if any(ctx.resolve(c.func) in SAVES and ctx.statement_of(c) is before
+                           for c in ctx.within(before, cst.Call)):
                         return True
             if isinstance(anc, (cst.FunctionDef, cst.ClassDef)):
                 return False
