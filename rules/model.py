@@ -878,6 +878,15 @@ class Plan:
         return bool(set(o.models) & (params | {"self", "cls"})) or (
             isinstance(first, cst.Name) and first.value in params)
 
+    def _functional(self, m: str) -> bool:
+        """`torch.autograd.grad(loss, m.parameters())` in this file: gradients taken by hand
+        over the model's own parameters (MAML's inner loop), which DDP's reducer never sees."""
+        for call in analysis_calls(self.ctx, "torch.autograd.grad"):
+            inputs = call_arg(call, "inputs", 1)
+            if inputs is not None and self.text(inputs.value).replace(" ", "") == f"{m}.parameters()":
+                return True
+        return False
+
     def _prefer(self, new: NewWrap, old: NewWrap) -> bool:
         if new.klass is not None:
             new_init = self.ctx.enclosing(new.anchor, cst.FunctionDef)
@@ -895,6 +904,11 @@ class Plan:
         if m in _CONFIGISH:
             return (f"the optimizer trains parameters reached through `{m}`: wrap that model with "
                     f"`{tm}.wrap_model(...)` before creating the optimizer")
+        if self._functional(m):
+            return (f"`{m}` is differentiated with torch.autograd.grad over its parameters (a functional, "
+                    f"meta-learning model), which DistributedDataParallel does not support, so it is not wrapped: "
+                    f"call `{tm}.share_params({m})` once after building it and `{tm}.sync_grads({m})` after each "
+                    f"backward, before the optimizer's step (every rank then takes the same step)")
         stmt0 = o.statement
         scope = self.fscope(o.call)
         # `optimizer = model.configure_optimizers(...)`: wrap after the call, which needs the bare model

@@ -54,7 +54,7 @@ from torch.utils.data import DistributedSampler, RandomSampler, Sampler, Sequent
 __all__ = [
     "Ctx", "setup", "cleanup", "device", "rank", "local_rank", "world_size", "is_main",
     "is_distributed", "wrap_model", "unwrap", "sampler", "eval_sampler", "set_epoch", "no_sync",
-    "amp_dtype", "autocast", "GradScaler", "print", "barrier", "all_reduce", "gather_for_metrics", "gather_list", "broadcast_object", "shared_generator", "grad", "any_rank",
+    "amp_dtype", "autocast", "GradScaler", "print", "barrier", "all_reduce", "gather_for_metrics", "gather_list", "broadcast_object", "shared_generator", "grad", "any_rank", "share_params", "sync_grads",
     "shard_sampler", "reduce_meter",
     "save", "load", "strip_prefix", "load_state_dict", "seed_everything", "main_only",
 ]
@@ -864,6 +864,37 @@ def any_rank(flag) -> bool:
     if not is_distributed():
         return bool(flag)
     return all_reduce(int(bool(flag)), op="max") > 0
+
+
+def share_params(model) -> None:
+    """Copy rank 0's parameters and buffers to every rank, in place (what DDP does when it wraps a
+    model), for a model that cannot be wrapped (one differentiated with ``torch.autograd.grad``
+    over its own parameters). 1 process: nothing. A collective: call it on every rank."""
+    if not is_distributed():
+        return
+    _require_pg()
+    comm = device() if _nccl() else torch.device("cpu")
+    with torch.no_grad():
+        for t in itertools.chain(model.parameters(), model.buffers()):
+            buf = t.detach().to(comm)
+            dist.broadcast(buf, src=0)
+            t.copy_(buf.to(t.device))
+
+
+def sync_grads(model) -> None:
+    """Average the ``.grad`` of every parameter across ranks, in place (what DDP's backward
+    does), for a model that cannot be wrapped; call it after the backward, before the
+    optimizer's step. A gradient missing on some ranks counts as zero there. 1 process:
+    nothing. A collective: call it on every rank."""
+    if not is_distributed():
+        return
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    if not grads:
+        return
+    averaged = all_reduce(*grads, op="mean")
+    for p, g in zip(params, averaged if len(grads) > 1 else (averaged,)):
+        p.grad = g
 
 
 def reduce_meter(meter):

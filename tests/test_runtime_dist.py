@@ -130,6 +130,14 @@ def test_broadcast_object_and_shared_generator_agree_across_ranks(collectives):
     assert sorted(r0["split"][0] + r0["split"][1]) == list(range(12))
 
 
+def test_share_params_and_sync_grads_do_what_ddp_does(collectives):
+    r0, r1 = collectives["r"]
+    assert r0["shared_params"] == r1["shared_params"]
+    assert r0["own_grad"] != r1["own_grad"]
+    mean = [(a + b) / 2 for a, b in zip(r0["own_grad"], r1["own_grad"])]
+    assert r0["synced_grad"] == r1["synced_grad"] == pytest.approx(mean)
+
+
 def test_train_sampler_partitions_and_reshuffles(collectives):
     r0, r1 = collectives["r"]
     assert "DistributedSampler" in r0["train_sampler_type"]

@@ -79,6 +79,16 @@ def main(outdir):
     split = torch.utils.data.random_split(list(range(12)), [8, 4], generator=tm.shared_generator())
     res["split"] = [list(split[0].indices), list(split[1].indices)]
 
+    # share_params / sync_grads: DDP's two jobs, by hand, for a model that cannot be wrapped
+    torch.manual_seed(10 + r)
+    functional = nn.Linear(3, 2)
+    tm.share_params(functional)
+    res["shared_params"] = flat(functional.parameters())
+    functional(torch.full((1, 3), float(r + 1))).sum().backward()
+    res["own_grad"] = flat(p.grad for p in functional.parameters())
+    tm.sync_grads(functional)
+    res["synced_grad"] = flat(p.grad for p in functional.parameters())
+
     # training sampler: disjoint shards, reshuffled by set_epoch
     sampler = tm.sampler(list(range(10)), shuffle=True, seed=0)
     loader = DataLoader(list(range(10)), batch_size=3, sampler=sampler)
