@@ -384,10 +384,25 @@ def _bind(func: ast.AST, call: ast.Call, skip_self: bool) -> List[Tuple[str, ast
             break
         if i < len(positional):
             out.append((positional[i], arg))
+    var_kw = func.args.kwarg.arg if func.args.kwarg is not None else None  # type: ignore[attr-defined]
     for kw in call.keywords:
         if kw.arg and kw.arg in params:
             out.append((kw.arg, kw.value))
+        elif kw.arg and var_kw:  # `def __init__(self, **kwargs)`: read as `kwargs['model']`
+            out.append((f"{var_kw}['{kw.arg}']", kw.value))
     return out
+
+
+def _ref(node: ast.AST) -> Optional[str]:
+    """`name`, `a.b`, or `kwargs['model']` / `kwargs.get('model')`: how a parameter is read."""
+    if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) \
+            and isinstance(node.slice, ast.Constant) and isinstance(node.slice.value, str):
+        return f"{node.value.id}['{node.slice.value}']"
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get" \
+            and isinstance(node.func.value, ast.Name) and node.args and isinstance(node.args[0], ast.Constant) \
+            and isinstance(node.args[0].value, str):
+        return f"{node.func.value.id}['{node.args[0].value}']"
+    return _dotted(node)
 
 
 def _self_stores(init: ast.AST, param: str) -> List[str]:
@@ -404,7 +419,7 @@ def _self_stores(init: ast.AST, param: str) -> List[str]:
                 pairs.append((t, n.value))
         for t, v in pairs:
             name = _dotted(t)
-            if name and name.startswith("self.") and name.count(".") == 1 and _dotted(_strip_moves(v)) == param:
+            if name and name.startswith("self.") and name.count(".") == 1 and _ref(_strip_moves(v)) == param:
                 out.append(name[5:])
     return out
 
