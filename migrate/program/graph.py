@@ -14,7 +14,7 @@ import os
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional, Set, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 from torchmigrate.files import SKIP_DIRS
 
@@ -62,8 +62,9 @@ def _inside(path: Path, root: Path) -> bool:
 
 
 class _Resolver:
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, extra: Sequence[Path] = ()) -> None:
         self.root = root
+        self.extra = tuple(extra)  # PYTHONPATH and `sys.path` folders inside the project
 
     def module_file(self, base: Path, dotted: str) -> Optional[Path]:
         """`a.b.c` under folder `base`: `a/b/c.py` or `a/b/c/__init__.py`."""
@@ -78,7 +79,7 @@ class _Resolver:
         """The file for `dotted` and every package `__init__` on the way (Python runs them),
         looked up beside the importer, in the entry script's folder (`sys.path[0]`) and at the
         project root."""
-        for base in dict.fromkeys((importer.parent, entry_dir, self.root)):
+        for base in dict.fromkeys((importer.parent, entry_dir, self.root, *self.extra)):
             found = self.module_file(base, dotted)
             if found is not None:
                 parts = dotted.split(".")
@@ -145,6 +146,12 @@ def build(entries: Iterable[Path], trees: Optional[Dict[Path, ast.Module]] = Non
             except OSError:  # a path the system refuses: the engine reports it
                 roots[e.parent] = e.parent
         queue.append((e, roots[e.parent], e.parent))
+    search_dirs: Dict[Path, List[Path]] = {}  # entry folder -> folders its entry adds to sys.path
+    for e in entries:
+        tree = trees.get(e) or _parse(e)
+        if tree is not None:
+            trees[e] = tree
+            search_dirs.setdefault(e.parent, []).extend(sys_path_dirs(tree, e))
     while queue:
         path, root, entry_dir = queue.pop(0)
         if path in seen:
@@ -158,7 +165,7 @@ def build(entries: Iterable[Path], trees: Optional[Dict[Path, ast.Module]] = Non
                 graph.imports[path] = []
                 continue
             trees[path] = tree
-        resolver = _Resolver(root)
+        resolver = _Resolver(root, [d for d in (*_pythonpath(), *search_dirs.get(entry_dir, ())) if _inside(d, root)])
         found = []
         statements = graph.statements[path] = import_statements(tree)
         try:
@@ -171,6 +178,61 @@ def build(entries: Iterable[Path], trees: Optional[Dict[Path, ast.Module]] = Non
         graph.imports[path] = found
         queue.extend((f, root, entry_dir) for f in found if f not in seen)
     return graph
+
+
+def _pythonpath() -> List[Path]:
+    """The folders of `PYTHONPATH` (a recipe's `path.sh` puts the project's `src/` there)."""
+    return [Path(p).resolve() for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+
+
+def sys_path_dirs(tree: ast.Module, entry: Path) -> List[Path]:
+    """Folders the entry script adds with `sys.path.append(...)`/`insert(i, ...)`, where the path
+    is a literal or built from `__file__` with `os.path.dirname/abspath/join` or `Path(...).parent`
+    (a relative literal is taken from the script's folder)."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                and node.func.attr in ("append", "insert") and _dotted_name(node.func.value) == "sys.path" \
+                and node.args:
+            folder = _path_value(node.args[-1], entry)
+            if folder is not None:
+                out.append(folder.resolve())
+    return out
+
+
+def _dotted_name(node: ast.AST) -> Optional[str]:
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name):
+        return ".".join([node.id, *reversed(parts)])
+    return None
+
+
+def _path_value(node: ast.AST, entry: Path) -> Optional[Path]:
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return entry.parent / node.value
+    if isinstance(node, ast.Name) and node.id == "__file__":
+        return entry
+    if isinstance(node, ast.Attribute) and node.attr == "parent":
+        inner = _path_value(node.value, entry)
+        return inner.parent if inner is not None else None
+    if not isinstance(node, ast.Call) or not node.args:
+        return None
+    name = (_dotted_name(node.func) or "").rsplit(".", 1)[-1]
+    values = [_path_value(a, entry) for a in node.args]
+    if any(v is None for v in values):
+        return None
+    if name == "dirname":
+        return values[0].parent
+    if name in ("abspath", "realpath", "normpath", "Path", "str", "resolve"):
+        return values[0]
+    if name == "join":
+        first, *rest = values
+        return first.joinpath(*[Path(os.path.relpath(v, entry.parent)) if v.is_absolute() else v for v in rest]) \
+            if rest else first
+    return None
 
 
 def has_main_guard(tree: ast.Module) -> bool:

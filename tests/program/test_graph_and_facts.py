@@ -137,3 +137,25 @@ def test_models_reach_methods_of_instances_of_the_programs_classes(tmp_path):
     program = build([tmp_path / "exp.py"], [tmp_path / "exp.py"])
     views = {Path(k).name: v for k, v in program.views.items()}
     assert views["tools.py"].wrapped_params == {"EarlyStopping.__call__": {"model"}, "Saver.save": {"net"}}
+
+
+def test_modules_found_through_sys_path_and_pythonpath(tmp_path, monkeypatch):
+    """A recipe that runs `src/bin/train.py` with `src/` on the path (appended by the script, or
+    through PYTHONPATH set by its path.sh): its `solver` and `utils` packages are the program's."""
+    write(tmp_path, {
+        "pyproject.toml": "",
+        "src/bin/train.py": "import os, sys\nsys.path.append(os.path.join(os.path.dirname(__file__), '..'))\n"
+                            "from solver.solver import Solver\n",
+        "src/bin/plain.py": "from utils.helpers import build\n",
+        "src/solver/__init__.py": "",
+        "src/solver/solver.py": "import torch\n",
+        "src/utils/__init__.py": "",
+        "src/utils/helpers.py": "def build(): pass\n",
+    })
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    assert names(graph.build([tmp_path / "src/bin/train.py"]).modules, tmp_path) == [
+        "src/bin/train.py", "src/solver/__init__.py", "src/solver/solver.py"]
+    assert names(graph.build([tmp_path / "src/bin/plain.py"]).modules, tmp_path) == ["src/bin/plain.py"]
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "src"))
+    assert names(graph.build([tmp_path / "src/bin/plain.py"]).modules, tmp_path) == [
+        "src/bin/plain.py", "src/utils/__init__.py", "src/utils/helpers.py"]
