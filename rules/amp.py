@@ -83,6 +83,11 @@ def enabled_codes(ctx: Context) -> Set[str]:
     return ctx.facts.setdefault("amp_enabled_rules", set())  # type: ignore[return-value]
 
 
+# Builtins that read a tensor's value without computing with it in its dtype.
+_TENSOR_BUILTINS = frozenset({"len", "print", "isinstance", "float", "int", "range", "enumerate", "zip", "list",
+                              "tuple", "min", "max", "sum", "str", "round", "abs"})
+
+
 class AmpRule(Rule):
     """Base for the AMP family: registers itself so the plan knows which rules run together."""
 
@@ -1474,9 +1479,39 @@ class _Planner:
             region = Region(body[min(idx)], body[max(idx)], "eval")
             if any(self.barrier(s) for s in self.region_statements(region)):
                 continue
+            if self.outputs_leave_torch(loop, calls):
+                continue  # evaluation stays in float32 rather than break the user's metric code
             why = self.region_problem(region)
             if why is None:
                 p.regions.append(region)
+
+    def outputs_leave_torch(self, loop: cst.CSTNode, calls: List[cst.Call]) -> bool:
+        """An output of the evaluation forward reaches a function that is not torch's (the
+        project's SSIM helper, a numpy or skimage metric) in the loop: in bf16 it would fail
+        ("Input type (float) and weight type (BFloat16)", bf16 has no numpy dtype) or lose
+        precision, so the evaluation forward keeps float32."""
+        ctx = self.ctx
+        outputs: Set[str] = set()
+        for call in calls:
+            assign = ctx.enclosing(call, cst.Assign)
+            if assign is not None:
+                for t in assign.targets:
+                    outputs |= {n.value for n in ctx.within(t.target, cst.Name)} if not isinstance(
+                        t.target, cst.Name) else {t.target.value}
+        if not outputs:
+            return False
+        for use in ctx.within(loop, cst.Call, skip_defs=True):
+            func = use.func
+            if isinstance(func, cst.Attribute) and not isinstance(func.value, (cst.Name, cst.Attribute)):
+                continue  # a method of a computed value: `(sr - hr).mean()`
+            name = ctx.resolve(func) or dotted(func) or ""
+            if not name or name.startswith(("torch.", "builtins.")) or name in _TENSOR_BUILTINS \
+                    or isinstance(func, cst.Attribute) and dotted(func.value) in outputs:
+                continue
+            if any(n.value in outputs for a in use.args for n in ctx.within(a, cst.Name)) or any(
+                    isinstance(a.value, cst.Name) and a.value.value in outputs for a in use.args):
+                return True
+        return False
 
     def non_amp_branch(self, call: cst.Call, stop: cst.CSTNode) -> bool:
         """`call` sits in one branch of an `if` (inside `stop`) whose other branch runs its forward
