@@ -118,8 +118,8 @@ def process_file(path: str, job: Job) -> Outcome:
 _SIGNALS = {
     "trains": (".backward(",),
     "wraps": ("wrap_model(", "DistributedDataParallel(", "DDP("),
-    "loaders": ("DataLoader(", "DataLoader as "),  # `from torch.utils.data import DataLoader as DL`
-    "shards": ("tm.sampler(", "eval_sampler(", "shard_sampler(", "DistributedSampler(", ".sampler("),
+    "loaders": ("DataLoader(", "DataLoader as ", "shard_stream("),  # `from torch.utils.data import DataLoader as DL`
+    "shards": ("tm.sampler(", "eval_sampler(", "shard_sampler(", "DistributedSampler(", ".sampler(", "shard_stream("),
 }
 
 

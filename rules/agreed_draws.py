@@ -98,7 +98,8 @@ class AgreedDraws(Rule):
                 self._split(call)
             elif name in _SHUFFLES:
                 self._shuffle(call)
-            elif _is_draw(name):
+            elif _is_draw(name) and not any(a.keyword is not None and a.keyword.value == "generator"
+                                            for a in call.args):  # an explicit generator is seeded
                 assign = self._assignment(call)
                 if assign is not None and assign not in done:
                     done.add(assign)

@@ -1592,7 +1592,8 @@ class DistSampler(_DataRule):
     )
 
     def leave_Module(self, node: cst.Module) -> None:
-        self._no_loader_anywhere()
+        if not self._shard_streams():
+            self._no_loader_anywhere()
         if not self.active():
             return
         for loader in self.data.loaders:
@@ -1606,6 +1607,50 @@ class DistSampler(_DataRule):
                 self._shard_custom(loader)
             elif loader.status in ("custom", "iterable", "unknown", "unhoistable") and not self.data.distributed:
                 self.manual(loader)
+
+    def _shard_streams(self) -> bool:
+        """`train_data = batchify(corpus.train, bsz)` (a token stream cut into `bsz` columns, read
+        with `get_batch(train_data, i)`), where the training step reads it: each rank batchifies
+        its own contiguous part of the stream, `batchify(tm.shard_stream(corpus.train), bsz)`, all
+        parts of one length so every rank runs the same number of steps. Evaluation streams are
+        left whole. True when a stream was sharded."""
+        ctx = self.ctx
+        if not ctx.options.migrating or self.data.distributed or self.data.skip_file:
+            return False
+        sharded = False
+        for assign in analysis.facts(ctx).assigns:
+            value = assign.value
+            if not (isinstance(value, cst.Call) and value.args and not value.args[0].star
+                    and "batchify" in (dotted(value.func) or "").rsplit(".", 1)[-1].lower()):
+                continue
+            first = value.args[0].value
+            if isinstance(first, cst.Call) and (dotted(first.func) or "").endswith("shard_stream"):
+                sharded = True  # migrated already
+                continue
+            names = [dotted(t.target) for t in assign.targets]
+            if len(names) != 1 or names[0] is None or not self._read_where_trained(names[0]):
+                continue
+            tm = ctx.tm
+            self.report(value, f"`{names[0]}` is a token stream that every rank would read in full: each rank "
+                               f"batchifies its own contiguous part (`{tm}.shard_stream`, equal lengths)",
+                        edits=[replace(first, lambda f: cst.Call(func=expr(f"{tm}.shard_stream"), args=[cst.Arg(f)]))],
+                        imports=[ctx.runtime_import()])
+            sharded = True
+        return sharded
+
+    def _read_where_trained(self, name: str) -> bool:
+        """`name` is read in a function or loop that runs a backward pass."""
+        ctx = self.ctx
+        head = name.split(".")[-1]
+        for use in ctx.named(head):
+            for anc in ctx.ancestors(use):
+                if isinstance(anc, (cst.FunctionDef, cst.For, cst.While)) and any(
+                        isinstance(c.func, cst.Attribute) and c.func.attr.value == "backward"
+                        for c in ctx.within(anc, cst.Call, skip_defs=True)):
+                    return True
+                if isinstance(anc, cst.FunctionDef):
+                    break
+        return False
 
     def _no_loader_anywhere(self) -> None:
         """A training step in a program that builds no DataLoader: its batches come from

@@ -54,7 +54,7 @@ from torch.utils.data import DistributedSampler, RandomSampler, Sampler, Sequent
 __all__ = [
     "Ctx", "setup", "cleanup", "device", "rank", "local_rank", "world_size", "is_main",
     "is_distributed", "wrap_model", "unwrap", "sampler", "eval_sampler", "set_epoch", "no_sync",
-    "amp_dtype", "autocast", "GradScaler", "print", "barrier", "all_reduce", "gather_for_metrics", "gather_list", "broadcast_object", "shared_generator", "grad", "any_rank", "share_params", "sync_grads",
+    "amp_dtype", "autocast", "GradScaler", "print", "barrier", "all_reduce", "gather_for_metrics", "gather_list", "broadcast_object", "shared_generator", "grad", "any_rank", "share_params", "sync_grads", "shard_stream",
     "shard_sampler", "reduce_meter",
     "save", "load", "strip_prefix", "load_state_dict", "seed_everything", "main_only",
 ]
@@ -589,6 +589,18 @@ class _ShardedSampler(Sampler):
 
 
 _END = object()
+
+
+def shard_stream(data):
+    """This rank's contiguous part of a token stream (a 1-D tensor or any sequence, cut on its
+    first dimension): ``world_size()`` parts of equal length, the remainder dropped, so every
+    rank runs the same number of steps. For language-model training that ``batchify``s one long
+    stream into columns; 1 process: ``data`` itself."""
+    world = world_size()
+    if world <= 1:
+        return data
+    n = len(data) // world
+    return data[rank() * n:(rank() + 1) * n]
 
 
 def eval_sampler(dataset) -> Sampler:

@@ -138,6 +138,12 @@ def test_share_params_and_sync_grads_do_what_ddp_does(collectives):
     assert r0["synced_grad"] == r1["synced_grad"] == pytest.approx(mean)
 
 
+def test_shard_stream_and_any_rank(collectives):
+    r0, r1 = collectives["r"]
+    assert (r0["stream"], r1["stream"]) == ([0, 1, 2, 3, 4], [5, 6, 7, 8, 9])
+    assert r0["any_rank"] == r1["any_rank"] == [True, False]
+
+
 def test_train_sampler_partitions_and_reshuffles(collectives):
     r0, r1 = collectives["r"]
     assert "DistributedSampler" in r0["train_sampler_type"]

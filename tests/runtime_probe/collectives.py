@@ -89,6 +89,9 @@ def main(outdir):
     tm.sync_grads(functional)
     res["synced_grad"] = flat(p.grad for p in functional.parameters())
 
+    res["stream"] = tm.shard_stream(list(range(11)))  # equal parts, the remainder dropped
+    res["any_rank"] = [tm.any_rank(r == 1), tm.any_rank(False)]
+
     # training sampler: disjoint shards, reshuffled by set_epoch
     sampler = tm.sampler(list(range(10)), shuffle=True, seed=0)
     loader = DataLoader(list(range(10)), batch_size=3, sampler=sampler)
