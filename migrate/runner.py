@@ -117,7 +117,7 @@ def process_file(path: str, job: Job) -> Outcome:
 # signal -> any of these in a migrated source
 _SIGNALS = {
     "trains": (".backward(",),
-    "wraps": ("wrap_model(", "DistributedDataParallel(", "DDP("),
+    "wraps": ("wrap_model(", "DistributedDataParallel(", "DDP(", "sync_grads("),
     "loaders": ("DataLoader(", "DataLoader as ", "shard_stream("),  # `from torch.utils.data import DataLoader as DL`
     "shards": ("tm.sampler(", "eval_sampler(", "shard_sampler(", "DistributedSampler(", ".sampler(", "shard_stream("),
 }

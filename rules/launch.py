@@ -133,6 +133,14 @@ def _trains_at_module_level(ctx: Context, guard: Optional[cst.If]) -> bool:
             target = functions[call.func.value]
             if _ENTRY_NAMES.match(call.func.value) or target in trainers:
                 return True
+    # `meta = Meta(Learner())` at module level, Meta's methods building the optimizer or training
+    classes = analysis.facts(ctx).classes
+    training_classes = {name for name, klass in classes.items()
+                        if any(ctx.enclosing(t, cst.ClassDef) is klass for t in trainers if t is not None)}
+    for call, name in analysis.facts(ctx).calls:
+        if name is None and isinstance(call.func, cst.Name) and call.func.value in training_classes \
+                and outside(call) is None:
+            return True
     return False
 
 

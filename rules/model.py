@@ -40,7 +40,7 @@ from torchmigrate.imports import dotted, iter_statements
 from torchmigrate.nodes import arg as call_arg
 from torchmigrate.nodes import code, expr, kwarg, set_kwarg, stmt, with_args
 from torchmigrate.positions import code_for
-from torchmigrate.rule import Context, Example, Rule
+from torchmigrate.rule import RUNTIME_MODULE, Context, Example, Rule
 from torchmigrate.rules.launch import creates_own_group
 
 CODES = ("TM301", "TM302", "TM303", "TM304", "TM305", "TM306")
@@ -121,6 +121,16 @@ def _strip(node: cst.BaseExpression) -> cst.BaseExpression:
     while isinstance(node, cst.Call) and isinstance(node.func, cst.Attribute) and node.func.attr.value in _MOVES:
         node = node.func.value
     return node
+
+
+def functional_model(ctx: Context, m: str) -> bool:
+    """`torch.autograd.grad(loss, m.parameters())` in this file: gradients taken by hand over
+    the model's own parameters (MAML's inner loop), which DDP does not support."""
+    for call in analysis_calls(ctx, "torch.autograd.grad", RUNTIME_MODULE + ".grad"):  # tm.grad: TM411's
+        inputs = call_arg(call, "inputs", 1)
+        if inputs is not None and code(inputs.value).replace(" ", "") == f"{m}.parameters()":
+            return True
+    return False
 
 
 def _binds_on_every_path(node: cst.If, name: str) -> bool:
@@ -878,15 +888,6 @@ class Plan:
         return bool(set(o.models) & (params | {"self", "cls"})) or (
             isinstance(first, cst.Name) and first.value in params)
 
-    def _functional(self, m: str) -> bool:
-        """`torch.autograd.grad(loss, m.parameters())` in this file: gradients taken by hand
-        over the model's own parameters (MAML's inner loop), which DDP's reducer never sees."""
-        for call in analysis_calls(self.ctx, "torch.autograd.grad"):
-            inputs = call_arg(call, "inputs", 1)
-            if inputs is not None and self.text(inputs.value).replace(" ", "") == f"{m}.parameters()":
-                return True
-        return False
-
     def _prefer(self, new: NewWrap, old: NewWrap) -> bool:
         if new.klass is not None:
             new_init = self.ctx.enclosing(new.anchor, cst.FunctionDef)
@@ -904,7 +905,9 @@ class Plan:
         if m in _CONFIGISH:
             return (f"the optimizer trains parameters reached through `{m}`: wrap that model with "
                     f"`{tm}.wrap_model(...)` before creating the optimizer")
-        if self._functional(m):
+        if functional_model(ctx, m):
+            if "TM309" in ctx.facts.get("model_rules", set()) and ctx.options.mode == "ddp":
+                return None  # TM309 shares its parameters and averages its gradients instead
             return (f"`{m}` is differentiated with torch.autograd.grad over its parameters (a functional, "
                     f"meta-learning model), which DistributedDataParallel does not support, so it is not wrapped: "
                     f"call `{tm}.share_params({m})` once after building it and `{tm}.sync_grads({m})` after each "
