@@ -49,7 +49,8 @@ class MainOnlyWrites(Rule):
     - A statement that writes a file by itself (`np.save(path, a)`, `plt.savefig(path)`,
       `fig.savefig(path)`, `df.to_csv(path)`, `Path(p).write_text(s)`, `cv2.imwrite(...)`,
       `pickle.dump(obj, f)`, a PIL image's `im.save(path)`, `shutil.copyfile(src, dst)`, and in
-      `ddp` `os.remove(path)`, ...) goes under `if tm.is_main():`
+      `ddp` `os.remove(path)`, `logging.basicConfig(filename=...)`, ...) goes under
+      `if tm.is_main():` (the other ranks' INFO records are off anyway, see `tm.setup`)
       on the same terms; adjacent ones share one guard.
     - `logging.FileHandler(path)` (and the rotating ones) becomes
       `(logging.FileHandler(path) if tm.is_main() else logging.NullHandler())`: one log file,
@@ -141,6 +142,8 @@ class MainOnlyWrites(Rule):
                         edits=[guard_edit(ctx, run)], imports=[ctx.runtime_import()])
 
     def _writer(self, call: cst.Call, name) -> bool:
+        if name == "logging.basicConfig":  # with a log file: every rank would append to it
+            return any(a.keyword is not None and a.keyword.value == "filename" for a in call.args)
         if name in _REMOVALS:
             return self.ctx.options.mode == "ddp" and not self._after_save(call)
         if name in _WRITERS:
