@@ -476,14 +476,41 @@ class ReduceCounts(Rule):
     def __init__(self, ctx: Context) -> None:
         super().__init__(ctx)
         self.augs: List[cst.AugAssign] = []
+        self.dict_augs: List[cst.AugAssign] = []  # `results['mse'] += ...`
+
+    def _dict_sums(self) -> None:
+        """`results['mse'] += batch_mse * n` in an evaluation loop over a loader (no backward in
+        it): a dict of running sums over this rank's shard (SRGAN's `valing_results`). Which keys
+        are sums and which are derived from them (PSNR from the summed MSE) is the user's to say,
+        so it is reported once per dict and loop."""
+        ctx = self.ctx
+        seen: Set[Tuple[cst.CSTNode, str]] = set()
+        for aug in self.dict_augs:
+            loop = loader_loop(ctx, aug)
+            name = aug.target.value.value
+            if loop is None or (loop, name) in seen or any(
+                    isinstance(c.func, cst.Attribute) and c.func.attr.value == "backward"
+                    for c in ctx.within(loop, cst.Call, skip_defs=True)):
+                continue
+            seen.add((loop, name))
+            self.report(aug, f"`{name}[...]` sums values over this rank's shard of the loader only: reduce the summed "
+                             f"entries across ranks after the loop (`{name}[k] = {ctx.tm}.all_reduce({name}[k])`) "
+                             f"and compute what is derived from them (means, PSNR) afterwards",
+                        statement=ctx.statement_of(loop))
 
     def visit_AugAssign(self, node: cst.AugAssign) -> None:
         if isinstance(node.operator, cst.AddAssign) and isinstance(node.target, cst.Name):
             self.augs.append(node)
+        elif isinstance(node.operator, cst.AddAssign) and isinstance(node.target, cst.Subscript) \
+                and isinstance(node.target.value, cst.Name):
+            self.dict_augs.append(node)
 
     def leave_Module(self, node: cst.Module) -> None:
         ctx = self.ctx
-        if not self.augs or not active(ctx):
+        if not active(ctx):
+            return
+        self._dict_sums()
+        if not self.augs:
             return
         loops: Dict[cst.CSTNode, List[str]] = {}
         for aug in self.augs:
