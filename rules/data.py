@@ -1472,7 +1472,11 @@ class _DataRule(Rule):
         if loader.kind == "eval" and loader.eval_with_grad:
             sampler_text = f"{tm}.sampler({dataset_text}, shuffle=False)"
         elif loader.kind == "eval":
-            sampler_text = f"{tm}.eval_sampler({dataset_text})"
+            keep = loader.shuffle is not None and not (isinstance(loader.shuffle, cst.Name)
+                                                       and loader.shuffle.value in ("False", "None"))
+            # the loader's own shuffle=True is kept (an evaluation that breaks early scores new batches)
+            sampler_text = (f"{tm}.eval_sampler({dataset_text}, shuffle={code(loader.shuffle)})" if keep
+                            else f"{tm}.eval_sampler({dataset_text})")
         else:
             shuffle = (code(loader.shuffle) if loader.shuffle is not None
                        else f'{loader.kwargs_shuffle}.get("shuffle", False)' if loader.kwargs_shuffle else "False")

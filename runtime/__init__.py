@@ -466,11 +466,16 @@ def sampler(dataset, shuffle=True, seed: int = 0, drop_last: bool = False) -> Sa
 class _StridedSampler(Sampler):
     """Rank r of W gets indices r, r+W, r+2W, ...: every sample exactly once, no padding."""
 
-    def __init__(self, dataset, rank_: int, world: int):
+    def __init__(self, dataset, rank_: int, world: int, shuffle: bool = False, seed: int = 0):
         self.n, self.rank, self.world = len(dataset), rank_, world
+        self.shuffle, self.seed, self._pass = shuffle, seed, 0
 
     def __iter__(self):
-        return iter(range(self.rank, self.n, self.world))
+        if not self.shuffle:
+            return iter(range(self.rank, self.n, self.world))
+        order = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + self._pass))
+        self._pass += 1  # the same on every rank: each pass draws a new shared permutation
+        return iter(order[self.rank::self.world].tolist())
 
     def __len__(self) -> int:
         return len(range(self.rank, self.n, self.world))
@@ -603,14 +608,17 @@ def shard_stream(data):
     return data[rank() * n:(rank() + 1) * n]
 
 
-def eval_sampler(dataset) -> Sampler:
+def eval_sampler(dataset, shuffle: bool = False, seed: int = 0) -> Sampler:
     """Evaluation sampler. Distributed: rank r gets indices r, r+W, r+2W, ... with no padding, so
     metrics count every sample exactly once (ranks may get one sample fewer; don't use it where
     every rank must run the same number of DDP forward/backward steps). 1 process:
-    ``SequentialSampler``. ``gather_for_metrics`` undoes this interleaving."""
+    ``SequentialSampler``. ``gather_for_metrics`` undoes this interleaving. ``shuffle`` keeps an
+    evaluation loader's own ``shuffle=True`` (a loop that scores only its first batches sees new
+    ones each pass): a ``RandomSampler`` in one process; distributed, a permutation shared by the
+    ranks (``seed`` plus the pass number) is split the same way."""
     if is_distributed():
-        return _StridedSampler(dataset, rank(), world_size())
-    return SequentialSampler(dataset)
+        return _StridedSampler(dataset, rank(), world_size(), shuffle=shuffle, seed=seed)
+    return RandomSampler(dataset) if shuffle else SequentialSampler(dataset)
 
 
 def set_epoch(loader_or_sampler, epoch: int) -> None:

@@ -269,7 +269,7 @@ def test_long_lines_are_wrapped_at_the_open_parenthesis():
         from torch.utils.data import DataLoader
         def main():
             train_loader = DataLoader(train_set, batch_size=args.batch_size, shuffle=True, num_workers=4)
-            val_loader = DataLoader(val_set, batch_size=args.batch_size, shuffle=True, num_workers=args.workers)
+            val_loader = DataLoader(val_set, batch_size=args.batch_size, shuffle=False, num_workers=args.workers)
     """, rules=[D.DistSampler, D.EvalUnpadded])
     # at most 99 columns, or the longest line the call already had
     assert ("    train_loader = DataLoader(train_set, batch_size=args.batch_size,\n"

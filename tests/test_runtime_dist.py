@@ -144,6 +144,13 @@ def test_shard_stream_and_any_rank(collectives):
     assert r0["any_rank"] == r1["any_rank"] == [True, False]
 
 
+def test_shuffled_eval_sampler_covers_every_sample_once_in_a_new_order_each_pass(collectives):
+    r0, r1 = collectives["r"]
+    for p in range(2):
+        assert sorted(r0["eval_shuffled"][p] + r1["eval_shuffled"][p]) == list(range(9))
+    assert r0["eval_shuffled"][0] != r0["eval_shuffled"][1]
+
+
 def test_train_sampler_partitions_and_reshuffles(collectives):
     r0, r1 = collectives["r"]
     assert "DistributedSampler" in r0["train_sampler_type"]

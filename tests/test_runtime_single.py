@@ -593,3 +593,12 @@ def test_grad_scales_a_gradient_penalty_that_would_flush_to_zero_in_fp16():
     assert got.item() == pytest.approx(1e-8, rel=1e-2)
     assert penalty_grad(lambda **kw: tm.grad(scaler=tm.GradScaler(enabled=False), **kw)).item() == 0.0
     del scaler
+
+
+def test_eval_sampler_keeps_a_loaders_shuffle_in_one_process():
+    """A test loader with shuffle=True (scored on its first batches) keeps its random order
+    when the migrated program runs as plain `python train.py` (issue 14, item 3)."""
+    from torch.utils.data import RandomSampler, SequentialSampler
+
+    assert isinstance(tm.eval_sampler(list(range(5)), shuffle=True), RandomSampler)
+    assert isinstance(tm.eval_sampler(list(range(5))), SequentialSampler)

@@ -92,6 +92,9 @@ def main(outdir):
     res["stream"] = tm.shard_stream(list(range(11)))  # equal parts, the remainder dropped
     res["any_rank"] = [tm.any_rank(r == 1), tm.any_rank(False)]
 
+    shuffled_eval = tm.eval_sampler(list(range(9)), shuffle=True)
+    res["eval_shuffled"] = [list(shuffled_eval), list(shuffled_eval)]
+
     # training sampler: disjoint shards, reshuffled by set_epoch
     sampler = tm.sampler(list(range(10)), shuffle=True, seed=0)
     loader = DataLoader(list(range(10)), batch_size=3, sampler=sampler)
