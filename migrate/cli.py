@@ -14,7 +14,7 @@ from torchmigrate import __version__, formats, report
 from torchmigrate.config import Config, ConfigError, load as load_config
 from torchmigrate.diff import colorize, use_color
 from torchmigrate.files import discover
-from torchmigrate.rule import RUNTIME_MODULE, Options
+from torchmigrate.options import RUNTIME_MODULE, Options
 from torchmigrate.runner import (AUTO_JOBS_MIN_FILES, VENDORED_NAME, Job, Outcome, Progress, auto_jobs, run,
                                  write_together)
 from torchmigrate.verify import command as verify_command

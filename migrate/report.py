@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 from torchmigrate.formats import error_lines
-from torchmigrate.runner import Outcome
+from torchmigrate.outcome import Outcome
 
 __all__ = ["error_lines", "target_problem", "write", "migration_summary", "migration_text", "migration_json",
            "summary_line", "not_done"]
