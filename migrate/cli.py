@@ -10,7 +10,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import click
 
-from torchmigrate import __version__, formats, report
+from torchmigrate import __version__, formats, launchers, report
 from torchmigrate.config import Config, ConfigError, load as load_config
 from torchmigrate.diff import colorize, use_color
 from torchmigrate.files import discover
@@ -116,11 +116,16 @@ def main() -> None:
 
 def _program(paths: Sequence[str], files: List[Path], config: Config, follow: bool):
     """The program(s) the files make up: with `follow`, the project modules they import join."""
-    from torchmigrate.files import _excluded
     from torchmigrate.program.build import build
 
     named = [Path(p) for p in paths if not _is_dir(p)]
-    return build(files, named, follow, exclude=lambda p: _excluded(p, config.exclude))
+    return build(files, named, follow, exclude=_exclude(config))
+
+
+def _exclude(config: Config):
+    from torchmigrate.files import _excluded
+
+    return lambda path: _excluded(path, config.exclude)
 
 
 def _is_dir(path: str) -> bool:
@@ -138,6 +143,7 @@ def _migrate(command: str, paths, dry_run: bool, check: bool, amp: Optional[str]
         sys.exit(2)
     config = _config(paths)
     files, errors = _discover(paths, config)
+    files = launchers.split(files)[0]
     program = _program(paths, files, config, follow)
     files = program.files
     options = Options(
@@ -146,13 +152,16 @@ def _migrate(command: str, paths, dry_run: bool, check: bool, amp: Optional[str]
     )
     write = not (dry_run or check)
     codes = _select(command, select, ignore, config)
+    launch_files = launchers.files_for(paths, codes, _exclude(config), around_scripts=True)
     # the program summary judges DDP only when the rules that make it are on
     whole = command == "ddp" and {"TM201", "TM301"} <= set(codes)
-    job = Job(options, codes, write=write, want_diff=dry_run,
-              vendor_runtime=vendor, program=program.views or None, together=write and len(files) > 1)
+    job = Job(options, codes, write=write, want_diff=dry_run, vendor_runtime=vendor, program=program.views or None,
+              together=write and (len(files) > 1 or bool(launch_files)))
     outcomes = _run(files, job, jobs)
+    launch = launchers.Settings(command, apply=True, write=write, want_diff=dry_run, together=job.together)
+    outcomes += launchers.run(launch_files, files, paths, launch, outcomes)
     if job.together:
-        write_together(outcomes, job, program.groups)
+        write_together(outcomes, job, launchers.link_groups(program.groups, launch.links))
     diff_out = sys.stdout
     color = use_color(diff_out)
     for outcome in outcomes:
@@ -251,6 +260,7 @@ def lint(paths, select, ignore, fix, unsafe_fixes, fmt, exit_zero, statistics, f
 
     config = _config(paths)
     files, errors = _discover(paths, config)
+    files = launchers.split(files)[0]
     codes = _select("lint", select, ignore, config)
     options = Options(mode="lint", amp=config.amp or "auto", fix=fix, unsafe_fixes=fix and unsafe_fixes)
     # The imported modules inform the checks (a model wrapped by the caller) but only the files
@@ -258,6 +268,8 @@ def lint(paths, select, ignore, fix, unsafe_fixes, fmt, exit_zero, statistics, f
     program = _program(paths, files, config, follow)
     job = Job(options, codes, write=fix, program=program.views or None)
     outcomes = _run(files, job, jobs)
+    launch_files = launchers.files_for(paths, codes, _exclude(config), around_scripts=False)
+    outcomes += launchers.run(launch_files, program.files, paths, launchers.Settings("lint", apply=fix, write=fix), outcomes)
     rules = [get_rule(code) for code in codes]
     errors += report.error_lines(outcomes)
     for line in errors:

@@ -39,6 +39,13 @@ class Outcome:
     # what the file does once migrated, read off its new source (see `signals`): the report's
     # program summary says what the program does under torchrun, and what it does not
     signals: Tuple[str, ...] = ()
+    # a file that starts the program (a shell script, Makefile, README: see `launchers`), not
+    # one of its Python modules
+    launch: bool = False
+    # what the report tells without asking for anything (`path:line: text`): a launch line
+    # that stays valid, and how to scale it
+    notes: Tuple[str, ...] = ()
+
     @property
     def open_records(self) -> List[Record]:
         """Findings still needing attention after this run."""

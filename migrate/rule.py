@@ -39,6 +39,9 @@ class Example:
     before: str
     after: Optional[str] = None
     mode: str = "ddp"
+    # the file it is written in: a Python file, or a launch file (`run.sh`, `Makefile`,
+    # `README.md`: TM801), whose commands start `train.py`
+    file: str = "train.py"
 
     @property
     def before_text(self) -> str:
