@@ -13,7 +13,6 @@ import os
 from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Type
-from urllib.parse import quote
 
 from torchmigrate import __version__
 from torchmigrate.outcome import Outcome, Record
@@ -138,6 +137,8 @@ def github(outcomes: Sequence[Outcome]) -> str:
 
 def _artifact_location(path: str) -> Dict:
     """A relative path stays relative to %SRCROOT% (the working directory); others become file URIs."""
+    from urllib.parse import quote  # only SARIF needs it
+
     norm = os.path.normpath(path)
     if not os.path.isabs(norm) and not norm.startswith(".." + os.sep) and norm != "..":
         return {"uri": quote(Path(norm).as_posix()), "uriBaseId": "%SRCROOT%"}

@@ -45,6 +45,7 @@ class Outcome:
     # what the report tells without asking for anything (`path:line: text`): a launch line
     # that stays valid, and how to scale it
     notes: Tuple[str, ...] = ()
+    digest: str = ""  # hash of the bytes processed (`program.fs.digest`): the lint cache's key
 
     @property
     def open_records(self) -> List[Record]:

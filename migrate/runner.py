@@ -7,7 +7,6 @@ with the output assembled in input order.
 from __future__ import annotations
 
 import gc
-import importlib.util
 import os
 import sys
 import time
@@ -57,6 +56,7 @@ def process_file(path: str, job: Job) -> Outcome:
         new_bytes = files.encode(result.new_source, decoded.encoding) if result.changed and job.write else None
         outcome.records = records
         outcome.changed = result.changed
+        outcome.digest = decoded.digest
         if result.changed:
             if job.want_diff:
                 outcome.diff = unified_diff(result.source, result.new_source, path)
@@ -130,6 +130,8 @@ def _failed(outcome: Outcome, line: int, col: int, message: str) -> None:
 
 def runtime_source() -> str:
     """The runtime shim's source, located without importing it (importing it imports torch)."""
+    import importlib.util
+
     spec = importlib.util.find_spec("torchmigrate.runtime")
     assert spec is not None and spec.origin is not None
     return Path(spec.origin).read_text(encoding="utf-8")

@@ -67,6 +67,13 @@ def check_launch(text: str, name: str, scripts: Sequence[str] = ("train.py",), m
     return check(LAUNCH_ROOT / name, text, program, Settings(mode, apply=mode == "ddp", write=False))
 
 
+@pytest.fixture(autouse=True)
+def _lint_cache(tmp_path_factory, monkeypatch):
+    """Each test gets a lint cache of its own (tests/test_cache.py tests the cache itself): a
+    result cached by one test must never hide what another test patched in."""
+    monkeypatch.setenv("TORCHMIGRATE_CACHE_DIR", str(tmp_path_factory.mktemp("lint-cache")))
+
+
 @pytest.fixture
 def run_cli():
     from click.testing import CliRunner

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from conftest import FIXTURES, check_launch
-from torchmigrate.launchers import convert
-from torchmigrate.launchers.shell import commands, kind_of
+from torchmigrate.launchers import convert, kind_of
+from torchmigrate.launchers.shell import commands
 
 TRAIN = """import argparse
 import torch

@@ -16,16 +16,16 @@ from __future__ import annotations
 
 import ast
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path, PurePath
-from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 from torchmigrate import files
 from torchmigrate.diff import unified_diff
 from torchmigrate.errors import InputError
-from torchmigrate.launchers import convert
+from torchmigrate.launchers import Settings, convert, kind_of
 from torchmigrate.launchers.convert import LAUNCH, Launch
-from torchmigrate.launchers.shell import Command, commands, kind_of
+from torchmigrate.launchers.shell import Command, commands
 from torchmigrate.outcome import Outcome, Record
 from torchmigrate.program.graph import project_root, relpath
 
@@ -33,64 +33,6 @@ CODE = "TM801"
 MAX_BYTES = 4 * 1024 * 1024  # a launch file larger than this is not a launch file
 _SUPPRESS = "torchmigrate: ignore"
 _SKIP_FILE = "torchmigrate: skip-file"
-
-
-def is_launch_file(path: PurePath) -> bool:
-    return kind_of(path) is not None
-
-
-def find(paths: Sequence[str], entries: Sequence[Path], exclude: Callable[[Path], bool]) -> List[Path]:
-    """The launch files of a run: those named, those under the folders named, and those in the
-    project of each entry script named (`ddp train.py` finds `scripts/train.sh` beside it)."""
-    found: Dict[str, Path] = {}
-
-    def take(path: Path) -> None:
-        found.setdefault(os.path.realpath(path), path)
-
-    for arg in paths:
-        path = Path(arg)
-        try:
-            if path.is_dir():
-                for f in _walk(path, exclude):
-                    take(f)
-            elif is_launch_file(path) and path.is_file():
-                take(path)
-        except OSError:
-            continue  # discovery reports the path
-    for entry in entries:
-        try:
-            root = project_root(entry)
-        except OSError:
-            continue
-        for f in _walk(root, exclude):
-            take(f if entry.is_absolute() else Path(relpath(f)))
-    return list(found.values())
-
-
-def _walk(root: Path, exclude: Callable[[Path], bool]) -> Iterable[Path]:
-    for dirpath, dirnames, filenames in os.walk(root):
-        base = Path(dirpath)
-        dirnames[:] = sorted(
-            d for d in dirnames
-            if d not in files.SKIP_DIRS and not d.startswith(".") and not d.endswith(".egg-info")
-            and not files._is_virtualenv(base / d) and not exclude(base / d))
-        for name in sorted(filenames):
-            path = base / name
-            if is_launch_file(path) and not exclude(path):
-                yield path
-
-
-@dataclass
-class Settings:
-    mode: str  # "ddp" (rewrite as part of the migration) or "lint"
-    apply: bool  # rewrite the lines (ddp, lint --fix)
-    write: bool  # and write the files (not --dry-run/--check)
-    want_diff: bool = False
-    together: bool = False  # leave the bytes in `pending` for the program's write
-    # resolved path -> the outcome of that Python file in this run (was TM102 applied?)
-    python: Dict[str, Outcome] = field(default_factory=dict)
-    # filled in: resolved launch file -> the resolved program files its rewritten lines start
-    links: Dict[str, List[str]] = field(default_factory=dict)
 
 
 class Program:

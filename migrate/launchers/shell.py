@@ -15,20 +15,7 @@ from __future__ import annotations
 import re
 import shlex
 from dataclasses import dataclass, field
-from pathlib import PurePath
 from typing import Iterator, List, Optional, Tuple
-
-MAKEFILE_NAMES = ("Makefile", "makefile", "GNUmakefile")
-SUFFIXES = {".sh": "sh", ".bash": "sh", ".sbatch": "sh", ".slurm": "sh", ".mk": "make",
-            ".md": "markdown", ".markdown": "markdown", ".rst": "rst"}
-
-
-def kind_of(path: PurePath) -> Optional[str]:
-    """`sh`, `make`, `markdown` or `rst` for a file that may hold launch commands, else None."""
-    if path.name in MAKEFILE_NAMES:
-        return "make"
-    return SUFFIXES.get(path.suffix.lower())
-
 
 @dataclass(frozen=True)
 class Word:
