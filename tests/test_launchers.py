@@ -227,3 +227,11 @@ def test_excluded_launch_files_are_left_alone(tmp_path, run_cli):
     (tmp_path / "legacy" / "run.sh").write_text(LAUNCH.replace("train.py", "../train.py"))
     run_cli("ddp", tmp_path / "train.py")
     assert (tmp_path / "legacy" / "run.sh").read_text().startswith("python -m torch.distributed.launch")
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="named pipes")
+def test_a_named_pipe_called_run_sh_is_reported_not_read(tmp_path, run_cli):
+    (tmp_path / "train.py").write_text(TRAIN)
+    os.mkfifo(tmp_path / "run.sh")
+    result = run_cli("lint", "--select", "TM801", tmp_path)  # would block forever on a plain open()
+    assert result.exit_code == 2 and "run.sh:1:1: not a regular file" in result.stderr

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ast
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path, PurePath
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
@@ -115,9 +116,14 @@ def process(path: Path, program: Program, settings: Settings) -> Outcome:
 
 
 def _read(path: Path) -> Tuple[bytes, Tuple[int, int, int]]:
+    """As `files.read`: never blocks on a named pipe that carries a launch file's name."""
     try:
-        with open(path, "rb") as handle:
-            stamp = files._stamp(os.fstat(handle.fileno()))
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        with open(fd, "rb") as handle:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise InputError("not a regular file")
+            stamp = files._stamp(st)
             data = handle.read(MAX_BYTES + 1)
     except OSError as exc:
         raise InputError(f"cannot read: {exc.strerror or exc}") from None
@@ -154,7 +160,7 @@ class _Scanner:
             launch = convert.parse(command, self.kind)
             if launch is None:
                 if LAUNCH in command.source():
-                    self._report(command, command.words[0], "runs torch.distributed.launch from a variable or builds it "
+                    self._report(command.words[0], "runs torch.distributed.launch from a variable or builds it "
                                  f"in one: torchmigrate cannot see which script it starts; use torchrun instead: "
                                  f"`{convert.suggest(command.source())}`")
                 continue
@@ -177,27 +183,27 @@ class _Scanner:
         if target is None:
             new = convert.new_command(launch, self.kind)
             if script is None:
-                self._report(launch.command, where, "keeps a torch.distributed.launch command without its script (in a "
+                self._report(where, "keeps a torch.distributed.launch command without its script (in a "
                              "variable, the script given where it is used): torchmigrate cannot tell which script it "
                              f"starts; use `{new}`")
             elif script.opaque:
-                self._report(launch.command, where, f"starts {script.raw} with the deprecated torch.distributed.launch: "
+                self._report(where, f"starts {script.raw} with the deprecated torch.distributed.launch: "
                              f"torchmigrate cannot tell which script that is; use `{new}`")
             return []
         name = self._display(target)
         new = convert.new_command(launch, self.kind)
         if launch.problem:
-            self._report(launch.command, where, f"starts {name} with the deprecated torch.distributed.launch, but "
+            self._report(where, f"starts {name} with the deprecated torch.distributed.launch, but "
                          f"{launch.problem}: rewrite it by hand as `{new}`")
             return []
         old_rank = None if launch.option("--use-env") else self._old_local_rank(target)
         if old_rank is not None:
-            self._report(launch.command, where, f"starts {name} with torch.distributed.launch, which passes --local-rank, "
+            self._report(where, f"starts {name} with torch.distributed.launch, which passes --local-rank, "
                          f"but {name}:{old_rank} parses --local_rank without reading LOCAL_RANK: under torchrun every "
                          f"process would keep the default. Fix it first (TM102: `torchmigrate lint --select TM102 --fix "
                          f"{name}`), then use `{new}`")
             return []
-        self._report(launch.command, where, f"starts {name} with the deprecated torch.distributed.launch (it passes "
+        self._report(where, f"starts {name} with the deprecated torch.distributed.launch (it passes "
                      f"--local-rank; the migrated program runs under torchrun): `{new}`", fix=True)
         self.started.append(target)
         return convert.edits(launch, self.kind)
@@ -208,7 +214,7 @@ class _Scanner:
         passes_rank = any(w.value.partition("=")[0] in convert.LOCAL_RANK_ARGS for w in launch.args())
         if passes_rank and (command.in_loop or command.background) or command.in_loop and command.background:
             how = "a loop" if command.in_loop else "background processes"
-            self._report(command, launch.words[launch.interpreter],
+            self._report(launch.words[launch.interpreter],
                          f"starts the ranks of {name} by hand ({how}): replace them with one torchrun command, "
                          f"`{convert.scale_hint(launch)}` (N: the processes started here)")
             return
@@ -224,7 +230,7 @@ class _Scanner:
                     f"`{convert.scale_hint(launch)}`")
         self.notes.append(f"{self.path}:{line}: {text}")
 
-    def _report(self, command: Command, word, message: str, fix: bool = False) -> None:
+    def _report(self, word, message: str, fix: bool = False) -> None:
         line, col = self._line_col(word)
         applied = fix and self.settings.apply
         self.records.append(Record(str(self.path), line, col, CODE, message, "safe" if fix else "manual", applied))
