@@ -256,7 +256,7 @@ def _atomic_text(path: Path, text: str) -> None:
 # --- results -------------------------------------------------------------------------------------
 
 def _outcome_json(outcome: Outcome) -> dict:
-    return {"records": [dataclasses.astuple(r) for r in outcome.records], "changed": outcome.changed,
+    return {"records": [list(dataclasses.astuple(r)) for r in outcome.records], "changed": outcome.changed,
             "uses_runtime": outcome.uses_runtime, "signals": list(outcome.signals)}
 
 
@@ -404,6 +404,7 @@ class LintCache:
         found: Dict[int, Outcome] = {}
         keys: Dict[int, str] = {}
         missing: List[Tuple[int, Path]] = []
+        from_summary = 0
         for i, path in enumerate(files):
             file_digest = self._digest(path)
             if not file_digest:
@@ -412,6 +413,7 @@ class LintCache:
             key = keys[i] = self._key(path, file_digest, job)
             entry = recalled.get(str(path))
             data = entry[1] if isinstance(entry, list) and len(entry) == 2 and entry[0] == key else None
+            from_summary += data is not None
             if data is None:
                 data = self.store.read(f"files/{key}.json")
                 data = data if data is not None and data.get("key") == key else None
@@ -431,10 +433,11 @@ class LintCache:
                 found[i] = outcome
                 keys[i] = self._store(path, outcome, job) or ""
         outcomes = [found[i] for i in range(len(files))]
-        stored = {str(path): [keys[i], _outcome_json(outcomes[i])] for i, path in enumerate(files)
-                  if keys.get(i) and _storable(outcomes[i])}
-        if stored != recalled:
-            self.store.write(summary_name, {"files": stored})
+        if from_summary != len(files) or len(recalled) != len(files):
+            stored = {str(path): [keys[i], _outcome_json(outcomes[i])] for i, path in enumerate(files)
+                      if keys.get(i) and _storable(outcomes[i])}
+            if stored != recalled:
+                self.store.write(summary_name, {"files": stored})
         self.hashes.save(self.store)
         return outcomes
 
