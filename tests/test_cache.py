@@ -303,3 +303,18 @@ def test_a_cache_that_cannot_be_written_is_no_cache(project, run_cli, tmp_path):
     expected = lint(run_cli, "--no-cache", project)
     assert lint(run_cli, "--cache-dir", blocker / "cache", project) == expected
     assert blocker.read_text() == "not a folder"
+
+
+def test_a_warm_run_writes_nothing(project, run_cli, tmp_path, monkeypatch):
+    monkeypatch.setattr(cache.Hashes, "RACY_NS", 0)
+    (project / "broken.py").unlink()
+    root = tmp_path / "cache"
+    lint(run_cli, "--cache-dir", root, project)
+
+    def state():
+        return {p: p.stat().st_mtime_ns for p in root.rglob("*")}
+
+    before = state()
+    time.sleep(0.01)
+    lint(run_cli, "--cache-dir", root, project)
+    assert state() == before
