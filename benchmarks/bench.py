@@ -17,7 +17,10 @@ temporary folder, then measures, each as the median of `--repeat` runs:
 - cold start: `torchmigrate lint one_file.py` (median of `--cold` runs);
 - peak RSS of `lint -j 1` on a quarter of the corpus vs the whole corpus (memory must be flat);
 - optionally TorchFix (`--torchfix PATH` to its console script, or found on PATH) with `-j 1`,
-  and parse-only under TorchFix's own interpreter (its libcst version may differ).
+  and parse-only under TorchFix's own interpreter (its libcst version may differ);
+- the lint cache (`bench_cache.py`): cold with and without it, warm, and `ruff check` cold.
+
+The rows above run `lint --no-cache`: they time the engine, not the cache.
 
 The budget (2-core machine): a whole run <= 2x parse-only, cold start <= 0.35 s, flat memory,
 `-j 2` >= 1.6x faster than `-j 1`. Nothing here asserts: machines are noisy; read the numbers.
@@ -37,6 +40,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_cache  # noqa: E402
 import corpus  # noqa: E402
 
 PARSE_ONLY = r"""
@@ -169,6 +173,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     ap.add_argument("--no-torchfix", action="store_true")
     ap.add_argument("--profile", action="store_true", help="cProfile the engine in-process and exit")
     ap.add_argument("--keep", help="generate the corpus into this folder and keep it")
+    ap.add_argument("--no-cache-bench", action="store_true", help="skip the lint cache rows (bench_cache.py)")
     args = ap.parse_args(argv)
 
     tmp = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="tm-bench-"))
@@ -176,6 +181,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     ENV.pop("PYTHONDONTWRITEBYTECODE", None)
     ENV["PYTHONPYCACHEPREFIX"] = str(tmp / "pycache")
     ENV.setdefault("NO_COLOR", "1")
+    ENV.pop("TORCHMIGRATE_CACHE_DIR", None)
     try:
         big = tmp / "corpus"
         small = tmp / "corpus_small"
@@ -210,11 +216,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         rows.append(("engine ddp, in-process", engine_in_process(paths, "ddp", args.repeat), None, "inproc"))
         runs: Dict[str, float] = {}
         for label, cmd in (
-            ("lint -j 1", [*tm, "lint", "--exit-zero", "-j", "1", str(big)]),
-            ("lint -j 2", [*tm, "lint", "--exit-zero", "-j", "2", str(big)]),
+            ("lint -j 1", [*tm, "lint", "--no-cache", "--exit-zero", "-j", "1", str(big)]),
+            ("lint -j 2", [*tm, "lint", "--no-cache", "--exit-zero", "-j", "2", str(big)]),
             ("ddp --check -j 1", [*tm, "ddp", "--check", "-j", "1", str(big)]),
             ("ddp --check -j 2", [*tm, "ddp", "--check", "-j", "2", str(big)]),
-            ("lint (default -j)", [*tm, "lint", "--exit-zero", str(big)]),
+            ("lint (default -j)", [*tm, "lint", "--no-cache", "--exit-zero", str(big)]),
             ("ddp --check (default -j)", [*tm, "ddp", "--check", str(big)]),
         ):
             wall, cpu, _ = median_run(cmd, args.repeat)
@@ -255,7 +261,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                   f"torchmigrate lint -j 1 ({runs['TorchFix -j 1'] / runs['ddp --check -j 1']:.1f}x ddp --check)")
 
         one = paths[0]
-        cold_cmd = [*tm, "lint", "--exit-zero", str(one)]
+        cold_cmd = [*tm, "lint", "--no-cache", "--exit-zero", str(one)]
         timed(cold_cmd)  # writes the bytecode cache
         colds = [timed(cold_cmd) for _ in range(args.cold)]
         bare = [timed([sys.executable, "-c", "pass"], ok=(0,)) for _ in range(args.cold)]
@@ -268,12 +274,17 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
               f"`python -c 'import libcst'` {med(imp, 0):.3f} s wall / {med(imp, 1):.3f} cpu")
 
         print()
-        for label, cmd in (("lint -j 1", [*tm, "lint", "--exit-zero", "-j", "1"]),
+        for label, cmd in (("lint -j 1", [*tm, "lint", "--no-cache", "--exit-zero", "-j", "1"]),
                            ("ddp --check -j 1", [*tm, "ddp", "--check", "-j", "1"])):
             _, _, rss_small = timed([*cmd, str(small)])
             _, _, rss_big = timed([*cmd, str(big)])
             print(f"peak RSS, {label}: {n_small} files {rss_small / 1024:.1f} MiB, "
                   f"{len(paths)} files {rss_big / 1024:.1f} MiB")
+
+        if not args.no_cache_bench:
+            print()
+            rows = bench_cache.measure(big, ENV, tmp / "lint-cache")
+            print("\n".join(bench_cache.report(rows, len(paths))))
     finally:
         if not args.keep:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -10,14 +10,13 @@ from typing import List, Optional, Sequence, Tuple
 
 import click
 
-from torchmigrate import __version__, formats, report
+from torchmigrate import __version__, formats, launchers, report
 from torchmigrate.config import Config, ConfigError, load as load_config
 from torchmigrate.diff import colorize, use_color
 from torchmigrate.files import discover
-from torchmigrate.rule import RUNTIME_MODULE, Options
+from torchmigrate.options import RUNTIME_MODULE, Options
 from torchmigrate.runner import (AUTO_JOBS_MIN_FILES, VENDORED_NAME, Job, Outcome, Progress, auto_jobs, run,
                                  write_together)
-from torchmigrate.verify import command as verify_command
 
 AMP_CHOICES = ("auto", "bf16", "fp16", "off")
 
@@ -27,7 +26,7 @@ def _codes(values: Sequence[str]) -> Tuple[str, ...]:
 
 
 def _rule_names():
-    from torchmigrate.rules import all_rules
+    from torchmigrate.catalogue import all_rules
 
     return {r.code: r.name for r in all_rules()}
 
@@ -64,7 +63,7 @@ _SELECTOR = re.compile(r"^TM\d{0,3}$", re.IGNORECASE)
 
 
 def _check_selectors(codes: Sequence[str], where: str) -> None:
-    from torchmigrate.rules import all_rules
+    from torchmigrate.catalogue import all_rules
 
     names = {r.name for r in all_rules()}
     bad = [c for c in codes if not _SELECTOR.match(c) and c not in names]
@@ -75,7 +74,7 @@ def _check_selectors(codes: Sequence[str], where: str) -> None:
 
 
 def _select(command: str, select: Sequence[str], ignore: Sequence[str], config: Config):
-    from torchmigrate.rules import select as select_rules
+    from torchmigrate.catalogue import select as select_rules
 
     select_codes, ignore_codes = _codes(select), _codes(ignore)
     _check_selectors(select_codes + ignore_codes, "--select/--ignore")
@@ -98,7 +97,22 @@ ignore_option = click.option("--ignore", multiple=True, metavar="CODES",
                              help="Skip these rule codes or prefixes, comma-separated or repeated.")
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _Commands(click.Group):
+    """The commands, with `verify` (subprocesses, signals, a probe) imported only when it is
+    run or listed: every lint run in a pre-commit hook pays for each module the CLI imports."""
+
+    def list_commands(self, ctx):
+        return sorted([*super().list_commands(ctx), "verify"])
+
+    def get_command(self, ctx, name):
+        if name == "verify":
+            from torchmigrate.verify import command
+
+            return command
+        return super().get_command(ctx, name)
+
+
+@click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="torchmigrate")
 def main() -> None:
     """Migrate PyTorch training scripts to torchrun + DDP + AMP, and lint distributed code.
@@ -114,13 +128,23 @@ def main() -> None:
     """
 
 
-def _program(paths: Sequence[str], files: List[Path], config: Config, follow: bool):
-    """The program(s) the files make up: with `follow`, the project modules they import join."""
-    from torchmigrate.files import _excluded
-    from torchmigrate.program.build import build
+def _program(paths: Sequence[str], files: List[Path], config: Config, follow: bool, cache=None):
+    """The program(s) the files make up: with `follow`, the project modules they import join.
+    With the lint cache, a build reused when nothing it read or looked at changed."""
+    def build(fs=None):
+        from torchmigrate.program.build import build
+        from torchmigrate.program.fs import PLAIN
+
+        return build(files, named, follow, exclude=_exclude(config), fs=fs or PLAIN)
 
     named = [Path(p) for p in paths if not _is_dir(p)]
-    return build(files, named, follow, exclude=lambda p: _excluded(p, config.exclude))
+    return cache.program(files, named, follow, config.exclude, build) if cache is not None else build()
+
+
+def _exclude(config: Config):
+    from torchmigrate.files import _excluded
+
+    return lambda path: _excluded(path, config.exclude)
 
 
 def _is_dir(path: str) -> bool:
@@ -138,6 +162,7 @@ def _migrate(command: str, paths, dry_run: bool, check: bool, amp: Optional[str]
         sys.exit(2)
     config = _config(paths)
     files, errors = _discover(paths, config)
+    files = launchers.split(files)[0]
     program = _program(paths, files, config, follow)
     files = program.files
     options = Options(
@@ -146,13 +171,16 @@ def _migrate(command: str, paths, dry_run: bool, check: bool, amp: Optional[str]
     )
     write = not (dry_run or check)
     codes = _select(command, select, ignore, config)
+    launch_files = launchers.files_for(paths, codes, _exclude(config), around_scripts=True)
     # the program summary judges DDP only when the rules that make it are on
     whole = command == "ddp" and {"TM201", "TM301"} <= set(codes)
-    job = Job(options, codes, write=write, want_diff=dry_run,
-              vendor_runtime=vendor, program=program.views or None, together=write and len(files) > 1)
+    job = Job(options, codes, write=write, want_diff=dry_run, vendor_runtime=vendor, program=program.views or None,
+              together=write and (len(files) > 1 or bool(launch_files)))
     outcomes = _run(files, job, jobs)
+    launch = launchers.Settings(command, apply=True, write=write, want_diff=dry_run, together=job.together)
+    outcomes += launchers.run(launch_files, files, paths, launch, outcomes)
     if job.together:
-        write_together(outcomes, job, program.groups)
+        write_together(outcomes, job, launchers.link_groups(program.groups, launch))
     diff_out = sys.stdout
     color = use_color(diff_out)
     for outcome in outcomes:
@@ -240,24 +268,37 @@ def amp(paths, dry_run, check, amp, report_file, follow, vendor_runtime, select,
 @click.option("--statistics", is_flag=True, help="Print a count per rule instead of each finding.")
 @follow_option
 @jobs_option
-def lint(paths, select, ignore, fix, unsafe_fixes, fmt, exit_zero, statistics, follow, jobs):
+@click.option("--cache-dir", type=click.Path(file_okay=False), metavar="DIR",
+              help="Where to keep the results of unchanged files (default: $TORCHMIGRATE_CACHE_DIR, else "
+                   ".torchmigrate_cache beside pyproject.toml or in the working directory).")
+@click.option("--no-cache", is_flag=True, help="Neither read nor write the cache.")
+def lint(paths, select, ignore, fix, unsafe_fixes, fmt, exit_zero, statistics, follow, jobs, cache_dir, no_cache):
     """Report rule findings (pre-commit hook / CI).
 
     Exit 0 when nothing remains (or everything was fixed), 1 when findings remain, 2 on bad
     input. Suppress one line with `# torchmigrate: ignore[TM201]`, a file with
     `# torchmigrate: skip-file`; configure with [tool.torchmigrate] in pyproject.toml.
     """
-    from torchmigrate.rules import get_rule
+    from torchmigrate import cache as lint_cache
+    from torchmigrate.catalogue import get_rule
 
     config = _config(paths)
+    cache = lint_cache.open_for_lint(None if no_cache else cache_dir or "", paths)
     files, errors = _discover(paths, config)
+    files = launchers.split(files)[0]
     codes = _select("lint", select, ignore, config)
     options = Options(mode="lint", amp=config.amp or "auto", fix=fix, unsafe_fixes=fix and unsafe_fixes)
     # The imported modules inform the checks (a model wrapped by the caller) but only the files
     # given are checked, as a pre-commit hook expects.
-    program = _program(paths, files, config, follow)
+    program = _program(paths, files, config, follow, cache)
     job = Job(options, codes, write=fix, program=program.views or None)
-    outcomes = _run(files, job, jobs)
+    if cache is not None:
+        outcomes = cache.run(files, job, lambda todo: _run(todo, job, jobs))
+    else:
+        outcomes = _run(files, job, jobs)
+    launch_files = launchers.files_for(paths, codes, _exclude(config), around_scripts=False)
+    outcomes += launchers.run(launch_files, program.files, paths, launchers.Settings("lint", apply=fix, write=fix),
+                              outcomes)
     rules = [get_rule(code) for code in codes]
     errors += report.error_lines(outcomes)
     for line in errors:
@@ -284,8 +325,6 @@ def markdown_table(rules) -> str:
         lines.append(f"| {r.code} | `{r.name}` | {r.safety.value} | {', '.join(sorted(r.commands))} | {cell(r.summary)} |")
     return "\n".join(lines)
 
-
-main.add_command(verify_command)
 
 
 @main.command("rules")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import difflib
 import os
 import sys
 from typing import IO, Optional
@@ -11,6 +10,8 @@ import click
 
 
 def unified_diff(old: str, new: str, path: str) -> str:
+    import difflib  # only when there is a diff to show
+
     prefix = ("", "") if os.path.isabs(path) else ("a/", "b/")
     lines = difflib.unified_diff(
         old.splitlines(keepends=True), new.splitlines(keepends=True),

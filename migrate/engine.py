@@ -19,6 +19,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 import libcst as cst
 
 from torchmigrate.apply import apply_edits
+from torchmigrate.errors import InputError
 from torchmigrate.finding import Edit, EditKind, Finding, Safety
 from torchmigrate.layout import statement_lines
 from torchmigrate.positions import positions_and_layout, regenerate
@@ -35,16 +36,6 @@ PREFILTER = ("torch", "apex")
 MAX_FIX_PASSES = 5
 # Deep enough for anything CPython's own parser accepts (it stops near 3000 nested levels).
 RECURSION_LIMIT = 12000
-
-
-class InputError(Exception):
-    """Bad input for one file: reported as `path:line:col: message`, exit code 2."""
-
-    def __init__(self, message: str, line: int = 1, col: int = 0) -> None:
-        super().__init__(message)
-        self.message = message
-        self.line = line
-        self.col = col
 
 
 class RewriteError(InputError):

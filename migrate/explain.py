@@ -38,6 +38,8 @@ def render(rule: type[Rule]) -> str:
 
 def _example(example: Example, number) -> List[str]:
     title = f"Example {number}" if number else "Example"
+    if not example.file.endswith(".py"):  # a launch file (TM801)
+        title += f" ({example.file})"
     command = COMMAND.get(example.mode, example.mode)
     before = example.before_text
     if example.after_text is None:

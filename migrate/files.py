@@ -18,11 +18,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator, List, Optional, Sequence, Tuple
 
-from torchmigrate.engine import InputError
+from torchmigrate.errors import InputError
+from torchmigrate.program.fs import digest
 
 SKIP_DIRS = {
     ".git", ".hg", ".svn", "__pycache__", "build", "dist", ".venv", "venv", "env", ".env",
-    ".tox", ".nox", ".mypy_cache", ".pytest_cache", ".ruff_cache", "site-packages",
+    ".tox", ".nox", ".mypy_cache", ".pytest_cache", ".ruff_cache", ".torchmigrate_cache", "site-packages",
     "node_modules", ".eggs",
 }
 
@@ -119,6 +120,7 @@ class Decoded:
     text: str
     encoding: str  # codec name used to write the text back ("utf-8-sig" keeps a BOM)
     stamp: Optional[Tuple[int, int, int]] = None  # (inode, size, mtime_ns) when read from disk
+    digest: str = ""  # hash of the bytes read (`program.fs.digest`), for the lint cache
 
 
 def decode(data: bytes) -> Decoded:
@@ -170,7 +172,7 @@ def read(path: Path) -> Decoded:
     if len(data) > MAX_SOURCE_BYTES:
         raise InputError(f"too large to process (over {MAX_SOURCE_BYTES // 2 ** 20} MiB)")
     decoded = decode(data)
-    return Decoded(decoded.text, decoded.encoding, stamp)
+    return Decoded(decoded.text, decoded.encoding, stamp, digest(data))
 
 
 def encode(text: str, encoding: str) -> bytes:

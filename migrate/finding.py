@@ -13,13 +13,7 @@ from typing import Callable, Optional, Sequence, Tuple, Union
 
 import libcst as cst
 
-
-class Safety(str, enum.Enum):
-    """How much a fix can be trusted; mirrors Ruff's fix-safety model."""
-
-    SAFE = "safe"  # applied by `ddp`/`amp` and `lint --fix`
-    UNSAFE = "unsafe"  # changes behaviour a user must accept (`--unsafe-fixes`)
-    MANUAL = "manual"  # report only; a migration leaves one inline TODO comment
+from torchmigrate.options import Safety
 
 
 class EditKind(str, enum.Enum):

@@ -12,12 +12,13 @@ import json
 import os
 from collections import Counter
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Type
-from urllib.parse import quote
+from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Type
 
 from torchmigrate import __version__
-from torchmigrate.rule import Rule
-from torchmigrate.runner import Outcome, Record
+from torchmigrate.outcome import Outcome, Record
+
+if TYPE_CHECKING:  # rules are classes or their cached descriptions (see `catalogue`); no LibCST here
+    from torchmigrate.rule import Rule
 
 FORMATS = ("text", "json", "github", "sarif")
 
@@ -25,7 +26,7 @@ SARIF_SCHEMA = "https://docs.oasis-open.org/sarif/sarif/v2.1.0/errata01/os/schem
 SARIF_VERSION = "2.1.0"
 INFORMATION_URI = "https://pypi.org/project/torchmigrate/"
 
-RuleTypes = Sequence[Type[Rule]]
+RuleTypes = Sequence[Type["Rule"]]
 
 
 def _plural(n: int, word: str) -> str:
@@ -136,6 +137,8 @@ def github(outcomes: Sequence[Outcome]) -> str:
 
 def _artifact_location(path: str) -> Dict:
     """A relative path stays relative to %SRCROOT% (the working directory); others become file URIs."""
+    from urllib.parse import quote  # only SARIF needs it
+
     norm = os.path.normpath(path)
     if not os.path.isabs(norm) and not norm.startswith(".." + os.sep) and norm != "..":
         return {"uri": quote(Path(norm).as_posix()), "uriBaseId": "%SRCROOT%"}

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 from torchmigrate.formats import error_lines
-from torchmigrate.runner import Outcome
+from torchmigrate.outcome import Outcome
 
 __all__ = ["error_lines", "target_problem", "write", "migration_summary", "migration_text", "migration_json",
            "summary_line", "not_done"]
@@ -34,6 +34,7 @@ def migration_summary(outcomes: Sequence[Outcome], dry_run: bool, ddp: bool = Fa
         "attention": [r.__dict__ for r in attention],
         "errors": error_lines(outcomes),
         "not_done": not_done(outcomes) if ddp else [],
+        "notes": [n for o in outcomes for n in o.notes],
     }
 
 
@@ -68,7 +69,7 @@ def program_lines(outcomes: Sequence[Outcome], followed: Sequence[Path]) -> List
     lines = [f"Program: {len(outcomes)} files ({_plural(len(imported), 'module')} found through imports)"]
     for o in outcomes:
         state = "error" if o.error else ("changed" if o.changed else "unchanged")
-        how = "imported" if o in imported else "given"
+        how = "launch commands" if o.launch else "imported" if o in imported else "given"
         lines.append(f"  {o.path}  [{how}, {state}]")
     return lines
 
@@ -128,6 +129,10 @@ def migration_text(outcomes: Sequence[Outcome], dry_run: bool, names: Dict[str, 
         lines.append("Needs attention:")
         for r in attention:
             lines.append(f"  {r.location}: {r.code} {r.message}")
+    notes = [n for o in outcomes for n in o.notes]
+    if notes:
+        lines.append("Notes:")
+        lines += [f"  {n}" for n in notes]
     lines.append(summary_line(outcomes, dry_run, ddp))
     return "\n".join(lines)
 

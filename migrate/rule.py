@@ -23,29 +23,13 @@ import libcst as cst
 
 from torchmigrate.finding import Edit, Finding, Import, Safety
 from torchmigrate.imports import ImportTable
+from torchmigrate.options import RUNTIME_MODULE, Options
 from torchmigrate.program.view import ModuleView
 from torchmigrate.walk import child_nodes
 
-RUNTIME_MODULE = "torchmigrate.runtime"
 # (types) -> {node type: issubclass(node type, types)}, for Context.enclosing and _NodeIndex.spots
 _MATCHES: Dict[Tuple[type, ...], Dict[type, bool]] = {}
 COMMANDS = ("ddp", "amp", "lint")
-
-
-@dataclass(frozen=True)
-class Options:
-    """Per-run settings that change what rules do."""
-
-    mode: str = "lint"  # "ddp", "amp" or "lint"
-    amp: str = "auto"  # "auto", "bf16", "fp16", "off"
-    sync_bn: bool = False
-    fix: bool = False  # `lint --fix`: apply safe fixes
-    unsafe_fixes: bool = False
-    runtime_module: str = RUNTIME_MODULE  # "torchmigrate_runtime" with --vendor-runtime
-
-    @property
-    def migrating(self) -> bool:
-        return self.mode in ("ddp", "amp")
 
 
 @dataclass(frozen=True)
@@ -55,6 +39,9 @@ class Example:
     before: str
     after: Optional[str] = None
     mode: str = "ddp"
+    # the file it is written in: a Python file, or a launch file (`run.sh`, `Makefile`,
+    # `README.md`: TM801), whose commands start `train.py`
+    file: str = "train.py"
 
     @property
     def before_text(self) -> str:

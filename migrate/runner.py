@@ -7,60 +7,21 @@ with the output assembled in input order.
 from __future__ import annotations
 
 import gc
-import importlib.util
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Callable, Dict, List, Optional, Sequence, Tuple
 
 from torchmigrate import files
 from torchmigrate.diff import unified_diff
-from torchmigrate.engine import InputError, process_source
+from torchmigrate.errors import InputError
+from torchmigrate.options import Options
+from torchmigrate.outcome import Outcome, Record
 from torchmigrate.program.view import ModuleView
-from torchmigrate.rule import Options
 
 VENDORED_NAME = "torchmigrate_runtime.py"
-
-
-@dataclass(frozen=True)
-class Record:
-    """A finding as reported to the user."""
-
-    path: str
-    line: int
-    col: int
-    code: str
-    message: str
-    safety: str
-    applied: bool
-
-    @property
-    def location(self) -> str:
-        return f"{self.path}:{self.line}:{self.col + 1}"
-
-
-@dataclass
-class Outcome:
-    path: str
-    records: List[Record] = field(default_factory=list)
-    changed: bool = False
-    written: bool = False
-    diff: str = ""
-    error: Optional[Tuple[int, int, str]] = None
-    vendored: Optional[str] = None
-    # with `Job.together`: the new bytes and the read's stamp, for `write_together`
-    pending: Optional[Tuple[bytes, Tuple[int, int, int]]] = None
-    uses_runtime: bool = False  # the (new) source imports the runtime
-    # what the file does once migrated, read off its new source (see `signals`): the report's
-    # program summary says what the program does under torchrun, and what it does not
-    signals: Tuple[str, ...] = ()
-
-    @property
-    def open_records(self) -> List[Record]:
-        """Findings still needing attention after this run."""
-        return [r for r in self.records if not r.applied]
 
 
 @dataclass(frozen=True)
@@ -79,6 +40,7 @@ class Job:
 def process_file(path: str, job: Job) -> Outcome:
     """Process one file. Never raises: any failure becomes `outcome.error` and the file is left
     as it was, so one bad file never stops the others."""
+    from torchmigrate.engine import process_source  # LibCST: only when a file is processed
     from torchmigrate.rules import get_rule
 
     outcome = Outcome(path)
@@ -94,6 +56,7 @@ def process_file(path: str, job: Job) -> Outcome:
         new_bytes = files.encode(result.new_source, decoded.encoding) if result.changed and job.write else None
         outcome.records = records
         outcome.changed = result.changed
+        outcome.digest = decoded.digest
         if result.changed:
             if job.want_diff:
                 outcome.diff = unified_diff(result.source, result.new_source, path)
@@ -167,6 +130,8 @@ def _failed(outcome: Outcome, line: int, col: int, message: str) -> None:
 
 def runtime_source() -> str:
     """The runtime shim's source, located without importing it (importing it imports torch)."""
+    import importlib.util
+
     spec = importlib.util.find_spec("torchmigrate.runtime")
     assert spec is not None and spec.origin is not None
     return Path(spec.origin).read_text(encoding="utf-8")

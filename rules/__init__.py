@@ -8,16 +8,20 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
-from typing import Dict, List, Type
+from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Type
 
-from torchmigrate.rule import Rule
+if TYPE_CHECKING:
+    from torchmigrate.rule import Rule
 
-_REGISTRY: Dict[str, Type[Rule]] = {}
+_REGISTRY: Dict[str, Type["Rule"]] = {}
 
 
-def all_rules() -> List[Type[Rule]]:
-    """Every rule, sorted by code."""
+def all_rules() -> List[Type["Rule"]]:
+    """Every rule, sorted by code. (Importing this package alone does not import the rule
+    modules nor LibCST: `select` also works on the cached descriptions of `catalogue`.)"""
     if not _REGISTRY:
+        from torchmigrate.rule import Rule
+
         for info in pkgutil.iter_modules(__path__):
             if info.name.startswith("_"):
                 continue
@@ -30,7 +34,7 @@ def all_rules() -> List[Type[Rule]]:
     return [_REGISTRY[code] for code in sorted(_REGISTRY)]
 
 
-def get_rule(code: str) -> Type[Rule]:
+def get_rule(code: str) -> Type["Rule"]:
     rules = {r.code: r for r in all_rules()}
     by_name = {r.name: r for r in all_rules()}
     key = code.strip()
@@ -41,12 +45,13 @@ def get_rule(code: str) -> Type[Rule]:
     raise KeyError(code)
 
 
-def select(codes=(), ignore=(), command: str = "lint") -> List[Type[Rule]]:
-    """Rules enabled for `command`, filtered by `--select`/`--ignore` codes or prefixes."""
-    def matches(rule: Type[Rule], patterns) -> bool:
+def select(codes=(), ignore=(), command: str = "lint", rules: Optional[Sequence] = None) -> List[Type["Rule"]]:
+    """Rules enabled for `command`, filtered by `--select`/`--ignore` codes or prefixes, out of
+    `rules` (default: every rule)."""
+    def matches(rule, patterns) -> bool:
         return any(rule.code.startswith(p.upper()) or rule.name == p for p in patterns)
 
-    chosen = [r for r in all_rules() if command in r.commands]
+    chosen = [r for r in (all_rules() if rules is None else rules) if command in r.commands]
     if codes:
         chosen = [r for r in chosen if matches(r, codes)]
     if ignore:

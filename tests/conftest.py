@@ -47,6 +47,33 @@ def migrate(source: str, options: Options, rules: Sequence) -> str:
     return process_source(source, "fixture.py", options, rules).new_source
 
 
+LAUNCH_ROOT = Path("/fixture")  # launch files are checked as text, as if in this folder
+
+
+def check_launch(text: str, name: str, scripts: Sequence[str] = ("train.py",), mode: str = "ddp"):
+    """TM801 over the text of a launch file called `name` whose program is `scripts` (paths
+    relative to the file's folder); nothing is read from disk. A `fixture: program=a.py,b.py`
+    first line names the program instead."""
+    from torchmigrate.launchers.scan import Program, Settings, check
+
+    first = text.splitlines()[0] if text else ""
+    match = re.search(r"fixture:\s*(.*)", first)  # in any comment syntax: #, <!-- -->, ..
+    if match:
+        for item in match.group(1).replace("-->", "").split():
+            key, _, value = item.partition("=")
+            if key == "program":
+                scripts = value.split(",")
+    program = Program([LAUNCH_ROOT / s for s in scripts], [LAUNCH_ROOT])
+    return check(LAUNCH_ROOT / name, text, program, Settings(mode, apply=mode == "ddp", write=False))
+
+
+@pytest.fixture(autouse=True)
+def _lint_cache(tmp_path_factory, monkeypatch):
+    """Each test gets a lint cache of its own (tests/test_cache.py tests the cache itself): a
+    result cached by one test must never hide what another test patched in."""
+    monkeypatch.setenv("TORCHMIGRATE_CACHE_DIR", str(tmp_path_factory.mktemp("lint-cache")))
+
+
 @pytest.fixture
 def run_cli():
     from click.testing import CliRunner

@@ -283,18 +283,18 @@ def test_file_deleted_between_discovery_and_read(tmp_path, run_cli, good, monkey
 
 
 def test_file_edited_while_processing_is_not_overwritten(tmp_path, run_cli, monkeypatch):
-    from torchmigrate import runner
+    from torchmigrate import engine  # the runner imports it when it processes a file
 
     path = tmp_path / "train.py"
     path.write_bytes(GOOD_SCRIPT.read_bytes())
-    real = runner.process_source
+    real = engine.process_source
 
     def process_source(*args, **kwargs):
         result = real(*args, **kwargs)
         path.write_bytes(GOOD_SCRIPT.read_bytes() + b"# saved from the editor meanwhile\n")
         return result
 
-    monkeypatch.setattr(runner, "process_source", process_source)
+    monkeypatch.setattr(engine, "process_source", process_source)
     result = run_cli("ddp", path)
     assert result.exit_code == 2
     assert "changed on disk" in error_for(result, path)["message"]

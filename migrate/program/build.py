@@ -4,40 +4,28 @@ from __future__ import annotations
 
 import ast
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Set
 
 from torchmigrate.program import facts, graph
-from torchmigrate.program.view import ModuleView
-
-
-@dataclass
-class Program:
-    """Every file to process, the entry points among them, and each module's view."""
-
-    files: List[Path]
-    entries: List[Path] = field(default_factory=list)
-    followed: List[Path] = field(default_factory=list)  # files found through imports only
-    views: Dict[str, ModuleView] = field(default_factory=dict)
-    # files that import each other, directly or not: each group is written whole or not at all
-    groups: List[List[str]] = field(default_factory=list)
+from torchmigrate.program.fs import PLAIN, FileSystem
+from torchmigrate.program.program import Program
 
 
 def build(found: Sequence[Path], named: Sequence[Path], follow: bool = True,
-          exclude: Optional[callable] = None) -> Program:
+          exclude: Optional[callable] = None, fs: FileSystem = PLAIN) -> Program:
     """`found`: the files discovered from the command line; `named`: those given by name.
 
     Entry points are the files given by name and, in folders, files with a `__main__` guard
     or that no other file of the run imports. With `follow`, the project modules the entries
     import (transitively) join the run. `exclude(path)` drops followed files that the
-    configuration excludes.
+    configuration excludes. Every file-system question goes through `fs` (see `fs.Recorder`).
     """
     trees: Dict[Path, ast.Module] = {}
-    resolved = {Path(_real(p)): p for p in found}
-    named_set = {Path(_real(p)) for p in named}
+    resolved = {Path(_real(p, fs)): p for p in found}
+    named_set = {Path(_real(p, fs)) for p in named}
     program = Program(list(found))
-    start = graph.build(resolved, trees)
+    start = graph.build(resolved, trees, fs)
     imported: Set[Path] = {f for deps in start.imports.values() for f in deps}
     entries = []
     for path in resolved:
@@ -58,9 +46,9 @@ def build(found: Sequence[Path], named: Sequence[Path], follow: bool = True,
     return program
 
 
-def _real(path) -> str:
+def _real(path, fs: FileSystem) -> str:
     try:
-        return os.path.realpath(path)
+        return fs.realpath(path)
     except OSError:
         return os.path.abspath(path)
 

@@ -17,15 +17,16 @@ from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 from torchmigrate.files import SKIP_DIRS
+from torchmigrate.program.fs import PLAIN, FileSystem
 
 ROOT_MARKERS = ("pyproject.toml", "setup.py", "setup.cfg", ".git")
 
 
-def project_root(script: Path) -> Path:
+def project_root(script: Path, fs: FileSystem = PLAIN) -> Path:
     """The nearest folder above `script` with a project marker, else the script's own folder."""
-    folder = script.resolve().parent
+    folder = fs.resolve(script).parent
     for candidate in (folder, *folder.parents):
-        if any((candidate / marker).exists() for marker in ROOT_MARKERS):
+        if any(fs.exists(candidate / marker) for marker in ROOT_MARKERS):
             return candidate
     return folder
 
@@ -40,10 +41,9 @@ class Graph:
     statements: Dict[Path, List[ast.stmt]] = field(default_factory=dict)
 
 
-def _parse(path: Path) -> Optional[ast.Module]:
-    try:
-        data = path.read_bytes()
-    except OSError:
+def _parse(path: Path, fs: FileSystem) -> Optional[ast.Module]:
+    data = fs.read(path)
+    if data is None:
         return None
     try:
         with warnings.catch_warnings():
@@ -62,8 +62,9 @@ def _inside(path: Path, root: Path) -> bool:
 
 
 class _Resolver:
-    def __init__(self, root: Path, extra: Sequence[Path] = ()) -> None:
+    def __init__(self, root: Path, fs: FileSystem = PLAIN, extra: Sequence[Path] = ()) -> None:
         self.root = root
+        self.fs = fs
         self.extra = tuple(extra)  # PYTHONPATH and `sys.path` folders inside the project
 
     def module_file(self, base: Path, dotted: str) -> Optional[Path]:
@@ -71,8 +72,8 @@ class _Resolver:
         parts = dotted.split(".") if dotted else []
         target = base.joinpath(*parts)
         for candidate in (target.with_name(target.name + ".py") if parts else None, target / "__init__.py"):
-            if candidate is not None and candidate.is_file():
-                return candidate.resolve()
+            if candidate is not None and self.fs.is_file(candidate):
+                return self.fs.resolve(candidate)
         return None
 
     def absolute(self, importer: Path, dotted: str, entry_dir: Path) -> List[Path]:
@@ -131,9 +132,10 @@ def _submodules(resolver: _Resolver, package: Path, names: List[ast.alias]) -> L
     return [f for f in found if f is not None]
 
 
-def build(entries: Iterable[Path], trees: Optional[Dict[Path, ast.Module]] = None) -> Graph:
-    """Follow the entries' imports into their project; `trees` caches parses by resolved path."""
-    entries = [Path(e).resolve() for e in entries]
+def build(entries: Iterable[Path], trees: Optional[Dict[Path, ast.Module]] = None, fs: FileSystem = PLAIN) -> Graph:
+    """Follow the entries' imports into their project; `trees` caches parses by resolved path.
+    Every file-system question goes through `fs` (see `fs.Recorder`)."""
+    entries = [fs.resolve(Path(e)) for e in entries]
     graph = Graph()
     trees = {} if trees is None else trees
     seen: Set[Path] = set()
@@ -142,13 +144,13 @@ def build(entries: Iterable[Path], trees: Optional[Dict[Path, ast.Module]] = Non
     for e in entries:
         if e.parent not in roots:
             try:
-                roots[e.parent] = project_root(e)
+                roots[e.parent] = project_root(e, fs)
             except OSError:  # a path the system refuses: the engine reports it
                 roots[e.parent] = e.parent
         queue.append((e, roots[e.parent], e.parent))
     search_dirs: Dict[Path, List[Path]] = {}  # entry folder -> folders its entry adds to sys.path
     for e in entries:
-        tree = trees.get(e) or _parse(e)
+        tree = trees.get(e) or _parse(e, fs)
         if tree is not None:
             trees[e] = tree
             search_dirs.setdefault(e.parent, []).extend(sys_path_dirs(tree, e))
@@ -160,12 +162,13 @@ def build(entries: Iterable[Path], trees: Optional[Dict[Path, ast.Module]] = Non
         graph.modules.append(path)
         tree = trees.get(path)
         if tree is None:
-            tree = _parse(path)
+            tree = _parse(path, fs)
             if tree is None:
                 graph.imports[path] = []
                 continue
             trees[path] = tree
-        resolver = _Resolver(root, [d for d in (*_pythonpath(), *search_dirs.get(entry_dir, ())) if _inside(d, root)])
+        resolver = _Resolver(root, fs, [d for d in (*_pythonpath(), *search_dirs.get(entry_dir, ()))
+                                        if _inside(d, root)])
         found = []
         statements = graph.statements[path] = import_statements(tree)
         try:

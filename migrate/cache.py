@@ -1,0 +1,457 @@
+"""The lint cache: a file's findings are computed once per content, tool and configuration.
+
+`torchmigrate lint` in pre-commit and CI sees the same files again and again. A result is
+reused only when everything it was computed from is the same:
+
+- the file's bytes (BLAKE2b of the content; `stat` only spares hashing it again);
+- the tool: a hash of the sources of the `torchmigrate` package (rules included) with the
+  LibCST and Python versions, not the version string, which stays the same while the code
+  changes under development (`fingerprint`);
+- the effective configuration: the rules selected, every option (`--fix`, `amp`), the path as
+  it is printed;
+- what the rest of the program says about the file: its `ModuleView`, computed from every
+  module of the run (a dependency that now wraps the model changes it). The view comes from
+  the program build, which is itself reused only when a replay of every file-system question
+  it asked gets the same answers and every module it read has the same hash (`program.fs`); a
+  warm run therefore parses nothing and does not import LibCST.
+
+Layout: `<cache dir>/hashes.json` (content hashes by `stat`, see `Hashes`), and per tool
+version `<fingerprint>/files/<key>.json` per file result, `programs/<key>.json` per program
+build, `runs/<key>.json` all results of one set of files (one read for a whole warm run),
+`catalogue.json` for the rule descriptions (`catalogue`). The first run of
+a new fingerprint removes the folders of all but the last few versions. Every write goes to a
+temporary file renamed into place, so concurrent runs (pytest-xdist, parallel pre-commit
+hooks) only ever see whole entries; an entry that cannot be read or does not match its key is
+a miss, never an error. Results with an input error are not stored (a permission problem is
+not a property of the content).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib.util
+import json
+import os
+import re
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+from torchmigrate.outcome import Outcome, Record
+from torchmigrate.program.fs import Realpaths, digest
+
+FORMAT = "1"  # the layout of entries; bump when it changes
+DIRNAME = ".torchmigrate_cache"
+ENV = "TORCHMIGRATE_CACHE_DIR"
+GITIGNORE = "# Created by torchmigrate: the lint cache, safe to delete.\n*\n"
+KEEP = 4  # tool versions whose entries are kept
+
+_fingerprint: Optional[str] = None
+
+
+def fingerprint(hash_file: Optional[Callable[[str], Optional[str]]] = None) -> str:
+    """A hash of the tool's own sources (the `torchmigrate` package, its rules and its runtime,
+    each file named by its module so a checkout and an installed copy of the same code agree),
+    the LibCST version and the Python version: any change to what computes a result changes
+    it. `hash_file(path)` gives a file's content hash (`Hashes.of`: no read when unchanged)."""
+    global _fingerprint
+    if _fingerprint is None:
+        hash_file = hash_file or _read_digest
+        parts = {"": f"{FORMAT} {sys.version}"}
+        for package in ("torchmigrate", "torchmigrate.rules", "torchmigrate.runtime"):
+            spec = importlib.util.find_spec(package)  # finds, does not import (nor LibCST, nor torch)
+            if spec is None or not spec.origin:
+                continue
+            folder = os.path.dirname(spec.origin)
+            for d, dirs, names in os.walk(folder):
+                dirs[:] = [x for x in dirs if x != "__pycache__"]
+                for f in names:
+                    if f.endswith(".py"):
+                        rel = os.path.relpath(os.path.join(d, f), folder)[:-3].replace(os.sep, ".")
+                        module = package + ("" if rel == "__init__" else "." + rel.replace(".__init__", ""))
+                        parts[module] = hash_file(os.path.join(d, f)) or "?"
+        libcst = importlib.util.find_spec("libcst")
+        if libcst is not None and libcst.origin:
+            version = os.path.join(os.path.dirname(libcst.origin), "_version.py")
+            parts["libcst"] = hash_file(version) or libcst.origin
+        _fingerprint = digest("\n".join(f"{k}:{v}" for k, v in sorted(parts.items())).encode())
+    return _fingerprint
+
+
+def _read_digest(path: str) -> Optional[str]:
+    try:
+        with open(path, "rb") as handle:
+            return digest(handle.read())
+    except OSError:
+        return None
+
+
+class Hashes:
+    """Content hashes of files, computed again only for files whose `stat` changed.
+
+    As git's index does: the same inode, size, modification and change times mean the same
+    bytes (the change time is set by the kernel on every write and cannot be set back). A file
+    changed less than `RACY_NS` before it was hashed is not remembered, so a write within the
+    same timestamp tick as the hash can never go unseen. Kept in `hashes.json` at the cache
+    root (hashes do not depend on the tool); concurrent runs may overwrite each other's copy,
+    every copy is right."""
+
+    RACY_NS = 2_000_000_000
+    MAX_FILES = 20_000  # beyond it, only the files of the last run are kept
+
+    def __init__(self, path: Optional[Path]) -> None:
+        self.path = path
+        data = _read_json(path) if path is not None else None
+        known = data.get("files") if data is not None else None
+        self.known: Dict[str, list] = known if isinstance(known, dict) else {}
+        self.seen: set = set()
+        self.changed = False
+
+    def of(self, real: str) -> Optional[str]:
+        try:
+            st = os.stat(real)
+        except OSError:
+            return None
+        signature = [st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+        self.seen.add(real)
+        known = self.known.get(real)
+        if isinstance(known, list) and known[:4] == signature and len(known) == 5:
+            return known[4]
+        try:
+            with open(real, "rb") as handle:
+                data = handle.read()
+            after = os.stat(real)
+        except OSError:
+            return None
+        content = digest(data)
+        stable = [after.st_ino, after.st_size, after.st_mtime_ns, after.st_ctime_ns] == signature
+        if stable and time.time_ns() - max(st.st_mtime_ns, st.st_ctime_ns) > self.RACY_NS:
+            self.known[real] = signature + [content]
+            self.changed = True
+        return content
+
+    def save(self, store: "Store") -> None:
+        if self.changed and self.path is not None:
+            if len(self.known) > self.MAX_FILES:
+                self.known = {k: v for k, v in self.known.items() if k in self.seen}
+            store.write_at(self.path, {"files": self.known})
+            self.changed = False
+
+
+def _read_json(path: Path) -> Optional[dict]:
+    try:
+        with open(path, "rb") as handle:
+            data = json.loads(handle.read())
+    except (OSError, ValueError):  # missing, truncated, not JSON
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def location(option: Optional[str], paths: Sequence[str]) -> Path:
+    """`--cache-dir`, else $TORCHMIGRATE_CACHE_DIR, else `.torchmigrate_cache` in the project:
+    beside the pyproject.toml nearest to the first path (the working directory without one)."""
+    from torchmigrate.config import find_pyproject
+
+    if option:
+        return Path(option)
+    if os.environ.get(ENV):
+        return Path(os.environ[ENV])
+    try:
+        pyproject = find_pyproject(Path(paths[0]) if paths else Path.cwd())
+    except OSError:  # a path the system refuses: discovery reports it
+        pyproject = None
+    return (pyproject.parent if pyproject else Path.cwd()) / DIRNAME
+
+
+def open_for_lint(option: Optional[str], paths: Sequence[str]) -> Optional["LintCache"]:
+    """The cache of a lint run (`option`: `--cache-dir`, "" for the default, None for
+    `--no-cache`); the rule catalogue is kept in it too."""
+    from torchmigrate import catalogue
+
+    cache = None if option is None else LintCache(location(option, paths))
+    catalogue.use(cache.store if cache is not None else None)
+    return cache
+
+
+class Store:
+    """JSON entries under one folder, written atomically, read forgivingly."""
+
+    def __init__(self, root: Path, tool: str) -> None:
+        self.root = root
+        self.folder = root / tool
+        self._made: set = set()
+
+    def read(self, name: str) -> Optional[dict]:
+        return _read_json(self.folder / name)
+
+    def write(self, name: str, data: dict) -> None:
+        self.write_at(self.folder / name, data)
+
+    def write_at(self, path: Path, data: dict) -> None:
+        """Write an entry whole or not at all; a cache that cannot be written is no cache."""
+        try:
+            import tempfile  # only when writing: a warm run writes nothing
+
+            self._prepare(path.parent)
+            fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
+            try:
+                with os.fdopen(fd, "w", encoding="utf-8") as handle:
+                    json.dump(data, handle, separators=(",", ":"))
+                os.replace(tmp, path)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                raise
+        except OSError:
+            pass
+
+    def _prepare(self, folder: Path) -> None:
+        if folder in self._made:
+            return
+        fresh = not self.folder.exists()
+        folder.mkdir(parents=True, exist_ok=True)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        ignore = self.root / ".gitignore"
+        if not ignore.exists():
+            _atomic_text(ignore, GITIGNORE)
+        if fresh and _read_text(ignore) == GITIGNORE:
+            self._prune()
+        self._made.add(folder)
+
+    def _prune(self) -> None:
+        """On the first run of a tool version, in a folder that is ours (never a --cache-dir
+        that holds other things): keep the entries of the `KEEP` versions used last (a
+        pre-commit environment and a development one may alternate), remove the others."""
+        others = []
+        for other in self.root.iterdir():
+            if other.is_dir() and other.name != self.folder.name and _FINGERPRINT.match(other.name):
+                with contextlib.suppress(OSError):
+                    others.append((other.stat().st_mtime, other))
+        for _, other in sorted(others, reverse=True)[KEEP - 1:]:
+            shutil.rmtree(other, ignore_errors=True)
+
+
+_FINGERPRINT = re.compile(r"^[0-9a-f]{32}$")
+
+
+def _read_text(path: Path) -> Optional[str]:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, ValueError):
+        return None
+
+
+def _atomic_text(path: Path, text: str) -> None:
+    import tempfile
+
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
+    with os.fdopen(fd, "w", encoding="utf-8") as handle:
+        handle.write(text)
+    os.replace(tmp, path)
+
+
+# --- results -------------------------------------------------------------------------------------
+
+def _outcome_json(outcome: Outcome) -> dict:
+    return {"records": [list(dataclasses.astuple(r)) for r in outcome.records], "changed": outcome.changed,
+            "uses_runtime": outcome.uses_runtime, "signals": list(outcome.signals)}
+
+
+def _outcome(path: str, data: dict, file_digest: str) -> Outcome:
+    return Outcome(path, records=[Record(*r) for r in data["records"]], changed=bool(data["changed"]),
+                   uses_runtime=bool(data["uses_runtime"]), signals=tuple(data["signals"]), digest=file_digest)
+
+
+def _view_json(view) -> dict:
+    """A ModuleView as JSON with a fixed order (sets sorted), for keys and storage."""
+    out = {}
+    for f in dataclasses.fields(view):
+        value = getattr(view, f.name)
+        if isinstance(value, bool):
+            out[f.name] = value
+        elif isinstance(value, frozenset):
+            out[f.name] = sorted(value)
+        elif isinstance(value, dict):
+            out[f.name] = {k: sorted(v) for k, v in sorted(value.items())}
+        else:
+            raise TypeError(f"ModuleView.{f.name}: {type(value).__name__} is not stored by the lint cache")
+    return out
+
+
+class _Views(dict):
+    """The views of a recalled build, made into ModuleViews only when a file is processed
+    (a warm run that processes nothing needs none of them)."""
+
+    def __init__(self, stored: Dict[str, dict]) -> None:
+        super().__init__()
+        self.stored = stored
+
+    def get(self, path, default=None):
+        if path not in self and path in self.stored:
+            self[path] = _view(self.stored[path])
+        return super().get(path, default)
+
+    def __len__(self) -> int:
+        return len(self.stored)
+
+
+def _view(data: dict):
+    from torchmigrate.program.view import ModuleView
+
+    kwargs = {}
+    for f in dataclasses.fields(ModuleView):
+        value = data[f.name]
+        if isinstance(value, dict):
+            kwargs[f.name] = {k: frozenset(v) for k, v in value.items()}
+        elif isinstance(value, list):
+            kwargs[f.name] = frozenset(value)
+        else:
+            kwargs[f.name] = value
+    return ModuleView(**kwargs)
+
+
+class LintCache:
+    """What `lint` asks of the cache: the program build, and each file's outcome."""
+
+    def __init__(self, root: Path) -> None:
+        self.hashes = Hashes(root / "hashes.json")
+        self.store = Store(root, fingerprint(self.hashes.of))
+        self.digests: Dict[str, str] = {}  # resolved path -> content hash, this run
+        self._resolve = Realpaths()
+        self._real: Dict[str, str] = {}
+        # the views of the program this cache built or recalled, as JSON (for keys)
+        self._views: Dict[str, str] = {}
+        self._program_key = ""
+        self.hits = 0
+
+    def realpath(self, path) -> str:
+        """`os.path.realpath`, once per path a run."""
+        key = str(path)
+        real = self._real.get(key)
+        if real is None:
+            real = self._real[key] = self._resolve(key)
+        return real
+
+    def _digest(self, path) -> Optional[str]:
+        real = self.realpath(path)
+        found = self.digests.get(real)
+        if found is None:
+            found = self.hashes.of(real)
+            if found is not None:
+                self.digests[real] = found
+        return found
+
+    # --- the program build --------------------------------------------------------------------
+    def program(self, found: Sequence[Path], named: Sequence[Path], follow: bool, exclude: Sequence[str],
+                build: Callable):
+        """The program of these files: the recorded build when nothing it depended on changed,
+        else `build(fs)` with a recording file system (then recorded)."""
+        from torchmigrate.program.fs import Recorder, unchanged
+        from torchmigrate.program.program import Program
+
+        # PYTHONPATH says where imports are looked for (program/graph.py)
+        key = self._program_key = digest(json.dumps([os.getcwd(), [str(p) for p in found],
+                                                     [str(p) for p in named], follow, list(exclude),
+                                                     os.environ.get("PYTHONPATH", "")]).encode())
+        name = f"programs/{key}.json"
+        data = self.store.read(name)
+        try:
+            if data is not None and data.get("key") == key and unchanged(
+                    [tuple(a) for a in data["answers"]], data["reads"], self._digest, self.realpath):
+                p = data["program"]
+                self._views = {k: json.dumps(v) for k, v in p["views"].items()}
+                return Program(files=[Path(f) for f in p["files"]], entries=[Path(f) for f in p["entries"]],
+                               followed=[Path(f) for f in p["followed"]],
+                               views=_Views(p["views"]), groups=p["groups"])
+        except (KeyError, TypeError, ValueError):
+            pass  # an entry of another shape: build again
+        recorder = Recorder()
+        program = build(recorder)
+        views = {k: _view_json(v) for k, v in program.views.items()}
+        self._views = {k: json.dumps(v) for k, v in views.items()}
+        record = {"key": key, "answers": [[k, p, a] for (k, p), a in recorder.answers.items()],
+                  "reads": recorder.reads,
+                  "program": {"files": [str(f) for f in program.files], "entries": [str(f) for f in program.entries],
+                              "followed": [str(f) for f in program.followed],
+                              "views": views,
+                              "groups": program.groups}}
+        if all(self._digest(p) == d for p, d in recorder.reads.items()):
+            self.store.write(name, record)  # (a file edited during the build: not recorded)
+        return program
+
+    # --- file results -------------------------------------------------------------------------
+    def _key(self, path: Path, file_digest: str, job) -> str:
+        """The key of a file's result: its path as printed, its bytes, the rules and options,
+        and what the program says about it (its ModuleView)."""
+        view = self._views.get(self.realpath(path), "null") if job.program else "null"
+        return digest("\0".join((str(path), file_digest, self._settings(job), view)).encode())
+
+    def _settings(self, job) -> str:
+        if getattr(self, "_job", None) is not job:
+            self._job, self._job_key = job, json.dumps([dataclasses.astuple(job.options), list(job.rule_codes)])
+        return self._job_key
+
+    def run(self, files: Sequence[Path], job, compute: Callable[[List[Path]], List[Outcome]]) -> List[Outcome]:
+        """The outcome of each file, from the cache where it holds one, else from
+        `compute(missing files)` (then stored). Output order is the input order.
+
+        Besides an entry per file, a run leaves a summary of all its files' entries (one read
+        instead of one per file the next time the same files are linted the same way)."""
+        summary_name = f"runs/{digest((self._program_key + self._settings(job)).encode())}.json"
+        summary = self.store.read(summary_name) or {}
+        recalled = summary.get("files") if isinstance(summary.get("files"), dict) else {}
+        found: Dict[int, Outcome] = {}
+        keys: Dict[int, str] = {}
+        missing: List[Tuple[int, Path]] = []
+        from_summary = 0
+        for i, path in enumerate(files):
+            file_digest = self._digest(path)
+            if not file_digest:
+                missing.append((i, path))
+                continue
+            key = keys[i] = self._key(path, file_digest, job)
+            entry = recalled.get(str(path))
+            data = entry[1] if isinstance(entry, list) and len(entry) == 2 and entry[0] == key else None
+            from_summary += data is not None
+            if data is None:
+                data = self.store.read(f"files/{key}.json")
+                data = data if data is not None and data.get("key") == key else None
+            hit = None
+            if data is not None:
+                try:
+                    hit = _outcome(str(path), data, file_digest)
+                except (KeyError, TypeError, ValueError):
+                    hit = None
+            if hit is not None and not (job.write and hit.changed):  # --fix: a change must be made
+                found[i] = hit
+                self.hits += 1
+            else:
+                missing.append((i, path))
+        if missing:
+            for (i, path), outcome in zip(missing, compute([p for _, p in missing])):
+                found[i] = outcome
+                keys[i] = self._store(path, outcome, job) or ""
+        outcomes = [found[i] for i in range(len(files))]
+        if from_summary != len(files) or len(recalled) != len(files):
+            stored = {str(path): [keys[i], _outcome_json(outcomes[i])] for i, path in enumerate(files)
+                      if keys.get(i) and _storable(outcomes[i])}
+            if stored != recalled:
+                self.store.write(summary_name, {"files": stored})
+        self.hashes.save(self.store)
+        return outcomes
+
+    def _store(self, path: Path, outcome: Outcome, job) -> Optional[str]:
+        if not _storable(outcome):
+            return None
+        key = self._key(path, outcome.digest, job)
+        self.store.write(f"files/{key}.json", {"key": key, **_outcome_json(outcome)})
+        return key
+
+
+def _storable(outcome: Outcome) -> bool:
+    """A result that depends on the file's content alone: no input error (a permission is not
+    content), nothing written (`--fix` changed the file)."""
+    return outcome.error is None and not outcome.written and bool(outcome.digest)

@@ -1,0 +1,33 @@
+"""Per-run settings and fix safety: plain data that the CLI, the lint cache and the rule
+catalogue use without importing the engine or LibCST (see `errors`)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+RUNTIME_MODULE = "torchmigrate.runtime"
+
+
+class Safety(str, enum.Enum):
+    """How much a fix can be trusted; mirrors Ruff's fix-safety model."""
+
+    SAFE = "safe"  # applied by `ddp`/`amp` and `lint --fix`
+    UNSAFE = "unsafe"  # changes behaviour a user must accept (`--unsafe-fixes`)
+    MANUAL = "manual"  # report only; a migration leaves one inline TODO comment
+
+
+@dataclass(frozen=True)
+class Options:
+    """Per-run settings that change what rules do."""
+
+    mode: str = "lint"  # "ddp", "amp" or "lint"
+    amp: str = "auto"  # "auto", "bf16", "fp16", "off"
+    sync_bn: bool = False
+    fix: bool = False  # `lint --fix`: apply safe fixes
+    unsafe_fixes: bool = False
+    runtime_module: str = RUNTIME_MODULE  # "torchmigrate_runtime" with --vendor-runtime
+
+    @property
+    def migrating(self) -> bool:
+        return self.mode in ("ddp", "amp")

@@ -1,0 +1,53 @@
+"""What processing one file produced: plain, picklable records that the output formats, the
+report and the lint cache share (no engine or LibCST import, see `errors`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional, Tuple
+
+
+@dataclass(frozen=True)
+class Record:
+    """A finding as reported to the user."""
+
+    path: str
+    line: int
+    col: int
+    code: str
+    message: str
+    safety: str
+    applied: bool
+
+    @property
+    def location(self) -> str:
+        return f"{self.path}:{self.line}:{self.col + 1}"
+
+
+@dataclass
+class Outcome:
+    path: str
+    records: List[Record] = field(default_factory=list)
+    changed: bool = False
+    written: bool = False
+    diff: str = ""
+    error: Optional[Tuple[int, int, str]] = None
+    vendored: Optional[str] = None
+    # with `Job.together`: the new bytes and the read's stamp, for `write_together`
+    pending: Optional[Tuple[bytes, Tuple[int, int, int]]] = None
+    uses_runtime: bool = False  # the (new) source imports the runtime
+    # what the file does once migrated, read off its new source (see `signals`): the report's
+    # program summary says what the program does under torchrun, and what it does not
+    signals: Tuple[str, ...] = ()
+    # a file that starts the program (a shell script, Makefile, README: see `launchers`), not
+    # one of its Python modules
+    launch: bool = False
+    # what the report tells without asking for anything (`path:line: text`): a launch line
+    # that stays valid, and how to scale it
+    notes: Tuple[str, ...] = ()
+    digest: str = ""  # hash of the bytes processed (`program.fs.digest`): the lint cache's key
+
+    @property
+    def open_records(self) -> List[Record]:
+        """Findings still needing attention after this run."""
+        return [r for r in self.records if not r.applied]
