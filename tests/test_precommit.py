@@ -199,3 +199,16 @@ def test_fix_hook_fixes_then_passes(project, precommit):
     assert again.returncode == 0, _explain(again)
     lint = run(project, "torchmigrate-lint", "--all-files")
     assert lint.returncode == 0, _explain(lint)
+
+
+def test_excluded_staged_file_is_skipped(project, precommit):
+    """pre-commit names every staged file: the shipped hooks pass --force-exclude, so the
+    project's `exclude` patterns hold for them as for `torchmigrate lint .`."""
+    env = precommit["env"]
+    _stage(project, env, {"pyproject.toml": '[tool.torchmigrate]\nexclude = ["legacy/"]\n',
+                          "legacy/old.py": AMP_SCRIPT.read_text()})
+    result = precommit["run"](project, "torchmigrate-lint")
+    assert result.returncode == 0, _explain(result)
+    _stage(project, env, {"train.py": AMP_SCRIPT.read_text()})
+    result = precommit["run"](project, "torchmigrate-lint")
+    assert result.returncode == 1 and "train.py:2:1: TM406" in result.stdout and "legacy" not in result.stdout
