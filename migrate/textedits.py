@@ -69,17 +69,3 @@ def _position(text: str, offset: int, first_line: int) -> Tuple[int, int]:
     if not head or head[-1].endswith(("\n", "\r")):
         return first_line + len(head), 0
     return first_line + len(head) - 1, len(head[-1])
-
-
-def apply(text: str, edits: Tuple[TextEdit, ...]) -> str:
-    """`text` with `edits` (in order, not overlapping) applied: what a consumer of the json or
-    SARIF output does; the tests check that it gives the fixed file."""
-    starts = [0]
-    for line in lines(text):
-        starts.append(starts[-1] + len(line))
-    out, at = [], 0
-    for e in edits:
-        begin, end = starts[e.line - 1] + e.col, starts[e.end_line - 1] + e.end_col
-        out += [text[at:begin], e.content]
-        at = end
-    return "".join(out) + text[at:]

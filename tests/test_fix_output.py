@@ -9,11 +9,25 @@ from pathlib import Path
 import pytest
 
 from conftest import FIXTURES
-from torchmigrate.textedits import TextEdit, apply, text_edits
+from torchmigrate.textedits import TextEdit, lines, text_edits
 
 AMP_SCRIPT = FIXTURES / "TM406" / "from_import.in.py"
 AMP_EXPECTED = FIXTURES / "TM406" / "from_import.out.py"
 DATA = Path(__file__).parent / "data"
+
+
+def apply(text: str, edits) -> str:
+    """`text` with `edits` (in order, not overlapping) applied: what a consumer of the json or
+    SARIF output does."""
+    starts = [0]
+    for line in lines(text):
+        starts.append(starts[-1] + len(line))
+    out, at = [], 0
+    for e in edits:
+        begin, end = starts[e.line - 1] + e.col, starts[e.end_line - 1] + e.end_col
+        out += [text[at:begin], e.content]
+        at = end
+    return "".join(out) + text[at:]
 
 
 @pytest.fixture
