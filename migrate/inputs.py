@@ -12,7 +12,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
 
 from torchmigrate.config import ConfigError, Configs
 from torchmigrate.discover import Discovery
@@ -20,6 +20,9 @@ from torchmigrate.engine import InputError
 from torchmigrate.files import Decoded, decode
 from torchmigrate.runner import Outcome, path_error
 from torchmigrate.settings import Selection, Settings
+
+if TYPE_CHECKING:
+    from torchmigrate.program.build import Program
 
 STDIN = "-"
 
@@ -30,7 +33,7 @@ class Inputs:
     errors: List[Outcome] = field(default_factory=list)  # paths that could not be processed at all
     per_file: Dict[str, Tuple[Tuple[str, ...], str]] = field(default_factory=dict)  # see `Job.per_file`
     codes: Tuple[str, ...] = ()  # every rule code enabled for some file
-    program: Optional[object] = None  # `program.build.Program` (files only)
+    program: Optional["Program"] = None  # files only (stdin is processed alone)
     reads_stdin: bool = False  # `-`: the source comes from stdin, the new source goes to stdout
     stdin: Optional[Decoded] = None  # that source (None if it could not be decoded: see `errors`)
     stdin_name: str = STDIN
