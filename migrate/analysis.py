@@ -20,6 +20,33 @@ import libcst as cst
 from torchmigrate.imports import dotted, leading_import_anchor
 from torchmigrate.rule import Context, Rule
 
+# Calls that write a file as a statement of their own (resolved names): TM504 puts them on the
+# main process, TM505 recognises the caches a program builds with them on first use.
+FILE_WRITERS = frozenset({
+    "numpy.save", "numpy.savez", "numpy.savez_compressed", "numpy.savetxt",
+    "matplotlib.pyplot.savefig", "imageio.imwrite", "imageio.imsave", "imageio.v2.imwrite",
+    "imageio.v3.imwrite", "cv2.imwrite", "scipy.io.savemat", "scipy.io.wavfile.write",
+    "soundfile.write", "torchaudio.save", "pickle.dump", "joblib.dump",
+})
+# Methods that write a file whatever object has them (a figure, a DataFrame, a pathlib.Path).
+FILE_WRITER_METHODS = frozenset({"savefig", "to_csv", "to_parquet", "to_pickle", "to_excel", "to_feather",
+                                 "write_text", "write_bytes"})
+
+
+def opens_for_writing(call: cst.Call) -> bool:
+    """`open(path, mode)` with a literal mode that writes."""
+    mode = None
+    if len(call.args) >= 2 and call.args[1].keyword is None:
+        mode = call.args[1].value
+    for a in call.args:
+        if a.keyword is not None and a.keyword.value == "mode":
+            mode = a.value
+    if not isinstance(mode, cst.SimpleString):
+        return False
+    text = mode.evaluated_value if isinstance(mode.evaluated_value, str) else ""
+    return any(c in text for c in "wax+")
+
+
 # Optimizer constructors: anything under these modules except schedulers and helpers.
 _OPTIMIZER_MODULES = ("torch.optim.", "apex.optimizers.", "bitsandbytes.optim.", "timm.optim.")
 _NOT_OPTIMIZERS = (".lr_scheduler.", ".swa_utils.", ".Optimizer")

@@ -153,8 +153,6 @@ def _read_json(path: Path) -> Optional[dict]:
 def location(option: Optional[str], paths: Sequence[str]) -> Path:
     """`--cache-dir`, else $TORCHMIGRATE_CACHE_DIR, else `.torchmigrate_cache` in the project:
     beside the pyproject.toml nearest to the first path (the working directory without one)."""
-    from torchmigrate.config import find_pyproject
-
     if option:
         return Path(option)
     if os.environ.get(ENV):
@@ -164,6 +162,16 @@ def location(option: Optional[str], paths: Sequence[str]) -> Path:
     except OSError:  # a path the system refuses: discovery reports it
         pyproject = None
     return (pyproject.parent if pyproject else Path.cwd()) / DIRNAME
+
+
+def find_pyproject(start: Path) -> Optional[Path]:
+    """The nearest pyproject.toml (or torchmigrate.toml) at or above `start`."""
+    start = start.resolve()
+    for folder in [start, *start.parents] if start.is_dir() else [start.parent, *start.parent.parents]:
+        for name in ("pyproject.toml", "torchmigrate.toml"):
+            if (folder / name).is_file():
+                return folder / name
+    return None
 
 
 def open_for_lint(option: Optional[str], paths: Sequence[str]) -> Optional["LintCache"]:
@@ -387,7 +395,8 @@ class LintCache:
         """The key of a file's result: its path as printed, its bytes, the rules and options,
         and what the program says about it (its ModuleView)."""
         view = self._views.get(self.realpath(path), "null") if job.program else "null"
-        return digest("\0".join((str(path), file_digest, self._settings(job), view)).encode())
+        own = repr(job.per_file.get(str(path))) if job.per_file else ""  # the file's own settings
+        return digest("\0".join((str(path), file_digest, self._settings(job), view, own)).encode())
 
     def _settings(self, job) -> str:
         if getattr(self, "_job", None) is not job:

@@ -1,28 +1,44 @@
-"""Command line interface (click). Exit codes follow Ruff: 0 clean or all fixed, 1 findings
-remain or a change is due, 2 usage or input error. Importing this module never imports torch."""
+"""Command line interface (click). Importing this module never imports torch.
+
+Exit codes follow Ruff's and say one thing each (see `EXIT_CODES`): a run that writes (`ddp`,
+`amp`, `lint --fix`) exits 1 when findings remain that need a person, as `ruff check --fix`;
+a run that only previews (`--check`, `--dry-run`, `lint --diff`) exits 1 when a change is due,
+as `ruff format --check` and `ruff check --diff`, whatever findings remain; 2 is a usage or
+input error.
+"""
 
 from __future__ import annotations
 
-import re
 import sys
-from pathlib import Path
-from typing import List, Optional, Sequence, Tuple
+from typing import List, NoReturn, Optional
 
 import click
 
 from torchmigrate import __version__, formats, launchers, report
-from torchmigrate.config import Config, ConfigError, load as load_config
+from torchmigrate.config import ConfigError
 from torchmigrate.diff import colorize, use_color
-from torchmigrate.files import discover
-from torchmigrate.options import RUNTIME_MODULE, Options
-from torchmigrate.runner import (AUTO_JOBS_MIN_FILES, VENDORED_NAME, Job, Outcome, Progress, auto_jobs, run,
-                                 write_together)
+from torchmigrate.inputs import Inputs, Request, gather
+from torchmigrate.rule import RUNTIME_MODULE, Options
+from torchmigrate.runner import (AUTO_JOBS_MIN_FILES, VENDORED_NAME, Job, Outcome, Progress, auto_jobs, process_file,
+                                 run, write_together)
+from torchmigrate.settings import Selection, split
 
 AMP_CHOICES = ("auto", "bf16", "fp16", "off")
 
+EXIT_CODES = """\b
+Exit codes:
+  0  nothing left to do: no finding remains, no change is due
+  1  in place (ddp, amp, lint --fix) or lint: findings remain that need a
+     person (or, ddp, the program is NOT DONE under torchrun);
+     previews (--check, --dry-run, lint --diff): a change is due
+     (findings that need a person do not count: lint reports them)
+  2  usage or input error (bad option, settings or selector; a path that
+     is missing or cannot be read or parsed)"""
 
-def _codes(values: Sequence[str]) -> Tuple[str, ...]:
-    return tuple(c.strip() for v in values for c in v.split(",") if c.strip())
+
+def _fail(message: str) -> NoReturn:
+    click.echo(f"error: {message}", err=True)
+    sys.exit(2)
 
 
 def _rule_names():
@@ -31,70 +47,71 @@ def _rule_names():
     return {r.code: r.name for r in all_rules()}
 
 
-def _config(paths: Sequence[str]) -> Config:
+def _gather(command: str, paths, select, extend_select, ignore, amp: Optional[str], common, cache=None) -> Inputs:
+    selection = Selection(split(select), split(extend_select), split(ignore))
     try:
-        return load_config(paths)
+        return gather(Request(command, tuple(paths), selection, amp, **common), cache)
     except ConfigError as exc:
-        click.echo(f"error: {exc}", err=True)
-        sys.exit(2)
+        _fail(str(exc))
 
 
-def _discover(paths: Sequence[str], config: Config) -> Tuple[List[Path], List[str]]:
-    found, bad = discover(paths, config.exclude)
-    errors = [f"{p}: {why}" for p, why in bad]
-    if not found and not bad:
-        errors.append(f"{', '.join(paths)}: no Python files found")
-    return found, errors
+def _run_files(files: List[Path], job: Job, jobs: int) -> List[Outcome]:
+    """The job over these files (the lint cache's misses)."""
+    with Progress(len(files), sys.stderr) as progress:
+        return run(files, job, jobs=jobs or auto_jobs(len(files)), progress=progress)
 
 
-def _run(files: List[Path], job: Job, jobs: int) -> List[Outcome]:
-    """Run the job over the files; a progress bar goes to stderr on a terminal for long runs."""
+def _run(inputs: Inputs, job: Job, jobs: int) -> List[Outcome]:
+    """Run the job over the inputs, then add the paths that could not be processed at all. A
+    progress bar goes to stderr on a terminal for long runs."""
+    if inputs.reads_stdin:
+        done = [process_file(inputs.stdin_name, job, inputs.stdin)] if inputs.stdin and not inputs.excluded else []
+        return done + inputs.errors
+    files = inputs.files
     if jobs == 0:
         jobs = auto_jobs(len(files))
     try:
         with Progress(len(files), sys.stderr) as progress:
-            return run(files, job, jobs=jobs, progress=progress)
+            return run(files, job, jobs=jobs, progress=progress) + inputs.errors
     except KeyboardInterrupt:  # writes are atomic: every file is either done or untouched
         click.echo("\nInterrupted (every file was either fully processed or left untouched).", err=True)
         sys.exit(130)
 
 
-_SELECTOR = re.compile(r"^TM\d{0,3}$", re.IGNORECASE)
+def _echo_errors(outcomes: List[Outcome]) -> bool:
+    lines = report.error_lines(outcomes)
+    for line in lines:
+        click.echo(line, err=True)
+    return bool(lines)
 
 
-def _check_selectors(codes: Sequence[str], where: str) -> None:
-    from torchmigrate.catalogue import all_rules
-
-    names = {r.name for r in all_rules()}
-    bad = [c for c in codes if not _SELECTOR.match(c) and c not in names]
-    if bad:
-        click.echo(f"error: {where}: unknown rule selector {', '.join(map(repr, bad))} "
-                   "(use codes such as TM201, prefixes such as TM2, or rule names; see `torchmigrate rules`)", err=True)
-        sys.exit(2)
-
-
-def _select(command: str, select: Sequence[str], ignore: Sequence[str], config: Config):
-    from torchmigrate.catalogue import select as select_rules
-
-    select_codes, ignore_codes = _codes(select), _codes(ignore)
-    _check_selectors(select_codes + ignore_codes, "--select/--ignore")
-    _check_selectors(tuple(config.select) + tuple(config.ignore), str(config.path or "pyproject.toml"))
-    rules = select_rules(select_codes or config.select, ignore_codes + config.ignore, command)
-    return tuple(r.code for r in rules)
+def _echo_output(outcomes: List[Outcome], inputs: Inputs) -> None:
+    """The new source of stdin on stdout; a source --force-exclude leaves out goes through
+    unchanged (as Ruff does, so an editor's buffer is never emptied); nothing after an error."""
+    data = next((o.output for o in outcomes if o.output is not None), None)
+    if data is None and inputs.excluded and inputs.stdin is not None:
+        data = inputs.stdin.text.encode(inputs.stdin.encoding)
+    if data is not None:
+        sys.stdout.flush()
+        sys.stdout.buffer.write(data)
+        sys.stdout.buffer.flush()
 
 
-paths_argument = click.argument("paths", nargs=-1, required=True, type=click.Path())
+def _warn_all_excluded(inputs: Inputs) -> None:
+    if inputs.excluded and not inputs.files and not inputs.reads_stdin:
+        click.echo("warning: no Python files to process: every path given is excluded (--force-exclude)", err=True)
+
+
+# --- options ---------------------------------------------------------------------------------
+
+paths_argument = click.argument("paths", nargs=-1, type=click.Path(allow_dash=True))
 jobs_option = click.option("-j", "--jobs", type=click.IntRange(0, 256), default=0, metavar="N",
                            help="Process files in N worker processes; 0 (the default): one per CPU for runs "
                                 f"of {AUTO_JOBS_MIN_FILES} files or more, else in-process. Output order is unchanged.")
-select_option = click.option("--select", multiple=True, metavar="CODES",
-                             help="Only these rule codes or prefixes, comma-separated or repeated (e.g. TM2,TM406).")
 follow_option = click.option(
     "--follow/--no-follow", default=True, show_default=True,
     help="Follow the imports of the scripts into their project (sibling modules, packages, relative imports) "
          "and treat them as one program; --no-follow: only the files given.")
-ignore_option = click.option("--ignore", multiple=True, metavar="CODES",
-                             help="Skip these rule codes or prefixes, comma-separated or repeated.")
 
 
 class _Commands(click.Group):
@@ -112,7 +129,42 @@ class _Commands(click.Group):
         return super().get_command(ctx, name)
 
 
-@click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"]})
+def _common_options(func):
+    """Rule selection, settings and file discovery: the same for ddp, amp and lint."""
+    options = [
+        click.option("--select", multiple=True, metavar="CODES",
+                     help="Only these rule codes, prefixes or names, comma-separated or repeated (e.g. TM2,TM406); "
+                          "replaces `select` of the settings. A selector that selects no rule is an error."),
+        click.option("--extend-select", multiple=True, metavar="CODES",
+                     help="Also these rules, on top of --select or `select`."),
+        click.option("--ignore", multiple=True, metavar="CODES",
+                     help="Skip these rule codes, prefixes or names, comma-separated or repeated."),
+        click.option("--config", "config", type=click.Path(dir_okay=False), metavar="FILE",
+                     help="Use these settings (a pyproject.toml or torchmigrate.toml) for every file, instead of "
+                          "the closest settings file above each one; its exclude patterns are then relative to "
+                          "the working directory."),
+        click.option("--force-exclude", is_flag=True,
+                     help="Apply the exclude patterns (and the folders a walk always skips) to paths given by name "
+                          "too, as pre-commit passes every staged file by name."),
+        click.option("--respect-gitignore/--no-respect-gitignore", "respect_gitignore", default=True,
+                     show_default=True,
+                     help="Leave out what .gitignore (in a git repository), .ignore and .git/info/exclude ignore "
+                          "when searching folders."),
+        click.option("--stdin-filename", metavar="NAME",
+                     help="With `-` as the path: the name of the source read from stdin, used to find its settings "
+                          "and excludes and in messages."),
+    ]
+    for option in reversed(options):
+        func = option(func)
+    return func
+
+
+def _common(config, force_exclude, respect_gitignore, stdin_filename, follow):
+    return dict(config=config, force_exclude=force_exclude, respect_gitignore=respect_gitignore,
+                stdin_filename=stdin_filename, follow=follow)
+
+
+@click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"]}, epilog=EXIT_CODES)
 @click.version_option(__version__, prog_name="torchmigrate")
 def main() -> None:
     """Migrate PyTorch training scripts to torchrun + DDP + AMP, and lint distributed code.
@@ -123,89 +175,62 @@ def main() -> None:
       torchmigrate lint src/               report findings (pre-commit hook, CI)
       torchmigrate verify train.py         run it on 2 CPU ranks and check it trains correctly
       torchmigrate explain TM406           a rule's documentation and example
-
-    Exit codes: 0 clean or all fixed, 1 findings remain or a change is due, 2 usage or input error.
     """
 
 
-def _program(paths: Sequence[str], files: List[Path], config: Config, follow: bool, cache=None):
-    """The program(s) the files make up: with `follow`, the project modules they import join.
-    With the lint cache, a build reused when nothing it read or looked at changed."""
-    def build(fs=None):
-        from torchmigrate.program.build import build
-        from torchmigrate.program.fs import PLAIN
-
-        return build(files, named, follow, exclude=_exclude(config), fs=fs or PLAIN)
-
-    named = [Path(p) for p in paths if not _is_dir(p)]
-    return cache.program(files, named, follow, config.exclude, build) if cache is not None else build()
-
-
-def _exclude(config: Config):
-    from torchmigrate.files import _excluded
-
-    return lambda path: _excluded(path, config.exclude)
-
-
-def _is_dir(path: str) -> bool:
-    try:
-        return Path(path).is_dir()
-    except OSError:  # a name the system refuses: reported by discovery
-        return False
-
+# --- ddp / amp -------------------------------------------------------------------------------
 
 def _migrate(command: str, paths, dry_run: bool, check: bool, amp: Optional[str], sync_bn: bool,
-             report_file: Optional[str], vendor: bool, jobs: int, select, ignore, follow: bool = True) -> None:
+             report_file: Optional[str], vendor: bool, jobs: int, select, extend_select, ignore, common) -> None:
     problem = report_file and report.target_problem(report_file)
     if problem:
-        click.echo(f"error: --report {problem}", err=True)
-        sys.exit(2)
-    config = _config(paths)
-    files, errors = _discover(paths, config)
-    files = launchers.split(files)[0]
-    program = _program(paths, files, config, follow)
-    files = program.files
-    options = Options(
-        mode=command, amp=amp or config.amp or "auto", sync_bn=sync_bn,
-        runtime_module="torchmigrate_runtime" if vendor else RUNTIME_MODULE,
-    )
-    write = not (dry_run or check)
-    codes = _select(command, select, ignore, config)
-    launch_files = launchers.files_for(paths, codes, _exclude(config), around_scripts=True)
-    # the program summary judges DDP only when the rules that make it are on
-    whole = command == "ddp" and {"TM201", "TM301"} <= set(codes)
-    job = Job(options, codes, write=write, want_diff=dry_run, vendor_runtime=vendor, program=program.views or None,
-              together=write and (len(files) > 1 or bool(launch_files)))
-    outcomes = _run(files, job, jobs)
+        _fail(f"--report {problem}")
+    inputs = _gather(command, paths, select, extend_select, ignore, amp, common)
+    if inputs.reads_stdin and vendor:
+        _fail("--vendor-runtime writes the runtime beside the script: it needs a file, not stdin")
+    preview = dry_run or check
+    options = Options(mode=command, amp=amp or "auto", sync_bn=sync_bn,
+                      runtime_module="torchmigrate_runtime" if vendor else RUNTIME_MODULE)
+    write = not preview and not inputs.reads_stdin
+    # the program summary judges DDP only when the rules that make it are on for every file
+    whole = command == "ddp" and all({"TM201", "TM301"} <= set(codes) for codes, _ in inputs.per_file.values())
+    program = inputs.program
+    job = Job(options, inputs.codes, write=write, want_diff=dry_run, vendor_runtime=vendor,
+              program=(program.views or None) if program else None,
+              together=write and len(inputs.files) > 1, per_file=inputs.per_file,
+              to_stdout=inputs.reads_stdin and not preview)
+    launch_files = [] if inputs.reads_stdin else launchers.files_for(paths, inputs.codes, inputs.left_out,
+                                                                      around_scripts=True)
+    job.together = job.together or (write and bool(launch_files))
+    outcomes = _run(inputs, job, jobs)
     launch = launchers.Settings(command, apply=True, write=write, want_diff=dry_run, together=job.together)
-    outcomes += launchers.run(launch_files, files, paths, launch, outcomes)
+    outcomes += launchers.run(launch_files, inputs.files, paths, launch, outcomes)
     if job.together:
-        write_together(outcomes, job, launchers.link_groups(program.groups, launch))
-    diff_out = sys.stdout
-    color = use_color(diff_out)
+        write_together(outcomes, job, launchers.link_groups(program.groups if program else [], launch))
+    color = use_color(sys.stdout)
     for outcome in outcomes:
         if outcome.diff:
             click.echo(colorize(outcome.diff) if color else outcome.diff, nl=False, color=color)
-    errors += report.error_lines(outcomes)
-    for line in errors:
-        click.echo(line, err=True)
-    text = report.migration_text(outcomes, dry_run or check, _rule_names(), program.followed, whole)
-    # With --dry-run stdout carries only the diff (so it can be piped to `git apply`); the
-    # report and its summary line go to stderr.
-    click.echo(text, err=dry_run)
+    if job.to_stdout:
+        _echo_output(outcomes, inputs)
+    errors = _echo_errors(outcomes)
+    _warn_all_excluded(inputs)
+    text = report.migration_text(outcomes, preview, _rule_names(), program.followed if program else (), whole)
+    # stdout carries only the diff (--dry-run, for `git apply`) or the migrated source (stdin);
+    # the report and its summary line then go to stderr.
+    click.echo(text, err=dry_run or job.to_stdout)
     if report_file:
-        content = (report.migration_json(outcomes, dry_run or check, whole) if report_file.endswith(".json") else text) + "\n"
+        content = (report.migration_json(outcomes, preview, whole) if report_file.endswith(".json") else text) + "\n"
         problem = report.write(report_file, content)
         if problem:
             click.echo(f"error: --report {problem}", err=True)
-            errors.append(problem)
-    vendored = sorted({o.vendored for o in outcomes if o.vendored})
-    for path in vendored:
+            errors = True
+    for path in sorted({o.vendored for o in outcomes if o.vendored}):
         click.echo(f"Wrote {path}")
     if errors:
         sys.exit(2)
-    if (dry_run or check) and any(o.changed for o in outcomes):
-        sys.exit(1)
+    if preview:
+        sys.exit(1 if any(o.changed for o in outcomes) else 0)
     if any(o.open_records for o in outcomes) or (whole and report.not_done(outcomes)):
         sys.exit(1)
 
@@ -216,104 +241,146 @@ def _migration_options(func):
                         help="Also write the report to FILE (JSON if it ends in .json).")(func)
     func = click.option("--amp", type=click.Choice(AMP_CHOICES), default=None,
                         help="Mixed precision: auto (runtime picks bf16/fp16), bf16, fp16 or off.")(func)
-    func = click.option("--check", is_flag=True, help="Write nothing; exit 1 if a change is due.")(func)
+    func = click.option("--check", is_flag=True,
+                        help="Write nothing; exit 1 if a change is due, 0 if not (findings that need a person "
+                             "are reported but do not count).")(func)
     func = click.option("--dry-run", "--diff", "dry_run", is_flag=True,
-                        help="Print the unified diff and the report; write nothing.")(func)
+                        help="Print the unified diff and the report; write nothing; exit as --check.")(func)
     return func
 
 
-@main.command()
+@main.command(epilog=EXIT_CODES)
 @paths_argument
 @_migration_options
 @click.option("--sync-bn", is_flag=True, help="Convert BatchNorm layers to SyncBatchNorm (TM304).")
 @click.option("--vendor-runtime", is_flag=True,
               help=f"Write the runtime shim beside each script as {VENDORED_NAME} and import it from there.")
-@select_option
-@ignore_option
+@_common_options
 @jobs_option
-def ddp(paths, dry_run, check, amp, report_file, follow, sync_bn, vendor_runtime, select, ignore, jobs):
+def ddp(paths, dry_run, check, amp, report_file, follow, sync_bn, vendor_runtime, select, extend_select, ignore,
+        config, force_exclude, respect_gitignore, stdin_filename, jobs):
     """Rewrite training scripts in place for torchrun + DDP (+ AMP).
 
     With --dry-run, print the unified diff (coloured on a terminal) and the report, write nothing.
+    `-` as the path reads a script from stdin and prints the migrated script to stdout (the
+    report goes to stderr; its imports are not followed).
     """
-    _migrate("ddp", paths, dry_run, check, amp, sync_bn, report_file, vendor_runtime, jobs, select, ignore, follow)
+    _migrate("ddp", paths, dry_run, check, amp, sync_bn, report_file, vendor_runtime, jobs, select, extend_select,
+             ignore, _common(config, force_exclude, respect_gitignore, stdin_filename, follow))
 
 
-@main.command()
+@main.command(epilog=EXIT_CODES)
 @paths_argument
 @_migration_options
 @click.option("--vendor-runtime", is_flag=True,
               help=f"Write the runtime shim beside each script as {VENDORED_NAME} and import it from there.")
-@select_option
-@ignore_option
+@_common_options
 @jobs_option
-def amp(paths, dry_run, check, amp, report_file, follow, vendor_runtime, select, ignore, jobs):
+def amp(paths, dry_run, check, amp, report_file, follow, vendor_runtime, select, extend_select, ignore,
+        config, force_exclude, respect_gitignore, stdin_filename, jobs):
     """Add or modernise mixed precision only (no DDP).
 
-    Code that keeps nn.DataParallel gets autocast inside the model's forward.
+    Code that keeps nn.DataParallel gets autocast inside the model's forward. `-` as the path
+    reads a script from stdin and prints the new script to stdout (the report goes to stderr).
     """
-    _migrate("amp", paths, dry_run, check, amp, False, report_file, vendor_runtime, jobs, select, ignore, follow)
+    _migrate("amp", paths, dry_run, check, amp, False, report_file, vendor_runtime, jobs, select, extend_select,
+             ignore, _common(config, force_exclude, respect_gitignore, stdin_filename, follow))
 
 
-@main.command()
+# --- lint ------------------------------------------------------------------------------------
+
+@main.command(epilog=EXIT_CODES)
 @paths_argument
-@select_option
-@ignore_option
 @click.option("--fix", is_flag=True, help="Apply safe fixes in place.")
 @click.option("--unsafe-fixes", is_flag=True,
               help="Also count fixes that may change behaviour as fixable; with --fix, apply them too.")
+@click.option("--diff", is_flag=True,
+              help="Print the diff of what --fix would change and write nothing; exit 1 if a fix is due.")
+@click.option("--show-fixes", is_flag=True, help="List the fixes applied (with --diff: that would be), per file.")
 @click.option("--format", "fmt", type=click.Choice(formats.FORMATS), default="text", show_default=True,
-              help="text: path:line:col: CODE message; json; github: workflow annotations; sarif: SARIF 2.1.0.")
+              help="text: path:line:col: CODE message; json (with each fix's edits); github: workflow "
+                   "annotations; sarif: SARIF 2.1.0 (with `fixes`).")
 @click.option("--exit-zero", is_flag=True, help="Exit 0 even when findings remain (input errors still exit 2).")
 @click.option("--statistics", is_flag=True, help="Print a count per rule instead of each finding.")
 @follow_option
+@_common_options
 @jobs_option
 @click.option("--cache-dir", type=click.Path(file_okay=False), metavar="DIR",
               help="Where to keep the results of unchanged files (default: $TORCHMIGRATE_CACHE_DIR, else "
                    ".torchmigrate_cache beside pyproject.toml or in the working directory).")
 @click.option("--no-cache", is_flag=True, help="Neither read nor write the cache.")
-def lint(paths, select, ignore, fix, unsafe_fixes, fmt, exit_zero, statistics, follow, jobs, cache_dir, no_cache):
+def lint(paths, fix, unsafe_fixes, diff, show_fixes, fmt, exit_zero, statistics, follow, select, extend_select,
+         ignore, config, force_exclude, respect_gitignore, stdin_filename, jobs, cache_dir, no_cache):
     """Report rule findings (pre-commit hook / CI).
 
-    Exit 0 when nothing remains (or everything was fixed), 1 when findings remain, 2 on bad
-    input. Suppress one line with `# torchmigrate: ignore[TM201]`, a file with
-    `# torchmigrate: skip-file`; configure with [tool.torchmigrate] in pyproject.toml.
+    Suppress one line with `# torchmigrate: ignore[TM201]`, a file with
+    `# torchmigrate: skip-file`; configure with [tool.torchmigrate] in pyproject.toml or a
+    torchmigrate.toml (the closest one above each file). `-` as the path reads the source from
+    stdin; with --fix the fixed source goes to stdout and the findings to stderr.
     """
     from torchmigrate import cache as lint_cache
-    from torchmigrate.catalogue import get_rule
 
-    config = _config(paths)
-    cache = lint_cache.open_for_lint(None if no_cache else cache_dir or "", paths)
-    files, errors = _discover(paths, config)
-    files = launchers.split(files)[0]
-    codes = _select("lint", select, ignore, config)
-    options = Options(mode="lint", amp=config.amp or "auto", fix=fix, unsafe_fixes=fix and unsafe_fixes)
+    cache = None if paths == ("-",) or stdin_filename else lint_cache.open_for_lint(
+        None if no_cache else cache_dir or "", paths)
+    inputs = _gather("lint", paths, select, extend_select, ignore, None, _common(
+        config, force_exclude, respect_gitignore, stdin_filename, follow), cache=cache)
+    fix = fix or diff
+    options = Options(mode="lint", fix=fix, unsafe_fixes=fix and unsafe_fixes)
     # The imported modules inform the checks (a model wrapped by the caller) but only the files
     # given are checked, as a pre-commit hook expects.
-    program = _program(paths, files, config, follow, cache)
-    job = Job(options, codes, write=fix, program=program.views or None)
-    if cache is not None:
-        outcomes = cache.run(files, job, lambda todo: _run(todo, job, jobs))
+    program = inputs.program
+    to_stdout = inputs.reads_stdin and fix and not diff
+    job = Job(options, inputs.codes, write=fix and not diff and not inputs.reads_stdin, want_diff=diff,
+              program=(program.views or None) if program else None, per_file=inputs.per_file,
+              fix_edits=fmt in ("json", "sarif") and not statistics, to_stdout=to_stdout)
+    if cache is not None and not inputs.reads_stdin:
+        outcomes = cache.run(inputs.files, job, lambda todo: _run_files(todo, job, jobs)) + inputs.errors
     else:
-        outcomes = _run(files, job, jobs)
-    launch_files = launchers.files_for(paths, codes, _exclude(config), around_scripts=False)
-    outcomes += launchers.run(launch_files, program.files, paths, launchers.Settings("lint", apply=fix, write=fix),
-                              outcomes)
-    rules = [get_rule(code) for code in codes]
-    errors += report.error_lines(outcomes)
-    for line in errors:
-        click.echo(line, err=True)
-    if statistics:
-        out = formats.statistics(outcomes, rules, "json" if fmt == "json" else "text")
-    else:
-        out = formats.render(fmt, outcomes, rules, fix=fix, unsafe_fixes=unsafe_fixes)
-    if out:
-        click.echo(out)
+        outcomes = _run(inputs, job, jobs)
+    if not inputs.reads_stdin:
+        launch_files = launchers.files_for(paths, inputs.codes, inputs.left_out, around_scripts=False)
+        outcomes += launchers.run(launch_files, inputs.files, paths,
+                                  launchers.Settings("lint", apply=fix and not diff, write=fix and not diff), outcomes)
+    errors = _echo_errors(outcomes)
+    _warn_all_excluded(inputs)
+    if diff:
+        _lint_diff(outcomes, show_fixes, unsafe_fixes, errors)
+    if to_stdout:
+        _echo_output(outcomes, inputs)
+    _lint_report(outcomes, inputs.codes, fmt, statistics, fix, unsafe_fixes, show_fixes, err=to_stdout)
     if errors:
         sys.exit(2)
     if not exit_zero and any(o.open_records for o in outcomes):
         sys.exit(1)
 
+
+def _lint_diff(outcomes: List[Outcome], show_fixes: bool, unsafe_fixes: bool, errors: bool) -> NoReturn:
+    """`lint --diff`: the diff on stdout, what would be fixed on stderr; exit 1 if a fix is due."""
+    color = use_color(sys.stdout)
+    for outcome in outcomes:
+        if outcome.diff:
+            click.echo(colorize(outcome.diff) if color else outcome.diff, nl=False, color=color)
+    if show_fixes:
+        click.echo(formats.fixes_text(outcomes, _rule_names(), would=True), err=True)
+    click.echo(formats.would_fix_line(outcomes, unsafe_fixes), err=True)
+    sys.exit(2 if errors else 1 if any(o.changed for o in outcomes) else 0)
+
+
+def _lint_report(outcomes, codes, fmt, statistics, fix, unsafe_fixes, show_fixes, err: bool) -> None:
+    from torchmigrate.rules import get_rule
+
+    rules = [get_rule(code) for code in codes]
+    if statistics:
+        out = formats.statistics(outcomes, rules, "json" if fmt == "json" else "text")
+    else:
+        out = formats.render(fmt, outcomes, rules, fix=fix, unsafe_fixes=unsafe_fixes)
+        if show_fixes and fmt == "text":
+            out = "\n".join(filter(None, [formats.fixes_text(outcomes, _rule_names()), out]))
+    if out:
+        click.echo(out, err=err)
+
+
+# --- rules / explain -------------------------------------------------------------------------
 
 def markdown_table(rules) -> str:
     """The rules table of the README (`torchmigrate rules --format markdown`)."""
@@ -356,6 +423,5 @@ def explain(code):
     try:
         rule = get_rule(code)
     except KeyError:
-        click.echo(f"error: unknown rule {code!r}; see `torchmigrate rules`", err=True)
-        sys.exit(2)
+        _fail(f"unknown rule {code!r}; see `torchmigrate rules`")
     click.echo(render(rule))

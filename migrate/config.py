@@ -1,18 +1,33 @@
-"""`[tool.torchmigrate]` from the nearest pyproject.toml: select, ignore, exclude, amp."""
+"""Settings files, found per path as Ruff finds its own.
+
+Each file uses the closest settings file in the folders above it: `torchmigrate.toml` (its
+top-level keys) or a `pyproject.toml` with a `[tool.torchmigrate]` table (one without the table
+does not count, so a sub-package's packaging file does not hide the project's settings); in
+one folder `torchmigrate.toml` wins. Settings are not merged across folders: the closest file
+is the whole configuration. `--config PATH` forces one file for every path; its `exclude`
+patterns are then relative to the working directory (Ruff does the same).
+
+Keys: `select`, `extend-select`, `ignore` (rule codes, prefixes or names), `exclude`,
+`extend-exclude` (gitignore-style patterns relative to the settings file's folder) and `amp`.
+"""
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence, Tuple
+from typing import Dict, Optional, Tuple
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
 
-KEYS = {"select", "ignore", "exclude", "extend-exclude", "amp"}
+KEYS = {"select", "extend-select", "ignore", "exclude", "extend-exclude", "amp"}
+AMP_VALUES = ("auto", "bf16", "fp16", "off")
+# In one folder, the first of these that holds torchmigrate settings is used.
+NAMES = ("torchmigrate.toml", "pyproject.toml")
 
 
 class ConfigError(Exception):
@@ -22,61 +37,109 @@ class ConfigError(Exception):
 @dataclass(frozen=True)
 class Config:
     select: Tuple[str, ...] = ()
+    extend_select: Tuple[str, ...] = ()
     ignore: Tuple[str, ...] = ()
-    exclude: Tuple[str, ...] = ()
+    exclude: Tuple[str, ...] = ()  # gitignore-style patterns, relative to `root`
     amp: Optional[str] = None
-    path: Optional[Path] = None
+    path: Optional[Path] = None  # the settings file; None: the defaults
+    root: Optional[Path] = None  # the folder `exclude` is relative to (None: nothing to exclude)
+
+    @property
+    def where(self) -> str:
+        """How error messages name these settings."""
+        if self.path is None:
+            return "the default settings"
+        return f"{self.path} [tool.torchmigrate]" if self.path.name == "pyproject.toml" else str(self.path)
 
 
-def find_pyproject(start: Path) -> Optional[Path]:
-    start = start.resolve()
-    for folder in [start, *start.parents] if start.is_dir() else [start.parent, *start.parent.parents]:
-        candidate = folder / "pyproject.toml"
-        if candidate.is_file():
-            return candidate
-    return None
-
-
-def _strings(value, key: str, path: Path) -> Tuple[str, ...]:
+def _strings(value, key: str, where: str) -> Tuple[str, ...]:
     if isinstance(value, str):
         return (value,)
     if isinstance(value, list) and all(isinstance(v, str) for v in value):
         return tuple(value)
-    raise ConfigError(f"{path}: [tool.torchmigrate] {key} must be a list of strings")
+    raise ConfigError(f"{where}: {key} must be a list of strings")
 
 
-def load(paths: Sequence[str]) -> Config:
-    """Config from the pyproject.toml nearest to the first path (or the working directory)."""
-    start = Path(paths[0]) if paths else Path.cwd()
+def parse(path: Path, root: Optional[Path] = None) -> Optional[Config]:
+    """The settings in `path` (None: a pyproject.toml without a [tool.torchmigrate] table);
+    `exclude` is relative to `root`, by default the file's folder. Raises ConfigError."""
     try:
-        exists = start.exists()
-    except (OSError, ValueError):  # e.g. a name too long: discovery reports it for that path
-        exists = False
-    if not exists:
-        start = Path.cwd()
-    pyproject = find_pyproject(start)
-    if pyproject is None:
-        return Config()
-    try:
-        data = tomllib.loads(pyproject.read_text(encoding="utf-8"))
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
-        raise ConfigError(f"{pyproject}: cannot read: {exc}") from None
-    section = data.get("tool", {}).get("torchmigrate")
-    if section is None:
-        return Config()
+        raise ConfigError(f"{path}: cannot read: {getattr(exc, 'strerror', None) or exc}") from None
+    if path.name == "pyproject.toml":
+        section = data.get("tool", {}).get("torchmigrate")
+        if section is None:
+            return None
+    else:
+        section = data
+    config = Config(path=path)
+    where = config.where
+    if not isinstance(section, dict):
+        raise ConfigError(f"{where}: must be a table")
     unknown = set(section) - KEYS
     if unknown:
-        raise ConfigError(f"{pyproject}: unknown [tool.torchmigrate] keys: {', '.join(sorted(unknown))}")
+        raise ConfigError(f"{where}: unknown keys: {', '.join(sorted(unknown))} (known: {', '.join(sorted(KEYS))})")
     amp = section.get("amp")
-    if amp is not None and amp not in ("auto", "bf16", "fp16", "off"):
-        raise ConfigError(f"{pyproject}: [tool.torchmigrate] amp must be auto, bf16, fp16 or off")
-    base = pyproject.parent
-    exclude = _strings(section.get("exclude", []), "exclude", pyproject) + _strings(
-        section.get("extend-exclude", []), "extend-exclude", pyproject)
+    if amp is not None and amp not in AMP_VALUES:
+        raise ConfigError(f"{where}: amp must be one of {', '.join(AMP_VALUES)}")
+    strings = {key: _strings(section.get(key, []), key, where) for key in KEYS - {"amp"}}
     return Config(
-        select=_strings(section.get("select", []), "select", pyproject),
-        ignore=_strings(section.get("ignore", []), "ignore", pyproject),
-        exclude=exclude + tuple(str(base / e) for e in exclude),
-        amp=amp,
-        path=pyproject,
+        select=strings["select"], extend_select=strings["extend-select"], ignore=strings["ignore"],
+        exclude=strings["exclude"] + strings["extend-exclude"], amp=amp, path=path,
+        root=root or path.parent,
     )
+
+
+def absolute(path: Path) -> Path:
+    """The path made absolute without resolving links (the user's view of the tree)."""
+    return Path(os.path.abspath(path))
+
+
+class Configs:
+    """The settings for each path: the closest settings file above it, or the forced one."""
+
+    def __init__(self, forced: Optional[str] = None) -> None:
+        self.forced: Optional[Config] = None
+        if forced is not None:
+            path = Path(forced)
+            if not path.is_file():
+                raise ConfigError(f"--config {forced}: no such file")
+            self.forced = parse(path, root=Path.cwd()) or Config(path=path)
+        self._folders: Dict[Path, Config] = {}
+
+    def for_file(self, path: Path) -> Config:
+        return self.for_folder(absolute(path).parent)
+
+    def for_folder(self, folder: Path) -> Config:
+        if self.forced is not None:
+            return self.forced
+        folder = absolute(folder)
+        chain = []
+        found = None
+        for current in (folder, *folder.parents):
+            if current in self._folders:
+                found = self._folders[current]
+                break
+            chain.append(current)
+            found = self._own(current)
+            if found is not None:
+                break
+        found = found or Config()
+        for current in chain:
+            self._folders[current] = found
+        return found
+
+    def _own(self, folder: Path) -> Optional[Config]:
+        """The settings file of `folder` itself, if it has one."""
+        for name in NAMES:
+            candidate = folder / name
+            try:
+                if not candidate.is_file():
+                    continue
+            except OSError:
+                continue
+            config = parse(candidate)
+            if config is not None:
+                return config
+        return None

@@ -26,6 +26,7 @@ from torchmigrate.positions import positions_and_layout, regenerate
 from torchmigrate.program.view import ModuleView
 from torchmigrate.rule import Context, Options, RuleType
 from torchmigrate.suppress import Suppressions
+from torchmigrate.textedits import TextEdit, text_edits
 from torchmigrate.walk import walk
 
 # Cheap prefilter: a file that never mentions these cannot need a change.
@@ -274,8 +275,10 @@ def _deep_recursion() -> Iterator[None]:
 
 
 def process_source(source: str, path: str, options: Options, rules: Sequence[RuleType],
-                   program: Optional[ModuleView] = None) -> SourceResult:
-    """`program`: what the rest of the program says about this module (None: a file alone)."""
+                   program: Optional[ModuleView] = None, fix_edits: bool = False) -> SourceResult:
+    """`program`: what the rest of the program says about this module (None: a file alone).
+    With `fix_edits`, each finding whose fix was not applied gets it as text edits against
+    the result's new source (`Finding.fix`)."""
     # The entry of a program whose torch code lives in other modules (`Solver(cfg).train()`)
     # still needs its process group, so the prefilter does not apply to it.
     entry_of_torch_program = program is not None and program.followed and program.is_entry and program.program_torch
@@ -285,7 +288,7 @@ def process_source(source: str, path: str, options: Options, rules: Sequence[Rul
     if suppressions.skip_file:
         return SourceResult(source, source)
     with _deep_recursion():
-        result = _process(source, path, options, rules, suppressions, program)
+        result = _process(source, path, options, rules, suppressions, program, fix_edits)
         if options.migrating or not result.changed:
             return result
         # `lint --fix`: one fix can enable another (removing DataParallel makes the file
@@ -293,7 +296,8 @@ def process_source(source: str, path: str, options: Options, rules: Sequence[Rul
         # does. A migration runs every rule unconditionally and needs one pass.
         applied = [f for f in result.findings if f.applied]
         for _ in range(MAX_FIX_PASSES - 1):
-            again = _process(result.new_source, path, options, rules, Suppressions.scan(result.new_source), program)
+            again = _process(result.new_source, path, options, rules, Suppressions.scan(result.new_source), program,
+                             fix_edits)
             applied += [f for f in again.findings if f.applied]
             result = SourceResult(source, again.new_source, again.findings)
             if not again.changed:
@@ -303,7 +307,8 @@ def process_source(source: str, path: str, options: Options, rules: Sequence[Rul
 
 
 def _process(source: str, path: str, options: Options, rules: Sequence[RuleType],
-             suppressions: Suppressions, program: Optional[ModuleView] = None) -> SourceResult:
+             suppressions: Suppressions, program: Optional[ModuleView] = None,
+             fix_edits: bool = False) -> SourceResult:
     module, lines = parse(source)
     ctx = run_rules(module, path, options, rules, program)
     findings = ctx.findings = _outside_self_test(ctx, ctx.findings)
@@ -330,6 +335,10 @@ def _process(source: str, path: str, options: Options, rules: Sequence[RuleType]
     if edits or imports:
         new_module = apply_edits(module, edits, ctx.parents, imports, ctx.imports)
         new_source = regenerate(new_module, layout)
+    if fix_edits and new_source == source:  # else the fixes left are found in the next pass
+        for finding in findings:
+            if finding.fixable and not finding.applied and not finding.suppressed:
+                finding.fix = _fix_alone(ctx, finding, layout, source)
     ctx.close()
     if new_source != source:
         _check_rewrite(new_source, source, findings)
@@ -337,6 +346,18 @@ def _process(source: str, path: str, options: Options, rules: Sequence[RuleType]
         check_syntax(source)
     findings.sort(key=lambda f: (f.line, f.col, f.code))
     return SourceResult(source, new_source, findings)
+
+
+def _fix_alone(ctx: Context, finding: Finding, layout, source: str) -> Optional[Tuple[TextEdit, ...]]:
+    """The finding's fix applied by itself, as text edits of `source`; None where it does not
+    stand alone (its edits need another finding's, or do not compile without them)."""
+    try:
+        new_module = apply_edits(ctx.module, _normalise(ctx, finding.edits), ctx.parents, finding.imports, ctx.imports)
+        new_source = regenerate(new_module, layout)
+        check_syntax(new_source)
+    except (InputError, ValueError, SyntaxError):
+        return None
+    return text_edits(source, new_source) or None
 
 
 def _outside_self_test(ctx: Context, findings: List[Finding]) -> List[Finding]:

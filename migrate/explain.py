@@ -1,7 +1,10 @@
 """`torchmigrate explain CODE`: the rule's own docstring and examples, rendered as text.
 
-The examples printed here are the rule's `examples`, the same objects tests/test_examples.py
-runs through the engine, so what the documentation shows is what the tool does.
+The examples printed here are the rule's `examples`, each labelled with the exact command that
+turns its "before" into its "after" (`command_line`); tests/test_examples.py runs that very
+command through the CLI on each example, so what the documentation shows is what the tool writes.
+An example shows its rule alone (`--select CODE`): the whole command runs every rule, and other
+rules would change the same snippet too.
 """
 
 from __future__ import annotations
@@ -20,6 +23,11 @@ SAFETY = {
 COMMAND = {"ddp": "torchmigrate ddp", "amp": "torchmigrate amp", "lint": "torchmigrate lint --fix"}
 
 
+def command_line(rule: type[Rule], example: Example) -> str:
+    """The command that writes the example's "after" (give it the file of the "before")."""
+    return f"{COMMAND.get(example.mode, example.mode)} --select {rule.code}"
+
+
 def render(rule: type[Rule]) -> str:
     parts: List[str] = [
         f"{rule.code} ({rule.name}): {rule.summary}",
@@ -32,15 +40,14 @@ def render(rule: type[Rule]) -> str:
     if rule.examples:
         parts += ["", "## Before and after", ""]
         for i, example in enumerate(rule.examples, start=1):
-            parts += _example(example, i if len(rule.examples) > 1 else None)
+            parts += _example(example, i if len(rule.examples) > 1 else None, command_line(rule, example))
     return "\n".join(parts).rstrip() + "\n"
 
 
-def _example(example: Example, number) -> List[str]:
+def _example(example: Example, number, command: str) -> List[str]:
     title = f"Example {number}" if number else "Example"
     if not example.file.endswith(".py"):  # a launch file (TM801)
         title += f" ({example.file})"
-    command = COMMAND.get(example.mode, example.mode)
     before = example.before_text
     if example.after_text is None:
         return [f"{title}: left unchanged by `{command}`:", "", _indent(before), ""]

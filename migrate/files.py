@@ -1,4 +1,4 @@
-"""Finding, reading and safely writing the user's files.
+"""Reading and safely writing the user's files (which files: `discover.py`).
 
 Never lose the user's work: decoding keeps the exact encoding and BOM so the file can be
 written back byte-for-byte the same except for the intended edits, and writes go to a
@@ -8,7 +8,6 @@ temporary file in the same directory that replaces the original only once it is 
 from __future__ import annotations
 
 import contextlib
-import fnmatch
 import io
 import os
 import stat
@@ -16,103 +15,10 @@ import tempfile
 import tokenize
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 from torchmigrate.errors import InputError
 from torchmigrate.program.fs import digest
-
-SKIP_DIRS = {
-    ".git", ".hg", ".svn", "__pycache__", "build", "dist", ".venv", "venv", "env", ".env",
-    ".tox", ".nox", ".mypy_cache", ".pytest_cache", ".ruff_cache", ".torchmigrate_cache", "site-packages",
-    "node_modules", ".eggs",
-}
-
-
-def _is_virtualenv(path: Path) -> bool:
-    return (path / "pyvenv.cfg").exists()
-
-
-def _excluded(path: Path, patterns: Sequence[str]) -> bool:
-    text = path.as_posix()
-    return any(
-        fnmatch.fnmatch(text, pat) or fnmatch.fnmatch(path.name, pat) or fnmatch.fnmatch(text, f"*/{pat}")
-        or fnmatch.fnmatch(text, f"{pat.rstrip('/')}/*") or fnmatch.fnmatch(text, f"*/{pat.rstrip('/')}/*")
-        for pat in patterns
-    )
-
-
-def discover(paths: Iterable[str], exclude: Sequence[str] = ()) -> Tuple[List[Path], List[Tuple[str, str]]]:
-    """Python files under `paths` (sorted, deduplicated) and (path, error) for bad arguments.
-
-    Files named explicitly are always taken, whatever their suffix; directories are searched
-    for `*.py`, skipping VCS, cache, build and virtualenv folders and `exclude` patterns. What
-    is not a regular file (a named pipe, a device, a link to one) is reported and skipped:
-    reading it could block forever or never end. A path the system refuses to look at (too
-    long, not permitted) is reported for that path alone.
-    """
-    found: List[Path] = []
-    errors: List[Tuple[str, str]] = []
-    seen = set()
-
-    def take(file: Path, arg: str) -> None:
-        why = _not_regular(file)
-        if why:
-            errors.append((arg, why))
-            return
-        key = os.path.normcase(os.path.abspath(file))
-        if key not in seen:
-            seen.add(key)
-            found.append(file)
-
-    for arg in paths:
-        path = Path(arg)
-        try:
-            is_dir, exists, is_link = path.is_dir(), path.exists(), path.is_symlink()
-        except (OSError, ValueError) as exc:
-            errors.append((arg, f"cannot read: {getattr(exc, 'strerror', None) or exc}"))
-            continue
-        if is_dir:
-            for file in _walk(path, exclude):
-                take(file, str(file))
-        elif exists:
-            take(path, arg)
-        elif is_link:
-            errors.append((arg, "broken symbolic link"))
-        else:
-            errors.append((arg, "no such file or directory"))
-    return found, errors
-
-
-def _walk(root: Path, exclude: Sequence[str]) -> Iterator[Path]:
-    for dirpath, dirnames, filenames in os.walk(root):
-        base = Path(dirpath)
-        dirnames[:] = sorted(
-            d for d in dirnames
-            if d not in SKIP_DIRS and not d.endswith(".egg-info")
-            and not _is_virtualenv(base / d) and not _excluded(base / d, exclude)
-        )
-        for name in sorted(filenames):
-            if name.endswith(".py"):
-                file = base / name
-                if not _excluded(file, exclude):
-                    yield file
-
-
-_KINDS = ((stat.S_ISFIFO, "a named pipe"), (stat.S_ISCHR, "a character device"),
-          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
-
-
-def _not_regular(path: Path) -> Optional[str]:
-    """Why `path` (followed through symlinks) is skipped, or None for a regular file. A path
-    that cannot be looked at is taken: its read reports why."""
-    try:
-        mode = os.stat(path).st_mode
-    except (OSError, ValueError):
-        return None
-    if stat.S_ISREG(mode):
-        return None
-    kind = next((name for test, name in _KINDS if test(mode)), "a special file")
-    return f"skipped: {kind}, not a regular file"
 
 
 @dataclass(frozen=True)

@@ -99,6 +99,8 @@ class Finding:
     todo: bool = True  # leave an inline TODO when a migration cannot fix it
     # A statement that carries the inline TODO when a migration cannot fix this finding.
     statement: Optional[cst.CSTNode] = field(default=None, repr=False)
+    # The fix, not applied by this run, as text edits (`process_source(..., fix_edits=True)`).
+    fix: Optional[tuple] = None
 
     @property
     def fixable(self) -> bool:

@@ -42,7 +42,9 @@ def _fixed(outcomes: Sequence[Outcome]) -> int:
 
 
 def error_lines(outcomes: Sequence[Outcome]) -> List[str]:
-    return [f"{o.path}:{o.error[0]}:{o.error[1] + 1}: {o.error[2]}" for o in outcomes if o.error]
+    """`path:line:col: message`, or `path: message` for a path that could not be read at all."""
+    return [f"{o.path}:{o.error[0]}:{o.error[1] + 1}: {o.error[2]}" if o.error[0] else f"{o.path}: {o.error[2]}"
+            for o in outcomes if o.error]
 
 
 # --- text ------------------------------------------------------------------------------------
@@ -68,26 +70,65 @@ def text(outcomes: Sequence[Outcome], fix: bool = False, unsafe_fixes: bool = Fa
             hints.append(f"{unsafe} hidden fix{'es' if unsafe > 1 else ''} can be enabled with --unsafe-fixes")
         if hints:
             lines.append("; ".join(hints) + ".")
-    elif any(o.error for o in outcomes):
-        errors = sum(1 for o in outcomes if o.error)
-        lines.append(f"No findings in the files checked; {_plural(errors, 'file')} could not be checked.")
-    else:
+    errors = sum(1 for o in outcomes if o.error)
+    if errors:  # never "All checks passed!" when an input failed
+        lines.append(("" if remaining or fixed else "No findings in the files checked; ")
+                     + f"{_plural(errors, 'file')} could not be checked (see the errors).")
+    elif not remaining and not fixed:
         lines.append("All checks passed!")
     return "\n".join(lines)
 
 
+def fixes_text(outcomes: Sequence[Outcome], names: Dict[str, str], would: bool = False) -> str:
+    """`--show-fixes`: the fixes applied (or, with `would`, to be applied) per file and rule."""
+    parts = []
+    for o in outcomes:
+        counts = Counter(r.code for r in o.records if r.applied)
+        if counts:
+            parts.append(f"- {o.path}:")
+            parts += [f"    {n} × {code} ({names.get(code, '')})" for code, n in sorted(counts.items())]
+    total = sum(1 for o in outcomes for r in o.records if r.applied)
+    if not total:
+        return f"No findings {'would be' if would else 'were'} fixed."
+    return f"{'Would fix' if would else 'Fixed'} {_plural(total, 'finding')}:\n" + "\n".join(parts)
+
+
+def would_fix_line(outcomes: Sequence[Outcome], unsafe_fixes: bool) -> str:
+    """The summary of `lint --diff` (on stderr: stdout is the diff)."""
+    fixed = _fixed(outcomes)
+    hidden = sum(1 for r in _remaining(outcomes) if r.safety == "unsafe") if not unsafe_fixes else 0
+    line = f"Would fix {_plural(fixed, 'finding')}" if fixed else "No findings would be fixed"
+    rest = len(_remaining(outcomes))
+    if rest:
+        line += f"; {rest} would remain"
+        if hidden:
+            line += f" ({hidden} fixable with --unsafe-fixes)"
+    return line + "."
+
+
 # --- json ------------------------------------------------------------------------------------
+
+def _json_fix(record: Record) -> Optional[Dict]:
+    """The fix this run did not apply, as edits of the file as it is now (null: none)."""
+    if record.fix is None:
+        return None
+    return {"edits": [
+        {"content": e.content, "location": {"line": e.line, "column": e.col + 1},
+         "end_location": {"line": e.end_line, "column": e.end_col + 1}}
+        for e in record.fix]}
+
 
 def json_records(outcomes: Sequence[Outcome], names: Dict[str, str]) -> List[Dict]:
     return [
         {"path": r.path, "line": r.line, "column": r.col + 1, "code": r.code, "name": names.get(r.code, ""),
-         "message": r.message, "safety": r.safety, "fixed": r.applied}
+         "message": r.message, "safety": r.safety, "fixed": r.applied, "fix": _json_fix(r)}
         for o in outcomes for r in o.records
     ]
 
 
 def json_(outcomes: Sequence[Outcome], rules: RuleTypes) -> str:
-    """Every finding of the run, fixed ones included (`"fixed": true`)."""
+    """Every finding of the run, fixed ones included (`"fixed": true`); `"fix"` holds the edits
+    of a fix not applied (columns 1-based, the end exclusive), as Ruff's json output does."""
     return json.dumps(json_records(outcomes, {r.code: r.name for r in rules}), indent=2)
 
 
@@ -104,8 +145,9 @@ def escape_property(value: str) -> str:
 
 
 def _command(path: str, line: int, col: int, title: str, message: str) -> str:
-    props = ",".join(f"{k}={escape_property(str(v))}" for k, v in
-                     (("file", path), ("line", line), ("col", col), ("title", title)))
+    """An `::error` annotation; line 0: on the file as a whole."""
+    where = (("file", path), ("line", line), ("col", col)) if line else (("file", path),)
+    props = ",".join(f"{k}={escape_property(str(v))}" for k, v in (*where, ("title", title)))
     return f"::error {props}::{escape_data(message)}"
 
 
@@ -174,6 +216,30 @@ def _rule_descriptor(rule: Type[Rule]) -> Dict:
     }
 
 
+def _sarif_fix(record: Record) -> Dict:
+    """A SARIF `fix`: the replacements that apply the finding's fix to its file."""
+    return {
+        "description": {"text": f"{record.safety} fix for {record.code}"},
+        "artifactChanges": [{
+            "artifactLocation": _artifact_location(record.path),
+            "replacements": [
+                {"deletedRegion": {"startLine": e.line, "startColumn": e.col + 1,
+                                   "endLine": e.end_line, "endColumn": e.end_col + 1},
+                 "insertedContent": {"text": e.content}}
+                for e in record.fix or ()],
+        }],
+    }
+
+
+def _notification(o: Outcome) -> Dict:
+    """An input error; one without a position (a missing path) names the artifact only."""
+    line, col, message = o.error
+    location: Dict = {"artifactLocation": _artifact_location(o.path)}
+    if line:
+        location["region"] = {"startLine": line, "startColumn": col + 1}
+    return {"level": "error", "message": {"text": message}, "locations": [{"physicalLocation": location}]}
+
+
 def sarif_log(outcomes: Sequence[Outcome], rules: RuleTypes, cwd: Optional[str] = None) -> Dict:
     """The run as a SARIF 2.1.0 log: one run, every enabled rule, one result per open finding."""
     descriptors = [_rule_descriptor(r) for r in rules]
@@ -192,14 +258,10 @@ def sarif_log(outcomes: Sequence[Outcome], rules: RuleTypes, cwd: Optional[str] 
             }
             if r.code in index:
                 result["ruleIndex"] = index[r.code]
+            if r.fix is not None:
+                result["fixes"] = [_sarif_fix(r)]
             results.append(result)
-    notifications = [
-        {"level": "error", "message": {"text": o.error[2]},
-         "locations": [{"physicalLocation": {
-             "artifactLocation": _artifact_location(o.path),
-             "region": {"startLine": max(o.error[0], 1), "startColumn": o.error[1] + 1}}}]}
-        for o in outcomes if o.error
-    ]
+    notifications = [_notification(o) for o in outcomes if o.error]
     base = Path(cwd or os.getcwd()).resolve().as_uri().rstrip("/") + "/"
     run = {
         "tool": {"driver": {

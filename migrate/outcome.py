@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
+from torchmigrate.textedits import TextEdit
+
 
 @dataclass(frozen=True)
 class Record:
@@ -18,6 +20,7 @@ class Record:
     message: str
     safety: str
     applied: bool
+    fix: Optional[Tuple[TextEdit, ...]] = None  # a fix this run did not apply (with `Job.fix_edits`)
 
     @property
     def location(self) -> str:
@@ -46,6 +49,7 @@ class Outcome:
     # that stays valid, and how to scale it
     notes: Tuple[str, ...] = ()
     digest: str = ""  # hash of the bytes processed (`program.fs.digest`): the lint cache's key
+    output: Optional[bytes] = None  # with `Job.to_stdout`: the new source, encoded as the input
 
     @property
     def open_records(self) -> List[Record]:

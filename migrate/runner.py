@@ -10,7 +10,7 @@ import gc
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -35,24 +35,41 @@ class Job:
     program: Optional[Dict[str, ModuleView]] = None
     # write every changed file at the end, all or none (a program), instead of one by one
     together: bool = False
+    # path (as given to `run`) -> (rule codes, amp) from the settings that govern the file;
+    # a file not in it gets `rule_codes` and `options.amp`
+    per_file: Optional[Dict[str, Tuple[Tuple[str, ...], str]]] = None
+    fix_edits: bool = False  # records carry the fixes not applied as text edits (json, sarif)
+    to_stdout: bool = False  # the source comes from stdin and the new source goes to `Outcome.output`
+
+    def settings(self, path: str) -> Tuple[Tuple[str, ...], Options]:
+        """The rule codes and options for the file at `path`."""
+        own = self.per_file.get(path) if self.per_file else None
+        if own is None:
+            return self.rule_codes, self.options
+        codes, amp = own
+        return codes, (self.options if amp == self.options.amp else replace(self.options, amp=amp))
 
 
-def process_file(path: str, job: Job) -> Outcome:
-    """Process one file. Never raises: any failure becomes `outcome.error` and the file is left
-    as it was, so one bad file never stops the others."""
+def process_file(path: str, job: Job, given: Optional[files.Decoded] = None) -> Outcome:
+    """Process one file (`given`: its source, read from stdin). Never raises: any failure
+    becomes `outcome.error` and the file is left as it was, so one bad file never stops the
+    others."""
     from torchmigrate.engine import process_source  # LibCST: only when a file is processed
     from torchmigrate.rules import get_rule
 
     outcome = Outcome(path)
     try:
-        rules = [get_rule(code) for code in job.rule_codes]
-        decoded = files.read(Path(path))
+        codes, options = job.settings(path)
+        rules = [get_rule(code) for code in codes]
+        decoded = given or files.read(Path(path))
         view = job.program.get(os.path.realpath(path)) if job.program else None
-        result = process_source(decoded.text, path, job.options, rules, view)
+        result = process_source(decoded.text, path, options, rules, view, job.fix_edits)
         records = [
-            Record(path, f.line, f.col, f.code, f.message, f.safety.value, f.applied)
+            Record(path, f.line, f.col, f.code, f.message, f.safety.value, f.applied, f.fix)
             for f in result.findings if not f.suppressed
         ]
+        if job.to_stdout:
+            outcome.output = files.encode(result.new_source, decoded.encoding)
         new_bytes = files.encode(result.new_source, decoded.encoding) if result.changed and job.write else None
         outcome.records = records
         outcome.changed = result.changed
@@ -65,7 +82,7 @@ def process_file(path: str, job: Job) -> Outcome:
             elif new_bytes is not None:
                 files.atomic_write(Path(path), new_bytes, decoded.stamp)
                 outcome.written = True
-        uses_runtime = outcome.uses_runtime = job.options.runtime_module in result.new_source
+        uses_runtime = outcome.uses_runtime = options.runtime_module in result.new_source
         outcome.signals = signals(result.new_source)
         if job.vendor_runtime and job.write and uses_runtime and not job.together:
             outcome.vendored = vendor_runtime(Path(path).parent)
@@ -126,6 +143,13 @@ def _failed(outcome: Outcome, line: int, col: int, message: str) -> None:
         outcome.records = []
         outcome.changed = False
         outcome.diff = ""
+        outcome.output = None
+
+
+def path_error(path: str, message: str) -> Outcome:
+    """The outcome of a path that could not be processed at all (missing, not a regular file):
+    line 0 means no position, so every output format reports it as it reports a file's error."""
+    return Outcome(path, error=(0, 0, message))
 
 
 def runtime_source() -> str:

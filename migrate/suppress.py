@@ -1,19 +1,36 @@
 """Inline suppressions: `# torchmigrate: ignore[TM201]` on a line, `# torchmigrate: skip-file`.
 
-Scanned from the raw text (a regex over comment lines), so a file with no suppression pays
-one substring search.
+Only real comments count: the source is tokenized and only COMMENT tokens are read, so the
+same text inside a string literal (a docstring that documents the syntax, a generated script
+in a triple-quoted string) suppresses nothing. A file that never mentions `torchmigrate:`
+pays one substring search and is not tokenized.
 """
 
 from __future__ import annotations
 
+import io
 import re
+import tokenize
 from dataclasses import dataclass, field
-from typing import Dict, FrozenSet, Optional
+from typing import Dict, FrozenSet, Iterator, Optional, Tuple
 
 _IGNORE = re.compile(r"#\s*torchmigrate:\s*ignore(?:\[([A-Za-z0-9_,\s]+)\])?")
-_SKIP_FILE = re.compile(r"^\s*#\s*torchmigrate:\s*skip-file\b", re.MULTILINE)
+_SKIP_FILE = re.compile(r"#\s*torchmigrate:\s*skip-file\b")
 
 ALL = frozenset({"*"})
+
+
+def comments(source: str) -> Iterator[Tuple[int, str, bool]]:
+    """(line, text, alone) for each comment of `source`; `alone`: nothing but blanks before it
+    on its line. A source that does not tokenize (it will fail to parse, which the engine
+    reports) yields the comments before the error."""
+    tokens = tokenize.generate_tokens(io.StringIO(source).readline)
+    try:
+        for tok in tokens:
+            if tok.type == tokenize.COMMENT:
+                yield tok.start[0], tok.string, not tok.line[:tok.start[1]].strip()
+    except (tokenize.TokenError, SyntaxError):
+        return
 
 
 @dataclass
@@ -26,9 +43,11 @@ class Suppressions:
     def scan(cls, source: str) -> "Suppressions":
         if "torchmigrate:" not in source:
             return cls()
-        result = cls(skip_file=bool(_SKIP_FILE.search(source)))
-        for number, line in enumerate(source.splitlines(), start=1):
-            match = _IGNORE.search(line)
+        result = cls()
+        for number, text, alone in comments(source):
+            if alone and _SKIP_FILE.match(text):
+                result.skip_file = True
+            match = _IGNORE.search(text)
             if match:
                 codes = match.group(1)
                 result.lines[number] = (
@@ -40,4 +59,4 @@ class Suppressions:
         codes: Optional[FrozenSet[str]] = self.lines.get(line)
         if not codes:
             return False
-        return "*" in codes or code in codes or any(code.startswith(c) for c in codes)
+        return "*" in codes or any(code.startswith(c) for c in codes)

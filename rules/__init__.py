@@ -7,8 +7,9 @@ module; codes are stable and never renumbered.
 from __future__ import annotations
 
 import importlib
+import re
 import pkgutil
-from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Type
+from typing import TYPE_CHECKING, Dict, Iterable, List, Optional, Sequence, Type
 
 if TYPE_CHECKING:
     from torchmigrate.rule import Rule
@@ -45,15 +46,28 @@ def get_rule(code: str) -> Type["Rule"]:
     raise KeyError(code)
 
 
+_PREFIX = re.compile(r"^TM\d{0,3}$", re.IGNORECASE)
+
+
+def matches(rule: Type[Rule], selector: str) -> bool:
+    """A selector is a code or code prefix (`TM`, `TM2`, `TM406`, any case) or a rule name."""
+    selector = selector.strip()
+    return bool(_PREFIX.match(selector)) and rule.code.startswith(selector.upper()) or rule.name == selector
+
+
+def unknown(selectors: Iterable[str], command: Optional[str] = None) -> List[str]:
+    """The selectors that select no rule (of `command`, when given): a typo such as TM210 or
+    TM999 would otherwise select nothing and report a clean run."""
+    rules = [r for r in all_rules() if command is None or command in r.commands]
+    return [s for s in selectors if not any(matches(r, s) for r in rules)]
+
+
 def select(codes=(), ignore=(), command: str = "lint", rules: Optional[Sequence] = None) -> List[Type["Rule"]]:
     """Rules enabled for `command`, filtered by `--select`/`--ignore` codes or prefixes, out of
     `rules` (default: every rule)."""
-    def matches(rule, patterns) -> bool:
-        return any(rule.code.startswith(p.upper()) or rule.name == p for p in patterns)
-
     chosen = [r for r in (all_rules() if rules is None else rules) if command in r.commands]
     if codes:
-        chosen = [r for r in chosen if matches(r, codes)]
+        chosen = [r for r in chosen if any(matches(r, p) for p in codes)]
     if ignore:
-        chosen = [r for r in chosen if not matches(r, ignore)]
+        chosen = [r for r in chosen if not any(matches(r, p) for p in ignore)]
     return chosen

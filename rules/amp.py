@@ -859,7 +859,8 @@ class _Planner:
         return self.covered(last) or last in self.autocast_set or id(site) in self.region_sites
 
     def forward_autocast(self) -> bool:
-        """A `forward` method of this file runs under autocast (a `with` or a decorator)."""
+        """A `forward` method of this file runs under autocast (a `with` or a decorator), or TM405
+        puts one under autocast in this run: the scaler then comes in this run, not the next."""
         cached = getattr(self, "_forward_autocast", None)
         if cached is None:
             nodes: List[cst.CSTNode] = list(self.p.autocast_withs)
@@ -867,8 +868,16 @@ class _Planner:
                       and isinstance(self.ctx.parent(c), cst.Decorator)]
             cached = any(getattr(self.ctx.enclosing(n, cst.FunctionDef), "name", None) is not None
                          and self.ctx.enclosing(n, cst.FunctionDef).name.value == "forward" for n in nodes)
-            self._forward_autocast = cached
-        return cached
+            self._forward_autocast = cached or self.dp_forward_wrapped()
+        return self._forward_autocast
+
+    def dp_forward_wrapped(self) -> bool:
+        """TM405 wraps a DataParallel model's `forward` in autocast in this run."""
+        ctx = self.ctx
+        if ctx.options.mode != "amp" or "TM405" not in enabled_codes(ctx) or ctx.options.amp in ("off", "fp16") \
+                or self.p.blockers:
+            return False
+        return any(wrappable_forward(ctx, call)[1] for call, name in self.facts.calls if name in DATA_PARALLEL and call.args)
 
     def new_scaler(self, amp_scopes: Set[cst.CSTNode]) -> Optional[ScalerInfo]:
         ctx, p = self.ctx, self.p
@@ -2388,16 +2397,12 @@ class DataParallelAutocast(AmpRule):
             if klass.name.value in done:
                 continue
             done.add(klass.name.value)
-            forward = next((s for s in statements(klass.body) if isinstance(s, cst.FunctionDef)
-                            and s.name.value == "forward"), None)
-            if forward is None or not isinstance(forward.body, cst.IndentedBlock):
+            forward, body = wrappable_forward(ctx, call)
+            if forward is None:
                 self.report(call, f"put `with tm.autocast({shown}):` inside `{klass.name.value}.forward`: "
                                   "DataParallel replicas run autocast with CUDA's default dtype (fp16), not the caller's")
                 continue
-            body = list(forward.body.body)
-            if _is_docstring(body[0]):
-                body = body[1:]
-            if not body or _forward_covered(ctx, forward, body):
+            if not body:
                 continue
             self.report(forward, f"run `{klass.name.value}.forward` under autocast: DataParallel replicas get "
                                  "only the caller's autocast on/off state, not its dtype (bf16 would run as fp16)",
@@ -2472,6 +2477,25 @@ def _caller_dtype(ctx: Context) -> Optional[cst.BaseExpression]:
 def _is_docstring(s: cst.CSTNode) -> bool:
     return (isinstance(s, cst.SimpleStatementLine) and isinstance(s.body[0], cst.Expr)
             and isinstance(s.body[0].value, (cst.SimpleString, cst.ConcatenatedString)))
+
+
+def wrappable_forward(ctx: Context, call: cst.Call) -> Tuple[Optional[cst.FunctionDef], list]:
+    """For `nn.DataParallel(model)`: the `forward` of the model's class in this file and the
+    statements TM405 puts under autocast (none when it already runs under autocast);
+    (None, []) when there is no class or no `forward` with a block to wrap."""
+    klass = _model_class(ctx, call.args[0].value)
+    if klass is None:
+        return None, []
+    forward = next((s for s in statements(klass.body) if isinstance(s, cst.FunctionDef)
+                    and s.name.value == "forward"), None)
+    if forward is None or not isinstance(forward.body, cst.IndentedBlock):
+        return None, []
+    body = list(forward.body.body)
+    if _is_docstring(body[0]):
+        body = body[1:]
+    if not body or _forward_covered(ctx, forward, body):
+        return forward, []
+    return forward, body
 
 
 def _forward_covered(ctx: Context, forward: cst.FunctionDef, body) -> bool:

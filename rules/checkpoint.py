@@ -18,6 +18,7 @@ from torchmigrate.finding import Safety, insert_after, insert_before, replace
 from torchmigrate.imports import dotted
 from torchmigrate.nodes import arg, code, keep_alignment, set_kwarg
 from torchmigrate.rule import Context, Example, Rule
+from torchmigrate.rules import downloads
 from torchmigrate.rules.logging_rules import (
     RUNTIME, active, assignments, body_of, cached_expr, cached_stmt, collective_guard, guard_edit, guardable_line,
     index_in, iter_nodes, names_in, runs_user_code, scope_of, sibling_runs, under_rank_guard,
@@ -457,6 +458,8 @@ class SaveMainUnwrapped(Rule):
         `automatic` off (a save into an opened file, whose `with` gets a rank guard) the barrier
         is only reported."""
         ctx = self.ctx
+        if downloads.plan(ctx).orders(ctx, save):
+            return  # a cache built under main_process_first: complete before any rank reads it
         path = None  # the saved path's text, generated only once a load in this scope needs it
         events = ctx.facts.get("tm_load_events")
         if events is None:

@@ -11,27 +11,18 @@ from torchmigrate.finding import Safety, replace
 from torchmigrate.imports import dotted
 from torchmigrate.nodes import set_kwarg
 from torchmigrate.rule import Example, Rule
+from torchmigrate.rules import downloads
 from torchmigrate.rules.checkpoint import SAVES
 from torchmigrate.rules.logging_rules import active, guard_edit, runs_user_code, sibling_runs, under_rank_guard
 
-# Calls that write a file as a statement of their own (resolved names; see `_writer`).
-_WRITERS = frozenset({
-    "numpy.save", "numpy.savez", "numpy.savez_compressed", "numpy.savetxt",
-    "matplotlib.pyplot.savefig", "imageio.imwrite", "imageio.imsave", "imageio.v2.imwrite",
-    "imageio.v3.imwrite", "cv2.imwrite", "scipy.io.savemat", "scipy.io.wavfile.write",
-    "soundfile.write", "torchaudio.save", "pickle.dump", "joblib.dump",
-    # copies into the experiment folder (`create_exp_dir` copying the scripts); right after a
-    # checkpoint save they are TM501's
-    "shutil.copy", "shutil.copyfile", "shutil.copy2", "shutil.copytree", "shutil.move",
-})
-_COPIES = ("shutil.",)
+# Copies into the experiment folder (`create_exp_dir` copying the scripts); right after a
+# checkpoint save they are TM501's.
+_COPIES = frozenset({"shutil.copy", "shutil.copyfile", "shutil.copy2", "shutil.copytree", "shutil.move"})
 # Removals: in a single-process program every removed file is shared, so under torchrun the
 # second rank to remove it fails with FileNotFoundError (`ddp` only: distributed code may remove
 # files of its own rank).
 _REMOVALS = frozenset({"os.remove", "os.unlink", "shutil.rmtree"})
-# Methods that write a file whatever object has them (a figure, a DataFrame, a pathlib.Path).
-_WRITER_METHODS = frozenset({"savefig", "to_csv", "to_parquet", "to_pickle", "to_excel", "to_feather",
-                             "write_text", "write_bytes"})
+
 _FILE_HANDLERS = ("logging.FileHandler", "logging.handlers.RotatingFileHandler",
                   "logging.handlers.TimedRotatingFileHandler")
 _MAKEDIRS = "os.makedirs"
@@ -115,7 +106,7 @@ class MainOnlyWrites(Rule):
                                 c.with_changes(func=cst.parse_expression(
                                     (dotted(c.func) or "os.mkdir").rsplit(".", 1)[0] + ".makedirs")),
                                 "exist_ok", cst.Name("True")))])
-            elif (dotted(call.func) or "") == "open" and _writes(call):
+            elif (dotted(call.func) or "") == "open" and analysis.opens_for_writing(call):
                 handle = ctx.parent(ctx.parent(call))
                 if isinstance(handle, cst.With) and handle.items[0].item is call:
                     withs.append(handle)
@@ -128,9 +119,15 @@ class MainOnlyWrites(Rule):
                         and len(statement.body) == 1:
                     withs.append(statement)
         lines = []
+        ordered = downloads.plan(ctx)
+        chosen = set(withs)
         for handle in withs:
             if under_rank_guard(ctx, handle) or not isinstance(ctx.parent(handle), (cst.IndentedBlock, cst.Module)):
                 continue
+            if any(a in chosen for a in ctx.ancestors(handle)):
+                continue  # `pickle.dump(x, f)` in a `with open(p, "wb") as f:` that gets the guard
+            if ordered.orders(ctx, handle):
+                continue  # a cache written under main_process_first: only the first rank finds it missing
             if runs_user_code(ctx, handle) or self._calls_a_parameter(handle):
                 self.report(handle, f"every rank writes this file; the {'block' if isinstance(handle, cst.With) else 'call'}"
                                     f" also runs code that must run on every rank, so write the file under "
@@ -146,12 +143,14 @@ class MainOnlyWrites(Rule):
             return any(a.keyword is not None and a.keyword.value == "filename" for a in call.args)
         if name in _REMOVALS:
             return self.ctx.options.mode == "ddp" and not self._after_save(call)
-        if name in _WRITERS:
-            return not (name.startswith(_COPIES) and self._after_save(call))
+        if name in _COPIES:
+            return not self._after_save(call)
+        if name in analysis.FILE_WRITERS:
+            return True
         func = call.func
         if not isinstance(func, cst.Attribute) or not call.args:
             return False
-        if func.attr.value in _WRITER_METHODS:
+        if func.attr.value in analysis.FILE_WRITER_METHODS:
             return True
         return func.attr.value == "save" and self._pil_image(func.value, call)
 
@@ -232,17 +231,3 @@ class MainOnlyWrites(Rule):
             if isinstance(anc, (cst.FunctionDef, cst.ClassDef)):
                 return False
         return False
-
-
-def _writes(call: cst.Call) -> bool:
-    """`open(path, mode)` with a literal mode that writes."""
-    mode = None
-    if len(call.args) >= 2 and call.args[1].keyword is None:
-        mode = call.args[1].value
-    for a in call.args:
-        if a.keyword is not None and a.keyword.value == "mode":
-            mode = a.value
-    if not isinstance(mode, cst.SimpleString):
-        return False
-    text = mode.evaluated_value if isinstance(mode.evaluated_value, str) else ""
-    return any(c in text for c in "wax+")

@@ -685,7 +685,8 @@ COLLECTIVES = {
         "reduce_scatter", "reduce_scatter_tensor", "_reduce_scatter_base", "broadcast", "broadcast_object_list",
         "reduce", "barrier", "monitored_barrier", "gather", "gather_object", "scatter", "scatter_object_list",
         "all_to_all", "all_to_all_single", "new_group")
-} | {f"{RUNTIME}.{n}" for n in ("all_reduce", "barrier", "gather_for_metrics", "wrap_model", "setup")} | {
+} | {f"{RUNTIME}.{n}" for n in ("all_reduce", "barrier", "gather_for_metrics", "wrap_model", "setup",
+                                "main_process_first")} | {
     "torch.nn.parallel.DistributedDataParallel", "torch.nn.parallel.distributed.DistributedDataParallel",
 }
 # Helpers from other modules (detectron2's comm, DETR's utils, ...) that communicate.

@@ -22,8 +22,8 @@ Environment contract, read in this order:
 
 A process group is created only when world size > 1 (as Accelerate): ``torchrun
 --nproc-per-node=1`` behaves like ``python train.py``. Only ``setup``, ``wrap_model``, ``cleanup``,
-``barrier``, ``all_reduce``, ``gather_for_metrics``, ``gather_list`` and ``reduce_meter`` communicate; every other helper is
-collective-free and safe inside ``if tm.is_main():`` blocks.
+``barrier``, ``main_process_first``, ``all_reduce``, ``gather_for_metrics``, ``gather_list`` and ``reduce_meter``
+communicate; every other helper is collective-free and safe inside ``if tm.is_main():`` blocks.
 """
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ __all__ = [
     "is_distributed", "wrap_model", "unwrap", "sampler", "eval_sampler", "set_epoch", "no_sync",
     "amp_dtype", "autocast", "GradScaler", "print", "barrier", "all_reduce", "gather_for_metrics", "gather_list", "broadcast_object", "shared_generator", "grad", "any_rank", "share_params", "sync_grads", "shard_stream",
     "shard_sampler", "reduce_meter",
-    "save", "load", "strip_prefix", "load_state_dict", "seed_everything", "main_only",
+    "save", "load", "strip_prefix", "load_state_dict", "seed_everything", "main_only", "main_process_first",
 ]
 
 
@@ -1051,6 +1051,32 @@ class _Null:
 
     def __repr__(self):
         return "<torchmigrate.runtime null object (not the main process)>"
+
+
+@contextlib.contextmanager
+def main_process_first(local: bool = False):
+    """Run the block on the main process first and on the other ranks once it is done.
+
+    For what every rank needs but only one should produce: a dataset download
+    (``torchvision.datasets.MNIST(root, download=True)``, ``datasets.load_dataset``), a vocabulary
+    or a preprocessed cache written on first use. Rank 0 runs the block while the others wait at
+    a barrier; then they run it and find the files complete (a download skips what exists, a cache
+    is loaded instead of rebuilt). Without that, every rank downloads into the same folder at once
+    and one can read another's half-written file. ``local=True``: the first process of each node
+    (``local_rank() == 0``) goes first, for data kept on node-local disks. One process, or no
+    process group: the block just runs. Must be entered by every rank (it communicates); if the
+    block raises on the rank that goes first, that rank does not release the others: it fails, and
+    so does their barrier (torchrun stops the group), instead of every rank retrying the download.
+    """
+    if not is_distributed():
+        yield
+        return
+    first = local_rank() == 0 if local else is_main()
+    if not first:
+        barrier()
+    yield
+    if first:
+        barrier()
 
 
 def main_only(factory, *args, **kwargs):

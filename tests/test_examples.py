@@ -1,12 +1,15 @@
 """Each rule's documented examples (what `torchmigrate explain` prints) are run as tests,
-so documentation cannot drift from behaviour."""
+so documentation cannot drift from behaviour: through the engine, and through the very command
+line that `explain` says produces the "after"."""
 
 from __future__ import annotations
 
 import pytest
 
+import shlex
+
 from conftest import check_launch, migrate
-from torchmigrate.explain import render
+from torchmigrate.explain import command_line, render
 from torchmigrate.rule import Options
 from torchmigrate.rules import all_rules
 
@@ -26,6 +29,21 @@ def test_documented_example(rule, index, example):
     out = migrate(before, options, [rule])
     assert out == expected
     assert migrate(out, options, [rule]) == out
+
+
+@pytest.mark.parametrize("rule,index,example", EXAMPLES, ids=[f"{r.code}-{i}" for r, i, _ in EXAMPLES])
+def test_explain_labels_each_example_with_the_command_that_writes_it(rule, index, example, tmp_path, run_cli):
+    command = command_line(rule, example)
+    label = f"after `{command}`:" if example.after_text is not None else f"left unchanged by `{command}`:"
+    assert label in render(rule)
+    path = tmp_path / "example.py"
+    path.write_text(example.before_text)
+    program, *args = shlex.split(command)
+    assert program == "torchmigrate"
+    result = run_cli(*args, path)
+    assert result.exit_code in (0, 1), result.output
+    expected = example.after_text if example.after_text is not None else example.before_text
+    assert path.read_text() == expected, f"`{command}` writes something else than explain shows"
 
 
 @pytest.mark.parametrize("rule", all_rules(), ids=lambda r: r.code)

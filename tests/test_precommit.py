@@ -86,6 +86,7 @@ def precommit(tmp_path_factory):
     assert (hook_repo / ".pre-commit-hooks.yaml").is_file()
     _git(hook_repo, "add", "-A", env=env)
     _git(hook_repo, "commit", "-q", "-m", "snapshot", env=env)
+    _git(hook_repo, "branch", "-M", "main", env=env)  # the README's snippet names this branch
     rev = _git(hook_repo, "rev-parse", "HEAD", env=env).strip()
 
     def try_repo(project: Path, hook: str, *args: str) -> subprocess.CompletedProcess:
@@ -102,7 +103,7 @@ def precommit(tmp_path_factory):
 
     config = (f"repos:\n  - repo: {hook_repo.as_posix()}\n    rev: {rev}\n"
               "    hooks:\n      - id: torchmigrate-lint\n      - id: torchmigrate-fix\n")
-    return {"try_repo": try_repo, "run": run, "env": env, "config": config}
+    return {"try_repo": try_repo, "run": run, "env": env, "config": config, "hook_repo": hook_repo, "rev": rev}
 
 
 @pytest.fixture
@@ -199,3 +200,43 @@ def test_fix_hook_fixes_then_passes(project, precommit):
     assert again.returncode == 0, _explain(again)
     lint = run(project, "torchmigrate-lint", "--all-files")
     assert lint.returncode == 0, _explain(lint)
+
+
+def test_excluded_staged_file_is_skipped(project, precommit):
+    """pre-commit names every staged file: the shipped hooks pass --force-exclude, so the
+    project's `exclude` patterns hold for them as for `torchmigrate lint .`."""
+    env = precommit["env"]
+    _stage(project, env, {"pyproject.toml": '[tool.torchmigrate]\nexclude = ["legacy/"]\n',
+                          "legacy/old.py": AMP_SCRIPT.read_text()})
+    result = precommit["run"](project, "torchmigrate-lint")
+    assert result.returncode == 0, _explain(result)
+    _stage(project, env, {"train.py": AMP_SCRIPT.read_text()})
+    result = precommit["run"](project, "torchmigrate-lint")
+    assert result.returncode == 1 and "train.py:2:1: TM406" in result.stdout and "legacy" not in result.stdout
+
+
+def _readme_snippet() -> str:
+    """The first `.pre-commit-config.yaml` example of the README (the one with `rev:`)."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    block = next(b for b in text.split("```yaml\n")[1:] if "rev:" in b.split("```")[0])
+    return block.split("```")[0]
+
+
+def test_readme_snippet_works_after_autoupdate_freeze(project, precommit):
+    """The README's snippet as a user copies it (only the URL is this checkout's): `rev: main`
+    installs, and `pre-commit autoupdate --freeze` pins the branch's full SHA, which pre-commit
+    then uses without its mutable-reference warning."""
+    env = precommit["env"]
+    snippet = _readme_snippet()
+    assert "rev: main" in snippet and "https://github.com/OWNER/torchmigrate" in snippet
+    config = snippet.replace("https://github.com/OWNER/torchmigrate", precommit["hook_repo"].as_posix())
+    (project / ".pre-commit-config.yaml").write_text(config)
+    frozen = subprocess.run([sys.executable, "-m", "pre_commit", "autoupdate", "--freeze"], cwd=project, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert frozen.returncode == 0, _explain(frozen)
+    assert f"rev: {precommit['rev']}" in (project / ".pre-commit-config.yaml").read_text()
+    _git(project, "add", ".pre-commit-config.yaml", env=env)
+    _stage(project, env, {"train.py": AMP_SCRIPT.read_text()})
+    result = precommit["run"](project, "torchmigrate-lint")
+    assert result.returncode == 1 and "train.py:2:1: TM406 " in result.stdout, _explain(result)
+    assert "mutable reference" not in result.stdout + result.stderr

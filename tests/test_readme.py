@@ -95,6 +95,18 @@ def test_readme_snippets_match_the_shipped_hooks():
     assert "torchmigrate rules --format markdown" in text and REGENERATE in text
 
 
+def test_readme_test_section_is_what_ci_runs():
+    """One command sets the suite up and runs it (`bash .ci/run`), and the script ends with the
+    test command the README gives; it never upgrades pip in the user's environment."""
+    text = README.read_text(encoding="utf-8")
+    section = text[text.index("## Running the tests"):]
+    assert "bash .ci/run" in section and "python -m pytest -q -n auto" in section
+    script = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    commands = [line.strip() for line in script.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    assert commands[-1] == "python -m pytest -q -n auto"
+    assert not re.search(r"install[^\n]*(-U|--upgrade)[^\n]*\bpip\b", script)
+
+
 def main(argv) -> int:
     text = README.read_text(encoding="utf-8")
     new = regenerate(text)

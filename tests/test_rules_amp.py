@@ -191,6 +191,37 @@ def test_dataparallel_forward_gets_autocast_in_amp_mode_only():
     assert not [f for f in run(source, "ddp").findings if f.code == "TM405"]
 
 
+def test_dataparallel_forward_autocast_brings_its_scaler_in_the_same_run():
+    """TM405 puts the forward under autocast although BCELoss keeps the step out of a new
+    autocast region; the forward then runs in fp16 on CUDA, so the loss is scaled: in this run,
+    not only in the next (found by the fuzzing in test_robustness.py)."""
+    source = """
+        import torch
+        import torch.nn as nn
+
+
+        class Net(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = nn.Linear(4, 1)
+
+            def forward(self, x):
+                return torch.sigmoid(self.fc(x))
+
+
+        model = nn.DataParallel(Net().cuda())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for x, y in loader:
+            loss = nn.BCELoss()(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        """
+    once = run(source, "amp").new_source
+    assert "with tm.autocast():" in once and "scaler.scale(loss).backward()" in once
+    assert run(once, "amp").new_source == once
+
+
 def test_policy_keeps_calls_it_cannot_express():
     call = cst.parse_expression("autocast(cache_enabled=False)")
     assert not convertible_call(call, "torch.cuda.amp.autocast")

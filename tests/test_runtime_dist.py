@@ -190,6 +190,13 @@ def test_save_only_rank0_writes(collectives):
     assert (outdir / "writer0.txt").exists() and not (outdir / "writer1.txt").exists()
 
 
+def test_main_process_first_downloads_once_on_rank_0_first(collectives):
+    log = (collectives["outdir"] / "data" / "log.txt").read_text().splitlines()
+    assert log == ["0 downloaded", "1 found"]  # rank 0's block ran first and alone
+    assert [r["download_found"] for r in collectives["r"]] == [False, True]
+    assert [r["download_content"] for r in collectives["r"]] == ["downloaded by rank 0"] * 2
+
+
 def test_ddp_keeps_ranks_identical(collectives):
     r0, r1 = collectives["r"]
     assert r0["is_ddp"] and r1["is_ddp"]

@@ -408,6 +408,28 @@ def test_barrier_and_no_sync_one_process():
     assert Recorder.entered == 0  # one process: never skip the (absent) all-reduce
 
 
+def test_main_process_first_one_process_just_runs_the_block():
+    ran = []
+    for local in (False, True):
+        with tm.main_process_first(local=local):
+            ran.append(local)
+    assert ran == [False, True]  # no process group, no barrier
+    with pytest.raises(KeyError):  # an error in the block is the caller's
+        with tm.main_process_first():
+            raise KeyError("x")
+
+
+def test_main_process_first_waits_before_the_block_on_other_ranks(other_rank, monkeypatch):
+    events = []
+    monkeypatch.setattr(tm, "barrier", lambda: events.append("barrier"))
+    with tm.main_process_first():
+        events.append("block")
+    monkeypatch.setenv("LOCAL_RANK", "0")  # rank 1, first process of its node
+    with tm.main_process_first(local=True):
+        events.append("local block")
+    assert events == ["barrier", "block", "local block", "barrier"]
+
+
 def test_no_sync_enters_model_no_sync_when_distributed(other_rank):
     calls = []
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from torchmigrate import files
+from torchmigrate.discover import SKIP_DIRS
 from torchmigrate.outcome import Outcome
 
 CODE = "TM801"
@@ -79,7 +80,7 @@ def _walk(root: Path, exclude: Callable[[Path], bool]) -> Iterable[Path]:
         base = Path(dirpath)
         dirnames[:] = sorted(
             d for d in dirnames
-            if d not in files.SKIP_DIRS and not d.startswith(".") and not d.endswith(".egg-info")
+            if d not in SKIP_DIRS and not d.startswith(".") and not d.endswith(".egg-info")
             and not files._is_virtualenv(base / d) and not exclude(base / d))
         for name in sorted(filenames):
             if name in MAKEFILE_NAMES or os.path.splitext(name)[1].lower() in SUFFIXES:

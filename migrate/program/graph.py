@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
-from torchmigrate.files import SKIP_DIRS
+from torchmigrate.discover import SKIP_DIRS
 from torchmigrate.program.fs import PLAIN, FileSystem
 
 ROOT_MARKERS = ("pyproject.toml", "setup.py", "setup.cfg", ".git")

@@ -5,6 +5,7 @@ import logging
 import os
 import random
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -25,6 +26,23 @@ def described(value):
         return {"value": value.float().cpu().tolist(), "type": "tensor",
                 "dtype": str(value.dtype), "device": value.device.type}
     return {"value": value, "type": type(value).__name__}
+
+
+def fake_download(folder, rank):
+    """What `torchvision.datasets.X(root, download=True)` does: fetch unless the file is there.
+    Returns whether it found the file at entry; the fetch is slow, so a rank running it at the
+    same time as another would find it missing too (or half written)."""
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, "data.bin")
+    present = os.path.exists(path)
+    if not present:
+        with open(path + f".part{rank}", "w") as f:
+            time.sleep(0.5)
+            f.write(f"downloaded by rank {rank}")
+        os.replace(path + f".part{rank}", path)
+    with open(os.path.join(folder, "log.txt"), "a") as f:
+        f.write(f"{rank} {'found' if present else 'downloaded'}\n")
+    return present
 
 
 class Writer:
@@ -174,6 +192,12 @@ def main(outdir):
     missing, unexpected = tm.load_state_dict(fresh, tm.load(sd_path))
     res["reload_ok"] = (not missing and not unexpected
                         and flat(fresh.parameters()) == res["params_after"])
+
+    # main_process_first: rank 0 downloads, the other rank finds the file complete
+    with tm.main_process_first():
+        res["download_found"] = fake_download(os.path.join(outdir, "data"), r)
+    with open(os.path.join(outdir, "data", "data.bin")) as f:
+        res["download_content"] = f.read()
 
     writer = tm.main_only(Writer, os.path.join(outdir, f"writer{r}.txt"))
     writer.add_scalar("loss", 1.0, 0)  # a real call on rank 0, absorbed elsewhere

@@ -1,0 +1,127 @@
+"""From a command's paths and options to what it processes: the files (given, found in folders,
+followed through imports) or the source on stdin, and the settings of each.
+
+`-` as the only path reads the source from stdin; `--stdin-filename NAME` names it, for the
+settings that govern it, for `--force-exclude` and in every message (without it: `-`). A
+source from stdin is processed alone, as with `--no-follow`: its imports are not followed.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence, Tuple
+
+from torchmigrate.config import ConfigError, Configs
+from torchmigrate.discover import Discovery
+from torchmigrate.engine import InputError
+from torchmigrate.files import Decoded, decode
+from torchmigrate.runner import Outcome, path_error
+from torchmigrate.settings import Selection, Settings
+
+if TYPE_CHECKING:
+    from torchmigrate.program.build import Program
+
+STDIN = "-"
+
+
+@dataclass
+class Inputs:
+    files: List[Path] = field(default_factory=list)
+    errors: List[Outcome] = field(default_factory=list)  # paths that could not be processed at all
+    per_file: Dict[str, Tuple[Tuple[str, ...], str]] = field(default_factory=dict)  # see `Job.per_file`
+    codes: Tuple[str, ...] = ()  # every rule code enabled for some file
+    program: Optional["Program"] = None  # files only (stdin is processed alone)
+    left_out: Callable[..., bool] = lambda path, is_dir=False: False  # what discovery leaves out
+    reads_stdin: bool = False  # `-`: the source comes from stdin, the new source goes to stdout
+    stdin: Optional[Decoded] = None  # that source (None if it could not be decoded: see `errors`)
+    stdin_name: str = STDIN
+    excluded: int = 0  # paths given by name that --force-exclude left out (stdin included)
+
+
+@dataclass(frozen=True)
+class Request:
+    """The options every command shares about what to read and how to configure it."""
+
+    command: str
+    paths: Tuple[str, ...]
+    selection: Selection = Selection()
+    amp: Optional[str] = None
+    config: Optional[str] = None
+    stdin_filename: Optional[str] = None
+    force_exclude: bool = False
+    respect_gitignore: bool = True
+    follow: bool = True
+
+
+def gather(request: Request, cache=None) -> Inputs:
+    """Raises ConfigError (a usage error: exit 2) for bad settings, selectors or paths."""
+    paths = request.paths or ((STDIN,) if request.stdin_filename else ())
+    if not paths:
+        raise ConfigError("no paths given (use `-` to read the source from stdin)")
+    if STDIN in paths and len(paths) > 1:
+        raise ConfigError("`-` (stdin) cannot be combined with other paths")
+    if request.stdin_filename and paths != (STDIN,):
+        raise ConfigError("--stdin-filename names the source read from stdin: give `-` as the only path")
+    configs = Configs(request.config)
+    settings = Settings(request.command, request.selection, request.amp, configs)
+    discovery = Discovery(configs, request.respect_gitignore, request.force_exclude)
+    inputs = Inputs()
+    if paths == (STDIN,):
+        _read_stdin(inputs, request.stdin_filename, discovery)
+        name = inputs.stdin_name
+        inputs.per_file[name] = settings.for_file(Path(request.stdin_filename or "stdin.py"))
+    else:
+        _discover(inputs, paths, discovery, request, cache)
+        for file in inputs.files:
+            inputs.per_file[str(file)] = settings.for_file(file)
+    inputs.codes = tuple(sorted({c for codes, _ in inputs.per_file.values() for c in codes})) \
+        or settings.for_file(Path.cwd() / "stdin.py")[0]
+    return inputs
+
+
+def _read_stdin(inputs: Inputs, name: Optional[str], discovery: Discovery) -> None:
+    inputs.reads_stdin = True
+    inputs.stdin_name = name or STDIN
+    if name and discovery.forced_out(Path(name), is_dir=False):
+        inputs.excluded = 1
+    data = sys.stdin.buffer.read()
+    try:
+        inputs.stdin = decode(data)
+    except InputError as exc:
+        inputs.errors.append(Outcome(inputs.stdin_name, error=(exc.line, exc.col, exc.message)))
+
+
+def _discover(inputs: Inputs, paths: Sequence[str], discovery: Discovery, request: Request, cache=None) -> None:
+    """The files and their program; with the lint cache (`cache`), a program build reused when
+    nothing it read or looked at changed. Launch files named (`run.sh`) are TM801's."""
+    from torchmigrate import launchers
+    from torchmigrate.program.build import build
+    from torchmigrate.program.fs import PLAIN
+
+    follow = request.follow
+    inputs.left_out = discovery.left_out
+    found, bad = discovery.discover(paths)
+    found = launchers.split(found)[0]
+    inputs.excluded = discovery.excluded_count
+    inputs.errors = [path_error(path, why) for path, why in bad]
+    if not found and not bad and not inputs.excluded:
+        inputs.errors.append(path_error(", ".join(paths), "no Python files found"))
+    named = [Path(p) for p in paths if not _is_dir(p)]
+    def build_program(fs=None):
+        return build(found, named, follow, exclude=discovery.left_out, fs=fs or PLAIN)
+
+    # what decides which files the build leaves out, for the cached build's key
+    key = [repr(request.config), str(request.force_exclude), str(request.respect_gitignore)]
+    program = cache.program(found, named, follow, key, build_program) if cache is not None else build_program()
+    inputs.program = program
+    inputs.files = program.files
+
+
+def _is_dir(path: str) -> bool:
+    try:
+        return os.path.isdir(path)
+    except (OSError, ValueError):  # a name the system refuses: reported by discovery
+        return False

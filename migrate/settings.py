@@ -1,0 +1,98 @@
+"""The rules and the AMP mode each file is processed with: the command line over the settings
+file that governs the file (see `config.py`).
+
+As in Ruff, the settings file and then the command line each make one layer of selection:
+a layer's `select` replaces what the layers before it enabled, its `extend-select` adds to that
+and its `ignore` takes away (so `--select TM406` enables TM406 even where the file's settings
+ignore it). `--amp` replaces the file's `amp`. A selector that selects no
+rule at all (a typo such as TM210) is an error wherever it is written, so a run never reports
+a clean result for rules it did not run; on the command line, a `--select` that selects no rule
+of the command at hand (`ddp --select TM405`, an `amp`-only rule) is one too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, Optional, Sequence, Tuple
+
+from torchmigrate.config import Config, ConfigError, Configs
+from torchmigrate.rule import COMMANDS
+
+HINT = "use codes such as TM201, prefixes such as TM2, or rule names; see `torchmigrate rules`"
+
+
+def split(values: Sequence[str]) -> Tuple[str, ...]:
+    """`("TM2,TM406", "TM5")` -> `("TM2", "TM406", "TM5")`."""
+    return tuple(c.strip() for v in values for c in v.split(",") if c.strip())
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The rule selectors of the command line."""
+
+    select: Tuple[str, ...] = ()
+    extend_select: Tuple[str, ...] = ()
+    ignore: Tuple[str, ...] = ()
+
+
+def _check(selectors: Sequence[str], where: str, command: Optional[str] = None) -> None:
+    from torchmigrate.rules import unknown
+
+    bad = unknown(selectors)
+    if bad:
+        raise ConfigError(f"{where}: unknown rule selector {', '.join(map(repr, bad))} ({HINT})")
+    if command is None:
+        return
+    for selector in unknown(selectors, command):
+        runs_in = [f"torchmigrate {c}" for c in COMMANDS if not unknown([selector], c)]
+        raise ConfigError(f"{where}: {selector!r} selects no rule that `torchmigrate {command}` runs "
+                          f"(only rules of {' and '.join(runs_in)})")
+
+
+def enabled(command: str, layers: Sequence[Tuple[Sequence[str], Sequence[str], Sequence[str]]]) -> Tuple[str, ...]:
+    """The codes of `command`'s rules enabled by layers of (select, extend-select, ignore)."""
+    from torchmigrate.rules import all_rules, matches
+
+    rules = [r for r in all_rules() if command in r.commands]
+
+    def chosen(selectors):
+        return {r.code for r in rules if any(matches(r, s) for s in selectors)}
+
+    codes = {r.code for r in rules}
+    for select, extend, ignore in layers:
+        if select:
+            codes = chosen(select)
+        codes = (codes | chosen(extend)) - chosen(ignore)
+    return tuple(sorted(codes))
+
+
+class Settings:
+    """What each file gets: rule codes and AMP mode, from the command line and its settings."""
+
+    def __init__(self, command: str, cli: Selection, amp: Optional[str], configs: Configs) -> None:
+        _check(cli.select, "--select", command)
+        _check(cli.extend_select, "--extend-select", command)
+        _check(cli.ignore, "--ignore")
+        self.command = command
+        self.cli = cli
+        self.amp = amp
+        self.configs = configs
+        self._codes: Dict[Optional[Path], Tuple[str, ...]] = {}
+
+    def codes(self, config: Config) -> Tuple[str, ...]:
+        """The rule codes enabled under `config` (its selectors checked on first use)."""
+        found = self._codes.get(config.path)
+        if found is None:
+            for key, selectors in (("select", config.select), ("extend-select", config.extend_select),
+                                   ("ignore", config.ignore)):
+                _check(selectors, f"{config.where}: {key}")
+            cli = self.cli
+            found = self._codes[config.path] = enabled(self.command, [
+                (config.select, config.extend_select, config.ignore), (cli.select, cli.extend_select, cli.ignore)])
+        return found
+
+    def for_file(self, path: Path) -> Tuple[Tuple[str, ...], str]:
+        """(rule codes, amp) for the file at `path`."""
+        config = self.configs.for_file(path)
+        return self.codes(config), self.amp or config.amp or "auto"

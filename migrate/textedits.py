@@ -1,0 +1,71 @@
+"""A fix as text replacements (what `lint --format json/sarif` hand to editors and bots).
+
+Fixes are made on the syntax tree, so the replacements are read off the source before and
+after the fix: the changed runs of lines (difflib), each trimmed to the characters that differ.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from dataclasses import dataclass
+from typing import List, Tuple
+
+
+@dataclass(frozen=True)
+class TextEdit:
+    """Replace the text from (line, col) up to (end_line, end_col) with `content`. Lines are
+    1-based, columns 0-based code points; the end is exclusive (start == end: an insertion)."""
+
+    line: int
+    col: int
+    end_line: int
+    end_col: int
+    content: str
+
+
+def text_edits(old: str, new: str) -> Tuple[TextEdit, ...]:
+    """The smallest replacements, in order, that turn `old` into `new`."""
+    a, b = lines(old), lines(new)
+    edits: List[TextEdit] = []
+    for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, a, b, autojunk=False).get_opcodes():
+        if tag == "equal":
+            continue
+        before, after = "".join(a[i1:i2]), "".join(b[j1:j2])
+        prefix = _common_prefix(before, after)
+        if before[prefix - 1:prefix + 1] == "\r\n":  # never between the two ends of a CRLF
+            prefix -= 1
+        suffix = _common_prefix(before[prefix:][::-1], after[prefix:][::-1])
+        cut = len(before) - suffix
+        if suffix and before[cut - 1:cut + 1] == "\r\n":
+            suffix -= 1
+        start = _position(before, prefix, i1 + 1)
+        end = _position(before, len(before) - suffix, i1 + 1)
+        edits.append(TextEdit(*start, *end, after[prefix:len(after) - suffix]))
+    return tuple(edits)
+
+
+_LINE = re.compile(r"[^\r\n]*(?:\r\n|\r|\n)|[^\r\n]+$")
+
+
+def lines(text: str) -> List[str]:
+    """The lines of `text`, ends kept; only CR, LF and CRLF end a line (as for Python and SARIF;
+    `str.splitlines` also splits at form feeds and other separators)."""
+    return _LINE.findall(text)
+
+
+def _common_prefix(x: str, y: str) -> int:
+    n = 0
+    for p, q in zip(x, y):
+        if p != q:
+            break
+        n += 1
+    return n
+
+
+def _position(text: str, offset: int, first_line: int) -> Tuple[int, int]:
+    """(line, column) of `offset` in `text`, whose first line is `first_line`."""
+    head = lines(text[:offset])
+    if not head or head[-1].endswith(("\n", "\r")):
+        return first_line + len(head), 0
+    return first_line + len(head) - 1, len(head[-1])
