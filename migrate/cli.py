@@ -18,7 +18,7 @@ from torchmigrate import __version__, formats, launchers, report
 from torchmigrate.config import ConfigError
 from torchmigrate.diff import colorize, use_color
 from torchmigrate.inputs import Inputs, Request, gather
-from torchmigrate.rule import RUNTIME_MODULE, Options
+from torchmigrate.options import RUNTIME_MODULE, Options
 from torchmigrate.runner import (AUTO_JOBS_MIN_FILES, VENDORED_NAME, Job, Outcome, Progress, auto_jobs, process_file,
                                  run, write_together)
 from torchmigrate.settings import Selection, split
@@ -195,13 +195,12 @@ def _migrate(command: str, paths, dry_run: bool, check: bool, amp: Optional[str]
     # the program summary judges DDP only when the rules that make it are on for every file
     whole = command == "ddp" and all({"TM201", "TM301"} <= set(codes) for codes, _ in inputs.per_file.values())
     program = inputs.program
-    job = Job(options, inputs.codes, write=write, want_diff=dry_run, vendor_runtime=vendor,
-              program=(program.views or None) if program else None,
-              together=write and len(inputs.files) > 1, per_file=inputs.per_file,
-              to_stdout=inputs.reads_stdin and not preview)
     launch_files = [] if inputs.reads_stdin else launchers.files_for(paths, inputs.codes, inputs.left_out,
                                                                       around_scripts=True)
-    job.together = job.together or (write and bool(launch_files))
+    job = Job(options, inputs.codes, write=write, want_diff=dry_run, vendor_runtime=vendor,
+              program=(program.views or None) if program else None,
+              together=write and (len(inputs.files) > 1 or bool(launch_files)), per_file=inputs.per_file,
+              to_stdout=inputs.reads_stdin and not preview)
     outcomes = _run(inputs, job, jobs)
     launch = launchers.Settings(command, apply=True, write=write, want_diff=dry_run, together=job.together)
     outcomes += launchers.run(launch_files, inputs.files, paths, launch, outcomes)
@@ -320,7 +319,9 @@ def lint(paths, fix, unsafe_fixes, diff, show_fixes, fmt, exit_zero, statistics,
     """
     from torchmigrate import cache as lint_cache
 
-    cache = None if paths == ("-",) or stdin_filename else lint_cache.open_for_lint(
+    # json and sarif carry each fix's edits, which the cache does not keep: those runs compute
+    cache = None if paths == ("-",) or stdin_filename or (fmt in ("json", "sarif") and not statistics) \
+        else lint_cache.open_for_lint(
         None if no_cache else cache_dir or "", paths)
     inputs = _gather("lint", paths, select, extend_select, ignore, None, _common(
         config, force_exclude, respect_gitignore, stdin_filename, follow), cache=cache)
@@ -367,7 +368,7 @@ def _lint_diff(outcomes: List[Outcome], show_fixes: bool, unsafe_fixes: bool, er
 
 
 def _lint_report(outcomes, codes, fmt, statistics, fix, unsafe_fixes, show_fixes, err: bool) -> None:
-    from torchmigrate.rules import get_rule
+    from torchmigrate.catalogue import get_rule
 
     rules = [get_rule(code) for code in codes]
     if statistics:

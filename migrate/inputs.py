@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence, Tupl
 
 from torchmigrate.config import ConfigError, Configs
 from torchmigrate.discover import Discovery
-from torchmigrate.engine import InputError
+from torchmigrate.errors import InputError
 from torchmigrate.files import Decoded, decode
 from torchmigrate.runner import Outcome, path_error
 from torchmigrate.settings import Selection, Settings
@@ -98,7 +98,6 @@ def _discover(inputs: Inputs, paths: Sequence[str], discovery: Discovery, reques
     """The files and their program; with the lint cache (`cache`), a program build reused when
     nothing it read or looked at changed. Launch files named (`run.sh`) are TM801's."""
     from torchmigrate import launchers
-    from torchmigrate.program.build import build
     from torchmigrate.program.fs import PLAIN
 
     follow = request.follow
@@ -111,6 +110,8 @@ def _discover(inputs: Inputs, paths: Sequence[str], discovery: Discovery, reques
         inputs.errors.append(path_error(", ".join(paths), "no Python files found"))
     named = [Path(p) for p in paths if not _is_dir(p)]
     def build_program(fs=None):
+        from torchmigrate.program.build import build  # only when the cache cannot answer
+
         return build(found, named, follow, exclude=discovery.left_out, fs=fs or PLAIN)
 
     # what decides which files the build leaves out, for the cached build's key

@@ -7,6 +7,7 @@ import enum
 from dataclasses import dataclass
 
 RUNTIME_MODULE = "torchmigrate.runtime"
+COMMANDS = ("ddp", "amp", "lint")
 
 
 class Safety(str, enum.Enum):

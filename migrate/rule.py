@@ -23,13 +23,12 @@ import libcst as cst
 
 from torchmigrate.finding import Edit, Finding, Import, Safety
 from torchmigrate.imports import ImportTable
-from torchmigrate.options import RUNTIME_MODULE, Options
+from torchmigrate.options import COMMANDS, RUNTIME_MODULE, Options
 from torchmigrate.program.view import ModuleView
 from torchmigrate.walk import child_nodes
 
 # (types) -> {node type: issubclass(node type, types)}, for Context.enclosing and _NodeIndex.spots
 _MATCHES: Dict[Tuple[type, ...], Dict[type, bool]] = {}
-COMMANDS = ("ddp", "amp", "lint")
 
 
 @dataclass(frozen=True)

@@ -65,6 +65,8 @@ def test_a_hit_gives_the_output_of_a_fresh_run(project, run_cli, processed, fmt)
     processed.clear()
     warm = lint(run_cli, *fmt, project)
     assert fresh == first == warm
+    if fmt in (("--format", "json"), ("--format", "sarif")):
+        return  # these carry each fix's edits, which the cache does not keep: always computed
     assert processed == ["broken.py"]  # an input error is never stored
 
 

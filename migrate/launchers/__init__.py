@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from torchmigrate import files
-from torchmigrate.discover import SKIP_DIRS
+from torchmigrate.discover import SKIP_DIRS, _is_virtualenv
 from torchmigrate.outcome import Outcome
 
 CODE = "TM801"
@@ -81,7 +81,7 @@ def _walk(root: Path, exclude: Callable[[Path], bool]) -> Iterable[Path]:
         dirnames[:] = sorted(
             d for d in dirnames
             if d not in SKIP_DIRS and not d.startswith(".") and not d.endswith(".egg-info")
-            and not files._is_virtualenv(base / d) and not exclude(base / d))
+            and not _is_virtualenv(base / d) and not exclude(base / d))
         for name in sorted(filenames):
             if name in MAKEFILE_NAMES or os.path.splitext(name)[1].lower() in SUFFIXES:
                 path = base / name
