@@ -262,7 +262,7 @@ class AgreedDraws(Rule):
         for anc in self.ctx.ancestors(use):
             if isinstance(anc, cst.Call):
                 name = self.ctx.resolve(anc.func) or dotted(anc.func) or ""
-                if name in SEEDERS or name.endswith("seed_everything") or name in ("print", "tm.print"):
+                if name in SEEDERS or name.endswith(("seed_everything", ".print")) or name == "print":
                     return True
             if isinstance(anc, cst.BaseStatement):
                 return False

@@ -36,6 +36,8 @@ def test_explain_labels_each_example_with_the_command_that_writes_it(rule, index
     command = command_line(rule, example)
     label = f"after `{command}`:" if example.after_text is not None else f"left unchanged by `{command}`:"
     assert label in render(rule)
+    if not example.file.endswith(".py"):
+        return  # a launch file (TM801): run through the CLI with its program by check_launch below
     path = tmp_path / "example.py"
     path.write_text(example.before_text)
     program, *args = shlex.split(command)
