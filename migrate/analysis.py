@@ -252,6 +252,17 @@ def _params_arg(call: cst.Call) -> Optional[cst.BaseExpression]:
     return params.value if params is not None else None
 
 
+def is_backward(call: cst.Call) -> bool:
+    """`x.backward(...)`: a backward pass (with DDP, the gradient all-reduce)."""
+    func = call.func
+    return isinstance(func, cst.Attribute) and func.attr.value == "backward"
+
+
+def runs_backward(ctx: Context, node: cst.CSTNode) -> bool:
+    """`node` (a function, loop or block) runs a backward pass itself, not in a def inside it."""
+    return any(is_backward(c) for c in ctx.within(node, cst.Call, skip_defs=True))
+
+
 def _names_in(node: cst.CSTNode) -> List[str]:
     """Plain names read in an expression (not attribute names, not inside lambdas)."""
     out: List[str] = []

@@ -56,26 +56,22 @@ def _gather(command: str, paths, select, extend_select, ignore, amp: Optional[st
 
 
 def _run_files(files: List[Path], job: Job, jobs: int) -> List[Outcome]:
-    """The job over these files (the lint cache's misses)."""
-    with Progress(len(files), sys.stderr) as progress:
-        return run(files, job, jobs=jobs or auto_jobs(len(files)), progress=progress)
-
-
-def _run(inputs: Inputs, job: Job, jobs: int) -> List[Outcome]:
-    """Run the job over the inputs, then add the paths that could not be processed at all. A
-    progress bar goes to stderr on a terminal for long runs."""
-    if inputs.reads_stdin:
-        done = [process_file(inputs.stdin_name, job, inputs.stdin)] if inputs.stdin and not inputs.excluded else []
-        return done + inputs.errors
-    files = inputs.files
-    if jobs == 0:
-        jobs = auto_jobs(len(files))
+    """Run the job over these files (all of a run's, or the lint cache's misses); a progress bar
+    goes to stderr on a terminal for long runs."""
     try:
         with Progress(len(files), sys.stderr) as progress:
-            return run(files, job, jobs=jobs, progress=progress) + inputs.errors
+            return run(files, job, jobs=jobs or auto_jobs(len(files)), progress=progress)
     except KeyboardInterrupt:  # writes are atomic: every file is either done or untouched
         click.echo("\nInterrupted (every file was either fully processed or left untouched).", err=True)
         sys.exit(130)
+
+
+def _run(inputs: Inputs, job: Job, jobs: int) -> List[Outcome]:
+    """Run the job over the inputs, then add the paths that could not be processed at all."""
+    if inputs.reads_stdin:
+        done = [process_file(inputs.stdin_name, job, inputs.stdin)] if inputs.stdin and not inputs.excluded else []
+        return done + inputs.errors
+    return _run_files(inputs.files, job, jobs) + inputs.errors
 
 
 def _echo_errors(outcomes: List[Outcome]) -> bool:

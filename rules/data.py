@@ -1648,9 +1648,7 @@ class DistSampler(_DataRule):
         head = name.split(".")[-1]
         for use in ctx.named(head):
             for anc in ctx.ancestors(use):
-                if isinstance(anc, (cst.FunctionDef, cst.For, cst.While)) and any(
-                        isinstance(c.func, cst.Attribute) and c.func.attr.value == "backward"
-                        for c in ctx.within(anc, cst.Call, skip_defs=True)):
+                if isinstance(anc, (cst.FunctionDef, cst.For, cst.While)) and analysis.runs_backward(ctx, anc):
                     return True
                 if isinstance(anc, cst.FunctionDef):
                     break

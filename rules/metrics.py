@@ -488,9 +488,7 @@ class ReduceCounts(Rule):
         for aug in self.dict_augs:
             loop = loader_loop(ctx, aug)
             name = aug.target.value.value
-            if loop is None or (loop, name) in seen or any(
-                    isinstance(c.func, cst.Attribute) and c.func.attr.value == "backward"
-                    for c in ctx.within(loop, cst.Call, skip_defs=True)):
+            if loop is None or (loop, name) in seen or analysis.runs_backward(ctx, loop):
                 continue
             seen.add((loop, name))
             self.report(aug, f"`{name}[...]` sums values over this rank's shard of the loader only: reduce the summed "

@@ -6,6 +6,7 @@ from typing import List, Set
 
 import libcst as cst
 
+from torchmigrate.analysis import is_backward
 from torchmigrate.finding import Safety, replace
 from torchmigrate.rule import Example, Rule
 from torchmigrate.rules.launch import rank_polarity
@@ -65,7 +66,7 @@ class RankSkips(Rule):
         if not active(ctx):
             return
         for loop in ctx.nodes(cst.For, cst.While):
-            backwards = [c for c in ctx.within(loop, cst.Call, skip_defs=True) if _is_backward(c)]
+            backwards = [c for c in ctx.within(loop, cst.Call, skip_defs=True) if is_backward(c)]
             if not backwards:
                 continue
             last = max(ctx.position(c) or 0 for c in backwards)
@@ -74,7 +75,7 @@ class RankSkips(Rule):
                 if self._loop_of(test_if) is loop:
                     self._skip_if(test_if, data, before=(ctx.position(test_if) or 0) < last)
             for attempt in ctx.within(loop, cst.Try, skip_defs=True):
-                if self._loop_of(attempt) is loop and any(_is_backward(c) for c in ctx.within(attempt.body, cst.Call)):
+                if self._loop_of(attempt) is loop and any(is_backward(c) for c in ctx.within(attempt.body, cst.Call)):
                     self._skip_except(attempt)
 
     def _loop_of(self, node: cst.CSTNode):
@@ -133,11 +134,6 @@ class RankSkips(Rule):
                                      "others wait in the gradient all-reduce: let the error end the run, or agree on "
                                      f"skipping with `{self.ctx.tm}.any_rank(failed)` after the `try` on every rank")
                 return
-
-
-def _is_backward(call: cst.Call) -> bool:
-    func = call.func
-    return isinstance(func, cst.Attribute) and func.attr.value == "backward"
 
 
 def _names(node: cst.CSTNode) -> Set[str]:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Set, Tuple
 
-from torchmigrate.program.graph import Graph
+from torchmigrate.program.graph import Graph, dotted_name
 from torchmigrate.program.view import ModuleView
 
 # Optimizer classes by their last name (torch.optim and common ports). A call counts as an
@@ -44,17 +44,6 @@ class _Module:
     imports: Dict[str, Tuple[Path, Optional[str]]] = field(default_factory=dict)
     functions: Dict[str, ast.AST] = field(default_factory=dict)  # "f" / "Cls.m" -> def
     classes: Dict[str, ast.ClassDef] = field(default_factory=dict)
-
-
-def _dotted(node: ast.AST) -> Optional[str]:
-    parts = []
-    while isinstance(node, ast.Attribute):
-        parts.append(node.attr)
-        node = node.value
-    if isinstance(node, ast.Name):
-        parts.append(node.id)
-        return ".".join(reversed(parts))
-    return None
 
 
 def _strip_moves(node: ast.AST) -> ast.AST:
@@ -140,7 +129,7 @@ class _Scope:
 
 def _optimizer_models(call: ast.Call) -> List[str]:
     """`X` for `Adam(X.parameters())`, `SGD([{"params": X.head.parameters()}])`, ..."""
-    name = _dotted(call.func) or ""
+    name = dotted_name(call.func) or ""
     last = name.rsplit(".", 1)[-1]
     if not (last in OPTIMIZERS or ".optim." in f".{name}" and last[:1].isupper()):
         return []
@@ -149,7 +138,7 @@ def _optimizer_models(call: ast.Call) -> List[str]:
         for n in ast.walk(arg):
             if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in (
                     "parameters", "named_parameters"):
-                owner = _dotted(_strip_moves(n.func.value))
+                owner = dotted_name(_strip_moves(n.func.value))
                 if owner:
                     out.append(owner.split(".")[0] if not owner.startswith("self.") else ".".join(owner.split(".")[:2]))
     return out
@@ -179,10 +168,10 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
     class_models: Dict[Tuple[Path, str], Set[str]] = {}
     for s in scopes:
         for call in s.calls:
-            last = (_dotted(call.func) or "").rsplit(".", 1)[-1]
+            last = (dotted_name(call.func) or "").rsplit(".", 1)[-1]
             found = _optimizer_models(call)
             if last in WRAPPERS and call.args:
-                inner = _dotted(_strip_moves(call.args[0]))
+                inner = dotted_name(_strip_moves(call.args[0]))
                 found += [inner] if inner else []
             for name in found:
                 trains = True
@@ -191,9 +180,9 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
                 else:
                     s.models.add(name)
         for a in s.assigns:  # model = tm.wrap_model(model) / DDP(model): the target too
-            if isinstance(a.value, ast.Call) and (_dotted(a.value.func) or "").rsplit(".", 1)[-1] in WRAPPERS:
+            if isinstance(a.value, ast.Call) and (dotted_name(a.value.func) or "").rsplit(".", 1)[-1] in WRAPPERS:
                 for t in a.targets:
-                    name = _dotted(t)
+                    name = dotted_name(t)
                     if name and not name.startswith("self."):
                         s.models.add(name)
     for s in scopes:
@@ -213,7 +202,7 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
                 continue
             klass = (target[0], target[1].split(".")[0])
             for t in a.targets:
-                name = _dotted(t)
+                name = dotted_name(t)
                 if name and name.startswith("self.") and s.klass:
                     class_instances.setdefault((s.module.path, s.klass), {})[name] = klass
                 elif name:
@@ -241,7 +230,7 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
                 if func is None:
                     continue
                 for param, value in _bind(func, call, skip_self):
-                    name = _dotted(_strip_moves(value))
+                    name = dotted_name(_strip_moves(value))
                     if name in held:
                         bucket = wrapped.setdefault((path, qual), set())
                         if param not in bucket:
@@ -260,7 +249,7 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
                   if _dp_subclass(c)}
     torch_anywhere = any(_uses_torch(graph.statements.get(p, ())) for p in modules)
     loader_names = {"DataLoader"} | {name for _, name in loader_classes}
-    builds_loaders = any((_dotted(c.func) or "").rsplit(".", 1)[-1] in loader_names for s in scopes for c in s.calls)
+    builds_loaders = any((dotted_name(c.func) or "").rsplit(".", 1)[-1] in loader_names for s in scopes for c in s.calls)
     entry_set = {Path(e).resolve() for e in entries}
     several = len(modules) > 1
     views: Dict[Path, ModuleView] = {}
@@ -284,7 +273,7 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
 def _loader_subclass(klass: ast.ClassDef) -> bool:
     """`class AudioDataLoader(DataLoader)` whose `__init__` (if any) passes `**kwargs` on, so a
     `sampler=` added at its call sites reaches DataLoader."""
-    if not any((_dotted(b) or "").rsplit(".", 1)[-1] == "DataLoader" for b in klass.bases):
+    if not any((dotted_name(b) or "").rsplit(".", 1)[-1] == "DataLoader" for b in klass.bases):
         return False
     for item in klass.body:
         if isinstance(item, FUNC_TYPES) and item.name == "__init__":
@@ -295,7 +284,7 @@ def _loader_subclass(klass: ast.ClassDef) -> bool:
 def _own_cuda(klass: ast.ClassDef) -> bool:
     """A class with its own `cuda()` method whose bases do not look like an `nn.Module`: its
     instances have no `.to()`."""
-    bases = " ".join(_dotted(b) or "" for b in klass.bases)
+    bases = " ".join(dotted_name(b) or "" for b in klass.bases)
     if any(word in bases for word in ("Module", "nn.", "Tensor", "Loss")):
         return False
     return any(isinstance(item, FUNC_TYPES) and item.name == "cuda" for item in klass.body)
@@ -303,7 +292,7 @@ def _own_cuda(klass: ast.ClassDef) -> bool:
 
 def _dp_subclass(klass: ast.ClassDef) -> bool:
     """`class BalancedDataParallel(DataParallel)`: a DataParallel under another name."""
-    return any((_dotted(b) or "").rsplit(".", 1)[-1] == "DataParallel" for b in klass.bases)
+    return any((dotted_name(b) or "").rsplit(".", 1)[-1] == "DataParallel" for b in klass.bases)
 
 
 def _dp_module_position(klass: ast.ClassDef) -> int:
@@ -365,9 +354,9 @@ def _callee(module: _Module, modules: Dict[Path, _Module], call: ast.Call) -> Op
 def _method_of_instance(s: "_Scope", modules: Dict[Path, _Module], call: ast.Call) -> Optional[Tuple[Path, str, bool]]:
     """`stopper(...)` -> `EarlyStopping.__call__`, `self.saver.save(...)` -> `Saver.save`."""
     func = call.func
-    name, method = _dotted(func), "__call__"
+    name, method = dotted_name(func), "__call__"
     if name not in s.instances and isinstance(func, ast.Attribute):
-        name, method = _dotted(func.value), func.attr
+        name, method = dotted_name(func.value), func.attr
     if name not in s.instances:
         return None
     path, klass = s.instances[name]
@@ -402,7 +391,7 @@ def _ref(node: ast.AST) -> Optional[str]:
             and isinstance(node.func.value, ast.Name) and node.args and isinstance(node.args[0], ast.Constant) \
             and isinstance(node.args[0].value, str):
         return f"{node.func.value.id}['{node.args[0].value}']"
-    return _dotted(node)
+    return dotted_name(node)
 
 
 def _self_stores(init: ast.AST, param: str) -> List[str]:
@@ -418,7 +407,7 @@ def _self_stores(init: ast.AST, param: str) -> List[str]:
             else:
                 pairs.append((t, n.value))
         for t, v in pairs:
-            name = _dotted(t)
+            name = dotted_name(t)
             if name and name.startswith("self.") and name.count(".") == 1 and _ref(_strip_moves(v)) == param:
                 out.append(name[5:])
     return out

@@ -195,7 +195,7 @@ def sys_path_dirs(tree: ast.Module, entry: Path) -> List[Path]:
     out = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
-                and node.func.attr in ("append", "insert") and _dotted_name(node.func.value) == "sys.path" \
+                and node.func.attr in ("append", "insert") and dotted_name(node.func.value) == "sys.path" \
                 and node.args:
             folder = _path_value(node.args[-1], entry)
             if folder is not None:
@@ -203,7 +203,8 @@ def sys_path_dirs(tree: ast.Module, entry: Path) -> List[Path]:
     return out
 
 
-def _dotted_name(node: ast.AST) -> Optional[str]:
+def dotted_name(node: ast.AST) -> Optional[str]:
+    """`a.b.c` for a chain of attributes on a name, else None."""
     parts = []
     while isinstance(node, ast.Attribute):
         parts.append(node.attr)
@@ -223,7 +224,7 @@ def _path_value(node: ast.AST, entry: Path) -> Optional[Path]:
         return inner.parent if inner is not None else None
     if not isinstance(node, ast.Call) or not node.args:
         return None
-    name = (_dotted_name(node.func) or "").rsplit(".", 1)[-1]
+    name = (dotted_name(node.func) or "").rsplit(".", 1)[-1]
     values = [_path_value(a, entry) for a in node.args]
     if any(v is None for v in values):
         return None
