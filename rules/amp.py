@@ -50,8 +50,6 @@ CLIP = frozenset({
     "torch.nn.utils.clip_grad.clip_grad_norm_", "torch.nn.utils.clip_grad.clip_grad_value_",
     "torch.nn.utils.clip_grad.clip_grad_norm", "torch.nn.utils.get_total_norm",
 })
-NO_GRAD = frozenset({"torch.no_grad", "torch.inference_mode", "torch.autograd.no_grad",
-                     "torch.autograd.grad_mode.no_grad", "torch.autograd.grad_mode.inference_mode"})
 BCE_CLASSES = frozenset({"torch.nn.BCELoss", "torch.nn.modules.loss.BCELoss"})
 BCE_FUNCS = frozenset({"torch.nn.functional.binary_cross_entropy"})
 DATA_PARALLEL = frozenset({"torch.nn.DataParallel", "torch.nn.parallel.DataParallel",
@@ -1477,7 +1475,7 @@ class _Planner:
             loop = ctx.enclosing(call, cst.For, cst.While, cst.FunctionDef, cst.ClassDef)
             if not isinstance(loop, (cst.For, cst.While)) or loop in self.contains:
                 continue
-            if self.covered(call) or not self.no_grad(loop) or self.non_amp_branch(call, loop):
+            if self.covered(call) or not analysis.under_no_grad(ctx, loop) or self.non_amp_branch(call, loop):
                 continue
             by_loop.setdefault(loop, []).append(call)
         for loop, calls in by_loop.items():
@@ -1597,21 +1595,6 @@ class _Planner:
                     if any(w in self.autocast_set for w in ctx.within(other, cst.With, skip_defs=True)):
                         return True
             child = anc
-        return False
-
-    def no_grad(self, node: cst.CSTNode) -> bool:
-        for anc in self.ctx.ancestors(node):
-            if isinstance(anc, cst.With):
-                for item in anc.items:
-                    i = item.item
-                    if self.ctx.resolve(i.func if isinstance(i, cst.Call) else i) in NO_GRAD:
-                        return True
-            if isinstance(anc, cst.FunctionDef):
-                for dec in anc.decorators:
-                    d = dec.decorator
-                    if self.ctx.resolve(d.func if isinstance(d, cst.Call) else d) in NO_GRAD:
-                        return True
-                return False
         return False
 
     # -- BCE (TM409) ------------------------------------------------------------------------

@@ -93,6 +93,33 @@ def test_a_program_that_trains_nowhere(tmp_path):
     assert not any(v.program_trains for v in program.views.values())
 
 
+def test_forward_outputs_name_the_submodules_behind_each_returned_value(tmp_path):
+    write(tmp_path, {
+        "train.py": "import nets\nfrom nets import Net as Model\nm = Model()\n",
+        "nets.py": textwrap.dedent("""
+            import torch
+            class Net(torch.nn.Module):
+                def forward(self, x):
+                    h = self.body(x)
+                    if self.training:
+                        h = h + self.noise(h)
+                    logits = self.cls(h)
+                    return logits, self.aux(h)
+            class Single(torch.nn.Module):
+                def forward(self, x):
+                    return self.body(x)
+            class Starred(torch.nn.Module):
+                def forward(self, x):
+                    return (*self.parts(x),)
+        """),
+    })
+    program = build([tmp_path / "train.py"], [tmp_path / "train.py"])
+    views = {Path(k).name: v for k, v in program.views.items()}
+    expected = (frozenset({"body", "noise", "cls"}), frozenset({"body", "noise", "aux"}))
+    assert views["train.py"].forward_outputs == {"Model": expected, "nets.Net": expected}
+    assert views["nets.py"].forward_outputs == {"Net": expected}
+
+
 def test_folder_entries_are_main_scripts_and_unimported_files(tmp_path):
     write(tmp_path, {"train.py": "import common\n", "finetune.py": "import common\nif __name__ == '__main__':\n    pass\n",
                      "common.py": "import torch\n"})
