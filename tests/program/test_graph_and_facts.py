@@ -3,6 +3,7 @@ facts the rules read (`ModuleView`)."""
 
 from __future__ import annotations
 
+import json
 import textwrap
 from pathlib import Path
 
@@ -186,3 +187,27 @@ def test_modules_found_through_sys_path_and_pythonpath(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", str(tmp_path / "src"))
     assert names(graph.build([tmp_path / "src/bin/plain.py"]).modules, tmp_path) == [
         "src/bin/plain.py", "src/utils/__init__.py", "src/utils/helpers.py"]
+
+
+def test_imports_of_project_code_found_nowhere_are_listed(tmp_path, monkeypatch, run_cli):
+    """`from models.net import Net` in src/bin/train.py needs PYTHONPATH=src (a recipe's path.sh):
+    without it the module is not followed, and the report must say so; installed or missing
+    third-party packages (numpy, wandb) and the standard library are not listed."""
+    write(tmp_path, {
+        ".git": "",
+        "src/models/__init__.py": "",
+        "src/models/net.py": "import torch\nclass Net(torch.nn.Module):\n    pass\n",
+        "src/bin/train.py": "import os\nimport numpy\nimport wandb\nfrom models.net import Net\nfrom .helpers import x\n",
+    })
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    program = build([Path("src/bin/train.py")], [Path("src/bin/train.py")])
+    assert program.unresolved == ["src/bin/train.py:4: models.net", "src/bin/train.py:5: .helpers"]
+    report = tmp_path / "report.json"
+    result = run_cli("ddp", "--dry-run", "--report", report, "src/bin/train.py")
+    assert "Not followed" in result.output and "src/bin/train.py:4: models.net" in result.output
+    assert json.loads(report.read_text())["unresolved_imports"] == program.unresolved
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "src"))
+    program = build([Path("src/bin/train.py")], [Path("src/bin/train.py")])
+    assert program.unresolved == ["src/bin/train.py:5: .helpers"]
+    assert tmp_path / "src/models/net.py" in program.followed
