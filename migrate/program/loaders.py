@@ -891,7 +891,7 @@ class LoaderFacts:
         """Refs for names bound from helper returns, parameters and plain aliases, to a fixpoint."""
         for _ in range(8):
             changed = False
-            returns = self._returns()
+            returns = self.returns()
             for assign in self.facts.assigns:
                 changed |= self._assign_ref(assign, returns)
             for call, _name in self.facts.calls:
@@ -900,8 +900,9 @@ class LoaderFacts:
             if not changed:
                 break
 
-    def _returns(self) -> Dict[str, Dict[Optional[int], List[Loader]]]:
-        """function name -> {tuple index or None: loaders it returns there}."""
+    def returns(self) -> Dict[str, Dict[Optional[int], List[Loader]]]:
+        """Which functions of the module return loaders: function name -> {tuple index or None:
+        the loaders it returns there} (from the refs known so far: computed on each call)."""
         out: Dict[str, Dict[Optional[int], List[Loader]]] = {}
         for ret in self.scan.returns:
             fn = self.ctx.enclosing(ret, cst.FunctionDef)
