@@ -1,7 +1,8 @@
 """The rule catalogue: one module per rule family, each rule a `torchmigrate.rule.Rule`.
 
-Rules are collected from every module of this package, so adding a family means adding a
-module; codes are stable and never renumbered.
+Rules are collected from every module of this package and of its family packages (`data/`:
+the family's plan and one rule per file), so adding a family means adding a module or a
+package; codes are stable and never renumbered.
 """
 
 from __future__ import annotations
@@ -23,16 +24,25 @@ def all_rules() -> List[Type["Rule"]]:
     if not _REGISTRY:
         from torchmigrate.rule import Rule
 
-        for info in pkgutil.iter_modules(__path__):
-            if info.name.startswith("_"):
-                continue
-            module = importlib.import_module(f"{__name__}.{info.name}")
+        for module in _rule_modules(__path__, __name__):
             for value in vars(module).values():
                 if isinstance(value, type) and issubclass(value, Rule) and value.code and value.__module__ == module.__name__:
                     if value.code in _REGISTRY and _REGISTRY[value.code] is not value:
                         raise RuntimeError(f"duplicate rule code {value.code}")
                     _REGISTRY[value.code] = value
     return [_REGISTRY[code] for code in sorted(_REGISTRY)]
+
+
+def _rule_modules(path, package: str):
+    """The modules of this package and of its family packages (`rules/data/`: a plan and one
+    rule per file), imported; names starting with `_` are not rule modules."""
+    for info in pkgutil.iter_modules(path):
+        if info.name.startswith("_"):
+            continue
+        module = importlib.import_module(f"{package}.{info.name}")
+        yield module
+        if info.ispkg:
+            yield from _rule_modules(module.__path__, module.__name__)
 
 
 def get_rule(code: str) -> Type["Rule"]:

@@ -19,13 +19,13 @@ from torchmigrate import analysis
 from torchmigrate.finding import Safety, insert_after
 from torchmigrate.imports import dotted
 from torchmigrate.nodes import code
+from torchmigrate.program.loaders import DATALOADERS, DIST_SAMPLERS, refs_at
 from torchmigrate.rule import Context, Example, Rule
+from torchmigrate.rules.data.plan import data_plan
 from torchmigrate.rules.logging_rules import (
     RUNTIME, TQDM_CALLS, active, body_of, collective_guard, index_in, is_collective, iter_nodes, names_in, scope_of,
 )
 
-DATALOADERS = {"torch.utils.data.DataLoader", "torch.utils.data.dataloader.DataLoader"}
-DIST_SAMPLERS = ("torch.utils.data.DistributedSampler", "torch.utils.data.distributed.DistributedSampler")
 _WRAPPERS = {"enumerate", "iter", "zip"}
 _SAFE_FUNCS = {"max", "min", "float", "int", "abs", "round"}
 _SAFE_METHODS = {"item", "float", "double", "cpu", "long"}
@@ -344,14 +344,14 @@ def _loader_expr(ctx: Context, node: cst.BaseExpression) -> cst.BaseExpression:
 
 def _sharding(ctx: Context, loader) -> Optional[str]:
     """"eval" (unpadded: every sample once), "distributed" (padded, equal batch counts) or None,
-    for a loader of the data rules' analysis, once this run's fixes are in."""
-    status = getattr(loader, "status", None)
-    call = getattr(loader, "call", None)
+    for a loader of the loader facts, once this run's fixes are in (the data plan)."""
+    decided = data_plan(ctx).of(loader)
+    status, call = decided.status, loader.call
     if status == "plain":
         fixed = {f.code for f in ctx.findings if f.edits and f.node is call}
-        if "TM203" in fixed and getattr(loader, "sampler", None) == "eval":
+        if "TM203" in fixed and decided.sampler == "eval":
             return "eval"
-        if "TM201" in fixed and getattr(loader, "sampler", None) == "distributed":
+        if "TM201" in fixed and decided.sampler == "distributed":
             return "distributed"
         return None
     if status == "distributed" and isinstance(call, cst.Call):
@@ -362,16 +362,15 @@ def _sharding(ctx: Context, loader) -> Optional[str]:
                     return "eval"
                 if name in (RUNTIME + ".sampler", *DIST_SAMPLERS):
                     return "distributed"
-        return "distributed" if getattr(loader, "sampler", None) == "distributed" else None
+        return "distributed" if decided.sampler == "distributed" else None
     return None
 
 
 def exact_lens(ctx: Context, loop: cst.For) -> _Exact:
     out = _Exact()
     node = _loader_expr(ctx, loop.iter)
-    try:  # the data rules publish which loaders an expression denotes and how they are sharded
-        from torchmigrate.rules import data as data_rules
-        loaders = [l for r in data_rules.refs_at(ctx, node) for l in r.loaders]
+    try:  # the loader facts say which loaders an expression denotes, the data plan how they are sharded
+        loaders = [l for r in refs_at(ctx, node) for l in r.loaders]
     except Exception:  # noqa: BLE001 - an optional refinement; without it denominators are reported
         return out
     if not loaders:

@@ -17,16 +17,24 @@ from launcher import torchrun
 from torchmigrate.engine import process_source, run_rules
 from torchmigrate.nodes import code
 from torchmigrate.rule import Options
-from torchmigrate.rules import data as D
+from torchmigrate import analysis
+from torchmigrate.program.loaders import loader_facts, loaders, refs_at
+from torchmigrate.rules.data.base import DataRule
+from torchmigrate.rules.data.plan import data_plan
+from torchmigrate.rules.data.rewrite import rewrite_call
+from torchmigrate.rules.data.tm201_dist_sampler import DistSampler
+from torchmigrate.rules.data.tm202_set_epoch import SetEpoch
+from torchmigrate.rules.data.tm203_eval_unpadded import EvalUnpadded
+from torchmigrate.rules.data.tm204_sampler_shuffle_conflict import SamplerShuffleConflict
 
-DATA_RULES = [D.DistSampler, D.SetEpoch, D.EvalUnpadded, D.SamplerShuffleConflict]
+DATA_RULES = [DistSampler, SetEpoch, EvalUnpadded, SamplerShuffleConflict]
 SCRIPTS = sorted((FIXTURES / "scripts").glob("*.py"))
 
 
 def analyse(source: str, mode: str = "ddp", rules=()):
     source = textwrap.dedent(source).lstrip("\n")
     ctx = run_rules(cst.parse_module(source), "x.py", Options(mode=mode), list(rules))
-    return ctx, D.loaders(ctx)
+    return ctx, loaders(ctx)
 
 
 def run(source: str, mode: str = "ddp", rules=DATA_RULES):
@@ -63,16 +71,17 @@ def test_facts_shape_and_refs():
         evaluate(model, vl)
         loaders = {"train": DL(a), "test": DL(b)}
     """)
-    assert ctx.facts["loaders"] is found
+    assert ctx.facts["loaders"].loaders is found
     by_target = {x.target: x for x in found}
     assert set(by_target) == {"train_loader", "val_loader", "self.extra", 'loaders["train"]', 'loaders["test"]'}
     assert [by_target[t].kind for t in ("train_loader", "val_loader", "self.extra")] == ["train", "eval", "mixed"]
     assert by_target["val_loader"].eval is True and by_target["self.extra"].eval is None
     assert by_target['loaders["test"]'].kind == "eval" and by_target['loaders["train"]'].kind == "train"
     assert all(x.status == "plain" for x in found)
-    assert by_target["train_loader"].sampler == "distributed" and by_target["val_loader"].sampler == "eval"
-    assert by_target["self.extra"].hoist == ("line", "extra_dataset")
-    assert by_target["train_loader"].needs_epoch and not by_target["val_loader"].needs_epoch
+    plan = {t: data_plan(ctx).of(x) for t, x in by_target.items()}
+    assert plan["train_loader"].sampler == "distributed" and plan["val_loader"].sampler == "eval"
+    assert plan["self.extra"].hoist == ("line", "extra_dataset")
+    assert plan["train_loader"].needs_epoch and not plan["val_loader"].needs_epoch
     # names under which the loaders are visible elsewhere in the file
     assert {r.text for r in by_target["train_loader"].refs} == {"train_loader", "trn"}
     assert {r.text for r in by_target["val_loader"].refs} == {"val_loader", "vl", "loader"}
@@ -80,12 +89,12 @@ def test_facts_shape_and_refs():
     evaluate = next(s for s in module.body if isinstance(s, cst.FunctionDef) and s.name.value == "evaluate")
     loop = evaluate.body.body[0]
     assert isinstance(loop, cst.For)
-    assert [x.target for r in D.refs_at(ctx, loop.iter) for x in r.loaders] == ["val_loader"]
+    assert [x.target for r in refs_at(ctx, loop.iter) for x in r.loaders] == ["val_loader"]
 
 
 def test_no_dataloader_costs_nothing():
     ctx, found = analyse("import torch\nx = torch.zeros(3)\n", rules=DATA_RULES)
-    assert found == [] and D.data_facts(ctx).scan is None
+    assert found == [] and loader_facts(ctx).scan is None
 
 
 def test_facts_without_any_data_rule_enabled():
@@ -154,7 +163,7 @@ def test_status(source, status):
 
 
 def test_eval_iterated_with_gradients_gets_padded_sampler():
-    _ctx, found = analyse("""
+    ctx, found = analyse("""
         import torch
         from torch.utils.data import DataLoader
         val_loader = DataLoader(val_ds, batch_size=8)
@@ -165,7 +174,9 @@ def test_eval_iterated_with_gradients_gets_padded_sampler():
             for x in test_loader:
                 model(x)
     """)
-    assert [(x.eval_with_grad, x.sampler) for x in found] == [(True, "distributed"), (False, "eval")]
+    assert [loader_facts(ctx).iterated_with_grad(x) for x in found] == [True, False]
+    plan = data_plan(ctx)
+    assert [(plan.of(x).eval_with_grad, plan.of(x).sampler) for x in found] == [(True, "distributed"), (False, "eval")]
 
 
 # --- modes and gating --------------------------------------------------------------------------
@@ -256,12 +267,12 @@ def test_self_sharding_frameworks_are_left_alone():
 ])
 def test_rewrite_call(before, after):
     call = cst.parse_expression(before)
-    assert code(D.rewrite_call(call, cst.Name("S"))) == after
+    assert code(rewrite_call(call, cst.Name("S"))) == after
 
 
 def test_rewrite_call_drops_shuffle_only():
     call = cst.parse_expression("DataLoader(ds, 8, True, my_sampler, num_workers=2)")
-    assert code(D.rewrite_call(call, None)) == "DataLoader(ds, 8, sampler=my_sampler, num_workers=2)"
+    assert code(rewrite_call(call, None)) == "DataLoader(ds, 8, sampler=my_sampler, num_workers=2)"
 
 
 def test_long_lines_are_wrapped_at_the_open_parenthesis():
@@ -270,7 +281,7 @@ def test_long_lines_are_wrapped_at_the_open_parenthesis():
         def main():
             train_loader = DataLoader(train_set, batch_size=args.batch_size, shuffle=True, num_workers=4)
             val_loader = DataLoader(val_set, batch_size=args.batch_size, shuffle=False, num_workers=args.workers)
-    """, rules=[D.DistSampler, D.EvalUnpadded])
+    """, rules=[DistSampler, EvalUnpadded])
     # at most 99 columns, or the longest line the call already had
     assert ("    train_loader = DataLoader(train_set, batch_size=args.batch_size,\n"
             "                              sampler=tm.sampler(train_set, shuffle=True), num_workers=4)\n"
@@ -286,7 +297,7 @@ def test_the_whole_rest_of_the_line_counts_when_wrapping():
         def main():
             val_loader = DataLoader(val, batch_size=batch_size, shuffle=False, num_workers=8, pin_memory=True, drop_last=True)
             vl = DataLoader(val, batch_size=4, shuffle=False, num_workers=8, drop_last=True)
-    """, rules=[D.DistSampler, D.EvalUnpadded])
+    """, rules=[DistSampler, EvalUnpadded])
     assert ("    val_loader = DataLoader(val, batch_size=batch_size, sampler=tm.eval_sampler(val),\n"
             "                            num_workers=8, pin_memory=True, drop_last=True)\n") in result.new_source
     assert ("    vl = DataLoader(val, batch_size=4, sampler=tm.eval_sampler(val), num_workers=8, drop_last=True)\n"
@@ -302,7 +313,7 @@ def test_hoisted_names_do_not_clash():
         train_loader = DataLoader(Ds(1), shuffle=True)
         loader = DataLoader(Ds(2))
         train_loader2 = DataLoader(Ds(3))
-    """, rules=[D.DistSampler])
+    """, rules=[DistSampler])
     lines = result.new_source.splitlines()
     assert "train_dataset_2 = Ds(1)" in lines and "dataset_2 = Ds(2)" in lines
     assert "train_dataset2 = Ds(3)" in lines
@@ -312,19 +323,19 @@ def test_hoist_keeps_fixes_of_other_rules_inside_the_dataset():
     # A REPLACE on a node inside the dataset expression (as TM103 would make) survives the hoist.
     from torchmigrate.finding import replace
 
-    class CudaToDevice(D._DataRule):
+    class CudaToDevice(DataRule):
         code = "TM999"
         name = "test-cuda"
         commands = frozenset({"ddp"})
 
         def leave_Module(self, node):
-            for call, _name in D.analysis.facts(self.ctx).calls:
+            for call, _name in analysis.facts(self.ctx).calls:
                 if isinstance(call.func, cst.Attribute) and call.func.attr.value == "cuda":
                     self.report(call, "cuda", edits=[replace(call, lambda c: cst.parse_expression(
                         code(c.func.value) + ".to(device)"))])
 
     source = "from torch.utils.data import DataLoader\nloader = DataLoader(TensorDataset(x.cuda()), shuffle=True)\n"
-    out = process_source(source, "x.py", Options(mode="ddp"), [D.DistSampler, CudaToDevice]).new_source
+    out = process_source(source, "x.py", Options(mode="ddp"), [DistSampler, CudaToDevice]).new_source
     assert "dataset = TensorDataset(x.to(device))\n" in out
 
 

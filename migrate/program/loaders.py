@@ -1,0 +1,1056 @@
+"""Loader facts of one module: every DataLoader, what it loads and how, and where it is visible.
+
+Built once per module on first use (`loader_facts(ctx)`, kept in ``ctx.facts["loaders"]``),
+whatever rules are enabled: the data rules (`rules/data/`, their plan) decide from these facts
+what to change, and other families ask them too (the metrics rules: which loader a loop
+iterates). Nothing here formats a message or plans an edit.
+
+A `Loader` (``loaders(ctx)``, in source order):
+
+- ``call``: the ``DataLoader(...)`` `cst.Call` of the original tree (or a call of one of the
+  program's DataLoader subclasses, `ModuleView.loader_classes`);
+- ``statement``: the statement holding it; ``scope``: the FunctionDef (or Module) holding it;
+- ``target``: what it is bound to where it is built, as source text (``train_loader``,
+  ``self.val_loader``, ``loaders["train"]``) or None (``return DataLoader(...)``, an argument);
+- ``kind``: ``"train"``, ``"eval"`` or ``"mixed"`` (one call builds both, e.g.
+  ``shuffle=is_train`` or a dict comprehension over ``["train", "val"]``, then ``condition``
+  is the expression true for training); ``eval`` is True/False/None (mixed);
+- ``status``: ``"plain"`` (no sampler), ``"distributed"`` (already has a DistributedSampler or a
+  ``tm.sampler``/``tm.eval_sampler``/``tm.shard_sampler``), ``"custom"`` (its own sampler or
+  batch_sampler: ``custom_arg``), ``"iterable"`` (an IterableDataset), ``"unknown"``
+  (``*args``/``**kwargs`` the tool cannot see: ``unknown`` says which), ``"sharded"`` (the
+  dataset or sampler already takes the rank);
+- ``dataset`` / ``shuffle``: the original argument expressions (None when absent);
+- ``refs``: every `Ref` (scope node, source text) under which the loader is visible in this
+  file: its target, names bound from helper returns (``train_loader, val_loader =
+  get_loaders()``), parameters it is passed to (``def evaluate(model, loader)``), ``self.``
+  attributes. `refs_at(ctx, node)` answers "which loaders does this expression denote";
+  `LoaderFacts.uses` lists every expression naming one, `iterated_with_grad` whether a loop
+  over one runs outside ``no_grad``.
+
+Name resolution uses the import table (`ctx.resolve`); helpers are followed by name within the
+file (functions, methods, class constructors), never across modules: across modules the
+program says only which classes are DataLoader subclasses and whether any module builds a
+loader (`ModuleView.loader_classes`, `program_loaders`).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
+
+import libcst as cst
+
+from torchmigrate import analysis
+from torchmigrate.imports import dotted
+from torchmigrate.nodes import code
+from torchmigrate.walk import child_nodes
+
+DATALOADERS = ("torch.utils.data.DataLoader", "torch.utils.data.dataloader.DataLoader")
+DIST_SAMPLERS = ("torch.utils.data.DistributedSampler", "torch.utils.data.distributed.DistributedSampler")
+RUNTIME = "torchmigrate.runtime"
+TM_SAMPLER = RUNTIME + ".sampler"
+TM_EVAL_SAMPLER = RUNTIME + ".eval_sampler"
+TM_SHARD_SAMPLER = RUNTIME + ".shard_sampler"
+TM_SET_EPOCH = RUNTIME + ".set_epoch"
+ITERABLE_BASES = ("torch.utils.data.IterableDataset", "torch.utils.data.dataset.IterableDataset",
+                  "torch.utils.data.IterDataPipe", "torch.utils.data.datapipes.datapipe.IterDataPipe",
+                  "torchdata.datapipes.iter.IterDataPipe", "datasets.IterableDataset")
+# Dataset factories known to yield iterable (stream) datasets.
+ITERABLE_FACTORIES = ("webdataset.", "torchdata.datapipes.iter.", "torchdata.nodes.", "torchtext.datasets.")
+# Frameworks that shard data loaders themselves: the data rules stay out of their way.
+SELF_SHARDING = ("pytorch_lightning", "lightning", "accelerate", "horovod", "ignite.distributed")
+
+# DataLoader(dataset, batch_size=1, shuffle=None, sampler=None, batch_sampler=None, ...)
+PARAMS = ("dataset", "batch_size", "shuffle", "sampler", "batch_sampler", "num_workers", "collate_fn",
+          "pin_memory", "drop_last", "timeout", "worker_init_fn", "multiprocessing_context", "generator")
+KNOWN_KWARGS = frozenset(PARAMS) | {"prefetch_factor", "persistent_workers", "pin_memory_device", "in_order"}
+
+_EVAL_WORDS = r"val|valid|validation|validate|test|tests|testing|eval|evaluate|evaluation|dev|holdout|heldout"
+_TRAIN_WORDS = r"train|training|trainval|trn"
+_SUFFIX = r"(?:loader|loaders|set|sets|ds|data|dataset|datasets|dl|iter|gen|batches|split)?"
+_EVAL_RE = re.compile(rf"^(?:{_EVAL_WORDS}){_SUFFIX}$")
+_TRAIN_RE = re.compile(rf"^(?:{_TRAIN_WORDS}){_SUFFIX}$")
+_RANK_RE = re.compile(r"^(?:rank|local_rank|global_rank|world_size|num_replicas|num_shards|shard_id|shard_index)$")
+_TRAIN_FLAGS = ("train", "is_train", "training", "is_training")
+NO_GRAD = ("torch.no_grad", "torch.inference_mode", "torch.autograd.no_grad", "torch.autograd.grad_mode.no_grad",
+           "torch.autograd.grad_mode.inference_mode", "torch.autograd.inference_mode")
+# Exact-type tests for the hot paths: `isinstance` against a LibCST class goes through
+# ABCMeta.__instancecheck__ whenever the type differs; these classes have no subclasses.
+_REFERENCES = frozenset({cst.Name, cst.Attribute, cst.Subscript})  # what `key_of` may name
+_CHAIN = frozenset({cst.Attribute, cst.Subscript})  # `a.b`, `a[k]`: an expression on `.value`
+_DEFINITIONS = frozenset({cst.Param, cst.FunctionDef, cst.ClassDef, cst.ImportAlias, cst.AsName})
+_SCOPES = frozenset({cst.FunctionDef, cst.Lambda, cst.ClassDef})
+
+
+# --- the published facts --------------------------------------------------------------------
+
+@dataclass(eq=False)
+class Ref:
+    """`text` denotes `loaders` inside `scope` (a FunctionDef, ClassDef for `self.` names, or Module)."""
+
+    scope: cst.CSTNode
+    key: str
+    text: str
+    loaders: List["Loader"] = field(default_factory=list)
+    binding: Optional[cst.CSTNode] = None  # the statement that binds it in `scope`, if any
+    eval: bool = False  # a dict entry whose key says val/test (`loaders["val"]`)
+
+
+@dataclass(eq=False)
+class Loader:
+    """One `DataLoader(...)` call (or a call of the program's DataLoader subclass)."""
+
+    call: cst.Call
+    statement: Optional[cst.CSTNode]
+    scope: cst.CSTNode
+    target: Optional[str]
+    kind: str = "train"
+    status: str = "plain"
+    # status "unknown": what hides the sampling ("star-args", "no-dataset", "kwargs" (then
+    # `kwargs_arg`), "kwargs-shuffle": `shuffle` from a dict and elsewhere)
+    unknown: str = ""
+    kwargs_arg: Optional[cst.BaseExpression] = None  # the `**dict` that may set `sampler`/`shuffle`
+    dataset: Optional[cst.BaseExpression] = None
+    shuffle: Optional[cst.BaseExpression] = None
+    kwargs_shuffle: Optional[str] = None  # the `**name` dict that may hold `shuffle`
+    condition: Optional[str] = None  # mixed loaders: the expression that is true for training
+    condition_is_shuffle: bool = False  # ... and it is the `shuffle=` argument itself
+    sampler_shuffles: bool = False  # an existing distributed sampler shuffles
+    sampler_name: Optional[Tuple[cst.CSTNode, str]] = None  # (scope, name) of an unconditional DistributedSampler
+    inline_distributed: bool = False  # `sampler=DistributedSampler(...)` written in the call
+    refs: List[Ref] = field(default_factory=list)
+    bound: Tuple[str, ...] = ()  # the keys of the refs it is bound to where it is built
+    index: int = 0
+    custom_arg: Optional[cst.Arg] = None  # its own `sampler=`/`batch_sampler=` (status "custom")
+    custom_param: str = ""  # ... and which of the two it is
+    runtime_sampler: bool = False  # already has `tm.sampler`/`tm.shard_sampler` (reshuffles by itself)
+    grouped: Optional[str] = None  # an evaluation batch size that is a computed group size (kept unsharded)
+
+    @property
+    def eval(self) -> Optional[bool]:
+        return {"train": False, "eval": True}.get(self.kind)
+
+
+# --- small helpers ---------------------------------------------------------------------------
+
+def _words(text: str) -> List[str]:
+    """Lower-case words of an identifier or string: `trainLoader_2` -> ['train', 'loader']."""
+    text = re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", text)
+    return [w for w in re.split(r"[^a-z]+", text.lower()) if w]
+
+
+def _verdict(words: Iterable[str]) -> Optional[str]:
+    words = list(words)
+    if any(_TRAIN_RE.match(w) for w in words):
+        return "train"
+    if any(_EVAL_RE.match(w) for w in words):
+        return "eval"
+    return None
+
+
+def _expression_words(node: cst.CSTNode) -> List[str]:
+    """Words of the names and strings in an expression; `train=False` counts as 'eval'.
+    (A loop, not a recursive closure: a closure that calls itself is a reference cycle, left for
+    the garbage collector, which the runner keeps paused while a file is processed.)"""
+    out: List[str] = []
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        tp = type(n)
+        if tp is cst.Name:
+            out.extend(_words(n.value))
+        elif tp is cst.SimpleString:
+            try:
+                value = n.evaluated_value
+            except Exception:  # noqa: BLE001 - odd literals carry no signal
+                continue
+            if not isinstance(value, bytes):
+                out.extend(_words(value))
+        elif tp is cst.Arg and n.keyword is not None:
+            if n.keyword.value in _TRAIN_FLAGS and type(n.value) is cst.Name and n.value.value in ("True", "False"):
+                out.append("train" if n.value.value == "True" else "eval")
+            elif n.keyword.value not in _TRAIN_FLAGS:
+                stack.append(n.value)
+        else:
+            stack.extend(reversed(child_nodes(n)))
+    return out
+
+
+def key_of(node: cst.CSTNode) -> Optional[str]:
+    """`a.b` for Name/Attribute chains, `a.b['k']` for a string subscript of one, else None."""
+    tp = type(node)
+    if tp is cst.Subscript:
+        base = dotted(node.value)
+        index = _literal_index(node)
+        if base is not None and index is not None:
+            return f"{base}[{index!r}]"
+        return None
+    if tp is cst.Name or tp is cst.Attribute:
+        return dotted(node)
+    return None
+
+
+def _literal_index(node: cst.Subscript) -> Optional[str]:
+    if len(node.slice) != 1 or not isinstance(node.slice[0].slice, cst.Index):
+        return None
+    value = node.slice[0].slice.value
+    if isinstance(value, cst.SimpleString):
+        try:
+            text = value.evaluated_value
+        except Exception:  # noqa: BLE001
+            return None
+        return text if isinstance(text, str) else None
+    return None
+
+
+def is_pure(node: cst.CSTNode) -> bool:
+    """Cheap to evaluate twice and free of side effects: names, attributes, constant subscripts."""
+    if isinstance(node, cst.Name):
+        return True
+    if isinstance(node, cst.Attribute):
+        return is_pure(node.value)
+    if isinstance(node, cst.Subscript):
+        if not is_pure(node.value):
+            return False
+        for element in node.slice:
+            if not isinstance(element.slice, cst.Index):
+                return False
+            value = element.slice.value
+            if not (isinstance(value, (cst.SimpleString, cst.Integer)) or is_pure(value)):
+                return False
+        return True
+    return False
+
+
+def is_literal(node: Optional[cst.CSTNode], *values: str) -> bool:
+    return isinstance(node, cst.Name) and node.value in values
+
+
+def _parenthesize(text: str, node: cst.CSTNode) -> str:
+    return f"({text})" if isinstance(node, (cst.IfExp, cst.Lambda, cst.NamedExpr)) and not node.lpar else text
+
+
+def bind_args(call: cst.Call) -> Optional[Dict[str, cst.Arg]]:
+    """DataLoader parameters -> the Arg passing them, or None when `*args` hides positions."""
+    out: Dict[str, cst.Arg] = {}
+    position = 0
+    for a in call.args:
+        if a.star == "*":
+            return None
+        if a.star == "**":
+            continue
+        if a.keyword is None:
+            if position >= len(PARAMS):
+                return None
+            out[PARAMS[position]] = a
+            position += 1
+        else:
+            out[a.keyword.value] = a
+    return out
+
+
+def _func_name(call: cst.Call) -> Optional[str]:
+    tp = type(call.func)
+    if tp is cst.Name:
+        return call.func.value
+    if tp is cst.Attribute:
+        return call.func.attr.value
+    return None
+
+
+def loops_of(node: cst.CSTNode, ctx, stop: cst.CSTNode) -> List[cst.CSTNode]:
+    """Loops whose body (not header) holds `node`, innermost first, up to `stop`."""
+    out = []
+    child = node
+    for anc in ctx.ancestors(node):
+        if anc is stop:
+            break
+        tp = type(anc)
+        if (tp is cst.For or tp is cst.While) and child in (anc.body, anc.orelse):
+            out.append(anc)
+        if tp in _SCOPES:
+            break
+        child = anc
+    return out
+
+
+def header_loop(node: cst.CSTNode, ctx) -> Optional[cst.For]:
+    """The `for` whose iterable expression holds `node` (a batch loop over it)."""
+    child = node
+    for anc in ctx.ancestors(node):
+        if isinstance(anc, cst.For) and child is anc.iter:
+            return anc
+        if isinstance(anc, (cst.BaseStatement, cst.IndentedBlock)):
+            return None
+        child = anc
+    return None
+
+
+# --- the analysis -----------------------------------------------------------------------------
+
+class _Scan:
+    """Names, functions and returns of the module, from the context's node index."""
+
+    def __init__(self, ctx) -> None:
+        self.ctx = ctx
+        self.functions: List[cst.FunctionDef] = ctx.nodes(cst.FunctionDef)
+        self.returns: List[cst.Return] = ctx.nodes(cst.Return)
+
+    @property
+    def identifiers(self) -> Set[str]:
+        return {n.value for n in self.ctx.nodes(cst.Name)}
+
+    def named(self, values: Set[str]) -> List[cst.Name]:
+        """The Name nodes spelling one of `values`, in source order."""
+        found = [n for v in values for n in self.ctx.named(v)]
+        if len(values) > 1:
+            found.sort(key=self.ctx.position)
+        return found
+
+
+class LoaderFacts:
+    """The loaders of one module and where they are visible: built once per module (see
+    `loader_facts`), whatever rules run; what to do with them is the data rules' plan."""
+
+    def release(self) -> None:
+        """Called by `Context.close()`: loaders and their refs point at each other (and at the
+        module, their scope), so unlink them to let reference counting free the file's tree."""
+        for loader in self.loaders:
+            loader.refs.clear()
+
+    def __init__(self, ctx) -> None:
+        self.ctx = ctx
+        self.facts = analysis.facts(ctx)
+        self.loaders: List[Loader] = []
+        self.refs: Dict[Tuple[int, str], Ref] = {}
+        self.dict_refs: Dict[Tuple[int, str], List[Ref]] = {}
+        self.heads: Set[str] = set()  # first names of every ref key: a cheap filter for lookups
+        self._sites: Optional[Tuple[Tuple[int, int, int], List[Tuple[cst.CSTNode, List[Ref]]]]] = None
+        self._scope_chains: Dict[int, Tuple[cst.CSTNode, ...]] = {}  # see `scopes`
+        self._words_of_dataset: Dict[int, List[str]] = {}  # see `_dataset_words`
+        self.distributed = analysis.is_distributed(ctx)
+        self.skip_file = any(ctx.imports.imports_module(m) for m in SELF_SHARDING)
+        subclasses = ctx.program.loader_classes  # the program's own DataLoader subclasses
+        calls = [c for c, name in self.facts.calls
+                 if name in DATALOADERS or (subclasses and dotted(c.func) in subclasses)]
+        self.scan: Optional[_Scan] = None
+        if not calls:
+            return
+        self.scan = _Scan(ctx)
+        self.functions_by_name: Dict[str, List[cst.FunctionDef]] = {}
+        for fn in self.scan.functions:
+            self.functions_by_name.setdefault(fn.name.value, []).append(fn)
+        self.assigns_by_key: Dict[str, List[cst.Assign]] = {}
+        for assign in self.facts.assigns:
+            for t in assign.targets:
+                k = key_of(t.target)
+                if k is not None:
+                    self.assigns_by_key.setdefault(k, []).append(assign)
+        # same-file call graph (by name), computed once
+        self.callee_map: Dict[int, List[Tuple[cst.FunctionDef, bool]]] = {}
+        self.callers: Dict[int, List[cst.Call]] = {}
+        for call, _name in self.facts.calls:
+            found = self._find_callees(call)
+            if found:
+                self.callee_map[id(call)] = found
+                for fn, _skip in found:
+                    self.callers.setdefault(id(fn), []).append(call)
+        self.set_epoch_calls = [c for c, name in self.facts.calls if name == TM_SET_EPOCH or (
+            type(c.func) is cst.Attribute and c.func.attr.value == "set_epoch")]
+        self.by_call: Dict[int, Loader] = {}
+        for i, call in enumerate(calls):
+            self.loaders.append(self._loader(call, i))
+            self.by_call[id(call)] = self.loaders[-1]
+        self._follow()
+
+    # --- scopes -------------------------------------------------------------------------
+    def function_of(self, node: cst.CSTNode) -> cst.CSTNode:
+        return self.ctx.enclosing(node, cst.FunctionDef) or self.ctx.module
+
+    def class_of(self, fn: cst.CSTNode) -> Optional[cst.ClassDef]:
+        if not isinstance(fn, cst.FunctionDef):
+            return None
+        block = self.ctx.parent(fn)
+        owner = self.ctx.parent(block) if block is not None else None
+        return owner if isinstance(owner, cst.ClassDef) else None
+
+    def scopes(self, node: cst.CSTNode) -> Tuple[cst.CSTNode, ...]:
+        """Scopes whose names `node` can see, innermost first (methods also see `self.` names).
+        Every node of a function sees the same chain, so it is built once per function (lookups
+        ask for it for every name that may denote a loader)."""
+        fn = self.ctx.enclosing(node, cst.FunctionDef)
+        if fn is None:
+            return (self.ctx.module,)
+        chain = self._scope_chains.get(id(fn))
+        if chain is None:
+            cls = self.class_of(fn)
+            chain = (fn,) + ((cls,) if cls is not None else ()) + self.scopes(fn)
+            self._scope_chains[id(fn)] = chain
+        return chain
+
+    def binding_scope(self, node: cst.CSTNode, key: str) -> cst.CSTNode:
+        fn = self.function_of(node)
+        if key.split(".")[0] in ("self", "cls"):
+            return self.class_of(fn) or fn
+        return fn
+
+    def assigns_at(self, node: cst.CSTNode, key: str) -> List[cst.Assign]:
+        """Assignments to `key` that `node` sees: those of the innermost scope binding it (a
+        parameter of an enclosing function hides outer assignments)."""
+        found = self.assigns_by_key.get(key, [])
+        if not found:
+            return []
+        head = key.split(".")[0].split("[")[0]
+        for scope in self.scopes(node):
+            if isinstance(scope, cst.ClassDef):
+                if head in ("self", "cls"):
+                    return [a for a in found if self.class_of(self.function_of(a)) is scope]
+                continue
+            here = [a for a in found if self.function_of(a) is scope]
+            if here:
+                return here
+            if isinstance(scope, cst.FunctionDef) and head in _param_names(scope):
+                return []
+        return []
+
+    def lookup(self, node: cst.CSTNode, key: str) -> Optional[Ref]:
+        for scope in self.scopes(node):
+            ref = self.refs.get((id(scope), key))
+            if ref is not None:
+                return ref
+        return None
+
+    def lookup_dict(self, node: cst.CSTNode, base: str) -> List[Ref]:
+        for scope in self.scopes(node):
+            refs = self.dict_refs.get((id(scope), base))
+            if refs:
+                return refs
+        return []
+
+    def add_ref(self, scope: cst.CSTNode, key: str, text: str, loaders: Sequence[Loader],
+                binding: Optional[cst.CSTNode] = None) -> bool:
+        ref = self.refs.get((id(scope), key))
+        changed = False
+        if ref is None:
+            ref = Ref(scope, key, text, binding=binding)
+            self.refs[(id(scope), key)] = ref
+            self.heads.add(key.split(".")[0].split("[")[0])
+            if "[" in key:
+                self.dict_refs.setdefault((id(scope), key.split("[", 1)[0]), []).append(ref)
+            changed = True
+        for loader in loaders:
+            if loader not in ref.loaders:
+                ref.loaders.append(loader)
+                loader.refs.append(ref)
+                changed = True
+        return changed
+
+    def refs_at(self, node: cst.CSTNode) -> List[Ref]:
+        """Refs that the expression `node` denotes (a wildcard subscript of a dict denotes all)."""
+        head = node
+        while type(head) in _CHAIN:
+            head = head.value
+        if type(head) is not cst.Name or head.value not in self.heads:
+            return []
+        k = key_of(node)
+        if k is not None:
+            ref = self.lookup(node, k)
+            if ref is not None:
+                return [ref]
+        if type(node) is cst.Subscript:
+            base = dotted(node.value)
+            if base is not None and _literal_index(node) is None:
+                return self.lookup_dict(node, base)
+        return []
+
+    # --- one DataLoader -----------------------------------------------------------------
+    def _loader(self, call: cst.Call, index: int) -> Loader:
+        ctx = self.ctx
+        statement = ctx.statement_of(call)
+        scope = self.function_of(call)
+        loader = Loader(call, statement, scope, None, index=index)
+        target_node, keys = self._target(call)
+        if target_node is not None:
+            base = key_of(target_node)
+            if keys is None:
+                loader.target = code(target_node)
+                self.add_ref(self.binding_scope(call, base), base, loader.target, [loader], statement)
+            else:
+                comp = ctx.parent(call)
+                key_var = comp.key if isinstance(comp, cst.DictComp) else None
+                loader.target = f"{code(target_node)}[{code(key_var) if key_var is not None else keys[0][1]}]"
+                for key_text, literal in keys:
+                    text = f"{code(target_node)}[{literal}]"
+                    scope = self.binding_scope(call, base)
+                    self.add_ref(scope, f"{base}[{key_text!r}]", text, [loader], statement)
+                    self.refs[(id(scope), f"{base}[{key_text!r}]")].eval = _verdict(_words(key_text)) == "eval"
+            loader.bound = tuple(r.key for r in loader.refs)
+        args = bind_args(call)
+        if args is not None:
+            loader.dataset = args["dataset"].value if "dataset" in args else None
+            loader.shuffle = args["shuffle"].value if "shuffle" in args else None
+        loader.kind, loader.condition = self._classify(call, loader, keys)
+        loader.status = self._status(call, loader, args)
+        if loader.kind == "eval" and args is not None and "batch_size" in args:
+            size = args["batch_size"].value
+            # `num_neg + 1`: one positive and its negatives per batch (`2 * bs` is just a size)
+            if isinstance(size, cst.BinaryOperation) and isinstance(size.operator, (cst.Add, cst.Subtract)) \
+                    and not is_literal(loader.shuffle, "True"):
+                loader.grouped = code(size)
+        return loader
+
+    def _target(self, call: cst.Call):
+        """(target node, dict keys) where the loader is bound: `x = DataLoader()` gives (x, None);
+        `d = {"train": DataLoader()}` gives (d, [("train", '"train"')]); comprehensions over a
+        literal list give every key."""
+        ctx = self.ctx
+        node: cst.CSTNode = call
+        parent = ctx.parent(node)
+        keys = None
+        if isinstance(parent, cst.DictElement) and parent.value is node and isinstance(parent.key, cst.SimpleString):
+            try:
+                key = parent.key.evaluated_value
+            except Exception:  # noqa: BLE001
+                return None, None
+            keys = [(key, parent.key.value)]
+            node = ctx.parent(parent)
+            parent = ctx.parent(node)
+        elif isinstance(parent, cst.DictComp) and parent.value is node:
+            keys = self._comp_keys(parent)
+            if keys is None:
+                return None, None
+            node, parent = parent, ctx.parent(parent)
+        if isinstance(parent, cst.IfExp) and node is not parent.test:  # `x = DataLoader(...) if c else None`
+            node, parent = parent, ctx.parent(parent)
+        index = None
+        if isinstance(parent, cst.Element) and isinstance(ctx.parent(parent), cst.Tuple):
+            tup = ctx.parent(parent)
+            index = list(tup.elements).index(parent)
+            node, parent = tup, ctx.parent(tup)
+        if isinstance(parent, cst.Assign) and parent.value is node and len(parent.targets) == 1:
+            target = parent.targets[0].target
+        elif isinstance(parent, cst.AnnAssign) and parent.value is node:
+            target = parent.target
+        else:
+            return None, None
+        if index is not None:
+            if not isinstance(target, (cst.Tuple, cst.List)) or index >= len(target.elements):
+                return None, None
+            target = target.elements[index].value
+        if key_of(target) is None or "[" in (key_of(target) or ""):
+            return None, None
+        return target, keys
+
+    def _comp_keys(self, comp: cst.DictComp):
+        """Keys of `{k: ... for k in ["train", "val"]}` as (value, source literal), else None."""
+        f = comp.for_in
+        if f.inner_for_in is not None or not isinstance(f.target, cst.Name) or not isinstance(comp.key, cst.Name):
+            return None
+        if comp.key.value != f.target.value or not isinstance(f.iter, (cst.List, cst.Tuple, cst.Set)):
+            return None
+        out = []
+        for el in f.iter.elements:
+            if not isinstance(el.value, cst.SimpleString):
+                return None
+            try:
+                out.append((el.value.evaluated_value, el.value.value))
+            except Exception:  # noqa: BLE001
+                return None
+        return out
+
+    def _classify(self, call: cst.Call, loader: Loader, keys) -> Tuple[str, Optional[str]]:
+        ctx = self.ctx
+        if keys:
+            verdicts = [(_verdict(_words(k)) or "train", lit) for k, lit in keys]
+            train = [lit for v, lit in verdicts if v == "train"]
+            if len(train) == len(verdicts):
+                return "train", None
+            if not train:
+                return "eval", None
+            comp = ctx.parent(call)
+            var = comp.for_in.target.value if isinstance(comp, cst.DictComp) else None
+            if var is None:
+                return "train", None
+            cond = f"{var} == {train[0]}" if len(train) == 1 else f"{var} in ({', '.join(train)})"
+            return "mixed", cond
+        sources: List[List[str]] = []
+        if loader.target:
+            sources.append(_words(loader.target.split(".")[-1]))
+        if loader.dataset is not None:
+            sources.append(self._dataset_words(loader))
+        fn = self.function_of(call)
+        if isinstance(fn, cst.FunctionDef):
+            sources.append(_words(fn.name.value))
+        for words in sources:
+            verdict = _verdict(words)
+            if verdict:
+                return verdict, None
+        shuffle = loader.shuffle
+        if shuffle is not None and not is_literal(shuffle, "True", "False", "None"):
+            if _verdict(_expression_words(shuffle)):
+                loader.condition_is_shuffle = True
+                return "mixed", _parenthesize(code(shuffle), shuffle)
+        return "train", None
+
+    def _dataset_words(self, loader: Loader) -> List[str]:
+        """Words of the dataset expression and of up to three assignments to it, which both
+        `_classify` and `_status` weigh: found once per loader (callers must not change it)."""
+        words = self._words_of_dataset.get(loader.index)
+        if words is None:
+            words = _expression_words(loader.dataset)
+            k = key_of(loader.dataset)
+            if k is not None:
+                for assign in self.assigns_at(loader.call, k)[:3]:
+                    words += _expression_words(assign.value)
+            self._words_of_dataset[loader.index] = words
+        return words
+
+    def _status(self, call: cst.Call, loader: Loader, args) -> str:
+        """"plain", "distributed", "sharded", "custom", "iterable" or "unknown" (see `Loader`)."""
+        if args is None:
+            loader.unknown = "star-args"
+            return "unknown"
+        for name in ("sampler", "batch_sampler"):
+            arg = args.get(name)
+            if arg is not None and not is_literal(arg.value, "None") and not self.always_none(arg.value, call):
+                if self._distributed_sampler(arg.value, loader):
+                    return "distributed"
+                if self._mentions_rank(arg.value, call):
+                    return "sharded"
+                loader.custom_arg, loader.custom_param = arg, name
+                return "custom"
+        if loader.dataset is None:
+            loader.unknown = "no-dataset"
+            return "unknown"
+        if self._iterable(loader.dataset, call):
+            return "iterable"
+        words = self._dataset_words(loader)
+        if any(_RANK_RE.match(w) for w in ["_".join(words[i:i + 2]) for i in range(len(words))] + words):
+            return "sharded"
+        for a in call.args:
+            if a.star == "**":
+                keys = self._dict_keys(a.value, call)
+                if keys is None or keys & {"sampler", "batch_sampler", "dataset"} or not keys <= KNOWN_KWARGS:
+                    loader.unknown, loader.kwargs_arg = "kwargs", a.value
+                    return "unknown"
+                if "shuffle" in keys:
+                    if loader.shuffle is not None or not isinstance(a.value, cst.Name) or loader.kwargs_shuffle:
+                        loader.unknown = "kwargs-shuffle"
+                        return "unknown"
+                    loader.kwargs_shuffle = a.value.value
+        return "plain"
+
+    def _mentions_rank(self, node: cst.CSTNode, at: cst.CSTNode) -> bool:
+        """A sampler built with the rank or world size (a project's own distributed sampler)."""
+        words = _expression_words(node)
+        k = key_of(node)
+        if k is not None:
+            for assign in self.assigns_at(at, k)[:3]:
+                words += _expression_words(assign.value)
+        pairs = ["_".join(words[i:i + 2]) for i in range(len(words))]
+        return any(_RANK_RE.match(w) for w in pairs + words)
+
+    def may_be_none(self, node: cst.CSTNode, at: cst.CSTNode) -> bool:
+        """A sampler that can be None: `x if c else None`, a name assigned something other than a
+        call (`sampler = DistributedSampler(ds) if distributed else None`), or a parameter of the
+        enclosing function (`def make(ds, sampler=None)`)."""
+        if isinstance(node, cst.IfExp):
+            return True
+        k = key_of(node)
+        if k is None:
+            return False
+        assigns = self.assigns_at(at, k)
+        if any(not isinstance(a.value, cst.Call) for a in assigns):
+            return True
+        scope = self.ctx.scope_of(at)
+        if assigns or not isinstance(node, cst.Name) or not isinstance(scope, cst.FunctionDef):
+            return False
+        positional, keyword_only = analysis._function_params(scope)
+        return node.value in positional or node.value in keyword_only
+
+    def always_none(self, node: cst.CSTNode, at: cst.CSTNode) -> bool:
+        """A name whose every assignment in scope is `None` (`sampler = None`)."""
+        k = key_of(node)
+        assigns = self.assigns_at(at, k) if k is not None else []
+        return bool(assigns) and all(is_literal(a.value, "None") for a in assigns)
+
+    def _dict_keys(self, node: cst.CSTNode, call: cst.Call, depth: int = 0) -> Optional[Set[str]]:
+        """String keys a `**name` dict may hold, from its literal assignments and `.update()`s."""
+        if depth > 3:
+            return None
+        if isinstance(node, cst.Dict):
+            keys: Set[str] = set()
+            for el in node.elements:
+                if isinstance(el, cst.StarredDictElement):
+                    inner = self._dict_keys(el.value, call, depth + 1)
+                    if inner is None:
+                        return None
+                    keys |= inner
+                elif isinstance(el.key, cst.SimpleString):
+                    keys.add(el.key.evaluated_value)
+                else:
+                    return None
+            return keys
+        if isinstance(node, cst.IfExp):
+            a = self._dict_keys(node.body, call, depth + 1)
+            b = self._dict_keys(node.orelse, call, depth + 1)
+            return None if a is None or b is None else a | b
+        if isinstance(node, cst.Call) and isinstance(node.func, cst.Name) and node.func.value == "dict":
+            if any(a.keyword is None for a in node.args):
+                return None
+            return {a.keyword.value for a in node.args}
+        if isinstance(node, cst.Name):
+            assigns = self.assigns_at(call, node.value)
+            if not assigns:
+                return None
+            keys = set()
+            for assign in assigns:
+                inner = self._dict_keys(assign.value, call, depth + 1)
+                if inner is None:
+                    return None
+                keys |= inner
+            # item assignments and .update() calls on the same name in the same scope
+            scope = self.function_of(assigns[0])
+            for k in self.assigns_by_key:
+                if k.startswith(node.value + "[") and any(self.function_of(a) is scope for a in self.assigns_by_key[k]):
+                    keys.add(k[len(node.value) + 2:-2])
+            for c, _name in self.facts.calls:
+                if isinstance(c.func, cst.Attribute) and dotted(c.func.value) == node.value \
+                        and self.function_of(c) is scope:
+                    if c.func.attr.value == "update":
+                        for a in c.args:
+                            inner = self._dict_keys(a.value, call, depth + 1) if a.keyword is None else {a.keyword.value}
+                            if inner is None:
+                                return None
+                            keys |= inner
+                    elif c.func.attr.value in ("setdefault", "__setitem__"):
+                        if c.args and isinstance(c.args[0].value, cst.SimpleString):
+                            keys.add(c.args[0].value.evaluated_value)
+                        else:
+                            return None
+            return keys
+        return None
+
+    def _distributed_sampler(self, node: cst.CSTNode, loader: Loader) -> bool:
+        """A DistributedSampler / tm sampler, inline or bound to a name or attribute."""
+        shuffles: List[bool] = []
+
+        def calls_in(n: cst.CSTNode) -> bool:
+            found = False
+            for c in calls_within(self.ctx, n):
+                name = self.ctx.resolve(c.func)
+                if name in DIST_SAMPLERS:
+                    shuffle = next((a.value for a in c.args if a.keyword and a.keyword.value == "shuffle"), None)
+                    positional = [a for a in c.args if a.keyword is None and not a.star]
+                    if shuffle is None and len(positional) >= 4:
+                        shuffle = positional[3].value
+                    shuffles.append(not is_literal(shuffle, "False"))
+                    found = True
+                elif name == TM_SHARD_SAMPLER:
+                    shuffles.append(True)
+                    found = loader.runtime_sampler = True
+                elif name in (TM_SAMPLER, TM_EVAL_SAMPLER):
+                    loader.runtime_sampler = True
+                    shuffle = next((a.value for a in c.args if a.keyword and a.keyword.value == "shuffle"), None)
+                    if shuffle is None and len(c.args) > 1 and c.args[1].keyword is None:
+                        shuffle = c.args[1].value
+                    shuffles.append(name == TM_SAMPLER and not is_literal(shuffle, "False", "None"))
+                    found = True
+            return found
+
+        if calls_in(node):
+            loader.sampler_shuffles = any(shuffles)
+            loader.inline_distributed = isinstance(node, cst.Call) and self.ctx.resolve(node.func) in DIST_SAMPLERS
+            return True
+        k = key_of(node)
+        if k is None:
+            return False
+        assigns = self.assigns_at(loader.call, k)
+        if not any(calls_in(a.value) for a in assigns):
+            return False
+        loader.sampler_shuffles = any(shuffles)
+        unconditional = all(isinstance(a.value, cst.Call) and self.ctx.resolve(a.value.func) in DIST_SAMPLERS
+                            for a in assigns)
+        if unconditional and isinstance(node, cst.Name):
+            loader.sampler_name = (self.function_of(assigns[0]), node.value)
+        return True
+
+    def _iterable(self, node: cst.CSTNode, at: cst.CSTNode) -> bool:
+        def iterable_call(n: cst.CSTNode) -> bool:
+            for c in calls_within(self.ctx, n):
+                name = self.ctx.resolve(c.func)
+                if name and (name in ITERABLE_BASES or name.startswith(ITERABLE_FACTORIES)):
+                    return True
+                if name in ("datasets.load_dataset",) and any(
+                        a.keyword and a.keyword.value == "streaming" and is_literal(a.value, "True") for a in c.args):
+                    return True
+                if isinstance(c.func, cst.Name) and self._iterable_class(c.func.value, 0):
+                    return True
+            return False
+
+        if iterable_call(node):
+            return True
+        k = key_of(node)
+        return k is not None and any(iterable_call(a.value) for a in self.assigns_at(at, k)[:5])
+
+    def _iterable_class(self, name: str, depth: int) -> bool:
+        cls = self.facts.classes.get(name)
+        if cls is None or depth > 5:
+            return False
+        for base in cls.bases:
+            resolved = self.ctx.resolve(base.value)
+            if resolved in ITERABLE_BASES:
+                return True
+            if isinstance(base.value, cst.Name) and self._iterable_class(base.value.value, depth + 1):
+                return True
+        return False
+
+    # --- where loaders are used ----------------------------------------------------------
+    def uses(self, want) -> Iterable[Tuple[cst.CSTNode, Ref]]:
+        """(expression, ref) for every expression in the module that names a loader for which
+        `want(loader)` holds: `train_loader`, `self.val_loader`, `loaders[phase]`. Attribute
+        reads (`loader.dataset`) and parameter or definition names are not uses."""
+        for node, found in self._use_sites():
+            for ref in found:
+                if any(want(x) for x in ref.loaders):
+                    yield node, ref
+
+    def _use_sites(self) -> List[Tuple[cst.CSTNode, List[Ref]]]:
+        """Every expression naming a known loader, with its refs (found once, after the refs
+        are complete; recomputed if a ref is added later)."""
+        version = (len(self.refs), len(self.dict_refs), len(self.heads))
+        if self._sites is not None and self._sites[0] == version:
+            return self._sites[1]
+        ctx = self.ctx
+        sites = []
+        for name in self.scan.named(self.heads) if self.scan is not None else ():
+            parent = ctx.parent(name)
+            parent_type = type(parent)
+            if parent_type is cst.Attribute and parent.attr is name:
+                continue
+            if parent_type in _DEFINITIONS:
+                continue
+            if parent_type is cst.Arg and parent.keyword is name:
+                continue
+            node: cst.CSTNode = name
+            while True:
+                found = self.refs_at(node)
+                if found:
+                    break
+                up = ctx.parent(node)
+                if type(up) in _CHAIN and up.value is node:
+                    node = up
+                    continue
+                break
+            up = ctx.parent(node)
+            if not found or type(up) in _CHAIN and up.value is node:
+                continue  # `loader.dataset`, `loader.sampler`: not an iteration
+            sites.append((node, found))
+        self._sites = (version, sites)
+        return sites
+
+    def iterated_with_grad(self, loader: Loader) -> bool:
+        """A `for` (or comprehension) over the loader runs outside no_grad/inference_mode."""
+        for node, _ref in self.uses(lambda x: x is loader):
+            site = _iteration_site(node, self.ctx)
+            if site is not None and not self.grad_free(site, 0):
+                return True
+        return False
+
+    def grad_free(self, node: cst.CSTNode, depth: int) -> bool:
+        """`node` runs under `torch.no_grad()`/`inference_mode()` (a `with`, a decorator, or every
+        same-file call of its function)."""
+        ctx = self.ctx
+        if depth > 4:
+            return False
+        for anc in ctx.ancestors(node):
+            if isinstance(anc, cst.With) and any(self._no_grad(item.item) for item in anc.items):
+                return True
+            if isinstance(anc, cst.FunctionDef):
+                if any(self._no_grad(d.decorator) for d in anc.decorators):
+                    return True
+                sites = self.callers.get(id(anc), [])
+                return bool(sites) and all(self.grad_free(c, depth + 1) for c in sites)
+            if isinstance(anc, (cst.Lambda, cst.ClassDef)):
+                return False
+        return False
+
+    def _no_grad(self, node: cst.CSTNode) -> bool:
+        func = node.func if isinstance(node, cst.Call) else node
+        name = self.ctx.resolve(func)
+        if name in NO_GRAD:
+            return True
+        if name == "torch.set_grad_enabled" and isinstance(node, cst.Call) and node.args:
+            return is_literal(node.args[0].value, "False")
+        return False
+
+    # --- following loaders through helpers ------------------------------------------------
+    def _follow(self) -> None:
+        """Refs for names bound from helper returns, parameters and plain aliases, to a fixpoint."""
+        for _ in range(8):
+            changed = False
+            returns = self.returns()
+            for assign in self.facts.assigns:
+                changed |= self._assign_ref(assign, returns)
+            for call, _name in self.facts.calls:
+                if id(call) in self.callee_map:
+                    changed |= self._param_refs(call)
+            if not changed:
+                break
+
+    def returns(self) -> Dict[str, Dict[Optional[int], List[Loader]]]:
+        """Which functions of the module return loaders: function name -> {tuple index or None:
+        the loaders it returns there} (from the refs known so far: computed on each call)."""
+        out: Dict[str, Dict[Optional[int], List[Loader]]] = {}
+        for ret in self.scan.returns:
+            fn = self.ctx.enclosing(ret, cst.FunctionDef)
+            if fn is None or ret.value is None:
+                continue
+            values = ([(None, ret.value)] if not isinstance(ret.value, cst.Tuple)
+                      else [(i, el.value) for i, el in enumerate(ret.value.elements)])
+            for index, value in values:
+                found = self._loaders_of(value)
+                if found:
+                    slot = out.setdefault(fn.name.value, {}).setdefault(index, [])
+                    slot.extend(x for x in found if x not in slot)
+        return out
+
+    def _loaders_of(self, node: cst.CSTNode) -> List[Loader]:
+        if id(node) in self.by_call:
+            return [self.by_call[id(node)]]
+        refs = self.refs_at(node) if type(node) in _REFERENCES else []
+        return [x for r in refs for x in r.loaders]
+
+    def _assign_ref(self, assign: cst.Assign, returns) -> bool:
+        if len(assign.targets) != 1:
+            return False
+        target = assign.targets[0].target
+        value = assign.value
+        pairs: List[Tuple[cst.CSTNode, List[Loader]]] = []
+        if type(value) is cst.Call and id(value) not in self.by_call:
+            name = _func_name(value)
+            result = returns.get(name) if name else None
+            if result:
+                if isinstance(target, (cst.Tuple, cst.List)):
+                    for i, el in enumerate(target.elements):
+                        if i in result:
+                            pairs.append((el.value, result[i]))
+                elif None in result:
+                    pairs.append((target, result[None]))
+        elif type(value) in _REFERENCES:
+            found = self._loaders_of(value)
+            if found:
+                pairs.append((target, found))
+        changed = False
+        for node, found in pairs:
+            k = key_of(node)
+            if k is None or "[" in k:
+                continue
+            statement = self.ctx.statement_of(assign)
+            changed |= self.add_ref(self.binding_scope(assign, k), k, code(node), found, statement)
+        return changed
+
+    def _param_refs(self, call: cst.Call) -> bool:
+        changed = False
+        for callee, skip_first in self.callees(call):
+            for param, value in bind_params(callee, call, skip_first):
+                found = self._loaders_of(value) if type(value) in _REFERENCES else []
+                if found:
+                    changed |= self.add_ref(callee, param, param, found, None)
+        return changed
+
+    def callees(self, call: cst.Call) -> List[Tuple[cst.FunctionDef, bool]]:
+        return self.callee_map.get(id(call), [])
+
+    def contains_set_epoch(self, node: cst.CSTNode) -> bool:
+        return any(any(anc is node for anc in self.ctx.ancestors(c)) for c in self.set_epoch_calls)
+
+    def _find_callees(self, call: cst.Call) -> List[Tuple[cst.FunctionDef, bool]]:
+        """Same-file functions a call may run: `f(...)`, `obj.f(...)` (methods), `Cls(...)` (__init__)."""
+        out: List[Tuple[cst.FunctionDef, bool]] = []
+        func_type = type(call.func)
+        if func_type is cst.Name:
+            name = call.func.value
+            for fn in self.functions_by_name.get(name, ()):
+                if self.class_of(fn) is None:
+                    out.append((fn, False))
+            cls = self.facts.classes.get(name)
+            if cls is not None:
+                for fn in self.functions_by_name.get("__init__", ()):
+                    if self.class_of(fn) is cls:
+                        out.append((fn, True))
+        elif func_type is cst.Attribute:
+            for fn in self.functions_by_name.get(call.func.attr.value, ()):
+                if self.class_of(fn) is not None:
+                    out.append((fn, True))
+        return out
+
+
+def _iteration_site(node: cst.CSTNode, ctx) -> Optional[cst.CSTNode]:
+    """The `for` or comprehension whose iterable holds `node` (`for b in tqdm(loader)`)."""
+    child = node
+    for anc in ctx.ancestors(node):
+        if isinstance(anc, (cst.For, cst.CompFor)) and child is anc.iter:
+            return anc
+        if isinstance(anc, (cst.BaseStatement, cst.IndentedBlock, cst.Lambda)):
+            return None
+        child = anc
+    return None
+
+
+def calls_within(ctx, node: cst.CSTNode) -> List[cst.Call]:
+    """Calls in an expression, in source order (not descending into lambdas), from the node index."""
+    if type(node) is cst.Lambda:
+        return []
+    return ctx.within(node, cst.Call, skip_defs=True)  # an expression holds no def or class
+
+
+def _param_names(fn: cst.FunctionDef) -> Set[str]:
+    p = fn.params
+    names = {x.name.value for x in (*p.posonly_params, *p.params, *p.kwonly_params)}
+    for star in (p.star_arg, p.star_kwarg):
+        if isinstance(star, cst.Param):
+            names.add(star.name.value)
+    return names
+
+
+def bind_params(fn: cst.FunctionDef, call: cst.Call, skip_first: bool) -> List[Tuple[str, cst.BaseExpression]]:
+    params = [*fn.params.posonly_params, *fn.params.params]
+    if skip_first and params and params[0].name.value in ("self", "cls"):
+        params = params[1:]
+    names = {p.name.value for p in (*params, *fn.params.kwonly_params)}
+    out = []
+    position = 0
+    for a in call.args:
+        if a.star:
+            if a.star == "*":
+                break
+            continue
+        if a.keyword is None:
+            if position < len(params):
+                out.append((params[position].name.value, a.value))
+            position += 1
+        elif a.keyword.value in names:
+            out.append((a.keyword.value, a.value))
+    return out
+
+
+def loader_facts(ctx) -> LoaderFacts:
+    """The module's loader facts, built on first use and kept on the context."""
+    found = ctx.facts.get("loaders")
+    if found is None:
+        found = ctx.facts["loaders"] = LoaderFacts(ctx)
+    return found  # type: ignore[return-value]
+
+
+def loaders(ctx) -> List[Loader]:
+    """Every DataLoader of the module, in source order."""
+    return loader_facts(ctx).loaders
+
+
+def refs_at(ctx, node: cst.CSTNode) -> List[Ref]:
+    """Loader refs that the expression `node` denotes (empty when it is not a known loader)."""
+    facts = loader_facts(ctx)
+    return facts.refs_at(node) if facts.scan is not None else []

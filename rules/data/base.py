@@ -1,0 +1,101 @@
+"""What the rules of the data family share: the facts and the plan they read, when they report,
+and the one edit TM201 and TM203 both make (a loader gets its sampler)."""
+
+from __future__ import annotations
+
+from typing import List
+
+import libcst as cst
+
+from torchmigrate.finding import Edit, replace
+from torchmigrate.nodes import code, expr
+from torchmigrate.program.loaders import Loader, LoaderFacts, loader_facts
+from torchmigrate.rule import Rule
+from torchmigrate.rules.data.plan import DataPlan, data_plan
+from torchmigrate.rules.data.rewrite import Hoists, dataset_column, layout_of, rewrite_call
+
+
+class DataRule(Rule):
+    """A rule of the data family: reads the module's loader facts and the family's plan."""
+
+    commands = frozenset({"ddp", "lint"})
+
+    @property
+    def facts(self) -> LoaderFacts:
+        return loader_facts(self.ctx)
+
+    @property
+    def plan(self) -> DataPlan:
+        return data_plan(self.ctx)
+
+    def active(self) -> bool:
+        """DDP-conversion rules report in `lint` only for files that are already distributed."""
+        facts = self.facts
+        if not facts.loaders or facts.skip_file:
+            return False
+        return self.ctx.options.mode != "lint" or facts.distributed
+
+    def add_sampler(self, loader: Loader, message: str) -> None:
+        """Report a plain loader with the edit that gives it its sampler."""
+        ctx, plan = self.ctx, self.plan
+        tm = ctx.tm
+        decided = plan.of(loader)
+        hoist = decided.hoist
+        dataset_text = code(loader.dataset) if hoist is None else hoist[1]
+        if loader.kind == "eval" and decided.eval_with_grad:
+            sampler_text = f"{tm}.sampler({dataset_text}, shuffle=False)"
+        elif loader.kind == "eval":
+            keep = loader.shuffle is not None and not (isinstance(loader.shuffle, cst.Name)
+                                                       and loader.shuffle.value in ("False", "None"))
+            # the loader's own shuffle=True is kept (an evaluation that breaks early scores new batches)
+            sampler_text = (f"{tm}.eval_sampler({dataset_text}, shuffle={code(loader.shuffle)})" if keep
+                            else f"{tm}.eval_sampler({dataset_text})")
+        else:
+            shuffle = (code(loader.shuffle) if loader.shuffle is not None
+                       else f'{loader.kwargs_shuffle}.get("shuffle", False)' if loader.kwargs_shuffle else "False")
+            if loader.kind == "mixed":
+                train_shuffle = "True" if loader.condition_is_shuffle else shuffle
+                sampler_text = (f"{tm}.sampler({dataset_text}, shuffle={train_shuffle}) if {loader.condition} "
+                                f"else {tm}.eval_sampler({dataset_text})")
+            else:
+                sampler_text = f"{tm}.sampler({dataset_text}, shuffle={shuffle})"
+        sampler = expr(sampler_text)
+        edits: List[Edit] = []
+        capture = None
+        new_dataset = None
+        shared = sum(1 for x in self.facts.loaders if x.statement is loader.statement) > 1
+        layout = None if shared else layout_of(ctx, loader.call)  # widths are unknown when two change
+        if hoist is not None:
+            mode, name = hoist
+            if mode == "line":
+                hoists = plan.hoists.get(loader.statement)
+                if hoists is None:
+                    hoists = plan.hoists[loader.statement] = Hoists(loader.statement)
+                old = dataset_column(ctx, loader.call, layout)
+                capture = hoists.add(name, 0 if old is None else len(name) + 3 - old)
+                new_dataset = cst.Name(name)
+            else:
+                new_dataset = cst.NamedExpr(cst.Name(name), loader.dataset)
+        kw = loader.kwargs_shuffle
+        if layout is not None and hoist is not None and hoist[0] == "line":
+            indent, first, widest = layout  # the dataset expression becomes a short name
+            widest -= len(code(loader.dataset)) - len(hoist[1])
+            layout = (indent, first, widest)
+
+        def fix(call: cst.Call, sampler=sampler, new_dataset=new_dataset, capture=capture, kw=kw, layout=layout,
+                walrus=hoist is not None and hoist[0] == "walrus", name=hoist and hoist[1]):
+            if walrus:
+                positional = [a for a in call.args if a.keyword is None and not a.star]
+                current = positional[0] if positional else next(
+                    a for a in call.args if a.keyword is not None and a.keyword.value == "dataset")
+                new_dataset = cst.NamedExpr(cst.Name(name), current.value)
+            return rewrite_call(call, sampler, dataset=new_dataset, capture=capture, kwargs_shuffle=kw, layout=layout)
+
+        edits.append(replace(loader.call, fix))
+        if capture is not None:
+            edits.append(plan.hoists[loader.statement].edit)
+        self.report(loader.call, message, edits=edits, imports=[ctx.runtime_import()])
+
+    def manual(self, loader: Loader) -> None:
+        self.report(loader.call, self.plan.of(loader).reason)
+

@@ -1,0 +1,225 @@
+"""The data family's decisions: for each loader of the module's facts (`program.loaders`), what
+this run does with it.
+
+- ``status``: the loader's own status (`Loader.status`), or ``"unhoistable"`` when it has no
+  sampler and its dataset expression cannot be moved out of its statement;
+- ``hoist``: how TM201/TM203 name the dataset expression before passing it to the sampler:
+  ``("line", name)`` (an assignment before the statement) or ``("walrus", name)``;
+- ``sampler``: the sampler the loader has once this run's fixes are in: ``"distributed"``
+  (padded DistributedSampler semantics: ``tm.sampler``, ``tm.shard_sampler`` or
+  ``DistributedSampler``), ``"eval"`` (``tm.eval_sampler``: every sample exactly once across
+  ranks), ``"mixed"``, ``"custom"`` or None (every rank iterates the whole dataset). An
+  evaluation loader iterated with gradients enabled gets the padded ``tm.sampler(ds,
+  shuffle=False)`` (``eval_with_grad``): a DDP forward then broadcasts buffers, so ranks must
+  run equal batch counts or they hang;
+- ``needs_epoch``: its sampler reshuffles, so epoch loops over it need ``set_epoch`` (TM202);
+- ``reason``: what to do by hand when no rule can (the TODO of a manual finding).
+
+Computed once per module (`data_plan(ctx)`), on the facts alone: which data rules are enabled
+does not change it, so TM202 knows what TM201 gives a loader even when TM201 runs elsewhere.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Dict, Optional, Set, Tuple
+
+import libcst as cst
+
+from torchmigrate.nodes import code
+from torchmigrate.program.loaders import Loader, LoaderFacts, is_literal, is_pure, loader_facts
+
+_COMPREHENSIONS = (cst.ListComp, cst.SetComp, cst.DictComp, cst.GeneratorExp)
+
+
+@dataclass(eq=False)
+class LoaderPlan:
+    """What this run does with one loader (see the module docstring)."""
+
+    status: str
+    reason: str = ""
+    hoist: Optional[Tuple[str, str]] = None  # ("line"|"walrus", new variable name)
+    sampler: Optional[str] = None
+    needs_epoch: bool = False
+    eval_with_grad: bool = False  # an evaluation loop over it runs with gradients enabled
+
+
+class DataPlan:
+    """The plan of every loader of a module, and the hoisted-dataset statements the rules share."""
+
+    def __init__(self, ctx) -> None:
+        self.ctx = ctx
+        self.facts: LoaderFacts = loader_facts(ctx)
+        self.hoists: Dict[cst.CSTNode, object] = {}  # statement -> its `rewrite.Hoists`
+        self._used_names: Optional[Set[str]] = None  # see `_taken_names`
+        self._plans: Dict[int, LoaderPlan] = {}
+        for loader in self.facts.loaders:
+            self._plans[loader.index] = self._plan(loader)
+        for loader in self.facts.loaders:
+            plan = self._plans[loader.index]
+            if loader.kind == "eval" and plan.sampler == "eval" and self.facts.iterated_with_grad(loader):
+                # Unpadded shards give ranks different batch counts; a DDP forward with gradients
+                # enabled broadcasts buffers (a collective), so the rank with more batches would
+                # hang. A padded sampler keeps the counts equal.
+                plan.eval_with_grad = True
+                plan.sampler = "distributed"
+
+    def of(self, loader: Loader) -> LoaderPlan:
+        return self._plans[loader.index]
+
+    def _plan(self, loader: Loader) -> LoaderPlan:
+        plan = LoaderPlan(loader.status, _reason(loader, self.ctx.tm))
+        if loader.status == "plain":
+            plan.hoist = self._hoist_plan(loader.call, loader)
+            if plan.hoist is None and not is_pure(loader.dataset):
+                plan.status = "unhoistable"
+                plan.reason = ("the dataset expression cannot be moved out of this statement: assign it to a "
+                               f"variable `ds` and pass `sampler={self.ctx.tm}.sampler(ds, shuffle=...)` (no `shuffle=`)")
+        plan.sampler = self._sampler_after(loader, plan)
+        plan.needs_epoch = self._needs_epoch(loader, plan)
+        return plan
+
+    def _hoist_plan(self, call: cst.Call, loader: Loader) -> Optional[Tuple[str, str]]:
+        if loader.dataset is None or is_pure(loader.dataset):
+            return None
+        ctx = self.ctx
+        statement = loader.statement
+        mode = "line"
+        child: cst.CSTNode = call
+        in_comprehension = False
+        for anc in ctx.ancestors(call):
+            if anc is statement:
+                break
+            if isinstance(anc, cst.CompFor) and child is anc.iter:
+                return None  # walrus is not allowed in a comprehension's iterable
+            if isinstance(anc, _COMPREHENSIONS):
+                in_comprehension = True
+                mode = "walrus"
+            elif isinstance(anc, (cst.Lambda, cst.IfExp, cst.BooleanOperation)):
+                mode = "walrus"
+            child = anc
+        if statement is None:
+            return None
+        block = ctx.parent(statement)
+        if mode == "line":
+            if isinstance(statement, cst.SimpleStatementLine):
+                small = ctx.enclosing(call, cst.BaseSmallStatement)
+                if statement.body[0] is not small:
+                    mode = "walrus"
+            elif isinstance(statement, cst.For) and ctx.enclosing(call, cst.For) is statement and _within(call, statement.iter, ctx):
+                pass
+            elif isinstance(statement, cst.With) and any(_within(call, item, ctx) for item in statement.items):
+                pass
+            else:
+                mode = "walrus"
+            if not isinstance(block, (cst.IndentedBlock, cst.Module)):
+                mode = "walrus"
+        if mode == "walrus" and in_comprehension and isinstance(ctx.scope_of(call), cst.ClassDef):
+            return None
+        return mode, self._new_name(loader)
+
+    def _new_name(self, loader: Loader) -> str:
+        """A readable, unused name for a hoisted dataset: `train_loader` -> `train_dataset`,
+        `self.extra` -> `extra_dataset`, `return DataLoader(...)` in `get_test_loader` ->
+        `test_dataset`; else by kind."""
+        def from_loader_name(source: str) -> Optional[str]:
+            for word, repl in (("dataloader", "dataset"), ("DataLoader", "Dataset"), ("loader", "dataset"),
+                               ("Loader", "Dataset")):
+                if word in source:
+                    return source.replace(word, repl, 1)
+            if source.endswith("_dl") or source == "dl":
+                return source[:-2] + "dataset"
+            return None
+
+        base = None
+        if loader.target and "[" in loader.target:
+            keys = loader.bound
+            if len(keys) == 1:
+                base = re.sub(r"\W+", "_", keys[0].split("[", 1)[1]).strip("_") + "_dataset"
+        elif loader.target:
+            source = loader.target.split(".")[-1]
+            base = from_loader_name(source) or f"{source}_dataset"
+        elif isinstance(loader.scope, cst.FunctionDef):
+            base = from_loader_name(re.sub(r"^(get|build|make|create|prepare|load|setup|init)_", "",
+                                           loader.scope.name.value))
+        if not base or not base.isidentifier():
+            base = "eval_dataset" if loader.kind == "eval" else "train_dataset" if loader.kind == "train" else "dataset"
+        taken = self._taken_names()
+        name, n = base, 2
+        while name in taken:
+            name = f"{base}_{n}"
+            n += 1
+        taken.add(name)
+        return name
+
+    def _taken_names(self) -> Set[str]:
+        """The module's identifiers and the names given to hoisted datasets so far (gathered on
+        the first hoist: most files need none, and a module has many names)."""
+        if self._used_names is None:
+            self._used_names = self.facts.scan.identifiers
+        return self._used_names
+
+    def _sampler_after(self, loader: Loader, plan: LoaderPlan) -> Optional[str]:
+        facts = self.facts
+        if plan.status == "distributed":
+            return "distributed"
+        if plan.status == "custom":  # TM201 wraps a training loader's own sampler in tm.shard_sampler
+            sharded = loader.custom_arg is not None and loader.kind != "eval" and not facts.skip_file \
+                and not facts.distributed
+            return "distributed" if sharded else "custom"
+        if plan.status != "plain" or facts.skip_file:
+            return None
+        if loader.kind == "eval":
+            return None if facts.distributed or loader.grouped else "eval"
+        return "distributed" if loader.kind == "train" else "mixed"
+
+    def _needs_epoch(self, loader: Loader, plan: LoaderPlan) -> bool:
+        if self.facts.skip_file or loader.kind == "eval":
+            return False
+        if plan.status == "distributed":
+            return loader.sampler_shuffles
+        if plan.status == "custom":
+            return plan.sampler == "distributed"  # a tm.shard_sampler: a new draw each epoch
+        if plan.status != "plain" or plan.sampler is None:
+            return False
+        if loader.kind == "mixed" or loader.kwargs_shuffle:
+            return True
+        return loader.shuffle is not None and not is_literal(loader.shuffle, "False", "None")
+
+
+def _reason(loader: Loader, tm: str) -> str:
+    """What to do by hand with a loader whose sampling the rules cannot change."""
+    if loader.status == "custom":
+        return (f"this DataLoader has its own `{loader.custom_param}=`, which every rank iterates in full: make it "
+                "shard by rank (e.g. a DistributedSampler over its indices, or "
+                f"`{tm}.rank()`/`{tm}.world_size()` inside it)")
+    if loader.status == "iterable":
+        return ("an IterableDataset cannot take a sampler, so every rank streams the same samples: "
+                f"shard the stream in `__iter__` (e.g. `itertools.islice(stream, {tm}.rank(), None, "
+                f"{tm}.world_size())`, combined with `get_worker_info()` for workers)")
+    if loader.unknown == "star-args":
+        return (f"DataLoader(*args) hides its arguments: pass `sampler={tm}.sampler(dataset, "
+                "shuffle=...)` (without `shuffle=`) so that each rank loads its own shard")
+    if loader.unknown == "no-dataset":
+        return (f"the dataset is not passed explicitly: pass `sampler={tm}.sampler(dataset, "
+                "shuffle=...)` so that each rank loads its own shard")
+    if loader.unknown == "kwargs":
+        return (f"DataLoader(**{code(loader.kwargs_arg)}) may set `sampler`/`shuffle` in ways the tool "
+                f"cannot see: pass `sampler={tm}.sampler(dataset, shuffle=...)` and make sure "
+                "the dict sets neither `sampler` nor `shuffle=True`")
+    if loader.unknown == "kwargs-shuffle":
+        return "DataLoader gets `shuffle` from a dict and elsewhere: set the sampler by hand"
+    return ""
+
+
+def _within(node: cst.CSTNode, container: cst.CSTNode, ctx) -> bool:
+    return node is container or any(anc is container for anc in ctx.ancestors(node))
+
+
+def data_plan(ctx) -> DataPlan:
+    """The module's data plan, built on first use and kept on the context."""
+    found = ctx.facts.get("data.plan")
+    if found is None:
+        found = ctx.facts["data.plan"] = DataPlan(ctx)
+    return found  # type: ignore[return-value]
