@@ -18,6 +18,7 @@ program; everything else is left to the per-module rules and the runtime's safet
 from __future__ import annotations
 
 import ast
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, FrozenSet, Iterable, List, Optional, Set, Tuple
@@ -253,6 +254,11 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
     torch_anywhere = any(_uses_torch(graph.statements.get(p, ())) for p in modules)
     loader_names = {"DataLoader"} | {name for _, name in loader_classes}
     builds_loaders = any((dotted_name(c.func) or "").rsplit(".", 1)[-1] in loader_names for s in scopes for c in s.calls)
+    spelled_builders = {m.path: {spelled: builders[key] for key in builders for spelled in _spellings(m, modules, {key})}
+                        for m in modules.values()}
+    builds_loaders = builds_loaders or any(
+        _training_iterator(c, spelled_builders[s.module.path][dotted_name(c.func)], getattr(s.node, "name", ""))
+        for s in scopes for c in s.calls if (dotted_name(c.func) or "") in spelled_builders[s.module.path])
     entry_set = {Path(e).resolve() for e in entries}
     several = len(modules) > 1
     views: Dict[Path, ModuleView] = {}
@@ -349,12 +355,40 @@ def _iterator_builders(modules: Dict[Path, _Module]) -> Dict[Tuple[Path, str], i
     for p, m in modules.items():
         local = {name for (q, name) in classes if q == p} | _spellings(m, modules, set(classes))
         for name, func in m.functions.items():
-            if "." in name:
-                continue  # methods: a Corpus.get_iterator builds from its own attributes
-            position = _builder_position(func, local)
-            if position is not None:
+            position = _builder_position(func, local) if "." not in name else None  # not methods:
+            if position is not None:  # a Corpus.get_iterator builds from its own attributes
                 found[(p, name)] = position
     return found
+
+
+def iterator_builders_of(definitions: Iterable[ast.stmt]) -> Dict[str, int]:
+    """`ModuleView.iterator_builders` of one module alone, from its top-level definitions (a
+    file processed without its program: stdin, a fixture)."""
+    classes = {d.name: 0 for d in definitions if isinstance(d, ast.ClassDef) and _iterator_class(d)}
+    found = dict(classes)
+    for d in definitions:
+        if isinstance(d, FUNC_TYPES) and (position := _builder_position(d, set(classes))) is not None:
+            found[d.name] = position
+    return found
+
+
+_TRAINING = re.compile(r"train", re.IGNORECASE)
+_NOT_TRAINING = re.compile(r"val|dev|test|eval", re.IGNORECASE)
+
+
+def training_text(text: str) -> bool:
+    """A name or expression that says training data (`train_data`, `self.train`, `corpus.train`)
+    and not evaluation data (`dev_data`, `valid`, `test_iter`)."""
+    return bool(_TRAINING.search(text)) and not _NOT_TRAINING.search(text)
+
+
+def _training_iterator(call: ast.Call, position: int, function: str) -> bool:
+    """`call` builds a hand-made batch iterator over training data: its data argument (at the
+    builder's `position`; every positional one for -1) says training, or it is built in a
+    function whose name does (`BPR_train_original`). TM201 shards these (`tm.shard_stream`)."""
+    args = [a for a in call.args if not isinstance(a, ast.Starred)]
+    args = args if position < 0 else args[position:position + 1]
+    return bool(args) and (any(training_text(ast.unparse(a)) for a in args) or training_text(function))
 
 
 def _iterator_class(klass: ast.ClassDef) -> bool:

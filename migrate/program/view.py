@@ -32,5 +32,7 @@ class ModuleView:
     # spells them -> the position of the data argument (-1: every positional argument)
     iterator_builders: Dict[str, int] = field(default_factory=dict)
     program_trains: bool = False  # some module of the program builds an optimizer over a model
-    program_loaders: bool = False  # some module of the program builds a DataLoader (or subclass)
+    # some module of the program builds a DataLoader (or subclass), or a hand-made batch
+    # iterator over training data (which TM201 shards): the global batch grows with the ranks
+    program_loaders: bool = False
     program_torch: bool = False  # some module of the program uses torch
