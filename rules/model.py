@@ -932,6 +932,8 @@ class Plan:
         else:
             if isinstance(ctx.scope_of(o.call), (cst.Lambda, cst.ClassDef)):
                 return None
+            if self._module_of_wrap(m, scope):
+                return None
             deferred = None
             if (m, scope) in self.covered and not self._removable_dp((m, scope)):
                 deferred = self._dp_to_defer(m, scope, stmt0)
@@ -970,6 +972,18 @@ class Plan:
         if not m.startswith(("self.", "cls.")) and deferred is not None:
             placed.dp = deferred
         return placed
+
+    def _module_of_wrap(self, m: str, scope: cst.CSTNode) -> bool:
+        """`model_without_ddp = model.module` after `model = DDP(model)`: `m` is the module
+        inside a model this scope wraps, so its optimizer already trains through that wrap
+        (DeiT/DETR/MAE build it from `model_without_ddp`); wrapping `m` again is wrong."""
+        for a, value in self._assigns.get(m, ()):
+            if value is None or self.fscope(a) is not scope:
+                continue
+            name = dotted(_strip(value))
+            if name and name.endswith(".module") and self.key(name[:-len(".module")], a) in self.covered:
+                return True
+        return False
 
     def _callee_wraps(self) -> Dict[str, List[Tuple[cst.FunctionDef, str, bool]]]:
         """Functions of the file that wrap one of their parameters in DDP themselves
@@ -1254,12 +1268,74 @@ class Plan:
             return False
         root = w.name.split(".")[0]
         if root in self.params(fs):
-            return True
+            return self._receives_wrapped(fs, root)
         if self.assigned_in(fs, root):
             return False
         if w.scope is self.ctx.module:
             return True
         return any(a is w.scope for a in self.ctx.ancestors(fs))
+
+    def _receives_wrapped(self, func: cst.FunctionDef, param: str) -> bool:
+        """Whether parameter `param` of `func` may hold a wrapped model. A helper named like the
+        model (`def evaluate(model, ...)`) often only ever gets the unwrapped module
+        (`evaluate(model_without_ddp)`, `evaluate(model.module)`) or a model that is never
+        wrapped: then its `model.encoder` is no AttributeError. Unknown callers (a method, a
+        callback, another module of a single-file run) keep the old answer: it may."""
+        key = ("receives", func, param)
+        if key not in self._memo:
+            self._memo[key] = True  # a recursive helper: assume it may while deciding
+            calls = self._calls_of(func)
+            if calls is None:
+                found = True
+            elif not calls:  # called from other modules only: the program's facts decide
+                found = not self.ctx.program.followed
+            else:
+                found = any(self._passes_wrapped(call, func, param) for call in calls)
+            self._memo[key] = found
+        return self._memo[key]  # type: ignore[return-value]
+
+    def _calls_of(self, func: cst.FunctionDef) -> Optional[List[cst.Call]]:
+        """The calls of a top-level function in this file; None when it is a method, a nested
+        function, or used other than by calling it (passed as a callback)."""
+        if self.ctx.parent(func) is not self.ctx.module:
+            return None
+        calls = []
+        for n in self.ctx.named(func.name.value):
+            up = self.ctx.parent(n)
+            if up is func or (type(up) is cst.Attribute and up.attr is n):
+                continue  # the def itself, or another object's attribute of that name
+            if type(up) is cst.Call and up.func is n:
+                calls.append(up)
+            else:
+                return None
+        return calls
+
+    def _passes_wrapped(self, call: cst.Call, func: cst.FunctionDef, param: str) -> bool:
+        """Whether `call` passes a wrapped model as `param`: a name a wrap reaches there, a wrap
+        call, or an expression the analysis cannot follow; not `m.module`, `tm.unwrap(m)`, a
+        name no wrap reaches (`model_without_ddp`), or the default."""
+        positional = [p.name.value for p in (*func.params.posonly_params, *func.params.params)]
+        value = None
+        for i, a in enumerate(call.args):
+            if a.star:
+                return True
+            if (a.keyword is not None and a.keyword.value == param) or (
+                    a.keyword is None and i < len(positional) and positional[i] == param):
+                value = _strip(a.value)
+                break
+        if value is None:
+            return False
+        if type(value) is cst.Call:
+            name = self.ctx.resolve(value.func)
+            return name != _TM_UNWRAP
+        name = dotted(value)
+        if name is None:
+            return True
+        if name.endswith(".module"):
+            return False
+        wraps = self._final if self._final is not None else self._direct_wraps()
+        statement = self.ctx.statement_of(call)
+        return any(w.name == name and self.applies(w, call, statement) for w in wraps)
 
     def _self_calls(self, w: Wrap) -> Dict[cst.CSTNode, List[cst.CSTNode]]:
         """Statements calling `self.<method holding the wrap>()`, by the method they are in."""

@@ -188,6 +188,7 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
     for s in scopes:
         if s.klass:
             s.models |= class_models.get((s.module.path, s.klass), set())
+        s.models -= _module_aliases(s)
 
     # Instances of the program's classes: `stopper = EarlyStopping(...)` (per scope) or
     # `self.saver = Saver(...)` (class-wide), so `stopper(loss, model)` and
@@ -268,6 +269,18 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
             program_torch=torch_anywhere,
         )
     return views
+
+
+def _module_aliases(s: _Scope) -> Set[str]:
+    """Names the scope binds to a wrapper's module (`model_without_ddp = model.module`): the
+    unwrapped model, even when its optimizer is built from it, so the helpers it is passed to
+    (`save_model(model_without_ddp=model_without_ddp)`) do not receive a wrapped model."""
+    out = set()
+    for a in s.assigns:
+        value = dotted_name(_strip_moves(a.value)) or ""
+        if value.endswith(".module"):
+            out.update(n for n in map(dotted_name, a.targets) if n)
+    return out
 
 
 def _loader_subclass(klass: ast.ClassDef) -> bool:
