@@ -368,8 +368,10 @@ _TRACKER_FACTORIES = {"mlflow.start_run"}
 
 
 def _print_shadowed(ctx: Context) -> bool:
+    """`print` is not the builtin, or the program replaced the builtin with a rank-aware one
+    (`builtins.print = ...`, here or in a module it runs: see ModuleView.print_override)."""
     f = analysis.facts(ctx)
-    if "print" in ctx.imports.names:
+    if "print" in ctx.imports.names or ctx.program.print_override:
         return True
     fn = f.functions.get("print")
     if fn is not None:
@@ -377,6 +379,8 @@ def _print_shadowed(ctx: Context) -> bool:
     for assign in f.assigns:
         for t in assign.targets:
             if isinstance(t.target, cst.Name) and t.target.value == "print":
+                return True
+            if dotted(t.target) in ("builtins.print", "__builtin__.print"):
                 return True
     return False
 

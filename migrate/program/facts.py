@@ -252,6 +252,7 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
     loader_names = {"DataLoader"} | {name for _, name in loader_classes}
     builds_loaders = any((dotted_name(c.func) or "").rsplit(".", 1)[-1] in loader_names for s in scopes for c in s.calls)
     entry_set = {Path(e).resolve() for e in entries}
+    overridden = _print_overridden(graph, modules, scopes, entry_set)
     several = len(modules) > 1
     views: Dict[Path, ModuleView] = {}
     for path, m in modules.items():
@@ -267,6 +268,7 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
             program_trains=trains,
             program_loaders=builds_loaders,
             program_torch=torch_anywhere,
+            print_override=path in overridden,
         )
     return views
 
@@ -280,6 +282,47 @@ def _module_aliases(s: _Scope) -> Set[str]:
         value = dotted_name(_strip_moves(a.value)) or ""
         if value.endswith(".module"):
             out.update(n for n in map(dotted_name, a.targets) if n)
+    return out
+
+
+def _assigns_builtin_print(node: ast.AST) -> bool:
+    """`builtins.print = ...` (or `__builtin__.print`, Python 2's spelling) in `node`."""
+    return any(isinstance(n, ast.Assign) and any(
+        isinstance(t, ast.Attribute) and t.attr == "print" and isinstance(t.value, ast.Name)
+        and t.value.id in ("builtins", "__builtin__") for t in n.targets) for n in ast.walk(node))
+
+
+def _print_overridden(graph: Graph, modules: Dict[Path, _Module], scopes: List[_Scope],
+                      entries: Set[Path]) -> Set[Path]:
+    """The modules whose prints run after the program made `print` rank-aware by replacing
+    `builtins.print`: those an entry reaches (through imports) when that entry's flow installs
+    the override. It is installed by a top-level statement, a function of the entry itself
+    (MoCo's `main_worker`, started by `mp.spawn`), or a function another reached module calls
+    by name (`utils.setup_for_distributed(args.rank == 0)`, usually from `init_distributed_mode`)."""
+    installers: Dict[Path, Set[str]] = {}  # module -> its functions that replace print
+    for path, m in modules.items():
+        for node in m.tree.body:
+            if _assigns_builtin_print(node):
+                installers.setdefault(path, set()).add(
+                    node.name if isinstance(node, FUNC_TYPES) else "")
+    if not installers:
+        return set()
+    called: Dict[Path, Set[str]] = {}
+    for s in scopes:
+        called.setdefault(s.module.path, set()).update(
+            (dotted_name(c.func) or "").rsplit(".", 1)[-1] for c in s.calls)
+    out: Set[Path] = set()
+    for entry in entries:
+        reached, todo = {entry}, [entry]
+        while todo:
+            for dep in graph.imports.get(todo.pop(), ()):
+                if dep not in reached:
+                    reached.add(dep)
+                    todo.append(dep)
+        names = set().union(*(called.get(p, set()) for p in reached))
+        if any(p == entry or "" in funcs or funcs & names
+               for p, funcs in installers.items() if p in reached):
+            out |= reached
     return out
 
 

@@ -28,3 +28,6 @@ class ModuleView:
     program_trains: bool = False  # some module of the program builds an optimizer over a model
     program_loaders: bool = False  # some module of the program builds a DataLoader (or subclass)
     program_torch: bool = False  # some module of the program uses torch
+    # the program replaces `builtins.print` (DeiT/DETR's `setup_for_distributed`, MoCo's
+    # `print_pass`) on a path this module runs in: its prints are already rank-aware
+    print_override: bool = False
