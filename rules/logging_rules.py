@@ -41,9 +41,25 @@ _MAIN_WORDS = ("is_main", "is_master", "master_process", "main_process", "is_pri
                "rank_zero", "rank0")
 
 
+# What may precede `rank` in a name that holds this process's rank (`local_rank`, `get_rank`,
+# `global_rank`); a config flag such as BLIP's `negative_all_rank` (the same on every rank) is
+# not one.
+_RANK_OWNERS = {"local", "global", "world", "node", "get", "my", "cur", "current", "this", "own", "proc",
+                "process", "dist", "gpu", "device", "machine", "is", "host", "worker", "trainer", "data", "dp",
+                "tp", "pp", "group", "in", "task", "slurm", "ompi", "pmi", "mpi", "hvd", "env"}
+
+
+def rank_word(word: str) -> bool:
+    """`rank`, `local_rank`, `rank_id`, `get_global_rank`: a name with the word `rank` that
+    holds (or gets) a process's rank, not a setting about ranks (`negative_all_rank`)."""
+    parts = word.lower().split("_")
+    i = parts.index("rank") if "rank" in parts else -1
+    return i == 0 or (i > 0 and parts[i - 1] in _RANK_OWNERS)
+
+
 def _rankish_word(word: str) -> bool:
     w = word.lower()
-    if "rank" in w.split("_") or w in ("localrank", "globalrank", "master"):
+    if rank_word(w) or w in ("localrank", "globalrank", "master"):
         return True
     return any(s in w for s in _MAIN_WORDS)
 
