@@ -83,16 +83,40 @@ def rank_dependent(ctx: Context, test: cst.CSTNode) -> bool:
     hit = cache.get(test)
     if hit is not None:
         return hit
-    result = False
-    for n in iter_nodes(test):
-        if isinstance(n, cst.Name) and _rankish_word(n.value):
-            result = True
-            break
-        if isinstance(n, cst.SimpleString) and "rank" in n.value.lower():
-            result = True
-            break
+    result = _mentions_rank(test)
+    if not result:
+        flags = _rank_flags(ctx)
+        result = bool(flags) and any(type(n) in (cst.Name, cst.Attribute) and dotted(n) in flags
+                                     for n in iter_nodes(test))
     cache[test] = result
     return result
+
+
+def _mentions_rank(node: cst.CSTNode) -> bool:
+    for n in iter_nodes(node):
+        if isinstance(n, cst.Name) and _rankish_word(n.value):
+            return True
+        if isinstance(n, cst.SimpleString) and "rank" in n.value.lower():
+            return True
+    return False
+
+
+def _rank_flags(ctx: Context) -> frozenset:
+    """Names the file assigns a rank test to (`save_logs = dist.get_rank() == 0`, open_clip's
+    `args.save_logs = args.logs and is_master(args)`): `if save_logs:` is a rank guard too.
+    Only rank tests (`rank_polarity`), not any value computed from the rank (`device =
+    torch.device(f"cuda:{local_rank}")`) nor nanoGPT's `ddp = int(os.environ.get("RANK", -1)) != -1`,
+    which holds on every rank."""
+    from torchmigrate.rules.launch import rank_polarity  # launch imports this module
+
+    found = ctx.facts.get("tm_rank_flags")
+    if found is None:
+        names = set()
+        for a in analysis.facts(ctx).assigns:
+            if rank_polarity(a.value) is not None:
+                names.update(n for n in (dotted(t.target) for t in a.targets) if n)
+        found = ctx.facts["tm_rank_flags"] = frozenset(names)
+    return found  # type: ignore[return-value]
 
 
 def _early_exit(stmt: cst.CSTNode) -> bool:
