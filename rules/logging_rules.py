@@ -201,6 +201,36 @@ def collective_guard(ctx: Context, node: cst.CSTNode) -> Optional[cst.CSTNode]:
     return None
 
 
+def caller_guards(ctx: Context, node: cst.CSTNode, depth: int = 0) -> Optional[List[cst.CSTNode]]:
+    """The rank guards under which `node` runs: its own, or, when it has none, those around
+    every call (in this file, a few levels up) of the function holding it: the helper
+    `save_checkpoint(state)` that `main` only calls under `if rank == 0:`, or the `__init__` of a
+    class only built under one. None when some path
+    reaches `node` unguarded, or the function is never called here."""
+    guard = rank_guard_of(ctx, node)
+    if guard is not None:
+        return [guard]
+    fn = ctx.enclosing(node, cst.FunctionDef)
+    if fn is None or depth >= 3:
+        return None
+    name = fn.name.value
+    klass = ctx.enclosing(fn, cst.ClassDef)
+    if name == "__init__" and klass is not None:
+        name = klass.name.value  # `TensorboardLogger(log_dir)` runs its __init__
+    calls = local_calls(ctx).get(name)
+    if not calls:
+        return None
+    out: List[cst.CSTNode] = []
+    for call in calls:
+        if ctx.enclosing(call, cst.FunctionDef) is fn:
+            continue  # recursion adds no path from outside
+        found = caller_guards(ctx, call, depth + 1)
+        if found is None:
+            return None
+        out.extend(found)
+    return out or None
+
+
 def local_calls(ctx: Context) -> Dict[str, List[cst.Call]]:
     """Calls of this file's functions and methods by name: `name(...)`, `self.name(...)`."""
     found = ctx.facts.get("tm_local_calls")
@@ -584,7 +614,7 @@ class MainPrint(Rule):
             if name is None and isinstance(func, cst.Name) and func.value == "print":
                 if shadowed is None:
                     shadowed = _print_shadowed(ctx)
-                if shadowed or under_rank_guard(ctx, call):
+                if shadowed or caller_guards(ctx, call) is not None:
                     continue
                 edits = [replace(func, lambda _f: cached_expr(f"{tm}.print"))]
                 align = keep_alignment(call, f"{tm}.print", 0 if isinstance(ctx.parent(call), cst.Expr) else None)
@@ -593,7 +623,7 @@ class MainPrint(Rule):
                 self.report(call, "print runs on every rank; tm.print prints once, on the main process",
                             edits=edits, imports=imports)
             elif name in SUMMARY_WRITERS:
-                if under_rank_guard(ctx, call) or _is_main_only_arg(ctx, call):
+                if caller_guards(ctx, call) is not None or _is_main_only_arg(ctx, call):
                     continue
                 read = _attributes_read(ctx, call)
                 if read:
@@ -642,7 +672,7 @@ class MainPrint(Rule):
         current = next((a for a in call.args if a.keyword is not None and a.keyword.value == "mode"), None)
         if current is not None and rank_dependent(ctx, current.value):
             return
-        if under_rank_guard(ctx, call):
+        if caller_guards(ctx, call) is not None:
             return
         tm = ctx.tm
 
@@ -665,7 +695,7 @@ class MainPrint(Rule):
             return  # nested in another expression (e.g. an argument of wandb.log)
         if parent is not None and not isinstance(parent, cst.Expr) and getattr(parent, "value", getattr(parent, "item", None)) is not call:
             return
-        if under_rank_guard(ctx, call):
+        if caller_guards(ctx, call) is not None:
             return
         if isinstance(parent, cst.Expr):
             line = guardable_line(ctx, call)
