@@ -1711,6 +1711,7 @@ class Plan:
             by_name.setdefault(w.name, []).append(w)
         if not by_name:
             return  # nothing wrapped: no access to rewrite
+        found = []
         for node in self._accesses(by_name):
             name = dotted(node.value)
             candidates = by_name[name]
@@ -1723,7 +1724,16 @@ class Plan:
             statement = self.ctx.statement_of(node)
             seen_by = [w for w in candidates if (w.full or attr not in ("module", *_STATE))
                        and self.applies(w, node, statement)]
-            if not seen_by:
+            if seen_by:
+                found.append((node, name, attr, seen_by))
+        # `model = DDP(model); model.nc = nc; ... model.nc` (yolov5): set on a wrapper the script
+        # builds itself, and found on it. (Not on a wrap this migration adds: the module's own
+        # code may read what the single-GPU script set on it, `self.temperature`.)
+        on_wrapper = {attr for node, _, attr, seen_by in found
+                      if attr != "module" and isinstance(self.ctx.parent(node), cst.AssignTarget)
+                      and all(w.kind.rsplit("-", 1)[-1] in ("ddp", "apex", "dp") for w in seen_by)}
+        for node, name, attr, seen_by in found:
+            if attr in on_wrapper:
                 continue
             is_dp = any(id(w) in dp_wraps or w.kind.endswith("-dp") for w in seen_by)
             if owner302:
