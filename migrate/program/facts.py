@@ -113,6 +113,7 @@ class _Scope:
         self.models: Set[str] = set()
         self.instances: Dict[str, Tuple[Path, str]] = {}  # name -> (module, class) of the program
         self.assigns: List[ast.Assign] = []
+        self.wrapped_at: Dict[str, int] = {}  # name -> line of its first `name = DDP(name)` here
         body = node.body if not isinstance(node, ast.Module) else [
             s for s in node.body if not isinstance(s, (*FUNC_TYPES, ast.ClassDef))]
         stack = list(body)
@@ -185,6 +186,7 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
                     name = dotted_name(t)
                     if name and not name.startswith("self."):
                         s.models.add(name)
+                        s.wrapped_at[name] = min(a.lineno, s.wrapped_at.get(name, a.lineno))
     for s in scopes:
         if s.klass:
             s.models |= class_models.get((s.module.path, s.klass), set())
@@ -232,7 +234,9 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
                     continue
                 for param, value in _bind(func, call, skip_self):
                     name = dotted_name(_strip_moves(value))
-                    if name in held:
+                    # DINO's `student = MultiCropWrapper(student, head)` before `student = DDP(student)`
+                    # hands over the bare model
+                    if name in held and call.lineno >= s.wrapped_at.get(name, 0):
                         bucket = wrapped.setdefault((path, qual), set())
                         if param not in bucket:
                             bucket.add(param)
