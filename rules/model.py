@@ -1735,7 +1735,7 @@ class Plan:
             statement = self.ctx.statement_of(node)
             seen_by = [w for w in candidates if (w.full or attr not in ("module", *_STATE))
                        and self.applies(w, node, statement)]
-            if seen_by:
+            if seen_by and not (self.ctx.options.mode == "lint" and self._checked_first(node, name)):
                 found.append((node, name, attr, seen_by))
         # `model = DDP(model); model.nc = nc; ... model.nc` (yolov5): set on a wrapper the script
         # builds itself, and found on it. (Not on a wrap this migration adds: the module's own
@@ -1767,6 +1767,22 @@ class Plan:
             if any(self.applies(w, call, statement) for w in by_name[name]):
                 self.rewrites.append(AttrRewrite(a.value, name, "", "TM302"))
         self._whole_model_uses(by_name)
+
+    def _checked_first(self, node: cst.Attribute, name: str) -> bool:
+        """`model.module if is_parallel(model) else model` (yolov5's de_parallel), `if
+        hasattr(model, "module"): model.module...`: the access sits in the branch of a test
+        that asks about `name` itself, so it cannot fail the way TM302 says. (`ddp` still
+        rewrites such branches: `tm.unwrap(model)` says the same more simply.)"""
+        child: cst.CSTNode = node
+        for anc in self.ctx.ancestors(node):
+            if isinstance(anc, (cst.If, cst.IfExp)) and child is anc.body:
+                for call in self.ctx.within(anc.test, cst.Call):
+                    if any(dotted(a.value) == name for a in call.args):
+                        return True
+            if isinstance(anc, (cst.FunctionDef, cst.ClassDef)):
+                return False
+            child = anc
+        return False
 
     def _whole_model_uses(self, by_name: Dict[str, List[Wrap]]) -> None:
         """A wrapped model pickled whole into a checkpoint (`torch.save(model, f)`, or a value of
