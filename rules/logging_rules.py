@@ -203,32 +203,32 @@ def collective_guard(ctx: Context, node: cst.CSTNode) -> Optional[cst.CSTNode]:
 
 def caller_guards(ctx: Context, node: cst.CSTNode, depth: int = 0) -> Optional[List[cst.CSTNode]]:
     """The rank guards under which `node` runs: its own, or, when it has none, those around
-    every call (in this file, a few levels up) of the function holding it: the helper
-    `save_checkpoint(state)` that `main` only calls under `if rank == 0:`, or the `__init__` of a
-    class only built under one. None when some path
-    reaches `node` unguarded, or the function is never called here."""
+    every call (a few levels up) of the function holding it: the helper `save_checkpoint(state)`
+    that `main` only calls under `if rank == 0:`, or the `__init__` of a class only built under
+    one. Calls from other modules count through the program's facts (an empty list: guarded
+    there only). None when some path reaches `node` unguarded, or nothing calls the function."""
     guard = rank_guard_of(ctx, node)
     if guard is not None:
         return [guard]
     fn = ctx.enclosing(node, cst.FunctionDef)
     if fn is None or depth >= 3:
         return None
-    name = fn.name.value
     klass = ctx.enclosing(fn, cst.ClassDef)
-    if name == "__init__" and klass is not None:
-        name = klass.name.value  # `TensorboardLogger(log_dir)` runs its __init__
-    calls = local_calls(ctx).get(name)
-    if not calls:
+    qual = f"{klass.name.value}.{fn.name.value}" if klass is not None else fn.name.value
+    elsewhere = qual in ctx.program.called_elsewhere
+    if elsewhere and qual not in ctx.program.guarded_elsewhere:
+        return None
+    name = klass.name.value if fn.name.value == "__init__" and klass is not None else fn.name.value
+    calls = [c for c in local_calls(ctx).get(name, ()) if ctx.enclosing(c, cst.FunctionDef) is not fn]
+    if not calls and not elsewhere:  # (a recursive call adds no path from outside)
         return None
     out: List[cst.CSTNode] = []
     for call in calls:
-        if ctx.enclosing(call, cst.FunctionDef) is fn:
-            continue  # recursion adds no path from outside
         found = caller_guards(ctx, call, depth + 1)
         if found is None:
             return None
         out.extend(found)
-    return out or None
+    return out
 
 
 def local_calls(ctx: Context) -> Dict[str, List[cst.Call]]:

@@ -257,6 +257,7 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
     builds_loaders = any((dotted_name(c.func) or "").rsplit(".", 1)[-1] in loader_names for s in scopes for c in s.calls)
     entry_set = {Path(e).resolve() for e in entries}
     overridden = _print_overridden(graph, modules, scopes, entry_set)
+    called, unguarded = _calls_from_elsewhere(modules, scopes)
     several = len(modules) > 1
     views: Dict[Path, ModuleView] = {}
     for path, m in modules.items():
@@ -273,6 +274,8 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
             program_loaders=builds_loaders,
             program_torch=torch_anywhere,
             print_override=path in overridden,
+            called_elsewhere=frozenset(q for p, q in called if p == path),
+            guarded_elsewhere=frozenset(q for p, q in called - unguarded if p == path),
         )
     return views
 
@@ -328,6 +331,68 @@ def _print_overridden(graph: Graph, modules: Dict[Path, _Module], scopes: List[_
                for p, funcs in installers.items() if p in reached):
             out |= reached
     return out
+
+
+def _calls_from_elsewhere(modules: Dict[Path, _Module], scopes: List[_Scope]):
+    """(module, qual) of the functions other modules call, and those with a call outside any
+    rank guard."""
+    called: Set[Tuple[Path, str]] = set()
+    unguarded: Set[Tuple[Path, str]] = set()
+    for s in scopes:
+        guarded = _guarded_calls(s.node.body)
+        for call in s.calls:
+            target = _callee(s.module, modules, call) or _method_of_instance(s, modules, call)
+            if target is None or target[0] == s.module.path:
+                continue
+            called.add(target[:2])
+            if id(call) not in guarded:
+                unguarded.add(target[:2])
+    return called, unguarded
+
+
+def _guarded_calls(body: List[ast.stmt], guarded: bool = False, out: Optional[Set[int]] = None) -> Set[int]:
+    """ids of the calls in `body` that run only under a rank guard: in the body of `if <rank
+    test>:`, or after `if <rank test>: return` (nested functions and classes left out)."""
+    out = set() if out is None else out
+    for stmt in body:
+        if isinstance(stmt, (*FUNC_TYPES, ast.ClassDef)):
+            continue
+        if isinstance(stmt, ast.If):
+            rank = _rank_test(stmt.test)
+            _guarded_calls(stmt.body, guarded or rank, out)
+            _guarded_calls(stmt.orelse, guarded or (rank and bool(stmt.orelse)), out)
+            if rank and not stmt.orelse and isinstance(stmt.body[-1], (ast.Return, ast.Continue, ast.Break)):
+                guarded = True  # `if not is_main_process(): return`: the rest runs on some ranks only
+            continue
+        blocks = [getattr(stmt, f) for f in ("body", "orelse", "finalbody") if isinstance(getattr(stmt, f, None), list)]
+        blocks += [h.body for h in getattr(stmt, "handlers", ())]
+        if blocks:
+            for block in blocks:
+                _guarded_calls(block, guarded, out)
+            heads = [getattr(stmt, f) for f in ("test", "iter", "items") if getattr(stmt, f, None) is not None]
+        else:
+            heads = [stmt]
+        if guarded:
+            for head in heads:
+                for node in ast.walk(head) if not isinstance(head, list) else (n for h in head for n in ast.walk(h)):
+                    if isinstance(node, ast.Call):
+                        out.add(id(node))
+    return out
+
+
+def _rank_test(test: ast.AST) -> bool:
+    """A test that holds on some ranks only: a comparison of a rank (`rank == 0`,
+    `dist.get_rank() == 0`, `args.local_rank in [-1, 0]`) or a main-process predicate
+    (`is_main_process()`, `utils.is_master(args)`). The ast twin of the rules' rank_dependent,
+    kept to names that hold a rank, not settings about ranks."""
+    for node in ast.walk(test):
+        name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else ""
+        parts = name.lower().split("_")
+        if "main" in parts or "master" in parts or "rank0" in parts or (
+                "rank" in parts and (parts.index("rank") == 0 or parts[parts.index("rank") - 1] in (
+                    "local", "global", "world", "get", "node", "my", "process", "proc"))):
+            return True
+    return False
 
 
 def _loader_subclass(klass: ast.ClassDef) -> bool:
