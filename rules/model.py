@@ -1590,6 +1590,8 @@ class Plan:
             if not self.applies(w, a):
                 continue
             value = self.text(a.value)
+            if value == "False" and self.text(loop.iter) in (f"{root}.parameters()", f"{root}.module.parameters()"):
+                continue  # the whole model frozen (DINO's teacher): no backward reaches it, no reduction waits
             if value == "False" and not freeze:
                 freeze = f"`for ... in {self.text(loop.iter)}: ...requires_grad = False`"
             elif value != "False" and not unfreeze:
