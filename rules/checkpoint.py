@@ -611,7 +611,8 @@ class LoadMapLocation(Rule):
             if any(a.star == "**" for a in call.args):
                 continue
             feeds = self._feeds_state_dict(call, lsd)
-            if arg(call, "map_location", 1) is None and arg(call, "f", 0) is not None:
+            if arg(call, "map_location", 1) is None and arg(call, "f", 0) is not None \
+                    and not self._placed_in_other_branch(call, loads):
                 fix = replace(call, lambda c: set_kwarg(c, "map_location", cached_expr('"cpu"')))
                 if feeds:
                     self.report(call, "torch.load without map_location loads GPU-saved tensors onto the device "
@@ -673,6 +674,24 @@ class LoadMapLocation(Rule):
             self.report(a.value, "checkpoints from DataParallel/DDP/compiled models carry `module.`/`_orig_mod.` "
                                  "key prefixes; tm.strip_prefix loads them into the plain model",
                         edits=[replace(a, fix)], imports=[ctx.runtime_import()])
+
+    def _placed_in_other_branch(self, call: cst.Call, loads: List[cst.Call]) -> bool:
+        """`if args.gpu is None: torch.load(p)` / `else: torch.load(p, map_location=loc)` (the
+        ImageNet example, MoCo): the script places the load itself where it runs one process
+        per GPU; the branch without map_location is its single-process (DataParallel) path.
+        Only for code that is distributed already: a migration runs that branch under torchrun."""
+        if self.ctx.options.mode != "lint":
+            return False
+        statement = self.ctx.statement_of(call)
+        branch = self.ctx.parent(statement)
+        test_if = self.ctx.parent(branch)
+        if isinstance(test_if, cst.Else):
+            branch, test_if = test_if, self.ctx.parent(test_if)
+        if not isinstance(test_if, cst.If) or test_if.orelse is None:
+            return False
+        other = test_if.orelse if branch is test_if.body else test_if.body
+        return any(arg(c, "map_location", 1) is not None and any(a is other for a in self.ctx.ancestors(c))
+                   for c in loads)
 
     def _own_module_attribute(self) -> bool:
         """A class of this file sets `self.module = ...` (or `_orig_mod`): its parameters
