@@ -109,6 +109,8 @@ def _rank_flags(ctx: Context) -> frozenset:
     which holds on every rank."""
     from torchmigrate.rules.launch import rank_polarity  # launch imports this module
 
+    if not ctx.walked:  # the file's assignments are known once the walk is over
+        return frozenset()
     found = ctx.facts.get("tm_rank_flags")
     if found is None:
         names = set()
