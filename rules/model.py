@@ -1737,7 +1737,7 @@ class Plan:
             statement = self.ctx.statement_of(node)
             seen_by = [w for w in candidates if (w.full or attr not in ("module", *_STATE))
                        and self.applies(w, node, statement)]
-            if seen_by and not (self.ctx.options.mode == "lint" and self._checked_first(node, name)):
+            if seen_by and not (owner302 and self.ctx.options.mode == "lint" and self._checked_first(node, name)):
                 found.append((node, name, attr, seen_by))
         # `model = DDP(model); model.nc = nc; ... model.nc` (yolov5): set on a wrapper the script
         # builds itself, and found on it. (Not on a wrap this migration adds: the module's own
@@ -1773,8 +1773,9 @@ class Plan:
     def _checked_first(self, node: cst.Attribute, name: str) -> bool:
         """`model.module if is_parallel(model) else model` (yolov5's de_parallel), `if
         hasattr(model, "module"): model.module...`: the access sits in the branch of a test
-        that asks about `name` itself, so it cannot fail the way TM302 says. (`ddp` still
-        rewrites such branches: `tm.unwrap(model)` says the same more simply.)"""
+        that asks about `name` itself, so it cannot fail the way TM302 says. (`ddp`, and TM306
+        converting DataParallel, still rewrite such branches: `tm.unwrap(model)` says the same
+        more simply, and the converted model is no DataParallel any more.)"""
         child: cst.CSTNode = node
         for anc in self.ctx.ancestors(node):
             if isinstance(anc, (cst.If, cst.IfExp)) and child is anc.body:
