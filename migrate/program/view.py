@@ -36,3 +36,11 @@ class ModuleView:
     # iterator over training data (which TM201 shards): the global batch grows with the ranks
     program_loaders: bool = False
     program_torch: bool = False  # some module of the program uses torch
+    # the program replaces `builtins.print` (DeiT/DETR's `setup_for_distributed`, MoCo's
+    # `print_pass`) on a path this module runs in: its prints are already rank-aware
+    print_override: bool = False
+    # functions and methods ("f", "Cls.m") of this module that other modules call, and those
+    # of them that every such call reaches only under a rank guard (`if utils.is_main_process():
+    # utils.save_checkpoint(...)`)
+    called_elsewhere: FrozenSet[str] = frozenset()
+    guarded_elsewhere: FrozenSet[str] = frozenset()
