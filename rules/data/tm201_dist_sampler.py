@@ -35,6 +35,9 @@ class DistSampler(DataRule):
     `SequentialSampler` when not shuffling) in a plain `python train.py` run.
 
     Loaders whose name, dataset or enclosing function says val/test/eval/dev are left to TM203.
+    A loader that no training step iterates and whose batches the code pairs with its dataset's
+    fields in dataset order (a kNN monitor's feature bank labelled by
+    `memory_loader.dataset.targets`) is kept whole, and the report says so.
     A training loader with its own `sampler=`/`batch_sampler=` (`WeightedRandomSampler`,
     `RandomSampler(replacement=True)`, a bucketing sampler of the project) gets it wrapped in
     `tm.shard_sampler(...)`: the same draw on every rank (same seed, a new one each epoch), each
@@ -103,7 +106,9 @@ class DistSampler(DataRule):
             if loader.kind == "eval":
                 continue
             status = plan.of(loader).status
-            if status == "plain":
+            if status == "plain" and loader.ordered and not facts.distributed:
+                self.keep_ordered(loader)
+            elif status == "plain":
                 what = f"`{loader.target}`" if loader.target else "this DataLoader"
                 self.add_sampler(loader, f"{what} gives every rank the whole dataset: shard it with a distributed "
                                          f"sampler (`sampler={self.ctx.tm}.sampler(...)`)")
