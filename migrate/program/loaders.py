@@ -132,6 +132,10 @@ class Loader:
     # `memory_loader.dataset.targets`: read in dataset order beside the batches of a loader that
     # no training step iterates (a kNN feature bank): its batches must cover the dataset in order
     ordered: Optional[str] = None
+    # the batch size expression (`opt.batch_size`) read inside a loop over the loader, where it
+    # is a shape (`out.view(opt.batch_size, -1)`, `torch.ones(opt.batch_size, 1)`): a partial
+    # last batch would not fit it
+    sized_by: Optional[str] = None
 
     @property
     def eval(self) -> Optional[bool]:
@@ -370,6 +374,7 @@ class LoaderFacts:
             self.by_call[id(call)] = self.loaders[-1]
         self._follow()
         self._order_bound()
+        self._sized_by_batch()
 
     # --- scopes -------------------------------------------------------------------------
     def function_of(self, node: cst.CSTNode) -> cst.CSTNode:
@@ -885,6 +890,26 @@ class LoaderFacts:
                      if (site := _iteration_site(node, ctx)) is not None}
             loader.ordered = next((text for fn, text in reads[id(loader)] if fn in loops), None)
 
+    def _sized_by_batch(self) -> None:
+        """Set `Loader.sized_by` where a loop over the loader reads the loader's own batch size
+        expression (a name or attribute, not a literal) as a value: the code assumes full
+        batches, which the original run may always have had (a dataset size divisible by the
+        batch size) but a rank's share of it need not."""
+        ctx = self.ctx
+        for loader in self.loaders:
+            args = bind_args(loader.call) or {}
+            size = args.get("batch_size")
+            text = code(size.value) if size is not None and isinstance(size.value, (cst.Name, cst.Attribute)) else None
+            if text is None or "drop_last" in args:
+                continue
+            for node, _ref in self.uses(lambda x: x is loader):
+                site = _iteration_site(node, ctx)
+                body = getattr(site, "body", None) if isinstance(site, cst.For) else None
+                if body is not None and any(code(n) == text and not _name_part(ctx, n)
+                                            for n in ctx.within(body, type(size.value))):
+                    loader.sized_by = text
+                    break
+
     def iterated_with_grad(self, loader: Loader) -> bool:
         """A `for` (or comprehension) over the loader runs outside no_grad/inference_mode."""
         for node, _ref in self.uses(lambda x: x is loader):
@@ -1020,6 +1045,12 @@ class LoaderFacts:
                 if self.class_of(fn) is not None:
                     out.append((fn, True))
         return out
+
+
+def _name_part(ctx, node: cst.CSTNode) -> bool:
+    """`batch_size` in `self.batch_size` or in `f(batch_size=...)`: part of a name, not a read."""
+    parent = ctx.parent(node)
+    return (type(parent) is cst.Attribute and parent.attr is node) or (type(parent) is cst.Arg and parent.keyword is node)
 
 
 def _iteration_site(node: cst.CSTNode, ctx) -> Optional[cst.CSTNode]:

@@ -82,14 +82,21 @@ class DataRule(Rule):
             widest -= len(code(loader.dataset)) - len(hoist[1])
             layout = (indent, first, widest)
 
+        # the loop reads the batch size as a shape: a rank's share may end in a partial batch
+        drop_last = loader.kind == "train" and loader.sized_by is not None
+        if drop_last:
+            message += (f" (and `drop_last=True`: the loop uses `{loader.sized_by}` as a shape, and a rank's share "
+                        "of the dataset can end in a partial batch that the full dataset never had)")
+
         def fix(call: cst.Call, sampler=sampler, new_dataset=new_dataset, capture=capture, kw=kw, layout=layout,
-                walrus=hoist is not None and hoist[0] == "walrus", name=hoist and hoist[1]):
+                walrus=hoist is not None and hoist[0] == "walrus", name=hoist and hoist[1], drop_last=drop_last):
             if walrus:
                 positional = [a for a in call.args if a.keyword is None and not a.star]
                 current = positional[0] if positional else next(
                     a for a in call.args if a.keyword is not None and a.keyword.value == "dataset")
                 new_dataset = cst.NamedExpr(cst.Name(name), current.value)
-            return rewrite_call(call, sampler, dataset=new_dataset, capture=capture, kwargs_shuffle=kw, layout=layout)
+            return rewrite_call(call, sampler, dataset=new_dataset, capture=capture, kwargs_shuffle=kw, layout=layout,
+                                drop_last=drop_last)
 
         edits.append(replace(loader.call, fix))
         if capture is not None:

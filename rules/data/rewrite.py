@@ -229,8 +229,9 @@ def _rest_of_line(args: List[cst.Arg], i: int) -> int:
 
 def rewrite_call(call: cst.Call, sampler: Optional[cst.BaseExpression], *, dataset: Optional[cst.BaseExpression] = None,
                  capture: Optional[List] = None, kwargs_shuffle: Optional[str] = None,
-                 layout: Optional[Tuple[int, int, int]] = None) -> cst.Call:
-    """Give a DataLoader call `sampler=` (or, with sampler None, only drop `shuffle`)."""
+                 layout: Optional[Tuple[int, int, int]] = None, drop_last: bool = False) -> cst.Call:
+    """Give a DataLoader call `sampler=` (or, with sampler None, only drop `shuffle`), and with
+    `drop_last`, `drop_last=True` after it."""
     args = _keywordize(list(call.args))
     if dataset is not None:
         for i, a in enumerate(args):
@@ -261,6 +262,10 @@ def rewrite_call(call: cst.Call, sampler: Optional[cst.BaseExpression], *, datas
             after = positional[-1] if positional else 0
         _insert_after(args, after, kwarg("sampler", sampler))
         new_arg = args[after + 1]
+    placed = _index(args, "sampler")
+    if drop_last and placed is not None and _index(args, "drop_last") is None:
+        _insert_after(args, placed, kwarg("drop_last", expr("True")))
+        new_arg = args[placed]  # (its comma may have changed)
     if kwargs_shuffle:
         for i, a in enumerate(args):
             if a.star == "**" and isinstance(a.value, cst.Name) and a.value.value == kwargs_shuffle:

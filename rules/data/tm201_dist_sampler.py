@@ -35,6 +35,10 @@ class DistSampler(DataRule):
     `SequentialSampler` when not shuffling) in a plain `python train.py` run.
 
     Loaders whose name, dataset or enclosing function says val/test/eval/dev are left to TM203.
+    Where the loop over a training loader reads the loader's batch size as a shape
+    (`out.view(opt.batch_size, 4, 4)`, `torch.ones(opt.batch_size, 1)`), the loader also gets
+    `drop_last=True`: the whole dataset may divide into full batches while a rank's share of it
+    does not ("shape '[8, 4, 4]' is invalid for input of size 64" on rank 1 at the last batch).
     A loader that no training step iterates and whose batches the code pairs with its dataset's
     fields in dataset order (a kNN monitor's feature bank labelled by
     `memory_loader.dataset.targets`) is kept whole, and the report says so.

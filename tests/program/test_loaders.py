@@ -241,3 +241,25 @@ def test_a_loader_read_in_dataset_order_beside_its_batches():
     train, memory, test = facts.loaders
     assert memory.ordered == "memory_loader.dataset.targets"
     assert train.ordered is None and test.ordered is None
+
+
+def test_a_loop_that_uses_the_batch_size_as_a_shape():
+    """`out.view(opt.batch_size, ...)` in the loop over a loader built with
+    `batch_size=opt.batch_size` assumes full batches; `self.batch_size` or a keyword named
+    batch_size elsewhere is not that expression, and a literal size is never tracked."""
+    _ctx, facts = facts_of("""
+        from torch.utils.data import DataLoader
+
+        loader = DataLoader(train_set, batch_size=opt.batch_size, shuffle=True)
+        other = DataLoader(train_set, batch_size=batch_size, shuffle=True)
+        fixed = DataLoader(train_set, batch_size=64, shuffle=True)
+        for x in loader:
+            out = net(x).view(opt.batch_size, -1)
+        for x in other:
+            out = net(x, batch_size=len(x)) + self.batch_size
+        for x in fixed:
+            out = net(x).view(64, -1)
+    """)
+    loader, other, fixed = facts.loaders
+    assert loader.sized_by == "opt.batch_size"
+    assert other.sized_by is None and fixed.sized_by is None
