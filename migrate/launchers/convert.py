@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple
 
 from torchmigrate.launchers.shell import Command, Word
 
@@ -313,11 +313,12 @@ def new_command(launch: Launch, kind: str) -> str:
     return one_line(apply(command.text[start:end], local))
 
 
-def scale_hint(launch: Launch) -> str:
-    """The torchrun command that runs a one-process command's script on N GPUs of one node."""
+def scale_hint(launch: Launch, skip: Iterable[int] = ()) -> str:
+    """The torchrun command that runs a one-process command's script on N GPUs of one node
+    (without the words at the indexes `skip`)."""
     script = launch.script_word
     target = f"-m {script.raw}" if launch.module and script else (script.raw if script else "")
-    skip = set(_local_rank_args(launch))
+    skip = set(_local_rank_args(launch)) | set(skip)
     args = " ".join(w.raw for i, w in enumerate(launch.words) if i in range(launch.script + 1, len(launch.words))
                     and i not in skip) if launch.script is not None else ""
     return one_line(f"torchrun --standalone --nproc-per-node=N {target} {args}")
