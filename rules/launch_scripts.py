@@ -13,8 +13,9 @@ class DistLaunch(Rule):
     ## What it does
     Finds the commands that start a file of the program in `*.sh`, `*.sbatch`/`*.slurm`,
     `Makefile`/`*.mk` and the shell code blocks of `*.md`/`*.rst` (`torchmigrate ddp` looks in
-    the folders named and in the project of each script named; `lint` in the folders and launch
-    files named), and rewrites `python -m torch.distributed.launch` commands to `torchrun`:
+    the folders named, in the project of each script named and in the launch files named, whose
+    scripts it then migrates; `lint` in the folders and launch files named), and rewrites
+    `python -m torch.distributed.launch` commands to `torchrun`:
 
     - `--nproc_per_node`, `--node_rank`, `--master_addr`, ... get torchrun's spelling
       (`--nproc-per-node`, ...); `--use_env` goes, and so does a `--local_rank` argument given

@@ -249,6 +249,69 @@ def test_a_loop_passing_local_rank_waits_for_tm102(tmp_path, run_cli, monkeypatc
     assert Path("run.sh").read_text() == TORCHRUN
 
 
+# --- `ddp run.sh`: the launch file names the program -------------------------------------------
+
+def test_ddp_given_a_launch_file_migrates_the_scripts_it_starts(project, run_cli, monkeypatch):
+    monkeypatch.chdir(project)
+    (project / "README.md").unlink()
+    check = run_cli("ddp", "--check", "scripts/run.sh")
+    assert check.exit_code == 1 and "2 files would be changed" in check.output, check.output
+    dry = run_cli("ddp", "--dry-run", "scripts/run.sh")
+    assert "+++ b/src/train.py" in dry.stdout and "+torchrun --standalone" in dry.stdout
+    assert (project / "src" / "train.py").read_text() == TRAIN
+    result = run_cli("ddp", "scripts/run.sh")
+    assert result.exit_code in (0, 1) and "2 files changed" in result.output, result.output
+    assert "LOCAL_RANK" in (project / "src" / "train.py").read_text()
+    assert (project / "scripts" / "run.sh").read_text() == "cd ..\n" + TORCHRUN.replace("train.py", "src/train.py")
+    monkeypatch.chdir(project / "scripts")  # run from its own folder, as `cd scripts && ./run.sh`
+    assert run_cli("ddp", "--check", "run.sh").exit_code == 0
+
+
+@pytest.mark.parametrize("name,line", [
+    ("Makefile", "train:\n\tpython src/train.py --lr 1\n"),
+    ("job.sbatch", "#SBATCH --nodes=1\nsrun torchrun --nproc-per-node=2 src/train.py\n"),
+    ("README.md", "```bash\npip install -e .\npython -m pip list\npython src/train.py\n```\n"),
+])
+def test_ddp_given_a_makefile_sbatch_or_readme(project, run_cli, monkeypatch, name, line):
+    monkeypatch.chdir(project)
+    (project / name).write_text(line)
+    result = run_cli("ddp", name)
+    assert result.exit_code in (0, 1), result.output
+    assert "LOCAL_RANK" in (project / "src" / "train.py").read_text()
+    assert (project / name).read_text() == line  # nothing to rewrite in it
+    assert (project / "scripts" / "run.sh").read_text().startswith("cd ..\npython -m torch.distributed.launch")
+
+
+@pytest.mark.parametrize("text,why", [
+    ("python src/tain.py\n", "run.sh:1: starts src/tain.py, which is not there"),
+    ("python $SCRIPT --lr 1\n", "starts no Python script of its project that torchmigrate can find; only the shell "
+                                 "knows $SCRIPT (run.sh:1)"),
+    ("python ../elsewhere.py\n", "outside the project"),
+    ("python src/train.py\npython tools/gone.py\n", "run.sh:2: starts tools/gone.py, which is not there"),
+])
+def test_ddp_given_a_launch_file_whose_scripts_cannot_be_found(project, run_cli, monkeypatch, text, why):
+    monkeypatch.chdir(project)
+    (project.parent / "elsewhere.py").write_text(TRAIN)
+    (project / "run.sh").write_text(text)
+    result = run_cli("ddp", "run.sh")
+    assert result.exit_code == 2
+    assert why in result.stderr and "nothing was written" in result.stderr
+    assert (project / "src" / "train.py").read_text() == TRAIN and (project / "run.sh").read_text() == text
+
+
+@pytest.mark.skipif(os.name != "posix", reason="file modes")
+def test_ddp_run_sh_writes_the_program_and_the_launch_file_together(project, run_cli, monkeypatch):
+    monkeypatch.chdir(project)
+    run_sh = project / "scripts" / "run.sh"
+    run_sh.chmod(stat.S_IRUSR)
+    try:
+        result = run_cli("ddp", "scripts/run.sh")
+    finally:
+        run_sh.chmod(stat.S_IRUSR | stat.S_IWUSR)
+    assert result.exit_code == 2 and "read-only" in result.output
+    assert (project / "src" / "train.py").read_text() == TRAIN
+
+
 def test_bytes_and_newlines_are_kept(tmp_path, run_cli):
     (tmp_path / "train.py").write_text(TRAIN)
     data = b"# caf\xe9 (latin-1)\r\n" + LAUNCH.replace("\n", "\r\n").encode() + b"echo \xff\r\n"

@@ -74,7 +74,8 @@ class Launch:
 
     command: Command
     interpreter: int  # index of the interpreter word (`python3`, `torchrun`, `$PYTHON`)
-    style: str  # "launch" (torch.distributed.launch), "run" (torchrun already), "python" (one process)
+    style: str  # "launch" (torch.distributed.launch), "run" (torchrun already: left alone, read for its
+    # script), "python" (one process)
     script: Optional[int] = None  # index of the script (or module name) word
     module: bool = False  # the script is a module name (`-m pkg.train`)
     launcher: Optional[int] = None  # index of the `torch.distributed.launch` word
@@ -141,7 +142,7 @@ def parse(command: Command, kind: str) -> Optional[Launch]:
     i, how = at
     words = command.words
     if how == "torchrun":
-        return Launch(command, i, "run")
+        return _launcher(Launch(command, i, "run", launcher=i), i + 1)
     j = i + 1
     while j < len(words) and words[j].value.startswith("-"):
         flag = words[j].value
@@ -150,7 +151,7 @@ def parse(command: Command, kind: str) -> Optional[Launch]:
                 return None
             module = words[j + 1].value
             if module == RUN:
-                return Launch(command, i, "run")
+                return _launcher(Launch(command, i, "run", launcher=j + 1), j + 2)
             if module == LAUNCH:
                 return _launcher(Launch(command, i, "launch", launcher=j + 1), j + 2)
             return Launch(command, i, "python", script=j + 1, module=True)
@@ -163,7 +164,7 @@ def parse(command: Command, kind: str) -> Optional[Launch]:
 
 
 def _launcher(launch: Launch, j: int) -> Launch:
-    """Read torch.distributed.launch's options up to the script."""
+    """Read torch.distributed.launch's (or torchrun's) options up to the script."""
     words = launch.words
     while j < len(words):
         word = words[j]

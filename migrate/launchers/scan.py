@@ -26,9 +26,10 @@ from torchmigrate.diff import unified_diff
 from torchmigrate.errors import InputError
 from torchmigrate.launchers import Settings, convert, kind_of, loops
 from torchmigrate.launchers.convert import LAUNCH, Launch
+from torchmigrate.launchers.entries import Places, tails
 from torchmigrate.launchers.shell import Command, commands
 from torchmigrate.outcome import Outcome, Record
-from torchmigrate.program.graph import project_root, relpath
+from torchmigrate.program.graph import relpath
 
 CODE = "TM801"
 MAX_BYTES = 4 * 1024 * 1024  # a launch file larger than this is not a launch file
@@ -50,15 +51,14 @@ class Program:
 
     def resolve(self, word: str, module: bool, bases: Sequence[Path]) -> Optional[str]:
         """The resolved path of the program file that `word` names, or None."""
-        rel = word.replace(".", "/") + ".py" if module else word
-        tails = [rel, rel[:-3] + "/__main__.py"] if module else [rel]
-        for tail in tails:
+        candidates = tails(word, module)
+        for tail in candidates:
             for base in bases:
                 real = os.path.realpath(os.path.join(base, tail))
                 if real in self.files or self.any_script and real.endswith(".py") and os.path.isfile(real):
                     return real
-        parts = [p for p in PurePath(tails[0]).parts if p not in (".", "")]
-        if not parts or ".." in parts or os.path.isabs(tails[0]):
+        parts = [p for p in PurePath(candidates[0]).parts if p not in (".", "")]
+        if not parts or ".." in parts or os.path.isabs(candidates[0]):
             return None
         hits = [real for real in self.files if PurePath(real).parts[-len(parts):] == tuple(parts)]
         return hits[0] if len(hits) == 1 else None
@@ -143,13 +143,7 @@ class _Scanner:
         self.records: List[Record] = []
         self.notes: List[str] = []
         self.started: List[str] = []  # the program files of the lines rewritten
-        folder = path.parent
-        try:
-            root = project_root(path)
-        except OSError:
-            root = folder
-        self.bases = list(dict.fromkeys([folder, root, Path.cwd(), *program.roots]))
-        self.cwd: Optional[Path] = None  # after a `cd DIR` in the file
+        self.places = Places(path, program.roots)
         self.commands: List[Command] = []
 
     def run(self) -> List[convert.Edit]:
@@ -158,7 +152,7 @@ class _Scanner:
         for command in self.commands:
             if self._suppressed(command):
                 continue
-            self._follow_cd(command)
+            self.places.follow(command)
             launch = convert.parse(command, self.kind)
             if launch is None:
                 if LAUNCH in command.source():
@@ -175,8 +169,7 @@ class _Scanner:
         script = launch.script_word
         target = None
         if script is not None and not script.opaque:
-            bases = [self.cwd, *self.bases] if self.cwd else self.bases
-            target = self.program.resolve(script.value, launch.module, bases)
+            target = self.program.resolve(script.value, launch.module, self.places.bases)
         if launch.style == "python":
             return self._one_process(launch, target) if target is not None else []
         where = launch.words[launch.interpreter]
@@ -273,16 +266,6 @@ class _Scanner:
             return False
         rest = span[at + len(_SUPPRESS):]
         return not rest.startswith("[") or CODE in rest.split("]", 1)[0]
-
-    def _follow_cd(self, command: Command) -> None:
-        words = command.words
-        if words[0].value not in ("cd", "pushd"):
-            return
-        if len(words) < 2 or words[1].opaque or words[1].value == "-":
-            self.cwd = None
-            return
-        base = self.cwd or self.path.parent
-        self.cwd = Path(os.path.normpath(base / words[1].value))
 
     def _display(self, target: str) -> str:
         known = self.program.files.get(target)
