@@ -1,7 +1,7 @@
 """The lint cache on the 200-file corpus: what a warm run costs, what the cache costs a cold one.
 
     python benchmarks/bench_cache.py                  # ~3 min on 2 cores (the cold runs dominate)
-    python benchmarks/bench_cache.py --installed      # also time a pip-installed copy (no editable finder)
+    python benchmarks/bench_cache.py --installed      # also time a pip-installed copy (see `installed`)
 
 Rows, each the median of several runs in fresh processes, bytecode cached as after `pip install`:
 
@@ -60,9 +60,9 @@ def find_ruff() -> Optional[str]:
 
 
 def measure(folder: Path, env: Dict[str, str], work: Path, warm_repeat: int = 15,
-            cold_repeat: int = 3) -> Dict[str, Timing]:
+            cold_repeat: int = 3, python: str = sys.executable) -> Dict[str, Timing]:
     """The rows above, for `python -m torchmigrate` (as `env` finds it) on `folder`."""
-    tm = [sys.executable, "-m", "torchmigrate"]
+    tm = [python, "-m", "torchmigrate"]
     lint = ["lint", "--exit-zero", str(folder)]
     rows: Dict[str, Timing] = {}
     nocache, cached = [], []
@@ -84,7 +84,7 @@ def measure(folder: Path, env: Dict[str, str], work: Path, warm_repeat: int = 15
     rows["warm"] = _median(warms)
     if ruffs:
         rows["ruff check, cold"] = _median(ruffs)
-    imports = subprocess.run([sys.executable, "-X", "importtime", "-m", "torchmigrate", *warm],
+    imports = subprocess.run([python, "-X", "importtime", "-m", "torchmigrate", *warm],
                              capture_output=True, text=True, env=env)
     rows["_libcst_imported"] = (float("libcst" in imports.stderr), 0.0)
     return rows
@@ -116,6 +116,24 @@ def bench_env(pycache: Path) -> Dict[str, str]:
     return env
 
 
+def installed(tmp: Path) -> str:
+    """The interpreter of a copy installed as users install it: `pip install` into a fresh
+    environment of its own (a venv without pip, seeing this environment's dependencies through
+    a `.pth` line), so that its start-up runs none of the `.pth` hooks of this environment,
+    such as the finder of an editable install of torchmigrate, which costs every run."""
+    target, venv = tmp / "installed", tmp / "venv"
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+                    "--target", str(target), str(corpus.ROOT)], check=True)
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    python = str(venv / ("Scripts/python.exe" if os.name == "nt" else "bin/python"))
+    purelib = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             check=True, capture_output=True, text=True).stdout.strip()
+    import site
+
+    Path(purelib, "torchmigrate-bench.pth").write_text("\n".join([str(target), *site.getsitepackages()]) + "\n")
+    return python
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--files", type=int, default=200)
@@ -131,15 +149,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         paths = corpus.generate(tmp / "corpus", args.files, args.seed)
         load = f", load average {os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else ""
         print(f"corpus: {len(paths)} files; python {sys.version.split()[0]}, {os.cpu_count()} CPUs{load}")
-        setups = [("torchmigrate, this environment", env)]
+        setups = [("torchmigrate, this environment", sys.executable)]
         if args.installed:
-            target = tmp / "installed"
-            subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
-                            "--target", str(target), str(corpus.ROOT)], check=True)
-            setups.append(("torchmigrate, a pip-installed copy", {**env, "PYTHONPATH": str(target)}))
-        for i, (title, run_env) in enumerate(setups):
+            setups.append(("torchmigrate, a pip-installed copy", installed(tmp)))
+        for i, (title, python) in enumerate(setups):
             print(f"\n{title}")
-            rows = measure(tmp / "corpus", run_env, tmp / f"caches-{i}", args.warm_repeat, args.cold_repeat)
+            rows = measure(tmp / "corpus", env, tmp / f"caches-{i}", args.warm_repeat, args.cold_repeat, python)
             print("\n".join(report(rows, len(paths))))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
