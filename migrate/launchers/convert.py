@@ -37,7 +37,7 @@ RUN = "torch.distributed.run"
 _BARE_PYTHON = re.compile(r"^python(\d+(\.\d+)?)?$")
 _PATH_PYTHON = re.compile(r"^\S*/python(\d+(\.\d+)?)?$")
 _VAR_PYTHON = re.compile(r"^\$[({]?\w*py\w*[)}]?$", re.IGNORECASE)
-_ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\+?=")
+ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\+?=")
 # commands that run the rest of the line as a command: what may come before the interpreter
 WRAPPERS = {"env", "nohup", "exec", "srun", "mpirun", "mpiexec", "nice", "numactl", "taskset", "stdbuf", "sudo",
             "timeout", "command", "time", "xvfb-run", "ionice", "chrt", "setsid", "unbuffer", "caffeinate"}
@@ -98,7 +98,7 @@ class Launch:
         return [] if self.script is None else self.words[self.script + 1:]
 
 
-def _interpreter(word: Word, kind: str, first: bool) -> Optional[str]:
+def interpreter(word: Word, kind: str, first: bool) -> Optional[str]:
     """"bare" (`python3`), "kept" (a path or a variable) or "torchrun" for an interpreter word."""
     value = word.value.lstrip(_MAKE_PREFIX) if kind == "make" and first else word.value
     if _BARE_PYTHON.match(value):
@@ -116,19 +116,19 @@ def _find_interpreter(command: Command, kind: str) -> Optional[Tuple[int, str]]:
     options."""
     words = command.words
     i = 0
-    while i < len(words) and _ASSIGNMENT.match(words[i].raw):
+    while i < len(words) and ASSIGNMENT.match(words[i].raw):
         i += 1
     if kind == "make" and i == 0 and len(words) > 2 and words[1].raw in _MAKE_ASSIGN:
         i = 2
     if i >= len(words):
         return None
-    found = _interpreter(words[i], kind, i == 0)
+    found = interpreter(words[i], kind, i == 0)
     if found:
         return i, found
     if words[i].value.rsplit("/", 1)[-1] not in WRAPPERS:
         return None
     for j in range(i + 1, len(words)):
-        found = _interpreter(words[j], kind, False)
+        found = interpreter(words[j], kind, False)
         if found:
             return j, found
     return None
@@ -228,7 +228,7 @@ def edits(launch: Launch, kind: str) -> List[Edit]:
     alone = standalone(launch)
     extra = " --standalone" if alone else ""
     interp = words[launch.interpreter]
-    if _interpreter(interp, kind, launch.interpreter == 0) == "bare":
+    if interpreter(interp, kind, launch.interpreter == 0) == "bare":
         skip = len(interp.raw) - len(interp.raw.lstrip(_MAKE_PREFIX)) if kind == "make" else 0
         out.append((interp.start + skip, words[launch.launcher].end, "torchrun" + extra))
     else:

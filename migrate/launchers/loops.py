@@ -73,14 +73,14 @@ def plan(launch: Launch, kind: str, commands: Sequence[Command]) -> Union[Plan, 
         return "the loop does more than start one background process per iteration"
     if not loop.done or len(loop.done) > 1:
         return "the loop's output is redirected" if loop.done else "the loop has no `done`"
-    ref = {f"$$" + var, f"$${{{var}}}"} if kind == "make" else {f"${var}", f"${{{var}}}"}
+    ref = {"$$" + var, f"$${{{var}}}"} if kind == "make" else {f"${var}", f"${{{var}}}"}
     words = launch.words
     kept: List[str] = []
     ranked = local_rank = False
+    first = _first_command(words)
     for i, word in enumerate(words[:launch.interpreter]):
-        name, eq, value = word.raw.partition("=")
-        assigned = bool(eq) and convert._ASSIGNMENT.match(word.raw) is not None and i < _first_command(words)
-        if assigned and name in _TORCHRUN_VARS:
+        name, _, value = word.raw.partition("=")
+        if i < first and name in _TORCHRUN_VARS:
             value = Word(value, 0, 0).value
             if name in _RANK_VARS | {"CUDA_VISIBLE_DEVICES"} and value not in ref:
                 return f"{name} is set to {value}, not to the loop's ${var}"
@@ -117,7 +117,7 @@ def plan(launch: Launch, kind: str, commands: Sequence[Command]) -> Union[Plan, 
     if not ranked:
         return f"${var} is not given as a rank (RANK, LOCAL_RANK or --local_rank): these may be independent runs"
     interp = words[launch.interpreter]
-    how = convert._interpreter(interp, kind, launch.interpreter == 0)
+    how = convert.interpreter(interp, kind, launch.interpreter == 0)
     runner = ("torchrun" if how == "bare" else f"{interp.raw} -m {RUN}") + f" --standalone --nproc-per-node={count}"
     target = f"-m {script.raw}" if launch.module else script.raw
     end, waits = _wait_after(loop, commands, earlier)
@@ -128,7 +128,7 @@ def plan(launch: Launch, kind: str, commands: Sequence[Command]) -> Union[Plan, 
 def _first_command(words: List[Word]) -> int:
     """The index of the first word that is not a variable assignment."""
     i = 0
-    while i < len(words) and convert._ASSIGNMENT.match(words[i].raw):
+    while i < len(words) and convert.ASSIGNMENT.match(words[i].raw):
         i += 1
     return i
 
@@ -169,7 +169,7 @@ def _assigned(name: str, earlier: Sequence[Command]) -> bool:
         words = [w.raw for w in command.words]
         if words[0] in _DECLARE:
             words = words[1:]
-        if all(convert._ASSIGNMENT.match(w) for w in words) and any(w.partition("=")[0] == name for w in words):
+        if all(convert.ASSIGNMENT.match(w) for w in words) and any(w.partition("=")[0] == name for w in words):
             return True
     return False
 
