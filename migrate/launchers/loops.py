@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Union
+from typing import List, Sequence, Union
 
 from torchmigrate.launchers import convert
 from torchmigrate.launchers.convert import LOCAL_HOSTS, LOCAL_RANK_ARGS, RUN, Launch
