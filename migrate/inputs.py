@@ -106,8 +106,9 @@ def _discover(inputs: Inputs, paths: Sequence[str], discovery: Discovery, reques
     found, launch_files = launchers.split(found)
     named = [Path(p) for p in paths if not _is_dir(p)]
     if request.command != "lint" and launch_files:  # `ddp run.sh`: the scripts it starts are the entries
+        scripts = list({os.path.realpath(s): s for s in _launched(launch_files)}.values())
         seen = {os.path.realpath(f) for f in found}
-        scripts = [s for s in _launched(launch_files) if os.path.realpath(s) not in seen]
+        scripts = [s for s in scripts if os.path.realpath(s) not in seen]
         found, named = found + scripts, named + scripts
     inputs.excluded = discovery.excluded_count
     inputs.errors = [path_error(path, why) for path, why in bad]

@@ -282,6 +282,13 @@ def test_ddp_given_a_makefile_sbatch_or_readme(project, run_cli, monkeypatch, na
     assert (project / "scripts" / "run.sh").read_text().startswith("cd ..\npython -m torch.distributed.launch")
 
 
+def test_ddp_given_two_launch_files_of_one_script(project, run_cli, monkeypatch):
+    monkeypatch.chdir(project)
+    result = run_cli("ddp", "scripts/run.sh", "README.md")
+    assert result.exit_code in (0, 1) and "3 files changed" in result.output, result.output
+    assert "torch.distributed.launch" not in (project / "README.md").read_text()
+
+
 @pytest.mark.parametrize("text,why", [
     ("python src/tain.py\n", "run.sh:1: starts src/tain.py, which is not there"),
     ("python $SCRIPT --lr 1\n", "starts no Python script of its project that torchmigrate can find; only the shell "
