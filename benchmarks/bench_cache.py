@@ -135,6 +135,11 @@ def installed(tmp: Path) -> str:
     return str(bin_dir / "torchmigrate")
 
 
+def _load() -> str:
+    """The load averages (1, 5, 15 min): other work on the machine inflates wall times."""
+    return ", load average " + " ".join(f"{x:.1f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else ""
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--files", type=int, default=200)
@@ -148,15 +153,14 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     try:
         env = bench_env(tmp / "pycache")
         paths = corpus.generate(tmp / "corpus", args.files, args.seed)
-        load = f", load average {os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else ""
-        print(f"corpus: {len(paths)} files; python {sys.version.split()[0]}, {os.cpu_count()} CPUs{load}")
+        print(f"corpus: {len(paths)} files; python {sys.version.split()[0]}, {os.cpu_count()} CPUs")
         setups = [("python -m torchmigrate, this environment", [sys.executable, "-m", "torchmigrate"])]
         if args.installed:
             setups.append(("torchmigrate (console script) of a pip-installed copy", [installed(tmp)]))
         for i, (title, tm) in enumerate(setups):
-            print(f"\n{title}")
+            print(f"\n{title}{_load()}")
             rows = measure(tmp / "corpus", env, tmp / f"caches-{i}", args.warm_repeat, args.cold_repeat, tm)
-            print("\n".join(report(rows, len(paths))))
+            print("\n".join(report(rows, len(paths))) + f"\n(after it{_load()})")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
