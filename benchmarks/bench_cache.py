@@ -1,7 +1,7 @@
 """The lint cache on the 200-file corpus: what a warm run costs, what the cache costs a cold one.
 
     python benchmarks/bench_cache.py                  # ~3 min on 2 cores (the cold runs dominate)
-    python benchmarks/bench_cache.py --installed      # also time a pip-installed copy (no editable finder)
+    python benchmarks/bench_cache.py --installed      # also a pip-installed copy, as users run it (`installed`)
 
 Rows, each the median of several runs in fresh processes, bytecode cached as after `pip install`:
 
@@ -60,9 +60,9 @@ def find_ruff() -> Optional[str]:
 
 
 def measure(folder: Path, env: Dict[str, str], work: Path, warm_repeat: int = 15,
-            cold_repeat: int = 3) -> Dict[str, Timing]:
-    """The rows above, for `python -m torchmigrate` (as `env` finds it) on `folder`."""
-    tm = [sys.executable, "-m", "torchmigrate"]
+            cold_repeat: int = 3, tm: Sequence[str] = (sys.executable, "-m", "torchmigrate")) -> Dict[str, Timing]:
+    """The rows above, for the command `tm` (`python -m torchmigrate` as `env` finds it) on `folder`."""
+    tm = list(tm)
     lint = ["lint", "--exit-zero", str(folder)]
     rows: Dict[str, Timing] = {}
     nocache, cached = [], []
@@ -84,8 +84,7 @@ def measure(folder: Path, env: Dict[str, str], work: Path, warm_repeat: int = 15
     rows["warm"] = _median(warms)
     if ruffs:
         rows["ruff check, cold"] = _median(ruffs)
-    imports = subprocess.run([sys.executable, "-X", "importtime", "-m", "torchmigrate", *warm],
-                             capture_output=True, text=True, env=env)
+    imports = subprocess.run([*tm, *warm], capture_output=True, text=True, env={**env, "PYTHONPROFILEIMPORTTIME": "1"})
     rows["_libcst_imported"] = (float("libcst" in imports.stderr), 0.0)
     return rows
 
@@ -116,6 +115,31 @@ def bench_env(pycache: Path) -> Dict[str, str]:
     return env
 
 
+def installed(tmp: Path) -> str:
+    """The `torchmigrate` command of a copy installed as users install it: `pip install` into a
+    fresh environment (a venv without pip that sees this environment's dependencies through a
+    `.pth` line), run as its console script. Its start-up runs none of the `.pth` hooks of this
+    environment, such as the finder of an editable install of torchmigrate, which cost every
+    run, nor `runpy` (`python -m`)."""
+    venv = tmp / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    bin_dir = venv / ("Scripts" if os.name == "nt" else "bin")
+    python = str(bin_dir / "python")
+    purelib = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             check=True, capture_output=True, text=True).stdout.strip()
+    import site
+
+    Path(purelib, "torchmigrate-bench-deps.pth").write_text("\n".join(site.getsitepackages()) + "\n")
+    subprocess.run([sys.executable, "-m", "pip", "--python", python, "install", "--quiet", "--no-deps",
+                    "--no-build-isolation", str(corpus.ROOT)], check=True)
+    return str(bin_dir / "torchmigrate")
+
+
+def _load() -> str:
+    """The load averages (1, 5, 15 min): other work on the machine inflates wall times."""
+    return ", load average " + " ".join(f"{x:.1f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else ""
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--files", type=int, default=200)
@@ -129,18 +153,14 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     try:
         env = bench_env(tmp / "pycache")
         paths = corpus.generate(tmp / "corpus", args.files, args.seed)
-        load = f", load average {os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else ""
-        print(f"corpus: {len(paths)} files; python {sys.version.split()[0]}, {os.cpu_count()} CPUs{load}")
-        setups = [("torchmigrate, this environment", env)]
+        print(f"corpus: {len(paths)} files; python {sys.version.split()[0]}, {os.cpu_count()} CPUs")
+        setups = [("python -m torchmigrate, this environment", [sys.executable, "-m", "torchmigrate"])]
         if args.installed:
-            target = tmp / "installed"
-            subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
-                            "--target", str(target), str(corpus.ROOT)], check=True)
-            setups.append(("torchmigrate, a pip-installed copy", {**env, "PYTHONPATH": str(target)}))
-        for i, (title, run_env) in enumerate(setups):
-            print(f"\n{title}")
-            rows = measure(tmp / "corpus", run_env, tmp / f"caches-{i}", args.warm_repeat, args.cold_repeat)
-            print("\n".join(report(rows, len(paths))))
+            setups.append(("torchmigrate (console script) of a pip-installed copy", [installed(tmp)]))
+        for i, (title, tm) in enumerate(setups):
+            print(f"\n{title}{_load()}")
+            rows = measure(tmp / "corpus", env, tmp / f"caches-{i}", args.warm_repeat, args.cold_repeat, tm)
+            print("\n".join(report(rows, len(paths))) + f"\n(after it{_load()})")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

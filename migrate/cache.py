@@ -34,7 +34,6 @@ import importlib.util
 import json
 import os
 import re
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -238,6 +237,8 @@ class Store:
             if other.is_dir() and other.name != self.folder.name and _FINGERPRINT.match(other.name):
                 with contextlib.suppress(OSError):
                     others.append((other.stat().st_mtime, other))
+        import shutil  # only here: a warm run prunes nothing
+
         for _, other in sorted(others, reverse=True)[KEEP - 1:]:
             shutil.rmtree(other, ignore_errors=True)
 

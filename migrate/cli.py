@@ -259,8 +259,10 @@ def ddp(paths, dry_run, check, amp, report_file, follow, sync_bn, vendor_runtime
     """Rewrite training scripts in place for torchrun + DDP (+ AMP).
 
     With --dry-run, print the unified diff (coloured on a terminal) and the report, write nothing.
-    `-` as the path reads a script from stdin and prints the migrated script to stdout (the
-    report goes to stderr; its imports are not followed).
+    A launch file as the path (run.sh, a Makefile, a SLURM batch file, a README) migrates the
+    scripts it starts together with its launch commands. `-` as the path reads a script from
+    stdin and prints the migrated script to stdout (the report goes to stderr; its imports are
+    not followed).
     """
     _migrate("ddp", paths, dry_run, check, amp, sync_bn, report_file, vendor_runtime, jobs, select, extend_select,
              ignore, _common(config, force_exclude, respect_gitignore, stdin_filename, follow))

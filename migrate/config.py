@@ -19,11 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Optional, Tuple
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
-
 KEYS = {"select", "extend-select", "ignore", "exclude", "extend-exclude", "amp"}
 AMP_VALUES = ("auto", "bf16", "fp16", "off")
 # In one folder, the first of these that holds torchmigrate settings is used.
@@ -63,6 +58,10 @@ def _strings(value, key: str, where: str) -> Tuple[str, ...]:
 def parse(path: Path, root: Optional[Path] = None) -> Optional[Config]:
     """The settings in `path` (None: a pyproject.toml without a [tool.torchmigrate] table);
     `exclude` is relative to `root`, by default the file's folder. Raises ConfigError."""
+    if sys.version_info >= (3, 11):  # imported here: a project without settings files never needs it
+        import tomllib
+    else:  # pragma: no cover
+        import tomli as tomllib
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
@@ -107,14 +106,24 @@ class Configs:
                 raise ConfigError(f"--config {forced}: no such file")
             self.forced = parse(path, root=Path.cwd()) or Config(path=path)
         self._folders: Dict[Path, Config] = {}
+        self._names: Dict[str, Config] = {}  # `for_file`'s answers by folder name
 
     def for_file(self, path: Path) -> Config:
-        return self.for_folder(absolute(path).parent)
+        """As `for_folder` of the file's folder; a run asks this for every file, so the answer
+        is kept by the folder's name (no Path objects built for a folder already seen)."""
+        folder = os.path.dirname(os.path.abspath(path))
+        found = self._names.get(folder)
+        if found is None:
+            found = self._names[folder] = self.for_folder(Path(folder))
+        return found
 
     def for_folder(self, folder: Path) -> Config:
         if self.forced is not None:
             return self.forced
         folder = absolute(folder)
+        known = self._folders.get(folder)
+        if known is not None:
+            return known
         chain = []
         found = None
         for current in (folder, *folder.parents):

@@ -43,15 +43,14 @@ class Discovery:
 
     def excluded(self, path: Path, is_dir: bool = False) -> bool:
         """Left out by the `exclude` patterns of the settings governing `path`'s folder."""
-        path = absolute(path)
-        config = self.configs.for_folder(path.parent)
+        config = self.configs.for_file(path)
         patterns = Patterns.of(config.root, config.exclude)
-        return patterns is not None and patterns.match(path, is_dir)
+        return patterns is not None and patterns.match(absolute(path), is_dir)
 
     def left_out(self, path: Path, is_dir: bool = False) -> bool:
         """Left out of a folder's walk, or of the modules followed through imports."""
-        return self.excluded(path, is_dir) or (
-            self.respect_gitignore and self.ignore_files.ignored(absolute(path), is_dir))
+        path = absolute(path)
+        return self.excluded(path, is_dir) or (self.respect_gitignore and self.ignore_files.ignored(path, is_dir))
 
     def forced_out(self, path: Path, is_dir: bool) -> bool:
         """With --force-exclude, whether a path given by name is left out: by the `exclude`

@@ -11,7 +11,6 @@ import contextlib
 import io
 import os
 import stat
-import tempfile
 import tokenize
 from dataclasses import dataclass
 from pathlib import Path
@@ -138,6 +137,8 @@ def stage(path: Path, data: bytes, expect: Optional[Tuple[int, int, int]] = None
     if expect is not None and _stamp(st) != expect:
         raise InputError("cannot write: the file changed on disk while it was being processed; run again")
     try:
+        import tempfile  # only when writing: a lint run writes nothing
+
         fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     except OSError as exc:
         raise InputError(f"cannot write: cannot create a temporary file in {target.parent}: "

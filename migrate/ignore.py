@@ -12,7 +12,7 @@ git excludes file (`core.excludesFile`) is not read.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Dict, Iterable, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 
 def _spec(lines: Iterable[str]):
@@ -67,30 +67,39 @@ class IgnoreFiles:
     def __init__(self) -> None:
         self._specs: Dict[Path, object] = {}  # ignore file -> spec, or None when absent or empty
         self._repos: Dict[Path, Optional[Path]] = {}  # folder -> its repository's root
+        self._chains: Dict[Path, List[Tuple[Path, object]]] = {}  # folder -> see `_chain`
 
     def ignored(self, path: Path, is_dir: bool) -> bool:
-        repo = self._repo(path.parent)
-        for folder in (path.parent, *path.parent.parents):
-            names = (IGNORE_FILE, GITIGNORE) if repo is not None and _within(folder, repo) else (IGNORE_FILE,)
-            for name in names:
-                verdict = self._check(folder / name, folder, path, is_dir)
-                if verdict is not None:
-                    return verdict
-        if repo is not None:
-            verdict = self._check(repo / ".git" / "info" / "exclude", repo, path, is_dir)
-            if verdict is not None:
+        for folder, spec in self._chain(path.parent):
+            rel = _relative(path, folder, is_dir)
+            verdict = None if rel is None else spec.check_file(rel).include  # type: ignore[attr-defined]
+            if verdict is not None:  # True: ignored; False: re-included by a `!pattern`
                 return verdict
         return False
 
-    def _check(self, ignore_file: Path, folder: Path, path: Path, is_dir: bool) -> Optional[bool]:
-        """True (ignored), False (re-included by a `!pattern`) or None (no pattern matches)."""
+    def _chain(self, parent: Path) -> List[Tuple[Path, object]]:
+        """(folder, spec) of the ignore files that govern the paths in `parent`, the one that
+        decides first: nearest folder first, `.ignore` before `.gitignore`, the repository's
+        `.git/info/exclude` last. Worked out once per folder: a walk asks for every file, and
+        most folders have none."""
+        found = self._chains.get(parent)
+        if found is None:
+            found = []
+            repo = self._repo(parent)
+            for folder in (parent, *parent.parents):
+                names = (IGNORE_FILE, GITIGNORE) if repo is not None and _within(folder, repo) else (IGNORE_FILE,)
+                found += [(folder, spec) for spec in (self._spec(folder / name) for name in names) if spec is not None]
+            if repo is not None:
+                spec = self._spec(repo / ".git" / "info" / "exclude")
+                found += [(repo, spec)] if spec is not None else []
+            self._chains[parent] = found
+        return found
+
+    def _spec(self, ignore_file: Path):
         spec = self._specs.get(ignore_file, _UNREAD)
         if spec is _UNREAD:
             spec = self._specs[ignore_file] = _read(ignore_file)
-        if spec is None:
-            return None
-        rel = _relative(path, folder, is_dir)
-        return None if rel is None else spec.check_file(rel).include  # type: ignore[attr-defined]
+        return spec
 
     def _repo(self, folder: Path) -> Optional[Path]:
         """The root of the git repository holding `folder` (a folder with a `.git` entry)."""

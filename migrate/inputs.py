@@ -103,12 +103,17 @@ def _discover(inputs: Inputs, paths: Sequence[str], discovery: Discovery, reques
     follow = request.follow
     inputs.left_out = discovery.left_out
     found, bad = discovery.discover(paths)
-    found = launchers.split(found)[0]
+    found, launch_files = launchers.split(found)
+    named = [Path(p) for p in paths if not _is_dir(p)]
+    if request.command != "lint" and launch_files:  # `ddp run.sh`: the scripts it starts are the entries
+        scripts = list({os.path.realpath(s): s for s in _launched(launch_files)}.values())
+        seen = {os.path.realpath(f) for f in found}
+        scripts = [s for s in scripts if os.path.realpath(s) not in seen]
+        found, named = found + scripts, named + scripts
     inputs.excluded = discovery.excluded_count
     inputs.errors = [path_error(path, why) for path, why in bad]
     if not found and not bad and not inputs.excluded:
         inputs.errors.append(path_error(", ".join(paths), "no Python files found"))
-    named = [Path(p) for p in paths if not _is_dir(p)]
     def build_program(fs=None):
         from torchmigrate.program.build import build  # only when the cache cannot answer
 
@@ -119,6 +124,27 @@ def _discover(inputs: Inputs, paths: Sequence[str], discovery: Discovery, reques
     program = cache.program(found, named, follow, key, build_program) if cache is not None else build_program()
     inputs.program = program
     inputs.files = program.files
+
+
+def _launched(launch_files: Sequence[Path]) -> List[Path]:
+    """The scripts that the launch files given by name start (see `launchers.entries`). Raises
+    ConfigError when one cannot be found: a program migrated without its entry would be half
+    done, so nothing is."""
+    from torchmigrate.launchers.entries import started
+
+    scripts: List[Path] = []
+    problems: List[str] = []
+    for path in launch_files:
+        found = started(path)
+        problems += found.problems
+        if not found.scripts and not found.problems:
+            unknown = f"; only the shell knows {', '.join(found.unknown)}" if found.unknown else ""
+            problems.append(f"{path}: starts no Python script of its project that torchmigrate can find{unknown}")
+        scripts += found.scripts
+    if problems:
+        raise ConfigError("cannot migrate the program that a launch file starts (nothing was written):\n  "
+                          + "\n  ".join(problems) + "\nname the entry script instead (`torchmigrate ddp train.py`)")
+    return scripts
 
 
 def _is_dir(path: str) -> bool:

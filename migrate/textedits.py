@@ -6,7 +6,6 @@ after the fix: the changed runs of lines (difflib), each trimmed to the characte
 
 from __future__ import annotations
 
-import difflib
 import re
 from dataclasses import dataclass
 from typing import List, Tuple
@@ -26,6 +25,8 @@ class TextEdit:
 
 def text_edits(old: str, new: str) -> Tuple[TextEdit, ...]:
     """The smallest replacements, in order, that turn `old` into `new`."""
+    import difflib  # here: a warm lint run, which reads its results from the cache, never diffs
+
     a, b = lines(old), lines(new)
     edits: List[TextEdit] = []
     for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, a, b, autojunk=False).get_opcodes():

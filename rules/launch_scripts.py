@@ -13,8 +13,9 @@ class DistLaunch(Rule):
     ## What it does
     Finds the commands that start a file of the program in `*.sh`, `*.sbatch`/`*.slurm`,
     `Makefile`/`*.mk` and the shell code blocks of `*.md`/`*.rst` (`torchmigrate ddp` looks in
-    the folders named and in the project of each script named; `lint` in the folders and launch
-    files named), and rewrites `python -m torch.distributed.launch` commands to `torchrun`:
+    the folders named, in the project of each script named and in the launch files named, whose
+    scripts it then migrates; `lint` in the folders and launch files named), and rewrites
+    `python -m torch.distributed.launch` commands to `torchrun`:
 
     - `--nproc_per_node`, `--node_rank`, `--master_addr`, ... get torchrun's spelling
       (`--nproc-per-node`, ...); `--use_env` goes, and so does a `--local_rank` argument given
@@ -34,11 +35,23 @@ class DistLaunch(Rule):
     `-m pkg.train`, resolved from the file's folder, a `cd` before the command, the project root
     or, for a README, the one program file with that name). A command that starts one process
     (`python train.py`, `srun python train.py`) stays valid; the migration report notes how to
-    scale it. Reported with the torchrun command to use, and left as written: launcher options
-    that come from a variable (`$DIST_ARGS`), a launcher kept in a variable, an option torchrun
-    does not know, ranks started by hand (a loop or background processes passing
-    `--local_rank`), and a script that parses `--local_rank` without reading `LOCAL_RANK` (fix
-    it with TM102 first). `# torchmigrate: ignore[TM801]` on a command's line keeps it.
+    scale it.
+
+    Ranks started by hand in a loop (`for i in 0 1 2 3; do CUDA_VISIBLE_DEVICES=$i python
+    train.py --local_rank $i & done; wait`) become the one torchrun command that starts the same
+    processes (`torchrun --standalone --nproc-per-node=4 train.py`), when the loop is plain: a
+    `for` over `0 1 ... N-1` (or `{0..3}`, `$(seq 0 3)`, `((r = 0; r < $N; r++))` with `N` set
+    in the file), one backgrounded command per iteration that gives the loop variable as the
+    rank (`RANK=`, `LOCAL_RANK=`, `--local_rank`) and nowhere else but `CUDA_VISIBLE_DEVICES=`,
+    `WORLD_SIZE=` the count, `MASTER_ADDR=` this host. Those variables and `--local_rank` go; a
+    bare `wait` right after the loop goes with it (else the torchrun command ends with `&`).
+
+    Reported with the torchrun command to use, and left as written: launcher options that come
+    from a variable (`$DIST_ARGS`), a launcher kept in a variable, an option torchrun does not
+    know, ranks started by hand in any other way (a `while` loop, per-rank arguments or logs
+    such as `> log.$i`, background processes passing `--local_rank`), and a script that parses
+    `--local_rank` without reading `LOCAL_RANK` (fix it with TM102 first).
+    `# torchmigrate: ignore[TM801]` on a command's line keeps it.
 
     ## Why is this bad?
     `torch.distributed.launch` is deprecated and passes `--local-rank=N` to the script unless
@@ -86,6 +99,18 @@ class DistLaunch(Rule):
             #SBATCH --nodes=2
             srun torchrun --nproc-per-node=8 --nnodes=2 \\
                 --node-rank=$SLURM_NODEID --master-addr=$MASTER_ADDR --master-port=29500 train.py
+            """,
+        ),
+        Example(
+            file="run.sh",
+            before="""
+            for i in 0 1 2 3; do
+                CUDA_VISIBLE_DEVICES=$i python train.py --local_rank $i --epochs 90 &
+            done
+            wait
+            """,
+            after="""
+            torchrun --standalone --nproc-per-node=4 train.py --epochs 90
             """,
         ),
         Example(

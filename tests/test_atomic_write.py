@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import stat
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -91,7 +92,7 @@ def test_temp_file_cannot_be_created(target, monkeypatch):
     def denied(*args, **kwargs):
         raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr(files.tempfile, "mkstemp", denied)
+    monkeypatch.setattr(tempfile, "mkstemp", denied)
     with pytest.raises(InputError, match="cannot create a temporary file"):
         files.atomic_write(target, NEW)
     assert target.read_bytes() == ORIGINAL

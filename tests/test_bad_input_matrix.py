@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import re
 import stat
+import tempfile
 import time
 from pathlib import Path
 
@@ -328,20 +329,20 @@ def test_temp_file_cannot_be_created(tmp_path, run_cli, good, monkeypatch):
     folder.mkdir()
     path = folder / "train.py"
     path.write_bytes(GOOD_SCRIPT.read_bytes())
-    real = files.tempfile.mkstemp
+    real = tempfile.mkstemp
 
     def mkstemp(*args, dir=None, **kwargs):
         if Path(dir) == folder:
             raise PermissionError(13, "Permission denied")
         return real(*args, dir=dir, **kwargs)
 
-    monkeypatch.setattr(files.tempfile, "mkstemp", mkstemp)
+    monkeypatch.setattr(tempfile, "mkstemp", mkstemp)
     result = run_cli("ddp", path, good)
     assert result.exit_code == 2
     message = error_for(result, path)["message"]
     assert "cannot write" in message and "temporary file" in message and "Permission denied" in message
     assert path.read_bytes() == GOOD_SCRIPT.read_bytes()
-    monkeypatch.setattr(files.tempfile, "mkstemp", real)
+    monkeypatch.setattr(tempfile, "mkstemp", real)
     assert good.read_bytes() == expected_good(run_cli, tmp_path)
     assert leftovers(tmp_path) == []
 

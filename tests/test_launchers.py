@@ -88,13 +88,15 @@ def test_kept_fixture_reports_each_command_it_cannot_rewrite():
     result = check_launch(text, "kept.sh")
     assert result.text == text
     found = {(r.line, r.safety, r.applied) for r in result.records}
-    assert found == {(line, "manual", False) for line in (10, 11, 12, 13, 16)}
+    assert found == {(line, "manual", False) for line in (10, 11, 12, 13, 16, 23)}
     messages = {r.line: r.message for r in result.records}
     assert "$DIST_ARGS, set elsewhere" in messages[10] and "`torchrun --standalone --nproc-per-node=2 $DIST_ARGS train.py`" in messages[10]
     assert "--nproc is not an option torchrun knows" in messages[11]
     assert "starts $SCRIPT" in messages[12]
     assert '`LAUNCHER="torchrun --nproc-per-node=4"`' in messages[13]
     assert "by hand (a loop)" in messages[16] and "`torchrun --standalone --nproc-per-node=N train.py`" in messages[16]
+    assert "log.$i depends on the loop's $i" in messages[16]
+    assert "a while loop: torchmigrate cannot count its iterations" in messages[23]
     # the one-process commands stay, with a note on how to scale them
     assert [n.split(":")[1] for n in result.notes] == ["5", "6", "7"]
     assert "torchrun --standalone --nproc-per-node=N train.py --gpu 0" in result.notes[0]
@@ -109,6 +111,46 @@ def test_background_processes_passing_local_rank_are_ranks_by_hand():
     text = "python train.py --local_rank 0 &\npython train.py --local_rank 1 &\nwait\n"
     result = check_launch(text, "run.sh")
     assert [r.line for r in result.records] == [1, 2] and "background processes" in result.records[0].message
+
+
+LOOP = "for i in 0 1; do CUDA_VISIBLE_DEVICES=$i python train.py --local_rank $i --lr 1 & done; wait\n"
+
+
+@pytest.mark.parametrize("text,name,expected", [
+    (LOOP, "run.sh", TORCHRUN),
+    ("train:\n\tfor i in 0 1; do python train.py --local_rank $$i --lr 1 & done; wait\n", "Makefile",
+     "train:\n\t" + TORCHRUN),
+    ("N=2\nfor ((r=0; r<N; ++r)); do RANK=$r WORLD_SIZE=$N python train.py --lr 1 &\ndone\n", "run.sh",
+     "N=2\ntorchrun --standalone --nproc-per-node=$N train.py --lr 1 &\n"),
+    # the loop's wait also waits for eval.py: the torchrun line stays in the background before it
+    ("python eval.py &\n" + LOOP.replace("; wait", "\nwait"), "run.sh", "python eval.py &\n" + TORCHRUN.strip() + " &\nwait\n"),
+])
+def test_a_loop_of_ranks_becomes_one_torchrun_line(text, name, expected):
+    result = check_launch(text, name)
+    assert result.text == expected
+    [record] = result.records
+    assert (record.safety, record.applied) == ("safe", True) and "background processes in a loop)" in record.message
+    assert check_launch(result.text, name).text == result.text
+
+
+@pytest.mark.parametrize("loop,why", [
+    (LOOP.replace("0 1", "1 2"), "the loop's values (1 2) are not 0 to 1"),
+    (LOOP.replace("--lr 1", "--seed $i"), "--seed $i` depends"),
+    (LOOP.replace("--lr 1 &", "--lr 1 > log.$i &"), "log.$i depends on the loop's $i"),
+    (LOOP.replace("python", "echo $i; python"), "does more than start one background process"),
+    (LOOP.replace("--local_rank $i ", "").replace("CUDA_VISIBLE_DEVICES=$i", "WORLD_SIZE=2"), "may be independent runs"),
+    (LOOP.replace("0 1", "$(seq 0 $((N - 1)))"), "are not all numbers"),
+    ("for ((r=0; r<$N; r++)); do RANK=$r python train.py & done\n", "$N is not set in this file"),
+    ("for n in 0 1; do for i in 0 1; do RANK=$i python train.py & done; done\n", "inside a loop within a loop"),
+    ("for i in 0 1; do RANK=$i WORLD_SIZE=4 python train.py & done\n", "WORLD_SIZE is 4, not the 2 processes"),
+])
+def test_loops_that_are_not_plain_are_reported_with_the_command_to_use(loop, why):
+    result = check_launch(loop, "run.sh")
+    assert result.text == loop
+    assert result.records and all(r.safety == "manual" for r in result.records)
+    message = result.records[-1].message
+    assert why.replace("` depends", "") in message and "torchrun --standalone --nproc-per-node=N train.py" in message
+    assert "$i" not in message.split("`torchrun")[1]  # the hint drops what depends on the loop
 
 
 def test_lint_reports_without_rewriting():
@@ -193,6 +235,88 @@ def test_the_launch_line_waits_for_tm102(project, run_cli, monkeypatch):
     (project / "scripts" / "run.sh").write_text(LAUNCH.replace("train.py", "src/train.py").replace("=2", "=2 --use_env"))
     assert run_cli("ddp", "--select", "TM801", "src/train.py").exit_code == 0
     assert (project / "scripts" / "run.sh").read_text() == TORCHRUN.replace("train.py", "src/train.py")
+
+
+def test_a_loop_passing_local_rank_waits_for_tm102(tmp_path, run_cli, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    Path("train.py").write_text(TRAIN)
+    Path("run.sh").write_text(LOOP)
+    only = run_cli("ddp", "--select", "TM801", "train.py")
+    assert only.exit_code == 1 and "train.py:4 parses --local_rank without reading LOCAL_RANK" in only.output
+    assert Path("run.sh").read_text() == LOOP
+    result = run_cli("ddp", "train.py")  # TM102 makes it read LOCAL_RANK in the same run
+    assert result.exit_code in (0, 1), result.output
+    assert Path("run.sh").read_text() == TORCHRUN
+
+
+# --- `ddp run.sh`: the launch file names the program -------------------------------------------
+
+def test_ddp_given_a_launch_file_migrates_the_scripts_it_starts(project, run_cli, monkeypatch):
+    monkeypatch.chdir(project)
+    (project / "README.md").unlink()
+    check = run_cli("ddp", "--check", "scripts/run.sh")
+    assert check.exit_code == 1 and "2 files would be changed" in check.output, check.output
+    dry = run_cli("ddp", "--dry-run", "scripts/run.sh")
+    assert "+++ b/src/train.py" in dry.stdout and "+torchrun --standalone" in dry.stdout
+    assert (project / "src" / "train.py").read_text() == TRAIN
+    result = run_cli("ddp", "scripts/run.sh")
+    assert result.exit_code in (0, 1) and "2 files changed" in result.output, result.output
+    assert "LOCAL_RANK" in (project / "src" / "train.py").read_text()
+    assert (project / "scripts" / "run.sh").read_text() == "cd ..\n" + TORCHRUN.replace("train.py", "src/train.py")
+    monkeypatch.chdir(project / "scripts")  # run from its own folder, as `cd scripts && ./run.sh`
+    assert run_cli("ddp", "--check", "run.sh").exit_code == 0
+
+
+@pytest.mark.parametrize("name,line", [
+    ("Makefile", "train:\n\tpython src/train.py --lr 1\n"),
+    ("job.sbatch", "#SBATCH --nodes=1\nsrun torchrun --nproc-per-node=2 src/train.py\n"),
+    ("README.md", "```bash\npip install -e .\npython -m pip list\npython src/train.py\n```\n"),
+])
+def test_ddp_given_a_makefile_sbatch_or_readme(project, run_cli, monkeypatch, name, line):
+    monkeypatch.chdir(project)
+    (project / name).write_text(line)
+    result = run_cli("ddp", name)
+    assert result.exit_code in (0, 1), result.output
+    assert "LOCAL_RANK" in (project / "src" / "train.py").read_text()
+    assert (project / name).read_text() == line  # nothing to rewrite in it
+    assert (project / "scripts" / "run.sh").read_text().startswith("cd ..\npython -m torch.distributed.launch")
+
+
+def test_ddp_given_two_launch_files_of_one_script(project, run_cli, monkeypatch):
+    monkeypatch.chdir(project)
+    result = run_cli("ddp", "scripts/run.sh", "README.md")
+    assert result.exit_code in (0, 1) and "3 files changed" in result.output, result.output
+    assert "torch.distributed.launch" not in (project / "README.md").read_text()
+
+
+@pytest.mark.parametrize("text,why", [
+    ("python src/tain.py\n", "run.sh:1: starts src/tain.py, which is not there"),
+    ("python $SCRIPT --lr 1\n", "starts no Python script of its project that torchmigrate can find; only the shell "
+                                 "knows $SCRIPT (run.sh:1)"),
+    ("python ../elsewhere.py\n", "outside the project"),
+    ("python src/train.py\npython tools/gone.py\n", "run.sh:2: starts tools/gone.py, which is not there"),
+])
+def test_ddp_given_a_launch_file_whose_scripts_cannot_be_found(project, run_cli, monkeypatch, text, why):
+    monkeypatch.chdir(project)
+    (project.parent / "elsewhere.py").write_text(TRAIN)
+    (project / "run.sh").write_text(text)
+    result = run_cli("ddp", "run.sh")
+    assert result.exit_code == 2
+    assert why in result.stderr and "nothing was written" in result.stderr
+    assert (project / "src" / "train.py").read_text() == TRAIN and (project / "run.sh").read_text() == text
+
+
+@pytest.mark.skipif(os.name != "posix", reason="file modes")
+def test_ddp_run_sh_writes_the_program_and_the_launch_file_together(project, run_cli, monkeypatch):
+    monkeypatch.chdir(project)
+    run_sh = project / "scripts" / "run.sh"
+    run_sh.chmod(stat.S_IRUSR)
+    try:
+        result = run_cli("ddp", "scripts/run.sh")
+    finally:
+        run_sh.chmod(stat.S_IRUSR | stat.S_IWUSR)
+    assert result.exit_code == 2 and "read-only" in result.output
+    assert (project / "src" / "train.py").read_text() == TRAIN
 
 
 def test_bytes_and_newlines_are_kept(tmp_path, run_cli):

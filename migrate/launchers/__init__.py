@@ -16,7 +16,6 @@ from pathlib import Path, PurePath
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
-from torchmigrate import files
 from torchmigrate.discover import SKIP_DIRS, _is_virtualenv
 from torchmigrate.outcome import Outcome
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple
 
 from torchmigrate.launchers.shell import Command, Word
 
@@ -37,7 +37,7 @@ RUN = "torch.distributed.run"
 _BARE_PYTHON = re.compile(r"^python(\d+(\.\d+)?)?$")
 _PATH_PYTHON = re.compile(r"^\S*/python(\d+(\.\d+)?)?$")
 _VAR_PYTHON = re.compile(r"^\$[({]?\w*py\w*[)}]?$", re.IGNORECASE)
-_ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\+?=")
+ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\+?=")
 # commands that run the rest of the line as a command: what may come before the interpreter
 WRAPPERS = {"env", "nohup", "exec", "srun", "mpirun", "mpiexec", "nice", "numactl", "taskset", "stdbuf", "sudo",
             "timeout", "command", "time", "xvfb-run", "ionice", "chrt", "setsid", "unbuffer", "caffeinate"}
@@ -74,7 +74,8 @@ class Launch:
 
     command: Command
     interpreter: int  # index of the interpreter word (`python3`, `torchrun`, `$PYTHON`)
-    style: str  # "launch" (torch.distributed.launch), "run" (torchrun already), "python" (one process)
+    style: str  # "launch" (torch.distributed.launch), "run" (torchrun already: left alone, read for its
+    # script), "python" (one process)
     script: Optional[int] = None  # index of the script (or module name) word
     module: bool = False  # the script is a module name (`-m pkg.train`)
     launcher: Optional[int] = None  # index of the `torch.distributed.launch` word
@@ -97,7 +98,7 @@ class Launch:
         return [] if self.script is None else self.words[self.script + 1:]
 
 
-def _interpreter(word: Word, kind: str, first: bool) -> Optional[str]:
+def interpreter(word: Word, kind: str, first: bool) -> Optional[str]:
     """"bare" (`python3`), "kept" (a path or a variable) or "torchrun" for an interpreter word."""
     value = word.value.lstrip(_MAKE_PREFIX) if kind == "make" and first else word.value
     if _BARE_PYTHON.match(value):
@@ -115,19 +116,19 @@ def _find_interpreter(command: Command, kind: str) -> Optional[Tuple[int, str]]:
     options."""
     words = command.words
     i = 0
-    while i < len(words) and _ASSIGNMENT.match(words[i].raw):
+    while i < len(words) and ASSIGNMENT.match(words[i].raw):
         i += 1
     if kind == "make" and i == 0 and len(words) > 2 and words[1].raw in _MAKE_ASSIGN:
         i = 2
     if i >= len(words):
         return None
-    found = _interpreter(words[i], kind, i == 0)
+    found = interpreter(words[i], kind, i == 0)
     if found:
         return i, found
     if words[i].value.rsplit("/", 1)[-1] not in WRAPPERS:
         return None
     for j in range(i + 1, len(words)):
-        found = _interpreter(words[j], kind, False)
+        found = interpreter(words[j], kind, False)
         if found:
             return j, found
     return None
@@ -141,7 +142,7 @@ def parse(command: Command, kind: str) -> Optional[Launch]:
     i, how = at
     words = command.words
     if how == "torchrun":
-        return Launch(command, i, "run")
+        return _launcher(Launch(command, i, "run", launcher=i), i + 1)
     j = i + 1
     while j < len(words) and words[j].value.startswith("-"):
         flag = words[j].value
@@ -150,7 +151,7 @@ def parse(command: Command, kind: str) -> Optional[Launch]:
                 return None
             module = words[j + 1].value
             if module == RUN:
-                return Launch(command, i, "run")
+                return _launcher(Launch(command, i, "run", launcher=j + 1), j + 2)
             if module == LAUNCH:
                 return _launcher(Launch(command, i, "launch", launcher=j + 1), j + 2)
             return Launch(command, i, "python", script=j + 1, module=True)
@@ -163,7 +164,7 @@ def parse(command: Command, kind: str) -> Optional[Launch]:
 
 
 def _launcher(launch: Launch, j: int) -> Launch:
-    """Read torch.distributed.launch's options up to the script."""
+    """Read torch.distributed.launch's (or torchrun's) options up to the script."""
     words = launch.words
     while j < len(words):
         word = words[j]
@@ -227,7 +228,7 @@ def edits(launch: Launch, kind: str) -> List[Edit]:
     alone = standalone(launch)
     extra = " --standalone" if alone else ""
     interp = words[launch.interpreter]
-    if _interpreter(interp, kind, launch.interpreter == 0) == "bare":
+    if interpreter(interp, kind, launch.interpreter == 0) == "bare":
         skip = len(interp.raw) - len(interp.raw.lstrip(_MAKE_PREFIX)) if kind == "make" else 0
         out.append((interp.start + skip, words[launch.launcher].end, "torchrun" + extra))
     else:
@@ -313,11 +314,12 @@ def new_command(launch: Launch, kind: str) -> str:
     return one_line(apply(command.text[start:end], local))
 
 
-def scale_hint(launch: Launch) -> str:
-    """The torchrun command that runs a one-process command's script on N GPUs of one node."""
+def scale_hint(launch: Launch, skip: Iterable[int] = ()) -> str:
+    """The torchrun command that runs a one-process command's script on N GPUs of one node
+    (without the words at the indexes `skip`)."""
     script = launch.script_word
     target = f"-m {script.raw}" if launch.module and script else (script.raw if script else "")
-    skip = set(_local_rank_args(launch))
+    skip = set(_local_rank_args(launch)) | set(skip)
     args = " ".join(w.raw for i, w in enumerate(launch.words) if i in range(launch.script + 1, len(launch.words))
                     and i not in skip) if launch.script is not None else ""
     return one_line(f"torchrun --standalone --nproc-per-node=N {target} {args}")

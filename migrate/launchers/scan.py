@@ -24,11 +24,12 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 from torchmigrate import files
 from torchmigrate.diff import unified_diff
 from torchmigrate.errors import InputError
-from torchmigrate.launchers import Settings, convert, kind_of
+from torchmigrate.launchers import Settings, convert, kind_of, loops
 from torchmigrate.launchers.convert import LAUNCH, Launch
+from torchmigrate.launchers.entries import Places, tails
 from torchmigrate.launchers.shell import Command, commands
 from torchmigrate.outcome import Outcome, Record
-from torchmigrate.program.graph import project_root, relpath
+from torchmigrate.program.graph import relpath
 
 CODE = "TM801"
 MAX_BYTES = 4 * 1024 * 1024  # a launch file larger than this is not a launch file
@@ -50,15 +51,14 @@ class Program:
 
     def resolve(self, word: str, module: bool, bases: Sequence[Path]) -> Optional[str]:
         """The resolved path of the program file that `word` names, or None."""
-        rel = word.replace(".", "/") + ".py" if module else word
-        tails = [rel, rel[:-3] + "/__main__.py"] if module else [rel]
-        for tail in tails:
+        candidates = tails(word, module)
+        for tail in candidates:
             for base in bases:
                 real = os.path.realpath(os.path.join(base, tail))
                 if real in self.files or self.any_script and real.endswith(".py") and os.path.isfile(real):
                     return real
-        parts = [p for p in PurePath(tails[0]).parts if p not in (".", "")]
-        if not parts or ".." in parts or os.path.isabs(tails[0]):
+        parts = [p for p in PurePath(candidates[0]).parts if p not in (".", "")]
+        if not parts or ".." in parts or os.path.isabs(candidates[0]):
             return None
         hits = [real for real in self.files if PurePath(real).parts[-len(parts):] == tuple(parts)]
         return hits[0] if len(hits) == 1 else None
@@ -143,20 +143,16 @@ class _Scanner:
         self.records: List[Record] = []
         self.notes: List[str] = []
         self.started: List[str] = []  # the program files of the lines rewritten
-        folder = path.parent
-        try:
-            root = project_root(path)
-        except OSError:
-            root = folder
-        self.bases = list(dict.fromkeys([folder, root, Path.cwd(), *program.roots]))
-        self.cwd: Optional[Path] = None  # after a `cd DIR` in the file
+        self.places = Places(path, program.roots)
+        self.commands: List[Command] = []
 
     def run(self) -> List[convert.Edit]:
         out: List[convert.Edit] = []
-        for command in commands(self.text, self.kind):
+        self.commands = commands(self.text, self.kind)
+        for command in self.commands:
             if self._suppressed(command):
                 continue
-            self._follow_cd(command)
+            self.places.follow(command)
             launch = convert.parse(command, self.kind)
             if launch is None:
                 if LAUNCH in command.source():
@@ -173,12 +169,9 @@ class _Scanner:
         script = launch.script_word
         target = None
         if script is not None and not script.opaque:
-            bases = [self.cwd, *self.bases] if self.cwd else self.bases
-            target = self.program.resolve(script.value, launch.module, bases)
+            target = self.program.resolve(script.value, launch.module, self.places.bases)
         if launch.style == "python":
-            if target is not None:
-                self._one_process(launch, target)
-            return []
+            return self._one_process(launch, target) if target is not None else []
         where = launch.words[launch.interpreter]
         if target is None:
             new = convert.new_command(launch, self.kind)
@@ -208,18 +201,19 @@ class _Scanner:
         self.started.append(target)
         return convert.edits(launch, self.kind)
 
-    def _one_process(self, launch: Launch, target: str) -> None:
+    def _one_process(self, launch: Launch, target: str) -> List[convert.Edit]:
         name = self._display(target)
         command = launch.command
         passes_rank = any(w.value.partition("=")[0] in convert.LOCAL_RANK_ARGS for w in launch.args())
-        if passes_rank and (command.in_loop or command.background) or command.in_loop and command.background:
-            how = "a loop" if command.in_loop else "background processes"
+        if command.in_loop and (passes_rank or command.background):
+            return self._loop(launch, target)
+        if passes_rank and command.background:
             self._report(launch.words[launch.interpreter],
-                         f"starts the ranks of {name} by hand ({how}): replace them with one torchrun command, "
-                         f"`{convert.scale_hint(launch)}` (N: the processes started here)")
-            return
+                         f"starts the ranks of {name} by hand (background processes): replace them with one "
+                         f"torchrun command, `{convert.scale_hint(launch)}` (N: the processes started here)")
+            return []
         if self.settings.mode != "ddp":
-            return
+            return []
         line = self._line_col(launch.words[launch.interpreter])[0]
         under_srun = any(w.value.rsplit("/", 1)[-1] == "srun" for w in launch.words[:launch.interpreter])
         if under_srun:
@@ -229,6 +223,29 @@ class _Scanner:
             text = (f"runs {name} as one process: valid after the migration; to use N GPUs of one node: "
                     f"`{convert.scale_hint(launch)}`")
         self.notes.append(f"{self.path}:{line}: {text}")
+        return []
+
+    def _loop(self, launch: Launch, target: str) -> List[convert.Edit]:
+        """Ranks started by hand in a loop: one torchrun command when the loop is plain (`loops`)."""
+        name = self._display(target)
+        where = launch.words[launch.interpreter]
+        plan = loops.plan(launch, self.kind, self.commands)
+        if isinstance(plan, str):
+            self._report(where, f"starts the ranks of {name} by hand (a loop), which torchmigrate cannot rewrite: "
+                         f"{plan}; replace the loop with one torchrun command, `{loops.hint(launch)}` "
+                         "(N: the processes it starts)")
+            return []
+        old_rank = self._old_local_rank(target) if plan.local_rank else None
+        if old_rank is not None:
+            self._report(where, f"starts the ranks of {name} by hand (a loop) with --local_rank, but "
+                         f"{name}:{old_rank} parses --local_rank without reading LOCAL_RANK: under torchrun every "
+                         f"process would keep the default. Fix it first (TM102: `torchmigrate lint --select TM102 "
+                         f"--fix {name}`), then replace the loop with `{plan.command}`")
+            return []
+        self._report(where, f"starts the ranks of {name} by hand ({plan.count} background processes in a loop): "
+                     f"one torchrun command starts the same processes, `{plan.command}`", fix=True)
+        self.started.append(target)
+        return [(plan.start, plan.end, plan.command)]
 
     def _report(self, word, message: str, fix: bool = False) -> None:
         line, col = self._line_col(word)
@@ -249,16 +266,6 @@ class _Scanner:
             return False
         rest = span[at + len(_SUPPRESS):]
         return not rest.startswith("[") or CODE in rest.split("]", 1)[0]
-
-    def _follow_cd(self, command: Command) -> None:
-        words = command.words
-        if words[0].value not in ("cd", "pushd"):
-            return
-        if len(words) < 2 or words[1].opaque or words[1].value == "-":
-            self.cwd = None
-            return
-        base = self.cwd or self.path.parent
-        self.cwd = Path(os.path.normpath(base / words[1].value))
 
     def _display(self, target: str) -> str:
         known = self.program.files.get(target)

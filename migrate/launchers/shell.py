@@ -4,9 +4,10 @@ and the code blocks of Markdown and reStructuredText documents.
 Only as much of the shell is understood as finding `python ... script.py` commands needs:
 words (quotes, `$(...)`, `${...}`, backticks and backslashes kept inside the word), line
 continuations, the operators that end a command (`;`, `&&`, `||`, `|`, `&`, newline),
-comments, here-documents (skipped), and `for`/`while`/`until ... do ... done` nesting (a
-command in a loop body is marked, a loop that starts ranks by hand cannot be rewritten line by
-line). Every word keeps its offsets in the file, so a rewrite replaces exactly the words it
+comments, here-documents (skipped), arithmetic (`$((i + 1))`, `for ((i = 0; i < 4; i++))`, one
+word each) and `for`/`while`/`until ... do ... done` nesting: each command in a loop body
+knows its `Loop` (header, body, `done`), so a loop that starts ranks by hand can be replaced
+as a whole. Every word keeps its offsets in the file, so a rewrite replaces exactly the words it
 changes and leaves every other byte of the file as it was.
 """
 
@@ -41,15 +42,40 @@ class Word:
         return "$" in self.raw or "`" in self.raw
 
 
+@dataclass(eq=False)
+class Loop:
+    """A `for`/`while`/`until`/`select` loop: its header, the simple commands directly in its
+    body, and its `done` (with what follows it: `done > log`, `done &`)."""
+
+    header: List[Word]  # from the keyword to before `do`: `for i in 0 1 2 3`
+    parent: Optional["Loop"] = None
+    body: List["Command"] = field(default_factory=list)
+    nested: bool = False  # another loop in its body
+    done: List[Word] = field(default_factory=list)  # `done` and its redirections; empty: no `done`
+    background: bool = False  # `done &`
+
+    @property
+    def start(self) -> int:
+        return self.header[0].start
+
+    @property
+    def end(self) -> int:
+        return self.done[-1].end if self.done else self.header[-1].end
+
+
 @dataclass
 class Command:
     """One simple command: its words, where it is, and what surrounds it."""
 
     words: List[Word]
     line: int  # 1-based line of the first word
-    in_loop: bool = False  # inside the body of a for/while/until loop
+    loop: Optional[Loop] = None  # the innermost loop whose body it is in
     background: bool = False  # ended by `&`
     text: str = field(default="", repr=False)  # the file's whole text, for spans
+
+    @property
+    def in_loop(self) -> bool:
+        return self.loop is not None
 
     @property
     def start(self) -> int:
@@ -156,15 +182,15 @@ def _rst_blocks(text: str) -> Iterator[Tuple[int, int]]:
 def _commands(text: str, start: int, end: int, kind: str) -> List[Command]:
     out: List[Command] = []
     words: List[Word] = []
-    loops = 0
+    loops: List[Loop] = []  # the loops the next command is in, innermost last
     heredocs: List[str] = []
     i = start
 
     def finish(background: bool = False) -> None:
-        nonlocal loops, words
+        nonlocal words
         ws = words
         words = []
-        while ws and ws[0].raw in _LEADING:
+        while ws and ws[0].raw in _LEADING - _LOOPS:
             ws = ws[1:]
         if ws and ws[0].raw in _PROMPT and kind in ("markdown", "rst"):
             ws = ws[1:]
@@ -172,12 +198,26 @@ def _commands(text: str, start: int, end: int, kind: str) -> List[Command]:
             return
         first = ws[0].raw
         if first in _LOOPS:
-            loops += 1
-            return
+            if loops:
+                loops[-1].nested = True
+            loops.append(Loop(ws, loops[-1] if loops else None))
+            if first == "for" or first == "select":
+                return
+            ws = ws[1:]  # `while CONDITION`: the condition is a command, not part of the body
+            while ws and ws[0].raw in _LEADING:
+                ws = ws[1:]
+            if not ws:
+                return
         if first == "done":
-            loops = max(0, loops - 1)
+            if loops:
+                loop = loops.pop()
+                loop.done, loop.background = ws, background
             return
-        out.append(Command(ws, text.count("\n", 0, ws[0].start) + 1, loops > 0, background, text))
+        loop = loops[-1] if loops and first not in _LOOPS else loops[-2] if len(loops) > 1 else None
+        command = Command(ws, text.count("\n", 0, ws[0].start) + 1, loop, background, text)
+        if loop is not None:
+            loop.body.append(command)
+        out.append(command)
 
     while i < end:
         c = text[i]
@@ -193,6 +233,11 @@ def _commands(text: str, start: int, end: int, kind: str) -> List[Command]:
                 heredocs = []
         elif c == "#" and not words or c == "#" and text[i - 1] in " \t":
             i = _line_end(text, i, end)
+        elif text.startswith("((", i):  # arithmetic: `for ((i = 0; i < 4; i++))`, `(( n++ ))`
+            j = text.find("))", i + 2, end)
+            j = end if j < 0 else j + 2
+            words.append(Word(text[i:j], i, j))
+            i = j
         elif c in ";|&()":
             op = text[i:i + 2]
             finish(background=c == "&" and op != "&&")
@@ -244,6 +289,10 @@ def _word_end(text: str, i: int, end: int, kind: str) -> int:
         if c == "$" and text[i + 1:i + 2] in ("(", "{"):
             depth += 1
             i += 2
+            continue
+        if depth and c in "({":  # nested: `$((i + 1))`
+            depth += 1
+            i += 1
             continue
         if depth and c in ")}":
             depth -= 1
