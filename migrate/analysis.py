@@ -520,9 +520,33 @@ def optimizers(ctx: Context) -> List[Optimizer]:
                         found.append(site)
             out.extend(found)
             todo = found
+        out.extend(_program_helper_calls(ctx))
         return out
 
     return _cached(ctx, "optimizers", compute)
+
+
+def _program_helper_calls(ctx: Context) -> List[Optimizer]:
+    """Calls of another module's function that builds an optimizer over the model it receives
+    (`train(config, model, train_iter)` into train_eval.py; `ModuleView.optimizer_builders`):
+    for this module's rules, the optimizer of the model passed there is created at the call."""
+    builders = ctx.program.optimizer_builders
+    if not builders:
+        return []
+    out = []
+    for call, _ in facts(ctx).calls:
+        found = builders.get(dotted(call.func) or "")
+        if found is None:
+            continue
+        position, param = found
+        value = next((a.value for a in call.args if a.keyword is not None and a.keyword.value == param), None)
+        positional = [a for a in call.args if a.keyword is None]
+        if value is None and not any(a.star for a in positional) and position < len(positional):
+            value = positional[position].value
+        owner = dotted(value) if value is not None else None
+        if owner is not None and _model_like(ctx, owner, value):
+            out.append(Optimizer(call, ctx.statement_of(call), None, (model_root(owner),)))
+    return out
 
 
 def trained_models(ctx: Context) -> List[str]:

@@ -291,18 +291,21 @@ def _view_json(view) -> dict:
 
 
 def _entry_json(value):
-    """One value of a ModuleView dict: a set (sorted), a tuple of sets (each sorted, the order
-    kept) or a number."""
+    """One value of a ModuleView dict: a set (sorted), a tuple (its sets sorted, the order
+    kept) or a plain value."""
     if isinstance(value, tuple):
-        return [sorted(v) for v in value]
+        return [sorted(v) if isinstance(v, (set, frozenset)) else v for v in value]
     if isinstance(value, (set, frozenset)):
         return sorted(value)
     return value
 
 
-def _entry(value):
-    if isinstance(value, list) and value and all(isinstance(v, list) for v in value):
+def _entry(value, declared: str):
+    """The stored `value` back as the type the ModuleView field `declared` holds."""
+    if "Tuple[FrozenSet" in declared:
         return tuple(frozenset(v) for v in value)
+    if "Tuple[" in declared:
+        return tuple(value)
     return frozenset(value) if isinstance(value, list) else value
 
 
@@ -330,7 +333,7 @@ def _view(data: dict):
     for f in dataclasses.fields(ModuleView):
         value = data[f.name]
         if isinstance(value, dict):
-            kwargs[f.name] = {k: _entry(v) for k, v in value.items()}
+            kwargs[f.name] = {k: _entry(v, str(f.type)) for k, v in value.items()}
         elif isinstance(value, list):
             kwargs[f.name] = frozenset(value)
         else:

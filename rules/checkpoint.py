@@ -454,6 +454,8 @@ class SaveMainUnwrapped(Rule):
                 continue
             scope = scope_of(ctx, call)
             start = trained.get(scope)
+            if start is None and self._reload_in_callee(call, scope, calls, trained):
+                continue
             if start is None or i < start:
                 continue
             between = calls[start:i]
@@ -478,6 +480,34 @@ class SaveMainUnwrapped(Rule):
                               "wait until it is complete",
                         edits=[insert_before(line, [cached_stmt(f"{ctx.tm}.barrier()")])],
                         imports=[ctx.runtime_import()])
+
+    def _reload_in_callee(self, load: cst.Call, scope: cst.CSTNode, calls, trained: Dict[cst.CSTNode, int]) -> bool:
+        """The load sits in a function of this file that does not train (`test(config, model)`
+        reloading the best checkpoint) and is called after the training of another function
+        (`train()` ends with `test(...)`): the barrier goes before each such call, where every
+        rank reaches it. True when the load was handled so."""
+        ctx = self.ctx
+        if not isinstance(scope, cst.FunctionDef) or ctx.enclosing(scope, cst.ClassDef) is not None:
+            return False
+        done = False
+        for i, (call, _name) in enumerate(calls):
+            if not (isinstance(call.func, cst.Name) and call.func.value == scope.name.value):
+                continue
+            caller = scope_of(ctx, call)
+            start = trained.get(caller)
+            line = ctx.statement_of(call)
+            if start is None or i < start or not isinstance(line, cst.SimpleStatementLine) \
+                    or not isinstance(ctx.parent(line), (cst.IndentedBlock, cst.Module)) \
+                    or not _unconditional(ctx, line, caller) or collective_guard(ctx, call) is not None:
+                continue
+            if any(n and n.endswith(".barrier") and scope_of(ctx, c) is caller for c, n in calls[start:i]):
+                continue
+            self.report(load, f"every rank loads this file in {scope.name.value}(), called after training, but only "
+                              "the main process wrote it: wait until it is complete before the call",
+                        edits=[insert_before(line, [cached_stmt(f"{ctx.tm}.barrier()")])],
+                        imports=[ctx.runtime_import()])
+            done = True
+        return done
 
     def _reload_check(self, index: int, save: cst.Call, scope: cst.CSTNode, automatic: bool = True) -> None:
         """A file saved and then loaded again in the same run: other ranks must wait for it. A

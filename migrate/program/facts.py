@@ -215,6 +215,21 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
         if s.klass:
             s.instances.update(class_instances.get((s.module.path, s.klass), {}))
 
+    # a model passed to another module's function that builds its optimizer is wrapped by the
+    # caller (TM301 there): it is one of the caller's models, and the function's parameter
+    # receives the wrapped model like any other
+    optimizer_params = _optimizer_params(modules)
+    for s in scopes:
+        for call in s.calls:
+            target = _callee(s.module, modules, call)
+            if target is None or target[0] == s.module.path or (target[0], target[1]) not in optimizer_params:
+                continue
+            param = optimizer_params[(target[0], target[1])][1]
+            for bound, value in _bind(modules[target[0]].functions[target[1]], call, target[2]):
+                name = dotted_name(_strip_moves(value)) if bound == param else None
+                if name and not name.startswith("self."):
+                    s.models.add(name)
+
     wrapped: Dict[Tuple[Path, str], Set[str]] = {}
     attrs: Dict[Tuple[Path, str], Set[str]] = {}
     for _ in range(6):  # to a fixpoint: a parameter that holds a model passes it on
@@ -282,6 +297,8 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
             forward_outputs={spelled: heads[key] for key in heads for spelled in _spellings(m, modules, {key})},
             iterator_builders={spelled: builders[key] for key in builders
                                for spelled in _spellings(m, modules, {key})},
+            optimizer_builders={spelled: optimizer_params[key] for key in optimizer_params if key[0] != path
+                                for spelled in _spellings(m, modules, {key})},
             program_trains=trains,
             program_loaders=builds_loaders,
             program_torch=torch_anywhere,
@@ -483,6 +500,26 @@ def _iterator_builders(modules: Dict[Path, _Module]) -> Dict[Tuple[Path, str], i
             position = _builder_position(func, local) if "." not in name else None  # not methods:
             if position is not None:  # a Corpus.get_iterator builds from its own attributes
                 found[(p, name)] = position
+    return found
+
+
+def _optimizer_params(modules: Dict[Path, _Module]) -> Dict[Tuple[Path, str], Tuple[int, str]]:
+    """Module-level functions that build an optimizer over a model they receive and do not wrap
+    it themselves (`def train(config, model, train_iter): optimizer = Adam(model.parameters())`):
+    (position, name) of that parameter. A caller in another module passes the model, so that is
+    where the DDP wrap belongs (its own module's rules see only a parameter)."""
+    found: Dict[Tuple[Path, str], Tuple[int, str]] = {}
+    for p, m in modules.items():
+        for name, func in m.functions.items():
+            if "." in name:
+                continue
+            params = [a.arg for a in (*func.args.posonlyargs, *func.args.args)]  # type: ignore[attr-defined]
+            calls = [n for n in ast.walk(func) if isinstance(n, ast.Call)]
+            wrapped = {dotted_name(_strip_moves(c.args[0])) for c in calls if c.args and
+                       (dotted_name(c.func) or "").rsplit(".", 1)[-1] in WRAPPERS}
+            trained = [x for c in calls for x in _optimizer_models(c) if x in params and x not in wrapped]
+            if trained:
+                found[(p, name)] = (params.index(trained[0]), trained[0])
     return found
 
 

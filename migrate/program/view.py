@@ -31,6 +31,9 @@ class ModuleView:
     # the program's hand-made batch iterators and the functions that build them, as this module
     # spells them -> the position of the data argument (-1: every positional argument)
     iterator_builders: Dict[str, int] = field(default_factory=dict)
+    # functions of other modules that build an optimizer over a model parameter, as this module
+    # spells them -> (position, name) of that parameter: their callers here wrap the model
+    optimizer_builders: Dict[str, Tuple[int, str]] = field(default_factory=dict)
     program_trains: bool = False  # some module of the program builds an optimizer over a model
     # some module of the program builds a DataLoader (or subclass), or a hand-made batch
     # iterator over training data (which TM201 shards): the global batch grows with the ranks
