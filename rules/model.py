@@ -44,7 +44,7 @@ from torchmigrate.nodes import arg as call_arg
 from torchmigrate.nodes import code, expr, kwarg, set_kwarg, stmt, with_args
 from torchmigrate.positions import code_for
 from torchmigrate.rule import RUNTIME_MODULE, Context, Example, Rule
-from torchmigrate.rules.launch import creates_own_group
+from torchmigrate.rules.launch import creates_own_group, legacy_launch
 
 CODES = ("TM301", "TM302", "TM303", "TM304", "TM305", "TM306")
 
@@ -480,7 +480,8 @@ class Plan:
             return "dp"  # the program's own DataParallel subclass
         if name:
             if name in _DDP:
-                return "ddp"
+                # a legacy script's DDP becomes `tm.wrap_model` (TM301): a runtime wrap
+                return "tm" if legacy_launch(self.ctx) else "ddp"
             if name in _APEX_DDP:
                 return "apex"
             if name == _TM_WRAP:
@@ -1976,6 +1977,12 @@ class WrapDDP(_ModelRule):
     when they receive a model's parameters. When parameters are frozen after the wrap or `forward()` uses a submodule only
     in some branches, the wrap passes `find_unused_parameters=True` (see TM303).
 
+    In a legacy `torch.distributed.launch` script that `ddp` moves onto the runtime (see
+    TM101), the script's own `DDP(model, device_ids=[args.local_rank], output_device=...)`
+    becomes `tm.wrap_model(model, ...)`, keeping its other options (`find_unused_parameters=`,
+    `broadcast_buffers=`): device ids fail on CPU ranks, and an unconditional DDP fails in a
+    one-process run.
+
     In `lint`, for files that already use torch.distributed: reports trained models that are
     never wrapped, and DDP built with a hard-coded `device_ids=[0]` (every rank on GPU 0),
     replaced by `[tm.local_rank()]`.
@@ -2071,6 +2078,32 @@ class WrapDDP(_ModelRule):
         for w in p.wraps:
             if w.kind == "ddp" and w.call is not None:
                 self._device_ids(w.call)
+            elif w.kind == "tm" and w.call is not None and self.ctx.resolve(w.call.func) in _DDP:
+                self._to_wrap_model(w.call)
+
+    def _to_wrap_model(self, call: cst.Call) -> None:
+        """A legacy script's own `DDP(model, device_ids=[args.local_rank], output_device=...)`
+        (see `legacy_launch`) becomes `tm.wrap_model(model, ...)`: it picks the device ids
+        itself (none on CPU ranks, where DDP refuses them) and returns the model unwrapped in a
+        one-process run. Other options (`find_unused_parameters=`, `broadcast_buffers=`) stay."""
+        tm = self.ctx.tm
+        positional = [a for a in call.args if a.keyword is None]
+        if len(positional) > 3 or any(a.star for a in call.args) \
+                or not positional and call_arg(call, "module") is None:
+            self.report(call, f"DDP built by hand for torch.distributed.launch: replace it with `{tm}.wrap_model("
+                              "model, ...)` (device ids from the local rank, none on CPU, no wrap in one process)")
+            return
+
+        def fix(c: cst.Call) -> cst.Call:
+            module = next(a for a in c.args if a.keyword is None or a.keyword.value == "module")
+            kept = [a for a in c.args if a.keyword is not None
+                    and a.keyword.value not in ("module", "device_ids", "output_device")]
+            module = module.with_changes(keyword=None, equal=cst.MaybeSentinel.DEFAULT)
+            return with_args(c.with_changes(func=expr(f"{tm}.wrap_model")), [module, *kept])
+
+        self.report(call, f"DDP with `device_ids` fails on CPU ranks and in a one-process run: `{tm}.wrap_model` "
+                          "picks the device itself (cuda:LOCAL_RANK, none on CPU) and wraps only under torchrun",
+                    edits=[replace(call, fix)], imports=[self.ctx.runtime_import()])
 
     def _device_ids(self, call: cst.Call) -> None:
         tm = self.ctx.tm
