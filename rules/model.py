@@ -272,6 +272,7 @@ class AttrRewrite:
     owner: str  # rule code that reports it
     dp: bool = False
     use: str = ""  # for the model itself (`attr` ""): "save" or "graph" (else a copy)
+    manual: bool = False  # reported only (lint: a checkpoint of the script's own DDP)
 
 
 # --- the plan ------------------------------------------------------------------------------
@@ -1705,13 +1706,15 @@ class Plan:
             if attr == "module" and isinstance(parent, (cst.AssignTarget, cst.Del)):
                 continue
             statement = self.ctx.statement_of(node)
-            seen_by = [w for w in candidates if (w.full or attr not in ("module", *_STATE))
+            seen_by = [w for w in candidates if (w.full or attr not in ("module", *_STATE)
+                                                 or self._prefixed_state(w, node, attr))
                        and self.applies(w, node, statement)]
             if not seen_by:
                 continue
             is_dp = any(id(w) in dp_wraps or w.kind.endswith("-dp") for w in seen_by)
             if owner302:
-                self.rewrites.append(AttrRewrite(node, name, attr, "TM302", is_dp))
+                manual = self.ctx.options.mode == "lint" and attr in _STATE and not any(w.full for w in seen_by)
+                self.rewrites.append(AttrRewrite(node, name, attr, "TM302", is_dp, manual=manual))
             elif is_dp:  # TM306 alone must not leave `.module` behind on the model it unwrapped
                 self.rewrites.append(AttrRewrite(node, name, attr, "TM306", True))
         if not owner302:
@@ -1730,6 +1733,38 @@ class Plan:
             if any(self.applies(w, call, statement) for w in by_name[name]):
                 self.rewrites.append(AttrRewrite(a.value, name, "", "TM302"))
         self._whole_model_uses(by_name)
+
+    def _prefixed_state(self, w: Wrap, node: cst.Attribute, attr: str) -> bool:
+        """`state_dict()` / `load_state_dict()` of a DDP the script builds itself, which has
+        `module.`-prefixed keys. `ddp` moves both through `tm.unwrap` (checkpoints without the
+        prefix, loaded the same way). `lint` reports only `X.state_dict()` saved by
+        `torch.save`/`tm.save` where `X` is provably the DDP: wrapped unconditionally earlier in
+        the same scope (not behind `if args.distributed:`, where `X` may be the plain module)."""
+        if attr not in _STATE or w.kind.rsplit("-", 1)[-1] != "ddp":
+            return False
+        if self.ctx.options.mode == "ddp":
+            return True
+        return attr == "state_dict" and w.kind == "ddp" and self.fscope(node) is w.scope \
+            and self._in_scope_body(w.statement, w.scope) and self._saved(node)
+
+    def _in_scope_body(self, statement: Optional[cst.CSTNode], scope: cst.CSTNode) -> bool:
+        """`statement` runs whenever its function (or module) does: not nested in a block."""
+        parent = self.ctx.parent(statement) if statement is not None else None
+        return parent is scope or isinstance(scope, cst.FunctionDef) and parent is scope.body
+
+    def _saved(self, node: cst.Attribute) -> bool:
+        """`node()` is what a save writes: its object, or a value of a dict, list or tuple it is."""
+        call = self.ctx.parent(node)
+        if not (isinstance(call, cst.Call) and call.func is node):
+            return False
+        for anc in self.ctx.ancestors(call):
+            if isinstance(anc, cst.Arg):
+                save = self.ctx.parent(anc)
+                return isinstance(save, cst.Call) and self.ctx.resolve(save.func) in _SAVES \
+                    and call_arg(save, "obj", 0) is anc
+            if not isinstance(anc, (cst.Dict, cst.DictElement, cst.List, cst.Tuple, cst.Element)):
+                return False
+        return False
 
     def _whole_model_uses(self, by_name: Dict[str, List[Wrap]]) -> None:
         """A wrapped model pickled whole into a checkpoint (`torch.save(model, f)`, or a value of
@@ -2166,8 +2201,13 @@ class UnwrapAttr(_ModelRule):
     `eval()`, `to()`, `zero_grad()`, `no_sync()`, ...) is left alone. Accesses are rewritten in
     the scope after the wrap and in other functions and methods of the file that receive the
     model (`tm.unwrap` is the identity on a module that is not wrapped, so this is safe wherever
-    the name holds a plain module). For scripts that build DDP themselves, `.module` and
-    `state_dict()` stay as they are (they are right there) and only custom attributes change.
+    the name holds a plain module). For scripts that build DDP themselves, `.module` stays as
+    it is (it is right there); `state_dict()` and `load_state_dict()` go through `tm.unwrap`
+    too, saving and loading alike (`model.state_dict()` of a DDP has `module.` keys that the
+    plain model cannot load). In `lint` such a script gets a report, without a fix, for
+    `torch.save(model.state_dict(), ...)` (also as a value of the saved dict) where `model` is
+    provably the DDP it built (wrapped unconditionally earlier in the same function); an alias
+    of the module (`model_without_ddp = model.module`) is already unwrapped.
 
     ## Why is this bad?
     `DistributedDataParallel` only forwards `nn.Module` attributes: `model.encode(x)` raises
@@ -2236,6 +2276,12 @@ def _report_rewrites(rule: Rule, p: Plan, owner: str) -> None:
                        f"`{tm}.unwrap({r.name})`")
         elif r.attr == "module":
             message = f"`{r.name}.module` fails when the model is not wrapped: use `{tm}.unwrap({r.name})`"
+        elif r.manual:
+            rule.report(r.node, f"`{r.name}` is the DistributedDataParallel built here: `{r.name}.state_dict()` saves "
+                                f"every key with a `module.` prefix, which the plain model cannot load; save "
+                                f"`{r.name}.module.state_dict()` (or `{tm}.unwrap({r.name}).state_dict()`) and load "
+                                "into the module the same way")
+            continue
         elif r.attr in _STATE:
             message = (f"`{r.name}.{r.attr}` of a DDP model has `module.`-prefixed keys: "
                        f"use `{tm}.unwrap({r.name}).{r.attr}`")
