@@ -82,6 +82,8 @@ _MODULE_API = {
     "bucket_bytes_cap", "module",
 }
 _STATE = ("state_dict", "load_state_dict")
+# DistributedDataParallel's leading parameters, the same in every torch since 1.x.
+_DDP_POSITIONS = ("module", "device_ids", "output_device", "dim", "broadcast_buffers")
 _CONFIGISH = {"args", "opt", "opts", "cfg", "config", "conf", "hparams", "hp", "params", "flags", "FLAGS",
               "settings", "options", "self.args", "self.cfg", "self.config", "self.opt", "self.hparams",
               "self.params", "self.options"}
@@ -2120,19 +2122,21 @@ class WrapDDP(_ModelRule):
         """A legacy script's own `DDP(model, device_ids=[args.local_rank], output_device=...)`
         (see `legacy_launch`) becomes `tm.wrap_model(model, ...)`: it picks the device ids
         itself (none on CPU ranks, where DDP refuses them) and returns the model unwrapped in a
-        one-process run. Other options (`find_unused_parameters=`, `broadcast_buffers=`) stay."""
+        one-process run. Other options (`find_unused_parameters=`, `broadcast_buffers=`) stay,
+        positional ones as keywords (only the first five positions are the same in every torch)."""
         tm = self.ctx.tm
         positional = [a for a in call.args if a.keyword is None]
-        if len(positional) > 3 or any(a.star for a in call.args) \
+        if len(positional) > len(_DDP_POSITIONS) or any(a.star for a in call.args) \
                 or not positional and call_arg(call, "module") is None:
             self.report(call, f"DDP built by hand for torch.distributed.launch: replace it with `{tm}.wrap_model("
                               "model, ...)` (device ids from the local rank, none on CPU, no wrap in one process)")
             return
 
         def fix(c: cst.Call) -> cst.Call:
-            module = next(a for a in c.args if a.keyword is None or a.keyword.value == "module")
-            kept = [a for a in c.args if a.keyword is not None
-                    and a.keyword.value not in ("module", "device_ids", "output_device")]
+            named = [a if a.keyword is not None else kwarg(_DDP_POSITIONS[i], a.value)
+                     for i, a in enumerate(c.args)]
+            module = next(a for a in named if a.keyword.value == "module")
+            kept = [a for a in named if a.keyword.value not in ("module", "device_ids", "output_device")]
             module = module.with_changes(keyword=None, equal=cst.MaybeSentinel.DEFAULT)
             return with_args(c.with_changes(func=expr(f"{tm}.wrap_model")), [module, *kept])
 
