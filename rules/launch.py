@@ -159,9 +159,10 @@ def user_sets_up_elsewhere(ctx: Context) -> bool:
 
 def creates_own_group(ctx: Context) -> bool:
     """The file creates its process group itself (`init_process_group`, an `init_distributed`
-    helper), not through `tm.setup()`."""
+    helper), not through `tm.setup()`, and keeps doing so: a legacy script's init becomes
+    `tm.setup()` (`legacy_launch`), so it is treated as the migrated file will be."""
     return (bool(analysis.calls_to(ctx, INIT_PG)) or _calls_init_helper(ctx)) \
-        and not analysis.calls_to(ctx, RUNTIME + ".setup")
+        and not analysis.calls_to(ctx, RUNTIME + ".setup") and not legacy_launch(ctx)
 
 
 def _calls_init_helper(ctx: Context) -> bool:
