@@ -12,7 +12,7 @@ from torchmigrate.finding import Safety, insert_after, insert_before, remove, re
 from torchmigrate.imports import dotted
 from torchmigrate.nodes import arg, code, expr, kwarg, stmt, with_args
 from torchmigrate.rule import Context, Example, Rule
-from torchmigrate.rules.launch import INIT_PG, RUNTIME, setup_plan
+from torchmigrate.rules.launch import INIT_PG, RUNTIME, legacy_launch, setup_plan
 from torchmigrate.rules.logging_rules import rank_dependent
 
 SET_DEVICE = "torch.cuda.set_device"
@@ -129,7 +129,11 @@ class DeviceFromRank(Rule):
     wrong under torchrun is reported: a literal GPU index (`"cuda:0"`, `.cuda(0)`,
     `set_device(0)`), and a bare `"cuda"`/`.cuda()` in a file that calls
     `init_process_group` but never `torch.cuda.set_device`. Indices computed from the rank
-    (`torch.device("cuda", args.local_rank)`) are left alone.
+    (`torch.device("cuda", args.local_rank)`) are left alone, except in a legacy
+    `torch.distributed.launch` script that `ddp` moves onto the runtime (see TM101): it is
+    converted like a single-GPU one, so `torch.device("cuda", args.local_rank)` and
+    `.cuda(args.local_rank)` become `tm.device()` and its `set_device` goes (they fail on a CPU
+    machine).
 
     ## Why is this bad?
     Under torchrun every process runs the same code: a fixed `cuda:0` (or a `.cuda()` before
@@ -253,7 +257,8 @@ class DeviceFromRank(Rule):
     def _setup(self) -> None:
         ctx = self.ctx
         self.distributed = analysis.is_distributed(ctx)
-        self.converting = ctx.options.migrating and not self.distributed
+        # a legacy script (see `legacy_launch`) moves onto the runtime like a single-GPU one
+        self.converting = ctx.options.migrating and (not self.distributed or legacy_launch(ctx))
         self.active = self.converting or self.distributed
         # A distributed file that creates its own process group but never pins a GPU: a bare
         # "cuda"/.cuda() is GPU 0 on every rank there.
@@ -681,7 +686,7 @@ class DeviceFromRank(Rule):
             return
         expr_stmt = self.ctx.parent(call)
         line = self.ctx.parent(expr_stmt) if isinstance(expr_stmt, cst.Expr) else None
-        if setup_plan(self.ctx) is not None and isinstance(line, cst.SimpleStatementLine):
+        if (setup_plan(self.ctx) is not None or legacy_launch(self.ctx)) and isinstance(line, cst.SimpleStatementLine):
             target = self._removable_if(line) or expr_stmt
             self.report(call, "torch.cuda.set_device is done by tm.setup() (cuda:LOCAL_RANK) before anything "
                               "is allocated; a fixed index here would move every rank back to one GPU",

@@ -10,11 +10,11 @@ from typing import Dict, List, Optional, Sequence, Set, Tuple
 import libcst as cst
 
 from torchmigrate import analysis
-from torchmigrate.finding import Import, Safety, insert_after, insert_before, remove, replace, wrap
+from torchmigrate.finding import Import, Safety, insert_after, insert_before, remove, replace, replace_with, wrap
 from torchmigrate.imports import dotted, leading_import_anchor
 from torchmigrate.nodes import arg, code, expr, kwarg, stmt, with_args
 from torchmigrate.rule import Context, Example, Rule
-from torchmigrate.rules.logging_rules import rank_guard_of, rank_word
+from torchmigrate.rules.logging_rules import guardable_line, rank_guard_of, rank_word
 
 INIT_PG = "torch.distributed.init_process_group"
 DESTROY_PG = "torch.distributed.destroy_process_group"
@@ -159,9 +159,10 @@ def user_sets_up_elsewhere(ctx: Context) -> bool:
 
 def creates_own_group(ctx: Context) -> bool:
     """The file creates its process group itself (`init_process_group`, an `init_distributed`
-    helper), not through `tm.setup()`."""
+    helper), not through `tm.setup()`, and keeps doing so: a legacy script's init becomes
+    `tm.setup()` (`legacy_launch`), so it is treated as the migrated file will be."""
     return (bool(analysis.calls_to(ctx, INIT_PG)) or _calls_init_helper(ctx)) \
-        and not analysis.calls_to(ctx, RUNTIME + ".setup")
+        and not analysis.calls_to(ctx, RUNTIME + ".setup") and not legacy_launch(ctx)
 
 
 def _calls_init_helper(ctx: Context) -> bool:
@@ -182,29 +183,110 @@ def _calls_init_helper(ctx: Context) -> bool:
     return found
 
 
+# Arguments of `init_process_group` that `tm.setup()` reproduces from torchrun's environment.
+_PLAIN_INIT_ARGS = ("backend", "init_method", "timeout")
+# Calls that need a process group and have a runtime twin that also works without one.
+_GROUP_QUERIES = {"torch.distributed.get_rank": "rank", "torch.distributed.get_world_size": "world_size",
+                  "torch.distributed.barrier": "barrier", DESTROY_PG: "cleanup"}
+# In-place collectives that change nothing on a single rank: a one-process run can skip them.
+_ONE_RANK_NOOPS = tuple(f"torch.distributed.{n}" for n in ("all_reduce", "broadcast", "reduce"))
+DIST_SAMPLERS = ("torch.utils.data.DistributedSampler", "torch.utils.data.distributed.DistributedSampler")
+
+
+def legacy_launch(ctx: Context) -> bool:
+    """`ddp` on a script that creates its own process group the way `torch.distributed.launch`
+    and switchable scripts did: it calls `init_process_group` itself (no `mp.spawn`) and either
+    takes a `--local_rank` option (the launcher passes it) or creates the group only behind an
+    `if` (`if args.distributed:`, `if args.local_rank != -1:`), so it was meant to run as one
+    process too. Such a script is moved onto the runtime like a single-GPU one (TM101, TM103,
+    TM301): as written it cannot run without CUDA (nccl, `set_device`, `device_ids`), so it
+    cannot be smoke-tested on a CPU machine. A script written for torchrun only (an
+    unconditional init, rank from the environment) stays as the user wrote it, and `lint` never
+    asks: there such code is valid distributed code."""
+    inits = _legacy_inits(ctx)
+    return bool(inits) and all(_plain_init(ctx, c) for c in inits)
+
+
+def _legacy_inits(ctx: Context) -> List[cst.Call]:
+    """The `init_process_group` calls of a script launched the legacy way (see
+    `legacy_launch`), whatever their arguments; none for other files and in `lint`/`amp`."""
+    if ctx.options.mode != "ddp":
+        return []
+    key = "launch.legacy_inits"
+    if key not in ctx.facts:
+        inits = analysis.calls_to(ctx, INIT_PG)
+        legacy = bool(inits) and not analysis.calls_to(ctx, *SPAWN) \
+            and not analysis.calls_to(ctx, RUNTIME + ".setup") \
+            and (any(_behind_if(ctx, c) for c in inits) or _has_local_rank_option(ctx))
+        ctx.facts[key] = inits if legacy else []
+    return ctx.facts[key]  # type: ignore[return-value]
+
+
+def _plain_init(ctx: Context, call: cst.Call) -> bool:
+    """`init_process_group(...)` alone on its line, with nothing `tm.setup()` would drop: a
+    backend, an `init_method` that is not a tcp:// or file:// literal (`args.dist_url`, which
+    is env:// when torchrun launches), a timeout. Ranks and world sizes passed by the script
+    are its own launch scheme: kept, and reported."""
+    line = ctx.statement_of(call)
+    if not (isinstance(line, cst.SimpleStatementLine) and len(line.body) == 1
+            and isinstance(line.body[0], cst.Expr) and line.body[0].value is call):
+        return False
+    for position, a in enumerate(call.args):
+        name = a.keyword.value if a.keyword is not None else (
+            _PLAIN_INIT_ARGS[position] if position < 2 and not a.star else None)
+        if name not in _PLAIN_INIT_ARGS:
+            return False
+        if name == "init_method" and isinstance(a.value, cst.BaseString) and _string_value(a.value) != "env://":
+            return False  # a literal tcp:// or file:// address (an `args.dist_url` is env:// under torchrun)
+    return True
+
+
+def _behind_if(ctx: Context, call: cst.Call) -> bool:
+    """Under an `if` (other than the `__main__` guard) of its function or module."""
+    guard = analysis.facts(ctx).main_guard
+    for anc in ctx.ancestors(call):
+        if isinstance(anc, (cst.FunctionDef, cst.ClassDef)):
+            return False
+        if isinstance(anc, cst.If) and anc is not guard:
+            return True
+    return False
+
+
+def _has_local_rank_option(ctx: Context) -> bool:
+    """An argparse `--local_rank` (or `--local-rank`) option: torch.distributed.launch's."""
+    for call, _name in analysis.facts(ctx).calls:
+        if isinstance(call.func, cst.Attribute) and call.func.attr.value == "add_argument" \
+                and any(_string_value(a.value) in _LOCAL_RANK_FLAGS for a in _option_strings(call)):
+            return True
+    return False
+
+
+def _entry_plan(ctx: Context) -> Optional[SetupPlan]:
+    """Where the entry point's setup and cleanup go (see `setup_plan`), asked also of scripts
+    that set up their own group: a legacy script needs the cleanup it never had."""
+    if not ctx.program.is_entry:
+        return None  # a module the program's entry imports: the entry sets up
+    guard = analysis.facts(ctx).main_guard
+    if guard is not None:
+        if _module_level_work(ctx, guard):
+            after, before = _top_anchor(ctx)
+            return SetupPlan("main-guard", guard=guard, setup_after=after, setup_before=before)
+        return SetupPlan("main-guard", guard=guard)
+    if not _is_script(ctx):
+        return None
+    entry = analysis.entry(ctx)
+    if entry is None:
+        return None
+    return SetupPlan("top-level", entry=entry)
+
+
 def setup_plan(ctx: Context) -> Optional[SetupPlan]:
     """Where TM101 puts `tm.setup()`/`tm.cleanup()`, or None when this file gets none (already
     distributed, an `mp.spawn` launcher, or a library module). TM103 uses it too: `set_device`
     calls are redundant only in files that get `tm.setup()`."""
-    def compute() -> Optional[SetupPlan]:
-        if user_sets_up_elsewhere(ctx) or not ctx.program.is_entry:
-            return None  # a module the program's entry imports: the entry sets up
-        guard = analysis.facts(ctx).main_guard
-        if guard is not None:
-            if _module_level_work(ctx, guard):
-                after, before = _top_anchor(ctx)
-                return SetupPlan("main-guard", guard=guard, setup_after=after, setup_before=before)
-            return SetupPlan("main-guard", guard=guard)
-        if not _is_script(ctx):
-            return None
-        entry = analysis.entry(ctx)
-        if entry is None:
-            return None
-        return SetupPlan("top-level", entry=entry)
-
     key = "launch.setup_plan"
     if key not in ctx.facts:
-        ctx.facts[key] = compute()
+        ctx.facts[key] = None if user_sets_up_elsewhere(ctx) else _entry_plan(ctx)
     return ctx.facts[key]  # type: ignore[return-value]
 
 
@@ -315,9 +397,24 @@ class SetupProcessGroup(Rule):
     so the migrated script still runs as one process.
 
     Files that already call `init_process_group`/`tm.setup` (or use DDP/`DistributedSampler`,
-    or call an `init_distributed_mode()`-style helper) are left as they are; library modules
-    without a `__main__` block or top-level training code get nothing. `mp.spawn` launchers
-    are reported: torchrun starts the processes itself.
+    or call an `init_distributed_mode()`-style helper) get no setup of their own; library
+    modules without a `__main__` block or top-level training code get nothing. `mp.spawn`
+    launchers are reported: torchrun starts the processes itself.
+
+    Legacy scripts are moved onto the runtime like single-GPU ones (`ddp` only): a script
+    that creates its own group and was written for `torch.distributed.launch` (a
+    `--local_rank` option) or creates it only behind an `if` (`if args.distributed:`,
+    `if args.local_rank != -1:`). Its `init_process_group(...)` becomes `tm.setup()`,
+    `destroy_process_group()` becomes `tm.cleanup()` (a script without one gets `tm.cleanup()`
+    at the end of its entry point), `dist.get_rank()` / `get_world_size()` / `barrier()` become
+    `tm.rank()` / `tm.world_size()` / `tm.barrier()`, a `DistributedSampler` gets
+    `num_replicas=tm.world_size(), rank=tm.rank()` (so it and its `set_epoch` also work in one
+    process), and an in-place `dist.all_reduce(t)` (`broadcast`, `reduce`) behind no `if` goes
+    under `if tm.is_distributed():`. TM103 and TM301 move its devices and its DDP. The script
+    then runs as `python train.py`, under torchrun on GPUs and on CPU ranks (gloo). An init
+    given ranks, world sizes or a tcp:// address of the script's own is reported instead, and
+    nothing else of the file is moved. `lint` treats such scripts as the distributed code they
+    are.
 
     In `lint` (distributed files) it reports `mp.spawn` launchers and `init_process_group`
     calls with hard-coded `rank=`/`world_size=` numbers or a `tcp://`/`file://` `init_method`
@@ -357,6 +454,9 @@ class SetupProcessGroup(Rule):
     Only the first module-level `__main__` guard is used. A script whose entry point lives in
     another module (e.g. `from pkg import cli; cli.main()` in a library module) needs the call
     added by hand.
+    A legacy script built for NCCL stops with "Torch not compiled with CUDA enabled" or
+    "ProcessGroupNCCL is only supported with GPUs" on a CPU machine, and with "environment
+    variable RANK expected" as `python train.py`: it cannot be smoke-tested in CI.
     """
 
     code = "TM101"
@@ -405,6 +505,38 @@ class SetupProcessGroup(Rule):
                     tm.cleanup()
             """,
         ),
+        Example(
+            before="""
+            import argparse
+            import torch.distributed as dist
+
+            def main(args):
+                dist.init_process_group("nccl")
+                if dist.get_rank() == 0:
+                    print("processes:", dist.get_world_size())
+
+            if __name__ == "__main__":
+                parser = argparse.ArgumentParser()
+                parser.add_argument("--local_rank", type=int, default=0)
+                main(parser.parse_args())
+            """,
+            after="""
+            import argparse
+            import torch.distributed as dist
+            import torchmigrate.runtime as tm
+
+            def main(args):
+                tm.setup()
+                if tm.rank() == 0:
+                    print("processes:", tm.world_size())
+
+            if __name__ == "__main__":
+                parser = argparse.ArgumentParser()
+                parser.add_argument("--local_rank", type=int, default=0)
+                main(parser.parse_args())
+                tm.cleanup()
+            """,
+        ),
     )
 
     def leave_Module(self, node: cst.Module) -> None:
@@ -415,6 +547,16 @@ class SetupProcessGroup(Rule):
                 self.report(call, "mp.spawn launcher: torchrun starts one process per GPU itself; call the "
                                   "worker once per process (rank from the LOCAL_RANK/RANK environment, "
                                   "e.g. tm.local_rank()) and launch with `torchrun --nproc-per-node=N`")
+        if legacy_launch(ctx):
+            self._onto_runtime()
+            return
+        for call in _legacy_inits(ctx):
+            if not _plain_init(ctx, call):
+                self.report(call, "this script sets up its own process group with a rank, world size or address "
+                                  "it computes: `ddp` leaves its launch code as it is, so it still needs CUDA and its "
+                                  f"own launcher; to run it with torchrun, as `python train.py` and on CPU ranks, use "
+                                  f"`{ctx.tm}.setup()` (rank and world size from torchrun's environment) and "
+                                  f"`{ctx.tm}.wrap_model(model)` for its DDP")
         if distributed:
             for call in analysis.calls_to(ctx, INIT_PG):
                 self._check_init(call)
@@ -443,15 +585,93 @@ class SetupProcessGroup(Rule):
             edits.append(insert_after(entry.setup_after, [setup]))
         else:
             edits.append(insert_before(entry.setup_before, [setup]))
-        last = entry.cleanup_after
-        cleanup = stmt(f"{tm}.cleanup()")
-        if _plain_exit(ctx, last) and last is not entry.setup_before:
-            edits.append(insert_before(last, [cleanup]))
-        elif _may_exit(ctx, last) and last is not entry.setup_before:
-            edits.append(wrap(last, last, lambda body: _lift_leading_lines(list(body), _try_finally(body, cleanup))))
-        else:
-            edits.append(insert_after(last, [cleanup]))
+        edits.append(self._cleanup_edit(entry))
         self.report(entry.setup_after or entry.setup_before, message, edits=edits, imports=[ctx.runtime_import()])
+
+    def _cleanup_edit(self, entry: analysis.Entry):
+        """`tm.cleanup()` after the last statement of a top-level script (before its plain exit,
+        or in a `finally` around an exit that runs code)."""
+        ctx = self.ctx
+        last = entry.cleanup_after
+        cleanup = stmt(f"{ctx.tm}.cleanup()")
+        if _plain_exit(ctx, last) and last is not entry.setup_before:
+            return insert_before(last, [cleanup])
+        if _may_exit(ctx, last) and last is not entry.setup_before:
+            return wrap(last, last, lambda body: _lift_leading_lines(list(body), _try_finally(body, cleanup)))
+        return insert_after(last, [cleanup])
+
+    def _onto_runtime(self) -> None:
+        """A legacy script (`legacy_launch`): the calls that need its process group become the
+        runtime's, which also work in one process (no group) and on CPU ranks (gloo)."""
+        ctx = self.ctx
+        tm = ctx.tm
+        imports = [ctx.runtime_import()]
+        for call in analysis.calls_to(ctx, INIT_PG):
+            self.report(call, f"the script creates its own process group, which fails without torchrun or without "
+                              f"CUDA (nccl): `{tm}.setup()` creates it under torchrun (nccl with GPUs, gloo without) "
+                              "and pins the process's GPU; in a one-process run it creates none",
+                        edits=[replace_with(call, expr(f"{tm}.setup()"))], imports=imports)
+        for call in analysis.calls_to(ctx, *_GROUP_QUERIES):
+            helper = _GROUP_QUERIES[ctx.resolve(call.func)]
+            if call.args and not (helper == "barrier" and all(
+                    a.keyword is not None and a.keyword.value == "device_ids" for a in call.args)):
+                continue  # another group (or a barrier that says more): the user's
+            self.report(call, f"`{code(call.func)}()` needs the process group, which a one-process run does not "
+                              f"have: `{tm}.{helper}()` works in both",
+                        edits=[replace_with(call, expr(f"{tm}.{helper}()"))], imports=imports)
+        for call in analysis.calls_to(ctx, *DIST_SAMPLERS):
+            self._sampler_without_group(call)
+        for call in analysis.calls_to(ctx, *_ONE_RANK_NOOPS):
+            self._collective_without_group(call)
+        if not analysis.calls_to(ctx, DESTROY_PG):
+            self._legacy_cleanup()
+
+    def _sampler_without_group(self, call: cst.Call) -> None:
+        """`DistributedSampler(ds)` asks the process group for its replicas and rank, and raises
+        without one; given both it also works in one process, and `set_epoch` stays valid."""
+        if any(a.star for a in call.args):
+            return
+        tm = self.ctx.tm
+        missing = [(name, f"{tm}.{helper}()") for name, position, helper in
+                   (("num_replicas", 1, "world_size"), ("rank", 2, "rank")) if arg(call, name, position) is None]
+        if not missing:
+            return
+        self.report(call, "DistributedSampler takes its replicas and rank from the process group and raises "
+                          f"without one (a one-process run): pass `num_replicas={tm}.world_size(), rank={tm}.rank()`",
+                    edits=[replace(call, lambda c: with_args(c, [*c.args, *(kwarg(n, expr(v)) for n, v in missing)]))],
+                    imports=[self.ctx.runtime_import()])
+
+    def _collective_without_group(self, call: cst.Call) -> None:
+        """`dist.all_reduce(t)` on a line of its own and behind no `if`: it raises without a
+        process group, and on one rank it would change nothing, so a one-process run skips it."""
+        ctx = self.ctx
+        line = guardable_line(ctx, call)
+        if line is None or not isinstance(line.body[0], cst.Expr) or line.body[0].value is not call \
+                or _behind_if(ctx, call):
+            return
+        tm = ctx.tm
+        header = cst.parse_statement(f"if {tm}.is_distributed():\n    pass\n")
+
+        def guard(body: Sequence[cst.BaseStatement]) -> cst.BaseStatement:
+            return _lift_leading_lines(list(body), header.with_changes(body=cst.IndentedBlock(body=list(body))))
+
+        self.report(call, f"`{code(call.func)}` needs the process group, which a one-process run does not have; "
+                          f"on a single rank it changes nothing: run it under `if {tm}.is_distributed():`",
+                    edits=[wrap(line, line, guard)], imports=[ctx.runtime_import()])
+
+    def _legacy_cleanup(self) -> None:
+        """A legacy script that never destroys its group gets `tm.cleanup()` at the end of its
+        entry point: a rank that exits while another still saves can abort gloo at exit."""
+        plan = _entry_plan(self.ctx)
+        if plan is None:
+            return
+        message = f"`{self.ctx.tm}.cleanup()` at the end: the group `{self.ctx.tm}.setup()` creates is torn down after a barrier"
+        if plan.kind == "main-guard":
+            self.report(plan.guard, message, edits=[replace(plan.guard, lambda g: self._fix_guard(g, False))],
+                        imports=[self.ctx.runtime_import()])
+        else:
+            self.report(plan.entry.cleanup_after, message, edits=[self._cleanup_edit(plan.entry)],
+                        imports=[self.ctx.runtime_import()])
 
     def _fix_guard(self, guard: cst.If, with_setup: bool = True) -> cst.If:
         tm = self.ctx.tm

@@ -44,7 +44,7 @@ from torchmigrate.nodes import arg as call_arg
 from torchmigrate.nodes import code, expr, kwarg, set_kwarg, stmt, with_args
 from torchmigrate.positions import code_for
 from torchmigrate.rule import RUNTIME_MODULE, Context, Example, Rule
-from torchmigrate.rules.launch import creates_own_group
+from torchmigrate.rules.launch import creates_own_group, legacy_launch
 
 CODES = ("TM301", "TM302", "TM303", "TM304", "TM305", "TM306")
 
@@ -82,6 +82,8 @@ _MODULE_API = {
     "bucket_bytes_cap", "module",
 }
 _STATE = ("state_dict", "load_state_dict")
+# DistributedDataParallel's leading parameters, the same in every torch since 1.x.
+_DDP_POSITIONS = ("module", "device_ids", "output_device", "dim", "broadcast_buffers")
 _CONFIGISH = {"args", "opt", "opts", "cfg", "config", "conf", "hparams", "hp", "params", "flags", "FLAGS",
               "settings", "options", "self.args", "self.cfg", "self.config", "self.opt", "self.hparams",
               "self.params", "self.options"}
@@ -272,6 +274,7 @@ class AttrRewrite:
     owner: str  # rule code that reports it
     dp: bool = False
     use: str = ""  # for the model itself (`attr` ""): "save" or "graph" (else a copy)
+    manual: bool = False  # reported only (lint: a checkpoint of the script's own DDP)
 
 
 # --- the plan ------------------------------------------------------------------------------
@@ -480,7 +483,8 @@ class Plan:
             return "dp"  # the program's own DataParallel subclass
         if name:
             if name in _DDP:
-                return "ddp"
+                # a legacy script's DDP becomes `tm.wrap_model` (TM301): a runtime wrap
+                return "tm" if legacy_launch(self.ctx) else "ddp"
             if name in _APEX_DDP:
                 return "apex"
             if name == _TM_WRAP:
@@ -1794,7 +1798,8 @@ class Plan:
             if attr == "module" and isinstance(parent, (cst.AssignTarget, cst.Del)):
                 continue
             statement = self.ctx.statement_of(node)
-            seen_by = [w for w in candidates if (w.full or attr not in ("module", *_STATE))
+            seen_by = [w for w in candidates if (w.full or attr not in ("module", *_STATE)
+                                                 or self._prefixed_state(w, node, attr))
                        and self.applies(w, node, statement)]
             if seen_by and not (owner302 and self.ctx.options.mode == "lint" and self._checked_first(node, name)):
                 found.append((node, name, attr, seen_by))
@@ -1809,7 +1814,8 @@ class Plan:
                 continue
             is_dp = any(id(w) in dp_wraps or w.kind.endswith("-dp") for w in seen_by)
             if owner302:
-                self.rewrites.append(AttrRewrite(node, name, attr, "TM302", is_dp))
+                manual = self.ctx.options.mode == "lint" and attr in _STATE and not any(w.full for w in seen_by)
+                self.rewrites.append(AttrRewrite(node, name, attr, "TM302", is_dp, manual=manual))
             elif is_dp:  # TM306 alone must not leave `.module` behind on the model it unwrapped
                 self.rewrites.append(AttrRewrite(node, name, attr, "TM306", True))
         if not owner302:
@@ -1844,6 +1850,38 @@ class Plan:
             if isinstance(anc, (cst.FunctionDef, cst.ClassDef)):
                 return False
             child = anc
+        return False
+
+    def _prefixed_state(self, w: Wrap, node: cst.Attribute, attr: str) -> bool:
+        """`state_dict()` / `load_state_dict()` of a DDP the script builds itself, which has
+        `module.`-prefixed keys. `ddp` moves both through `tm.unwrap` (checkpoints without the
+        prefix, loaded the same way). `lint` reports only `X.state_dict()` saved by
+        `torch.save`/`tm.save` where `X` is provably the DDP: wrapped unconditionally earlier in
+        the same scope (not behind `if args.distributed:`, where `X` may be the plain module)."""
+        if attr not in _STATE or w.kind.rsplit("-", 1)[-1] != "ddp":
+            return False
+        if self.ctx.options.mode == "ddp":
+            return True
+        return attr == "state_dict" and w.kind == "ddp" and self.fscope(node) is w.scope \
+            and self._in_scope_body(w.statement, w.scope) and self._saved(node)
+
+    def _in_scope_body(self, statement: Optional[cst.CSTNode], scope: cst.CSTNode) -> bool:
+        """`statement` runs whenever its function (or module) does: not nested in a block."""
+        parent = self.ctx.parent(statement) if statement is not None else None
+        return parent is scope or isinstance(scope, cst.FunctionDef) and parent is scope.body
+
+    def _saved(self, node: cst.Attribute) -> bool:
+        """`node()` is what a save writes: its object, or a value of a dict, list or tuple it is."""
+        call = self.ctx.parent(node)
+        if not (isinstance(call, cst.Call) and call.func is node):
+            return False
+        for anc in self.ctx.ancestors(call):
+            if isinstance(anc, cst.Arg):
+                save = self.ctx.parent(anc)
+                return isinstance(save, cst.Call) and self.ctx.resolve(save.func) in _SAVES \
+                    and call_arg(save, "obj", 0) is anc
+            if not isinstance(anc, (cst.Dict, cst.DictElement, cst.List, cst.Tuple, cst.Element)):
+                return False
         return False
 
     def _whole_model_uses(self, by_name: Dict[str, List[Wrap]]) -> None:
@@ -2092,6 +2130,12 @@ class WrapDDP(_ModelRule):
     when they receive a model's parameters. When parameters are frozen after the wrap or `forward()` uses a submodule only
     in some branches, the wrap passes `find_unused_parameters=True` (see TM303).
 
+    In a legacy `torch.distributed.launch` script that `ddp` moves onto the runtime (see
+    TM101), the script's own `DDP(model, device_ids=[args.local_rank], output_device=...)`
+    becomes `tm.wrap_model(model, ...)`, keeping its other options (`find_unused_parameters=`,
+    `broadcast_buffers=`): device ids fail on CPU ranks, and an unconditional DDP fails in a
+    one-process run.
+
     In `lint`, for files that already use torch.distributed: reports trained models that are
     never wrapped, and DDP built with a hard-coded `device_ids=[0]` (every rank on GPU 0),
     replaced by `[tm.local_rank()]`.
@@ -2187,6 +2231,34 @@ class WrapDDP(_ModelRule):
         for w in p.wraps:
             if w.kind == "ddp" and w.call is not None:
                 self._device_ids(w.call)
+            elif w.kind == "tm" and w.call is not None and self.ctx.resolve(w.call.func) in _DDP:
+                self._to_wrap_model(w.call)
+
+    def _to_wrap_model(self, call: cst.Call) -> None:
+        """A legacy script's own `DDP(model, device_ids=[args.local_rank], output_device=...)`
+        (see `legacy_launch`) becomes `tm.wrap_model(model, ...)`: it picks the device ids
+        itself (none on CPU ranks, where DDP refuses them) and returns the model unwrapped in a
+        one-process run. Other options (`find_unused_parameters=`, `broadcast_buffers=`) stay,
+        positional ones as keywords (only the first five positions are the same in every torch)."""
+        tm = self.ctx.tm
+        positional = [a for a in call.args if a.keyword is None]
+        if len(positional) > len(_DDP_POSITIONS) or any(a.star for a in call.args) \
+                or not positional and call_arg(call, "module") is None:
+            self.report(call, f"DDP built by hand for torch.distributed.launch: replace it with `{tm}.wrap_model("
+                              "model, ...)` (device ids from the local rank, none on CPU, no wrap in one process)")
+            return
+
+        def fix(c: cst.Call) -> cst.Call:
+            named = [a if a.keyword is not None else kwarg(_DDP_POSITIONS[i], a.value)
+                     for i, a in enumerate(c.args)]
+            module = next(a for a in named if a.keyword.value == "module")
+            kept = [a for a in named if a.keyword.value not in ("module", "device_ids", "output_device")]
+            module = module.with_changes(keyword=None, equal=cst.MaybeSentinel.DEFAULT)
+            return with_args(c.with_changes(func=expr(f"{tm}.wrap_model")), [module, *kept])
+
+        self.report(call, f"DDP with `device_ids` fails on CPU ranks and in a one-process run: `{tm}.wrap_model` "
+                          "picks the device itself (cuda:LOCAL_RANK, none on CPU) and wraps only under torchrun",
+                    edits=[replace(call, fix)], imports=[self.ctx.runtime_import()])
 
     def _device_ids(self, call: cst.Call) -> None:
         tm = self.ctx.tm
@@ -2249,8 +2321,13 @@ class UnwrapAttr(_ModelRule):
     `eval()`, `to()`, `zero_grad()`, `no_sync()`, ...) is left alone. Accesses are rewritten in
     the scope after the wrap and in other functions and methods of the file that receive the
     model (`tm.unwrap` is the identity on a module that is not wrapped, so this is safe wherever
-    the name holds a plain module). For scripts that build DDP themselves, `.module` and
-    `state_dict()` stay as they are (they are right there) and only custom attributes change.
+    the name holds a plain module). For scripts that build DDP themselves, `.module` stays as
+    it is (it is right there); `state_dict()` and `load_state_dict()` go through `tm.unwrap`
+    too, saving and loading alike (`model.state_dict()` of a DDP has `module.` keys that the
+    plain model cannot load). In `lint` such a script gets a report, without a fix, for
+    `torch.save(model.state_dict(), ...)` (also as a value of the saved dict) where `model` is
+    provably the DDP it built (wrapped unconditionally earlier in the same function); an alias
+    of the module (`model_without_ddp = model.module`) is already unwrapped.
 
     ## Why is this bad?
     `DistributedDataParallel` only forwards `nn.Module` attributes: `model.encode(x)` raises
@@ -2319,6 +2396,12 @@ def _report_rewrites(rule: Rule, p: Plan, owner: str) -> None:
                        f"`{tm}.unwrap({r.name})`")
         elif r.attr == "module":
             message = f"`{r.name}.module` fails when the model is not wrapped: use `{tm}.unwrap({r.name})`"
+        elif r.manual:
+            rule.report(r.node, f"`{r.name}` is the DistributedDataParallel built here: `{r.name}.state_dict()` saves "
+                                f"every key with a `module.` prefix, which the plain model cannot load; save "
+                                f"`{r.name}.module.state_dict()` (or `{tm}.unwrap({r.name}).state_dict()`) and load "
+                                "into the module the same way")
+            continue
         elif r.attr in _STATE:
             message = (f"`{r.name}.{r.attr}` of a DDP model has `module.`-prefixed keys: "
                        f"use `{tm}.unwrap({r.name}).{r.attr}`")

@@ -102,6 +102,29 @@ def test_tm101_cleanup_runs_when_main_exits(tmp_path, exit_line):
     assert proc.stdout.strip() == "cleaned up"
 
 
+def test_tm101_legacy_launch_script_moves_onto_the_runtime_in_ddp_only():
+    """A torch.distributed.launch script: `ddp` (all launch and model rules) leaves nothing that
+    needs CUDA or a process group in a one-process run; `lint` reports none of it."""
+    source = (FIXTURES / "TM101" / "legacy_lint.in.py").read_text().split("\n", 1)[1]
+    codes = (*CODES, "TM301", "TM302")
+    migrated = run(source, *codes).new_source
+    for gone in ("set_device", "init_process_group", "device_ids", "dist.get_rank", "dist.get_world_size",
+                 "dist.barrier", "destroy_process_group", 'torch.device("cuda"'):
+        assert gone not in migrated, gone
+    for there in ("tm.setup()", "device = tm.device()", "model = tm.wrap_model(Net().to(device))",
+                  "if tm.rank() == 0:", "tm.cleanup()"):
+        assert there in migrated, there
+    assert run(migrated, *codes).new_source == migrated
+    linted = run(source, "TM101", "TM103", "TM301", "TM302", mode="lint", fix=True)
+    assert linted.new_source == source and not found(linted)
+
+
+def test_tm101_legacy_init_with_its_own_ranks_is_reported_not_half_migrated():
+    result = run((FIXTURES / "TM101" / "legacy_own_ranks.in.py").read_text(), *CODES, "TM301")
+    assert found(result, "TM101") == [("TM101", 9)]
+    assert "\n        tm.setup()" not in result.new_source and "print(dist.get_rank()" in result.new_source
+
+
 # --- TM102 -----------------------------------------------------------------------------------
 
 def _parse_with(source: str, argv, env):

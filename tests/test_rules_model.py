@@ -12,6 +12,7 @@ import textwrap
 import libcst as cst
 import pytest
 
+from conftest import FIXTURES
 from torchmigrate import analysis
 from torchmigrate.engine import process_source, run_rules
 from torchmigrate.finding import Safety
@@ -143,6 +144,17 @@ def test_lint_reports_without_rewriting_unless_fix():
     fixed = run(source, mode="lint")
     assert "device_ids=[tm.local_rank()]" in fixed.new_source
     assert "tm.unwrap(model).generate(x)" in fixed.new_source
+
+
+def test_lint_reports_state_dict_saved_from_the_scripts_own_ddp_only():
+    """`torch.save(model.state_dict())` of a DDP the script built, also as a value of the saved
+    dict; not an alias of `model.module`, not `model.module.state_dict()`, not a state dict that
+    is not saved, not a model wrapped only behind a flag. Reported, never rewritten by lint."""
+    source = (FIXTURES / "TM302" / "lint_user_ddp_state_dict.in.py").read_text()
+    result = process_source(source, "t.py", Options(mode="lint", fix=True), model_rules())
+    assert [(f.code, f.line) for f in findings(result, "TM302")] == [("TM302", 19), ("TM302", 20)]
+    assert all(f.safety is Safety.MANUAL and "module." in f.message for f in findings(result, "TM302"))
+    assert result.new_source == source
 
 
 def test_lint_sync_bn_is_an_unsafe_fix_for_user_ddp_only():

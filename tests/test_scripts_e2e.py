@@ -31,9 +31,13 @@ torch = pytest.importorskip("torch")
 
 SCRIPTS = FIXTURES / "scripts"
 EPOCH_LINE = re.compile(r"epoch (\d+) loss ([0-9.]+|nan|inf)")
-RESUMABLE = {"main_function.py", "grad_accum_resume.py", "local_rank_launch.py", "apex_amp.py"}
+RESUMABLE = {"main_function.py", "grad_accum_resume.py", "local_rank_launch.py", "apex_amp.py", "dist_launch_nccl.py"}
 NOT_MONOTONE = {"gan.py"}  # the discriminator loss is not expected to fall every epoch
-CANNOT_RUN_ORIGINAL = {"apex_amp.py"}  # apex.amp no longer exists; only the migrated copy runs
+# Written for torch.distributed.launch with NCCL: as written they fail on CPU ranks
+# (dist_launch_nccl.py also as one process); only the migrated copies run there.
+LEGACY_DISTRIBUTED = {"dist_launch_nccl.py", "imagenet_flags.py"}
+# apex.amp no longer exists, dist_launch_nccl.py needs CUDA: only the migrated copies run
+CANNOT_RUN_ORIGINAL = {"apex_amp.py", "dist_launch_nccl.py"}
 # a batchified token stream, a hand-made batch iterator: verify sees no loader to check; where the
 # epoch line says `steps N`, each of the 2 ranks must run half the single process's steps
 NO_DATALOADER = {"token_stream_lm.py", "hand_iterator.py"}
@@ -176,3 +180,14 @@ def test_migrated_script_trains_under_torchrun(name, migrated, tmp_path):
         assert [int(n) // 2 for n in alone] == [int(n) for n in shared], (alone, shared)
     if expected_keys is not None:
         _assert_same_keys(_keys(plain_out / "checkpoint.pt"), expected_keys)
+
+
+@pytest.mark.parametrize("name", sorted(LEGACY_DISTRIBUTED))
+def test_legacy_distributed_original_fails_on_cpu_ranks(name, tmp_path):
+    """What the migration of a legacy-distributed script is for: as written it cannot run on two
+    CPU ranks (`torch.cuda.set_device`, NCCL, `device_ids`), so it cannot be smoke-tested in CI;
+    the migrated copy passes every check (test_migrated_script_trains_under_torchrun)."""
+    proc = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                 str(SCRIPTS / name)], tmp_path, _env(tmp_path))
+    assert proc.returncode != 0, proc.output[-3000:]
+    assert re.search(r"cuda|nccl", proc.output, re.IGNORECASE), proc.output[-3000:]
