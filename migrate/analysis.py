@@ -258,6 +258,28 @@ def is_backward(call: cst.Call) -> bool:
     return isinstance(func, cst.Attribute) and func.attr.value == "backward"
 
 
+NO_GRAD = frozenset({"torch.no_grad", "torch.inference_mode", "torch.autograd.no_grad",
+                     "torch.autograd.grad_mode.no_grad", "torch.autograd.grad_mode.inference_mode"})
+
+
+def under_no_grad(ctx: Context, node: cst.CSTNode) -> bool:
+    """`node` runs with gradients off: inside `with torch.no_grad():` (or inference_mode) in
+    its function, or in a function decorated with one."""
+    for anc in ctx.ancestors(node):
+        if isinstance(anc, cst.With):
+            for item in anc.items:
+                i = item.item
+                if ctx.resolve(i.func if isinstance(i, cst.Call) else i) in NO_GRAD:
+                    return True
+        if isinstance(anc, cst.FunctionDef):
+            for dec in anc.decorators:
+                d = dec.decorator
+                if ctx.resolve(d.func if isinstance(d, cst.Call) else d) in NO_GRAD:
+                    return True
+            return False
+    return False
+
+
 def runs_backward(ctx: Context, node: cst.CSTNode) -> bool:
     """`node` (a function, loop or block) runs a backward pass itself, not in a def inside it."""
     return any(is_backward(c) for c in ctx.within(node, cst.Call, skip_defs=True))

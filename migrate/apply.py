@@ -154,10 +154,11 @@ def _apply_wraps(entries, wraps: List[Edit], values):
         lead = getattr(body[0], "leading_lines", ())
         if lead:
             body[0] = body[0].with_changes(leading_lines=[])
-        wrapped = w.fn(body)
-        if lead and hasattr(wrapped, "leading_lines"):
-            wrapped = wrapped.with_changes(leading_lines=[*lead, *wrapped.leading_lines])
-        entries[first:last + 1] = [(covered, [wrapped])]
+        wrapped = w.fn(body)  # one statement, or several (a FlattenSentinel)
+        nodes = list(wrapped.nodes) if isinstance(wrapped, cst.FlattenSentinel) else [wrapped]
+        if lead and hasattr(nodes[0], "leading_lines"):
+            nodes[0] = nodes[0].with_changes(leading_lines=[*lead, *nodes[0].leading_lines])
+        entries[first:last + 1] = [(covered, nodes)]
     return entries
 
 

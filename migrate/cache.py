@@ -283,10 +283,26 @@ def _view_json(view) -> dict:
         elif isinstance(value, frozenset):
             out[f.name] = sorted(value)
         elif isinstance(value, dict):
-            out[f.name] = {k: sorted(v) for k, v in sorted(value.items())}
+            out[f.name] = {k: _entry_json(v) for k, v in sorted(value.items())}
         else:
             raise TypeError(f"ModuleView.{f.name}: {type(value).__name__} is not stored by the lint cache")
     return out
+
+
+def _entry_json(value):
+    """One value of a ModuleView dict: a set (sorted), a tuple of sets (each sorted, the order
+    kept) or a number."""
+    if isinstance(value, tuple):
+        return [sorted(v) for v in value]
+    if isinstance(value, (set, frozenset)):
+        return sorted(value)
+    return value
+
+
+def _entry(value):
+    if isinstance(value, list) and value and all(isinstance(v, list) for v in value):
+        return tuple(frozenset(v) for v in value)
+    return frozenset(value) if isinstance(value, list) else value
 
 
 class _Views(dict):
@@ -313,7 +329,7 @@ def _view(data: dict):
     for f in dataclasses.fields(ModuleView):
         value = data[f.name]
         if isinstance(value, dict):
-            kwargs[f.name] = {k: frozenset(v) for k, v in value.items()}
+            kwargs[f.name] = {k: _entry(v) for k, v in value.items()}
         elif isinstance(value, list):
             kwargs[f.name] = frozenset(value)
         else:

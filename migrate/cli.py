@@ -210,12 +210,14 @@ def _migrate(command: str, paths, dry_run: bool, check: bool, amp: Optional[str]
         _echo_output(outcomes, inputs)
     errors = _echo_errors(outcomes)
     _warn_all_excluded(inputs)
-    text = report.migration_text(outcomes, preview, _rule_names(), program.followed if program else (), whole)
+    text = report.migration_text(outcomes, preview, _rule_names(), program.followed if program else (), whole,
+                                 program.unresolved if program else ())
     # stdout carries only the diff (--dry-run, for `git apply`) or the migrated source (stdin);
     # the report and its summary line then go to stderr.
     click.echo(text, err=dry_run or job.to_stdout)
     if report_file:
-        content = (report.migration_json(outcomes, preview, whole) if report_file.endswith(".json") else text) + "\n"
+        content = (report.migration_json(outcomes, preview, whole, program.unresolved if program else ())
+                   if report_file.endswith(".json") else text) + "\n"
         problem = report.write(report_file, content)
         if problem:
             click.echo(f"error: --report {problem}", err=True)

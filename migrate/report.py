@@ -60,6 +60,16 @@ def summary_line(outcomes: Sequence[Outcome], dry_run: bool, ddp: bool = False) 
     return line
 
 
+def unresolved_lines(unresolved: Sequence[str]) -> List[str]:
+    """Imports that look like the program's own modules but that the tool found nowhere: what
+    they do (a loader, a checkpoint helper) is not migrated, and the user must know it."""
+    if not unresolved:
+        return []
+    return ["Not followed: imports of what looks like the project's own code, found nowhere from where the "
+            "program runs (set PYTHONPATH as the program's launch script does, or pass those files too); "
+            "nothing in them was checked or migrated:"] + [f"  {u}" for u in unresolved]
+
+
 def program_lines(outcomes: Sequence[Outcome], followed: Sequence[Path]) -> List[str]:
     """Which files made up the program, so a user sees that `utils/ckpt.py` was migrated too."""
     if not followed:
@@ -76,11 +86,14 @@ def program_lines(outcomes: Sequence[Outcome], followed: Sequence[Path]) -> List
 
 _DONE = (  # (what, rule codes whose applied changes show it)
     ("models wrapped in DDP (gradients averaged)", ("TM301", "TM306", "TM407")),
+    ("functional models kept in sync (tm.share_params, gradients averaged by tm.sync_grads)", ("TM309",)),
     ("training loaders sharded", ("TM201",)),
     ("evaluation loaders sharded (each sample once)", ("TM203",)),
     ("epoch loops reshuffling (set_epoch)", ("TM202",)),
     ("writes, saves and logs on rank 0 only", ("TM501", "TM504", "TM601", "TM602")),
     ("metrics reduced across ranks", ("TM701", "TM703")),
+    ("random configuration drawn once and shared by every rank", ("TM107",)),
+    ("steps skipped by all ranks together", ("TM108",)),
 )
 
 
@@ -116,10 +129,11 @@ def torchrun_lines(outcomes: Sequence[Outcome]) -> List[str]:
 
 
 def migration_text(outcomes: Sequence[Outcome], dry_run: bool, names: Dict[str, str],
-                   followed: Sequence[Path] = (), ddp: bool = False) -> str:
+                   followed: Sequence[Path] = (), ddp: bool = False, unresolved: Sequence[str] = ()) -> str:
     """The report; with `ddp`, it opens with what the program does under torchrun."""
     data = migration_summary(outcomes, dry_run)
-    lines: List[str] = program_lines(outcomes, followed) + (torchrun_lines(outcomes) if ddp else [])
+    lines: List[str] = program_lines(outcomes, followed) + unresolved_lines(unresolved) + (
+        torchrun_lines(outcomes) if ddp else [])
     if data["changes"]:
         lines.append("Changes:" if not dry_run else "Changes (not written):")
         for code, n in data["changes"].items():
@@ -137,8 +151,11 @@ def migration_text(outcomes: Sequence[Outcome], dry_run: bool, names: Dict[str, 
     return "\n".join(lines)
 
 
-def migration_json(outcomes: Sequence[Outcome], dry_run: bool, ddp: bool = False) -> str:
-    return json.dumps(migration_summary(outcomes, dry_run, ddp), indent=2)
+def migration_json(outcomes: Sequence[Outcome], dry_run: bool, ddp: bool = False,
+                   unresolved: Sequence[str] = ()) -> str:
+    data = migration_summary(outcomes, dry_run, ddp)
+    data["unresolved_imports"] = list(unresolved)
+    return json.dumps(data, indent=2)
 
 
 def target_problem(path: str) -> Optional[str]:

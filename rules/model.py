@@ -26,17 +26,20 @@ the Attribute nodes TM302 rewrites as `ctx.facts["unwrapped_attrs"]`.
 
 from __future__ import annotations
 
+import ast
 import os
 import re
+import textwrap
 from bisect import bisect_left
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Set, Tuple
 
 import libcst as cst
 
-from torchmigrate.analysis import Optimizer, _call_arg_for, facts, is_distributed, model_root, optimizers
+from torchmigrate.analysis import Optimizer, _call_arg_for, facts, is_distributed, model_root, optimizers, runs_backward, under_no_grad
 from torchmigrate.finding import Safety, insert_after, insert_before, remove, replace, replace_with
 from torchmigrate.imports import dotted, iter_statements
+from torchmigrate.program.facts import forward_outputs
 from torchmigrate.nodes import arg as call_arg
 from torchmigrate.nodes import code, expr, kwarg, set_kwarg, stmt, with_args
 from torchmigrate.positions import code_for
@@ -114,6 +117,24 @@ def _root_name(node: cst.CSTNode) -> Optional[str]:
         else:
             break
     return node.value if type(node) is cst.Name else None
+
+
+def _used_outputs(ctx: Context, call: cst.Call, n: int) -> Optional[Set[int]]:
+    """Which of the `n` outputs of the model call `call` the code keeps: `out = model(x)[0]`
+    keeps {0}, `logits, _ = model(x)` keeps {0}; None when it keeps the whole result."""
+    parent = ctx.parent(call)
+    if isinstance(parent, cst.Subscript) and len(parent.slice) == 1:
+        index = parent.slice[0].slice
+        if isinstance(index, cst.Index) and isinstance(index.value, cst.Integer):
+            return {int(index.value.value) % n}
+        return None
+    if isinstance(parent, cst.Assign) and len(parent.targets) == 1:
+        target = parent.targets[0].target
+        if isinstance(target, (cst.Tuple, cst.List)) and len(target.elements) == n and not any(
+                isinstance(e, cst.StarredElement) for e in target.elements):
+            return {i for i, e in enumerate(target.elements)
+                    if not (isinstance(e.value, cst.Name) and e.value.value.startswith("_"))}
+    return None
 
 
 def _strip(node: cst.BaseExpression) -> cst.BaseExpression:
@@ -1441,6 +1462,39 @@ class Plan:
             out.append((name, cond))
         return out
 
+    def discarded_heads(self, origin, name: str) -> Tuple[str, List[str]]:
+        """(class, submodules) where the submodules feed only outputs of the model class's
+        `forward()` (of any module of the program) which every training call of the model `name`
+        throws away (`logits, _ = model(x)`, `model(x)[0]`): their parameters get no gradient,
+        and DDP fails at the second step ("Expected to have finished reduction") unless the
+        wrap passes find_unused_parameters=True."""
+        if origin is None or not name or not isinstance(origin[2], cst.Call):
+            return "", []
+        spelled = dotted(origin[2].func) or ""
+        outputs = self.ctx.program.forward_outputs.get(spelled, ())
+        if not outputs and origin[0] == "class":  # a class of this file, processed on its own
+            outputs = forward_outputs(ast.parse(textwrap.dedent(self.text(origin[1]))).body[0])
+        if len(outputs) < 2:
+            return "", []
+        kept: Set[int] = set()
+        training_calls = 0
+        for call, _ in self.f.calls:
+            if dotted(call.func) != name:
+                continue
+            scope = self.ctx.enclosing(call, cst.FunctionDef) or self.ctx.module
+            if under_no_grad(self.ctx, call) or not runs_backward(self.ctx, scope):
+                continue  # evaluation: no gradient, nothing for DDP to reduce
+            training_calls += 1
+            used = _used_outputs(self.ctx, call, len(outputs))
+            if used is None:
+                return "", []
+            kept |= used
+        if not training_calls or len(kept) == len(outputs):
+            return "", []
+        needed = set().union(*(outputs[i] for i in kept))
+        dropped = set().union(*(outputs[i] for i in range(len(outputs)) if i not in kept))
+        return spelled.rsplit(".", 1)[-1], sorted(dropped - needed)
+
     def _branch(self, node: cst.CSTNode, stop: cst.CSTNode) -> Tuple[Optional[cst.CSTNode], str]:
         """The innermost `if` (statement or expression) whose branch holds `node`, and which branch."""
         child = node
@@ -1529,11 +1583,16 @@ class Plan:
             cond = self.conditional_submodules(klass)
             freeze, unfreeze = self._freezes(w, klass)
             reason = ""
+            owner_class, heads = self.discarded_heads(origin, w.name)
             if freeze:
                 reason = f"parameters are frozen after wrapping ({freeze})"
             elif cond:
                 names = ", ".join(f"self.{n}" for n, _ in cond)
                 reason = f"{klass.name.value}.forward() uses {names} only in some branches"
+            elif heads:
+                names = ", ".join(f"self.{n}" for n in heads)
+                reason = (f"{owner_class}.forward() computes outputs with {names} that the training "
+                          f"step discards, so those parameters get no gradient")
             def_stmt = owner.def_stmt if isinstance(owner, NewWrap) else self._def_statement(w, before)
             note_stmt = def_stmt or (owner.anchor if isinstance(owner, NewWrap) else w.statement)
             dup = isinstance(owner, NewWrap) and owner.bound is not None  # noted at its primary wrap
@@ -2192,6 +2251,11 @@ class UnusedParams(_ModelRule):
       (`if cfg.aux: out = out + self.aux(x)`), or parameters are frozen
       (`requires_grad = False`) after the model was wrapped, and the existing DDP wrap lacks
       `find_unused_parameters=True`; the wraps TM301 adds pass it in these cases;
+    - `forward()` returns several outputs and every training call of the model throws some of
+      them away (`logits, _ = model(x)`, `model(x)[0]`): the submodules feeding only those (an
+      auxiliary or projection head, also when the model class lives in another module of the
+      program) get no gradient. The wrap TM301 adds passes `find_unused_parameters=True`; an
+      existing wrap without it is reported;
     - parameters are unfrozen after the wrap (DDP never synchronises them);
     - `find_unused_parameters=True` on a model whose `forward()` is straight-line code using every
       submodule (`lint` only: a migration changes nothing in a script that is already

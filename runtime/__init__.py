@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import copy
 import datetime
 import gc
 import io
@@ -676,6 +677,26 @@ def autocast(dtype=None, enabled: bool = True) -> torch.autocast:
     policy says off or ``enabled`` is false. A context manager or decorator, in every mode."""
     dt = amp_dtype(dtype)
     return torch.autocast(device().type, dtype=dt, enabled=bool(enabled) and dt is not None)
+
+
+def to_float32(value):
+    """``value`` with its bf16/fp16 tensors as float32 (also inside a tuple, list, namedtuple or
+    dict such as a model's output dict); anything else is returned as is. Migrated code applies
+    it to forward outputs read after the ``autocast`` block, so the metrics computed from them
+    (a test loss, softmax probabilities) are computed in float32. Differentiable, so a loss
+    computed from the result still trains the model."""
+    if isinstance(value, torch.Tensor):
+        return value.float() if value.dtype in (torch.bfloat16, torch.float16) else value
+    if isinstance(value, dict):
+        out = copy.copy(value)
+        for key, item in value.items():
+            out[key] = to_float32(item)
+        return out
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return type(value)(*(to_float32(v) for v in value))
+    if isinstance(value, (list, tuple)):
+        return type(value)(to_float32(v) for v in value)
+    return value
 
 
 def GradScaler(enabled=None, dtype=None, **kwargs) -> torch.amp.GradScaler:

@@ -161,6 +161,27 @@ def test_ddp_migrated_script_trains_under_torchrun(tmp_path, name):
         assert autocast_seen(out).get("cpu:torch.bfloat16:True", 0) > 0
 
 
+INITIAL_TEST_LOSS = re.compile(r"initial test loss ([0-9.]+)")
+
+
+def test_metrics_after_autocast_are_computed_in_float32(tmp_path):
+    """amp_metrics.py computes its test loss (and a training accuracy from softmax
+    probabilities) from the forward outputs after the forward. Migrated and run with bf16
+    autocast, its first test loss (before any training step) must match the float32 original to
+    1e-4: bf16 outputs read without `tm.to_float32` gave 2.2891 against 2.2852."""
+    shutil.copy(SCRIPTS / "amp_metrics.py", tmp_path / "amp_metrics.py")
+    result = _cli("amp", "amp_metrics.py", cwd=tmp_path)
+    assert result.returncode in (0, 1), result.output
+    source = (tmp_path / "amp_metrics.py").read_text(encoding="utf-8")
+    assert source.count("logits = tm.to_float32(logits)") == 2, source
+    fp32 = _run([sys.executable, SCRIPTS / "amp_metrics.py"], tmp_path, _env(tmp_path, TORCHMIGRATE_AMP="off"))
+    amp = _run([sys.executable, tmp_path / "amp_metrics.py"], tmp_path, _env(tmp_path))
+    assert fp32.returncode == 0 and amp.returncode == 0, fp32.output[-2000:] + amp.output[-2000:]
+    assert autocast_seen(tmp_path).get("cpu:torch.bfloat16:True", 0) > 0
+    want, got = (float(INITIAL_TEST_LOSS.search(r.output).group(1)) for r in (fp32, amp))
+    assert abs(got - want) < 1e-4, (want, got)
+
+
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 

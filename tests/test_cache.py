@@ -320,3 +320,18 @@ def test_a_warm_run_writes_nothing(project, run_cli, tmp_path, monkeypatch):
     time.sleep(0.01)
     lint(run_cli, "--cache-dir", root, project)
     assert state() == before
+
+
+def test_a_module_view_survives_the_cache_unchanged():
+    """Every kind of ModuleView field (sets, dicts of sets, of positions, of per-output sets
+    whose order matters) comes back from the stored JSON as it went in."""
+    import json
+
+    from torchmigrate.cache import _view, _view_json
+    from torchmigrate.program.view import ModuleView
+
+    view = ModuleView(is_entry=False, followed=True, wrapped_params={"evaluate": frozenset({"model"})},
+                      loader_classes=frozenset({"AudioDataLoader"}), dp_classes={"BalancedDataParallel": 1},
+                      forward_outputs={"nets.Net": (frozenset({"body", "cls"}), frozenset({"aux"}))},
+                      program_trains=True)
+    assert _view(json.loads(json.dumps(_view_json(view)))) == view

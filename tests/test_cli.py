@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -200,3 +201,20 @@ def test_suppressions(tmp_path, run_cli):
     assert run_cli("lint", path).exit_code == 0
     assert run_cli("ddp", path).exit_code == 0
     assert "torch.cuda.amp" in path.read_text()
+
+
+def test_the_report_opens_with_what_the_program_does_under_torchrun(tmp_path, run_cli):
+    """The summary names what was made distributed, with where, and says what was not."""
+    scripts = Path(__file__).parent.parent / "fixtures" / "scripts"
+    for name in ("toplevel_classifier.py", "maml_functional.py", "helper_loaders.py", "token_stream_lm.py"):
+        shutil.copy(scripts / name, tmp_path / name)
+    plain = run_cli("ddp", "--dry-run", tmp_path / "toplevel_classifier.py").output
+    assert "Under torchrun:" in plain and "done: models wrapped in DDP (gradients averaged): " in plain
+    assert "done: training loaders sharded" in plain and "NOT DONE" not in plain
+    functional = run_cli("ddp", "--dry-run", tmp_path / "maml_functional.py").output
+    assert "done: functional models kept in sync" in functional
+    assert "done: models wrapped in DDP" not in functional
+    drawn = run_cli("ddp", "--dry-run", tmp_path / "helper_loaders.py").output
+    assert "done: random configuration drawn once and shared by every rank" in drawn
+    stream = run_cli("ddp", "--dry-run", tmp_path / "token_stream_lm.py").output
+    assert "done: training loaders sharded" in stream

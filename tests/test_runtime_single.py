@@ -624,3 +624,30 @@ def test_eval_sampler_keeps_a_loaders_shuffle_in_one_process():
 
     assert isinstance(tm.eval_sampler(list(range(5)), shuffle=True), RandomSampler)
     assert isinstance(tm.eval_sampler(list(range(5))), SequentialSampler)
+
+
+def test_to_float32_casts_low_precision_outputs_in_any_container():
+    from collections import OrderedDict, namedtuple
+
+    Out = namedtuple("Out", "logits aux")
+    half = torch.ones(2, dtype=torch.bfloat16, requires_grad=True)
+    fp16 = torch.ones(2, dtype=torch.float16)
+    ints = torch.ones(2, dtype=torch.long)
+
+    assert tm.to_float32(half).dtype == torch.float32
+    assert tm.to_float32(ints) is ints  # not floating: untouched
+    full = torch.ones(2)
+    assert tm.to_float32(full) is full  # already float32: no copy
+
+    class ModelOutput(OrderedDict):  # transformers-style output dict
+        pass
+
+    nested = tm.to_float32(ModelOutput(logits=half, labels=ints, extra=[fp16, "name"]))
+    assert type(nested) is ModelOutput
+    assert nested["logits"].dtype == torch.float32 and nested["labels"] is ints
+    assert nested["extra"][0].dtype == torch.float32 and nested["extra"][1] == "name"
+    pair = tm.to_float32(Out(half, (fp16, 3)))
+    assert isinstance(pair, Out) and pair.logits.dtype == torch.float32 and pair.aux[0].dtype == torch.float32
+    assert pair.aux[1] == 3 and tm.to_float32(None) is None
+    pair.logits.sum().backward()  # differentiable: a loss computed from it still trains
+    assert half.grad is not None

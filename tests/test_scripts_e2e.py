@@ -33,8 +33,8 @@ SCRIPTS = FIXTURES / "scripts"
 EPOCH_LINE = re.compile(r"epoch (\d+) loss ([0-9.]+|nan|inf)")
 RESUMABLE = {"main_function.py", "grad_accum_resume.py", "local_rank_launch.py", "apex_amp.py"}
 NOT_MONOTONE = {"gan.py"}  # the discriminator loss is not expected to fall every epoch
-CANNOT_RUN_ORIGINAL = {"apex_amp.py"}
-NO_DATALOADER = {"token_stream_lm.py"}  # a batchified token stream: verify sees no loader to check  # apex.amp no longer exists; only the migrated copy runs
+CANNOT_RUN_ORIGINAL = {"apex_amp.py"}  # apex.amp no longer exists; only the migrated copy runs
+NO_DATALOADER = {"token_stream_lm.py"}  # a batchified token stream: verify sees no loader to check
 ALL = sorted(p.name for p in SCRIPTS.glob("*.py"))
 
 

@@ -40,6 +40,8 @@ def build(found: Sequence[Path], named: Sequence[Path], follow: bool = True,
         if path not in resolved and (exclude is None or not exclude(path)):
             program.followed.append(path)
             program.files.append(path if absolute else Path(graph.relpath(path)))
+    program.unresolved = [f"{graph.relpath(path)}:{line}: {name}" for path, misses in start.unresolved.items()
+                          if exclude is None or not exclude(path) for line, name in misses]
     views = facts.compute(start, trees, entries)
     program.views = {str(p): v for p, v in views.items()}
     program.groups = _connected(start)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import ast
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional, Set, Tuple
+from typing import Dict, FrozenSet, Iterable, List, Optional, Set, Tuple
 
 from torchmigrate.program.graph import Graph, dotted_name
 from torchmigrate.program.view import ModuleView
@@ -247,6 +247,8 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
     cuda_classes = {(p, name) for p, m in modules.items() for name, c in m.classes.items() if _own_cuda(c)}
     dp_classes = {(p, name): _dp_module_position(c) for p, m in modules.items() for name, c in m.classes.items()
                   if _dp_subclass(c)}
+    heads = {(p, name): outs for p, m in modules.items() for name, c in m.classes.items()
+             if len(outs := forward_outputs(c)) > 1}
     torch_anywhere = any(_uses_torch(graph.statements.get(p, ())) for p in modules)
     loader_names = {"DataLoader"} | {name for _, name in loader_classes}
     builds_loaders = any((dotted_name(c.func) or "").rsplit(".", 1)[-1] in loader_names for s in scopes for c in s.calls)
@@ -263,6 +265,7 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
             cuda_classes=frozenset(_spellings(m, modules, cuda_classes)),
             dp_classes={spelled: dp_classes[key] for key in dp_classes
                         for spelled in _spellings(m, modules, {key})},
+            forward_outputs={spelled: heads[key] for key in heads for spelled in _spellings(m, modules, {key})},
             program_trains=trains,
             program_loaders=builds_loaders,
             program_torch=torch_anywhere,
@@ -288,6 +291,45 @@ def _own_cuda(klass: ast.ClassDef) -> bool:
     if any(word in bases for word in ("Module", "nn.", "Tensor", "Loss")):
         return False
     return any(isinstance(item, FUNC_TYPES) and item.name == "cuda" for item in klass.body)
+
+
+def forward_outputs(klass: ast.ClassDef) -> Tuple[FrozenSet[str], ...]:
+    """For a `forward()` whose last statement is `return a, b, ...`: the `self.<submodule>`s
+    each returned element depends on, following the names forward assigns (in order, through
+    `if`/`for` bodies too). Empty when forward returns one value or a starred tuple."""
+    forward = next((f for f in klass.body if isinstance(f, FUNC_TYPES) and f.name == "forward"), None)
+    if forward is None or not forward.body or not isinstance(forward.body[-1], ast.Return) \
+            or not isinstance(forward.body[-1].value, ast.Tuple):
+        return ()
+    deps: Dict[str, Set[str]] = {}
+
+    def uses(expr: ast.AST) -> Set[str]:
+        found: Set[str] = set()
+        for node in ast.walk(expr):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
+                found.add(node.attr)
+            elif isinstance(node, ast.Name):
+                found |= deps.get(node.id, set())
+        return found
+
+    def assign(statements: List[ast.stmt]) -> None:  # in source order, into nested blocks
+        for node in statements:
+            if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)) and node.value is not None:
+                got = uses(node.value)
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                for name in (n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)):
+                    deps[name] = deps.get(name, set()) | got
+            for block in ("body", "orelse", "finalbody"):
+                assign(getattr(node, block, []))
+            for handler in getattr(node, "handlers", []):
+                assign(handler.body)
+
+    for _ in range(2):  # twice: a loop body reads names that it assigns later
+        assign(forward.body[:-1])
+    returned = forward.body[-1].value.elts
+    if any(isinstance(e, ast.Starred) for e in returned):
+        return ()
+    return tuple(frozenset(uses(e)) for e in returned)
 
 
 def _dp_subclass(klass: ast.ClassDef) -> bool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import os
+import sys
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +19,8 @@ from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 from torchmigrate.discover import SKIP_DIRS
 from torchmigrate.program.fs import PLAIN, FileSystem
+
+_STDLIB = frozenset(getattr(sys, "stdlib_module_names", ())) | {"__future__"}  # Python >= 3.10
 
 ROOT_MARKERS = ("pyproject.toml", "setup.py", "setup.cfg", ".git")
 
@@ -39,6 +42,8 @@ class Graph:
     imports: Dict[Path, List[Path]] = field(default_factory=dict)
     # every import statement of each module (one walk of its tree, shared with `facts`)
     statements: Dict[Path, List[ast.stmt]] = field(default_factory=dict)
+    # imports that look like the project's own but resolve nowhere: module -> (line, name)
+    unresolved: Dict[Path, List[Tuple[int, str]]] = field(default_factory=dict)
 
 
 def _parse(path: Path, fs: FileSystem) -> Optional[ast.Module]:
@@ -100,18 +105,25 @@ def import_statements(tree: ast.Module) -> List[ast.stmt]:
     return [node for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))]
 
 
-def imported_files(statements: List[ast.stmt], importer: Path, resolver: _Resolver, entry_dir: Path) -> List[Path]:
-    """Project files that these import statements of `importer` import."""
+def imported_files(statements: List[ast.stmt], importer: Path, resolver: _Resolver, entry_dir: Path,
+                   misses: Optional[List[Tuple[int, str]]] = None) -> List[Path]:
+    """Project files that these import statements of `importer` import. Imports found nowhere
+    (relative ones, and absolute ones outside the standard library) go to `misses`."""
     out: List[Path] = []
+    misses = [] if misses is None else misses
     for node in statements:
         if isinstance(node, ast.Import):
             for alias in node.names:
-                out += resolver.absolute(importer, alias.name, entry_dir)
+                found = resolver.absolute(importer, alias.name, entry_dir)
+                if not found and alias.name.split(".")[0] not in _STDLIB:
+                    misses.append((node.lineno, alias.name))
+                out += found
         elif isinstance(node, ast.ImportFrom) and node.level:
             package = resolver.package_of(importer, node.level)
             if node.module:
                 found = resolver.module_file(package, node.module)
                 if found is None:
+                    misses.append((node.lineno, "." * node.level + node.module))
                     continue
                 out.append(found)
                 if found.name != "__init__.py":
@@ -120,6 +132,8 @@ def imported_files(statements: List[ast.stmt], importer: Path, resolver: _Resolv
             out += _submodules(resolver, package, node.names)
         elif isinstance(node, ast.ImportFrom) and node.module:
             found = resolver.absolute(importer, node.module, entry_dir)
+            if not found and node.module.split(".")[0] not in _STDLIB:
+                misses.append((node.lineno, node.module))
             out += found
             if found and found[-1].name == "__init__.py":
                 out += _submodules(resolver, found[-1].parent, node.names)
@@ -148,6 +162,7 @@ def build(entries: Iterable[Path], trees: Optional[Dict[Path, ast.Module]] = Non
             except OSError:  # a path the system refuses: the engine reports it
                 roots[e.parent] = e.parent
         queue.append((e, roots[e.parent], e.parent))
+    names_of: Dict[Path, Set[str]] = {}  # project root -> the module names found under it
     search_dirs: Dict[Path, List[Path]] = {}  # entry folder -> folders its entry adds to sys.path
     for e in entries:
         tree = trees.get(e) or _parse(e, fs)
@@ -171,16 +186,38 @@ def build(entries: Iterable[Path], trees: Optional[Dict[Path, ast.Module]] = Non
                                         if _inside(d, root)])
         found = []
         statements = graph.statements[path] = import_statements(tree)
+        misses: List[Tuple[int, str]] = []
         try:
-            imported = imported_files(statements, path, resolver, entry_dir)
+            imported = imported_files(statements, path, resolver, entry_dir, misses)
         except OSError:  # an import name the file system refuses (too long): not followed
             imported = []
+        local = [(line, name) for line, name in misses if name.startswith(".") or
+                 name.split(".")[0] in _project_names(root, names_of)]
+        if local:
+            graph.unresolved[path] = local
         for f in imported:
             if f != path and f not in found and (_inside(f, root) or f.parent == entry_dir):
                 found.append(f)
         graph.imports[path] = found
         queue.extend((f, root, entry_dir) for f in found if f not in seen)
     return graph
+
+
+def _project_names(root: Path, cache: Dict[Path, Set[str]], depth: int = 4) -> Set[str]:
+    """Names of the modules and packages anywhere in the project (`models` for `src/models/`
+    or `lib/models.py`, up to `depth` folders deep): an import of one of these that resolves
+    nowhere is the project's own module reached through a path the program sets up at run
+    time, not an installed package. Walked once per root, only when some import missed. For
+    the report only (not through `fs`: the lint cache does not keep these lines)."""
+    if root not in cache:
+        names: Set[str] = set()
+        for folder, dirs, files in os.walk(root):
+            level = len(Path(folder).relative_to(root).parts)
+            dirs[:] = [] if level >= depth else [d for d in dirs if d not in SKIP_DIRS and not d.startswith(".")]
+            names.update(d for d in dirs if d.isidentifier())
+            names.update(f[:-3] for f in files if f.endswith(".py"))
+        cache[root] = names
+    return cache[root]
 
 
 def _pythonpath() -> List[Path]:

@@ -20,3 +20,5 @@ class Program:
     views: Dict[str, ModuleView] = field(default_factory=dict)
     # files that import each other, directly or not: each group is written whole or not at all
     groups: List[List[str]] = field(default_factory=list)
+    # `file:line: name` of imports that look like the project's own but resolve nowhere
+    unresolved: List[str] = field(default_factory=list)

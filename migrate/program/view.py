@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, FrozenSet
+from typing import Dict, FrozenSet, Tuple
 
 
 @dataclass(frozen=True)
@@ -25,6 +25,9 @@ class ModuleView:
     # the program's classes that are not modules but have a `cuda()` method of their own (a
     # loss or metric object), as this module spells them: `x.cuda()` on one is their method
     cuda_classes: FrozenSet[str] = frozenset()
+    # the program's model classes whose forward() returns a tuple, as this module spells them ->
+    # the `self.` submodules each returned element depends on (an unused head: TM303)
+    forward_outputs: Dict[str, Tuple[FrozenSet[str], ...]] = field(default_factory=dict)
     program_trains: bool = False  # some module of the program builds an optimizer over a model
     program_loaders: bool = False  # some module of the program builds a DataLoader (or subclass)
     program_torch: bool = False  # some module of the program uses torch

@@ -3,6 +3,7 @@ facts the rules read (`ModuleView`)."""
 
 from __future__ import annotations
 
+import json
 import textwrap
 from pathlib import Path
 
@@ -93,6 +94,33 @@ def test_a_program_that_trains_nowhere(tmp_path):
     assert not any(v.program_trains for v in program.views.values())
 
 
+def test_forward_outputs_name_the_submodules_behind_each_returned_value(tmp_path):
+    write(tmp_path, {
+        "train.py": "import nets\nfrom nets import Net as Model\nm = Model()\n",
+        "nets.py": textwrap.dedent("""
+            import torch
+            class Net(torch.nn.Module):
+                def forward(self, x):
+                    h = self.body(x)
+                    if self.training:
+                        h = h + self.noise(h)
+                    logits = self.cls(h)
+                    return logits, self.aux(h)
+            class Single(torch.nn.Module):
+                def forward(self, x):
+                    return self.body(x)
+            class Starred(torch.nn.Module):
+                def forward(self, x):
+                    return (*self.parts(x),)
+        """),
+    })
+    program = build([tmp_path / "train.py"], [tmp_path / "train.py"])
+    views = {Path(k).name: v for k, v in program.views.items()}
+    expected = (frozenset({"body", "noise", "cls"}), frozenset({"body", "noise", "aux"}))
+    assert views["train.py"].forward_outputs == {"Model": expected, "nets.Net": expected}
+    assert views["nets.py"].forward_outputs == {"Net": expected}
+
+
 def test_folder_entries_are_main_scripts_and_unimported_files(tmp_path):
     write(tmp_path, {"train.py": "import common\n", "finetune.py": "import common\nif __name__ == '__main__':\n    pass\n",
                      "common.py": "import torch\n"})
@@ -159,3 +187,27 @@ def test_modules_found_through_sys_path_and_pythonpath(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", str(tmp_path / "src"))
     assert names(graph.build([tmp_path / "src/bin/plain.py"]).modules, tmp_path) == [
         "src/bin/plain.py", "src/utils/__init__.py", "src/utils/helpers.py"]
+
+
+def test_imports_of_project_code_found_nowhere_are_listed(tmp_path, monkeypatch, run_cli):
+    """`from models.net import Net` in src/bin/train.py needs PYTHONPATH=src (a recipe's path.sh):
+    without it the module is not followed, and the report must say so; installed or missing
+    third-party packages (numpy, wandb) and the standard library are not listed."""
+    write(tmp_path, {
+        ".git": "",
+        "src/models/__init__.py": "",
+        "src/models/net.py": "import torch\nclass Net(torch.nn.Module):\n    pass\n",
+        "src/bin/train.py": "import os\nimport numpy\nimport wandb\nfrom models.net import Net\nfrom .helpers import x\n",
+    })
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    program = build([Path("src/bin/train.py")], [Path("src/bin/train.py")])
+    assert program.unresolved == ["src/bin/train.py:4: models.net", "src/bin/train.py:5: .helpers"]
+    report = tmp_path / "report.json"
+    result = run_cli("ddp", "--dry-run", "--report", report, "src/bin/train.py")
+    assert "Not followed" in result.output and "src/bin/train.py:4: models.net" in result.output
+    assert json.loads(report.read_text())["unresolved_imports"] == program.unresolved
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "src"))
+    program = build([Path("src/bin/train.py")], [Path("src/bin/train.py")])
+    assert program.unresolved == ["src/bin/train.py:5: .helpers"]
+    assert tmp_path / "src/models/net.py" in program.followed
