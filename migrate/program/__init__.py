@@ -1,9 +1,39 @@
-"""The training program as a whole: which modules make it up and what flows between them.
+"""The program model: what a training program is and what is true of it, with no rule code.
 
-A training program is rarely one file: `train.py` imports the project's `data.py`,
-`engine.py`, `utils.py`. `graph` finds those modules from the entry scripts (never installed
-packages); `facts` computes, once per program and from CPython's `ast` (cheap, picklable), the
-cross-module facts that per-module rules cannot see: which function parameters receive a
-wrapped model from another module, which modules are entry points, whether the program trains
-at all. Rules read them through `Context.program` (a `ModuleView`); no rule code lives here.
+How a run goes, and where each step lives:
+
+1. engine (`torchmigrate.engine`, `runner`): takes the files given, builds the program, runs
+   the enabled rules over each module, and hands their edits to apply;
+2. program model (this package): facts, computed once and kept, never depending on which
+   rules are enabled;
+   - `graph`, `build`: entry scripts -> the project's own modules they import (never installed
+     packages); `facts`, `view`: the cross-module facts from CPython's `ast` (cheap,
+     picklable), one `ModuleView` per module: which function parameters receive a wrapped
+     model from another module, which modules are entry points, whether the program trains or
+     builds a DataLoader at all, its DataLoader subclasses;
+   - `loaders`: the loader facts of one module (LibCST, on first use, kept on the context):
+     every DataLoader, its dataset, shuffle and sampler, train or evaluation use, the names
+     it is visible under, the loops that iterate it and whether they run with gradients;
+3. rules (`torchmigrate.rules`): per family, a plan (the decisions: what this run does with
+   what the facts say) and one rule per file, which reports findings with their edits; the
+   data family (`rules/data/`: `plan.py`, `tm201_dist_sampler.py` ... `tm204_...`) is laid out
+   this way; the other families still keep their facts in their rule files;
+4. apply (`torchmigrate.apply`, `layout`): the edits become the new source of every changed
+   module, written all together or not at all.
+
+Rules read the cross-module facts through `Context.program` (a `ModuleView`) and the loader
+facts through `loaders.loader_facts(ctx)`.
+
+Next steps, family by family (DESIGN.md, "Target layout for the program model"):
+- `rules/model.py`'s `Plan`: the facts (which expressions are models, where they are built,
+  moved, trained and saved; functional models) to `program/models.py`, leaving `rules/model/
+  plan.py` with where the wrap goes and who owns each call, and TM301-TM309 one per file;
+  `analysis.wrapped_models` then reads the facts instead of importing a rule module;
+- `rules/amp.py`'s `_Planner`: the facts (optimizers, backward calls, scalers, autocast regions,
+  training steps and loops) to `program/loops.py`, leaving `rules/amp/plan.py` with the
+  policy (which codes convert which calls) and TM401-TM411 one per file; `amp_checkpoint`,
+  `apex` and `cuda_amp` then import facts, not the planner's private helpers;
+- the program-level loader facts that are still in `facts.py` (DataLoader subclasses, "builds
+  a loader") join `loaders.py`, and the loader facts follow a loader that a function of another
+  module returns (`data.get_loader("train")`) into the epoch loops of its callers.
 """

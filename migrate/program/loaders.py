@@ -1,9 +1,9 @@
 """Loader facts of one module: every DataLoader, what it loads and how, and where it is visible.
 
 Built once per module on first use (`loader_facts(ctx)`, kept in ``ctx.facts["loaders"]``),
-whatever rules are enabled: the data rules (TM201-TM204, `rules/data/`) decide from these facts
-what to change, and other families ask them too (TM701 reads which loader a loop iterates).
-Nothing here formats a message or plans an edit.
+whatever rules are enabled: the data rules (`rules/data/`, their plan) decide from these facts
+what to change, and other families ask them too (the metrics rules: which loader a loop
+iterates). Nothing here formats a message or plans an edit.
 
 A `Loader` (``loaders(ctx)``, in source order):
 
