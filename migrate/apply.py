@@ -118,10 +118,11 @@ class _Rebuilder:
                 nodes = list(new.nodes)
             else:
                 nodes = [new]
-            entries.append(({child}, nodes))
+            before = sum(len(e.statements) for e in self.edits.get(child, ()) if e.kind is EditKind.INSERT_BEFORE)
+            entries.append(({child}, nodes, min(before, len(nodes))))
         if parent in self.wraps and name == "body":
             entries = _apply_wraps(entries, self.wraps[parent], values)
-        out = [n for _, nodes in entries for n in nodes]
+        out = [n for _, nodes, _ in entries for n in nodes]
         if values and out and hasattr(values[-1], "comma") and values[-1].comma is cst.MaybeSentinel.DEFAULT:
             if out[-1].comma is not cst.MaybeSentinel.DEFAULT:
                 out[-1] = out[-1].with_changes(comma=cst.MaybeSentinel.DEFAULT)
@@ -136,19 +137,23 @@ class _Rebuilder:
 
 
 def _apply_wraps(entries, wraps: List[Edit], values):
-    """Merge each wrapped run of entries into one statement, shortest runs first."""
+    """Merge each wrapped run of entries into one statement, shortest runs first. Statements
+    other rules insert before the run's first statement (moving its inputs to the device) stay
+    before the new block, not inside it."""
     index = {child: i for i, child in enumerate(values)}
     ordered = sorted(
         (w for w in wraps if w.target in index and (w.end or w.target) in index),
         key=lambda w: index[w.end or w.target] - index[w.target],
     )
     for w in ordered:
-        first = next(i for i, (orig, _) in enumerate(entries) if w.target in orig)
-        last = next(i for i, (orig, _) in enumerate(entries) if (w.end or w.target) in orig)
+        first = next(i for i, (orig, _, _) in enumerate(entries) if w.target in orig)
+        last = next(i for i, (orig, _, _) in enumerate(entries) if (w.end or w.target) in orig)
         if last < first:
             continue
-        covered = set().union(*(orig for orig, _ in entries[first:last + 1]))
-        body = [n for _, nodes in entries[first:last + 1] for n in nodes]
+        covered = set().union(*(orig for orig, _, _ in entries[first:last + 1]))
+        body = [n for _, nodes, _ in entries[first:last + 1] for n in nodes]
+        kept = entries[first][2]
+        outside, body = body[:kept], body[kept:]
         if not body:
             continue
         lead = getattr(body[0], "leading_lines", ())
@@ -158,7 +163,7 @@ def _apply_wraps(entries, wraps: List[Edit], values):
         nodes = list(wrapped.nodes) if isinstance(wrapped, cst.FlattenSentinel) else [wrapped]
         if lead and hasattr(nodes[0], "leading_lines"):
             nodes[0] = nodes[0].with_changes(leading_lines=[*lead, *nodes[0].leading_lines])
-        entries[first:last + 1] = [(covered, nodes)]
+        entries[first:last + 1] = [(covered, outside + nodes, len(outside))]
     return entries
 
 

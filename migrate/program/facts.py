@@ -249,6 +249,7 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
                   if _dp_subclass(c)}
     heads = {(p, name): outs for p, m in modules.items() for name, c in m.classes.items()
              if len(outs := forward_outputs(c)) > 1}
+    builders = _iterator_builders(modules)
     torch_anywhere = any(_uses_torch(graph.statements.get(p, ())) for p in modules)
     loader_names = {"DataLoader"} | {name for _, name in loader_classes}
     builds_loaders = any((dotted_name(c.func) or "").rsplit(".", 1)[-1] in loader_names for s in scopes for c in s.calls)
@@ -266,6 +267,8 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
             dp_classes={spelled: dp_classes[key] for key in dp_classes
                         for spelled in _spellings(m, modules, {key})},
             forward_outputs={spelled: heads[key] for key in heads for spelled in _spellings(m, modules, {key})},
+            iterator_builders={spelled: builders[key] for key in builders
+                               for spelled in _spellings(m, modules, {key})},
             program_trains=trains,
             program_loaders=builds_loaders,
             program_torch=torch_anywhere,
@@ -330,6 +333,66 @@ def forward_outputs(klass: ast.ClassDef) -> Tuple[FrozenSet[str], ...]:
     if any(isinstance(e, ast.Starred) for e in returned):
         return ()
     return tuple(frozenset(uses(e)) for e in returned)
+
+
+def _iterator_builders(modules: Dict[Path, _Module]) -> Dict[Tuple[Path, str], int]:
+    """The program's hand-made batch iterators and what builds them, with the position of the
+    data argument (-1: every positional argument, `minibatch(*tensors, batch_size=...)`):
+    - classes with `__next__`/`__iter__` that are not datasets, loaders or modules, taking the
+      data first (`DatasetIterater(batches, batch_size, device)`, `LMOrderedIterator(data, bsz,
+      bptt)`);
+    - functions that return one built from a parameter (`build_iterator(dataset, config)`);
+    - generator functions slicing a parameter into batches (`def minibatch(*tensors,
+      batch_size)`, `def batch_iter(data, batch_size)`)."""
+    classes = {(p, name): 0 for p, m in modules.items() for name, c in m.classes.items() if _iterator_class(c)}
+    found = dict(classes)
+    for p, m in modules.items():
+        local = {name for (q, name) in classes if q == p} | _spellings(m, modules, set(classes))
+        for name, func in m.functions.items():
+            if "." in name:
+                continue  # methods: a Corpus.get_iterator builds from its own attributes
+            position = _builder_position(func, local)
+            if position is not None:
+                found[(p, name)] = position
+    return found
+
+
+def _iterator_class(klass: ast.ClassDef) -> bool:
+    bases = " ".join(dotted_name(b) or "" for b in klass.bases)
+    if any(word in bases for word in ("Dataset", "DataLoader", "Module", "Sampler")):
+        return False
+    methods = {f.name: f for f in klass.body if isinstance(f, FUNC_TYPES)}
+    init = methods.get("__init__")
+    return ("__next__" in methods or "__iter__" in methods) and init is not None and len(_params(init)) > 1
+
+
+def _builder_position(func: ast.AST, iterator_classes: Set[str]) -> Optional[int]:
+    """Where the data goes in a function that builds a batch iterator (see `_iterator_builders`)."""
+    args = func.args  # type: ignore[attr-defined]
+    params = [p.arg for p in (*args.posonlyargs, *args.args) if p.arg != "self"]
+    vararg = args.vararg
+    body = ast.Module(body=func.body, type_ignores=[])  # type: ignore[attr-defined]
+    if any(isinstance(n, (ast.Yield, ast.YieldFrom)) for n in ast.walk(body)):
+        sliced = {dotted_name(n.value) for n in ast.walk(body) if isinstance(n, ast.Subscript)}
+        if vararg is not None and not params:
+            return -1 if any(isinstance(n, ast.Name) and n.id == vararg.arg for n in ast.walk(body)) else None
+        return next((i for i, name in enumerate(params) if name in sliced), None)
+    built: Dict[str, int] = {}
+    for node in ast.walk(body):
+        call = node.value if isinstance(node, (ast.Assign, ast.Return)) else None
+        if not (isinstance(call, ast.Call) and (dotted_name(call.func) or "") in iterator_classes and call.args):
+            continue
+        data = dotted_name(call.args[0])
+        if data in params:
+            if isinstance(node, ast.Return):
+                return params.index(data)
+            for t in node.targets:
+                if isinstance(t, ast.Name):
+                    built[t.id] = params.index(data)
+    for node in ast.walk(body):
+        if isinstance(node, ast.Return) and isinstance(node.value, ast.Name) and node.value.id in built:
+            return built[node.value.id]
+    return None
 
 
 def _dp_subclass(klass: ast.ClassDef) -> bool:

@@ -28,6 +28,9 @@ class ModuleView:
     # the program's model classes whose forward() returns a tuple, as this module spells them ->
     # the `self.` submodules each returned element depends on (an unused head: TM303)
     forward_outputs: Dict[str, Tuple[FrozenSet[str], ...]] = field(default_factory=dict)
+    # the program's hand-made batch iterators and the functions that build them, as this module
+    # spells them -> the position of the data argument (-1: every positional argument)
+    iterator_builders: Dict[str, int] = field(default_factory=dict)
     program_trains: bool = False  # some module of the program builds an optimizer over a model
     program_loaders: bool = False  # some module of the program builds a DataLoader (or subclass)
     program_torch: bool = False  # some module of the program uses torch

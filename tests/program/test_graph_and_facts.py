@@ -211,3 +211,42 @@ def test_imports_of_project_code_found_nowhere_are_listed(tmp_path, monkeypatch,
     program = build([Path("src/bin/train.py")], [Path("src/bin/train.py")])
     assert program.unresolved == ["src/bin/train.py:5: .helpers"]
     assert tmp_path / "src/models/net.py" in program.followed
+
+
+def test_hand_made_batch_iterators_and_their_builders(tmp_path):
+    write(tmp_path, {
+        "train.py": "import utils\nfrom utils import build_iterator, minibatch\n",
+        "utils.py": textwrap.dedent("""
+            import torch
+            class DatasetIterater(object):
+                def __init__(self, batches, batch_size, device):
+                    self.batches = batches
+                def __next__(self):
+                    raise StopIteration
+                def __iter__(self):
+                    return self
+            class Frames(torch.utils.data.IterableDataset):
+                def __init__(self, files):
+                    self.files = files
+                def __iter__(self):
+                    yield from self.files
+            def build_iterator(dataset, config):
+                iter = DatasetIterater(dataset, config.batch_size, config.device)
+                return iter
+            def minibatch(*tensors, batch_size=8):
+                for i in range(0, len(tensors[0]), batch_size):
+                    yield tuple(x[i:i + batch_size] for x in tensors)
+            def batch_iter(config, data, size):
+                for i in range(0, len(data), size):
+                    yield data[i:i + size]
+            def helper(x):
+                return x + 1
+        """),
+    })
+    program = build([tmp_path / "train.py"], [tmp_path / "train.py"])
+    views = {Path(k).name: v for k, v in program.views.items()}
+    assert views["utils.py"].iterator_builders == {"DatasetIterater": 0, "build_iterator": 0, "minibatch": -1,
+                                                   "batch_iter": 1}
+    assert views["train.py"].iterator_builders == {
+        "utils.DatasetIterater": 0, "utils.build_iterator": 0, "utils.minibatch": -1, "utils.batch_iter": 1,
+        "build_iterator": 0, "minibatch": -1}
