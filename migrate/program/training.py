@@ -59,6 +59,7 @@ _BUILTINS = frozenset(dir(builtins))
 
 
 def looks_like_optimizer(name: str) -> bool:
+    """`optimizer`, `self.opt_g`, `d_optim`: a name for an optimizer (not a scheduler or scaler)."""
     last = name.rsplit(".", 1)[-1].lower()
     if any(x in last for x in ("sched", "scaler", "warmup", "lr_")):
         return False
@@ -74,11 +75,13 @@ class Site:
     scope: cst.CSTNode
     loss: Optional[cst.BaseExpression]
     kind: str  # "plain", "scaled", "apex"
-    paired: bool = False  # the else-branch of an optional-AMP `if`: left alone
+    paired: bool = False  # the plain branch of an optional-AMP `if` (the other one is scaled)
 
 
 @dataclass
 class Step:
+    """One optimizer step: `opt.step()`, `scaler.step(opt)` ("scaled") or `opt.step(closure)`."""
+
     call: cst.Call
     scope: cst.CSTNode
     optimizer: Optional[cst.BaseExpression]  # the optimizer expression
@@ -106,6 +109,7 @@ class TrainingFacts:
 
     # -- collection ----------------------------------------------------------------------------
     def collect(self) -> None:
+        """Existing scalers and autocast blocks, then every backward and step of the file."""
         ctx = self.ctx
         scaler_names: Set[str] = set()
         holders: Set[str] = set()  # variables holding an autocast context (or factory)
@@ -242,6 +246,7 @@ class TrainingFacts:
 
     # -- which functions train ---------------------------------------------------------------
     def training_scopes(self) -> None:
+        """Keep the backwards of functions that also step an optimizer (apex blocks always)."""
         steps_by_scope: Dict[cst.CSTNode, List[Step]] = {}
         for s in self.steps:
             steps_by_scope.setdefault(s.scope, []).append(s)

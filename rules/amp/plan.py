@@ -75,6 +75,8 @@ class Region:
 
 @dataclass
 class ScalerInfo:
+    """The one GradScaler the training steps share: an existing one, or where a new one goes."""
+
     text: str  # expression to use: `scaler`, `self.scaler`
     new: bool
     after: Optional[cst.CSTNode] = None  # insert the creation after this statement
@@ -103,6 +105,10 @@ def scaler_visible(ctx: Context, info: ScalerInfo, node: cst.CSTNode) -> bool:
 
 @dataclass
 class Plan:
+    """What this run does about the module's training steps (see the module docstring). `sites`,
+    `steps`, `existing_scalers` and `autocast_withs` are the training facts' own lists, here for
+    the rules that read them along with the decisions (empty when `skip`)."""
+
     skip: bool = False  # a framework manages precision, or nothing to do
     adding: bool = False  # this run adds AMP where it is missing
     sites: List[Site] = field(default_factory=list)
@@ -133,6 +139,8 @@ def plan(ctx: Context) -> Plan:
 
 
 class _Planner:
+    """Decides a module's `Plan` from its training facts, the options and the rules enabled."""
+
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
         self.facts = analysis.facts(ctx)
