@@ -281,12 +281,12 @@ class SetEpoch(DataRule):
 
     def _counter(self, loop: cst.While) -> Optional[str]:
         increments: List[str] = []
-        for n in _small_statements(loop.body):
+        for n in _outermost(loop.body, cst.BaseSmallStatement, (cst.FunctionDef, cst.ClassDef, cst.Lambda)):
             if isinstance(n, cst.AugAssign) and isinstance(n.target, cst.Name) and isinstance(n.operator, cst.AddAssign):
                 increments.append(n.target.value)
         if not increments:
             return None
-        test_names = {n.value for n in _names(loop.test)}
+        test_names = {n.value for n in _outermost(loop.test, cst.Name)}
         for name in increments:
             if name in test_names:
                 return name
@@ -337,31 +337,17 @@ class SetEpoch(DataRule):
                         edits=[edit], imports=imports, statement=ins.loop)
 
 
-def _small_statements(node: cst.CSTNode) -> List[cst.CSTNode]:
+def _outermost(node: cst.CSTNode, kind: type, skip: Tuple[type, ...] = ()) -> List[cst.CSTNode]:
+    """The `kind` nodes under `node` (not those inside one another, nor under a `skip` node),
+    in source order."""
     out: List[cst.CSTNode] = []
-
-    def go(n: cst.CSTNode) -> None:
-        if isinstance(n, (cst.FunctionDef, cst.ClassDef, cst.Lambda)):
-            return
-        if isinstance(n, cst.BaseSmallStatement):
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if isinstance(n, skip):
+            continue
+        if isinstance(n, kind):
             out.append(n)
-            return
-        for child in child_nodes(n):
-            go(child)
-
-    go(node)
-    return out
-
-
-def _names(node: cst.CSTNode) -> List[cst.Name]:
-    out: List[cst.Name] = []
-
-    def go(n: cst.CSTNode) -> None:
-        if isinstance(n, cst.Name):
-            out.append(n)
-            return
-        for child in child_nodes(n):
-            go(child)
-
-    go(node)
+            continue
+        stack.extend(reversed(child_nodes(n)))
     return out
