@@ -386,9 +386,22 @@ def _model_like(ctx: Context, name: str, node: cst.BaseExpression) -> bool:
         if any(dotted(t.target) == name for t in assign.targets):
             value = assign.value
             if isinstance(value, (cst.List, cst.ListComp, cst.GeneratorExp, cst.Tuple, cst.Dict, cst.DictComp)) \
-                    or parameter_owners(value):
+                    or parameter_owners(value) or _text_value(value):
                 return False
     return True
+
+
+_STR_METHODS = {"split", "rsplit", "lower", "upper", "strip", "lstrip", "rstrip", "replace", "format", "join"}
+
+
+def _text_value(value: cst.BaseExpression) -> bool:
+    """A string, or a piece of one: open_clip's `timm_opt = opt.split("timm/")[-1]`, the name
+    handed to `create_optimizer_v2(model, timm_opt)`, is no model."""
+    while isinstance(value, cst.Subscript):
+        value = value.value
+    if isinstance(value, (cst.SimpleString, cst.ConcatenatedString, cst.FormattedString)):
+        return True
+    return isinstance(value, cst.Call) and isinstance(value.func, cst.Attribute) and value.func.attr.value in _STR_METHODS
 
 
 def _function_params(func: cst.FunctionDef) -> Tuple[List[str], List[str]]:

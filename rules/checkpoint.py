@@ -20,8 +20,8 @@ from torchmigrate.nodes import arg, code, keep_alignment, set_kwarg
 from torchmigrate.rule import Context, Example, Rule
 from torchmigrate.rules import downloads
 from torchmigrate.rules.logging_rules import (
-    RUNTIME, active, assignments, body_of, cached_expr, cached_stmt, collective_guard, guard_edit, guardable_line,
-    index_in, iter_nodes, names_in, runs_user_code, scope_of, sibling_runs, under_rank_guard,
+    RUNTIME, active, assignments, body_of, cached_expr, cached_stmt, caller_guards, collective_guard, guard_edit,
+    guardable_line, index_in, iter_nodes, names_in, rank_word, runs_user_code, scope_of, sibling_runs, under_rank_guard,
 )
 
 SAVES = {"torch.save", RUNTIME + ".save"}
@@ -90,6 +90,25 @@ def _local_rank_parts(test: cst.BaseExpression) -> List[cst.CSTNode]:
     if isinstance(test, cst.BooleanOperation) and isinstance(test.operator, cst.And):
         return _local_rank_parts(test.left) + _local_rank_parts(test.right)
     return []
+
+
+def _guard_test(guard: cst.CSTNode) -> cst.CSTNode:
+    """The test of a rank guard found by `rank_guard_of` (an `if`, a conditional expression,
+    `test and ...`, or an early `if ...: return`)."""
+    return guard.left if isinstance(guard, cst.BooleanOperation) else guard.test  # type: ignore[attr-defined]
+
+
+def _per_node_test(guard: cst.CSTNode) -> Optional[cst.Comparison]:
+    """The part of a guard that holds once per node, not once per job: `local_rank == 0`, or
+    MoCo's and the ImageNet example's `args.rank % ngpus_per_node == 0`."""
+    for n in iter_nodes(_guard_test(guard)):
+        if not isinstance(n, cst.Comparison):
+            continue
+        left = n.left
+        if is_local_rank_test(n) or (isinstance(left, cst.BinaryOperation) and isinstance(left.operator, cst.Modulo)
+                                     and rank_word((dotted(left.left) or "").rsplit(".", 1)[-1])):
+            return n
+    return None
 
 
 def _dict_values(obj: cst.BaseExpression) -> List[cst.BaseExpression]:
@@ -315,6 +334,10 @@ class SaveMainUnwrapped(Rule):
         for index, call in torch_saves:
             if under_rank_guard(ctx, call):
                 continue
+            guards = caller_guards(ctx, call)
+            per_node = [t for t in map(_per_node_test, guards or ()) if t is not None]
+            if guards is not None and not per_node:
+                continue  # a helper called only under global rank guards
             scope = scope_of(ctx, call)
             target = arg(call, "f", 1)
             if target is None or _is_buffer(ctx, target.value, scope):
@@ -327,6 +350,10 @@ class SaveMainUnwrapped(Rule):
             message = ("torch.save without a rank guard in a file that initialises a process group: every rank "
                        "writes the same file" if ctx.options.mode == "lint" else
                        "torch.save runs on every rank; tm.save writes once, on the main process, atomically")
+            if per_node:
+                message = (f"torch.save in a helper called under `{code(per_node[0])}`, which holds on one "
+                           f"process per node: a multi-node job writes the file once per node; tm.save writes once, "
+                           f"on global rank 0")
             edits = [replace(call.func, lambda _f: cached_expr(f"{tm}.save"))]
             align = keep_alignment(call, f"{tm}.save", 0 if isinstance(ctx.parent(call), cst.Expr) else None)
             if align is not None:
@@ -584,7 +611,8 @@ class LoadMapLocation(Rule):
             if any(a.star == "**" for a in call.args):
                 continue
             feeds = self._feeds_state_dict(call, lsd)
-            if arg(call, "map_location", 1) is None and arg(call, "f", 0) is not None:
+            if arg(call, "map_location", 1) is None and arg(call, "f", 0) is not None \
+                    and not self._placed_in_other_branch(call, loads):
                 fix = replace(call, lambda c: set_kwarg(c, "map_location", cached_expr('"cpu"')))
                 if feeds:
                     self.report(call, "torch.load without map_location loads GPU-saved tensors onto the device "
@@ -646,6 +674,24 @@ class LoadMapLocation(Rule):
             self.report(a.value, "checkpoints from DataParallel/DDP/compiled models carry `module.`/`_orig_mod.` "
                                  "key prefixes; tm.strip_prefix loads them into the plain model",
                         edits=[replace(a, fix)], imports=[ctx.runtime_import()])
+
+    def _placed_in_other_branch(self, call: cst.Call, loads: List[cst.Call]) -> bool:
+        """`if args.gpu is None: torch.load(p)` / `else: torch.load(p, map_location=loc)` (the
+        ImageNet example, MoCo): the script places the load itself where it runs one process
+        per GPU; the branch without map_location is its single-process (DataParallel) path.
+        Only for code that is distributed already: a migration runs that branch under torchrun."""
+        if self.ctx.options.mode != "lint":
+            return False
+        statement = self.ctx.statement_of(call)
+        branch = self.ctx.parent(statement)
+        test_if = self.ctx.parent(branch)
+        if isinstance(test_if, cst.Else):
+            branch, test_if = test_if, self.ctx.parent(test_if)
+        if not isinstance(test_if, cst.If) or test_if.orelse is None:
+            return False
+        other = test_if.orelse if branch is test_if.body else test_if.body
+        return any(arg(c, "map_location", 1) is not None and any(a is other for a in self.ctx.ancestors(c))
+                   for c in loads)
 
     def _own_module_attribute(self) -> bool:
         """A class of this file sets `self.module = ...` (or `_orig_mod`): its parameters

@@ -195,6 +195,8 @@ class TorchCudaAmp(Rule):
         if attr in _DECORATORS and isinstance(self.ctx.parent(node), cst.Decorator):
             return
         self.handled.add(node.func)
+        if self._fallback(node, attr):
+            return
         if policy_takes(self.ctx, node, qualified):
             self.taken.add(node)
             return
@@ -213,6 +215,17 @@ class TorchCudaAmp(Rule):
 
         self.report(node, f"torch.{device}.amp.{attr}(...) is deprecated; use torch.amp.{attr}(\"{device}\", ...)",
                     edits=[replace(node, fix)])
+
+    def _fallback(self, node: cst.Call, attr: str) -> bool:
+        """`try: torch.amp.GradScaler(...)` / `except (AttributeError, TypeError):
+        torch.cuda.amp.GradScaler()` (open_clip): the old spelling is the deliberate fallback
+        for a torch that lacks the new one, not a use to migrate."""
+        handler = self.ctx.enclosing(node, cst.ExceptHandler)
+        attempt = self.ctx.parent(handler) if handler is not None else None
+        if not isinstance(attempt, cst.Try):
+            return False
+        return any((self.ctx.resolve(c.func) or "") == f"torch.amp.{attr}"
+                   for c in self.ctx.within(attempt.body, cst.Call))
 
     def leave_Module(self, node: cst.Module) -> None:
         if self.deferred:

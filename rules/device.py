@@ -13,6 +13,7 @@ from torchmigrate.imports import dotted
 from torchmigrate.nodes import arg, code, expr, kwarg, stmt, with_args
 from torchmigrate.rule import Context, Example, Rule
 from torchmigrate.rules.launch import INIT_PG, RUNTIME, setup_plan
+from torchmigrate.rules.logging_rules import rank_dependent
 
 SET_DEVICE = "torch.cuda.set_device"
 DEVICE_CTX = "torch.cuda.device"
@@ -229,6 +230,18 @@ class DeviceFromRank(Rule):
                     found.append(assign)
         return found
 
+    def _per_rank_or_none(self, write: cst.CSTNode) -> bool:
+        """A write that gives each rank its own GPU (guided-diffusion's `f"{MPI.COMM_WORLD.Get_rank()
+        % GPUS_PER_NODE}"`) or hides them all for a CPU run (yolov5's `"-1"`): not "every rank
+        sees the same GPUs"."""
+        value = write.value if isinstance(write, cst.Assign) else (
+            write.args[1].value if isinstance(write, cst.Call) and len(write.args) > 1 else None)
+        if value is None:
+            return False
+        if isinstance(value, cst.SimpleString) and value.evaluated_value.strip() in ("", "-1"):
+            return True
+        return rank_dependent(self.ctx, value)
+
     def _is_cvd(self, sub: cst.Subscript) -> bool:
         if self.ctx.resolve(sub.value) != "os.environ" or len(sub.slice) != 1:
             return False
@@ -362,6 +375,8 @@ class DeviceFromRank(Rule):
         if self.converting and self.ctx.options.mode == "ddp":
             self._batch_moves()
         for write in self.env_writes:
+            if self._per_rank_or_none(write):
+                continue
             self.report(write, "CUDA_VISIBLE_DEVICES set in the script: every rank sees the same GPUs (with one "
                                "visible GPU all ranks share it); let torchrun/the scheduler choose, each process "
                                "uses tm.device() = cuda:LOCAL_RANK")

@@ -14,7 +14,7 @@ from torchmigrate.finding import Import, Safety, insert_after, insert_before, re
 from torchmigrate.imports import dotted, leading_import_anchor
 from torchmigrate.nodes import arg, code, expr, kwarg, stmt, with_args
 from torchmigrate.rule import Context, Example, Rule
-from torchmigrate.rules.logging_rules import rank_guard_of
+from torchmigrate.rules.logging_rules import rank_guard_of, rank_word
 
 INIT_PG = "torch.distributed.init_process_group"
 DESTROY_PG = "torch.distributed.destroy_process_group"
@@ -695,7 +695,6 @@ _COLLECTIVE_HELPERS = {"synchronize", "barrier", "all_reduce", "all_gather", "re
                        "gather_for_metrics", "broadcast_object", "all_gather_object", "reduce_value"}
 _DDP_CONSTRUCTORS = ("torch.nn.parallel.DistributedDataParallel",
                      "torch.nn.parallel.distributed.DistributedDataParallel", RUNTIME + ".wrap_model")
-_RANK_WORD = re.compile(r"(^|_)rank($|_)", re.IGNORECASE)
 _MAIN_WORD = re.compile(
     r"^(is_)?(local_|global_|world_)?(main|master|chief|leader|rank_?0|rank_?zero|global_zero|process_zero)"
     r"(_process|_proc|_rank|_node|_worker)?$", re.IGNORECASE)
@@ -724,7 +723,7 @@ def _is_rankish(node: cst.BaseExpression) -> bool:
             return value in ("RANK", "LOCAL_RANK", "SLURM_PROCID", "SLURM_LOCALID")
         return False
     name = _last(node)
-    return bool(name and _RANK_WORD.search(name) and not name.lower().startswith(("lora", "low")))
+    return bool(name and rank_word(name) and not name.lower().startswith(("lora", "low")))
 
 
 def _is_main_predicate(node: cst.BaseExpression) -> bool:

@@ -41,9 +41,25 @@ _MAIN_WORDS = ("is_main", "is_master", "master_process", "main_process", "is_pri
                "rank_zero", "rank0")
 
 
+# What may precede `rank` in a name that holds this process's rank (`local_rank`, `get_rank`,
+# `global_rank`); a config flag such as BLIP's `negative_all_rank` (the same on every rank) is
+# not one.
+_RANK_OWNERS = {"local", "global", "world", "node", "get", "my", "cur", "current", "this", "own", "proc",
+                "process", "dist", "gpu", "device", "machine", "is", "host", "worker", "trainer", "data", "dp",
+                "tp", "pp", "group", "in", "task", "slurm", "ompi", "pmi", "mpi", "hvd", "env"}
+
+
+def rank_word(word: str) -> bool:
+    """`rank`, `local_rank`, `rank_id`, `get_global_rank`: a name with the word `rank` that
+    holds (or gets) a process's rank, not a setting about ranks (`negative_all_rank`)."""
+    parts = word.lower().split("_")
+    i = parts.index("rank") if "rank" in parts else -1
+    return i == 0 or (i > 0 and parts[i - 1] in _RANK_OWNERS)
+
+
 def _rankish_word(word: str) -> bool:
     w = word.lower()
-    if "rank" in w.split("_") or w in ("localrank", "globalrank", "master"):
+    if rank_word(w) or w in ("localrank", "globalrank", "master"):
         return True
     return any(s in w for s in _MAIN_WORDS)
 
@@ -67,16 +83,42 @@ def rank_dependent(ctx: Context, test: cst.CSTNode) -> bool:
     hit = cache.get(test)
     if hit is not None:
         return hit
-    result = False
-    for n in iter_nodes(test):
-        if isinstance(n, cst.Name) and _rankish_word(n.value):
-            result = True
-            break
-        if isinstance(n, cst.SimpleString) and "rank" in n.value.lower():
-            result = True
-            break
+    result = _mentions_rank(test)
+    if not result:
+        flags = _rank_flags(ctx)
+        result = bool(flags) and any(type(n) in (cst.Name, cst.Attribute) and dotted(n) in flags
+                                     for n in iter_nodes(test))
     cache[test] = result
     return result
+
+
+def _mentions_rank(node: cst.CSTNode) -> bool:
+    for n in iter_nodes(node):
+        if isinstance(n, cst.Name) and _rankish_word(n.value):
+            return True
+        if isinstance(n, cst.SimpleString) and "rank" in n.value.lower():
+            return True
+    return False
+
+
+def _rank_flags(ctx: Context) -> frozenset:
+    """Names the file assigns a rank test to (`save_logs = dist.get_rank() == 0`, open_clip's
+    `args.save_logs = args.logs and is_master(args)`): `if save_logs:` is a rank guard too.
+    Only rank tests (`rank_polarity`), not any value computed from the rank (`device =
+    torch.device(f"cuda:{local_rank}")`) nor nanoGPT's `ddp = int(os.environ.get("RANK", -1)) != -1`,
+    which holds on every rank."""
+    from torchmigrate.rules.launch import rank_polarity  # launch imports this module
+
+    if not ctx.walked:  # the file's assignments are known once the walk is over
+        return frozenset()
+    found = ctx.facts.get("tm_rank_flags")
+    if found is None:
+        names = set()
+        for a in analysis.facts(ctx).assigns:
+            if rank_polarity(a.value) is not None:
+                names.update(n for n in (dotted(t.target) for t in a.targets) if n)
+        found = ctx.facts["tm_rank_flags"] = frozenset(names)
+    return found  # type: ignore[return-value]
 
 
 def _early_exit(stmt: cst.CSTNode) -> bool:
@@ -159,6 +201,36 @@ def collective_guard(ctx: Context, node: cst.CSTNode) -> Optional[cst.CSTNode]:
         if guard is not None:
             return guard
     return None
+
+
+def caller_guards(ctx: Context, node: cst.CSTNode, depth: int = 0) -> Optional[List[cst.CSTNode]]:
+    """The rank guards under which `node` runs: its own, or, when it has none, those around
+    every call (a few levels up) of the function holding it: the helper `save_checkpoint(state)`
+    that `main` only calls under `if rank == 0:`, or the `__init__` of a class only built under
+    one. Calls from other modules count through the program's facts (an empty list: guarded
+    there only). None when some path reaches `node` unguarded, or nothing calls the function."""
+    guard = rank_guard_of(ctx, node)
+    if guard is not None:
+        return [guard]
+    fn = ctx.enclosing(node, cst.FunctionDef)
+    if fn is None or depth >= 3:
+        return None
+    klass = ctx.enclosing(fn, cst.ClassDef)
+    qual = f"{klass.name.value}.{fn.name.value}" if klass is not None else fn.name.value
+    elsewhere = qual in ctx.program.called_elsewhere
+    if elsewhere and qual not in ctx.program.guarded_elsewhere:
+        return None
+    name = klass.name.value if fn.name.value == "__init__" and klass is not None else fn.name.value
+    calls = [c for c in local_calls(ctx).get(name, ()) if ctx.enclosing(c, cst.FunctionDef) is not fn]
+    if not calls and not elsewhere:  # (a recursive call adds no path from outside)
+        return None
+    out: List[cst.CSTNode] = []
+    for call in calls:
+        found = caller_guards(ctx, call, depth + 1)
+        if found is None:
+            return None
+        out.extend(found)
+    return out
 
 
 def local_calls(ctx: Context) -> Dict[str, List[cst.Call]]:
@@ -368,8 +440,10 @@ _TRACKER_FACTORIES = {"mlflow.start_run"}
 
 
 def _print_shadowed(ctx: Context) -> bool:
+    """`print` is not the builtin, or the program replaced the builtin with a rank-aware one
+    (`builtins.print = ...`, here or in a module it runs: see ModuleView.print_override)."""
     f = analysis.facts(ctx)
-    if "print" in ctx.imports.names:
+    if "print" in ctx.imports.names or ctx.program.print_override:
         return True
     fn = f.functions.get("print")
     if fn is not None:
@@ -377,6 +451,8 @@ def _print_shadowed(ctx: Context) -> bool:
     for assign in f.assigns:
         for t in assign.targets:
             if isinstance(t.target, cst.Name) and t.target.value == "print":
+                return True
+            if dotted(t.target) in ("builtins.print", "__builtin__.print"):
                 return True
     return False
 
@@ -540,7 +616,7 @@ class MainPrint(Rule):
             if name is None and isinstance(func, cst.Name) and func.value == "print":
                 if shadowed is None:
                     shadowed = _print_shadowed(ctx)
-                if shadowed or under_rank_guard(ctx, call):
+                if shadowed or caller_guards(ctx, call) is not None:
                     continue
                 edits = [replace(func, lambda _f: cached_expr(f"{tm}.print"))]
                 align = keep_alignment(call, f"{tm}.print", 0 if isinstance(ctx.parent(call), cst.Expr) else None)
@@ -549,7 +625,7 @@ class MainPrint(Rule):
                 self.report(call, "print runs on every rank; tm.print prints once, on the main process",
                             edits=edits, imports=imports)
             elif name in SUMMARY_WRITERS:
-                if under_rank_guard(ctx, call) or _is_main_only_arg(ctx, call):
+                if caller_guards(ctx, call) is not None or _is_main_only_arg(ctx, call):
                     continue
                 read = _attributes_read(ctx, call)
                 if read:
@@ -598,7 +674,7 @@ class MainPrint(Rule):
         current = next((a for a in call.args if a.keyword is not None and a.keyword.value == "mode"), None)
         if current is not None and rank_dependent(ctx, current.value):
             return
-        if under_rank_guard(ctx, call):
+        if caller_guards(ctx, call) is not None:
             return
         tm = ctx.tm
 
@@ -621,7 +697,7 @@ class MainPrint(Rule):
             return  # nested in another expression (e.g. an argument of wandb.log)
         if parent is not None and not isinstance(parent, cst.Expr) and getattr(parent, "value", getattr(parent, "item", None)) is not call:
             return
-        if under_rank_guard(ctx, call):
+        if caller_guards(ctx, call) is not None:
             return
         if isinstance(parent, cst.Expr):
             line = guardable_line(ctx, call)

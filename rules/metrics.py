@@ -1008,7 +1008,8 @@ class GatherListMean(Rule):
         for name in names:
             ok, value = initial_value(ctx, loop, name)
             label = (dotted(value.func) or "").rsplit(".", 1)[-1] if ok and isinstance(value, cst.Call) else ""
-            if _METER.search(label) and not _reassigned_in(ctx, loop, name) and self._read_after(loop, name):
+            if _METER.search(label) and not _reassigned_in(ctx, loop, name) and self._read_after(loop, name) \
+                    and not self._fed_reduced(loop, name):
                 found.append(name)
         if not found or self._reduced_after(loop, found):
             return
@@ -1018,6 +1019,25 @@ class GatherListMean(Rule):
                          f"{averages}, but this loop runs under a rank guard, where a reduction would hang the "
                          "other ranks",
                          f"{averages}; reduce {'its' if len(found) == 1 else 'their'} sum and count across ranks")
+
+    def _fed_reduced(self, loop: cst.For, name: str) -> bool:
+        """Every `name.update(v, ...)` of the loop gets a value already reduced across ranks
+        (Swin's `acc1 = reduce_tensor(acc1)` before `acc1_meter.update(acc1.item(), n)`): the
+        meter averages the whole batch of every rank already."""
+        reduced: Set[str] = set()
+        for a in self.ctx.within(loop, cst.Assign, skip_defs=True):
+            last = (dotted(a.value.func) or "").rsplit(".", 1)[-1].lower() if isinstance(a.value, cst.Call) else ""
+            if "reduce" in last or "gather" in last:
+                reduced |= {dotted(t.target) for t in a.targets} - {None}
+        updates = [c for c in self.ctx.within(loop, cst.Call, skip_defs=True)
+                   if isinstance(c.func, cst.Attribute) and c.func.attr.value == "update" and dotted(c.func.value) == name]
+        for call in updates:
+            value = call.args[0].value if call.args else None
+            while isinstance(value, cst.Call) and isinstance(value.func, cst.Attribute) and not value.args:
+                value = value.func.value  # `acc1.item()`, `loss.mean()`
+            if value is None or dotted(value) not in reduced:
+                return False
+        return bool(updates)
 
     def _read_after(self, loop: cst.For, name: str) -> bool:
         ctx = self.ctx

@@ -710,6 +710,8 @@ class Plan:
                 continue
             if not o.models:
                 params = o.call.args[0].value if o.call.args else None
+                if self._wraps_itself():
+                    continue  # its models are wrapped; which one this optimizer trains does not matter
                 if o.via is not None or (params is not None and "param" in code(params).lower()):
                     self.manual301.append((o.call, "cannot tell which model this optimizer trains: wrap that model "
                                            f"with `model = {self.tm}.wrap_model(model)` before creating the optimizer",
@@ -953,6 +955,8 @@ class Plan:
         else:
             if isinstance(ctx.scope_of(o.call), (cst.Lambda, cst.ClassDef)):
                 return None
+            if self._module_of_wrap(m, scope):
+                return None
             deferred = None
             if (m, scope) in self.covered and not self._removable_dp((m, scope)):
                 deferred = self._dp_to_defer(m, scope, stmt0)
@@ -972,6 +976,8 @@ class Plan:
                 if fname and self.definitions(m, ctx.module, None):
                     return (f"`{m}` is a module-level model whose optimizer is built in {fname}(): wrap it with "
                             f"`{m} = {tm}.wrap_model({m})` at module level before {fname}() runs")
+                if self._wraps_itself():
+                    return None
                 return (f"cannot find where `{m}` is created: wrap it with `{m} = {tm}.wrap_model({m})` "
                         "before creating its optimizer")
             klass = None
@@ -991,6 +997,25 @@ class Plan:
         if not m.startswith(("self.", "cls.")) and deferred is not None:
             placed.dp = deferred
         return placed
+
+    def _wraps_itself(self) -> bool:
+        """`lint` of a file that wraps its models in DDP itself: an optimizer whose model the
+        analysis cannot name (param groups from a helper, a loop over `model.modules()`) most
+        likely trains one of them, so "cannot tell which model" is noise there."""
+        return self.ctx.options.mode == "lint" and any(
+            w.kind.rsplit("-", 1)[-1] in ("ddp", "apex", "tm") for w in self.wraps)
+
+    def _module_of_wrap(self, m: str, scope: cst.CSTNode) -> bool:
+        """`model_without_ddp = model.module` after `model = DDP(model)`: `m` is the module
+        inside a model this scope wraps, so its optimizer already trains through that wrap
+        (DeiT/DETR/MAE build it from `model_without_ddp`); wrapping `m` again is wrong."""
+        for a, value in self._assigns.get(m, ()):
+            if value is None or self.fscope(a) is not scope:
+                continue
+            name = dotted(_strip(value))
+            if name and name.endswith(".module") and self.key(name[:-len(".module")], a) in self.covered:
+                return True
+        return False
 
     def _callee_wraps(self) -> Dict[str, List[Tuple[cst.FunctionDef, str, bool]]]:
         """Functions of the file that wrap one of their parameters in DDP themselves
@@ -1275,12 +1300,74 @@ class Plan:
             return False
         root = w.name.split(".")[0]
         if root in self.params(fs):
-            return True
+            return self._receives_wrapped(fs, root)
         if self.assigned_in(fs, root):
             return False
         if w.scope is self.ctx.module:
             return True
         return any(a is w.scope for a in self.ctx.ancestors(fs))
+
+    def _receives_wrapped(self, func: cst.FunctionDef, param: str) -> bool:
+        """Whether parameter `param` of `func` may hold a wrapped model. A helper named like the
+        model (`def evaluate(model, ...)`) often only ever gets the unwrapped module
+        (`evaluate(model_without_ddp)`, `evaluate(model.module)`) or a model that is never
+        wrapped: then its `model.encoder` is no AttributeError. Unknown callers (a method, a
+        callback, another module of a single-file run) keep the old answer: it may."""
+        key = ("receives", func, param)
+        if key not in self._memo:
+            self._memo[key] = True  # a recursive helper: assume it may while deciding
+            calls = self._calls_of(func)
+            if calls is None:
+                found = True
+            elif not calls:  # called from other modules only: the program's facts decide
+                found = not self.ctx.program.followed
+            else:
+                found = any(self._passes_wrapped(call, func, param) for call in calls)
+            self._memo[key] = found
+        return self._memo[key]  # type: ignore[return-value]
+
+    def _calls_of(self, func: cst.FunctionDef) -> Optional[List[cst.Call]]:
+        """The calls of a top-level function in this file; None when it is a method, a nested
+        function, or used other than by calling it (passed as a callback)."""
+        if self.ctx.parent(func) is not self.ctx.module:
+            return None
+        calls = []
+        for n in self.ctx.named(func.name.value):
+            up = self.ctx.parent(n)
+            if up is func or (type(up) is cst.Attribute and up.attr is n):
+                continue  # the def itself, or another object's attribute of that name
+            if type(up) is cst.Call and up.func is n:
+                calls.append(up)
+            else:
+                return None
+        return calls
+
+    def _passes_wrapped(self, call: cst.Call, func: cst.FunctionDef, param: str) -> bool:
+        """Whether `call` passes a wrapped model as `param`: a name a wrap reaches there, a wrap
+        call, or an expression the analysis cannot follow; not `m.module`, `tm.unwrap(m)`, a
+        name no wrap reaches (`model_without_ddp`), or the default."""
+        positional = [p.name.value for p in (*func.params.posonly_params, *func.params.params)]
+        value = None
+        for i, a in enumerate(call.args):
+            if a.star:
+                return True
+            if (a.keyword is not None and a.keyword.value == param) or (
+                    a.keyword is None and i < len(positional) and positional[i] == param):
+                value = _strip(a.value)
+                break
+        if value is None:
+            return False
+        if type(value) is cst.Call:
+            name = self.ctx.resolve(value.func)
+            return name != _TM_UNWRAP
+        name = dotted(value)
+        if name is None:
+            return True
+        if name.endswith(".module"):
+            return False
+        wraps = self._final if self._final is not None else self._direct_wraps()
+        statement = self.ctx.statement_of(call)
+        return any(w.name == name and self.applies(w, call, statement) for w in wraps)
 
     def _self_calls(self, w: Wrap) -> Dict[cst.CSTNode, List[cst.CSTNode]]:
         """Statements calling `self.<method holding the wrap>()`, by the method they are in."""
@@ -1557,6 +1644,8 @@ class Plan:
             if not self.applies(w, a):
                 continue
             value = self.text(a.value)
+            if value == "False" and self.text(loop.iter) in (f"{root}.parameters()", f"{root}.module.parameters()"):
+                continue  # the whole model frozen (DINO's teacher): no backward reaches it, no reduction waits
             if value == "False" and not freeze:
                 freeze = f"`for ... in {self.text(loop.iter)}: ...requires_grad = False`"
             elif value != "False" and not unfreeze:
@@ -1694,6 +1783,7 @@ class Plan:
             by_name.setdefault(w.name, []).append(w)
         if not by_name:
             return  # nothing wrapped: no access to rewrite
+        found = []
         for node in self._accesses(by_name):
             name = dotted(node.value)
             candidates = by_name[name]
@@ -1706,7 +1796,16 @@ class Plan:
             statement = self.ctx.statement_of(node)
             seen_by = [w for w in candidates if (w.full or attr not in ("module", *_STATE))
                        and self.applies(w, node, statement)]
-            if not seen_by:
+            if seen_by and not (owner302 and self.ctx.options.mode == "lint" and self._checked_first(node, name)):
+                found.append((node, name, attr, seen_by))
+        # `model = DDP(model); model.nc = nc; ... model.nc` (yolov5): set on a wrapper the script
+        # builds itself, and found on it. (Not on a wrap this migration adds: the module's own
+        # code may read what the single-GPU script set on it, `self.temperature`.)
+        on_wrapper = {attr for node, _, attr, seen_by in found
+                      if attr != "module" and isinstance(self.ctx.parent(node), cst.AssignTarget)
+                      and all(w.kind.rsplit("-", 1)[-1] in ("ddp", "apex", "dp") for w in seen_by)}
+        for node, name, attr, seen_by in found:
+            if attr in on_wrapper:
                 continue
             is_dp = any(id(w) in dp_wraps or w.kind.endswith("-dp") for w in seen_by)
             if owner302:
@@ -1729,6 +1828,23 @@ class Plan:
             if any(self.applies(w, call, statement) for w in by_name[name]):
                 self.rewrites.append(AttrRewrite(a.value, name, "", "TM302"))
         self._whole_model_uses(by_name)
+
+    def _checked_first(self, node: cst.Attribute, name: str) -> bool:
+        """`model.module if is_parallel(model) else model` (yolov5's de_parallel), `if
+        hasattr(model, "module"): model.module...`: the access sits in the branch of a test
+        that asks about `name` itself, so it cannot fail the way TM302 says. (`ddp`, and TM306
+        converting DataParallel, still rewrite such branches: `tm.unwrap(model)` says the same
+        more simply, and the converted model is no DataParallel any more.)"""
+        child: cst.CSTNode = node
+        for anc in self.ctx.ancestors(node):
+            if isinstance(anc, (cst.If, cst.IfExp)) and child is anc.body:
+                for call in self.ctx.within(anc.test, cst.Call):
+                    if any(dotted(a.value) == name for a in call.args):
+                        return True
+            if isinstance(anc, (cst.FunctionDef, cst.ClassDef)):
+                return False
+            child = anc
+        return False
 
     def _whole_model_uses(self, by_name: Dict[str, List[Wrap]]) -> None:
         """A wrapped model pickled whole into a checkpoint (`torch.save(model, f)`, or a value of

@@ -94,6 +94,7 @@ class RankSkips(Rule):
         for assign in self.ctx.within(loop, cst.AugAssign, skip_defs=True):
             names |= _names(assign.target)
         names.discard("self")  # `self.step = ...` does not make every `self.x` per rank
+        names -= self._agreed_names(loop)
         if isinstance(loop, cst.For):
             target = loop.target
             if isinstance(loop.iter, cst.Call) and isinstance(loop.iter.func, cst.Name) \
@@ -101,6 +102,27 @@ class RankSkips(Rule):
                 target = cst.Tuple(elements=target.elements[1:])
             names |= _names(target)
         return names
+
+    def _agreed_names(self, loop: cst.CSTNode) -> Set[str]:
+        """Names the loop gives the same value on every rank: counters it only steps by a
+        constant (nanoGPT's `iter_num += 1`, tested by `if iter_num > max_iters: break`), what
+        it broadcasts or all-reduces (yolov5's `dist.broadcast_object_list(broadcast_list, 0)`),
+        and names it reads back from those alone (`stop = broadcast_list[0]`)."""
+        ctx = self.ctx
+        stepped: Set[str] = set()
+        for aug in ctx.within(loop, cst.AugAssign, skip_defs=True):
+            if isinstance(aug.target, cst.Name) and isinstance(aug.value, (cst.Integer, cst.Float)):
+                stepped.add(aug.target.value)
+        assigns = ctx.within(loop, cst.Assign, skip_defs=True)
+        agreed = stepped - {n for a in assigns for t in a.targets for n in _names(t.target)}
+        for call in ctx.within(loop, cst.Call, skip_defs=True):
+            name = cst.helpers.get_full_name_for_node(call.func) or ""
+            if name.rsplit(".", 1)[-1] in _AGREEING and call.args and isinstance(call.args[0].value, cst.Name):
+                agreed.add(call.args[0].value.value)
+        for a in assigns:
+            if _names(a.value) and _names(a.value) <= agreed:
+                agreed |= {n for t in a.targets for n in _names(t.target)}
+        return agreed
 
     def _skip_if(self, test_if: cst.If, data: Set[str], before: bool) -> None:
         """`if <per-rank test>: continue` before the backward, or `break` anywhere in the loop
@@ -134,6 +156,10 @@ class RankSkips(Rule):
                                      "others wait in the gradient all-reduce: let the error end the run, or agree on "
                                      f"skipping with `{self.ctx.tm}.any_rank(failed)` after the `try` on every rank")
                 return
+
+
+# Collectives after which every rank holds the same value in their first argument.
+_AGREEING = {"broadcast_object_list", "broadcast", "all_reduce"}
 
 
 def _names(node: cst.CSTNode) -> Set[str]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import FIXTURES, check_launch, fixture_settings, migrate
+from torchmigrate.engine import process_source
 from torchmigrate.rules import all_rules
 
 CASES = sorted(p for p in FIXTURES.glob("TM*/*.in.py"))
@@ -24,6 +25,20 @@ def test_fixture(case):
     assert out == expected
     compile(out, str(expected_path), "exec")
     assert migrate(out, options, rules) == out, "second run must be a no-op"
+
+
+# Findings that change no text (a manual rule in `lint` mode): `<case>.findings` beside
+# `<case>.in.py` lists the findings of the rule(s) on the input, one `LINE:COL CODE` a line
+# (an empty file: none), so a false positive that leaves no trace in the output still fails.
+FINDING_CASES = sorted(p for p in FIXTURES.glob("TM*/*.findings"))
+
+
+@pytest.mark.parametrize("case", FINDING_CASES, ids=[f"{p.parent.name}/{p.stem}" for p in FINDING_CASES])
+def test_fixture_findings(case):
+    source = case.with_name(case.stem + ".in.py").read_text(encoding="utf-8")
+    options, rules = fixture_settings(source, case.parent.name)
+    found = process_source(source, "fixture.py", options, rules).findings
+    assert [f"{f.line}:{f.col} {f.code}" for f in found] == case.read_text(encoding="utf-8").split("\n")[:-1]
 
 
 # Launch files (TM801): `fixtures/TM801/<case>.in.<ext>` with `<case>.out.<ext>` (none: unchanged),

@@ -34,7 +34,10 @@ EPOCH_LINE = re.compile(r"epoch (\d+) loss ([0-9.]+|nan|inf)")
 RESUMABLE = {"main_function.py", "grad_accum_resume.py", "local_rank_launch.py", "apex_amp.py"}
 NOT_MONOTONE = {"gan.py"}  # the discriminator loss is not expected to fall every epoch
 CANNOT_RUN_ORIGINAL = {"apex_amp.py"}  # apex.amp no longer exists; only the migrated copy runs
-NO_DATALOADER = {"token_stream_lm.py"}  # a batchified token stream: verify sees no loader to check
+# a batchified token stream, a hand-made batch iterator: verify sees no loader to check; where the
+# epoch line says `steps N`, each of the 2 ranks must run half the single process's steps
+NO_DATALOADER = {"token_stream_lm.py", "hand_iterator.py"}
+STEPS = re.compile(r"steps (\d+)")
 ALL = sorted(p.name for p in SCRIPTS.glob("*.py"))
 
 
@@ -168,5 +171,8 @@ def test_migrated_script_trains_under_torchrun(name, migrated, tmp_path):
     plain = _run([sys.executable, str(script)], tmp_path, _env(plain_out))
     assert plain.returncode == 0, plain.output[-3000:]
     assert [e for e, _ in _epochs(plain.output)] == [0, 1, 2]
+    alone, shared = STEPS.findall(plain.output), STEPS.findall(ranks[0])
+    if alone:  # the data is shared out: each rank runs half the steps
+        assert [int(n) // 2 for n in alone] == [int(n) for n in shared], (alone, shared)
     if expected_keys is not None:
         _assert_same_keys(_keys(plain_out / "checkpoint.pt"), expected_keys)

@@ -18,6 +18,7 @@ program; everything else is left to the per-module rules and the runtime's safet
 from __future__ import annotations
 
 import ast
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, FrozenSet, Iterable, List, Optional, Set, Tuple
@@ -113,6 +114,7 @@ class _Scope:
         self.models: Set[str] = set()
         self.instances: Dict[str, Tuple[Path, str]] = {}  # name -> (module, class) of the program
         self.assigns: List[ast.Assign] = []
+        self.wrapped_at: Dict[str, int] = {}  # name -> line of its first `name = DDP(name)` here
         body = node.body if not isinstance(node, ast.Module) else [
             s for s in node.body if not isinstance(s, (*FUNC_TYPES, ast.ClassDef))]
         stack = list(body)
@@ -185,9 +187,11 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
                     name = dotted_name(t)
                     if name and not name.startswith("self."):
                         s.models.add(name)
+                        s.wrapped_at[name] = min(a.lineno, s.wrapped_at.get(name, a.lineno))
     for s in scopes:
         if s.klass:
             s.models |= class_models.get((s.module.path, s.klass), set())
+        s.models -= _module_aliases(s)
 
     # Instances of the program's classes: `stopper = EarlyStopping(...)` (per scope) or
     # `self.saver = Saver(...)` (class-wide), so `stopper(loss, model)` and
@@ -231,7 +235,9 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
                     continue
                 for param, value in _bind(func, call, skip_self):
                     name = dotted_name(_strip_moves(value))
-                    if name in held:
+                    # DINO's `student = MultiCropWrapper(student, head)` before `student = DDP(student)`
+                    # hands over the bare model
+                    if name in held and call.lineno >= s.wrapped_at.get(name, 0):
                         bucket = wrapped.setdefault((path, qual), set())
                         if param not in bucket:
                             bucket.add(param)
@@ -253,7 +259,14 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
     torch_anywhere = any(_uses_torch(graph.statements.get(p, ())) for p in modules)
     loader_names = {"DataLoader"} | {name for _, name in loader_classes}
     builds_loaders = any((dotted_name(c.func) or "").rsplit(".", 1)[-1] in loader_names for s in scopes for c in s.calls)
+    spelled_builders = {m.path: {spelled: builders[key] for key in builders for spelled in _spellings(m, modules, {key})}
+                        for m in modules.values()}
+    builds_loaders = builds_loaders or any(
+        _training_iterator(c, spelled_builders[s.module.path][dotted_name(c.func)], getattr(s.node, "name", ""))
+        for s in scopes for c in s.calls if (dotted_name(c.func) or "") in spelled_builders[s.module.path])
     entry_set = {Path(e).resolve() for e in entries}
+    overridden = _print_overridden(graph, modules, scopes, entry_set)
+    called, unguarded = _calls_from_elsewhere(modules, scopes)
     several = len(modules) > 1
     views: Dict[Path, ModuleView] = {}
     for path, m in modules.items():
@@ -272,8 +285,126 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
             program_trains=trains,
             program_loaders=builds_loaders,
             program_torch=torch_anywhere,
+            print_override=path in overridden,
+            called_elsewhere=frozenset(q for p, q in called if p == path),
+            guarded_elsewhere=frozenset(q for p, q in called - unguarded if p == path),
         )
     return views
+
+
+def _module_aliases(s: _Scope) -> Set[str]:
+    """Names the scope binds to a wrapper's module (`model_without_ddp = model.module`): the
+    unwrapped model, even when its optimizer is built from it, so the helpers it is passed to
+    (`save_model(model_without_ddp=model_without_ddp)`) do not receive a wrapped model."""
+    out = set()
+    for a in s.assigns:
+        value = dotted_name(_strip_moves(a.value)) or ""
+        if value.endswith(".module"):
+            out.update(n for n in map(dotted_name, a.targets) if n)
+    return out
+
+
+def _assigns_builtin_print(node: ast.AST) -> bool:
+    """`builtins.print = ...` (or `__builtin__.print`, Python 2's spelling) in `node`."""
+    return any(isinstance(n, ast.Assign) and any(
+        isinstance(t, ast.Attribute) and t.attr == "print" and isinstance(t.value, ast.Name)
+        and t.value.id in ("builtins", "__builtin__") for t in n.targets) for n in ast.walk(node))
+
+
+def _print_overridden(graph: Graph, modules: Dict[Path, _Module], scopes: List[_Scope],
+                      entries: Set[Path]) -> Set[Path]:
+    """The modules whose prints run after the program made `print` rank-aware by replacing
+    `builtins.print`: those an entry reaches (through imports) when that entry's flow installs
+    the override. It is installed by a top-level statement, a function of the entry itself
+    (MoCo's `main_worker`, started by `mp.spawn`), or a function another reached module calls
+    by name (`utils.setup_for_distributed(args.rank == 0)`, usually from `init_distributed_mode`)."""
+    installers: Dict[Path, Set[str]] = {}  # module -> its functions that replace print
+    for path, m in modules.items():
+        for node in m.tree.body:
+            if _assigns_builtin_print(node):
+                installers.setdefault(path, set()).add(
+                    node.name if isinstance(node, FUNC_TYPES) else "")
+    if not installers:
+        return set()
+    called: Dict[Path, Set[str]] = {}
+    for s in scopes:
+        called.setdefault(s.module.path, set()).update(
+            (dotted_name(c.func) or "").rsplit(".", 1)[-1] for c in s.calls)
+    out: Set[Path] = set()
+    for entry in entries:
+        reached, todo = {entry}, [entry]
+        while todo:
+            for dep in graph.imports.get(todo.pop(), ()):
+                if dep not in reached:
+                    reached.add(dep)
+                    todo.append(dep)
+        names = set().union(*(called.get(p, set()) for p in reached))
+        if any(p == entry or "" in funcs or funcs & names
+               for p, funcs in installers.items() if p in reached):
+            out |= reached
+    return out
+
+
+def _calls_from_elsewhere(modules: Dict[Path, _Module], scopes: List[_Scope]):
+    """(module, qual) of the functions other modules call, and those with a call outside any
+    rank guard."""
+    called: Set[Tuple[Path, str]] = set()
+    unguarded: Set[Tuple[Path, str]] = set()
+    for s in scopes:
+        guarded = _guarded_calls(s.node.body)
+        for call in s.calls:
+            target = _callee(s.module, modules, call) or _method_of_instance(s, modules, call)
+            if target is None or target[0] == s.module.path:
+                continue
+            called.add(target[:2])
+            if id(call) not in guarded:
+                unguarded.add(target[:2])
+    return called, unguarded
+
+
+def _guarded_calls(body: List[ast.stmt], guarded: bool = False, out: Optional[Set[int]] = None) -> Set[int]:
+    """ids of the calls in `body` that run only under a rank guard: in the body of `if <rank
+    test>:`, or after `if <rank test>: return` (nested functions and classes left out)."""
+    out = set() if out is None else out
+    for stmt in body:
+        if isinstance(stmt, (*FUNC_TYPES, ast.ClassDef)):
+            continue
+        if isinstance(stmt, ast.If):
+            rank = _rank_test(stmt.test)
+            _guarded_calls(stmt.body, guarded or rank, out)
+            _guarded_calls(stmt.orelse, guarded or (rank and bool(stmt.orelse)), out)
+            if rank and not stmt.orelse and isinstance(stmt.body[-1], (ast.Return, ast.Continue, ast.Break)):
+                guarded = True  # `if not is_main_process(): return`: the rest runs on some ranks only
+            continue
+        blocks = [getattr(stmt, f) for f in ("body", "orelse", "finalbody") if isinstance(getattr(stmt, f, None), list)]
+        blocks += [h.body for h in getattr(stmt, "handlers", ())]
+        if blocks:
+            for block in blocks:
+                _guarded_calls(block, guarded, out)
+            heads = [getattr(stmt, f) for f in ("test", "iter", "items") if getattr(stmt, f, None) is not None]
+        else:
+            heads = [stmt]
+        if guarded:
+            for head in heads:
+                for node in ast.walk(head) if not isinstance(head, list) else (n for h in head for n in ast.walk(h)):
+                    if isinstance(node, ast.Call):
+                        out.add(id(node))
+    return out
+
+
+def _rank_test(test: ast.AST) -> bool:
+    """A test that holds on some ranks only: a comparison of a rank (`rank == 0`,
+    `dist.get_rank() == 0`, `args.local_rank in [-1, 0]`) or a main-process predicate
+    (`is_main_process()`, `utils.is_master(args)`). The ast twin of the rules' rank_dependent,
+    kept to names that hold a rank, not settings about ranks."""
+    for node in ast.walk(test):
+        name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else ""
+        parts = name.lower().split("_")
+        if "main" in parts or "master" in parts or "rank0" in parts or (
+                "rank" in parts and (parts.index("rank") == 0 or parts[parts.index("rank") - 1] in (
+                    "local", "global", "world", "get", "node", "my", "process", "proc"))):
+            return True
+    return False
 
 
 def _loader_subclass(klass: ast.ClassDef) -> bool:
@@ -349,12 +480,40 @@ def _iterator_builders(modules: Dict[Path, _Module]) -> Dict[Tuple[Path, str], i
     for p, m in modules.items():
         local = {name for (q, name) in classes if q == p} | _spellings(m, modules, set(classes))
         for name, func in m.functions.items():
-            if "." in name:
-                continue  # methods: a Corpus.get_iterator builds from its own attributes
-            position = _builder_position(func, local)
-            if position is not None:
+            position = _builder_position(func, local) if "." not in name else None  # not methods:
+            if position is not None:  # a Corpus.get_iterator builds from its own attributes
                 found[(p, name)] = position
     return found
+
+
+def iterator_builders_of(definitions: Iterable[ast.stmt]) -> Dict[str, int]:
+    """`ModuleView.iterator_builders` of one module alone, from its top-level definitions (a
+    file processed without its program: stdin, a fixture)."""
+    classes = {d.name: 0 for d in definitions if isinstance(d, ast.ClassDef) and _iterator_class(d)}
+    found = dict(classes)
+    for d in definitions:
+        if isinstance(d, FUNC_TYPES) and (position := _builder_position(d, set(classes))) is not None:
+            found[d.name] = position
+    return found
+
+
+_TRAINING = re.compile(r"train", re.IGNORECASE)
+_NOT_TRAINING = re.compile(r"val|dev|test|eval", re.IGNORECASE)
+
+
+def training_text(text: str) -> bool:
+    """A name or expression that says training data (`train_data`, `self.train`, `corpus.train`)
+    and not evaluation data (`dev_data`, `valid`, `test_iter`)."""
+    return bool(_TRAINING.search(text)) and not _NOT_TRAINING.search(text)
+
+
+def _training_iterator(call: ast.Call, position: int, function: str) -> bool:
+    """`call` builds a hand-made batch iterator over training data: its data argument (at the
+    builder's `position`; every positional one for -1) says training, or it is built in a
+    function whose name does (`BPR_train_original`). TM201 shards these (`tm.shard_stream`)."""
+    args = [a for a in call.args if not isinstance(a, ast.Starred)]
+    args = args if position < 0 else args[position:position + 1]
+    return bool(args) and (any(training_text(ast.unparse(a)) for a in args) or training_text(function))
 
 
 def _iterator_class(klass: ast.ClassDef) -> bool:

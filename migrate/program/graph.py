@@ -182,8 +182,9 @@ def build(entries: Iterable[Path], trees: Optional[Dict[Path, ast.Module]] = Non
                 graph.imports[path] = []
                 continue
             trees[path] = tree
+        scope = _path_scope(root, entry_dir)
         resolver = _Resolver(root, fs, [d for d in (*_pythonpath(), *search_dirs.get(entry_dir, ()))
-                                        if _inside(d, root)])
+                                        if _inside(d, scope)])
         found = []
         statements = graph.statements[path] = import_statements(tree)
         misses: List[Tuple[int, str]] = []
@@ -192,15 +193,26 @@ def build(entries: Iterable[Path], trees: Optional[Dict[Path, ast.Module]] = Non
         except OSError:  # an import name the file system refuses (too long): not followed
             imported = []
         local = [(line, name) for line, name in misses if name.startswith(".") or
-                 name.split(".")[0] in _project_names(root, names_of)]
+                 name.split(".")[0] in _project_names(scope, names_of)]
         if local:
             graph.unresolved[path] = local
         for f in imported:
-            if f != path and f not in found and (_inside(f, root) or f.parent == entry_dir):
+            if f != path and f not in found and (_inside(f, scope) or f.parent == entry_dir):
                 found.append(f)
         graph.imports[path] = found
         queue.extend((f, root, entry_dir) for f in found if f not in seen)
     return graph
+
+
+def _path_scope(root: Path, entry_dir: Path) -> Path:
+    """Where PYTHONPATH and `sys.path` folders may lead: the project root; for a script with no
+    project marker above it (a copy of a repository without its `.git`), the working directory
+    when the script lies inside it, as in `PYTHONPATH=src/data torchmigrate ddp src/bin/train.py`
+    run from the repository's top (a recipe's `path.sh`)."""
+    if root != entry_dir:
+        return root
+    cwd = Path.cwd().resolve()
+    return cwd if _inside(entry_dir / "x.py", cwd) else root
 
 
 def _project_names(root: Path, cache: Dict[Path, Set[str]], depth: int = 4) -> Set[str]:

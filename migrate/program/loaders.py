@@ -79,6 +79,8 @@ NO_GRAD = ("torch.no_grad", "torch.inference_mode", "torch.autograd.no_grad", "t
 # Exact-type tests for the hot paths: `isinstance` against a LibCST class goes through
 # ABCMeta.__instancecheck__ whenever the type differs; these classes have no subclasses.
 _REFERENCES = frozenset({cst.Name, cst.Attribute, cst.Subscript})  # what `key_of` may name
+# per-sample fields of a dataset that code pairs with a loader's batches in dataset order
+ORDERED_FIELDS = frozenset({"targets", "labels", "samples", "imgs", "train_labels", "test_labels", "y"})
 _CHAIN = frozenset({cst.Attribute, cst.Subscript})  # `a.b`, `a[k]`: an expression on `.value`
 _DEFINITIONS = frozenset({cst.Param, cst.FunctionDef, cst.ClassDef, cst.ImportAlias, cst.AsName})
 _SCOPES = frozenset({cst.FunctionDef, cst.Lambda, cst.ClassDef})
@@ -127,6 +129,9 @@ class Loader:
     custom_param: str = ""  # ... and which of the two it is
     runtime_sampler: bool = False  # already has `tm.sampler`/`tm.shard_sampler` (reshuffles by itself)
     grouped: Optional[str] = None  # an evaluation batch size that is a computed group size (kept unsharded)
+    # `memory_loader.dataset.targets`: read in dataset order beside the batches of a loader that
+    # no training step iterates (a kNN feature bank): its batches must cover the dataset in order
+    ordered: Optional[str] = None
 
     @property
     def eval(self) -> Optional[bool]:
@@ -364,6 +369,7 @@ class LoaderFacts:
             self.loaders.append(self._loader(call, i))
             self.by_call[id(call)] = self.loaders[-1]
         self._follow()
+        self._order_bound()
 
     # --- scopes -------------------------------------------------------------------------
     def function_of(self, node: cst.CSTNode) -> cst.CSTNode:
@@ -850,6 +856,34 @@ class LoaderFacts:
             sites.append((node, found))
         self._sites = (version, sites)
         return sites
+
+    def _order_bound(self) -> None:
+        """Set `Loader.ordered` where a function iterates a loader without gradients and also
+        reads per-sample data of its dataset in dataset order (`loader.dataset.targets`, a
+        kNN monitor's feature bank labels): sharded, the batches would no longer line up with
+        those labels (a shape error, or metrics computed on mismatched pairs)."""
+        ctx = self.ctx
+        reads: Dict[int, List[Tuple[cst.CSTNode, str]]] = {}  # id(loader) -> (function, text)
+        for name in self.scan.named(self.heads):
+            node: cst.CSTNode = name
+            found = self.refs_at(node)
+            while not found and type(ctx.parent(node)) in _CHAIN and ctx.parent(node).value is node:
+                node = ctx.parent(node)
+                found = self.refs_at(node)
+            dataset = ctx.parent(node)
+            if not found or type(dataset) is not cst.Attribute or dataset.attr.value != "dataset":
+                continue
+            field_ = ctx.parent(dataset)
+            if type(field_) is cst.Attribute and field_.value is dataset and field_.attr.value in ORDERED_FIELDS:
+                for ref in found:
+                    for loader in ref.loaders:
+                        reads.setdefault(id(loader), []).append((self.function_of(name), code(field_)))
+        for loader in self.loaders:
+            if id(loader) not in reads or self.iterated_with_grad(loader):
+                continue
+            loops = {self.function_of(site) for node, _ in self.uses(lambda x: x is loader)
+                     if (site := _iteration_site(node, ctx)) is not None}
+            loader.ordered = next((text for fn, text in reads[id(loader)] if fn in loops), None)
 
     def iterated_with_grad(self, loader: Loader) -> bool:
         """A `for` (or comprehension) over the loader runs outside no_grad/inference_mode."""

@@ -32,5 +32,15 @@ class ModuleView:
     # spells them -> the position of the data argument (-1: every positional argument)
     iterator_builders: Dict[str, int] = field(default_factory=dict)
     program_trains: bool = False  # some module of the program builds an optimizer over a model
-    program_loaders: bool = False  # some module of the program builds a DataLoader (or subclass)
+    # some module of the program builds a DataLoader (or subclass), or a hand-made batch
+    # iterator over training data (which TM201 shards): the global batch grows with the ranks
+    program_loaders: bool = False
     program_torch: bool = False  # some module of the program uses torch
+    # the program replaces `builtins.print` (DeiT/DETR's `setup_for_distributed`, MoCo's
+    # `print_pass`) on a path this module runs in: its prints are already rank-aware
+    print_override: bool = False
+    # functions and methods ("f", "Cls.m") of this module that other modules call, and those
+    # of them that every such call reaches only under a rank guard (`if utils.is_main_process():
+    # utils.save_checkpoint(...)`)
+    called_elsewhere: FrozenSet[str] = frozenset()
+    guarded_elsewhere: FrozenSet[str] = frozenset()

@@ -99,3 +99,11 @@ class DataRule(Rule):
     def manual(self, loader: Loader) -> None:
         self.report(loader.call, self.plan.of(loader).reason)
 
+
+    def keep_ordered(self, loader: Loader) -> None:
+        """A loader whose batches the code pairs with its dataset's fields in dataset order is
+        left whole, and the report says why (see `Loader.ordered`)."""
+        what = f"`{loader.target}`" if loader.target else "this DataLoader"
+        self.report(loader.call, f"{what} kept unsharded: the code pairs its batches with `{loader.ordered}` in "
+                                 "dataset order (a feature bank and its labels), which a sharded loader would break; "
+                                 "every rank runs it over the whole dataset, so the results agree across ranks")

@@ -168,7 +168,7 @@ class DataPlan:
             sharded = loader.custom_arg is not None and loader.kind != "eval" and not facts.skip_file \
                 and not facts.distributed
             return "distributed" if sharded else "custom"
-        if plan.status != "plain" or facts.skip_file:
+        if plan.status != "plain" or facts.skip_file or loader.ordered:
             return None
         if loader.kind == "eval":
             return None if facts.distributed or loader.grouped else "eval"

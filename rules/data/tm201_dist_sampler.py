@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import ast
+import re
+from typing import Dict
+
 import libcst as cst
 
 from torchmigrate import analysis
 from torchmigrate.finding import Safety, replace
 from torchmigrate.imports import dotted
-from torchmigrate.nodes import expr
+from torchmigrate.nodes import code, expr
+from torchmigrate.program.facts import iterator_builders_of, training_text
 from torchmigrate.program.loaders import Loader
 from torchmigrate.rule import Example
 from torchmigrate.rules.data.base import DataRule
@@ -30,14 +35,23 @@ class DistSampler(DataRule):
     `SequentialSampler` when not shuffling) in a plain `python train.py` run.
 
     Loaders whose name, dataset or enclosing function says val/test/eval/dev are left to TM203.
+    A loader that no training step iterates and whose batches the code pairs with its dataset's
+    fields in dataset order (a kNN monitor's feature bank labelled by
+    `memory_loader.dataset.targets`) is kept whole, and the report says so.
     A training loader with its own `sampler=`/`batch_sampler=` (`WeightedRandomSampler`,
     `RandomSampler(replacement=True)`, a bucketing sampler of the project) gets it wrapped in
     `tm.shard_sampler(...)`: the same draw on every rank (same seed, a new one each epoch), each
     rank taking every W-th item, padded to equal step counts; a sampler built with the rank or
     world size already shards and is left alone. An `IterableDataset`, or arguments hidden in
     `*args`/`**kwargs` the tool cannot see, is reported for a manual change instead, and so is a
-    training step in a program that builds no DataLoader at all (full-batch tensors, a token
-    stream, a hand-made batch iterator): every rank would train on the same batches. Loaders
+    training step in a program that builds no DataLoader at all (full-batch tensors, a
+    hand-made loop over indices): every rank would train on the same batches. Token streams
+    (`batchify(corpus.train, bsz)`) and the program's hand-made batch iterators over training
+    data (a class with `__next__` such as `DatasetIterater(train_data, ...)`, a function that
+    builds one, a generator slicing its arguments, `minibatch(users, items)` in a training
+    function) are sharded instead: each rank reads its own contiguous part of the data,
+    `tm.shard_stream(train_data)`, parts of equal length so every rank runs the same number
+    of steps; evaluation data stays whole. Loaders
     that already have a `DistributedSampler` or a `tm` sampler are left alone. In `lint` the rule
     reports only in files that already use torch.distributed: a training loader there without a
     distributed sampler is a bug.
@@ -82,7 +96,8 @@ class DistSampler(DataRule):
     )
 
     def leave_Module(self, node: cst.Module) -> None:
-        if not self._shard_streams():
+        streams, iterators = self._shard_streams(), self._shard_iterators()
+        if not (streams or iterators):
             self._no_loader_anywhere()
         if not self.active():
             return
@@ -91,7 +106,9 @@ class DistSampler(DataRule):
             if loader.kind == "eval":
                 continue
             status = plan.of(loader).status
-            if status == "plain":
+            if status == "plain" and loader.ordered and not facts.distributed:
+                self.keep_ordered(loader)
+            elif status == "plain":
                 what = f"`{loader.target}`" if loader.target else "this DataLoader"
                 self.add_sampler(loader, f"{what} gives every rank the whole dataset: shard it with a distributed "
                                          f"sampler (`sampler={self.ctx.tm}.sampler(...)`)")
@@ -116,7 +133,7 @@ class DistSampler(DataRule):
                     and "batchify" in (dotted(value.func) or "").rsplit(".", 1)[-1].lower()):
                 continue
             first = value.args[0].value
-            if isinstance(first, cst.Call) and (dotted(first.func) or "").endswith("shard_stream"):
+            if _is_shard(first):
                 sharded = True  # migrated already
                 continue
             names = [dotted(t.target) for t in assign.targets]
@@ -129,6 +146,54 @@ class DistSampler(DataRule):
                         imports=[ctx.runtime_import()])
             sharded = True
         return sharded
+
+    def _shard_iterators(self) -> bool:
+        """A hand-made batch iterator of the program (a class with `__next__`, a function that
+        builds one, a generator that slices its data: `ModuleView.iterator_builders`) built over
+        training data (`build_iterator(train_data, config)`, `LMOrderedIterator(self.train, ...)`,
+        `minibatch(users, pos, neg)` in `BPR_train`): each rank builds it over its own contiguous
+        part of the data (`tm.shard_stream`, equal lengths, so every rank runs the same number of
+        steps). Evaluation data stays whole (every rank scores all of it). True when one was."""
+        ctx = self.ctx
+        if not ctx.options.migrating or self.facts.distributed or self.facts.skip_file:
+            return False
+        builders = ctx.program.iterator_builders or self._own_builders()
+        if not builders:
+            return False
+        tm = ctx.tm
+        sharded = False
+        for call, _name in analysis.facts(ctx).calls:
+            position = builders.get(dotted(call.func) or "")
+            if position is None:
+                continue
+            positional = [a for a in call.args if a.keyword is None and not a.star]
+            args = positional if position < 0 else positional[position:position + 1]
+            if not args:
+                continue
+            if any(_is_shard(a.value) for a in args):
+                sharded = True  # migrated already
+                continue
+            function = ctx.enclosing(call, cst.FunctionDef)
+            if not any(training_text(code(a.value)) for a in args) and not (
+                    function is not None and training_text(function.name.value)):
+                continue
+            shown = ", ".join(f"`{code(a.value)}`" for a in args)
+            self.report(call, f"{shown} feed{'s' if len(args) == 1 else ''} a hand-made batch iterator that every "
+                              f"rank would read in full: each rank reads its own contiguous part "
+                              f"(`{tm}.shard_stream`, equal lengths)",
+                        edits=[replace(a.value, lambda v: cst.Call(func=expr(f"{tm}.shard_stream"), args=[cst.Arg(v)]))
+                               for a in args],
+                        imports=[ctx.runtime_import()])
+            sharded = True
+        return sharded
+
+    def _own_builders(self) -> Dict[str, int]:
+        """The iterator builders of this file, when it is processed without its program."""
+        if self.ctx.program.followed:
+            return {}
+        defs = [s for s in self.ctx.module.body if isinstance(s, (cst.ClassDef, cst.FunctionDef))]
+        text = code(cst.Module(body=defs))
+        return iterator_builders_of(ast.parse(text).body) if _MAY_ITERATE.search(text) else {}
 
     def _read_where_trained(self, name: str) -> bool:
         """`name` is read in a function or loop that runs a backward pass."""
@@ -171,3 +236,11 @@ class DistSampler(DataRule):
                     edits=[replace(arg.value, lambda v: cst.Call(func=expr(f"{tm}.shard_sampler"), args=[cst.Arg(v)]))],
                     imports=[self.ctx.runtime_import()])
 
+
+
+_MAY_ITERATE = re.compile(r"__next__|__iter__|\byield\b")
+
+
+def _is_shard(node: cst.BaseExpression) -> bool:
+    """`tm.shard_stream(...)`: sharded by an earlier run."""
+    return isinstance(node, cst.Call) and (dotted(node.func) or "").endswith("shard_stream")

@@ -250,3 +250,23 @@ def test_hand_made_batch_iterators_and_their_builders(tmp_path):
     assert views["train.py"].iterator_builders == {
         "utils.DatasetIterater": 0, "utils.build_iterator": 0, "utils.minibatch": -1, "utils.batch_iter": 1,
         "build_iterator": 0, "minibatch": -1}
+
+
+def test_pythonpath_of_a_copy_without_project_markers(tmp_path, monkeypatch):
+    """A repository copied without `.git`: the entry src/bin/train.py has no marker above it, so
+    its own folder is the root; the PYTHONPATH folders its recipe sets (src/data) still lead into
+    the copy when the tool runs from its top, and are followed."""
+    write(tmp_path, {
+        "src/bin/train.py": "from data import AudioDataLoader\n",
+        "src/data/data.py": "import torch\nclass AudioDataLoader(torch.utils.data.DataLoader):\n    pass\n",
+    })
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PYTHONPATH", "src/data")
+    program = build([Path("src/bin/train.py")], [Path("src/bin/train.py")])
+    assert program.followed == [tmp_path / "src/data/data.py"]
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)  # run from outside the copy: its folders are not the project's
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "src/data"))
+    program = build([tmp_path / "src/bin/train.py"], [tmp_path / "src/bin/train.py"])
+    assert program.followed == []

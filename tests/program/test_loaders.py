@@ -207,3 +207,37 @@ def test_a_loader_built_in_data_py_and_iterated_in_train_py(tmp_path):
     # `data.get_loader(...)`'s result is not followed into train.py: the facts stop at the
     # module boundary (a runtime sampler reshuffles by itself where no set_epoch can be placed)
     assert refs_at(ctx, loops[0].body.body[0].iter) == []
+
+
+def test_a_loader_read_in_dataset_order_beside_its_batches():
+    """A grad-free loop over a loader in a function that also reads `loader.dataset.targets`
+    (a kNN monitor's feature bank and its labels) binds the loader to dataset order; reading
+    the same field of a training loader (class weights) does not."""
+    _ctx, facts = facts_of("""
+        import torch
+        from torch.utils.data import DataLoader
+
+        train_loader = DataLoader(train_set, batch_size=32, shuffle=True)
+        memory_loader = DataLoader(memory_set, batch_size=32)
+        test_loader = DataLoader(test_set, batch_size=32)
+        weights = torch.bincount(torch.tensor(train_loader.dataset.targets))
+
+        def monitor(net):
+            bank = []
+            with torch.no_grad():
+                for x, _ in memory_loader:
+                    bank.append(net(x))
+                labels = torch.tensor(memory_loader.dataset.targets)
+                for x, _ in test_loader:
+                    net(x)
+            return bank, labels
+
+        def train(net, opt):
+            for x, y in train_loader:
+                loss = net(x).sum()
+                loss.backward()
+                opt.step()
+    """)
+    train, memory, test = facts.loaders
+    assert memory.ordered == "memory_loader.dataset.targets"
+    assert train.ordered is None and test.ordered is None
