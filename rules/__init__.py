@@ -1,7 +1,7 @@
 """The rule catalogue: one module per rule family, each rule a `torchmigrate.rule.Rule`.
 
-Rules are collected from every module of this package and of its family packages (`data/`:
-the family's plan and one rule per file), so adding a family means adding a module or a
+Rules are collected from every module of this package and of its family packages (`amp/`,
+`data/`: the family's plan and one rule per file), so adding a family means adding a module or a
 package; codes are stable and never renumbered.
 """
 
@@ -34,8 +34,8 @@ def all_rules() -> List[Type["Rule"]]:
 
 
 def _rule_modules(path, package: str):
-    """The modules of this package and of its family packages (`rules/data/`: a plan and one
-    rule per file), imported; names starting with `_` are not rule modules."""
+    """The modules of this package and of its family packages (`rules/amp/`, `rules/data/`: a
+    plan and one rule per file), imported; names starting with `_` are not rule modules."""
     for info in pkgutil.iter_modules(path):
         if info.name.startswith("_"):
             continue

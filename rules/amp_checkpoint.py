@@ -11,8 +11,11 @@ from torchmigrate.finding import Safety, insert_after, replace
 from torchmigrate.imports import dotted
 from torchmigrate.nodes import code, expr, stmt
 from torchmigrate.rule import Example
-from torchmigrate.rules.amp import (APEX_AMP, AmpRule, _looks_like_optimizer, calls_by_method, line_of, method_name, plan, receiver,
-                                    scaler_visible)
+from torchmigrate.program.precision import APEX_AMP
+from torchmigrate.program.syntax import calls_by_method, line_of, method_name, receiver
+from torchmigrate.program.training import looks_like_optimizer
+from torchmigrate.rules.amp.base import AmpRule
+from torchmigrate.rules.amp.plan import plan, scaler_visible
 
 KEY = '"scaler"'
 
@@ -22,7 +25,7 @@ def _optimizer_names(ctx) -> Set[str]:
 
 
 def _is_optimizer(name: Optional[str], known: Set[str]) -> bool:
-    return bool(name) and (name in known or _looks_like_optimizer(name))
+    return bool(name) and (name in known or looks_like_optimizer(name))
 
 
 def _clean(ws: cst.BaseParenthesizableWhitespace) -> cst.BaseParenthesizableWhitespace:

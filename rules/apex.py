@@ -19,8 +19,11 @@ from torchmigrate.finding import Import, Safety, insert_before, remove, replace
 from torchmigrate.imports import dotted
 from torchmigrate.nodes import code, expr, stmt, with_args
 from torchmigrate.rule import Context, Example
-from torchmigrate.rules.amp import (APEX_AMP, _is_attr_name, AmpRule, apex_level, emit_scaler, enabled_codes,
-                                    plan, removal, statements, subnodes)
+from torchmigrate.program.precision import APEX_AMP, apex_level
+from torchmigrate.program.syntax import is_attr_name, statements, subnodes
+from torchmigrate.rules.amp.base import AmpRule, emit_scaler
+from torchmigrate.rules.amp.edits import removal
+from torchmigrate.rules.amp.plan import enabled_codes, plan
 
 _AMP_CONVERTED = ("initialize", "scale_loss", "master_params", "state_dict", "load_state_dict",
                   "register_half_function", "register_float_function", "register_promote_function")
@@ -94,7 +97,7 @@ class _ApexRule(AmpRule):
         self.tries: List[cst.Try] = []
 
     def visit_Name(self, node: cst.Name) -> None:
-        if node.value in self.locals and not _is_attr_name(self.ctx, node):
+        if node.value in self.locals and not is_attr_name(self.ctx, node):
             self.refs.append(node)
 
     def visit_Import(self, node: cst.Import) -> None:

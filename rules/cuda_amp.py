@@ -11,7 +11,9 @@ from torchmigrate.finding import Safety, replace
 from torchmigrate.imports import dotted
 from torchmigrate.nodes import expr, kwarg, with_args
 from torchmigrate.rule import Example, Rule
-from torchmigrate.rules.amp import _in_taken_call, enabled_codes, name_refs, policy_active, policy_takes, removal
+from torchmigrate.rules.amp.base import in_taken_call, name_refs, policy_active, policy_takes
+from torchmigrate.rules.amp.edits import removal
+from torchmigrate.rules.amp.plan import enabled_codes
 
 _OLD_MODULES = {"torch.cuda.amp": "cuda", "torch.cpu.amp": "cpu"}
 _OLD_PREFIXES = tuple(module + "." for module in _OLD_MODULES)
@@ -109,7 +111,7 @@ class TorchCudaAmp(Rule):
         enabled_codes(ctx).add(self.code)
         self.calls = analysis.facts(ctx).calls  # (call, resolved name), as the walk meets them
         self.handled = set()  # func nodes already rewritten as part of a call/decorator
-        self.taken = set()  # calls TM410 rewrites to the runtime (see rules/amp.py)
+        self.taken = set()  # calls TM410 rewrites to the runtime (see rules/amp/base.py)
         self.deferred = []  # (import node, report function) decided in leave_Module
         self.locals = {local for local, full in ctx.imports.names.items()
                        if _deprecated(full) or full in _OLD_MODULES}
@@ -318,7 +320,7 @@ def _unused_locals(ctx, node, refs, taken):
         if isinstance(node, cst.Import) and alias.asname is None:
             continue  # `import torch.cuda.amp` binds `torch`
         uses = [r for r in refs if r.value == local and not ctx.enclosing(r, cst.Import, cst.ImportFrom)]
-        if all(_in_taken_call(ctx, r, taken) for r in uses):
+        if all(in_taken_call(ctx, r, taken) for r in uses):
             out.append(local)
     return out
 

@@ -17,7 +17,7 @@ from torchmigrate.engine import process_source
 from torchmigrate.finding import EditKind
 from torchmigrate.rule import Options
 from torchmigrate.rules import get_rule, select
-from torchmigrate.rules.amp import convertible_call
+from torchmigrate.rules.amp.base import convertible_call
 
 SCRIPTS = FIXTURES / "scripts"
 ALL_SCRIPTS = sorted(SCRIPTS.glob("*.py"))

@@ -14,25 +14,35 @@ How a run goes, and where each step lives:
    - `loaders`: the loader facts of one module (LibCST, on first use, kept on the context):
      every DataLoader, its dataset, shuffle and sampler, train or evaluation use, the names
      it is visible under, the loops that iterate it and whether they run with gradients;
+   - `training`: the training facts of one module (LibCST, on first use, kept on the
+     context): the training steps (a `backward()` and an optimizer `step()` in one function),
+     the autocast blocks and GradScalers already there, where each loss is defined and where
+     the forward computing it starts, evaluation forwards in grad-free loops, gradient reads
+     and clipping between backward and step, BCE losses; `precision`: the mixed precision a
+     module already has (autocast settings, apex's opt_level, the `forward` of a model handed
+     to DataParallel); `syntax`: the tree questions both ask (blocks, scopes, names a
+     statement binds and reads);
 3. rules (`torchmigrate.rules`): per family, a plan (the decisions: what this run does with
    what the facts say) and one rule per file, which reports findings with their edits; the
-   data family (`rules/data/`: `plan.py`, `tm201_dist_sampler.py` ... `tm204_...`) is laid out
-   this way; the other families still keep their facts in their rule files;
+   data family (`rules/data/`: `plan.py`, `tm201_dist_sampler.py` ... `tm204_...`) and the
+   AMP family (`rules/amp/`: `plan.py` decides where autocast goes, the one GradScaler and
+   where it is created, where `unscale_` goes, from the training facts, `--amp` and the rules
+   enabled; `tm401_autocast_forward.py` ... `tm604_item_sync.py`) are laid out this way; the
+   other families still keep their facts in their rule files;
 4. apply (`torchmigrate.apply`, `layout`): the edits become the new source of every changed
    module, written all together or not at all.
 
-Rules read the cross-module facts through `Context.program` (a `ModuleView`) and the loader
-facts through `loaders.loader_facts(ctx)`.
+Rules read the cross-module facts through `Context.program` (a `ModuleView`), the loader
+facts through `loaders.loader_facts(ctx)` and the training facts through
+`training.training_facts(ctx)`.
 
 Next steps, family by family (DESIGN.md, "Target layout for the program model"):
 - `rules/model.py`'s `Plan`: the facts (which expressions are models, where they are built,
   moved, trained and saved; functional models) to `program/models.py`, leaving `rules/model/
   plan.py` with where the wrap goes and who owns each call, and TM301-TM309 one per file;
   `analysis.wrapped_models` then reads the facts instead of importing a rule module;
-- `rules/amp.py`'s `_Planner`: the facts (optimizers, backward calls, scalers, autocast regions,
-  training steps and loops) to `program/loops.py`, leaving `rules/amp/plan.py` with the
-  policy (which codes convert which calls) and TM401-TM411 one per file; `amp_checkpoint`,
-  `apex` and `cuda_amp` then import facts, not the planner's private helpers;
+- the AMP rules still outside `rules/amp/` (`cuda_amp` TM406, `apex` TM407/TM408,
+  `amp_penalty` TM411, `amp_checkpoint` TM503) move into the package, one rule per file;
 - the program-level loader facts that are still in `facts.py` (DataLoader subclasses, "builds
   a loader") join `loaders.py`, and the loader facts follow a loader that a function of another
   module returns (`data.get_loader("train")`) into the epoch loops of its callers.
