@@ -110,8 +110,9 @@ class DistSampler(DataRule):
             if loader.kind == "eval":
                 continue
             status = plan.of(loader).status
-            if status == "plain" and loader.ordered and not facts.distributed:
-                self.keep_ordered(loader)
+            if status == "plain" and loader.ordered:
+                if not facts.distributed:  # (said once, when the migration keeps it whole)
+                    self.keep_ordered(loader)
             elif status == "plain":
                 what = f"`{loader.target}`" if loader.target else "this DataLoader"
                 self.add_sampler(loader, f"{what} gives every rank the whole dataset: shard it with a distributed "

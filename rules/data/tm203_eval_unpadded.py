@@ -77,8 +77,9 @@ class EvalUnpadded(DataRule):
             if loader.kind != "eval":
                 continue
             status = plan.of(loader).status
-            if status == "plain" and not facts.distributed and loader.ordered:
-                self.keep_ordered(loader)
+            if status == "plain" and loader.ordered:
+                if not facts.distributed:  # (said once, when the migration keeps it whole)
+                    self.keep_ordered(loader)
             elif status == "plain" and not facts.distributed and loader.grouped:
                 self.report(loader.call, f"kept unsharded: its batch size `{loader.grouped}` is a computed group size, as when each "
                                          "batch is one group (a user's candidate items, a query's documents) that "
