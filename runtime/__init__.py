@@ -382,9 +382,17 @@ class _DDP(DistributedDataParallel):
     a call whose result carries a gradient graph warns once per method (rank 0), naming the fix
     (call it inside ``forward``, or through ``tm.unwrap(model)`` only for inference).
 
-    ``load_state_dict`` also takes a checkpoint saved from the plain module (no ``module.``
-    prefix), as ``tm.save``'d checkpoints from ``tm.unwrap(model).state_dict()`` are.
+    ``state_dict()`` has the plain module's keys (no ``module.`` prefix): a checkpoint saved
+    from the wrapper anywhere (a helper of the project that receives the wrapped model, an EMA
+    class matching names) loads into the plain model, in one process and for inference.
+    ``load_state_dict`` takes both forms. (As the submodule of another module, the usual
+    prefixed keys are kept, so the parent's own checkpoints stay consistent.)
     """
+
+    def state_dict(self, *args, **kwargs):
+        if args or kwargs.get("prefix") or kwargs.get("destination") is not None:
+            return super().state_dict(*args, **kwargs)
+        return self.module.state_dict(**kwargs)
 
     def __getattr__(self, name):
         try:

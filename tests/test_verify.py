@@ -46,7 +46,7 @@ CASES = {
                             "plateau_per_rank.py:20"),
     "every_rank_saves.py": ("writers", "rank 1 wrote checkpoint.pt (torch.save at every_rank_saves.py:18)",
                             "every_rank_saves.py:18"),
-    "module_prefix.py": ("prefixes", "keys such as module.0.weight", "module_prefix.py:18"),
+    "module_prefix.py": ("prefixes", "keys such as module.0.weight", "module_prefix.py:20"),
     "crash_rank1.py": ("exit", "rank 1 crashed at crash_rank1.py:16: RuntimeError: shard 1 has a corrupt sample",
                        "crash_rank1.py:16"),
 }

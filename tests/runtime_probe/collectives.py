@@ -186,6 +186,7 @@ def main(outdir):
 
     # checkpoint of a DDP model loads into a plain one
     sd_path = os.path.join(outdir, "ddp_state.pt")
+    res["state_keys_plain"] = not any(k.startswith("module.") for k in model.state_dict())
     tm.save(model.state_dict(), sd_path)
     tm.barrier()
     fresh = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
