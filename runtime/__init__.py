@@ -349,10 +349,13 @@ def wrap_model(model: nn.Module, *, find_unused_parameters: bool = False, sync_b
     ``DDP(model, device_ids=None)`` (CPU modules must not pass device ids). nccl: with
     ``sync_bn`` the BatchNorms are converted to SyncBatchNorm first (CUDA only; ignored on CPU,
     where SyncBatchNorm does not run), then ``DDP(model, device_ids=[local_rank])``. A model
-    that is already DDP is returned as is, so wrapping twice is harmless.
+    that is already DDP is returned as is, so wrapping twice is harmless; a model that holds an
+    already wrapped one (``WithLoss(net)`` after ``net = tm.wrap_model(net)``) holds its module
+    instead, so no gradient is reduced twice (the inner wrapper still works when called alone).
     """
     if isinstance(model, DistributedDataParallel):
         return model
+    _unnest(model)
     dev = device()
     model = model.to(dev)
     if not is_distributed() or not any(p.requires_grad for p in model.parameters()):
@@ -364,6 +367,15 @@ def wrap_model(model: nn.Module, *, find_unused_parameters: bool = False, sync_b
                find_unused_parameters=find_unused_parameters, **ddp_kwargs)
     _DDP_WRAPPERS.add(ddp)  # cleanup() releases it before destroying the group
     return ddp
+
+
+def _unnest(model: nn.Module) -> None:
+    """Replace the DistributedDataParallel submodules of `model` by their modules: the outer
+    wrapper about to be built reduces every gradient once, and the same parameters."""
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, DistributedDataParallel):
+                setattr(parent, name, child.module)
 
 
 # nn.Module's own API, reached on the wrapper as DDP's (never resolved from the inner module).

@@ -165,6 +165,12 @@ def main(outdir):
     res["unwrap_is_plain"] = tm.unwrap(model) is plain
     frozen = tm.wrap_model(nn.Linear(2, 2).requires_grad_(False))
     res["frozen_wrapped"] = isinstance(frozen, DistributedDataParallel)
+    # a module holding an already wrapped one: one wrapper, around the plain module
+    holder = nn.Sequential(tm.wrap_model(nn.Linear(4, 4)), nn.Linear(4, 1))
+    outer = tm.wrap_model(holder)
+    res["nested_ddp"] = sum(isinstance(m, DistributedDataParallel) for m in outer.modules())
+    outer(torch.randn(2, 4).to(dev)).sum().backward()
+    res["nested_grads"] = flat(p.grad for p in outer.parameters())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(100 + r)
     x, y = torch.randn(16, 4, generator=g).to(dev), torch.randn(16, 1, generator=g).to(dev)
