@@ -88,7 +88,9 @@ class MainProcessFirst(Rule):
     Adjacent statements share one block. Already ordered code is left alone: under
     `main_process_first` (the runtime's, Accelerate's or Transformers'), under a rank guard, or
     after the hand-written `if rank != 0: barrier()` idiom. A write under an existence test in a
-    loop, or of a state dict, is a checkpoint (TM501's), not a cache. A statement that also runs a
+    loop, or of a state dict, is a checkpoint (TM501's), not a cache, and so is a block that trains
+    (a backward pass, here or in a function it calls) when its saved result is missing: rank 0
+    would train alone while the others wait, and hang at its first DDP step. A statement that also runs a
     collective, or a function called under a rank guard in this file, is reported instead (a
     barrier there would hang).
 
@@ -305,7 +307,7 @@ class _Planner:
         where the block can go in (around `span`, which starts at `first`)."""
         ctx = self.ctx
         if _under_first(ctx, first) or rank_guard_of(ctx, first) is not None or self._hand_ordered(first) \
-                or self._guarded_calls(first) == "":
+                or self._guarded_calls(first) == "" or span is not None and self._trains(span):
             return ""
         if span is not None and self._communicates(span):
             return (f"every rank runs this download or cache build at once, but these statements also communicate "
@@ -341,6 +343,26 @@ class _Planner:
             isinstance(s, cst.If) and rank_dependent(ctx, s.test)
             and any(isinstance(n, cst.Call) and (dotted(n.func) or "").endswith("barrier") for n in iter_nodes(s.body))
             for s in body[:max(index_in(body, statement), 0)])
+
+    def _trains(self, span: Span) -> bool:
+        """The statements run a backward pass, here or in a function of this file they call:
+        `if not os.path.isfile(best): <train>; torch.save(best_state, best)` is a training run
+        skipped when its result exists, not a cache. Under `main_process_first` rank 0 would
+        train alone while the others wait, and its first DDP step would wait for them: a hang
+        (found on LeeJunHyun/Image_Segmentation)."""
+        ctx = self.ctx
+        functions = analysis.facts(ctx).functions
+        body = body_of(ctx.parent(span.first)) or ()
+        for statement in body[index_in(body, span.first):index_in(body, span.last) + 1]:
+            for n in iter_nodes(statement):
+                if not isinstance(n, cst.Call):
+                    continue
+                if analysis.is_backward(n):
+                    return True
+                local = functions.get(n.func.value) if isinstance(n.func, cst.Name) else None
+                if local is not None and analysis.runs_backward(ctx, local):
+                    return True
+        return False
 
     def _communicates(self, span: Span) -> bool:
         """A collective in the statements, or in a function of this file they call."""
