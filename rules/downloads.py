@@ -350,36 +350,24 @@ class _Planner:
         skipped when its result exists, not a cache. Under `main_process_first` rank 0 would
         train alone while the others wait, and its first DDP step would wait for them: a hang
         (found on LeeJunHyun/Image_Segmentation)."""
-        ctx = self.ctx
-        functions = analysis.facts(ctx).functions
-        body = body_of(ctx.parent(span.first)) or ()
-        for statement in body[index_in(body, span.first):index_in(body, span.last) + 1]:
-            for n in iter_nodes(statement):
-                if not isinstance(n, cst.Call):
-                    continue
-                if analysis.is_backward(n):
-                    return True
-                local = functions.get(n.func.value) if isinstance(n.func, cst.Name) else None
-                if local is not None and analysis.runs_backward(ctx, local):
-                    return True
-        return False
+        return any(analysis.is_backward(call) or local is not None and analysis.runs_backward(self.ctx, local)
+                   for call, local in self._span_calls(span))
 
     def _communicates(self, span: Span) -> bool:
         """A collective in the statements, or in a function of this file they call."""
         ctx = self.ctx
-        functions = analysis.facts(ctx).functions
-        body = body_of(ctx.parent(span.first)) or ()
+        return any(is_collective(ctx.resolve(call.func)) or local is not None and any(
+            isinstance(m, cst.Call) and is_collective(ctx.resolve(m.func)) for m in iter_nodes(local.body))
+            for call, local in self._span_calls(span))
+
+    def _span_calls(self, span: Span):
+        """(call, the function of this file it calls or None) for every call in the span."""
+        functions = analysis.facts(self.ctx).functions
+        body = body_of(self.ctx.parent(span.first)) or ()
         for statement in body[index_in(body, span.first):index_in(body, span.last) + 1]:
             for n in iter_nodes(statement):
-                if not isinstance(n, cst.Call):
-                    continue
-                if is_collective(ctx.resolve(n.func)):
-                    return True
-                local = functions.get(n.func.value) if isinstance(n.func, cst.Name) else None
-                if local is not None and any(isinstance(m, cst.Call) and is_collective(ctx.resolve(m.func))
-                                             for m in iter_nodes(local.body)):
-                    return True
-        return False
+                if isinstance(n, cst.Call):
+                    yield n, functions.get(n.func.value) if isinstance(n.func, cst.Name) else None
 
 
 def _under_first(ctx: Context, node: cst.CSTNode) -> bool:

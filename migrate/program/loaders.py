@@ -845,16 +845,7 @@ class LoaderFacts:
                 continue
             if parent_type is cst.Arg and parent.keyword is name:
                 continue
-            node: cst.CSTNode = name
-            while True:
-                found = self.refs_at(node)
-                if found:
-                    break
-                up = ctx.parent(node)
-                if type(up) in _CHAIN and up.value is node:
-                    node = up
-                    continue
-                break
+            node, found = self._ref_around(name)
             up = ctx.parent(node)
             if not found or type(up) in _CHAIN and up.value is node:
                 continue  # `loader.dataset`, `loader.sampler`: not an iteration
@@ -870,11 +861,7 @@ class LoaderFacts:
         ctx = self.ctx
         reads: Dict[int, List[Tuple[cst.CSTNode, str]]] = {}  # id(loader) -> (function, text)
         for name in self.scan.named(self.heads):
-            node: cst.CSTNode = name
-            found = self.refs_at(node)
-            while not found and type(ctx.parent(node)) in _CHAIN and ctx.parent(node).value is node:
-                node = ctx.parent(node)
-                found = self.refs_at(node)
+            node, found = self._ref_around(name)
             dataset = ctx.parent(node)
             if not found or type(dataset) is not cst.Attribute or dataset.attr.value != "dataset":
                 continue
@@ -909,6 +896,17 @@ class LoaderFacts:
                                             for n in ctx.within(body, type(size.value))):
                     loader.sized_by = text
                     break
+
+    def _ref_around(self, name: cst.Name) -> Tuple[cst.CSTNode, List[Ref]]:
+        """The expression starting at `name` that denotes loaders (`name`, `self.loaders[k]`,
+        climbing attribute and subscript chains), and their refs (none: the top of the chain, [])."""
+        node: cst.CSTNode = name
+        while True:
+            found = self.refs_at(node)
+            up = self.ctx.parent(node)
+            if found or not (type(up) in _CHAIN and up.value is node):
+                return node, found
+            node = up
 
     def iterated_with_grad(self, loader: Loader) -> bool:
         """A `for` (or comprehension) over the loader runs outside no_grad/inference_mode."""
