@@ -17,6 +17,7 @@ contexts the scripts enter.
 from __future__ import annotations
 
 import ast
+import math
 import os
 import re
 import shutil
@@ -180,6 +181,32 @@ def test_metrics_after_autocast_are_computed_in_float32(tmp_path):
     assert autocast_seen(tmp_path).get("cpu:torch.bfloat16:True", 0) > 0
     want, got = (float(INITIAL_TEST_LOSS.search(r.output).group(1)) for r in (fp32, amp))
     assert abs(got - want) < 1e-4, (want, got)
+
+
+def test_project_loss_runs_in_float32_after_the_autocast_block(tmp_path):
+    """fixtures/TM401/project_loss trains with the project's focal loss, which clamps its
+    probabilities to 1 - 1e-4: 1.0 in bf16, so `log(1 - p)` is -inf. Migrated, the autocast
+    block ends before that loss and the logits are read back in float32: every epoch's loss
+    stays finite and within 5 % of the float32 run (with the loss inside the block: NaN from
+    the first epoch)."""
+    case = FIXTURES / "TM401" / "project_loss"
+    original, migrated = tmp_path / "original", tmp_path / "migrated"
+    for folder in (original, migrated):
+        folder.mkdir()
+        for name in ("train", "losses"):
+            shutil.copy(case / f"{name}.in.py", folder / f"{name}.py")
+    result = _cli("amp", "train.py", cwd=migrated)
+    assert result.returncode in (0, 1), result.output
+    source = (migrated / "train.py").read_text(encoding="utf-8")
+    assert "        logits = tm.to_float32(logits)\n        loss = criterion(" in source, source
+    fp32 = _run([sys.executable, "train.py"], original, _env(tmp_path, TORCHMIGRATE_AMP="off"))
+    amp = _run([sys.executable, "train.py"], migrated, _env(tmp_path))
+    assert fp32.returncode == 0 and amp.returncode == 0, fp32.output[-2000:] + amp.output[-2000:]
+    assert autocast_seen(tmp_path).get("cpu:torch.bfloat16:True", 0) > 0
+    want, got = (_epochs(r.output) for r in (fp32, amp))
+    assert len(got) == len(want) == 3, amp.output
+    for (_, w), (_, g) in zip(want, got):
+        assert math.isfinite(g) and abs(g - w) <= 0.05 * w, (want, got)
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -266,6 +266,8 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
 
     loader_classes = {(p, name) for p, m in modules.items() for name, c in m.classes.items() if _loader_subclass(c)}
     cuda_classes = {(p, name) for p, m in modules.items() for name, c in m.classes.items() if _own_cuda(c)}
+    own_functions = {(p, name) for p, m in modules.items() for name in m.functions if "." not in name}
+    own_classes = {(p, name) for p, m in modules.items() for name in m.classes}
     dp_classes = {(p, name): _dp_module_position(c) for p, m in modules.items() for name, c in m.classes.items()
                   if _dp_subclass(c)}
     heads = {(p, name): outs for p, m in modules.items() for name, c in m.classes.items()
@@ -292,6 +294,8 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
             wrapped_attrs={k: frozenset(a) for (mp, k), a in attrs.items() if mp == path},
             loader_classes=frozenset(_spellings(m, modules, loader_classes)),
             cuda_classes=frozenset(_spellings(m, modules, cuda_classes)),
+            own_functions=frozenset(_spellings(m, modules, {k for k in own_functions if k[0] != path})),
+            own_classes=frozenset(_spellings(m, modules, {k for k in own_classes if k[0] != path})),
             dp_classes={spelled: dp_classes[key] for key in dp_classes
                         for spelled in _spellings(m, modules, {key})},
             forward_outputs={spelled: heads[key] for key in heads for spelled in _spellings(m, modules, {key})},
@@ -611,7 +615,8 @@ def _dp_module_position(klass: ast.ClassDef) -> int:
 
 
 def _spellings(m: _Module, modules: Dict[Path, _Module], classes: Set[Tuple[Path, str]]) -> Set[str]:
-    """How module `m` names the loader classes: its own, imported ones, `module.Class`."""
+    """How module `m` names the given symbols of the program (`(path, name)`): its own by their
+    names, imported ones by their local names, those of an imported module as `module.name`."""
     out = {name for (p, name) in classes if p == m.path}
     for local, (path, symbol) in m.imports.items():
         if symbol is not None and (path, symbol) in classes:

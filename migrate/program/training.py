@@ -428,44 +428,71 @@ class TrainingFacts:
         return start
 
     def calls_model(self, statement: cst.CSTNode) -> bool:
-        """`statement` calls a model: a trained model, or a callable object held in a variable or
+        """`statement` calls a model (`model_call`)."""
+        return any(self.model_call(call) for call in calls_in(self.ctx, statement))
+
+    def model_call(self, call: cst.Call) -> bool:
+        """`call` runs a model: a trained model, or a callable object held in a variable or
         attribute (`teacher(x)`, `self.backbone(x)`, `vae.encode(x)`). Library functions and
         classes (`F.interpolate`, `Variable`, also through star imports), builtins, data movement
         (`.to()`, `.float()`), aliases of library callables (`Tensor = torch.cuda.FloatTensor`)
         and helper functions not handed a trained model are not."""
+        if self.resolved.get(call) is not None:
+            return False
         models = self.model_roots()
         bound = self.file_bindings()
-        functions, classes = self.facts.functions, self.facts.classes
-        for call in calls_in(self.ctx, statement):
-            if self.resolved.get(call) is not None:
-                continue
-            func = call.func
-            if isinstance(func, cst.Name):
-                name = func.value
-                if name in models:
-                    return True
-                if name in classes or name in _DATA_FUNCS or name in _BUILTINS:
-                    continue
-                if name in functions or name not in bound:  # a helper (here or star-imported)
-                    if any(analysis.model_root(r) in models for r in reads(self.ctx, call)):
-                        return True
-                    continue
-                if self.alias_only(name):
-                    continue
+        func = call.func
+        if isinstance(func, cst.Name):
+            name = func.value
+            if name in models:
                 return True
-            if isinstance(func, cst.Attribute):
-                if func.attr.value in _DATA_METHODS:
-                    continue
-                owner = root_name(func.value)
-                if owner is None:
-                    continue  # a method of a call's result: the inner call decides
-                if analysis.model_root(owner) in models:
-                    return True
-                root = owner.split(".")[0]
-                if root in _BUILTINS or root not in bound or self.alias_only(root):
-                    continue  # `random.choice` from a star import, `Tensor.new(...)`
+            if name in self.facts.classes or name in _DATA_FUNCS or name in _BUILTINS:
+                return False
+            if name in self.facts.functions or name not in bound:  # a helper (here or star-imported)
+                return any(analysis.model_root(r) in models for r in reads(self.ctx, call))
+            return not self.alias_only(name)
+        if isinstance(func, cst.Attribute):
+            if func.attr.value in _DATA_METHODS:
+                return False
+            owner = root_name(func.value)
+            if owner is None:
+                return False  # a method of a call's result: the inner call decides
+            if analysis.model_root(owner) in models:
                 return True
+            root = owner.split(".")[0]
+            # `random.choice` from a star import, `Tensor.new(...)`
+            return not (root in _BUILTINS or root not in bound or self.alias_only(root))
         return False
+
+    def own_loss(self, call: cst.Call) -> bool:
+        """`call` computes a loss with the project's own code rather than torch's or a
+        library's, and is not handed a trained model (so it runs no forward): a function of the
+        program (`focal_loss(out, y)`, `losses.dice(out, y)`), or, named as a loss (`loss`,
+        `crit` in its name), an object built from a program class (`criterion = FocalLoss()`,
+        `self.criterion = ...`), a method of the enclosing class (`self.compute_loss(...)`) or
+        of a trained model (`model.loss(...)`)."""
+        func = call.func
+        name = dotted(func)
+        models = self.model_roots()
+        if name is None or self.resolved.get(call) is not None or any(
+                analysis.model_root(r) in models for a in call.args for r in reads(self.ctx, a)):
+            return False
+        if analysis.model_root(name) in models:  # a trained model: its forward, or a loss method
+            return isinstance(func, cst.Attribute) and _loss_named(func.attr.value)
+        functions = {n for n, d in self.facts.functions.items() if class_of(self.ctx, d) is None}
+        if name in functions or name in self.ctx.program.own_functions:
+            return True
+        if isinstance(func, cst.Attribute) and name.count(".") == 1 and name.split(".")[0] in ("self", "cls"):
+            klass = self.ctx.enclosing(call, cst.ClassDef)
+            if klass is not None and _loss_named(func.attr.value) and any(
+                    isinstance(d, cst.FunctionDef) and d.name.value == func.attr.value for d in klass.body.body):
+                return True
+        classes = set(self.facts.classes) | self.ctx.program.own_classes
+        if name in classes:
+            return _loss_named(name)
+        return any(isinstance(a.value, cst.Call) and (dotted(a.value.func) or "") in classes
+                   and (_loss_named(name) or _loss_named(dotted(a.value.func) or ""))
+                   and any(dotted(t.target) == name for t in a.targets) for a in self.facts.assigns)
 
     def file_bindings(self) -> Set[str]:
         """First parts of every name the file binds (assignments, loop and `with` targets,
@@ -647,6 +674,12 @@ class TrainingFacts:
                         out.append(n)
                         break
         return out
+
+
+def _loss_named(name: str) -> bool:
+    """`criterion`, `self.loss_fn`, `FocalLoss`, `compute_loss`: a name that says loss."""
+    low = name.lower()
+    return "loss" in low or "crit" in low
 
 
 def training_facts(ctx: Context) -> TrainingFacts:

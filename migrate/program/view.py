@@ -25,6 +25,10 @@ class ModuleView:
     # the program's classes that are not modules but have a `cuda()` method of their own (a
     # loss or metric object), as this module spells them: `x.cuda()` on one is their method
     cuda_classes: FrozenSet[str] = frozenset()
+    # the module-level functions and the classes that other modules of the program define, as
+    # this module spells them (`focal_loss`, `losses.FocalLoss`): the project's code, not a library's
+    own_functions: FrozenSet[str] = frozenset()
+    own_classes: FrozenSet[str] = frozenset()
     # the program's model classes whose forward() returns a tuple, as this module spells them ->
     # the `self.` submodules each returned element depends on (an unused head: TM303)
     forward_outputs: Dict[str, Tuple[FrozenSet[str], ...]] = field(default_factory=dict)

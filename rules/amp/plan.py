@@ -602,6 +602,9 @@ class _Planner:
             first = self.training.forward_start(last)
             block, body = block_of(ctx, first)
             body = list(body)
+            last = self.before_own_loss(body[body.index(first): body.index(last) + 1])
+            if last is None:
+                continue  # no forward before the project's loss (it is under autocast already)
             raw.setdefault(block, []).append((body.index(first), body.index(last), site))
         for block, spans in raw.items():
             body = list(statements(block))
@@ -621,6 +624,30 @@ class _Planner:
                     continue
                 p.regions.append(region)
                 self.region_sites.update(id(site) for site in sites)
+
+    def before_own_loss(self, span: List[cst.CSTNode]) -> Optional[cst.CSTNode]:
+        """Where the autocast block over the forward-to-loss `span` ends: before the statement
+        that first hands forward outputs to the project's own loss code (`loss =
+        focal_loss(out, y)`, `self.criterion(out, y)` with a criterion of the project's class)
+        when no model runs from there on; None when no model runs before it either (the block
+        is there already: `out = tm.to_float32(out)` follows it). Torch's
+        losses are autocast-aware, a project's are not: a clamp to `1 - 1e-4` is 1.0 in bf16 and
+        `log(1 - p)` is -inf. The outputs are read back in float32 after the block
+        (`float_after`), so the project's loss runs in float32."""
+        training = self.training
+        own_loss = training.own_loss
+
+        def runs_model(part: List[cst.CSTNode]) -> bool:
+            return any(training.model_call(c) and not own_loss(c) for s in part for c in calls_in(self.ctx, s))
+
+        outputs: Set[str] = set()
+        for i, statement in enumerate(span):
+            if any(own_loss(c) and (not i or reads(self.ctx, c) & outputs) for c in calls_in(self.ctx, statement)):
+                if not runs_model(span[i:]):
+                    return span[i - 1] if runs_model(span[:i]) else None
+                break
+            outputs |= binds(self.ctx, statement)
+        return span[-1]
 
     def covered_site(self, site: Site) -> bool:
         last, _ = self.training.loss_definition(site)
@@ -773,7 +800,7 @@ class _Planner:
         ctx = self.ctx
         losses = {root_name(s.loss) for s in self.p.sites if s.loss is not None}
         outputs: List[str] = []
-        for s in self.region_statements(region):
+        for s in _through_withs(self.region_statements(region)):
             line = s.body[0] if isinstance(s, cst.SimpleStatementLine) and len(s.body) == 1 else None
             if not isinstance(line, cst.Assign) or not self.training.calls_model(s) or isinstance(
                     line.value, cst.Call) and method_name(line.value) in _SAFE_CONVERSIONS | _ORDER_READS:
@@ -915,6 +942,15 @@ class _Planner:
                 p.apex_unscales[s] = names
             else:
                 p.unscales.append((s, names))
+
+
+def _through_withs(body: List[cst.CSTNode]) -> List[cst.CSTNode]:
+    """The statements of `body`, those inside its `with` blocks in their place (a teacher's
+    forward under `with torch.no_grad():`)."""
+    out: List[cst.CSTNode] = []
+    for s in body:
+        out += _through_withs(list(statements(s.body))) if isinstance(s, cst.With) else [s]
+    return out
 
 
 def is_import(s: cst.CSTNode) -> bool:

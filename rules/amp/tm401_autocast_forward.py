@@ -29,7 +29,11 @@ class AutocastForward(AmpRule):
     preparation before it (`x.to(device)`, `Variable(...)`, resizing) and unrelated statements
     (`zero_grad()`, LR warm-up, plotting) stay outside; without such a call, at the first
     dependency that does more than move data. It ends at the last assignment of the loss before
-    `backward()`; a loss computed by a helper call is wrapped as that call. A forward already
+    `backward()`; a loss computed by a helper call is wrapped as that call. Torch's losses are
+    autocast-aware and run inside the block; a loss of the project's own (a function or class of
+    the program, `self.compute_loss`, `model.loss`) is written for float32 inputs, so the block
+    ends before it when no model runs after it, and the outputs it reads come back in float32:
+    a focal loss clamping to `1 - 1e-4` (1.0 in bf16) took `log(0)` and stepped NaN. A forward already
     under autocast is left alone, also through a variable or helper that holds the context
     (`ctx = nullcontext() if cpu else torch.autocast(...)` then `with ctx:`, nanoGPT).
 
