@@ -12,14 +12,18 @@ import libcst as cst
 from torchmigrate import analysis
 from torchmigrate.finding import Import, Safety, insert_after, insert_before, remove, replace, replace_with, wrap
 from torchmigrate.imports import dotted, leading_import_anchor
-from torchmigrate.nodes import arg, code, expr, kwarg, stmt, with_args
+from torchmigrate.nodes import arg, code, expr, kwarg, stmt, string_value, with_args
+from torchmigrate.options import RUNTIME_MODULE as RUNTIME
+from torchmigrate.program.loaders import DIST_SAMPLERS
+from torchmigrate.program.rank_guards import rank_guard_of
+from torchmigrate.program.ranks import opposite_polarity, rank_polarity
+from torchmigrate.program.syntax import last_name
 from torchmigrate.rule import Context, Example, Rule
-from torchmigrate.rules.logging_rules import guardable_line, rank_guard_of, rank_word
+from torchmigrate.rules._guards import guardable_line
 
 INIT_PG = "torch.distributed.init_process_group"
 DESTROY_PG = "torch.distributed.destroy_process_group"
 BARRIERS = ("torch.distributed.barrier", "torchmigrate.runtime.barrier", "torchmigrate.runtime.cleanup")
-RUNTIME = "torchmigrate.runtime"
 SPAWN = ("torch.multiprocessing.spawn", "torch.multiprocessing.start_processes",
          "torch.multiprocessing.spawn.spawn", "torch.multiprocessing.spawn.start_processes")
 EXIT_CALLS = ("sys.exit", "os._exit")
@@ -190,9 +194,6 @@ _GROUP_QUERIES = {"torch.distributed.get_rank": "rank", "torch.distributed.get_w
                   "torch.distributed.barrier": "barrier", DESTROY_PG: "cleanup"}
 # In-place collectives that change nothing on a single rank: a one-process run can skip them.
 _ONE_RANK_NOOPS = tuple(f"torch.distributed.{n}" for n in ("all_reduce", "broadcast", "reduce"))
-DIST_SAMPLERS = ("torch.utils.data.DistributedSampler", "torch.utils.data.distributed.DistributedSampler")
-
-
 def legacy_launch(ctx: Context) -> bool:
     """`ddp` on a script that creates its own process group the way `torch.distributed.launch`
     and switchable scripts did: it calls `init_process_group` itself (no `mp.spawn`) and either
@@ -236,7 +237,7 @@ def _plain_init(ctx: Context, call: cst.Call) -> bool:
             _PLAIN_INIT_ARGS[position] if position < 2 and not a.star else None)
         if name not in _PLAIN_INIT_ARGS:
             return False
-        if name == "init_method" and isinstance(a.value, cst.BaseString) and _string_value(a.value) != "env://":
+        if name == "init_method" and isinstance(a.value, cst.BaseString) and string_value(a.value) != "env://":
             return False  # a literal tcp:// or file:// address (an `args.dist_url` is env:// under torchrun)
     return True
 
@@ -256,7 +257,7 @@ def _has_local_rank_option(ctx: Context) -> bool:
     """An argparse `--local_rank` (or `--local-rank`) option: torch.distributed.launch's."""
     for call, _name in analysis.facts(ctx).calls:
         if isinstance(call.func, cst.Attribute) and call.func.attr.value == "add_argument" \
-                and any(_string_value(a.value) in _LOCAL_RANK_FLAGS for a in _option_strings(call)):
+                and any(string_value(a.value) in _LOCAL_RANK_FLAGS for a in _option_strings(call)):
             return True
     return False
 
@@ -757,16 +758,6 @@ def _option_strings(call: cst.Call) -> List[cst.Arg]:
     return out
 
 
-def _string_value(node: cst.CSTNode) -> Optional[str]:
-    if isinstance(node, cst.SimpleString):
-        try:
-            value = node.evaluated_value
-        except Exception:  # pragma: no cover - malformed literal
-            return None
-        return value if isinstance(value, str) else None
-    return None
-
-
 def _mentions_local_rank(node: cst.CSTNode) -> bool:
     """The expression reads the LOCAL_RANK environment variable (a "LOCAL_RANK" literal)."""
     text = code(node)
@@ -830,11 +821,11 @@ class LocalRankArg(Rule):
             if not (isinstance(call.func, cst.Attribute) and call.func.attr.value == "add_argument"):
                 continue
             options = _option_strings(call)
-            values = [_string_value(a.value) for a in options]
+            values = [string_value(a.value) for a in options]
             if not any(v in _LOCAL_RANK_FLAGS for v in values):
                 continue
             action = arg(call, "action")
-            if action is not None and _string_value(action.value) not in (None, "store"):
+            if action is not None and string_value(action.value) not in (None, "store"):
                 continue
             self._check(call, values)
 
@@ -851,7 +842,7 @@ class LocalRankArg(Rule):
         def fix(c: cst.Call) -> cst.Call:
             args = list(c.args)
             options = _option_strings(c)
-            vals = [_string_value(a.value) for a in options]
+            vals = [string_value(a.value) for a in options]
             if "--local-rank" not in vals or "--local_rank" not in vals:
                 i = next(i for i, v in enumerate(vals) if v in _LOCAL_RANK_FLAGS)
                 have = options[i]
@@ -915,115 +906,6 @@ _COLLECTIVE_HELPERS = {"synchronize", "barrier", "all_reduce", "all_gather", "re
                        "gather_for_metrics", "broadcast_object", "all_gather_object", "reduce_value"}
 _DDP_CONSTRUCTORS = ("torch.nn.parallel.DistributedDataParallel",
                      "torch.nn.parallel.distributed.DistributedDataParallel", RUNTIME + ".wrap_model")
-_MAIN_WORD = re.compile(
-    r"^(is_)?(local_|global_|world_)?(main|master|chief|leader|rank_?0|rank_?zero|global_zero|process_zero)"
-    r"(_process|_proc|_rank|_node|_worker)?$", re.IGNORECASE)
-_RANK_CALLS = {"get_rank", "get_local_rank", "get_global_rank", "rank", "local_rank", "get_node_rank"}
-
-
-def _last(node: cst.BaseExpression) -> Optional[str]:
-    if isinstance(node, cst.Name):
-        return node.value
-    if isinstance(node, cst.Attribute):
-        return node.attr.value
-    return None
-
-
-def _is_rankish(node: cst.BaseExpression) -> bool:
-    if isinstance(node, cst.Call):
-        name = _last(node.func)
-        if name == "int" and node.args:
-            return _is_rankish(node.args[0].value)
-        return name in _RANK_CALLS
-    if isinstance(node, cst.BinaryOperation) and isinstance(node.operator, cst.Modulo):
-        return _is_rankish(node.left)
-    if isinstance(node, cst.Subscript):  # os.environ["RANK"]
-        if len(node.slice) == 1 and isinstance(node.slice[0].slice, cst.Index):
-            value = _string_value(node.slice[0].slice.value)
-            return value in ("RANK", "LOCAL_RANK", "SLURM_PROCID", "SLURM_LOCALID")
-        return False
-    name = _last(node)
-    return bool(name and rank_word(name) and not name.lower().startswith(("lora", "low")))
-
-
-def _is_main_predicate(node: cst.BaseExpression) -> bool:
-    if isinstance(node, cst.Call):
-        node = node.func
-    name = _last(node)
-    return bool(name and _MAIN_WORD.match(name) and name.lower() not in ("main", "master"))
-
-
-def _ints(node: cst.BaseExpression) -> Optional[Set[int]]:
-    if isinstance(node, cst.Integer):
-        return {int(node.value)}
-    if isinstance(node, cst.UnaryOperation) and isinstance(node.operator, cst.Minus) and isinstance(node.expression, cst.Integer):
-        return {-int(node.expression.value)}
-    if isinstance(node, (cst.List, cst.Tuple, cst.Set)):
-        out: Set[int] = set()
-        for el in node.elements:
-            sub = _ints(el.value)
-            if sub is None:
-                return None
-            out |= sub
-        return out
-    return None
-
-
-def _flip(p: Optional[str]) -> Optional[str]:
-    return {"main": "other", "other": "main"}.get(p, p)
-
-
-def rank_polarity(test: cst.BaseExpression) -> Optional[str]:
-    """'main' when the test holds on rank 0 only, 'other' when it excludes rank 0, 'any' when
-    it depends on the rank some other way, None when it does not look rank-dependent."""
-    if isinstance(test, cst.UnaryOperation) and isinstance(test.operator, cst.Not):
-        inner = test.expression
-        if _is_rankish(inner):
-            return "main"  # `not rank`
-        return _flip(rank_polarity(inner))
-    if isinstance(test, cst.BooleanOperation):
-        left, right = rank_polarity(test.left), rank_polarity(test.right)
-        if left and right and left != right:
-            return "any"
-        return left or right
-    if isinstance(test, cst.Comparison) and len(test.comparisons) == 1:
-        comp = test.comparisons[0]
-        left, right = test.left, comp.comparator
-        if _is_rankish(right) and not _is_rankish(left):
-            left, right = right, left
-        if not _is_rankish(left):
-            return None
-        values = _ints(right)
-        if values is None:
-            return "any"
-        op = comp.operator
-        # -1 is the "not distributed" sentinel of torch.distributed.launch scripts: a test
-        # against it alone holds on every rank of a distributed run.
-        if isinstance(op, cst.GreaterThan) and max(values) < 0 or \
-                isinstance(op, cst.GreaterThanEqual) and max(values) <= 0:
-            return None
-        if not values - {-1} and isinstance(op, (cst.Equal, cst.NotEqual, cst.In, cst.NotIn, cst.Is, cst.IsNot)):
-            return None
-        has_zero = 0 in values
-        if isinstance(op, (cst.Equal, cst.In, cst.Is)):
-            return "main" if has_zero else "other"
-        if isinstance(op, (cst.NotEqual, cst.NotIn, cst.IsNot)):
-            return "other" if has_zero else "any"
-        if isinstance(op, (cst.GreaterThan, cst.GreaterThanEqual)):
-            return "other" if min(values) >= 0 else "any"
-        if isinstance(op, (cst.LessThan, cst.LessThanEqual)):
-            return "main" if max(values) <= 1 else "any"
-        return "any"
-    if isinstance(test, cst.Call) and _is_main_predicate(test):
-        return "main"
-    if isinstance(test, (cst.Name, cst.Attribute)):
-        if _is_main_predicate(test):
-            return "main"
-        if _is_rankish(test):
-            return "other"  # `if rank:`
-    return None
-
-
 class SymmetricCollectives(Rule):
     """
     ## What it does
@@ -1091,7 +973,7 @@ class SymmetricCollectives(Rule):
         self.regions[node.body] = (polarity, f"`{text}`")
         if node.orelse is not None:
             target = node.orelse.body if isinstance(node.orelse, cst.Else) else node.orelse
-            self.regions[target] = (_flip(polarity), f"the else branch of `{text}`")
+            self.regions[target] = (opposite_polarity(polarity), f"the else branch of `{text}`")
 
     def visit_ExceptHandler(self, node: cst.ExceptHandler) -> None:
         self.regions[node.body] = ("except", "an `except` block")
@@ -1111,7 +993,7 @@ class SymmetricCollectives(Rule):
     def _collective_name(self, call: cst.Call, name: Optional[str]) -> Optional[str]:
         if name in COLLECTIVES:
             return name
-        last = _last(call.func)
+        last = last_name(call.func)
         if last in _COLLECTIVE_HELPERS:
             if name is not None and not name.startswith("torch.") and not name.startswith(RUNTIME):
                 return name  # imported helper (comm.synchronize, utils.reduce_dict)

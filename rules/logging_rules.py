@@ -1,431 +1,24 @@
-"""TM601 main-print, TM602 tqdm-main: console output, trackers and progress bars once, from rank 0.
-
-Also home of the small helpers the checkpoint and metrics rules share: recognising rank guards
-(`if rank == 0:`, `if tm.is_main():`, `if args.local_rank in [-1, 0]:`, ...), grouping sibling
-statements under one `if tm.is_main():` and checking that guarded code runs no collective.
-"""
+"""TM601 main-print, TM602 tqdm-main: console output, trackers and progress bars once, from rank 0."""
 
 from __future__ import annotations
 
-from functools import lru_cache
-from typing import Dict, Iterable, List, Optional, Sequence
+from typing import List
 
 import libcst as cst
 
 from torchmigrate import analysis
-from torchmigrate.finding import Safety, replace, wrap
+from torchmigrate.finding import Safety, replace
 from torchmigrate.imports import dotted
-from torchmigrate.nodes import expr, keep_alignment, kwarg, set_kwarg, stmt
+from torchmigrate.nodes import expr, keep_alignment, kwarg, set_kwarg
+from torchmigrate.options import RUNTIME_MODULE as RUNTIME
+from torchmigrate.program.collectives import runs_user_code
+from torchmigrate.program.loaders import TQDM_CALLS
+from torchmigrate.program.rank_guards import caller_guards, under_rank_guard
+from torchmigrate.program.ranks import rank_dependent
+from torchmigrate.program.syntax import iter_nodes
 from torchmigrate.rule import Context, Example, Rule
-from torchmigrate.walk import child_nodes
-
-RUNTIME = "torchmigrate.runtime"
-
-
-@lru_cache(maxsize=512)
-def cached_expr(text: str) -> cst.BaseExpression:
-    """`expr(text)`, parsed once per process: LibCST's parser costs ~10 ms per call even for a
-    tiny expression, and nodes are immutable, so one parsed node can be reused anywhere."""
-    return expr(text)
-
-
-@lru_cache(maxsize=512)
-def cached_stmt(text: str) -> cst.BaseStatement:
-    return stmt(text)
-
-
-# --- shared helpers ------------------------------------------------------------------------
-
-_MAIN_WORDS = ("is_main", "is_master", "master_process", "main_process", "is_primary", "global_zero",
-               "process_zero", "process_index", "master_ordinal", "ismaster", "ismain", "is_rank_zero",
-               "rank_zero", "rank0")
-
-
-# What may precede `rank` in a name that holds this process's rank (`local_rank`, `get_rank`,
-# `global_rank`); a config flag such as BLIP's `negative_all_rank` (the same on every rank) is
-# not one.
-_RANK_OWNERS = {"local", "global", "world", "node", "get", "my", "cur", "current", "this", "own", "proc",
-                "process", "dist", "gpu", "device", "machine", "is", "host", "worker", "trainer", "data", "dp",
-                "tp", "pp", "group", "in", "task", "slurm", "ompi", "pmi", "mpi", "hvd", "env"}
-
-
-def rank_word(word: str) -> bool:
-    """`rank`, `local_rank`, `rank_id`, `get_global_rank`: a name with the word `rank` that
-    holds (or gets) a process's rank, not a setting about ranks (`negative_all_rank`)."""
-    parts = word.lower().split("_")
-    i = parts.index("rank") if "rank" in parts else -1
-    return i == 0 or (i > 0 and parts[i - 1] in _RANK_OWNERS)
-
-
-def _rankish_word(word: str) -> bool:
-    w = word.lower()
-    if rank_word(w) or w in ("localrank", "globalrank", "master"):
-        return True
-    return any(s in w for s in _MAIN_WORDS)
-
-
-def iter_nodes(node: cst.CSTNode, skip_defs: bool = False) -> Iterable[cst.CSTNode]:
-    """Every node under `node` (itself included), in source order, reading fields directly."""
-    stack = [node]
-    while stack:
-        n = stack.pop()
-        yield n
-        if skip_defs and n is not node and isinstance(n, (cst.FunctionDef, cst.ClassDef)):
-            continue
-        stack.extend(reversed(child_nodes(n)))
-
-
-def rank_dependent(ctx: Context, test: cst.CSTNode) -> bool:
-    """Whether an expression depends on the process's rank (`rank == 0`, `tm.is_main()`,
-    `args.local_rank in [-1, 0]`, `dist.get_rank() == 0`, `accelerator.is_main_process`,
-    `master_process`, `os.environ["LOCAL_RANK"]`, ...)."""
-    cache: Dict[cst.CSTNode, bool] = ctx.facts.setdefault("tm_rank_dependent", {})  # type: ignore[assignment]
-    hit = cache.get(test)
-    if hit is not None:
-        return hit
-    result = _mentions_rank(test)
-    if not result:
-        flags = _rank_flags(ctx)
-        result = bool(flags) and any(type(n) in (cst.Name, cst.Attribute) and dotted(n) in flags
-                                     for n in iter_nodes(test))
-    cache[test] = result
-    return result
-
-
-def _mentions_rank(node: cst.CSTNode) -> bool:
-    for n in iter_nodes(node):
-        if isinstance(n, cst.Name) and _rankish_word(n.value):
-            return True
-        if isinstance(n, cst.SimpleString) and "rank" in n.value.lower():
-            return True
-    return False
-
-
-def _rank_flags(ctx: Context) -> frozenset:
-    """Names the file assigns a rank test to (`save_logs = dist.get_rank() == 0`, open_clip's
-    `args.save_logs = args.logs and is_master(args)`): `if save_logs:` is a rank guard too.
-    Only rank tests (`rank_polarity`), not any value computed from the rank (`device =
-    torch.device(f"cuda:{local_rank}")`) nor nanoGPT's `ddp = int(os.environ.get("RANK", -1)) != -1`,
-    which holds on every rank."""
-    from torchmigrate.rules.launch import rank_polarity  # launch imports this module
-
-    if not ctx.walked:  # the file's assignments are known once the walk is over
-        return frozenset()
-    found = ctx.facts.get("tm_rank_flags")
-    if found is None:
-        names = set()
-        for a in analysis.facts(ctx).assigns:
-            if rank_polarity(a.value) is not None:
-                names.update(n for n in (dotted(t.target) for t in a.targets) if n)
-        found = ctx.facts["tm_rank_flags"] = frozenset(names)
-    return found  # type: ignore[return-value]
-
-
-def _early_exit(stmt: cst.CSTNode) -> bool:
-    """`if <rank test>: return` (or continue/break) before the node: the rest runs on some ranks
-    only. (`raise` is not counted: it stops the whole job, so it is a check, not a guard.)"""
-    if not isinstance(stmt, cst.If) or stmt.orelse is not None:
-        return False
-    body = stmt.body
-    stmts = body.body if isinstance(body, (cst.IndentedBlock, cst.SimpleStatementSuite)) else ()
-    if not stmts:
-        return False
-    last = stmts[-1]
-    smalls = last.body if isinstance(last, cst.SimpleStatementLine) else [last]
-    return any(isinstance(s, (cst.Return, cst.Continue, cst.Break)) for s in smalls)
-
-
-def _rank_exits(ctx: Context, block: cst.CSTNode) -> List[tuple]:
-    """(index, statement) of the `if <rank test>: return` statements of a block (cached)."""
-    cache: Dict[cst.CSTNode, List[tuple]] = ctx.facts.setdefault("tm_rank_exits", {})  # type: ignore[assignment]
-    hit = cache.get(block)
-    if hit is None:
-        hit = cache[block] = [(i, s) for i, s in enumerate(body_of(block) or ())
-                              if _early_exit(s) and rank_dependent(ctx, s.test)]
-    return hit
-
-
-def body_of(parent: cst.CSTNode) -> Optional[Sequence[cst.CSTNode]]:
-    if isinstance(parent, (cst.IndentedBlock, cst.Module, cst.SimpleStatementSuite)):
-        return parent.body
-    return None
-
-
-def index_in(seq: Sequence[cst.CSTNode], node: cst.CSTNode) -> int:
-    for i, s in enumerate(seq):
-        if s is node:
-            return i
-    return -1
-
-
-def rank_guard_of(ctx: Context, node: cst.CSTNode) -> Optional[cst.CSTNode]:
-    """The innermost `if`/conditional/early exit that makes `node` run on some ranks only, if any
-    (within the enclosing function)."""
-    child = node
-    for anc in ctx.ancestors(node):
-        if isinstance(anc, cst.If) and child is not anc.test and rank_dependent(ctx, anc.test):
-            return anc
-        if isinstance(anc, cst.IfExp) and child is not anc.test and rank_dependent(ctx, anc.test):
-            return anc
-        if isinstance(anc, cst.BooleanOperation) and child is anc.right and rank_dependent(ctx, anc.left):
-            return anc
-        body = body_of(anc)
-        if body is not None and isinstance(child, cst.BaseStatement):
-            exits = _rank_exits(ctx, anc)
-            if exits:
-                position = index_in(body, child)
-                for i, sibling in exits:
-                    if i < position:
-                        return sibling
-        if isinstance(anc, (cst.FunctionDef, cst.ClassDef, cst.Lambda)):
-            return None
-        child = anc
-    return None
-
-
-def under_rank_guard(ctx: Context, node: cst.CSTNode) -> bool:
-    return rank_guard_of(ctx, node) is not None
-
-
-def collective_guard(ctx: Context, node: cst.CSTNode) -> Optional[cst.CSTNode]:
-    """A rank guard around `node`, or around a call (in this file) of the function holding it:
-    where a collective inserted at `node` would run on some ranks only and hang the others."""
-    guard = rank_guard_of(ctx, node)
-    if guard is not None:
-        return guard
-    fn = ctx.enclosing(node, cst.FunctionDef)
-    if fn is None:
-        return None
-    for call in local_calls(ctx).get(fn.name.value, ()):
-        guard = rank_guard_of(ctx, call)
-        if guard is not None:
-            return guard
-    return None
-
-
-def caller_guards(ctx: Context, node: cst.CSTNode, depth: int = 0) -> Optional[List[cst.CSTNode]]:
-    """The rank guards under which `node` runs: its own, or, when it has none, those around
-    every call (a few levels up) of the function holding it: the helper `save_checkpoint(state)`
-    that `main` only calls under `if rank == 0:`, or the `__init__` of a class only built under
-    one. Calls from other modules count through the program's facts (an empty list: guarded
-    there only). None when some path reaches `node` unguarded, or nothing calls the function."""
-    guard = rank_guard_of(ctx, node)
-    if guard is not None:
-        return [guard]
-    fn = ctx.enclosing(node, cst.FunctionDef)
-    if fn is None or depth >= 3:
-        return None
-    klass = ctx.enclosing(fn, cst.ClassDef)
-    qual = f"{klass.name.value}.{fn.name.value}" if klass is not None else fn.name.value
-    elsewhere = qual in ctx.program.called_elsewhere
-    if elsewhere and qual not in ctx.program.guarded_elsewhere:
-        return None
-    name = klass.name.value if fn.name.value == "__init__" and klass is not None else fn.name.value
-    calls = [c for c in local_calls(ctx).get(name, ()) if ctx.enclosing(c, cst.FunctionDef) is not fn]
-    if not calls and not elsewhere:  # (a recursive call adds no path from outside)
-        return None
-    out: List[cst.CSTNode] = []
-    for call in calls:
-        found = caller_guards(ctx, call, depth + 1)
-        if found is None:
-            return None
-        out.extend(found)
-    return out
-
-
-def local_calls(ctx: Context) -> Dict[str, List[cst.Call]]:
-    """Calls of this file's functions and methods by name: `name(...)`, `self.name(...)`."""
-    found = ctx.facts.get("tm_local_calls")
-    if found is None:
-        found = {}
-        for call, _ in analysis.facts(ctx).calls:
-            func = call.func
-            if isinstance(func, cst.Name):
-                found.setdefault(func.value, []).append(call)
-            elif isinstance(func, cst.Attribute) and isinstance(func.value, cst.Name) and func.value.value in ("self", "cls"):
-                found.setdefault(func.attr.value, []).append(call)
-        ctx.facts["tm_local_calls"] = found
-    return found  # type: ignore[return-value]
-
-
-def scope_of(ctx: Context, node: cst.CSTNode) -> cst.CSTNode:
-    """`ctx.scope_of`, cached: the function, class, lambda or module whose body holds `node`."""
-    cache: Dict[cst.CSTNode, cst.CSTNode] = ctx.facts.setdefault("tm_scope", {})  # type: ignore[assignment]
-    hit = cache.get(node)
-    if hit is None:
-        hit = cache[node] = ctx.scope_of(node)
-    return hit
-
-
-def assignments(ctx: Context) -> Dict[tuple, List[cst.Assign]]:
-    """`(scope, name)` -> the Assign statements binding the plain name `name` in `scope`, and
-    `(scope, None)` -> every Assign of the scope; computed once per file."""
-    index = ctx.facts.get("tm_assignments")
-    if index is None:
-        index = {}
-        for assign in analysis.facts(ctx).assigns:
-            scope = scope_of(ctx, assign)
-            index.setdefault((scope, None), []).append(assign)
-            for t in assign.targets:
-                if isinstance(t.target, cst.Name):
-                    index.setdefault((scope, t.target.value), []).append(assign)
-        ctx.facts["tm_assignments"] = index
-    return index  # type: ignore[return-value]
-
-
-def names_in(ctx: Context, node: cst.CSTNode) -> frozenset:
-    """Plain names read or written anywhere under `node` (cached per node; the names come from
-    the context's node index rather than a walk of the subtree)."""
-    cache: Dict[cst.CSTNode, frozenset] = ctx.facts.setdefault("tm_names_in", {})  # type: ignore[assignment]
-    hit = cache.get(node)
-    if hit is None:
-        hit = cache[node] = frozenset(n.value for n in ctx.within(node, cst.Name))  # type: ignore[attr-defined]
-    return hit
-
-
-def active(ctx: Context) -> bool:
-    """DDP-conversion rules rewrite in `ddp`; in `lint` they check files that are already
-    distributed (torch.distributed / DDP / the runtime)."""
-    mode = ctx.options.mode
-    if mode == "ddp":
-        return True
-    if mode == "lint":
-        return analysis.is_distributed(ctx)
-    return False
-
-
-_COLLECTIVE_SUFFIXES = ("all_reduce", "all_gather", "all_gather_object", "reduce", "gather", "gather_object",
-                        "broadcast", "broadcast_object_list", "barrier", "reduce_scatter",
-                        "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all", "gather_for_metrics",
-                        "scatter", "monitored_barrier", "main_process_first")
-
-
-def is_collective(name: Optional[str]) -> bool:
-    """A resolved call name that communicates (torch.distributed or the runtime)."""
-    if not name:
-        return False
-    if name.startswith("torch.distributed.") or name.startswith(RUNTIME + "."):
-        return name.rsplit(".", 1)[1] in _COLLECTIVE_SUFFIXES
-    return False
-
-
-def runs_user_code(ctx: Context, node: cst.CSTNode) -> bool:
-    """Whether evaluating `node` may run a forward pass, a collective or a function of this file
-    (which might do either): such code must run on every rank, never under a rank guard."""
-    f = analysis.facts(ctx)
-    models = set(analysis.trained_models(ctx))
-    for n in iter_nodes(node):
-        if not isinstance(n, cst.Call):
-            continue
-        func = n.func
-        if isinstance(func, cst.Name) and func.value in f.functions:
-            if not pure_helper(ctx, f.functions[func.value]):
-                return True
-            continue
-        if isinstance(func, cst.Attribute) and isinstance(func.value, cst.Name) and func.value.value in ("self", "cls") \
-                and func.attr.value in f.functions:
-            if not pure_helper(ctx, f.functions[func.attr.value]):
-                return True
-            continue
-        name = ctx.resolve(func)
-        if is_collective(name):
-            return True
-        d = dotted(func)
-        if d and analysis.model_root(d) in models and d == analysis.model_root(d):
-            return True  # model(x)
-    return False
-
-
-# Builtins and tensor/array methods that compute on values: no forward pass, no collective.
-_PURE_BUILTINS = frozenset({"len", "min", "max", "abs", "sum", "range", "float", "int", "str", "round", "list",
-                            "tuple", "dict", "zip", "enumerate", "sorted", "isinstance", "format"})
-_PURE_METHODS = frozenset({"clamp", "clamp_", "cpu", "numpy", "detach", "float", "double", "half", "int", "long",
-                           "mul", "mul_", "add", "add_", "div", "div_", "sub", "permute", "transpose", "view",
-                           "reshape", "squeeze", "unsqueeze", "clone", "to", "item", "tolist", "max", "min", "sum",
-                           "mean", "astype", "size", "contiguous", "flatten", "expand", "repeat", "type", "format",
-                           "append", "join", "split", "cat", "stack", "zeros", "ones", "zeros_like", "ones_like",
-                           "arange", "linspace", "tensor", "from_numpy", "clip", "round", "exp", "log", "sqrt", "pow"})
-
-
-def pure_helper(ctx: Context, func: cst.FunctionDef) -> bool:
-    """A function of this file that only computes on values (`denorm(x)`: `(x + 1) / 2`,
-    clamped): builtins and tensor/array methods, no call of a model, of `self.<anything>`, of
-    another function of the file, or of a collective. Its calls may go under a rank guard."""
-    memo = ctx.facts.setdefault("tm_pure_helpers", {})
-    if func in memo:
-        return memo[func]
-    pure = True
-    for call in ctx.within(func, cst.Call):
-        target = call.func
-        if isinstance(target, cst.Name):
-            pure = target.value in _PURE_BUILTINS
-        elif isinstance(target, cst.Attribute):
-            receiver = target.value
-            pure = not (isinstance(receiver, cst.Name) and receiver.value in ("self", "cls")) \
-                and target.attr.value in _PURE_METHODS and not is_collective(ctx.resolve(target))
-        else:
-            pure = False
-        if not pure:
-            break
-    memo[func] = pure
-    return pure
-
-
-_IF_MAIN_CACHE: Dict[str, cst.If] = {}
-
-
-def if_main(tm: str, body: Sequence[cst.BaseStatement]) -> cst.If:
-    """`if tm.is_main():` around statements (indentation is relative, so any depth works)."""
-    header = _IF_MAIN_CACHE.get(tm)
-    if header is None:
-        header = cst.parse_statement(f"if {tm}.is_main():\n    pass\n")  # type: ignore[assignment]
-        _IF_MAIN_CACHE[tm] = header
-    return header.with_changes(body=cst.IndentedBlock(body=list(body)))
-
-
-def guardable_line(ctx: Context, node: cst.CSTNode) -> Optional[cst.SimpleStatementLine]:
-    """The statement line holding `node` when it is the line's only statement and the line sits
-    in an indented block or the module (so it can be wrapped in `if tm.is_main():`)."""
-    line = ctx.statement_of(node)
-    if not isinstance(line, cst.SimpleStatementLine) or len(line.body) != 1:
-        return None
-    if not isinstance(ctx.parent(line), (cst.IndentedBlock, cst.Module)):
-        return None
-    return line
-
-
-def sibling_runs(ctx: Context, lines: Iterable[cst.CSTNode]) -> List[List[cst.CSTNode]]:
-    """Group statements into runs of adjacent siblings (same block, consecutive), in order."""
-    by_parent: Dict[cst.CSTNode, List[int]] = {}
-    seen = set()
-    for line in lines:
-        if line in seen:
-            continue
-        seen.add(line)
-        parent = ctx.parent(line)
-        body = body_of(parent)
-        if body is None:
-            continue
-        by_parent.setdefault(parent, []).append(index_in(body, line))
-    runs: List[List[cst.CSTNode]] = []
-    for parent, indices in by_parent.items():
-        body = body_of(parent)
-        indices.sort()
-        run: List[int] = []
-        for i in indices:
-            if run and i != run[-1] + 1:
-                runs.append([body[j] for j in run])
-                run = []
-            run.append(i)
-        if run:
-            runs.append([body[j] for j in run])
-    return runs
-
-
-def guard_edit(ctx: Context, run: Sequence[cst.CSTNode]):
-    tm = ctx.tm
-    return wrap(run[0], run[-1], lambda stmts: if_main(tm, stmts))
-
+from torchmigrate.rules._active import active
+from torchmigrate.rules._guards import guard_edit, guardable_line, sibling_runs
 
 # --- TM601 ---------------------------------------------------------------------------------
 
@@ -489,12 +82,12 @@ def _attributes_read(ctx: Context, call: cst.Call) -> List[str]:
 def _main_only_fix(tm: str):
     def fix(call: cst.Call) -> cst.Call:
         if not call.args:
-            return call.with_changes(func=cached_expr(f"{tm}.main_only"), args=[cst.Arg(value=call.func)])
+            return call.with_changes(func=expr(f"{tm}.main_only"), args=[cst.Arg(value=call.func)])
         # `SummaryWriter(\n    log_dir=...)` -> `tm.main_only(SummaryWriter,\n    log_dir=...)`
         ws = call.whitespace_before_args
         after = ws if isinstance(ws, cst.ParenthesizedWhitespace) else cst.SimpleWhitespace(" ")
         first = cst.Arg(value=call.func, comma=cst.Comma(whitespace_after=after))
-        return call.with_changes(func=cached_expr(f"{tm}.main_only"), whitespace_before_args=cst.SimpleWhitespace(""),
+        return call.with_changes(func=expr(f"{tm}.main_only"), whitespace_before_args=cst.SimpleWhitespace(""),
                                  args=[first, *call.args])
     return fix
 
@@ -618,7 +211,7 @@ class MainPrint(Rule):
                     shadowed = _print_shadowed(ctx)
                 if shadowed or caller_guards(ctx, call) is not None:
                     continue
-                edits = [replace(func, lambda _f: cached_expr(f"{tm}.print"))]
+                edits = [replace(func, lambda _f: expr(f"{tm}.print"))]
                 align = keep_alignment(call, f"{tm}.print", 0 if isinstance(ctx.parent(call), cst.Expr) else None)
                 if align is not None:
                     edits.append(replace(call, align))
@@ -683,7 +276,7 @@ class MainPrint(Rule):
             value = cst.Name("None") if mode is None else mode.value
             if isinstance(value, _NEEDS_PARENS) and not value.lpar:
                 value = value.with_changes(lpar=[cst.LeftParen()], rpar=[cst.RightParen()])
-            new = cst.IfExp(test=cached_expr(f"{tm}.is_main()"), body=value, orelse=cst.SimpleString('"disabled"'))
+            new = cst.IfExp(test=expr(f"{tm}.is_main()"), body=value, orelse=cst.SimpleString('"disabled"'))
             return set_kwarg(node, "mode", new) if mode is not None else add_kwarg(node, "mode", new)
 
         self.report(call, "wandb.init starts a run on every rank; disable wandb on the other ranks "
@@ -717,13 +310,6 @@ class MainPrint(Rule):
 
 
 # --- TM602 ---------------------------------------------------------------------------------
-
-TQDM_CALLS = {
-    f"{module}.{fn}"
-    for module in ("tqdm", "tqdm.auto", "tqdm.autonotebook", "tqdm.notebook", "tqdm.std", "tqdm.rich",
-                   "tqdm.asyncio", "tqdm.tk", "tqdm.gui", "tqdm.cli")
-    for fn in ("tqdm", "trange")
-}
 
 _NEEDS_PARENS = (cst.IfExp, cst.Lambda, cst.NamedExpr, cst.Yield)
 
@@ -761,11 +347,11 @@ def _disable_fix(tm: str):
                     value = value.with_changes(lpar=[cst.LeftParen()], rpar=[cst.RightParen()])
                 if any(isinstance(n, cst.Name) and n.value == "None" for n in iter_nodes(value)):
                     # `disable=None` means "off when not a terminal": keep that value on rank 0
-                    new = cst.IfExp(test=cached_expr(f"{tm}.is_main()"), body=value, orelse=cst.Name("True"))
+                    new = cst.IfExp(test=expr(f"{tm}.is_main()"), body=value, orelse=cst.Name("True"))
                     return set_kwarg(call, "disable", new)
-                new = cst.BooleanOperation(left=value, operator=cst.Or(), right=cached_expr(f"not {tm}.is_main()"))
+                new = cst.BooleanOperation(left=value, operator=cst.Or(), right=expr(f"not {tm}.is_main()"))
                 return set_kwarg(call, "disable", new)
-        return add_kwarg(call, "disable", cached_expr(f"not {tm}.is_main()"))
+        return add_kwarg(call, "disable", expr(f"not {tm}.is_main()"))
     return fix
 
 

@@ -22,6 +22,11 @@ How a run goes, and where each step lives:
      module already has (autocast settings, apex's opt_level, the `forward` of a model handed
      to DataParallel); `syntax`: the tree questions both ask (blocks, scopes, names a
      statement binds and reads);
+   - `ranks`: which expressions depend on the process's rank (rank names, rank tests and the
+     ranks they hold on); `rank_guards`: which code runs on some ranks only (the rank guard
+     around a node, or around the calls of its function); `collectives`: the calls and code
+     that must run on every rank; `scopes`: per-module indexes of scopes, assignments and
+     names;
 3. rules (`torchmigrate.rules`): per family, a plan (the decisions: what this run does with
    what the facts say) and one rule per file, which reports findings with their edits; the
    data family (`rules/data/`: `plan.py`, `tm201_dist_sampler.py` ... `tm204_...`) and the
