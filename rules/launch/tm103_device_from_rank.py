@@ -14,7 +14,8 @@ from torchmigrate.nodes import arg, code, expr, kwarg, stmt, with_args
 from torchmigrate.options import RUNTIME_MODULE as RUNTIME
 from torchmigrate.program.ranks import rank_dependent
 from torchmigrate.rule import Context, Example, Rule
-from torchmigrate.rules.launch import INIT_PG, legacy_launch, setup_plan
+from torchmigrate.rules.launch.base import INIT_PG
+from torchmigrate.rules.launch.plan import legacy_launch, setup_plan
 
 SET_DEVICE = "torch.cuda.set_device"
 DEVICE_CTX = "torch.cuda.device"
