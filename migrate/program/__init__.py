@@ -31,7 +31,8 @@ How a run goes, and where each step lives:
    what the facts say) and one rule per file, which reports findings with their edits; the
    data family (`rules/data/`: `plan.py`, `tm201_dist_sampler.py` ... `tm204_...`), the launch
    family (`rules/launch/`: `plan.py` decides where `tm.setup()` goes and which scripts are
-   legacy launches; `tm101_setup_pg.py` ... `tm801_dist_launch.py`) and the
+   legacy launches; `tm101_setup_pg.py` ... `tm801_dist_launch.py`), the logging family
+   (`rules/logging/`: `tm601_main_print.py`, `tm602_tqdm_main.py`) and the
    AMP family (`rules/amp/`: `plan.py` decides where autocast goes, the one GradScaler and
    where it is created, where `unscale_` goes, from the training facts, `--amp` and the rules
    enabled; `tm401_autocast_forward.py` ... `tm604_item_sync.py`) are laid out this way; the

@@ -1,4 +1,5 @@
-"""TM601 main-print, TM602 tqdm-main: console output, trackers and progress bars once, from rank 0."""
+"""TM601 main-print: console output, TensorBoard writers and experiment trackers (wandb,
+mlflow) once, from the main process."""
 
 from __future__ import annotations
 
@@ -9,18 +10,15 @@ import libcst as cst
 from torchmigrate import analysis
 from torchmigrate.finding import Safety, replace
 from torchmigrate.imports import dotted
-from torchmigrate.nodes import expr, keep_alignment, kwarg, set_kwarg
+from torchmigrate.nodes import expr, keep_alignment, set_kwarg
 from torchmigrate.options import RUNTIME_MODULE as RUNTIME
 from torchmigrate.program.collectives import runs_user_code
-from torchmigrate.program.loaders import TQDM_CALLS
 from torchmigrate.program.rank_guards import caller_guards, under_rank_guard
 from torchmigrate.program.ranks import rank_dependent
-from torchmigrate.program.syntax import iter_nodes
 from torchmigrate.rule import Context, Example, Rule
 from torchmigrate.rules._active import active
 from torchmigrate.rules._guards import guard_edit, guardable_line, sibling_runs
-
-# --- TM601 ---------------------------------------------------------------------------------
+from torchmigrate.rules.logging.base import NEEDS_PARENS, add_kwarg
 
 SUMMARY_WRITERS = {
     "torch.utils.tensorboard.SummaryWriter",
@@ -274,7 +272,7 @@ class MainPrint(Rule):
         def fix(node: cst.Call) -> cst.Call:
             mode = next((a for a in node.args if a.keyword is not None and a.keyword.value == "mode"), None)
             value = cst.Name("None") if mode is None else mode.value
-            if isinstance(value, _NEEDS_PARENS) and not value.lpar:
+            if isinstance(value, NEEDS_PARENS) and not value.lpar:
                 value = value.with_changes(lpar=[cst.LeftParen()], rpar=[cst.RightParen()])
             new = cst.IfExp(test=expr(f"{tm}.is_main()"), body=value, orelse=cst.SimpleString('"disabled"'))
             return set_kwarg(node, "mode", new) if mode is not None else add_kwarg(node, "mode", new)
@@ -307,123 +305,3 @@ class MainPrint(Rule):
             self.report(call, f"{name}(...) starts a run on every rank; start it on the main process only "
                               f"(tm.main_only returns a null object elsewhere)",
                         edits=[replace(call, _main_only_fix(ctx.tm))], imports=[ctx.runtime_import()])
-
-
-# --- TM602 ---------------------------------------------------------------------------------
-
-_NEEDS_PARENS = (cst.IfExp, cst.Lambda, cst.NamedExpr, cst.Yield)
-
-
-def add_kwarg(call: cst.Call, name: str, value: cst.BaseExpression) -> cst.Call:
-    """`set_kwarg` that keeps one-argument-per-line calls with a trailing comma in that layout."""
-    args = list(call.args)
-    if any(a.keyword is not None and a.keyword.value == name for a in args) or not args or args[-1].star:
-        return set_kwarg(call, name, value)
-    last = args[-1]
-    comma = last.comma
-    before = args[-2].comma.whitespace_after if len(args) > 1 and isinstance(args[-2].comma, cst.Comma) \
-        else call.whitespace_before_args
-    if not isinstance(before, cst.ParenthesizedWhitespace):
-        before = cst.SimpleWhitespace(" ")
-    if isinstance(comma, cst.Comma) and isinstance(comma.whitespace_after, cst.ParenthesizedWhitespace):
-        args[-1] = last.with_changes(comma=cst.Comma(whitespace_after=before))
-        args.append(kwarg(name, value).with_changes(comma=comma))
-        return call.with_changes(args=args)
-    if not isinstance(comma, cst.Comma) and isinstance(last.whitespace_after_arg, cst.ParenthesizedWhitespace):
-        # closing parenthesis on its own line, no trailing comma
-        args[-1] = last.with_changes(comma=cst.Comma(whitespace_after=before),
-                                     whitespace_after_arg=cst.SimpleWhitespace(""))
-        args.append(kwarg(name, value).with_changes(whitespace_after_arg=last.whitespace_after_arg))
-        return call.with_changes(args=args)
-    return set_kwarg(call, name, value)
-
-
-def _disable_fix(tm: str):
-    def fix(call: cst.Call) -> cst.Call:
-        for a in call.args:
-            if a.keyword is not None and a.keyword.value == "disable":
-                value = a.value
-                if isinstance(value, _NEEDS_PARENS) and not value.lpar:
-                    value = value.with_changes(lpar=[cst.LeftParen()], rpar=[cst.RightParen()])
-                if any(isinstance(n, cst.Name) and n.value == "None" for n in iter_nodes(value)):
-                    # `disable=None` means "off when not a terminal": keep that value on rank 0
-                    new = cst.IfExp(test=expr(f"{tm}.is_main()"), body=value, orelse=cst.Name("True"))
-                    return set_kwarg(call, "disable", new)
-                new = cst.BooleanOperation(left=value, operator=cst.Or(), right=expr(f"not {tm}.is_main()"))
-                return set_kwarg(call, "disable", new)
-        return add_kwarg(call, "disable", expr(f"not {tm}.is_main()"))
-    return fix
-
-
-class TqdmMain(Rule):
-    """
-    ## What it does
-    Adds `disable=not tm.is_main()` to `tqdm(...)` / `trange(...)` progress bars (any import
-    spelling: `tqdm.tqdm`, `tqdm.auto`, `tqdm.notebook`, aliases). An existing `disable=expr`
-    becomes `disable=expr or not tm.is_main()` (`disable=expr if tm.is_main() else True` when
-    `expr` may be `None`, tqdm's "off when not a terminal"); a `disable=` that already depends
-    on the rank is kept, and so are bars under a rank guard.
-
-    ## Why is this bad?
-    Every rank draws its own bar on the same terminal: with 8 processes the output is 8
-    interleaved, constantly redrawn bars (tqdm/tqdm#1294). The bar object still exists on the
-    other ranks (disabled bars accept `set_postfix`, `update`, `write`, ...), so nothing else
-    changes. In `lint` mode (distributed files) bars shown on every rank are reported.
-    """
-
-    code = "TM602"
-    name = "tqdm-main"
-    summary = "Show tqdm progress bars on the main process only"
-    safety = Safety.SAFE
-    commands = frozenset({"ddp", "lint"})
-    examples = (
-        Example(
-            before="""
-            import torch
-            from tqdm import tqdm
-            for x, y in tqdm(train_loader, desc="train"):
-                pass
-            """,
-            after="""
-            import torch
-            from tqdm import tqdm
-            import torchmigrate.runtime as tm
-            for x, y in tqdm(train_loader, desc="train", disable=not tm.is_main()):
-                pass
-            """,
-        ),
-        Example(
-            before="""
-            import torch
-            from tqdm.auto import trange
-            for step in trange(n, disable=args.quiet):
-                pass
-            """,
-            after="""
-            import torch
-            from tqdm.auto import trange
-            import torchmigrate.runtime as tm
-            for step in trange(n, disable=args.quiet or not tm.is_main()):
-                pass
-            """,
-        ),
-    )
-
-    def leave_Module(self, node: cst.Module) -> None:
-        ctx = self.ctx
-        if not active(ctx):
-            return
-        for call, name in analysis.facts(ctx).calls:
-            if name not in TQDM_CALLS:
-                continue
-            if any(a.star == "**" for a in call.args):
-                continue  # disable= may come from **kwargs
-            if name.endswith(".tqdm") and len([a for a in call.args if a.keyword is None]) > 10:
-                continue  # disable passed positionally
-            disable = next((a for a in call.args if a.keyword is not None and a.keyword.value == "disable"), None)
-            if disable is not None and rank_dependent(ctx, disable.value):
-                continue
-            if under_rank_guard(ctx, call):
-                continue
-            self.report(call, "progress bar drawn by every rank; show it on the main process only",
-                        edits=[replace(call, _disable_fix(ctx.tm))], imports=[ctx.runtime_import()])
