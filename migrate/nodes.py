@@ -109,6 +109,17 @@ def is_string(node: cst.CSTNode, *values: str) -> bool:
     return False
 
 
+def string_value(node: cst.CSTNode) -> Optional[str]:
+    """The value of a plain string literal, or None (another node, a bytes literal)."""
+    if isinstance(node, cst.SimpleString):
+        try:
+            value = node.evaluated_value
+        except Exception:  # pragma: no cover - malformed literal
+            return None
+        return value if isinstance(value, str) else None
+    return None
+
+
 def method_call(node: cst.CSTNode, *names: str) -> bool:
     """`<anything>.name(...)` for one of `names`."""
     return (isinstance(node, cst.Call) and isinstance(node.func, cst.Attribute)

@@ -17,12 +17,17 @@ from torchmigrate import analysis
 from torchmigrate.finding import Safety, insert_after, insert_before, replace
 from torchmigrate.imports import dotted
 from torchmigrate.nodes import arg, code, keep_alignment, set_kwarg
+from torchmigrate.nodes import expr as cached_expr, stmt as cached_stmt  # (parsed once per text)
+from torchmigrate.options import RUNTIME_MODULE as RUNTIME
+from torchmigrate.program.collectives import runs_user_code
+from torchmigrate.program.rank_guards import caller_guards, collective_guard, under_rank_guard
+from torchmigrate.program.ranks import rank_word
+from torchmigrate.program.scopes import assignments, names_in, scope_of
+from torchmigrate.program.syntax import body_of, index_in, iter_nodes
 from torchmigrate.rule import Context, Example, Rule
 from torchmigrate.rules import downloads
-from torchmigrate.rules.logging_rules import (
-    RUNTIME, active, assignments, body_of, cached_expr, cached_stmt, caller_guards, collective_guard, guard_edit,
-    guardable_line, index_in, iter_nodes, names_in, rank_word, runs_user_code, scope_of, sibling_runs, under_rank_guard,
-)
+from torchmigrate.rules._active import active
+from torchmigrate.rules._guards import guard_edit, guardable_line, sibling_runs
 
 SAVES = {"torch.save", RUNTIME + ".save"}
 _IMAGE_WRITERS = {"torchvision.utils.save_image"}

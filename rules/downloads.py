@@ -15,9 +15,12 @@ import libcst as cst
 from torchmigrate import analysis
 from torchmigrate.finding import Safety, wrap
 from torchmigrate.imports import dotted
+from torchmigrate.program.collectives import is_collective
+from torchmigrate.program.rank_guards import rank_guard_of
+from torchmigrate.program.ranks import rank_dependent
+from torchmigrate.program.syntax import body_of, index_in, iter_nodes, local_calls
 from torchmigrate.rule import Context, Example, Rule
-from torchmigrate.rules.logging_rules import (active, body_of, index_in, is_collective, iter_nodes, local_calls,
-                                              rank_dependent, rank_guard_of)
+from torchmigrate.rules._active import active
 
 # Calls that fetch files from the network (resolved names).
 _DOWNLOADS = frozenset({

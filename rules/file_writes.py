@@ -10,10 +10,13 @@ from torchmigrate import analysis
 from torchmigrate.finding import Safety, replace
 from torchmigrate.imports import dotted
 from torchmigrate.nodes import set_kwarg
+from torchmigrate.program.collectives import runs_user_code
+from torchmigrate.program.rank_guards import under_rank_guard
 from torchmigrate.rule import Example, Rule
 from torchmigrate.rules import downloads
+from torchmigrate.rules._active import active
+from torchmigrate.rules._guards import guard_edit, sibling_runs
 from torchmigrate.rules.checkpoint import SAVES
-from torchmigrate.rules.logging_rules import active, guard_edit, runs_user_code, sibling_runs, under_rank_guard
 
 # Copies into the experiment folder (`create_exp_dir` copying the scripts); right after a
 # checkpoint save they are TM501's.

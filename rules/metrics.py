@@ -19,12 +19,15 @@ from torchmigrate import analysis
 from torchmigrate.finding import Safety, insert_after
 from torchmigrate.imports import dotted
 from torchmigrate.nodes import code
-from torchmigrate.program.loaders import DATALOADERS, DIST_SAMPLERS, refs_at
+from torchmigrate.options import RUNTIME_MODULE as RUNTIME
+from torchmigrate.program.collectives import is_collective
+from torchmigrate.program.loaders import DATALOADERS, DIST_SAMPLERS, TQDM_CALLS, refs_at
+from torchmigrate.program.rank_guards import collective_guard
+from torchmigrate.program.scopes import names_in, scope_of
+from torchmigrate.program.syntax import body_of, index_in, iter_nodes
 from torchmigrate.rule import Context, Example, Rule
+from torchmigrate.rules._active import active
 from torchmigrate.rules.data.plan import data_plan
-from torchmigrate.rules.logging_rules import (
-    RUNTIME, TQDM_CALLS, active, body_of, collective_guard, index_in, is_collective, iter_nodes, names_in, scope_of,
-)
 
 _WRAPPERS = {"enumerate", "iter", "zip"}
 _SAFE_FUNCS = {"max", "min", "float", "int", "abs", "round"}

@@ -180,7 +180,7 @@ def test_the_fingerprint_covers_every_source_of_the_tool(monkeypatch):
         return cache.fingerprint(lambda path: "edited" if changed and path.endswith(changed) else "same")
 
     base = of()
-    for source in (os.path.join("rules", "launch.py"), os.path.join("launchers", "shell.py"), "engine.py",
+    for source in (os.path.join("rules", "launch", "plan.py"), os.path.join("launchers", "shell.py"), "engine.py",
                    os.path.join("program", "facts.py")):
         assert of(source) != base, source
     monkeypatch.setattr(cache, "_fingerprint", None)

@@ -22,9 +22,17 @@ How a run goes, and where each step lives:
      module already has (autocast settings, apex's opt_level, the `forward` of a model handed
      to DataParallel); `syntax`: the tree questions both ask (blocks, scopes, names a
      statement binds and reads);
+   - `ranks`: which expressions depend on the process's rank (rank names, rank tests and the
+     ranks they hold on); `rank_guards`: which code runs on some ranks only (the rank guard
+     around a node, or around the calls of its function); `collectives`: the calls and code
+     that must run on every rank; `scopes`: per-module indexes of scopes, assignments and
+     names;
 3. rules (`torchmigrate.rules`): per family, a plan (the decisions: what this run does with
    what the facts say) and one rule per file, which reports findings with their edits; the
-   data family (`rules/data/`: `plan.py`, `tm201_dist_sampler.py` ... `tm204_...`) and the
+   data family (`rules/data/`: `plan.py`, `tm201_dist_sampler.py` ... `tm204_...`), the launch
+   family (`rules/launch/`: `plan.py` decides where `tm.setup()` goes and which scripts are
+   legacy launches; `tm101_setup_pg.py` ... `tm801_dist_launch.py`), the logging family
+   (`rules/logging/`: `tm601_main_print.py`, `tm602_tqdm_main.py`) and the
    AMP family (`rules/amp/`: `plan.py` decides where autocast goes, the one GradScaler and
    where it is created, where `unscale_` goes, from the training facts, `--amp` and the rules
    enabled; `tm401_autocast_forward.py` ... `tm604_item_sync.py`) are laid out this way; the

@@ -49,6 +49,13 @@ from torchmigrate.walk import child_nodes
 
 DATALOADERS = ("torch.utils.data.DataLoader", "torch.utils.data.dataloader.DataLoader")
 DIST_SAMPLERS = ("torch.utils.data.DistributedSampler", "torch.utils.data.distributed.DistributedSampler")
+# Progress bars, which wrap the loader they iterate (`for x, y in tqdm(loader)`).
+TQDM_CALLS = {
+    f"{module}.{fn}"
+    for module in ("tqdm", "tqdm.auto", "tqdm.autonotebook", "tqdm.notebook", "tqdm.std", "tqdm.rich",
+                   "tqdm.asyncio", "tqdm.tk", "tqdm.gui", "tqdm.cli")
+    for fn in ("tqdm", "trange")
+}
 RUNTIME = "torchmigrate.runtime"
 TM_SAMPLER = RUNTIME + ".sampler"
 TM_EVAL_SAMPLER = RUNTIME + ".eval_sampler"

@@ -11,7 +11,7 @@ import libcst as cst
 
 from torchmigrate import analysis
 from torchmigrate.imports import dotted
-from torchmigrate.walk import child_fields
+from torchmigrate.walk import child_fields, child_nodes
 
 if TYPE_CHECKING:
     from torchmigrate.rule import Context
@@ -32,6 +32,19 @@ def subnodes(node: cst.CSTNode, skip_defs: bool = False) -> Iterator[cst.CSTNode
                 stack.append(value)
             elif isinstance(value, (tuple, list)):
                 stack.extend(reversed([v for v in value if isinstance(v, cst.CSTNode)]))
+
+
+def iter_nodes(node: cst.CSTNode, skip_defs: bool = False) -> Iterable[cst.CSTNode]:
+    """Every node under `node` (itself included), in source order, reading fields directly.
+    Unlike `subnodes`, `skip_defs` skips functions and classes but still enters lambdas (the
+    rank-guard facts and the rules built on them ask it that way)."""
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        yield n
+        if skip_defs and n is not node and isinstance(n, (cst.FunctionDef, cst.ClassDef)):
+            continue
+        stack.extend(reversed(child_nodes(n)))
 
 
 def calls_in(ctx: Context, node: cst.CSTNode) -> List[cst.Call]:
@@ -267,3 +280,42 @@ def is_attr_name(ctx: Context, node: cst.Name) -> bool:
     """`autocast` in `torch.autocast`, `amp` in `apex.amp`: an attribute, not a use of a local name."""
     parent = ctx.parent(node)
     return isinstance(parent, cst.Attribute) and parent.attr is node
+
+
+def body_of(parent: cst.CSTNode) -> Optional[Sequence[cst.CSTNode]]:
+    """The statements of a block (a one-line suite too), or None for a node that is no block."""
+    if isinstance(parent, (cst.IndentedBlock, cst.Module, cst.SimpleStatementSuite)):
+        return parent.body
+    return None
+
+
+def index_in(seq: Sequence[cst.CSTNode], node: cst.CSTNode) -> int:
+    """The position of `node` itself (not an equal node) in `seq`, or -1."""
+    for i, s in enumerate(seq):
+        if s is node:
+            return i
+    return -1
+
+
+def local_calls(ctx: Context) -> Dict[str, List[cst.Call]]:
+    """Calls of this file's functions and methods by name: `name(...)`, `self.name(...)`."""
+    found = ctx.facts.get("tm_local_calls")
+    if found is None:
+        found = {}
+        for call, _ in analysis.facts(ctx).calls:
+            func = call.func
+            if isinstance(func, cst.Name):
+                found.setdefault(func.value, []).append(call)
+            elif isinstance(func, cst.Attribute) and isinstance(func.value, cst.Name) and func.value.value in ("self", "cls"):
+                found.setdefault(func.attr.value, []).append(call)
+        ctx.facts["tm_local_calls"] = found
+    return found  # type: ignore[return-value]
+
+
+def last_name(node: cst.BaseExpression) -> Optional[str]:
+    """`x` for `x` and for `a.b.x`; None for other expressions."""
+    if isinstance(node, cst.Name):
+        return node.value
+    if isinstance(node, cst.Attribute):
+        return node.attr.value
+    return None

@@ -9,8 +9,9 @@ import libcst as cst
 from torchmigrate.analysis import is_backward
 from torchmigrate.finding import Safety, replace
 from torchmigrate.rule import Example, Rule
-from torchmigrate.rules.launch import rank_polarity
-from torchmigrate.rules.logging_rules import active, collective_guard
+from torchmigrate.program.rank_guards import collective_guard
+from torchmigrate.program.ranks import rank_polarity
+from torchmigrate.rules._active import active
 
 _LOOP_EXITS = (cst.Continue, cst.Break)
 

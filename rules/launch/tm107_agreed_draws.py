@@ -11,8 +11,9 @@ from torchmigrate.finding import Safety, insert_after, replace
 from torchmigrate.imports import dotted
 from torchmigrate.nodes import set_kwarg
 from torchmigrate.rule import Example, Rule
-from torchmigrate.rules.launch import SEEDERS
-from torchmigrate.rules.logging_rules import active, collective_guard
+from torchmigrate.program.rank_guards import collective_guard
+from torchmigrate.rules._active import active
+from torchmigrate.rules.launch.base import SEEDERS
 
 _RANDOM = ("random.", "numpy.random.")
 # Draws of these modules that are not draws: generators and seeding.

@@ -11,9 +11,11 @@ from torchmigrate import analysis
 from torchmigrate.finding import Safety, insert_after, insert_before, remove, replace, replace_with
 from torchmigrate.imports import dotted
 from torchmigrate.nodes import arg, code, expr, kwarg, stmt, with_args
+from torchmigrate.options import RUNTIME_MODULE as RUNTIME
+from torchmigrate.program.ranks import rank_dependent
 from torchmigrate.rule import Context, Example, Rule
-from torchmigrate.rules.launch import INIT_PG, RUNTIME, legacy_launch, setup_plan
-from torchmigrate.rules.logging_rules import rank_dependent
+from torchmigrate.rules.launch.base import INIT_PG
+from torchmigrate.rules.launch.plan import legacy_launch, setup_plan
 
 SET_DEVICE = "torch.cuda.set_device"
 DEVICE_CTX = "torch.cuda.device"

@@ -1,0 +1,37 @@
+"""What the launch rules share: the torch.distributed calls that create, tear down and need a
+process group, the `--local_rank` option that torch.distributed.launch passes, and the calls
+that seed the global random generators."""
+
+from __future__ import annotations
+
+from typing import List
+
+import libcst as cst
+
+INIT_PG = "torch.distributed.init_process_group"
+DESTROY_PG = "torch.distributed.destroy_process_group"
+SPAWN = ("torch.multiprocessing.spawn", "torch.multiprocessing.start_processes",
+         "torch.multiprocessing.spawn.spawn", "torch.multiprocessing.spawn.start_processes")
+
+
+# torch.distributed.launch passes `--local_rank=N` (recent versions `--local-rank=N`).
+LOCAL_RANK_FLAGS = ("--local_rank", "--local-rank")
+
+
+def option_strings(call: cst.Call) -> List[cst.Arg]:
+    """The option names of an `add_argument(...)` call: its leading string literals."""
+    out = []
+    for a in call.args:
+        if a.keyword is not None or a.star:
+            break
+        if not isinstance(a.value, cst.SimpleString):
+            break
+        out.append(a)
+    return out
+
+
+# Calls that seed the global random generators (torch's, CUDA's, random's, numpy's).
+SEEDERS = {
+    "torch.manual_seed", "torch.random.manual_seed", "torch.cuda.manual_seed", "torch.cuda.manual_seed_all",
+    "random.seed", "numpy.random.seed",
+}

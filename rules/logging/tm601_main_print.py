@@ -1,0 +1,307 @@
+"""TM601 main-print: console output, TensorBoard writers and experiment trackers (wandb,
+mlflow) once, from the main process."""
+
+from __future__ import annotations
+
+from typing import List
+
+import libcst as cst
+
+from torchmigrate import analysis
+from torchmigrate.finding import Safety, replace
+from torchmigrate.imports import dotted
+from torchmigrate.nodes import expr, keep_alignment, set_kwarg
+from torchmigrate.options import RUNTIME_MODULE as RUNTIME
+from torchmigrate.program.collectives import runs_user_code
+from torchmigrate.program.rank_guards import caller_guards, under_rank_guard
+from torchmigrate.program.ranks import rank_dependent
+from torchmigrate.rule import Context, Example, Rule
+from torchmigrate.rules._active import active
+from torchmigrate.rules._guards import guard_edit, guardable_line, sibling_runs
+from torchmigrate.rules.logging.base import NEEDS_PARENS, add_kwarg
+
+SUMMARY_WRITERS = {
+    "torch.utils.tensorboard.SummaryWriter",
+    "torch.utils.tensorboard.writer.SummaryWriter",
+    "tensorboardX.SummaryWriter",
+    "tensorboardX.writer.SummaryWriter",
+}
+_TRACKER_ROOTS = ("wandb.", "mlflow.")
+_TRACKER_FACTORIES = {"mlflow.start_run"}
+
+
+def _print_shadowed(ctx: Context) -> bool:
+    """`print` is not the builtin, or the program replaced the builtin with a rank-aware one
+    (`builtins.print = ...`, here or in a module it runs: see ModuleView.print_override)."""
+    f = analysis.facts(ctx)
+    if "print" in ctx.imports.names or ctx.program.print_override:
+        return True
+    fn = f.functions.get("print")
+    if fn is not None:
+        return True
+    for assign in f.assigns:
+        for t in assign.targets:
+            if isinstance(t.target, cst.Name) and t.target.value == "print":
+                return True
+            if dotted(t.target) in ("builtins.print", "__builtin__.print"):
+                return True
+    return False
+
+
+def _is_main_only_arg(ctx: Context, node: cst.CSTNode) -> bool:
+    parent = ctx.parent(node)
+    if isinstance(parent, cst.Arg):
+        call = ctx.parent(parent)
+        return isinstance(call, cst.Call) and ctx.resolve(call.func) == RUNTIME + ".main_only"
+    return False
+
+
+def _attributes_read(ctx: Context, call: cst.Call) -> List[str]:
+    """Attributes of the writer `call` creates (`writer = SummaryWriter(...)`, `self.writer = ...`)
+    that the file reads as values (`writer.log_dir`), not calls (`writer.add_scalar(...)`)."""
+    parent = ctx.parent(call)
+    if not isinstance(parent, cst.Assign) or len(parent.targets) != 1:
+        return []
+    target = dotted(parent.targets[0].target)
+    if target is None:
+        return []
+    read = []
+    for name in ctx.named(target.rsplit(".", 1)[-1]):
+        owner = name if "." not in target else ctx.parent(name)  # the `writer` / `self.writer` expression
+        attribute = ctx.parent(owner)
+        if not isinstance(attribute, cst.Attribute) or attribute.value is not owner or dotted(owner) != target:
+            continue
+        used = ctx.parent(attribute)
+        if not (isinstance(used, cst.Call) and used.func is attribute) and attribute.attr.value not in read:
+            read.append(attribute.attr.value)
+    return read
+
+
+def _main_only_fix(tm: str):
+    def fix(call: cst.Call) -> cst.Call:
+        if not call.args:
+            return call.with_changes(func=expr(f"{tm}.main_only"), args=[cst.Arg(value=call.func)])
+        # `SummaryWriter(\n    log_dir=...)` -> `tm.main_only(SummaryWriter,\n    log_dir=...)`
+        ws = call.whitespace_before_args
+        after = ws if isinstance(ws, cst.ParenthesizedWhitespace) else cst.SimpleWhitespace(" ")
+        first = cst.Arg(value=call.func, comma=cst.Comma(whitespace_after=after))
+        return call.with_changes(func=expr(f"{tm}.main_only"), whitespace_before_args=cst.SimpleWhitespace(""),
+                                 args=[first, *call.args])
+    return fix
+
+
+def _base(target: cst.BaseExpression) -> cst.BaseExpression:
+    while isinstance(target, cst.Subscript):
+        target = target.value
+    return target
+
+
+def _tracker_target(ctx: Context, target: cst.BaseExpression) -> bool:
+    """`wandb.run.summary["best"] = ...`, `wandb.config.lr = ...`."""
+    while isinstance(target, cst.Subscript):
+        target = target.value
+    name = ctx.resolve(target)
+    return bool(name) and name.startswith(_TRACKER_ROOTS)
+
+
+class MainPrint(Rule):
+    """
+    ## What it does
+    Makes console output and experiment trackers run once, on the main process (global rank 0):
+
+    - `print(...)` becomes `tm.print(...)`, which prints on rank 0 only. The arguments are still
+      evaluated on every rank, so a print that calls an evaluation helper (which may reduce
+      metrics across ranks) stays safe. Continuation lines aligned under the call's arguments
+      move with them.
+    - `SummaryWriter(...)` (torch.utils.tensorboard, tensorboardX) becomes
+      `tm.main_only(SummaryWriter, ...)`: the real writer on rank 0, a null object that absorbs
+      every call elsewhere, so `writer.add_scalar(...)` / `writer.close()` need no guard. A
+      writer whose attributes the file reads as values (`os.path.join(writer.log_dir, ...)`)
+      is reported instead: the stand-in has no `log_dir` to give.
+    - `wandb.init(...)` gets `mode=None if tm.is_main() else "disabled"` (an existing `mode=m`
+      becomes `m if tm.is_main() else "disabled"`): on the other ranks every wandb call is then a
+      no-op and `wandb.config` still holds the values given to init, so `wandb.log(...)` needs no
+      guard. (Where this file logs to wandb without initialising it, the statements are guarded.)
+    - `mlflow.*(...)` statements (`mlflow.log_metric`, `mlflow.log_params`, ...) go under
+      `if tm.is_main():`; `with mlflow.start_run():` becomes `with tm.main_only(mlflow.start_run):`.
+
+    `logging` needs nothing: `tm.setup()` disables INFO and DEBUG records on the other ranks, so
+    `logger.info(...)` prints once while warnings and errors still show on every rank.
+
+    Output already under a rank guard (`if tm.is_main():`, `if rank == 0:`,
+    `if args.local_rank in [-1, 0]:`, ...) is left alone, and so is a `print` that the file
+    redefines or imports from elsewhere.
+
+    ## Why is this bad?
+    Under `torchrun --nproc-per-node=8` every line is printed eight times, interleaved; every
+    rank opens its own TensorBoard event file and its own wandb run. Logging calls whose
+    arguments run a forward pass or a function of this file are not guarded automatically (a
+    guard there could skip a collective on the other ranks and hang): they are reported.
+
+    In `lint` mode (files that already use torch.distributed) unguarded `print` calls are reported.
+    """
+
+    code = "TM601"
+    name = "main-print"
+    summary = "Print, TensorBoard and wandb/mlflow logging on the main process only"
+    safety = Safety.SAFE
+    commands = frozenset({"ddp", "lint"})
+    examples = (
+        Example(
+            before="""
+            import torch
+            from torch.utils.tensorboard import SummaryWriter
+            writer = SummaryWriter(log_dir)
+            print(f"epoch {epoch} loss {loss.item():.3f}")
+            """,
+            after="""
+            import torch
+            from torch.utils.tensorboard import SummaryWriter
+            import torchmigrate.runtime as tm
+            writer = tm.main_only(SummaryWriter, log_dir)
+            tm.print(f"epoch {epoch} loss {loss.item():.3f}")
+            """,
+        ),
+        Example(
+            before="""
+            import mlflow
+            import torch
+            import wandb
+            wandb.init(project="demo", config=vars(args))
+            for epoch in range(10):
+                wandb.log({"loss": loss})
+                mlflow.log_metric("loss", loss)
+            """,
+            after="""
+            import mlflow
+            import torch
+            import wandb
+            import torchmigrate.runtime as tm
+            wandb.init(project="demo", config=vars(args), mode=None if tm.is_main() else "disabled")
+            for epoch in range(10):
+                wandb.log({"loss": loss})
+                if tm.is_main():
+                    mlflow.log_metric("loss", loss)
+            """,
+        ),
+        Example(
+            before="""
+            import torch
+            if rank == 0:
+                print("saved")
+            """,
+        ),
+    )
+
+    def leave_Module(self, node: cst.Module) -> None:
+        ctx = self.ctx
+        if not active(ctx):
+            return
+        f = analysis.facts(ctx)
+        tm = ctx.tm
+        imports = [ctx.runtime_import()]
+        shadowed = None
+        guard_lines: List[cst.CSTNode] = []
+        for call, name in f.calls:
+            func = call.func
+            if name is None and isinstance(func, cst.Name) and func.value == "print":
+                if shadowed is None:
+                    shadowed = _print_shadowed(ctx)
+                if shadowed or caller_guards(ctx, call) is not None:
+                    continue
+                edits = [replace(func, lambda _f: expr(f"{tm}.print"))]
+                align = keep_alignment(call, f"{tm}.print", 0 if isinstance(ctx.parent(call), cst.Expr) else None)
+                if align is not None:
+                    edits.append(replace(call, align))
+                self.report(call, "print runs on every rank; tm.print prints once, on the main process",
+                            edits=edits, imports=imports)
+            elif name in SUMMARY_WRITERS:
+                if caller_guards(ctx, call) is not None or _is_main_only_arg(ctx, call):
+                    continue
+                read = _attributes_read(ctx, call)
+                if read:
+                    self.report(call, f"every rank would write its own TensorBoard event files, and the writer's "
+                                      f"`{read[0]}` is read as a value, which tm.main_only's stand-in on the other "
+                                      f"ranks cannot give: create the writer under `if {tm}.is_main():` and take "
+                                      f"`{read[0]}` from the arguments")
+                    continue
+                self.report(call, "every rank would write its own TensorBoard event files; create the "
+                                  "writer on the main process only (tm.main_only)",
+                            edits=[replace(call, _main_only_fix(tm))], imports=imports)
+            elif name == "wandb.init" and not any(a.star == "**" for a in call.args):
+                self._wandb_init(call)
+            elif name and name.startswith(_TRACKER_ROOTS) and not name.rsplit(".", 1)[1][:1].isupper():
+                if name.startswith("wandb.") and self._wandb_disabled_elsewhere():
+                    continue  # every wandb call is a no-op on the ranks where wandb.init got mode="disabled"
+                self._tracker_call(call, name, guard_lines)
+        # Assignment targets resolve to tracker names only through an import of the tracker:
+        # a file that imports neither needs no resolving of every assignment's targets.
+        tracked = ctx.imports.imports_module("wandb") or ctx.imports.imports_module("mlflow")
+        for assign in f.assigns if tracked else ():
+            if any(_tracker_target(ctx, t.target) for t in assign.targets):
+                if self._wandb_disabled_elsewhere() and (ctx.resolve(_base(assign.targets[0].target)) or "").startswith("wandb."):
+                    continue
+                line = guardable_line(ctx, assign)
+                if line is not None and not under_rank_guard(ctx, assign) and not runs_user_code(ctx, assign.value):
+                    guard_lines.append(line)
+        for run in sibling_runs(ctx, guard_lines):
+            self.report(run[0], "experiment-tracker calls run on every rank; log from the main process only",
+                        edits=[guard_edit(ctx, run)], imports=imports)
+
+    def _wandb_disabled_elsewhere(self) -> bool:
+        """The file calls `wandb.init(...)` in a form this rule gives a rank-dependent `mode=`."""
+        found = self.ctx.facts.get("tm_wandb_init")
+        if found is None:
+            found = any(name == "wandb.init" and not any(a.star == "**" for a in call.args)
+                        for call, name in analysis.facts(self.ctx).calls)
+            self.ctx.facts["tm_wandb_init"] = found
+        return bool(found)
+
+    def _wandb_init(self, call: cst.Call) -> None:
+        """`wandb.init(...)` -> `wandb.init(..., mode=None if tm.is_main() else "disabled")`: on the
+        other ranks every wandb call (log, watch, config, Image, finish) becomes a no-op, and
+        `wandb.config` still holds the values given to init, so nothing else needs a guard."""
+        ctx = self.ctx
+        current = next((a for a in call.args if a.keyword is not None and a.keyword.value == "mode"), None)
+        if current is not None and rank_dependent(ctx, current.value):
+            return
+        if caller_guards(ctx, call) is not None:
+            return
+        tm = ctx.tm
+
+        def fix(node: cst.Call) -> cst.Call:
+            mode = next((a for a in node.args if a.keyword is not None and a.keyword.value == "mode"), None)
+            value = cst.Name("None") if mode is None else mode.value
+            if isinstance(value, NEEDS_PARENS) and not value.lpar:
+                value = value.with_changes(lpar=[cst.LeftParen()], rpar=[cst.RightParen()])
+            new = cst.IfExp(test=expr(f"{tm}.is_main()"), body=value, orelse=cst.SimpleString('"disabled"'))
+            return set_kwarg(node, "mode", new) if mode is not None else add_kwarg(node, "mode", new)
+
+        self.report(call, "wandb.init starts a run on every rank; disable wandb on the other ranks "
+                          "(mode=\"disabled\" turns every wandb call into a no-op there)",
+                    edits=[replace(call, fix)], imports=[ctx.runtime_import()])
+
+    def _tracker_call(self, call: cst.Call, name: str, guard_lines: List[cst.CSTNode]) -> None:
+        ctx = self.ctx
+        parent = ctx.parent(call)
+        if not isinstance(parent, (cst.Expr, cst.Assign, cst.AnnAssign, cst.WithItem)):
+            return  # nested in another expression (e.g. an argument of wandb.log)
+        if parent is not None and not isinstance(parent, cst.Expr) and getattr(parent, "value", getattr(parent, "item", None)) is not call:
+            return
+        if caller_guards(ctx, call) is not None:
+            return
+        if isinstance(parent, cst.Expr):
+            line = guardable_line(ctx, call)
+            if line is None:
+                self.report(call, f"{name}(...) runs on every rank: put it under `if {ctx.tm}.is_main():`")
+                return
+            if runs_user_code(ctx, call):
+                self.report(call, f"{name}(...) runs on every rank, but its arguments run model or helper code that "
+                                  f"must run on every rank: compute them first, then log under "
+                                  f"`if {ctx.tm}.is_main():`")
+                return
+            guard_lines.append(line)
+        elif name in _TRACKER_FACTORIES:
+            self.report(call, f"{name}(...) starts a run on every rank; start it on the main process only "
+                              f"(tm.main_only returns a null object elsewhere)",
+                        edits=[replace(call, _main_only_fix(ctx.tm))], imports=[ctx.runtime_import()])
