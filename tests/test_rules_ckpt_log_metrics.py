@@ -14,10 +14,10 @@ import pytest
 
 from conftest import FIXTURES, migrate
 from torchmigrate.engine import process_source
-from torchmigrate.program.ranks import rank_dependent
 from torchmigrate.rule import Context, Options
 from torchmigrate.rules import get_rule, select
-from torchmigrate.rules.checkpoint import is_local_rank_test
+from torchmigrate.rules.checkpoint.tm501_save_main_unwrapped import is_local_rank_test
+from torchmigrate.program.ranks import rank_dependent
 
 CODES = ("TM501", "TM502", "TM601", "TM602", "TM701", "TM702")
 DDP = Options(mode="ddp")

@@ -27,6 +27,12 @@ How a run goes, and where each step lives:
      around a node, or around the calls of its function); `collectives`: the calls and code
      that must run on every rank; `scopes`: per-module indexes of scopes, assignments and
      names;
+   - `checkpoints`: the saves and loads of one module, the file each one names (also through
+     `with open(path) as f`), buffers and file objects, what its checkpoints hold; `writes`:
+     which calls write files, download them (or build a dataset's cache files), test whether a
+     file exists, or run under `main_process_first` already; `metrics`: the loops over data
+     loaders, the counts, lists and meters they fill, what happens to them after the loop, and
+     which calls compute a metric that needs every sample;
 3. rules (`torchmigrate.rules`): per family, a plan (the decisions: what this run does with
    what the facts say) and one rule per file, which reports findings with their edits; the
    data family (`rules/data/`: `plan.py`, `tm201_dist_sampler.py` ... `tm204_...`), the launch
@@ -35,7 +41,11 @@ How a run goes, and where each step lives:
    (`rules/logging/`: `tm601_main_print.py`, `tm602_tqdm_main.py`) and the
    AMP family (`rules/amp/`: `plan.py` decides where autocast goes, the one GradScaler and
    where it is created, where `unscale_` goes, from the training facts, `--amp` and the rules
-   enabled; `tm401_autocast_forward.py` ... `tm604_item_sync.py`) are laid out this way; the
+   enabled; `tm401_autocast_forward.py` ... `tm604_item_sync.py`) are laid out this way, and
+   so is the checkpoint family (`rules/checkpoint/`: `plan.py` decides which statements go under
+   `main_process_first`; `tm501_save_main_unwrapped.py` ... `tm505_main_process_first.py`) and
+   the metrics family (`rules/metrics/`: `plan.py` decides how a loop's loader ends up sharded,
+   so which denominators stay exact; `tm701_reduce_counts.py` ... `tm703_gather_list_mean.py`); the
    other families still keep their facts in their rule files;
 4. apply (`torchmigrate.apply`, `layout`): the edits become the new source of every changed
    module, written all together or not at all.

@@ -1,47 +1,39 @@
-"""TM501 save-main-unwrapped, TM502 load-map-location: checkpoints written once, read anywhere.
+"""TM501 save-main-unwrapped: checkpoints written once, by the main process.
 
-Division of labour with TM302 (unwrap-attr): that rule rewrites `model.module` and the
-`model.state_dict` / `model.load_state_dict` *functions* of wrapped models to `tm.unwrap(model)...`,
-and a wrapped model saved whole (`torch.save(model, f)`, `{"net": net}`) to `tm.unwrap(model)`.
-These rules never touch those nodes: TM501 edits the `torch.save` function, rank-guard tests
-and whole statements; TM502 edits `torch.load` calls and the *argument* of `load_state_dict`.
+This rule edits the `torch.save` function, rank-guard tests and whole statements; a wrapped model
+saved whole is TM302's (see the package docstring).
 """
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Set, Tuple
+from typing import Dict, List, Optional, Set
 
 import libcst as cst
 
 from torchmigrate import analysis
 from torchmigrate.finding import Safety, insert_after, insert_before, replace
 from torchmigrate.imports import dotted
-from torchmigrate.nodes import arg, code, keep_alignment, set_kwarg
-from torchmigrate.nodes import expr as cached_expr, stmt as cached_stmt  # (parsed once per text)
+from torchmigrate.nodes import arg, code, keep_alignment
+from torchmigrate.program.checkpoints import (LOADS, SAVES, file_handle, is_buffer, is_open, load_events, path_text,
+                                              with_binding)
+from torchmigrate.rule import Context, Example, Rule
+from torchmigrate.rules.checkpoint.plan import plan
+from torchmigrate.nodes import expr as cached_expr, stmt as cached_stmt
 from torchmigrate.options import RUNTIME_MODULE as RUNTIME
 from torchmigrate.program.collectives import runs_user_code
 from torchmigrate.program.rank_guards import caller_guards, collective_guard, under_rank_guard
 from torchmigrate.program.ranks import rank_word
-from torchmigrate.program.scopes import assignments, names_in, scope_of
+from torchmigrate.program.scopes import scope_of
 from torchmigrate.program.syntax import body_of, index_in, iter_nodes
-from torchmigrate.rule import Context, Example, Rule
-from torchmigrate.rules import downloads
 from torchmigrate.rules._active import active
 from torchmigrate.rules._guards import guard_edit, guardable_line, sibling_runs
 
-SAVES = {"torch.save", RUNTIME + ".save"}
 _IMAGE_WRITERS = {"torchvision.utils.save_image"}
-LOADS = {"torch.load"}
 # File operations that, after `tm.save`, would run on ranks where the file was never written.
 _FILE_OPS = {
     "shutil.copy", "shutil.copyfile", "shutil.copy2", "shutil.move", "os.rename", "os.replace",
     "os.remove", "os.unlink", "os.symlink", "os.link",
 }
-_BUFFER_FACTORIES = ("io.BytesIO", "io.StringIO", "tempfile.")
-_BUFFER_NAMES = ("buf", "buffer", "bio", "stream", "bytes_io", "byte_io", "fobj")
-_CONFIG_NAMES = {"args", "opt", "opts", "config", "cfg", "conf", "hparams", "hyperparams", "hp", "options",
-                 "flags", "settings", "hyper_params", "train_args", "training_args", "params"}
-_PLAIN_FACTORIES = ("dict", "vars", "asdict", "dataclasses.asdict", "OmegaConf.to_container", "copy.deepcopy")
 
 
 def _is_local_rank_expr(node: cst.BaseExpression) -> bool:
@@ -114,82 +106,6 @@ def _per_node_test(guard: cst.CSTNode) -> Optional[cst.Comparison]:
                                      and rank_word((dotted(left.left) or "").rsplit(".", 1)[-1])):
             return n
     return None
-
-
-def _dict_values(obj: cst.BaseExpression) -> List[cst.BaseExpression]:
-    """The values of a `{...}` or `dict(k=v, ...)` expression; [] for anything else."""
-    if isinstance(obj, cst.Dict):
-        return [e.value for e in obj.elements if isinstance(e, cst.DictElement)]
-    if isinstance(obj, cst.Call) and dotted(obj.func) == "dict":
-        return [a.value for a in obj.args if a.keyword is not None]
-    return []
-
-
-def _bound_from(ctx: Context, name: str, scope: cst.CSTNode) -> List[cst.BaseExpression]:
-    """Values assigned to a plain name in a scope."""
-    return [a.value for a in assignments(ctx).get((scope, name), ())]
-
-
-def _is_buffer(ctx: Context, target: cst.BaseExpression, scope: cst.CSTNode) -> bool:
-    """`torch.save(obj, buf)` into an in-memory or temporary file object that the process reads back."""
-    candidates = [target]
-    if isinstance(target, cst.Name):
-        if any(b in target.value.lower() for b in _BUFFER_NAMES):
-            return True
-        candidates += _bound_from(ctx, target.value, scope)
-        for anc in ctx.ancestors(target):  # `with tempfile.TemporaryFile() as f:`
-            if isinstance(anc, (cst.FunctionDef, cst.ClassDef)):
-                break
-            for n in anc.items if isinstance(anc, cst.With) else ():
-                if n.asname is not None and isinstance(n.asname.name, cst.Name) \
-                        and n.asname.name.value == target.value and isinstance(n.item, cst.Call) \
-                        and (dotted(n.item.func) or "").split(".")[-1] != "open":
-                    return True
-    for c in candidates:
-        if isinstance(c, cst.Call):
-            name = ctx.resolve(c.func) or dotted(c.func) or ""
-            if name.startswith(_BUFFER_FACTORIES) or name.endswith(("BytesIO", "StringIO")):
-                return True
-    return False
-
-
-
-
-def _file_handle(ctx: Context, call: cst.Call, target: cst.BaseExpression) -> Tuple[bool, Optional[cst.With]]:
-    """For `torch.save(obj, f)` into a file object opened in this file: (True, the
-    `with open(...) as f:` statement, or None when the file is opened elsewhere); (False, None)
-    for a path."""
-    if isinstance(target, cst.Call):
-        name = ctx.resolve(target.func) or dotted(target.func) or ""
-        return (name.split(".")[-1] == "open", None)
-    if not isinstance(target, cst.Name):
-        return False, None
-    bound = _with_binding(ctx, call, target.value)
-    if bound is not None:
-        statement, value = bound
-        return (True, statement) if _is_open(value) else (False, None)
-    for value in _bound_from(ctx, target.value, scope_of(ctx, call)):
-        if _is_open(value):
-            return True, None
-    return False, None
-
-
-def _with_binding(ctx: Context, call: cst.Call, name: str) -> Optional[Tuple[cst.With, cst.BaseExpression]]:
-    """The innermost `with <value> as name:` around `call` in its function: (statement, value)."""
-    for anc in ctx.ancestors(call):
-        if isinstance(anc, cst.With):
-            for item in anc.items:
-                if item.asname is not None and isinstance(item.asname.name, cst.Name) \
-                        and item.asname.name.value == name:
-                    return anc, item.item
-        if isinstance(anc, (cst.FunctionDef, cst.ClassDef)):
-            break
-    return None
-
-
-def _is_open(node: cst.BaseExpression) -> bool:
-    """`open(...)` (any spelling ending in `open`)."""
-    return isinstance(node, cst.Call) and (dotted(node.func) or "").split(".")[-1] == "open"
 
 
 class SaveMainUnwrapped(Rule):
@@ -345,9 +261,9 @@ class SaveMainUnwrapped(Rule):
                 continue  # a helper called only under global rank guards
             scope = scope_of(ctx, call)
             target = arg(call, "f", 1)
-            if target is None or _is_buffer(ctx, target.value, scope):
+            if target is None or is_buffer(ctx, target.value, scope):
                 continue
-            is_handle, handle = _file_handle(ctx, call, target.value)
+            is_handle, handle = file_handle(ctx, call, target.value)
             if is_handle:
                 self._guard_handle(call, handle)
                 self._reload_check(index, call, scope, automatic=False)
@@ -467,14 +383,14 @@ class SaveMainUnwrapped(Rule):
             if any(n and n.endswith(".barrier") and scope_of(ctx, c) is scope for c, n in between):
                 continue  # already waited for
             first = arg(call, "f", 0)
-            loaded = _path_text(ctx, call, first.value) if first is not None else None
+            loaded = path_text(ctx, call, first.value) if first is not None else None
             if any(n in SAVES and scope_of(ctx, c) is scope and arg(c, "f", 1) is not None
-                   and _path_text(ctx, c, arg(c, "f", 1).value) == loaded for c, n in between):
+                   and path_text(ctx, c, arg(c, "f", 1).value) == loaded for c, n in between):
                 continue  # saved here under the same name: the save's own reload check waits for it
             line = ctx.statement_of(call)
-            opened = _with_binding(ctx, call, first.value.value) if first is not None and isinstance(
+            opened = with_binding(ctx, call, first.value.value) if first is not None and isinstance(
                 first.value, cst.Name) else None
-            if opened is not None and _is_open(opened[1]):
+            if opened is not None and is_open(opened[1]):
                 line = opened[0]  # `with open(best) as f: torch.load(f)`: wait before opening
             if collective_guard(ctx, call) is not None \
                     or not isinstance(line, (cst.SimpleStatementLine, cst.With)) \
@@ -520,15 +436,10 @@ class SaveMainUnwrapped(Rule):
         `automatic` off (a save into an opened file, whose `with` gets a rank guard) the barrier
         is only reported."""
         ctx = self.ctx
-        if downloads.plan(ctx).orders(ctx, save):
+        if plan(ctx).orders(ctx, save):
             return  # a cache built under main_process_first: complete before any rank reads it
         path = None  # the saved path's text, generated only once a load in this scope needs it
-        events = ctx.facts.get("tm_load_events")
-        if events is None:
-            events = [(i, call, name) for i, (call, name) in enumerate(analysis.facts(ctx).calls)
-                      if name and (name.endswith(".barrier") or name in LOADS or name == RUNTIME + ".load")]
-            ctx.facts["tm_load_events"] = events
-        for i, call, name in events:
+        for i, call, name in load_events(ctx):
             if i <= index:
                 continue
             if name.endswith(".barrier"):
@@ -536,8 +447,8 @@ class SaveMainUnwrapped(Rule):
             if scope_of(ctx, call) is scope:
                 first = arg(call, "f", 0)
                 if path is None and first is not None:
-                    path = _path_text(ctx, save, arg(save, "f", 1).value)
-                if first is not None and _path_text(ctx, call, first.value) == path:
+                    path = path_text(ctx, save, arg(save, "f", 1).value)
+                if first is not None and path_text(ctx, call, first.value) == path:
                     line = ctx.statement_of(save)
                     if automatic and collective_guard(ctx, save) is None and isinstance(line, cst.SimpleStatementLine) \
                             and isinstance(ctx.parent(line), (cst.IndentedBlock, cst.Module)) \
@@ -552,16 +463,6 @@ class SaveMainUnwrapped(Rule):
                     return
 
 
-def _path_text(ctx: Context, call: cst.Call, file: cst.BaseExpression) -> str:
-    """The text of the path a save or load call writes or reads: `p` for a file object from
-    `with open(p, ...) as f:` around the call or for `open(p, ...)` itself, else the argument."""
-    bound = _with_binding(ctx, call, file.value) if isinstance(file, cst.Name) else None
-    opened = bound[1] if bound is not None else file
-    if _is_open(opened) and opened.args:
-        return code(opened.args[0].value)
-    return code(file)
-
-
 def _unconditional(ctx: Context, line: cst.CSTNode, scope: cst.CSTNode) -> bool:
     """`line` runs whenever its function does (only `for`/`with` blocks around it): a barrier
     there is reached by every rank. Under `if acc > best:` ranks may disagree and hang."""
@@ -571,271 +472,3 @@ def _unconditional(ctx: Context, line: cst.CSTNode, scope: cst.CSTNode) -> bool:
         if isinstance(anc, (cst.If, cst.While, cst.Try, cst.TryStar, cst.ExceptHandler, cst.Match)):
             return False
     return True
-
-
-# --- TM502 ---------------------------------------------------------------------------------
-
-_MOVES = ("to", "cuda", "cpu", "load_state_dict")
-
-
-class LoadMapLocation(Rule):
-    """
-    ## What it does
-    - `torch.load(path)` without `map_location` gets `map_location="cpu"` when what it loads
-      goes into `load_state_dict(...)` or is moved with `.to(...)`/`.cuda()` (a positional or
-      keyword `map_location` is kept). For other loads (tensors or whole objects used as
-      loaded) the same fix is offered as unsafe: the tensors end up on the CPU.
-    - `model.load_state_dict(sd)` for a trained (DDP-wrapped) model loads
-      `tm.strip_prefix(sd)`, which drops `module.` / `_orig_mod.` key prefixes written by
-      `nn.DataParallel`, DDP or `torch.compile` models (TM302 turns `model.load_state_dict`
-      into `tm.unwrap(model).load_state_dict`).
-    - `weights_only` is never changed. When this file saves non-tensor objects in its
-      checkpoints (`args`, a config object, a whole model), a note says that `torch.load`
-      defaults to `weights_only=True` since torch 2.6 and raises `UnpicklingError` on them.
-
-    ## Why is this bad?
-    Without `map_location`, tensors saved from `cuda:0` are loaded onto `cuda:0` by every rank:
-    rank 0's GPU runs out of memory, the other ranks get tensors on the wrong device
-    (pytorch/pytorch#23138). Checkpoints written from a wrapped model carry `module.` prefixes
-    that a plain model refuses ("Missing key(s) in state_dict").
-
-    In `lint` mode (distributed files) `torch.load` without `map_location` is reported.
-    """
-
-    code = "TM502"
-    name = "load-map-location"
-    summary = "Load checkpoints to the CPU and tolerate module./_orig_mod. prefixes"
-    safety = Safety.SAFE
-    commands = frozenset({"ddp", "lint"})
-    examples = (
-        Example(
-            before="""
-            import torch
-            model = Net()
-            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-            ckpt = torch.load(args.resume)
-            model.load_state_dict(ckpt["model"])
-            """,
-            after="""
-            import torch
-            import torchmigrate.runtime as tm
-            model = Net()
-            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-            ckpt = torch.load(args.resume, map_location="cpu")
-            model.load_state_dict(tm.strip_prefix(ckpt["model"]))
-            """,
-        ),
-        Example(
-            before="""
-            import torch
-            state = torch.load(path, "cpu")
-            """,
-        ),
-    )
-
-    def leave_Module(self, node: cst.Module) -> None:
-        ctx = self.ctx
-        if not active(ctx):
-            return
-        f = analysis.facts(ctx)
-        loads = [call for call, name in f.calls if name in LOADS]
-        lsd = [call for call, _ in f.calls
-               if isinstance(call.func, cst.Attribute) and call.func.attr.value == "load_state_dict"]
-        non_tensor = None
-        for call in loads:
-            if any(a.star == "**" for a in call.args):
-                continue
-            feeds = self._feeds_state_dict(call, lsd)
-            if arg(call, "map_location", 1) is None and arg(call, "f", 0) is not None \
-                    and not self._placed_in_other_branch(call, loads):
-                fix = replace(call, lambda c: set_kwarg(c, "map_location", cached_expr('"cpu"')))
-                if feeds:
-                    self.report(call, "torch.load without map_location loads GPU-saved tensors onto the device "
-                                      "they were saved from (cuda:0) on every rank; load to the CPU",
-                                edits=[fix])
-                else:
-                    self.report(call, "torch.load without map_location: every rank loads GPU-saved tensors onto "
-                                      "cuda:0. Add map_location=\"cpu\" (then move what you use to tm.device()) "
-                                      "or map_location=tm.device()",
-                                edits=[fix], safety=Safety.UNSAFE)
-            if feeds and arg(call, "weights_only") is None:
-                if non_tensor is None:
-                    non_tensor = self._non_tensor_saved()
-                if non_tensor:
-                    names = ", ".join(f"`{n}`" for n in non_tensor)
-                    self.report(call, f"this file's checkpoints hold non-tensor objects ({names}); torch.load "
-                                      f"defaults to weights_only=True since torch 2.6 and then raises "
-                                      f"UnpicklingError: pass weights_only=False for files you trust, or save "
-                                      f"plain values (e.g. vars(args))")
-        if ctx.options.mode == "ddp":
-            self._strip_prefix(lsd)
-
-    def _strip_prefix(self, lsd: List[cst.Call]) -> None:
-        ctx = self.ctx
-        models = set(analysis.trained_models(ctx))
-        wrapped = ctx.facts.get("wrapped_models")
-        if wrapped is None and hasattr(analysis, "wrapped_models"):
-            try:  # computed by the model rules; optional
-                wrapped = analysis.wrapped_models(ctx)
-            except Exception:  # noqa: BLE001
-                wrapped = ()
-        wrapped = wrapped or ()
-        if isinstance(wrapped, dict):
-            wrapped = wrapped.keys()
-        for w in wrapped:
-            name = w if isinstance(w, str) else getattr(w, "name", None)
-            if isinstance(name, str):
-                models.add(analysis.model_root(name))
-        if not models or self._own_module_attribute():
-            return
-        tm = ctx.tm
-        for call in lsd:
-            owner = call.func.value
-            if isinstance(owner, cst.Call) and ctx.resolve(owner.func) == RUNTIME + ".unwrap" and owner.args:
-                owner = owner.args[0].value
-            name = dotted(owner)
-            if name is None or analysis.model_root(name) not in models:
-                continue
-            a = arg(call, "state_dict", 0)
-            if a is None or a.star:
-                continue
-            value = a.value
-            if isinstance(value, cst.Call) and ctx.resolve(value.func) in (RUNTIME + ".strip_prefix",):
-                continue
-
-            def fix(node: cst.Arg) -> cst.Arg:
-                return node.with_changes(value=cst.Call(func=cached_expr(f"{tm}.strip_prefix"), args=[cst.Arg(value=node.value)]))
-
-            self.report(a.value, "checkpoints from DataParallel/DDP/compiled models carry `module.`/`_orig_mod.` "
-                                 "key prefixes; tm.strip_prefix loads them into the plain model",
-                        edits=[replace(a, fix)], imports=[ctx.runtime_import()])
-
-    def _placed_in_other_branch(self, call: cst.Call, loads: List[cst.Call]) -> bool:
-        """`if args.gpu is None: torch.load(p)` / `else: torch.load(p, map_location=loc)` (the
-        ImageNet example, MoCo): the script places the load itself where it runs one process
-        per GPU; the branch without map_location is its single-process (DataParallel) path.
-        Only for code that is distributed already: a migration runs that branch under torchrun."""
-        if self.ctx.options.mode != "lint":
-            return False
-        statement = self.ctx.statement_of(call)
-        branch = self.ctx.parent(statement)
-        test_if = self.ctx.parent(branch)
-        if isinstance(test_if, cst.Else):
-            branch, test_if = test_if, self.ctx.parent(test_if)
-        if not isinstance(test_if, cst.If) or test_if.orelse is None:
-            return False
-        other = test_if.orelse if branch is test_if.body else test_if.body
-        return any(arg(c, "map_location", 1) is not None and any(a is other for a in self.ctx.ancestors(c))
-                   for c in loads)
-
-    def _own_module_attribute(self) -> bool:
-        """A class of this file sets `self.module = ...` (or `_orig_mod`): its parameters
-        legitimately start with `module.`, so stripping prefixes could drop real key parts."""
-        for assign in analysis.facts(self.ctx).assigns:
-            for t in assign.targets:
-                if dotted(t.target) in ("self.module", "self._orig_mod"):
-                    return True
-        return False
-
-    def _feeds_state_dict(self, call: cst.Call, lsd: List[cst.Call]) -> bool:
-        """The loaded object goes into `load_state_dict(...)` or is moved with `.to()`/`.cuda()`."""
-        ctx = self.ctx
-        target: Optional[str] = None
-        for anc in ctx.ancestors(call):
-            if isinstance(anc, cst.Call) and isinstance(anc.func, cst.Attribute) and anc.func.attr.value in _MOVES:
-                return True
-            if isinstance(anc, cst.Assign):
-                if len(anc.targets) == 1 and isinstance(anc.targets[0].target, cst.Name):
-                    target = anc.targets[0].target.value
-                break
-            if isinstance(anc, (cst.BaseSmallStatement, cst.BaseCompoundStatement)):
-                break
-        if target is None:
-            return False
-        scope = scope_of(ctx, call)
-        tracked = {target}
-        assigns = assignments(ctx).get((scope, None), ())
-        for _ in range(2):
-            for a in assigns:
-                if len(a.targets) == 1 and isinstance(a.targets[0].target, cst.Name) and names_in(ctx, a.value) & tracked:
-                    tracked.add(a.targets[0].target.value)
-        for other in lsd:
-            if any(names_in(ctx, x.value) & tracked for x in other.args) and scope_of(ctx, other) is scope:
-                return True
-        for c in self._moves():
-            if c.func.value.value in tracked and scope_of(ctx, c) is scope:
-                return True
-        return False
-
-    def _moves(self) -> List[cst.Call]:
-        """`name.to(...)` / `name.cuda()` calls of the file."""
-        found = self.ctx.facts.get("tm_moves")
-        if found is None:
-            found = [c for c, _ in analysis.facts(self.ctx).calls
-                     if isinstance(c.func, cst.Attribute) and c.func.attr.value in ("to", "cuda")
-                     and isinstance(c.func.value, cst.Name)]
-            self.ctx.facts["tm_moves"] = found
-        return found  # type: ignore[return-value]
-
-    def _non_tensor_saved(self) -> List[str]:
-        """Names of non-tensor objects (argparse/config objects, whole modules or optimizers) that
-        this file puts into its checkpoints."""
-        ctx = self.ctx
-        f = analysis.facts(ctx)
-        models = set(analysis.trained_models(ctx))
-        optimizers = {o.target for o in analysis.optimizers(ctx) if o.target}
-        found: List[str] = []
-
-        def plain(name: str) -> bool:
-            for a in (x for (_, n), xs in assignments(ctx).items() if n == name for x in xs):
-                for t in a.targets:
-                    if isinstance(t.target, cst.Name) and t.target.value == name:
-                        v = a.value
-                        if isinstance(v, (cst.Dict, cst.DictComp, cst.List, cst.Tuple, cst.SimpleString,
-                                          cst.Integer, cst.Float)):
-                            return True
-                        if isinstance(v, cst.Call) and (dotted(v.func) or "").endswith(_PLAIN_FACTORIES):
-                            return True
-            return False
-
-        def check(value: cst.BaseExpression) -> None:
-            name = dotted(value)
-            if name is None:
-                return
-            last = name.rsplit(".", 1)[-1]
-            if last.lower() in _CONFIG_NAMES and not plain(name):
-                label = name
-            elif name in models or name in optimizers:
-                label = name
-            else:
-                return
-            if label not in found:
-                found.append(label)
-
-        def values_of(obj: cst.BaseExpression, scope: cst.CSTNode) -> List[cst.BaseExpression]:
-            if not isinstance(obj, cst.Name):
-                return _dict_values(obj)
-            out: List[cst.BaseExpression] = []
-            for v in _bound_from(ctx, obj.value, scope):
-                out += _dict_values(v)
-            for a in subscript_assigns.get(obj.value, ()):
-                out.append(a.value)
-            return out
-
-        subscript_assigns: Dict[str, List[cst.Assign]] = {}
-        for a in f.assigns:
-            for t in a.targets:
-                if isinstance(t.target, cst.Subscript):
-                    key = dotted(t.target.value)
-                    if key:
-                        subscript_assigns.setdefault(key, []).append(a)
-        for call, name in f.calls:
-            if name not in SAVES or not call.args:
-                continue
-            obj = call.args[0].value
-            if isinstance(obj, cst.Name) and (obj.value in models or obj.value in optimizers):
-                check(obj)
-                continue
-            for v in values_of(obj, scope_of(ctx, call)):
-                check(v)
-        return found

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import List, Optional, Set
+from typing import List
 
 import libcst as cst
 
@@ -10,13 +10,14 @@ from torchmigrate import analysis
 from torchmigrate.finding import Safety, replace
 from torchmigrate.imports import dotted
 from torchmigrate.nodes import set_kwarg
+from torchmigrate.program.checkpoints import follows_save
+from torchmigrate.program.writes import is_pil_image
+from torchmigrate.rule import Example, Rule
+from torchmigrate.rules.checkpoint.plan import plan
 from torchmigrate.program.collectives import runs_user_code
 from torchmigrate.program.rank_guards import under_rank_guard
-from torchmigrate.rule import Example, Rule
-from torchmigrate.rules import downloads
 from torchmigrate.rules._active import active
 from torchmigrate.rules._guards import guard_edit, sibling_runs
-from torchmigrate.rules.checkpoint import SAVES
 
 # Copies into the experiment folder (`create_exp_dir` copying the scripts); right after a
 # checkpoint save they are TM501's.
@@ -122,7 +123,7 @@ class MainOnlyWrites(Rule):
                         and len(statement.body) == 1:
                     withs.append(statement)
         lines = []
-        ordered = downloads.plan(ctx)
+        ordered = plan(ctx)
         chosen = set(withs)
         for handle in withs:
             if under_rank_guard(ctx, handle) or not isinstance(ctx.parent(handle), (cst.IndentedBlock, cst.Module)):
@@ -145,9 +146,9 @@ class MainOnlyWrites(Rule):
         if name == "logging.basicConfig":  # with a log file: every rank would append to it
             return any(a.keyword is not None and a.keyword.value == "filename" for a in call.args)
         if name in _REMOVALS:
-            return self.ctx.options.mode == "ddp" and not self._after_save(call)
+            return self.ctx.options.mode == "ddp" and not follows_save(self.ctx, call)
         if name in _COPIES:
-            return not self._after_save(call)
+            return not follows_save(self.ctx, call)
         if name in analysis.FILE_WRITERS:
             return True
         func = call.func
@@ -155,45 +156,7 @@ class MainOnlyWrites(Rule):
             return False
         if func.attr.value in analysis.FILE_WRITER_METHODS:
             return True
-        return func.attr.value == "save" and self._pil_image(func.value, call)
-
-    def _after_save(self, call: cst.Call) -> bool:
-        """A statement after a checkpoint save line of the same block (TM501 guards those)."""
-        ctx = self.ctx
-        child: cst.CSTNode = call
-        for anc in ctx.ancestors(call):
-            body = getattr(anc, "body", None)
-            if isinstance(body, (list, tuple)) and child in body:
-                for before in body[:list(body).index(child)]:
-                    if any(ctx.resolve(c.func) in SAVES and ctx.statement_of(c) is before
-                           for c in ctx.within(before, cst.Call)):
-                        return True
-            if isinstance(anc, (cst.FunctionDef, cst.ClassDef)):
-                return False
-            child = anc
-        return False
-
-    def _pil_image(self, node: cst.BaseExpression, at: cst.CSTNode, seen: Optional[Set[cst.CSTNode]] = None) -> bool:
-        """A PIL image: `Image.fromarray(a)` (also `.convert(...)` of one), or a name the
-        enclosing function binds to one (`im = Image.fromarray(a); im.save(path)`). `seen`: the
-        assignments followed so far (`img = f(img)` binds a name to a call of itself)."""
-        ctx = self.ctx
-        seen = set() if seen is None else seen
-        while isinstance(node, cst.Call):
-            if (ctx.resolve(node.func) or "").startswith("PIL.Image."):
-                return True
-            node = node.func.value if isinstance(node.func, cst.Attribute) else None
-        if not isinstance(node, cst.Name):
-            return False
-        scope = ctx.enclosing(at, cst.FunctionDef)
-        for a in analysis.facts(ctx).assigns:
-            if ctx.enclosing(a, cst.FunctionDef) is scope and any(
-                    isinstance(t.target, cst.Name) and t.target.value == node.value for t in a.targets) \
-                    and isinstance(a.value, cst.Call) and a not in seen:
-                seen.add(a)
-                if self._pil_image(a.value, a, seen):
-                    return True
-        return False
+        return func.attr.value == "save" and is_pil_image(self.ctx, func.value, call)
 
     def _handler(self, call: cst.Call) -> None:
         ctx = self.ctx

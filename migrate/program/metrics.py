@@ -1,0 +1,360 @@
+"""Metric facts of one module: the loops over data loaders, the numbers, lists and meters they
+fill, and what the module does with them after the loop.
+
+No rule code and no option reads these: the metrics family (`rules/metrics/`) decides from them
+where a reduction or a gather goes (TM701, TM702, TM703).
+
+- which loops iterate a data loader (`loader_loop`, `iterates_loader`, `loader_names`,
+  `named_like_loader`) and which loader expression a loop iterates (`loader_expr`);
+- what a name holds before a loop (`initial_value`, `starts_empty_list`, `is_number`), whether the
+  loop rebinds it (`reassigned_in`) or may be left early (`leaves_early`);
+- what happens to names after a loop (`events_after`: their reads, augmented assignments, and
+  whether a collective runs before they are rebound; `binding_of`, `is_load`, `is_store`),
+  over a source-order index of names, calls and collectives (`source_index`);
+- which calls compute a metric that needs every sample (`metric_name`).
+
+Name resolution uses the import table (`ctx.resolve`), never across modules.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import TYPE_CHECKING, Dict, List, Optional, Set, Tuple
+
+import libcst as cst
+
+from torchmigrate import analysis
+from torchmigrate.imports import dotted
+from torchmigrate.program.loaders import DATALOADERS
+from torchmigrate.program.collectives import is_collective
+from torchmigrate.program.loaders import TQDM_CALLS
+from torchmigrate.program.scopes import scope_of
+from torchmigrate.program.syntax import body_of, index_in
+
+if TYPE_CHECKING:
+    from torchmigrate.rule import Context
+
+_WRAPPERS = {"enumerate", "iter", "zip"}
+
+
+def named_like_loader(name: str) -> bool:
+    """A dotted name that reads as a data loader: `val_loader`, `self.dl`, `train_dl`."""
+    last = name.rsplit(".", 1)[-1].lower()
+    return "loader" in last or last in ("dl", "dls") or last.endswith("_dl") or last.startswith("dl_")
+
+
+def loader_names(ctx: Context) -> Set[str]:
+    """Dotted names assigned from `DataLoader(...)` (or a progress bar over a loader)."""
+    def compute() -> Set[str]:
+        names: Set[str] = set()
+        for assign in analysis.facts(ctx).assigns:
+            value = assign.value
+            if not isinstance(value, cst.Call):
+                continue
+            resolved = ctx.resolve(value.func)
+            if resolved in DATALOADERS or dotted(value.func) in ctx.program.loader_classes or (resolved in TQDM_CALLS and value.args and iterates_loader(ctx, value.args[0].value, names)):
+                for t in assign.targets:
+                    d = dotted(t.target)
+                    if d:
+                        names.add(d)
+        return names
+
+    key = "tm_loader_names"
+    if key not in ctx.facts:
+        ctx.facts[key] = compute()
+    return ctx.facts[key]  # type: ignore[return-value]
+
+
+def iterates_loader(ctx: Context, node: cst.BaseExpression, known: Optional[Set[str]] = None) -> bool:
+    """`loader`, `self.val_loader`, `loaders["val"]`, `enumerate(loader)`, `tqdm(loader)`, `pbar`
+    (bound to `tqdm(loader)`), a name bound to `DataLoader(...)`."""
+    if isinstance(node, cst.Call):
+        func = node.func
+        resolved = ctx.resolve(func)
+        if isinstance(func, cst.Name) and func.value in _WRAPPERS:
+            args = [a.value for a in node.args if a.keyword is None and not a.star]
+            if func.value != "zip":
+                args = args[:1]
+            return any(iterates_loader(ctx, a, known) for a in args)
+        if resolved in TQDM_CALLS and node.args and node.args[0].keyword is None:
+            return iterates_loader(ctx, node.args[0].value, known)
+        return False
+    if isinstance(node, cst.Subscript):
+        node = node.value
+    name = dotted(node)
+    if name is None:
+        return False
+    if named_like_loader(name):
+        return True
+    names = known if known is not None else loader_names(ctx)
+    return name in names
+
+
+def loader_loop(ctx: Context, node: cst.CSTNode) -> Optional[cst.For]:
+    """The nearest enclosing `for` over a data loader, within the same function."""
+    for anc in ctx.ancestors(node):
+        if isinstance(anc, (cst.FunctionDef, cst.ClassDef, cst.Lambda)):
+            return None
+        if isinstance(anc, cst.For) and iterates_loader(ctx, anc.iter):
+            return anc
+    return None
+
+
+def loader_expr(ctx: Context, node: cst.BaseExpression) -> cst.BaseExpression:
+    """`enumerate(tqdm(loader))` -> `loader`."""
+    while isinstance(node, cst.Call) and node.args and node.args[0].keyword is None:
+        func = node.func
+        if (isinstance(func, cst.Name) and func.value in ("enumerate", "iter")) or ctx.resolve(func) in TQDM_CALLS:
+            node = node.args[0].value
+        else:
+            break
+    return node
+
+
+def is_number(node: cst.BaseExpression) -> bool:
+    """A numeric literal (`0`, `0.0`, `-1`)."""
+    if isinstance(node, (cst.Integer, cst.Float)):
+        return True
+    return isinstance(node, cst.UnaryOperation) and isinstance(node.expression, (cst.Integer, cst.Float))
+
+
+def _empty_list(node: cst.BaseExpression) -> bool:
+    if isinstance(node, cst.List):
+        return not node.elements
+    return isinstance(node, cst.Call) and dotted(node.func) == "list" and not node.args
+
+
+def _assigned(statement: cst.CSTNode, name: str) -> Tuple[bool, Optional[cst.BaseExpression]]:
+    """Whether a simple statement line assigns `name`, and the value (None if unknown)."""
+    if not isinstance(statement, cst.SimpleStatementLine):
+        return False, None
+    found: Tuple[bool, Optional[cst.BaseExpression]] = (False, None)
+    for small in statement.body:
+        if isinstance(small, cst.Assign):
+            for t in small.targets:
+                target = t.target
+                if isinstance(target, cst.Name) and target.value == name:
+                    found = (True, small.value)
+                elif isinstance(target, (cst.Tuple, cst.List)):
+                    for i, el in enumerate(target.elements):
+                        if isinstance(el.value, cst.Name) and el.value.value == name:
+                            value = small.value
+                            if isinstance(value, (cst.Tuple, cst.List)) and len(value.elements) == len(target.elements):
+                                found = (True, value.elements[i].value)
+                            else:
+                                found = (True, None)
+        elif isinstance(small, cst.AnnAssign) and isinstance(small.target, cst.Name) and small.target.value == name:
+            found = (True, small.value)
+        elif isinstance(small, cst.AugAssign) and isinstance(small.target, cst.Name) and small.target.value == name:
+            found = (True, None)
+    return found
+
+
+def initial_value(ctx: Context, loop: cst.CSTNode, name: str) -> Tuple[bool, Optional[cst.BaseExpression]]:
+    """The value `name` gets before `loop`, in the same function and the same iteration of any
+    enclosing loop (a counter set up before an outer `for epoch` loop is not reset per pass)."""
+    node = loop
+    while True:
+        parent = ctx.parent(node)
+        if parent is None:
+            return False, None
+        body = body_of(parent)
+        if body is not None and isinstance(parent, (cst.IndentedBlock, cst.Module)):
+            for s in reversed(body[:index_in(body, node)]):
+                found, value = _assigned(s, name)
+                if found:
+                    return True, value
+        if isinstance(parent, (cst.For, cst.While, cst.FunctionDef, cst.ClassDef, cst.Lambda, cst.Module)):
+            return False, None
+        node = parent
+
+
+def starts_empty_list(ctx: Context, loop: cst.CSTNode, name: str) -> bool:
+    found, value = initial_value(ctx, loop, name)
+    return found and value is not None and _empty_list(value)
+
+
+_SPANNED = (cst.For, cst.Assign, cst.AnnAssign, cst.AugAssign)
+
+
+class SourceIndex:
+    """Source-order positions of names and calls, where each loop and assignment starts and
+    ends, and the calls that communicate; built from the context's node index on first use
+    (only for files with candidate loops). Names and calls are looked up when asked for, as
+    the rules ask about a few names and most files have no collective calls."""
+
+    def __init__(self, ctx: Context) -> None:
+        self.ctx = ctx
+        self._names: Dict[str, List[Tuple[int, cst.Name]]] = {}
+        self.start = _Spans(ctx.position)
+        self.end = _Spans(ctx.last_position)
+        self.collectives = [(ctx.position(c), c) for c, name in analysis.facts(ctx).calls if is_collective(name)]
+        # calls of this file's helpers that communicate (`reduce_tensor(t)` wrapping dist.all_reduce)
+        helpers = set()
+        for _, c in self.collectives:
+            fn = ctx.enclosing(c, cst.FunctionDef)
+            if fn is not None:
+                helpers.add(fn.name.value)
+        if helpers:
+            for o, c in self.calls:
+                func = c.func
+                name = func.value if isinstance(func, cst.Name) else (
+                    func.attr.value if isinstance(func, cst.Attribute) and dotted(func.value) in ("self", "cls") else None)
+                if name in helpers:
+                    self.collectives.append((o, c))
+            self.collectives.sort(key=lambda item: item[0])
+
+    def names(self, value: str) -> List[Tuple[int, cst.Name]]:
+        """`(position, node)` of every Name spelling `value`, in source order."""
+        found = self._names.get(value)
+        if found is None:
+            position = self.ctx.position
+            found = self._names[value] = [(position(n), n) for n in self.ctx.named(value)]  # type: ignore[misc]
+        return found
+
+    @cached_property
+    def resolved(self) -> Dict[int, Optional[str]]:
+        """`id(call)` -> the call's qualified name (ids: no Python-level `__hash__`)."""
+        return {id(call): name for call, name in analysis.facts(self.ctx).calls}
+
+    @cached_property
+    def calls(self) -> List[Tuple[int, cst.Call]]:
+        """`(position, node)` of every call, in source order."""
+        return self.ctx.positioned(cst.Call)  # type: ignore[return-value]
+
+    @cached_property
+    def _call_order(self) -> Dict[cst.Call, int]:
+        return {c: o for o, c in self.calls}
+
+    def order_of(self, call: cst.Call) -> int:
+        """The source-order position of `call` (0 for a call not in the file's index)."""
+        return self._call_order.get(call, 0)
+
+
+class _Spans:
+    """`start[node]` / `end[node]` for loops and assignments (`get` defaults for others)."""
+
+    def __init__(self, where) -> None:
+        self.where = where
+
+    def __getitem__(self, node: cst.CSTNode) -> int:
+        if type(node) not in _SPANNED:  # exact types: isinstance against LibCST's ABCs is slow
+            raise KeyError(node)
+        return self.where(node)
+
+    def get(self, node: cst.CSTNode, default: int) -> int:
+        return self.where(node) if type(node) in _SPANNED else default
+
+
+def source_index(ctx: Context) -> SourceIndex:
+    index = ctx.facts.get("tm_source_index")
+    if index is None:
+        index = ctx.facts["tm_source_index"] = SourceIndex(ctx)
+    return index  # type: ignore[return-value]
+
+
+def binding_of(ctx: Context, name: cst.Name) -> Optional[cst.CSTNode]:
+    """The statement that (re)binds `name` when it is an assignment or loop target
+    (Assign, AnnAssign, For, With); AugAssign for `name += ...`; None for a read."""
+    node: cst.CSTNode = name
+    parent = ctx.parent(node)
+    while isinstance(parent, (cst.Tuple, cst.List, cst.Element, cst.StarredElement)):
+        node, parent = parent, ctx.parent(parent)
+    if isinstance(parent, cst.AssignTarget):
+        return ctx.parent(parent)
+    if isinstance(parent, (cst.AnnAssign, cst.AugAssign)) and parent.target is node:
+        return parent
+    if isinstance(parent, cst.For) and parent.target is node:
+        return parent
+    if isinstance(parent, cst.AsName):
+        return ctx.enclosing(parent, cst.With)
+    return None
+
+
+@dataclass
+class Events:
+    uses: List[cst.Name] = field(default_factory=list)
+    augs: List[cst.AugAssign] = field(default_factory=list)  # `x /= n`, `x += y` after the loop
+    collective: bool = False
+
+
+def events_after(ctx: Context, loop: cst.CSTNode, names: Set[str]) -> Dict[str, Events]:
+    """Reads of `names` after `loop` in the same function, each up to (and including) the
+    name's next rebinding statement, and whether a collective runs in that stretch."""
+    index = source_index(ctx)
+    start = index.end[loop]
+    scope = scope_of(ctx, loop)
+    collectives = [o for o, c in index.collectives if o > start and scope_of(ctx, c) is scope]
+    out = {}
+    for name in names:
+        ev = out[name] = Events()
+        stop = None
+        for order, node in index.names(name):
+            if order <= start or (stop is not None and order > stop):
+                continue
+            if scope_of(ctx, node) is not scope or not is_load(ctx, node):
+                continue
+            binding = binding_of(ctx, node)
+            if binding is None:
+                ev.uses.append(node)
+            elif isinstance(binding, cst.AugAssign):
+                ev.augs.append(binding)
+            elif stop is None:
+                stop = index.end.get(binding, order)
+        ev.collective = any(o <= stop for o in collectives) if stop is not None else bool(collectives)
+    return out
+
+
+def is_store(ctx: Context, name: cst.Name) -> bool:
+    parent = ctx.parent(name)
+    return not isinstance(parent, (cst.Attribute, cst.Subscript, cst.SubscriptElement, cst.Index))
+
+
+def is_load(ctx: Context, name: cst.Name) -> bool:
+    parent = ctx.parent(name)
+    if isinstance(parent, cst.Attribute) and parent.attr is name:
+        return False
+    if isinstance(parent, cst.Arg) and parent.keyword is name:
+        return False
+    return True
+
+
+def reassigned_in(ctx: Context, loop: cst.CSTNode, name: str) -> bool:
+    """`name` is bound by something other than `name += ...` inside the loop."""
+    index = source_index(ctx)
+    begin, end = index.start[loop], index.end[loop]
+    for order, node in index.names(name):
+        if begin < order <= end and is_load(ctx, node):
+            binding = binding_of(ctx, node)
+            if binding is not None and not isinstance(binding, cst.AugAssign):
+                return True
+    return False
+
+
+def leaves_early(ctx: Context, loop: cst.For) -> bool:
+    """A `return`, `yield` or `break` in the loop: ranks may leave it at different points and
+    never all reach a collective after it."""
+    return bool(ctx.within(loop.body, cst.Return, cst.Yield, cst.Break, skip_defs=True))
+
+
+_METRIC_TOKENS = {"auc", "roc", "auroc", "auprc", "f1", "fbeta", "mcc", "map", "iou", "miou", "wer", "cer", "r2",
+                  "ap", "dice", "bleu", "rouge", "kappa", "ndcg", "mrr", "acc"}
+_METRIC_WORDS = ("precision", "recall", "confusion", "matthews", "accuracy", "score", "metric", "pearson",
+                 "spearman", "corrcoef", "evaluat")
+_METRIC_MODULES = ("sklearn.metrics", "torchmetrics.functional", "scipy.stats", "pycocotools", "evaluate.")
+_NOT_METRICS = {"print", "len", "sum", "max", "min", "str", "float", "int", "list", "sorted", "map", "zip",
+                "enumerate", "range", "round", "abs"}
+
+
+def metric_name(ctx: Context, call: cst.Call) -> Optional[str]:
+    name = ctx.resolve(call.func) or dotted(call.func)
+    if not name:
+        return None
+    last = name.rsplit(".", 1)[-1]
+    if last in _NOT_METRICS:
+        return None
+    lower = last.lower()
+    if name.startswith(_METRIC_MODULES) or set(lower.split("_")) & _METRIC_TOKENS or any(w in lower for w in _METRIC_WORDS):
+        return last
+    return None

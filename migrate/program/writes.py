@@ -1,0 +1,199 @@
+"""File-write and download facts of one module: which calls fetch files from the network, which
+write a file, which test whether a file exists, and which already run under
+`main_process_first`.
+
+No rule code and no option reads these: the checkpoint family's plan (`rules/checkpoint/plan.py`)
+decides from them which statements go under `tm.main_process_first()` (TM505), and TM504 which
+writes go under `tm.is_main()`. Checkpoint saves and loads are in `program.checkpoints`.
+
+- `fetches`: a download (`urlretrieve`, `hf_hub_download`, a torchvision dataset given
+  `download=`, torchtext datasets, `load_dataset` and the `.map`/`.filter` calls on what it
+  returned, which write cache files: `hf_datasets`);
+- `writes_file`: a call that writes a file (known writers, `torch.save`, `open` for writing, a
+  writer method, `.save(...)`); `is_pil_image`: the receiver of `.save(path)` is a PIL image;
+- `existence_if` / `early_return_check`: the `if` that asks whether a file exists around a
+  statement, or returns early before it; `asks_exists`;
+- `under_main_process_first`: inside `with <anything>.main_process_first():` already;
+- `inside_def`, `in_loop`, `in_body`: where a statement runs.
+
+Name resolution uses the import table (`ctx.resolve`), never across modules.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional, Set
+
+import libcst as cst
+
+from torchmigrate import analysis
+from torchmigrate.imports import dotted
+from torchmigrate.program.syntax import body_of, index_in, iter_nodes
+
+if TYPE_CHECKING:
+    from torchmigrate.rule import Context
+
+# Calls that fetch files from the network (resolved names).
+_DOWNLOADS = frozenset({
+    "urllib.request.urlretrieve", "torch.hub.download_url_to_file",
+    "torchvision.datasets.utils.download_url", "torchvision.datasets.utils.download_and_extract_archive",
+    "torchvision.datasets.utils.download_file_from_google_drive",
+    "huggingface_hub.snapshot_download", "huggingface_hub.hf_hub_download", "datasets.load_dataset",
+    "gdown.download", "wget.download", "nltk.download",
+})
+# Dataset classes that download when given `download=` (anything but a literal False).
+_DATASET_PACKAGES = ("torchvision.datasets.", "torchaudio.datasets.")
+# torchtext's datasets fetch their files whenever they are built.
+_ALWAYS_FETCH = ("torchtext.datasets.",)
+_HF_LOAD = "datasets.load_dataset"
+# Methods of a Hugging Face dataset that write cache files next to it.
+_HF_CACHING = frozenset({"map", "filter"})
+_EXISTS = frozenset({"os.path.exists", "os.path.isfile", "os.path.isdir"})
+_EXISTS_METHODS = frozenset({"exists", "is_file", "is_dir"})
+_FIRST = frozenset({"main_process_first", "local_main_process_first"})
+_DEFS = (cst.FunctionDef, cst.ClassDef, cst.Lambda)
+
+
+def fetches(ctx: Context, call: cst.Call, name: Optional[str]) -> bool:
+    """`call` (resolved as `name`) fetches files from the network, or writes a Hugging Face
+    dataset's cache files."""
+    if name is not None and (name in _DOWNLOADS or name.startswith(_ALWAYS_FETCH)
+                             or name.startswith(_DATASET_PACKAGES) and _asks_download(call)):
+        return True
+    func = call.func
+    return isinstance(func, cst.Attribute) and func.attr.value in _HF_CACHING \
+        and _root_name(func.value) in hf_datasets(ctx, call)
+
+
+def writes_file(call: cst.Call, name: Optional[str]) -> bool:
+    """`call` (resolved as `name`) writes a file: a known writer, `torch.save`, `open(...)` for
+    writing, a writer method (`df.to_csv(p)`) or `.save(...)` / `.save_to_disk(...)` with arguments."""
+    func = call.func
+    return name in analysis.FILE_WRITERS or name == "torch.save" or (
+        (dotted(func) or "") == "open" and analysis.opens_for_writing(call)) or (
+        isinstance(func, cst.Attribute) and bool(call.args)
+        and (func.attr.value in analysis.FILE_WRITER_METHODS or func.attr.value in ("save", "save_to_disk")))
+
+
+def hf_datasets(ctx: Context, at: cst.CSTNode) -> Set[str]:
+    """Names the function holding `at` binds to what `load_dataset` returned (or its `.map`);
+    computed once per function."""
+    scope = ctx.scope_of(at)
+    cache = ctx.facts.setdefault("hf_datasets", {})
+    found = cache.get(scope)
+    if found is None:
+        found = cache[scope] = set()
+        for assign in analysis.facts(ctx).assigns:
+            value = assign.value
+            if ctx.scope_of(assign) is not scope or not isinstance(value, cst.Call):
+                continue
+            if ctx.resolve(value.func) == _HF_LOAD or (
+                    isinstance(value.func, cst.Attribute) and value.func.attr.value in _HF_CACHING
+                    and _root_name(value.func.value) in found):
+                found |= {t.target.value for t in assign.targets if isinstance(t.target, cst.Name)}
+    return found
+
+
+def is_pil_image(ctx: Context, node: cst.BaseExpression, at: cst.CSTNode,
+                 seen: Optional[Set[cst.CSTNode]] = None) -> bool:
+    """A PIL image: `Image.fromarray(a)` (also `.convert(...)` of one), or a name the
+    enclosing function binds to one (`im = Image.fromarray(a); im.save(path)`). `seen`: the
+    assignments followed so far (`img = f(img)` binds a name to a call of itself)."""
+    seen = set() if seen is None else seen
+    while isinstance(node, cst.Call):
+        if (ctx.resolve(node.func) or "").startswith("PIL.Image."):
+            return True
+        node = node.func.value if isinstance(node.func, cst.Attribute) else None
+    if not isinstance(node, cst.Name):
+        return False
+    scope = ctx.enclosing(at, cst.FunctionDef)
+    for a in analysis.facts(ctx).assigns:
+        if ctx.enclosing(a, cst.FunctionDef) is scope and any(
+                isinstance(t.target, cst.Name) and t.target.value == node.value for t in a.targets) \
+                and isinstance(a.value, cst.Call) and a not in seen:
+            seen.add(a)
+            if is_pil_image(ctx, a.value, a, seen):
+                return True
+    return False
+
+
+def existence_if(ctx: Context, node: cst.CSTNode) -> Optional[cst.If]:
+    """The innermost `if` around `node` (in its function) that asks whether a file exists;
+    of an `elif`, the whole chain."""
+    for anc in ctx.ancestors(node):
+        if isinstance(anc, _DEFS):
+            return None
+        if isinstance(anc, cst.If) and asks_exists(ctx, anc.test):
+            while isinstance(ctx.parent(anc), cst.If):
+                anc = ctx.parent(anc)
+            return anc
+    return None
+
+
+def early_return_check(ctx: Context, node: cst.CSTNode) -> Optional[cst.If]:
+    """`if os.path.exists(p): return load(p)` before the statement holding `node`, in its block."""
+    line = ctx.statement_of(node)
+    while line is not None and not isinstance(ctx.parent(line), (cst.IndentedBlock, cst.Module)):
+        line = ctx.statement_of(ctx.parent(line))
+    if line is None:
+        return None
+    body = body_of(ctx.parent(line)) or ()
+    for sibling in reversed(body[:max(index_in(body, line), 0)]):
+        if isinstance(sibling, cst.If) and asks_exists(ctx, sibling.test) and sibling.orelse is None \
+                and isinstance(sibling.body, cst.IndentedBlock) and sibling.body.body \
+                and any(isinstance(n, cst.Return) for n in iter_nodes(sibling.body.body[-1])):
+            return sibling
+    return None
+
+
+def under_main_process_first(ctx: Context, node: cst.CSTNode) -> bool:
+    """Inside `with <anything>.main_process_first(...)` already."""
+    return any(isinstance(anc, cst.With) and any(
+        isinstance(item.item, cst.Call) and (dotted(item.item.func) or "").rsplit(".", 1)[-1] in _FIRST
+        for item in anc.items) for anc in ctx.ancestors(node))
+
+
+def inside_def(ctx: Context, node: cst.CSTNode, statement: Optional[cst.CSTNode]) -> bool:
+    """`node` runs later than its statement: in a lambda (or a def) within it."""
+    for anc in ctx.ancestors(node):
+        if anc is statement:
+            return False
+        if isinstance(anc, _DEFS):
+            return True
+    return False
+
+
+def in_body(ctx: Context, statement: cst.CSTNode) -> bool:
+    """`statement` is a statement of a block (not a compound statement's header)."""
+    return isinstance(ctx.parent(statement), (cst.IndentedBlock, cst.Module))
+
+
+def in_loop(ctx: Context, node: cst.CSTNode) -> bool:
+    """`node` runs in a loop of its function."""
+    for anc in ctx.ancestors(node):
+        if isinstance(anc, (cst.For, cst.While)):
+            return True
+        if isinstance(anc, _DEFS):
+            return False
+    return False
+
+
+def _asks_download(call: cst.Call) -> bool:
+    """`download=` given and not a literal False."""
+    return any(a.keyword is not None and a.keyword.value == "download"
+               and not (isinstance(a.value, cst.Name) and a.value.value == "False") for a in call.args)
+
+
+def asks_exists(ctx: Context, test: cst.BaseExpression) -> bool:
+    """The test calls `os.path.exists`/`isfile`/`isdir` or a path's `.exists()`/`.is_file()`/`.is_dir()`."""
+    for n in iter_nodes(test):
+        if isinstance(n, cst.Call) and (ctx.resolve(n.func) in _EXISTS or (
+                isinstance(n.func, cst.Attribute) and n.func.attr.value in _EXISTS_METHODS and not n.args)):
+            return True
+    return False
+
+
+def _root_name(node: cst.BaseExpression) -> Optional[str]:
+    """`ds` of `ds`, `ds["train"]`, `ds.train`."""
+    while isinstance(node, (cst.Subscript, cst.Attribute)):
+        node = node.value
+    return node.value if isinstance(node, cst.Name) else None

@@ -1,0 +1,181 @@
+"""TM502 load-map-location: checkpoints read anywhere, onto the CPU, into plain models.
+
+This rule edits `torch.load` calls and the *argument* of `load_state_dict`; the
+`model.load_state_dict` function of a wrapped model is TM302's (see the package docstring).
+"""
+
+from __future__ import annotations
+
+from typing import List
+
+import libcst as cst
+
+from torchmigrate import analysis
+from torchmigrate.finding import Safety, replace
+from torchmigrate.imports import dotted
+from torchmigrate.nodes import arg, set_kwarg
+from torchmigrate.program.checkpoints import LOADS, feeds_state_dict, non_tensor_saved
+from torchmigrate.rule import Example, Rule
+from torchmigrate.nodes import expr as cached_expr
+from torchmigrate.options import RUNTIME_MODULE as RUNTIME
+from torchmigrate.rules._active import active
+
+
+class LoadMapLocation(Rule):
+    """
+    ## What it does
+    - `torch.load(path)` without `map_location` gets `map_location="cpu"` when what it loads
+      goes into `load_state_dict(...)` or is moved with `.to(...)`/`.cuda()` (a positional or
+      keyword `map_location` is kept). For other loads (tensors or whole objects used as
+      loaded) the same fix is offered as unsafe: the tensors end up on the CPU.
+    - `model.load_state_dict(sd)` for a trained (DDP-wrapped) model loads
+      `tm.strip_prefix(sd)`, which drops `module.` / `_orig_mod.` key prefixes written by
+      `nn.DataParallel`, DDP or `torch.compile` models (TM302 turns `model.load_state_dict`
+      into `tm.unwrap(model).load_state_dict`).
+    - `weights_only` is never changed. When this file saves non-tensor objects in its
+      checkpoints (`args`, a config object, a whole model), a note says that `torch.load`
+      defaults to `weights_only=True` since torch 2.6 and raises `UnpicklingError` on them.
+
+    ## Why is this bad?
+    Without `map_location`, tensors saved from `cuda:0` are loaded onto `cuda:0` by every rank:
+    rank 0's GPU runs out of memory, the other ranks get tensors on the wrong device
+    (pytorch/pytorch#23138). Checkpoints written from a wrapped model carry `module.` prefixes
+    that a plain model refuses ("Missing key(s) in state_dict").
+
+    In `lint` mode (distributed files) `torch.load` without `map_location` is reported.
+    """
+
+    code = "TM502"
+    name = "load-map-location"
+    summary = "Load checkpoints to the CPU and tolerate module./_orig_mod. prefixes"
+    safety = Safety.SAFE
+    commands = frozenset({"ddp", "lint"})
+    examples = (
+        Example(
+            before="""
+            import torch
+            model = Net()
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            ckpt = torch.load(args.resume)
+            model.load_state_dict(ckpt["model"])
+            """,
+            after="""
+            import torch
+            import torchmigrate.runtime as tm
+            model = Net()
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            ckpt = torch.load(args.resume, map_location="cpu")
+            model.load_state_dict(tm.strip_prefix(ckpt["model"]))
+            """,
+        ),
+        Example(
+            before="""
+            import torch
+            state = torch.load(path, "cpu")
+            """,
+        ),
+    )
+
+    def leave_Module(self, node: cst.Module) -> None:
+        ctx = self.ctx
+        if not active(ctx):
+            return
+        f = analysis.facts(ctx)
+        loads = [call for call, name in f.calls if name in LOADS]
+        lsd = [call for call, _ in f.calls
+               if isinstance(call.func, cst.Attribute) and call.func.attr.value == "load_state_dict"]
+        non_tensor = None
+        for call in loads:
+            if any(a.star == "**" for a in call.args):
+                continue
+            feeds = feeds_state_dict(ctx, call, lsd)
+            if arg(call, "map_location", 1) is None and arg(call, "f", 0) is not None \
+                    and not self._placed_in_other_branch(call, loads):
+                fix = replace(call, lambda c: set_kwarg(c, "map_location", cached_expr('"cpu"')))
+                if feeds:
+                    self.report(call, "torch.load without map_location loads GPU-saved tensors onto the device "
+                                      "they were saved from (cuda:0) on every rank; load to the CPU",
+                                edits=[fix])
+                else:
+                    self.report(call, "torch.load without map_location: every rank loads GPU-saved tensors onto "
+                                      "cuda:0. Add map_location=\"cpu\" (then move what you use to tm.device()) "
+                                      "or map_location=tm.device()",
+                                edits=[fix], safety=Safety.UNSAFE)
+            if feeds and arg(call, "weights_only") is None:
+                if non_tensor is None:
+                    non_tensor = non_tensor_saved(ctx)
+                if non_tensor:
+                    names = ", ".join(f"`{n}`" for n in non_tensor)
+                    self.report(call, f"this file's checkpoints hold non-tensor objects ({names}); torch.load "
+                                      f"defaults to weights_only=True since torch 2.6 and then raises "
+                                      f"UnpicklingError: pass weights_only=False for files you trust, or save "
+                                      f"plain values (e.g. vars(args))")
+        if ctx.options.mode == "ddp":
+            self._strip_prefix(lsd)
+
+    def _strip_prefix(self, lsd: List[cst.Call]) -> None:
+        ctx = self.ctx
+        models = set(analysis.trained_models(ctx))
+        wrapped = ctx.facts.get("wrapped_models")
+        if wrapped is None and hasattr(analysis, "wrapped_models"):
+            try:  # computed by the model rules; optional
+                wrapped = analysis.wrapped_models(ctx)
+            except Exception:  # noqa: BLE001
+                wrapped = ()
+        wrapped = wrapped or ()
+        if isinstance(wrapped, dict):
+            wrapped = wrapped.keys()
+        for w in wrapped:
+            name = w if isinstance(w, str) else getattr(w, "name", None)
+            if isinstance(name, str):
+                models.add(analysis.model_root(name))
+        if not models or self._own_module_attribute():
+            return
+        tm = ctx.tm
+        for call in lsd:
+            owner = call.func.value
+            if isinstance(owner, cst.Call) and ctx.resolve(owner.func) == RUNTIME + ".unwrap" and owner.args:
+                owner = owner.args[0].value
+            name = dotted(owner)
+            if name is None or analysis.model_root(name) not in models:
+                continue
+            a = arg(call, "state_dict", 0)
+            if a is None or a.star:
+                continue
+            value = a.value
+            if isinstance(value, cst.Call) and ctx.resolve(value.func) in (RUNTIME + ".strip_prefix",):
+                continue
+
+            def fix(node: cst.Arg) -> cst.Arg:
+                return node.with_changes(value=cst.Call(func=cached_expr(f"{tm}.strip_prefix"), args=[cst.Arg(value=node.value)]))
+
+            self.report(a.value, "checkpoints from DataParallel/DDP/compiled models carry `module.`/`_orig_mod.` "
+                                 "key prefixes; tm.strip_prefix loads them into the plain model",
+                        edits=[replace(a, fix)], imports=[ctx.runtime_import()])
+
+    def _placed_in_other_branch(self, call: cst.Call, loads: List[cst.Call]) -> bool:
+        """`if args.gpu is None: torch.load(p)` / `else: torch.load(p, map_location=loc)` (the
+        ImageNet example, MoCo): the script places the load itself where it runs one process
+        per GPU; the branch without map_location is its single-process (DataParallel) path.
+        Only for code that is distributed already: a migration runs that branch under torchrun."""
+        if self.ctx.options.mode != "lint":
+            return False
+        statement = self.ctx.statement_of(call)
+        branch = self.ctx.parent(statement)
+        test_if = self.ctx.parent(branch)
+        if isinstance(test_if, cst.Else):
+            branch, test_if = test_if, self.ctx.parent(test_if)
+        if not isinstance(test_if, cst.If) or test_if.orelse is None:
+            return False
+        other = test_if.orelse if branch is test_if.body else test_if.body
+        return any(arg(c, "map_location", 1) is not None and any(a is other for a in self.ctx.ancestors(c))
+                   for c in loads)
+
+    def _own_module_attribute(self) -> bool:
+        """A class of this file sets `self.module = ...` (or `_orig_mod`): its parameters
+        legitimately start with `module.`, so stripping prefixes could drop real key parts."""
+        for assign in analysis.facts(self.ctx).assigns:
+            for t in assign.targets:
+                if dotted(t.target) in ("self.module", "self._orig_mod"):
+                    return True
+        return False

@@ -1,0 +1,356 @@
+"""TM701 reduce-counts: counts and sums accumulated over a sharded loader, reduced across ranks.
+
+After the migration every rank iterates its own shard of each loader, so counts and sums
+accumulated in a loop are per rank. This rule reduces them once after the loop (one collective
+for all of them, on every rank), when every division they take part in stays right (`plan`).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Dict, List, Optional, Set, Tuple
+
+import libcst as cst
+
+from torchmigrate import analysis
+from torchmigrate.finding import Safety, insert_after
+from torchmigrate.nodes import code
+from torchmigrate.program.metrics import (events_after, initial_value, is_number, loader_loop, named_like_loader,
+                                          reassigned_in)
+from torchmigrate.rule import Context, Example, Rule
+from torchmigrate.program.rank_guards import collective_guard
+from torchmigrate.rules._active import active
+from torchmigrate.rules.metrics.plan import ExactDenominators, exact_lens
+
+
+_SAFE_FUNCS = {"max", "min", "float", "int", "abs", "round"}
+_SAFE_METHODS = {"item", "float", "double", "cpu", "long"}
+
+_DIVISIONS = (cst.Divide, cst.FloorDivide)
+_DIVISION_ASSIGNS = (cst.DivideAssign, cst.FloorDivideAssign, cst.MultiplyAssign)
+
+
+def _closed(node: cst.CSTNode, group: Set[str], lens: Set[str] = frozenset()) -> bool:
+    """Only accumulators of `group`, numbers, max/min/float/int/abs/round, and `len(X)` for X in `lens`."""
+    if isinstance(node, cst.Name):
+        return node.value in group
+    if isinstance(node, (cst.Integer, cst.Float)):
+        return True
+    if isinstance(node, cst.BinaryOperation):
+        return _closed(node.left, group, lens) and _closed(node.right, group, lens)
+    if isinstance(node, cst.UnaryOperation):
+        return _closed(node.expression, group, lens)
+    if isinstance(node, cst.Call):
+        func = node.func
+        if isinstance(func, cst.Name) and func.value in _SAFE_FUNCS:
+            return all(_closed(a.value, group, lens) for a in node.args)
+        if isinstance(func, cst.Name) and func.value == "len" and len(node.args) == 1 and lens:
+            return code(node.args[0].value).replace(" ", "") in lens
+        if isinstance(func, cst.Attribute) and func.attr.value in _SAFE_METHODS and not node.args:
+            return _closed(func.value, group, lens)
+        return False
+    return False
+
+
+def _classify(left: cst.CSTNode, right: cst.CSTNode, whole: cst.CSTNode, group: Set[str], exact: ExactDenominators) -> Optional[str]:
+    """How a division involving accumulators stays right after reducing: "sum" (reduce with a
+    sum), "mean" (`x / len(loader)`: average over ranks), or None (foreign denominator)."""
+    if _closed(whole, group) or (exact.dataset and _closed(whole, group, exact.dataset)):
+        return "sum"
+    if exact.batches and _closed(left, group) and isinstance(right, cst.Call) and _closed(right, set(), exact.batches):
+        return "mean"
+    return None
+
+
+def _divisions_of(ctx: Context, use: cst.Name) -> List[cst.BinaryOperation]:
+    out = []
+    for anc in ctx.ancestors(use):
+        if isinstance(anc, (cst.BaseSmallStatement, cst.BaseCompoundStatement)):
+            break
+        if isinstance(anc, cst.BinaryOperation) and isinstance(anc.operator, _DIVISIONS):
+            out.append(anc)
+    return out
+
+
+class ReduceCounts(Rule):
+    """
+    ## What it does
+    For a loop over a data loader that accumulates counts or sums into plain numbers
+    (`correct += (pred == y).sum().item()`, `total += y.size(0)`,
+    `total_loss += loss.item() * x.size(0)`, `n += len(y)`, `n_batches += 1`) which are used
+    after the loop, inserts one reduction right after the loop:
+
+        correct, total = tm.all_reduce(correct, total)
+
+    Only accumulators set to a number before the loop (in the same pass of any enclosing loop)
+    qualify, and only when every division they take part in after the loop stays right once
+    they are reduced:
+
+    - accumulators of the same loop (`correct / total`, `100.0 * correct / max(total, 1)`);
+    - `len(loader.dataset)` / `len(val_ds)` when the loader is sharded without padding by
+      `tm.eval_sampler` (TM203): the per-rank sums add up to exactly the whole dataset;
+    - `len(loader)` when the loader has a padded distributed sampler (TM201 / an existing
+      `DistributedSampler`): every rank runs the same number of batches, so the sum is averaged
+      over the ranks instead, `running = tm.all_reduce(running, op="mean")`.
+
+    Any other denominator (`len(loader.dataset)` of a padded training loader, `len(loader)` of an
+    unpadded one, a loop index, a count from elsewhere) is reported instead, with the line to add.
+
+    ## Why is this bad?
+    Under DDP each rank iterates its own shard, so an accuracy computed from rank-local counts
+    describes one shard, and rank 0 logs and checkpoints on it (Lightning-AI/pytorch-lightning#1479).
+    One reduction after the loop (not one per batch) costs a single collective. It must run on
+    every rank: a loop under a rank guard, or in a function called under one, is reported
+    instead (a collective on one rank hangs the job).
+
+    `tm.all_reduce` is the identity in a single process, so the script still runs as
+    `python train.py`.
+    """
+
+    code = "TM701"
+    name = "reduce-counts"
+    summary = "Reduce metric counts accumulated over a sharded loader across ranks"
+    safety = Safety.SAFE
+    commands = frozenset({"ddp", "lint"})
+    examples = (
+        Example(
+            before="""
+            import torch
+            def evaluate(model, val_loader):
+                correct, total = 0, 0
+                for x, y in val_loader:
+                    pred = model(x).argmax(1)
+                    correct += (pred == y).sum().item()
+                    total += y.size(0)
+                return correct / total
+            """,
+            after="""
+            import torch
+            import torchmigrate.runtime as tm
+            def evaluate(model, val_loader):
+                correct, total = 0, 0
+                for x, y in val_loader:
+                    pred = model(x).argmax(1)
+                    correct += (pred == y).sum().item()
+                    total += y.size(0)
+                correct, total = tm.all_reduce(correct, total)
+                return correct / total
+            """,
+        ),
+        Example(
+            before="""
+            import torch
+            def evaluate(model, val_loader):
+                correct = 0
+                for x, y in val_loader:
+                    correct += (model(x).argmax(1) == y).sum().item()
+                return correct / len(val_loader.dataset)
+            """,
+            after="""
+            import torch
+            def evaluate(model, val_loader):
+                correct = 0
+                for x, y in val_loader:
+                    correct += (model(x).argmax(1) == y).sum().item()
+                # TODO(torchmigrate): TM701 `correct` is a sum over this rank's shard but divided by `len(val_loader.dataset)`, the whole dataset: add `correct = tm.all_reduce(correct)` after the loop (exact when the loader is sharded with tm.eval_sampler), or count samples in the loop (`n += y.size(0)`), reduce the count too and divide by it
+                return correct / len(val_loader.dataset)
+            """,
+        ),
+    )
+
+    def __init__(self, ctx: Context) -> None:
+        super().__init__(ctx)
+        self.augs: List[cst.AugAssign] = []
+        self.dict_augs: List[cst.AugAssign] = []  # `results['mse'] += ...`
+
+    def _dict_sums(self) -> None:
+        """`results['mse'] += batch_mse * n` in an evaluation loop over a loader (no backward in
+        it): a dict of running sums over this rank's shard (SRGAN's `valing_results`). Which keys
+        are sums and which are derived from them (PSNR from the summed MSE) is the user's to say,
+        so it is reported once per dict and loop."""
+        ctx = self.ctx
+        seen: Set[Tuple[cst.CSTNode, str]] = set()
+        for aug in self.dict_augs:
+            loop = loader_loop(ctx, aug)
+            name = aug.target.value.value
+            if loop is None or (loop, name) in seen or analysis.runs_backward(ctx, loop):
+                continue
+            seen.add((loop, name))
+            self.report(aug, f"`{name}[...]` sums values over this rank's shard of the loader only: reduce the summed "
+                             f"entries across ranks after the loop (`{name}[k] = {ctx.tm}.all_reduce({name}[k])`) "
+                             f"and compute what is derived from them (means, PSNR) afterwards",
+                        statement=ctx.statement_of(loop))
+
+    def visit_AugAssign(self, node: cst.AugAssign) -> None:
+        if isinstance(node.operator, cst.AddAssign) and isinstance(node.target, cst.Name):
+            self.augs.append(node)
+        elif isinstance(node.operator, cst.AddAssign) and isinstance(node.target, cst.Subscript) \
+                and isinstance(node.target.value, cst.Name):
+            self.dict_augs.append(node)
+
+    def leave_Module(self, node: cst.Module) -> None:
+        ctx = self.ctx
+        if not active(ctx):
+            return
+        self._dict_sums()
+        if not self.augs:
+            return
+        loops: Dict[cst.CSTNode, List[str]] = {}
+        for aug in self.augs:
+            loop = loader_loop(ctx, aug)
+            if loop is None:
+                continue
+            names = loops.setdefault(loop, [])
+            if aug.target.value not in names:
+                names.append(aug.target.value)
+        for loop, names in loops.items():
+            self._loop(loop, names)
+
+    def _loop(self, loop: cst.For, names: List[str]) -> None:
+        ctx = self.ctx
+        if ctx.within(loop.body, cst.Return, cst.Yield, skip_defs=True):
+            return  # some ranks may leave the loop early and never reach a reduction after it
+        candidates = []
+        for name in names:
+            found, value = initial_value(ctx, loop, name)
+            if found and value is not None and is_number(value) and not reassigned_in(ctx, loop, name):
+                candidates.append(name)
+        if not candidates:
+            return
+        events = events_after(ctx, loop, set(candidates))
+        group = set()
+        for name in candidates:
+            ev = events[name]
+            if ev.collective or not ev.uses and not ev.augs:
+                continue  # already reduced, or not used after the loop
+            if any(isinstance(a.operator, (cst.AddAssign, cst.SubtractAssign)) for a in ev.augs):
+                continue  # accumulated further after the loop: unclear where to reduce
+            group.add(name)
+        if not group:
+            return
+        exact = exact_lens(ctx, loop)
+        foreign: Dict[str, cst.CSTNode] = {}
+        kind: Dict[str, str] = {}
+        changed = True
+        while changed:
+            changed = False
+            kind = {}
+            for name in sorted(group):
+                ev = events[name]
+                kinds: Set[Optional[str]] = set()
+                bad = None
+                for a in ev.augs:
+                    if isinstance(a.operator, _DIVISION_ASSIGNS):
+                        k = _classify(a.target, a.value, a.value, group, exact) if not isinstance(a.operator, cst.MultiplyAssign) \
+                            else ("sum" if _closed(a.value, group) else None)
+                        kinds.add(k)
+                        if k is None and bad is None:
+                            bad = a
+                for use in ev.uses:
+                    divisions = _divisions_of(ctx, use)
+                    if not divisions:
+                        kinds.add("plain")
+                    for d in divisions:
+                        k = _classify(d.left, d.right, d, group, exact)
+                        kinds.add(k)
+                        if k is None and bad is None:
+                            bad = d
+                if bad is None and "mean" in kinds and kinds != {"mean"}:
+                    bad = next((d for use in ev.uses for d in _divisions_of(ctx, use)), None) or ev.uses[0]
+                if bad is not None:
+                    foreign[name] = bad
+                    group.discard(name)
+                    changed = True
+                else:
+                    kind[name] = "mean" if kinds == {"mean"} else "sum"
+        tm = ctx.tm
+        ordered = [n for n in names if n in group]
+        if ordered:
+            sums = [n for n in ordered if kind.get(n) != "mean"]
+            means = [n for n in ordered if kind.get(n) == "mean"]
+            depth = sum(1 for a in ctx.ancestors(loop) if isinstance(a, cst.IndentedBlock)) * 4
+            lines, statements = [], []
+            if sums:
+                lines.append(_reduce_line(tm, sums, "", depth))
+                statements.append(_reduce_statement(tm, sums, False, depth))
+            if means:
+                lines.append(_reduce_line(tm, means, ', op="mean"', depth))
+                statements.append(_reduce_statement(tm, means, True, depth))
+            guard = collective_guard(ctx, loop)
+            listed = ", ".join(f"`{n}`" for n in ordered)
+            one = len(ordered) == 1
+            if guard is not None:
+                self.report(loop, f"{listed} {'counts' if one else 'count'} only this rank's shard, but this loop "
+                                  f"runs under a rank guard, where a reduction would hang the other ranks: evaluate "
+                                  f"on every rank and add `{'; '.join(lines)}` after the loop",
+                            statement=ctx.statement_of(loop))
+            else:
+                self.report(loop, f"{listed} {'counts' if one else 'count'} only this rank's shard; reduce "
+                                  f"{'it' if one else 'them'} across ranks after the loop",
+                            edits=[insert_after(loop, statements)],
+                            imports=[ctx.runtime_import()])
+        bad_names = [n for n in names if n in foreign]
+        if bad_names:
+            first = foreign[bad_names[0]]
+            self.report(first, _manual_message(tm, bad_names, _denominator(first), padded=bool(exact.batches)))
+
+
+def _reduce_line(tm: str, names: List[str], extra: str, indent: int) -> str:
+    """`a, b = tm.all_reduce(a, b)` as text (for messages)."""
+    joined = ", ".join(names)
+    return f"{joined} = {tm}.all_reduce({joined}{extra})"
+
+
+_COMMA = cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))
+
+
+def _reduce_statement(tm: str, names: List[str], mean: bool, indent: int) -> cst.SimpleStatementLine:
+    """`a, b = tm.all_reduce(a, b)` (built directly: parsing costs ~10 ms), broken after the
+    parenthesis when the line would pass 100 columns."""
+    if len(names) == 1:
+        target: cst.BaseExpression = cst.Name(names[0])
+    else:
+        target = cst.Tuple([cst.Element(cst.Name(n), comma=_COMMA if i < len(names) - 1 else cst.MaybeSentinel.DEFAULT)
+                            for i, n in enumerate(names)], lpar=[], rpar=[])
+    args = [cst.Arg(cst.Name(n), comma=_COMMA if i < len(names) - 1 or mean else cst.MaybeSentinel.DEFAULT)
+            for i, n in enumerate(names)]
+    if mean:
+        args.append(cst.Arg(cst.SimpleString('"mean"'), keyword=cst.Name("op"),
+                            equal=cst.AssignEqual(whitespace_before=cst.SimpleWhitespace(""),
+                                                  whitespace_after=cst.SimpleWhitespace(""))))
+    call = cst.Call(cst.Attribute(cst.Name(tm), cst.Name("all_reduce")), args)
+    if indent + len(_reduce_line(tm, names, ', op="mean"' if mean else "", 0)) > 100:
+        call = call.with_changes(whitespace_before_args=cst.ParenthesizedWhitespace(
+            first_line=cst.TrailingWhitespace(), empty_lines=[], indent=True,
+            last_line=cst.SimpleWhitespace("    ")))
+    return cst.SimpleStatementLine([cst.Assign([cst.AssignTarget(target)], call)])
+
+
+def _manual_message(tm: str, names: List[str], den: str, padded: bool = False) -> str:
+    listed = ", ".join(f"`{n}`" for n in names)
+    joined = ", ".join(names)
+    one = len(names) == 1
+    compact = den.replace(" ", "")
+    if compact.startswith("len(") and compact.endswith(".dataset)") or re.match(r"len\(\w*(ds|dataset|data|set)\)$", compact):
+        return (f"{listed} {'is a sum' if one else 'are sums'} over this rank's shard but divided by `{den}`, "
+                f"the whole dataset: add `{joined} = {tm}.all_reduce({joined})` after the loop "
+                + ("(approximate: the training sampler pads the shards with a few repeated samples)" if padded else
+                   f"(exact when the loader is sharded with {tm}.eval_sampler)")
+                + ", or count samples in the loop (`n += y.size(0)`), reduce the count too and divide by it")
+    if compact.startswith("len(") and named_like_loader(compact[4:-1]):
+        mean = ", ".join(names)
+        return (f"{listed} {'sums' if one else 'sum'} per-batch values over this rank's batches but "
+                f"{'is' if one else 'are'} divided by `{den}`, this rank's batch count: add "
+                f"`{mean} = {tm}.all_reduce({mean}, op=\"mean\")` after the loop to average over the ranks "
+                f"(their batch counts are equal with a DistributedSampler)")
+    return (f"{listed} {'is a sum' if one else 'are sums'} over this rank's shard but divided by `{den}`: "
+            f"reduce {'it' if one else 'them'} after the loop (`{joined} = {tm}.all_reduce({joined})`) "
+            f"together with a count accumulated in the loop, and divide by the reduced count")
+
+
+def _denominator(node: cst.CSTNode) -> str:
+    if isinstance(node, cst.BinaryOperation):
+        return code(node.right)
+    if isinstance(node, cst.AugAssign):
+        return code(node.value)
+    return code(node)

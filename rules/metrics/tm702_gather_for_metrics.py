@@ -1,0 +1,189 @@
+"""TM702 gather-for-metrics: predictions collected per rank that feed a metric needing every sample."""
+
+from __future__ import annotations
+
+from typing import Dict, List, Set, Tuple
+
+import libcst as cst
+
+from torchmigrate import analysis
+from torchmigrate.finding import Safety
+from torchmigrate.imports import dotted
+from torchmigrate.nodes import code
+from torchmigrate.program.loaders import DATALOADERS
+from torchmigrate.program.metrics import binding_of, is_store, loader_loop, metric_name, source_index, starts_empty_list
+from torchmigrate.rule import Context, Example, Rule
+from torchmigrate.program.scopes import names_in, scope_of
+from torchmigrate.program.syntax import iter_nodes
+from torchmigrate.rules._active import active
+
+
+_GATHERS = ("gather_for_metrics", "all_gather", "all_gather_object", "gather", "gather_object")
+
+
+class GatherForMetrics(Rule):
+    """
+    ## What it does
+    Reports predictions and targets collected into lists over a data loader
+    (`preds.append(...)`, `torch.cat(all_preds)`) that feed a metric needing every sample: sklearn
+    metrics (`roc_auc_score`, `f1_score`, `average_precision_score`, ...), torchmetrics
+    functionals, or a helper of this file named like a metric (`roc_auc`, `compute_map`). The
+    suggested fix gathers them from every rank first:
+
+        preds = tm.gather_for_metrics(torch.cat(all_preds), len(val_ds))
+
+    ## Why is this bad?
+    Under DDP each rank predicts only its shard, so a ranking or F1 metric computed from the
+    lists is a metric of one shard. Sums can be reduced (TM701) but AUC, F1 or mAP cannot: they
+    need all predictions. `tm.gather_for_metrics` all-gathers them in dataset order (for
+    `tm.eval_sampler` loaders) and drops sampler padding given the dataset length, like
+    Accelerate's `gather_for_metrics`. It must run on every rank.
+
+    ## Limitations
+    Report only: where the gathered tensors go (a metric on every rank, or on rank 0) is a choice
+    for the script's author.
+    """
+
+    code = "TM702"
+    name = "gather-for-metrics"
+    summary = "Gather per-rank predictions before dataset-level metrics (AUC, F1, mAP)"
+    safety = Safety.MANUAL
+    commands = frozenset({"ddp", "lint"})
+    examples = (
+        Example(
+            before="""
+            import torch
+            from sklearn.metrics import roc_auc_score
+            preds, labels = [], []
+            for x, y in val_loader:
+                preds.append(model(x).sigmoid())
+                labels.append(y)
+            auc = roc_auc_score(torch.cat(labels), torch.cat(preds))
+            """,
+            after="""
+            import torch
+            from sklearn.metrics import roc_auc_score
+            preds, labels = [], []
+            for x, y in val_loader:
+                preds.append(model(x).sigmoid())
+                labels.append(y)
+            # TODO(torchmigrate): TM702 `labels`, `preds` hold this rank's predictions only, and `roc_auc_score` needs all of them: gather each list on every rank first, e.g. `labels = tm.gather_for_metrics(torch.cat(labels), len(val_loader.dataset))` (it takes tensors and returns them in dataset order)
+            auc = roc_auc_score(torch.cat(labels), torch.cat(preds))
+            """,
+        ),
+    )
+
+    def _appends(self) -> List[Tuple[cst.CSTNode, str]]:
+        """`name.append(...)` / `name.extend(...)` calls and `name += ...` statements, with the
+        list's name, in source order. Picked at the end from the file's recorded calls and the
+        node index rather than by a callback for each of the file's calls (exact type tests:
+        none of these classes has subclasses); the few found are then merged by position."""
+        ctx = self.ctx
+        appends: List[Tuple[cst.CSTNode, str]] = []
+        for call, _name in analysis.facts(ctx).calls:
+            func = call.func
+            if type(func) is cst.Attribute and func.attr.value in ("append", "extend") and type(func.value) is cst.Name:
+                appends.append((call, func.value.value))
+        augs = [(node, node.target.value) for node in ctx.nodes(cst.AugAssign)
+                if type(node.operator) is cst.AddAssign and type(node.target) is cst.Name]
+        if appends and augs:
+            return sorted(appends + augs, key=lambda found: ctx.position(found[0]))
+        return appends or augs
+
+    def leave_Module(self, node: cst.Module) -> None:
+        ctx = self.ctx
+        if not active(ctx):
+            return
+        appends = self._appends()
+        if not appends:
+            return
+        loops: Dict[cst.CSTNode, List[str]] = {}
+        for n, name in appends:
+            loop = loader_loop(ctx, n)
+            if loop is not None and name not in loops.setdefault(loop, []):
+                loops[loop].append(name)
+        reported: Set[cst.CSTNode] = set()
+        for loop, names in loops.items():
+            lists = [n for n in names if starts_empty_list(ctx, loop, n)]
+            if lists:
+                self._check(loop, lists, reported)
+
+    def _check(self, loop: cst.For, lists: List[str], reported: Set[cst.CSTNode]) -> None:
+        ctx = self.ctx
+        index = source_index(ctx)
+        begin = index.end[loop]
+        scope = scope_of(ctx, loop)
+        for order, call in index.calls:
+            if order > begin:
+                name = index.resolved.get(id(call)) or dotted(call.func) or ""
+                if name.rsplit(".", 1)[-1] in _GATHERS and scope_of(ctx, call) is scope:
+                    return  # already gathered
+        origin: Dict[str, str] = {n: n for n in lists}
+        since: Dict[str, int] = {n: begin for n in lists}
+        work = list(lists)
+        metric_calls: List[Tuple[cst.Call, str, Set[str]]] = []
+        seen_calls: Set[cst.Call] = set()
+        while work:
+            name = work.pop(0)
+            for order, node in index.names(name):
+                if order <= since[name] or scope_of(ctx, node) is not scope or binding_of(ctx, node) is not None:
+                    continue
+                for anc in ctx.ancestors(node):
+                    if isinstance(anc, cst.Call) and anc not in seen_calls:
+                        metric = metric_name(ctx, anc)
+                        if metric:
+                            seen_calls.add(anc)
+                            used = names_in(ctx, anc) & set(origin)
+                            metric_calls.append((anc, metric, used))
+                    elif isinstance(anc, cst.Assign):
+                        for t in anc.targets:
+                            for el in iter_nodes(t.target):
+                                if isinstance(el, cst.Name) and is_store(ctx, el) and el.value not in origin:
+                                    origin[el.value] = origin[name]
+                                    since[el.value] = index.end[anc]
+                                    work.append(el.value)
+                        break
+                    if isinstance(anc, (cst.BaseSmallStatement, cst.BaseCompoundStatement)):
+                        break
+        metric_calls.sort(key=lambda item: index.order_of(item[0]))
+        if not metric_calls:
+            return
+        size = _dataset_len(ctx, loop)
+        tm = ctx.tm
+        call = metric_calls[0][0]
+        if ctx.statement_of(call) in reported:
+            return
+        reported.add(ctx.statement_of(call))
+        metrics = []
+        sources: Set[str] = set()
+        for _, metric, used in metric_calls:
+            if metric not in metrics:
+                metrics.append(metric)
+            sources |= {origin[u] for u in used}
+        ordered = sorted(sources)
+        listed = ", ".join(f"`{s}`" for s in ordered)
+        first = ordered[0]
+        one = len(ordered) == 1
+        self.report(call, f"{listed} hold{'s' if one else ''} this rank's predictions only, and "
+                          f"{', '.join(f'`{m}`' for m in metrics)} need{'s' if len(metrics) == 1 else ''} all of "
+                          f"them: gather {'it' if one else 'each list'} on every rank first, e.g. "
+                          f"`{first} = {tm}.gather_for_metrics(torch.cat({first}), {size})` "
+                          f"(it takes tensors and returns them in dataset order)")
+
+
+def _dataset_len(ctx: Context, loop: cst.For) -> str:
+    """`len(val_ds)` when the loop's loader is built from a known dataset, else `len(loader.dataset)`."""
+    it = loop.iter
+    while isinstance(it, cst.Call) and it.args:
+        it = it.args[0].value
+    name = dotted(it)
+    if name is None:
+        return "len(dataset)"
+    for assign in analysis.facts(ctx).assigns:
+        if not isinstance(assign.value, cst.Call) or ctx.resolve(assign.value.func) not in DATALOADERS:
+            continue
+        if any(dotted(t.target) == name for t in assign.targets):
+            first = assign.value.args[0] if assign.value.args else None
+            if first is not None and (first.keyword is None or first.keyword.value == "dataset"):
+                return f"len({code(first.value)})"
+    return f"len({name}.dataset)"

@@ -1,0 +1,257 @@
+"""TM703 gather-list-mean: per-batch values and meters averaged over one rank's batches."""
+
+from __future__ import annotations
+
+import re
+from typing import Dict, List, Optional, Set
+
+import libcst as cst
+
+from torchmigrate import analysis
+from torchmigrate.finding import Safety, insert_after
+from torchmigrate.imports import dotted
+from torchmigrate.nodes import code
+from torchmigrate.program.metrics import (binding_of, initial_value, is_load, leaves_early, loader_loop,
+                                          reassigned_in, source_index, starts_empty_list)
+from torchmigrate.rule import Context, Example, Rule
+from torchmigrate.program.rank_guards import collective_guard
+from torchmigrate.program.scopes import scope_of
+from torchmigrate.program.syntax import body_of, index_in
+from torchmigrate.rules._active import active
+
+
+# Calls that turn a list into its mean: the result is the same whichever rank's values it holds,
+# so gathering every rank's values into it is right whether or not the loader was sharded.
+_MEAN_CALLS = frozenset({"mean", "fmean", "average", "nanmean"})
+_TO_ARRAY = frozenset({"tensor", "as_tensor", "stack", "array", "asarray", "Tensor", "FloatTensor"})
+# `AverageMeter()`, `RunningAverage()`, `LossTracker()`: objects that keep a running sum and count
+_METER = re.compile(r"(?i)(meter|average|avg|tracker|accumulator)$")
+
+
+class GatherListMean(Rule):
+    """
+    ## What it does
+    For a list filled with one value per batch in a loop over a data loader (`losses = []`,
+    `losses.append(loss.item())`) whose every use after the loop is its mean —
+    `sum(losses) / len(losses)`, `np.mean(losses)`, `statistics.mean(losses)`,
+    `torch.tensor(losses).mean()` — inserts right after the loop:
+
+        losses = tm.gather_list(losses)
+
+    which concatenates the lists of all ranks (rank order; identity in one process).
+
+    A meter object built before the loop (`meter = AverageMeter()`, any class named like a
+    meter, average or tracker) and updated in it (`meter.update(loss.item(), x.size(0))`) gets
+    `tm.reduce_meter(meter)` after the loop: its `sum` and `count` are summed across ranks and
+    its `avg` recomputed (a meter without those attributes is left as it is, on every rank).
+
+    ## Why is this bad?
+    Under DDP each rank iterates its own shard, so the mean of its list is the mean of one shard.
+    Rank 0 logs it, and where it drives control flow (`scheduler.step(val_loss)` with
+    ReduceLROnPlateau, early stopping, the best-checkpoint choice) the ranks decide differently:
+    their learning rates, and then their parameters, drift apart with no error. A mean over the
+    gathered values is the mean over every batch of every rank, and it is the same on every rank.
+    Only means are rewritten (a mean over duplicated values is unchanged, so this is right even
+    for a loader that turns out unsharded); a list used any other way is left alone.
+
+    The gather must run on every rank: a loop under a rank guard is reported instead.
+    """
+
+    code = "TM703"
+    name = "gather-list-mean"
+    summary = "Gather per-batch values from every rank before taking their mean"
+    safety = Safety.SAFE
+    commands = frozenset({"ddp", "lint"})
+    examples = (
+        Example(
+            before="""
+            import torch
+            @torch.no_grad()
+            def validate(model, val_loader, criterion):
+                losses = []
+                for x, y in val_loader:
+                    losses.append(criterion(model(x), y).item())
+                return sum(losses) / len(losses)
+            """,
+            after="""
+            import torch
+            import torchmigrate.runtime as tm
+            @torch.no_grad()
+            def validate(model, val_loader, criterion):
+                losses = []
+                for x, y in val_loader:
+                    losses.append(criterion(model(x), y).item())
+                losses = tm.gather_list(losses)
+                return sum(losses) / len(losses)
+            """,
+        ),
+    )
+
+    def leave_Module(self, node: cst.Module) -> None:
+        ctx = self.ctx
+        if not active(ctx):
+            return
+        loops: Dict[cst.CSTNode, List[str]] = {}
+        meters: Dict[cst.CSTNode, List[str]] = {}
+        for call, _name in analysis.facts(ctx).calls:
+            func = call.func
+            if type(func) is cst.Attribute and func.attr.value in ("append", "update") and type(func.value) is cst.Name:
+                loop = loader_loop(ctx, call)
+                found = (loops if func.attr.value == "append" else meters).setdefault(loop, []) if loop else None
+                if found is not None and func.value.value not in found:
+                    found.append(func.value.value)
+        for loop, names in meters.items():
+            if not leaves_early(ctx, loop):
+                self._meters(loop, names)
+        for loop, names in loops.items():
+            lists = [n for n in names if starts_empty_list(ctx, loop, n) and not reassigned_in(ctx, loop, n)
+                     and self._means_only(loop, n)]
+            if not lists or leaves_early(ctx, loop):
+                continue
+            listed = ", ".join(f"`{n}`" for n in lists)
+            self._after_loop(loop, [f"{n} = {ctx.tm}.gather_list({n})" for n in lists],
+                             f"{listed} {'holds' if len(lists) == 1 else 'hold'} this rank's values only, but this "
+                             "loop runs under a rank guard, where a gather would hang the other ranks",
+                             f"the mean of {listed} covers this rank's batches only; gather every rank's values first")
+
+    def _after_loop(self, loop: cst.For, lines: List[str], guarded: str, message: str) -> None:
+        """Insert `lines` (collectives) right after `loop`, or, where a rank guard would keep some
+        ranks from them and hang the others, say `guarded` and what to add."""
+        ctx = self.ctx
+        if collective_guard(ctx, loop) is not None:
+            self.report(loop, f"{guarded}: evaluate on every rank and add `{'; '.join(lines)}` after the loop",
+                        statement=ctx.statement_of(loop))
+            return
+        self.report(loop, message, edits=[insert_after(loop, [cst.parse_statement(line + "\n") for line in lines])],
+                    imports=[ctx.runtime_import()])
+
+    def _meters(self, loop: cst.For, names: List[str]) -> None:
+        ctx = self.ctx
+        found = []
+        for name in names:
+            ok, value = initial_value(ctx, loop, name)
+            label = (dotted(value.func) or "").rsplit(".", 1)[-1] if ok and isinstance(value, cst.Call) else ""
+            if _METER.search(label) and not reassigned_in(ctx, loop, name) and self._read_after(loop, name) \
+                    and not self._fed_reduced(loop, name):
+                found.append(name)
+        if not found or self._reduced_after(loop, found):
+            return
+        listed = ", ".join(f"`{n}`" for n in found)
+        averages = f"{listed} average{'s' if len(found) == 1 else ''} this rank's batches only"
+        self._after_loop(loop, [f"{ctx.tm}.reduce_meter({n})" for n in found],
+                         f"{averages}, but this loop runs under a rank guard, where a reduction would hang the "
+                         "other ranks",
+                         f"{averages}; reduce {'its' if len(found) == 1 else 'their'} sum and count across ranks")
+
+    def _fed_reduced(self, loop: cst.For, name: str) -> bool:
+        """Every `name.update(v, ...)` of the loop gets a value already reduced across ranks
+        (Swin's `acc1 = reduce_tensor(acc1)` before `acc1_meter.update(acc1.item(), n)`): the
+        meter averages the whole batch of every rank already."""
+        reduced: Set[str] = set()
+        for a in self.ctx.within(loop, cst.Assign, skip_defs=True):
+            last = (dotted(a.value.func) or "").rsplit(".", 1)[-1].lower() if isinstance(a.value, cst.Call) else ""
+            if "reduce" in last or "gather" in last:
+                reduced |= {dotted(t.target) for t in a.targets} - {None}
+        updates = [c for c in self.ctx.within(loop, cst.Call, skip_defs=True)
+                   if isinstance(c.func, cst.Attribute) and c.func.attr.value == "update" and dotted(c.func.value) == name]
+        for call in updates:
+            value = call.args[0].value if call.args else None
+            while isinstance(value, cst.Call) and isinstance(value.func, cst.Attribute) and not value.args:
+                value = value.func.value  # `acc1.item()`, `loss.mean()`
+            if value is None or dotted(value) not in reduced:
+                return False
+        return bool(updates)
+
+    def _read_after(self, loop: cst.For, name: str) -> bool:
+        ctx = self.ctx
+        index = source_index(ctx)
+        begin, scope = index.end[loop], scope_of(ctx, loop)
+        return any(order > begin and scope_of(ctx, n) is scope and is_load(ctx, n) for order, n in index.names(name))
+
+    def _reduced_after(self, loop: cst.For, names: List[str]) -> bool:
+        """`tm.reduce_meter(meter)` already follows the loop (a second run)."""
+        nxt = _next_sibling(self.ctx, loop)
+        return nxt is not None and "reduce_meter(" in code(nxt) and any(n in code(nxt) for n in names)
+
+    def _means_only(self, loop: cst.For, name: str) -> bool:
+        """Every use of `name` after `loop` (in its scope, before a rebinding) is inside a mean."""
+        ctx = self.ctx
+        index = source_index(ctx)
+        begin = index.end[loop]
+        scope = scope_of(ctx, loop)
+        uses = 0
+        for order, n in index.names(name):
+            if order <= begin or scope_of(ctx, n) is not scope or not is_load(ctx, n):
+                continue
+            if binding_of(ctx, n) is not None:
+                continue  # `losses = np.mean(losses)`: the target; its value's uses are checked
+            if not self._in_mean(n, name):
+                return False
+            uses += 1
+            statement = ctx.statement_of(n)
+            if any(binding_of(ctx, t) is not None for t in ctx.within(statement, cst.Name) if t.value == name):
+                break  # rebound here: later uses are of the mean, not the list
+        return uses > 0
+
+    def _in_mean(self, use: cst.Name, name: str) -> bool:
+        ctx = self.ctx
+        parent = ctx.parent(use)
+        if isinstance(parent, cst.CompFor) and parent.iter is use:
+            # `np.mean([x["acc"] for x in summ])`: a mean over the (gathered) list's items
+            comp = ctx.parent(parent)
+            if isinstance(comp, (cst.ListComp, cst.GeneratorExp)) and isinstance(ctx.parent(comp), cst.Arg):
+                return self._in_mean_call(ctx.parent(comp), name)
+            return False
+        if isinstance(parent, cst.Subscript) and _is_first_item(parent) and isinstance(ctx.parent(parent), cst.CompFor) \
+                and ctx.parent(parent).iter is parent:
+            return True  # `for metric in summ[0]`: the keys of one item, the same on every rank
+        if not isinstance(parent, cst.Arg):
+            return False
+        return self._in_mean_call(parent, name)
+
+    def _in_mean_call(self, parent: cst.Arg, name: str) -> bool:
+        """`parent` is the first and only argument of a mean (or a side of sum/len)."""
+        ctx = self.ctx
+        call = ctx.parent(parent)
+        if not isinstance(call, cst.Call) or call.args[0] is not parent:
+            return False
+        label = (dotted(call.func) or "").rsplit(".", 1)[-1]
+        if label in _MEAN_CALLS and len(call.args) == 1:
+            return True
+        if label in _TO_ARRAY:  # torch.tensor(losses).mean()
+            attr = ctx.parent(call)
+            return (isinstance(attr, cst.Attribute) and attr.attr.value in _MEAN_CALLS
+                    and isinstance(ctx.parent(attr), cst.Call))
+        if label in ("sum", "len") and len(call.args) == 1:
+            return _sum_over_len(ctx, call, name)
+        return False
+
+
+def _is_first_item(node: cst.Subscript) -> bool:
+    """`x[0]`."""
+    if len(node.slice) != 1 or not isinstance(node.slice[0].slice, cst.Index):
+        return False
+    value = node.slice[0].slice.value
+    return isinstance(value, cst.Integer) and value.value == "0"
+
+
+def _next_sibling(ctx: Context, statement: cst.CSTNode) -> Optional[cst.CSTNode]:
+    body = body_of(ctx.parent(statement))
+    if body is None:
+        return None
+    i = index_in(body, statement)
+    return body[i + 1] if i is not None and i + 1 < len(body) else None
+
+
+def _sum_over_len(ctx: Context, call: cst.Call, name: str) -> bool:
+    """`call` (`sum(x)` or `len(x)`) is a side of `sum(x) / len(x)` (also `max(len(x), 1)`)."""
+    node: cst.CSTNode = call
+    parent = ctx.parent(node)
+    if isinstance(parent, cst.Arg):  # max(len(x), 1)
+        outer = ctx.parent(parent)
+        if isinstance(outer, cst.Call) and dotted(outer.func) == "max":
+            node, parent = outer, ctx.parent(outer)
+    if not (isinstance(parent, cst.BinaryOperation) and isinstance(parent.operator, cst.Divide)):
+        return False
+    left, right = code(parent.left).replace(" ", ""), code(parent.right).replace(" ", "")
+    return left == f"sum({name})" and right in (f"len({name})", f"max(len({name}),1)", f"max(1,len({name}))")
