@@ -9,7 +9,9 @@ input error.
 
 from __future__ import annotations
 
+import os
 import sys
+from dataclasses import replace
 from typing import List, NoReturn, Optional
 
 import click
@@ -72,6 +74,31 @@ def _run(inputs: Inputs, job: Job, jobs: int) -> List[Outcome]:
         done = [process_file(inputs.stdin_name, job, inputs.stdin)] if inputs.stdin and not inputs.excluded else []
         return done + inputs.errors
     return _run_files(inputs.files, job, jobs) + inputs.errors
+
+
+def _data_whole_where_unwrapped(outcomes: List[Outcome], inputs: Inputs, job: Job, jobs: int) -> List[Outcome]:
+    """A program that trains, shards its data, and yet wraps no model in DDP (its optimizer is
+    built where the tool cannot wrap, its training runs a method other than `forward`) would
+    train one model per rank, each on part of the data: worse than the original. Its files are
+    migrated again with the training data kept whole (`Options.shard_training`), so every rank
+    trains the same model on the same data until the model is wrapped; the report says so.
+    Nothing is written before this (`Job.together`)."""
+    groups = [set(g) for g in (inputs.program.groups if inputs.program else [])]
+    by_path = {os.path.realpath(o.path): o for o in outcomes}
+    groups += [{p} for p in by_path if not any(p in g for g in groups)]
+    redo = set()
+    for group in groups:
+        signals = {s for p in group if p in by_path for s in by_path[p].signals}
+        if {"trains", "shards"} <= signals and "wraps" not in signals:
+            redo |= group
+    if not redo:
+        return outcomes
+    again = replace(job, options=replace(job.options, shard_training=False))
+    if inputs.reads_stdin:
+        return _run(inputs, again, jobs)
+    files = [f for f in inputs.files if os.path.realpath(f) in redo]
+    fresh = {os.path.realpath(o.path): o for o in _run_files(files, again, jobs)}
+    return [fresh.get(os.path.realpath(o.path), o) for o in outcomes]
 
 
 def _echo_errors(outcomes: List[Outcome]) -> bool:
@@ -195,9 +222,11 @@ def _migrate(command: str, paths, dry_run: bool, check: bool, amp: Optional[str]
                                                                       around_scripts=True)
     job = Job(options, inputs.codes, write=write, want_diff=dry_run, vendor_runtime=vendor,
               program=(program.views or None) if program else None,
-              together=write and (len(inputs.files) > 1 or bool(launch_files)), per_file=inputs.per_file,
+              together=write and (len(inputs.files) > 1 or bool(launch_files) or whole), per_file=inputs.per_file,
               to_stdout=inputs.reads_stdin and not preview)
     outcomes = _run(inputs, job, jobs)
+    if whole:
+        outcomes = _data_whole_where_unwrapped(outcomes, inputs, job, jobs)
     launch = launchers.Settings(command, apply=True, write=write, want_diff=dry_run, together=job.together)
     outcomes += launchers.run(launch_files, inputs.files, paths, launch, outcomes)
     if job.together:

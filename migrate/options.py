@@ -28,6 +28,9 @@ class Options:
     fix: bool = False  # `lint --fix`: apply safe fixes
     unsafe_fixes: bool = False
     runtime_module: str = RUNTIME_MODULE  # "torchmigrate_runtime" with --vendor-runtime
+    # False when a first pass found that the program trains but wraps no model in DDP: its
+    # training data then stays whole (TM201), since shards would train one model per rank
+    shard_training: bool = True
 
     @property
     def migrating(self) -> bool:

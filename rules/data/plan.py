@@ -15,6 +15,10 @@ this run does with it.
 - ``needs_epoch``: its sampler reshuffles, so epoch loops over it need ``set_epoch`` (TM202);
 - ``reason``: what to do by hand when no rule can (the TODO of a manual finding).
 
+A training loader gets the status ``"whole"`` (no sampler, every rank iterates all of it) when
+the program trains but wraps no model in DDP (`Options.shard_training`): shards would train a
+different model on each rank.
+
 Computed once per module (`data_plan(ctx)`), on the facts alone: which data rules are enabled
 does not change it, so TM202 knows what TM201 gives a loader even when TM201 runs elsewhere.
 """
@@ -31,6 +35,9 @@ from torchmigrate.nodes import code
 from torchmigrate.program.loaders import Loader, LoaderFacts, is_literal, is_pure, loader_facts
 
 _COMPREHENSIONS = (cst.ListComp, cst.SetComp, cst.DictComp, cst.GeneratorExp)
+UNWRAPPED = ("kept whole: no model of the program is wrapped in DDP (see TM301), so shards would train a different "
+             "model on each rank; every rank trains the same model on all the data instead. Shard it once the "
+             "model is wrapped")
 
 
 @dataclass(eq=False)
@@ -70,6 +77,10 @@ class DataPlan:
 
     def _plan(self, loader: Loader) -> LoaderPlan:
         plan = LoaderPlan(loader.status, _reason(loader, self.ctx.tm))
+        if loader.kind != "eval" and loader.status in ("plain", "custom") and not self.ctx.options.shard_training \
+                and not self.facts.skip_file:
+            plan.status, plan.reason = "whole", UNWRAPPED
+            return plan
         if loader.status == "plain":
             plan.hoist = self._hoist_plan(loader.call, loader)
             if plan.hoist is None and not is_pure(loader.dataset):

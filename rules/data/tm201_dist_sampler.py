@@ -16,6 +16,7 @@ from torchmigrate.program.facts import iterator_builders_of, training_text
 from torchmigrate.program.loaders import Loader
 from torchmigrate.rule import Example
 from torchmigrate.rules.data.base import DataRule
+from torchmigrate.rules.data.plan import UNWRAPPED
 
 
 class DistSampler(DataRule):
@@ -55,7 +56,10 @@ class DistSampler(DataRule):
     builds one, a generator slicing its arguments, `minibatch(users, items)` in a training
     function) are sharded instead: each rank reads its own contiguous part of the data,
     `tm.shard_stream(train_data)`, parts of equal length so every rank runs the same number
-    of steps; evaluation data stays whole. Loaders
+    of steps; evaluation data stays whole. In a program that trains but wraps no model in DDP
+    (TM301 could not: the optimizer is built where the model cannot be wrapped, the training
+    step runs a method other than `forward`), training data is kept whole with a TODO: shards
+    would train a different model on each rank, worse than the original. Loaders
     that already have a `DistributedSampler` or a `tm` sampler are left alone. In `lint` the rule
     reports only in files that already use torch.distributed: a training loader there without a
     distributed sampler is a bug.
@@ -119,6 +123,9 @@ class DistSampler(DataRule):
                                          f"sampler (`sampler={self.ctx.tm}.sampler(...)`)")
             elif status == "custom" and loader.custom_arg is not None and not facts.distributed:
                 self._shard_custom(loader)
+            elif status == "whole":
+                what = f"`{loader.target}`" if loader.target else "this DataLoader"
+                self.report(loader.call, f"{what} {plan.of(loader).reason}")
             elif status in ("custom", "iterable", "unknown", "unhoistable") and not facts.distributed:
                 self.manual(loader)
 
@@ -145,6 +152,9 @@ class DistSampler(DataRule):
             if len(names) != 1 or names[0] is None or not self._read_where_trained(names[0]):
                 continue
             tm = ctx.tm
+            if not ctx.options.shard_training:
+                self.report(value, f"`{names[0]}`, a token stream, {UNWRAPPED}")
+                continue
             self.report(value, f"`{names[0]}` is a token stream that every rank would read in full: each rank "
                                f"batchifies its own contiguous part (`{tm}.shard_stream`, equal lengths)",
                         edits=[replace(first, lambda f: cst.Call(func=expr(f"{tm}.shard_stream"), args=[cst.Arg(f)]))],
@@ -183,6 +193,9 @@ class DistSampler(DataRule):
                     function is not None and training_text(function.name.value)):
                 continue
             shown = ", ".join(f"`{code(a.value)}`" for a in args)
+            if not ctx.options.shard_training:
+                self.report(call, f"{shown} (a hand-made batch iterator's data) {UNWRAPPED}")
+                continue
             self.report(call, f"{shown} feed{'s' if len(args) == 1 else ''} a hand-made batch iterator that every "
                               f"rank would read in full: each rank reads its own contiguous part "
                               f"(`{tm}.shard_stream`, equal lengths)",
