@@ -285,14 +285,14 @@ def test_config_roots_are_not_wrapped():
 
 
 def test_plan_failure_is_reported_not_raised(monkeypatch):
-    from torchmigrate.rules import model as model_rules_module
+    from torchmigrate.rules.model import plan as model_plan_module
 
     monkeypatch.delenv("TORCHMIGRATE_DEBUG", raising=False)
 
     def boom(self):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(model_rules_module.Plan, "_plan_new", boom)
+    monkeypatch.setattr(model_plan_module.Plan, "_plan_new", boom)
     source = "import torch\nmodel = Net()\noptimizer = torch.optim.SGD(model.parameters())\n"
     result = process_source(source, "t.py", Options(mode="ddp"), model_rules())
     (f,) = result.findings

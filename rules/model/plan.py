@@ -1,4 +1,4 @@
-"""TM301-TM306: wrapping trained models in DDP, and what the wrap changes.
+"""The model family's decisions: wrapping trained models in DDP, and what the wrap changes.
 
 One shared plan (`plan(ctx)`, computed once per file after the walk and cached on the context)
 decides for the whole file which models an optimizer trains, which of them are already wrapped
@@ -37,18 +37,18 @@ from typing import Dict, Iterable, List, Optional, Set, Tuple
 import libcst as cst
 
 from torchmigrate.analysis import Optimizer, _call_arg_for, facts, is_distributed, model_root, optimizers, runs_backward, under_no_grad
-from torchmigrate.finding import Safety, insert_after, insert_before, remove, replace, replace_with
+from torchmigrate.finding import insert_before, replace
 from torchmigrate.imports import dotted, iter_statements
 from torchmigrate.program.facts import forward_outputs
 from torchmigrate.nodes import arg as call_arg
-from torchmigrate.nodes import code, expr, kwarg, set_kwarg, stmt, with_args
+from torchmigrate.nodes import code, expr, set_kwarg, stmt
 from torchmigrate.positions import code_for
-from torchmigrate.rule import RUNTIME_MODULE, Context, Example, Rule
+from torchmigrate.rule import RUNTIME_MODULE, Context
 from torchmigrate.rules.launch import creates_own_group, legacy_launch
 
 CODES = ("TM301", "TM302", "TM303", "TM304", "TM305", "TM306")
 
-_DDP = {"torch.nn.parallel.DistributedDataParallel", "torch.nn.parallel.distributed.DistributedDataParallel"}
+DDP_CLASSES = {"torch.nn.parallel.DistributedDataParallel", "torch.nn.parallel.distributed.DistributedDataParallel"}
 _APEX_DDP = {"apex.parallel.DistributedDataParallel", "apex.parallel.distributed.DistributedDataParallel"}
 _TM_WRAP = "torchmigrate.runtime.wrap_model"
 _TM_UNWRAP = "torchmigrate.runtime.unwrap"
@@ -81,9 +81,7 @@ _MODULE_API = {
     "require_forward_param_sync", "will_sync_module_buffers", "gather", "scatter", "to_kwargs",
     "bucket_bytes_cap", "module",
 }
-_STATE = ("state_dict", "load_state_dict")
-# DistributedDataParallel's leading parameters, the same in every torch since 1.x.
-_DDP_POSITIONS = ("module", "device_ids", "output_device", "dim", "broadcast_buffers")
+STATE_METHODS = ("state_dict", "load_state_dict")
 _CONFIGISH = {"args", "opt", "opts", "cfg", "config", "conf", "hparams", "hp", "params", "flags", "FLAGS",
               "settings", "options", "self.args", "self.cfg", "self.config", "self.opt", "self.hparams",
               "self.params", "self.options"}
@@ -139,7 +137,7 @@ def _used_outputs(ctx: Context, call: cst.Call, n: int) -> Optional[Set[int]]:
     return None
 
 
-def _strip(node: cst.BaseExpression) -> cst.BaseExpression:
+def strip_moves(node: cst.BaseExpression) -> cst.BaseExpression:
     """`Net().to(device).cuda()` -> `Net()`; `model.cuda()` -> `model`."""
     while isinstance(node, cst.Call) and isinstance(node.func, cst.Attribute) and node.func.attr.value in _MOVES:
         node = node.func.value
@@ -177,7 +175,7 @@ def _binds_on_every_path(node: cst.If, name: str) -> bool:
     return isinstance(branch, cst.Else) and block_binds(branch.body)
 
 
-def _wrapped_arg(call: cst.Call, position: int = 0) -> Optional[cst.Arg]:
+def wrapped_arg(call: cst.Call, position: int = 0) -> Optional[cst.Arg]:
     """The module a wrapper call wraps; `position` for a program's DataParallel subclass whose
     own arguments come first (`ModuleView.dp_classes`)."""
     return call_arg(call, "module", position) or call_arg(call, "model")
@@ -468,11 +466,11 @@ class Plan:
         return out
 
     def _is_wrap_value(self, value: cst.BaseExpression) -> bool:
-        inner = _strip(value)
+        inner = strip_moves(value)
         if not isinstance(inner, cst.Call):
             return False
         name = self.ctx.resolve(inner.func)
-        return bool(name and (name in _DDP or name in _APEX_DDP or name in _DP or name == _TM_WRAP))
+        return bool(name and (name in DDP_CLASSES or name in _APEX_DDP or name in _DP or name == _TM_WRAP))
 
     # --- existing wraps ----------------------------------------------------------------
     def dp_position(self, call: cst.Call) -> int:
@@ -482,7 +480,7 @@ class Plan:
         if (dotted(call.func) or "") in self.ctx.program.dp_classes:
             return "dp"  # the program's own DataParallel subclass
         if name:
-            if name in _DDP:
+            if name in DDP_CLASSES:
                 # a legacy script's DDP becomes `tm.wrap_model` (TM301): a runtime wrap
                 return "tm" if legacy_launch(self.ctx) else "ddp"
             if name in _APEX_DDP:
@@ -524,7 +522,7 @@ class Plan:
             statement = self.ctx.statement_of(call)
             if kind == "other":
                 for a in call.args:
-                    n = dotted(_strip(a.value))
+                    n = dotted(strip_moves(a.value))
                     if n:
                         self.covered.add(self.key(n, call))
                         self.covered_not_dp.add(self.key(n, call))
@@ -534,8 +532,8 @@ class Plan:
                             self.covered.add(self.key(n, call))
                             self.covered_not_dp.add(self.key(n, call))
                 continue
-            a = _wrapped_arg(call, self.dp_position(call))
-            arg = dotted(_strip(a.value)) if a is not None else None
+            a = wrapped_arg(call, self.dp_position(call))
+            arg = dotted(strip_moves(a.value)) if a is not None else None
             target = None
             if isinstance(parent, cst.Assign) and parent.value is outer and len(parent.targets) == 1:
                 target = dotted(parent.targets[0].target)
@@ -557,7 +555,7 @@ class Plan:
         if not returning:
             return
         for a in self.f.assigns:
-            value = _strip(a.value)
+            value = strip_moves(a.value)
             if not isinstance(value, cst.Call):
                 continue
             f = value.func
@@ -1016,7 +1014,7 @@ class Plan:
         for a, value in self._assigns.get(m, ()):
             if value is None or self.fscope(a) is not scope:
                 continue
-            name = dotted(_strip(value))
+            name = dotted(strip_moves(value))
             if name and name.endswith(".module") and self.key(name[:-len(".module")], a) in self.covered:
                 return True
         return False
@@ -1357,7 +1355,7 @@ class Plan:
                 return True
             if (a.keyword is not None and a.keyword.value == param) or (
                     a.keyword is None and i < len(positional) and positional[i] == param):
-                value = _strip(a.value)
+                value = strip_moves(a.value)
                 break
         if value is None:
             return False
@@ -1423,12 +1421,12 @@ class Plan:
         (a ClassDef of this file), "function" (a FunctionDef of this file) or "library" (a
         qualified name); None when unknown. `value` is that expression when already known
         (`DDP(Net())`), else the last assignment of `name` before `before`."""
-        if value is None or not isinstance(_strip(value), cst.Call):
+        if value is None or not isinstance(strip_moves(value), cst.Call):
             defs = self.definitions(name, scope, klass, before)
             value = defs[-1][1] if defs else None
         if value is None:
             return None
-        value = _strip(value)
+        value = strip_moves(value)
         if not isinstance(value, cst.Call):
             return None
         func = value.func
@@ -1454,7 +1452,7 @@ class Plan:
                 if isinstance(s, cst.SimpleStatementLine):
                     for small in s.body:
                         if isinstance(small, cst.Return) and isinstance(small.value, cst.Call):
-                            inner = _strip(small.value)
+                            inner = strip_moves(small.value)
                             name = dotted(inner.func) if isinstance(inner, cst.Call) else None
                             if name in self.f.classes:
                                 return self.f.classes[name]
@@ -1670,7 +1668,7 @@ class Plan:
         for owner, w in targets:
             scope = w.scope
             before = self.idx(w.boundary) if isinstance(owner, NewWrap) else self.idx(w.statement)
-            wrapped = _wrapped_arg(w.call, self.dp_position(w.call)) if w.call is not None else None
+            wrapped = wrapped_arg(w.call, self.dp_position(w.call)) if w.call is not None else None
             origin = self.origin(w.arg or w.name, scope, w.klass, before, wrapped.value if wrapped else None)
             klass = self.model_class(origin)
             cond = self.conditional_submodules(klass)
@@ -1798,7 +1796,7 @@ class Plan:
             if attr == "module" and isinstance(parent, (cst.AssignTarget, cst.Del)):
                 continue
             statement = self.ctx.statement_of(node)
-            seen_by = [w for w in candidates if (w.full or attr not in ("module", *_STATE)
+            seen_by = [w for w in candidates if (w.full or attr not in ("module", *STATE_METHODS)
                                                  or self._prefixed_state(w, node, attr))
                        and self.applies(w, node, statement)]
             if seen_by and not (owner302 and self.ctx.options.mode == "lint" and self._checked_first(node, name)):
@@ -1814,7 +1812,7 @@ class Plan:
                 continue
             is_dp = any(id(w) in dp_wraps or w.kind.endswith("-dp") for w in seen_by)
             if owner302:
-                manual = self.ctx.options.mode == "lint" and attr in _STATE and not any(w.full for w in seen_by)
+                manual = self.ctx.options.mode == "lint" and attr in STATE_METHODS and not any(w.full for w in seen_by)
                 self.rewrites.append(AttrRewrite(node, name, attr, "TM302", is_dp, manual=manual))
             elif is_dp:  # TM306 alone must not leave `.module` behind on the model it unwrapped
                 self.rewrites.append(AttrRewrite(node, name, attr, "TM306", True))
@@ -1858,7 +1856,7 @@ class Plan:
         prefix, loaded the same way). `lint` reports only `X.state_dict()` saved by
         `torch.save`/`tm.save` where `X` is provably the DDP: wrapped unconditionally earlier in
         the same scope (not behind `if args.distributed:`, where `X` may be the plain module)."""
-        if attr not in _STATE or w.kind.rsplit("-", 1)[-1] != "ddp":
+        if attr not in STATE_METHODS or w.kind.rsplit("-", 1)[-1] != "ddp":
             return False
         if self.ctx.options.mode == "ddp":
             return True
@@ -2062,733 +2060,3 @@ def analysis_calls(ctx: Context, *names: str) -> List[cst.Call]:
     from torchmigrate.analysis import calls_to
 
     return calls_to(ctx, *names)
-
-
-# --- edits -------------------------------------------------------------------------------
-
-def _wrap_call(tm: str, module: cst.BaseExpression, find_unused: bool, sync_bn: bool) -> cst.Call:
-    args = [cst.Arg(module)]
-    if find_unused:
-        args.append(kwarg("find_unused_parameters", expr("True")))
-    if sync_bn:
-        args.append(kwarg("sync_bn", expr("True")))
-    return with_args(cst.Call(func=expr(f"{tm}.wrap_model")), args)
-
-
-def _is_unwrap(node: cst.BaseExpression, tm: str) -> bool:
-    return isinstance(node, cst.Call) and dotted(node.func) == f"{tm}.unwrap"
-
-
-def _unwrap_fix(tm: str, attr: str):
-    def fix(node):
-        if not attr:  # the model itself, passed to a copy
-            return cst.Call(func=expr(f"{tm}.unwrap"), args=[cst.Arg(node)])
-        if _is_unwrap(node.value, tm):
-            return node
-        call = cst.Call(func=expr(f"{tm}.unwrap"), args=[cst.Arg(node.value.with_changes(lpar=[], rpar=[]))])
-        if attr == "module":
-            return call.with_changes(lpar=node.lpar, rpar=node.rpar)
-        return node.with_changes(value=call)
-    return fix
-
-
-# --- rules -------------------------------------------------------------------------------
-
-class _ModelRule(Rule):
-    """Shared by the model rules: registers the rule as enabled for the plan."""
-
-    commands = frozenset({"ddp", "lint"})
-
-    def __init__(self, ctx: Context) -> None:
-        super().__init__(ctx)
-        ctx.facts.setdefault("model_rules", set()).add(self.code)
-
-    def plan(self) -> Plan:
-        return plan(self.ctx)
-
-    def notes(self, code_: str) -> None:
-        for node, message, statement in self.plan().notes[code_]:
-            self.report(node, message, statement=statement)
-
-
-class WrapDDP(_ModelRule):
-    """
-    ## What it does
-    Wraps every trained model in DistributedDataParallel: inserts `model = tm.wrap_model(model)`
-    right before the statement that creates the model's optimizer (`self.model = ...` in trainer
-    classes, one wrap per model for GANs). Only models whose parameters an optimizer trains are
-    wrapped; a frozen teacher or an EMA copy is never passed to an optimizer and stays as it is.
-    When a same-file helper builds the optimizer from a model it receives
-    (`optimizer = build_optimizer(model, cfg)`), the wrap goes before that call.
-
-    `tm.wrap_model` moves the model to the rank's device and wraps it in DDP when the script runs
-    under torchrun; in a plain `python train.py` run it returns the model unchanged. Models that
-    are already wrapped (`DistributedDataParallel`, `tm.wrap_model`, FSDP, Accelerate, DeepSpeed),
-    also by a function of the file the model is passed to, are left alone. A script that creates
-    its own process group but wraps no model (it averages gradients itself, or not at all) gets
-    a report instead of a wrap. Optimizer classes of other libraries (`BertAdam`, `Lion`) count
-    when they receive a model's parameters. When parameters are frozen after the wrap or `forward()` uses a submodule only
-    in some branches, the wrap passes `find_unused_parameters=True` (see TM303).
-
-    In a legacy `torch.distributed.launch` script that `ddp` moves onto the runtime (see
-    TM101), the script's own `DDP(model, device_ids=[args.local_rank], output_device=...)`
-    becomes `tm.wrap_model(model, ...)`, keeping its other options (`find_unused_parameters=`,
-    `broadcast_buffers=`): device ids fail on CPU ranks, and an unconditional DDP fails in a
-    one-process run.
-
-    In `lint`, for files that already use torch.distributed: reports trained models that are
-    never wrapped, and DDP built with a hard-coded `device_ids=[0]` (every rank on GPU 0),
-    replaced by `[tm.local_rank()]`.
-
-    ## Why is this bad?
-    Without DDP every rank trains its own copy on its own shard and the copies drift apart: no
-    gradient is averaged. Wrapping after the optimizer's model is final (moved, loaded) and before
-    the first forward is what the DDP documentation requires.
-
-    ## Example
-    ```python
-    model = Net().to(device)
-    optimizer = torch.optim.AdamW(model.parameters())
-    ```
-    becomes
-    ```python
-    model = Net().to(device)
-    model = tm.wrap_model(model)
-    optimizer = torch.optim.AdamW(model.parameters())
-    ```
-
-    ## Limitations
-    A model created at module level whose optimizer is built inside a function, an optimizer
-    whose model cannot be traced, a module that builds its own optimizer from `self.parameters()`,
-    and a training script with no optimizer at all (parameters updated by hand) are reported for a
-    manual wrap.
-    """
-
-    code = "TM301"
-    name = "wrap-ddp"
-    summary = "Wrap each trained model in DDP (tm.wrap_model) before its optimizer is built"
-    safety = Safety.SAFE
-    examples = (
-        Example(
-            before="""
-            import torch
-            model = Net().to(device)
-            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-            """,
-            after="""
-            import torch
-            import torchmigrate.runtime as tm
-            model = Net().to(device)
-            model = tm.wrap_model(model)
-            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-            """,
-        ),
-        Example(
-            before="""
-            import torch
-            class Trainer:
-                def __init__(self, cfg):
-                    self.model = build_model(cfg)
-                    self.teacher = build_teacher(cfg).eval()
-                    self.optimizer = torch.optim.SGD(self.model.parameters(), lr=cfg.lr)
-            """,
-            after="""
-            import torch
-            import torchmigrate.runtime as tm
-            class Trainer:
-                def __init__(self, cfg):
-                    self.model = build_model(cfg)
-                    self.teacher = build_teacher(cfg).eval()
-                    self.model = tm.wrap_model(self.model)
-                    self.optimizer = torch.optim.SGD(self.model.parameters(), lr=cfg.lr)
-            """,
-        ),
-    )
-
-    def leave_Module(self, node: cst.Module) -> None:
-        p = self.plan()
-        if not p.active[self.code]:
-            return
-        tm = self.ctx.tm
-        for nw in p.new:
-            call = _wrap_call(tm, expr(nw.name), bool(nw.find_unused), nw.sync_bn)
-            statement = cst.SimpleStatementLine([cst.Assign([cst.AssignTarget(expr(nw.name))], call)])
-            edit = (insert_after if nw.after else insert_before)(nw.anchor, [statement])
-            extra = f" (find_unused_parameters=True: {nw.find_unused})" if nw.find_unused else ""
-            if nw.bound is not None:
-                self.report(nw.bound, f"`{nw.name}` is also bound in this branch, which does not build its "
-                                      f"optimizer: wrap it at the end of the branch too: `{nw.name} = "
-                                      f"{tm}.wrap_model({nw.name})`{extra}",
-                            edits=[edit], imports=[self.ctx.runtime_import()])
-                continue
-            if nw.dp is not None:
-                extra += "; replaces nn.DataParallel"
-            self.report(nw.opt.call, f"wrap `{nw.name}` in DistributedDataParallel before building its optimizer: "
-                                     f"`{nw.name} = {tm}.wrap_model({nw.name})`{extra}",
-                        edits=[edit], imports=[self.ctx.runtime_import()])
-        for n, message, statement in p.manual301:
-            self.report(n, message, statement=statement)
-        for w in p.wraps:
-            if w.kind == "ddp" and w.call is not None:
-                self._device_ids(w.call)
-            elif w.kind == "tm" and w.call is not None and self.ctx.resolve(w.call.func) in _DDP:
-                self._to_wrap_model(w.call)
-
-    def _to_wrap_model(self, call: cst.Call) -> None:
-        """A legacy script's own `DDP(model, device_ids=[args.local_rank], output_device=...)`
-        (see `legacy_launch`) becomes `tm.wrap_model(model, ...)`: it picks the device ids
-        itself (none on CPU ranks, where DDP refuses them) and returns the model unwrapped in a
-        one-process run. Other options (`find_unused_parameters=`, `broadcast_buffers=`) stay,
-        positional ones as keywords (only the first five positions are the same in every torch)."""
-        tm = self.ctx.tm
-        positional = [a for a in call.args if a.keyword is None]
-        if len(positional) > len(_DDP_POSITIONS) or any(a.star for a in call.args) \
-                or not positional and call_arg(call, "module") is None:
-            self.report(call, f"DDP built by hand for torch.distributed.launch: replace it with `{tm}.wrap_model("
-                              "model, ...)` (device ids from the local rank, none on CPU, no wrap in one process)")
-            return
-
-        def fix(c: cst.Call) -> cst.Call:
-            named = [a if a.keyword is not None else kwarg(_DDP_POSITIONS[i], a.value)
-                     for i, a in enumerate(c.args)]
-            module = next(a for a in named if a.keyword.value == "module")
-            kept = [a for a in named if a.keyword.value not in ("module", "device_ids", "output_device")]
-            module = module.with_changes(keyword=None, equal=cst.MaybeSentinel.DEFAULT)
-            return with_args(c.with_changes(func=expr(f"{tm}.wrap_model")), [module, *kept])
-
-        self.report(call, f"DDP with `device_ids` fails on CPU ranks and in a one-process run: `{tm}.wrap_model` "
-                          "picks the device itself (cuda:LOCAL_RANK, none on CPU) and wraps only under torchrun",
-                    edits=[replace(call, fix)], imports=[self.ctx.runtime_import()])
-
-    def _device_ids(self, call: cst.Call) -> None:
-        tm = self.ctx.tm
-        edits = []
-        dev = call_arg(call, "device_ids", 1)
-        if dev is not None and _hardcoded(dev.value, many=True):
-            edits.append(replace_with(dev.value, expr(f"[{tm}.local_rank()]")))
-        out = call_arg(call, "output_device", 2)
-        if out is not None and _hardcoded(out.value, many=False):
-            edits.append(replace_with(out.value, expr(f"{tm}.local_rank()")))
-        if edits:
-            self.report(call, "DDP with a hard-coded GPU puts every rank on the same device: use the local rank "
-                              f"(`device_ids=[{tm}.local_rank()]`)", edits=edits, imports=[self.ctx.runtime_import()])
-
-
-def _else_body(node: cst.If, extra: List[cst.BaseStatement]):
-    """The statements of an `if`'s `else:` branch (then `extra`), in place of the `if`."""
-    body = node.orelse.body
-    if isinstance(body, cst.SimpleStatementSuite):
-        stmts = [cst.SimpleStatementLine(list(body.body))]
-    else:
-        stmts = list(body.body)
-    stmts = stmts + list(extra)
-    first = stmts[0]
-    stmts[0] = first.with_changes(leading_lines=[*node.leading_lines, *getattr(first, "leading_lines", [])])
-    return cst.FlattenSentinel(stmts)
-
-
-def _hardcoded(node: cst.BaseExpression, many: bool) -> bool:
-    if many:
-        if isinstance(node, (cst.List, cst.Tuple)):
-            return len(node.elements) >= 1 and all(_hardcoded(e.value, False) for e in node.elements)
-        return False
-    if isinstance(node, cst.Integer):
-        return True
-    if isinstance(node, cst.SimpleString):
-        return bool(re.fullmatch(r"cuda(:\d+)?", node.evaluated_value))
-    if isinstance(node, cst.Call) and dotted(node.func) in ("torch.device", "device"):
-        return bool(node.args) and all(_hardcoded(a.value, False) for a in node.args)
-    return False
-
-
-class UnwrapAttr(_ModelRule):
-    """
-    ## What it does
-    After a model is wrapped (by TM301, `tm.wrap_model`, `DistributedDataParallel` or a former
-    `nn.DataParallel`), rewrites accesses that the wrapper does not forward:
-
-    - `model.module` → `tm.unwrap(model)` (also `model.module.x` → `tm.unwrap(model).x`);
-    - `model.state_dict()` / `model.load_state_dict(...)` → `tm.unwrap(model).state_dict()` /
-      `tm.unwrap(model).load_state_dict(...)`, so checkpoints have no `module.` prefix;
-    - custom attributes and methods (`model.encode(x)`, `model.config`, `model.fc`) →
-      `tm.unwrap(model).encode(x)`;
-    - the model itself where the wrapper must not go: copies (`copy.deepcopy(model)`, EMA),
-      whole-model checkpoints (`torch.save(model, f)`, a value of the saved dict, list or tuple,
-      also through `state = {"net": net}`) and `writer.add_graph(model, ...)` get
-      `tm.unwrap(model)` (for the wraps the migration makes).
-
-    The `nn.Module` API that DDP itself provides (`model(x)`, `parameters()`, `train()`,
-    `eval()`, `to()`, `zero_grad()`, `no_sync()`, ...) is left alone. Accesses are rewritten in
-    the scope after the wrap and in other functions and methods of the file that receive the
-    model (`tm.unwrap` is the identity on a module that is not wrapped, so this is safe wherever
-    the name holds a plain module). For scripts that build DDP themselves, `.module` stays as
-    it is (it is right there); `state_dict()` and `load_state_dict()` go through `tm.unwrap`
-    too, saving and loading alike (`model.state_dict()` of a DDP has `module.` keys that the
-    plain model cannot load). In `lint` such a script gets a report, without a fix, for
-    `torch.save(model.state_dict(), ...)` (also as a value of the saved dict) where `model` is
-    provably the DDP it built (wrapped unconditionally earlier in the same function); an alias
-    of the module (`model_without_ddp = model.module`) is already unwrapped.
-
-    ## Why is this bad?
-    `DistributedDataParallel` only forwards `nn.Module` attributes: `model.encode(x)` raises
-    `AttributeError: 'DistributedDataParallel' object has no attribute 'encode'`, and
-    `model.state_dict()` saves every key with a `module.` prefix. `model.module` on the other
-    hand fails in a single-process run, where `tm.wrap_model` returns the bare model.
-
-    ## Example
-    ```python
-    model = tm.wrap_model(model)
-    z = model.encode(x)
-    model.module.head.reset_parameters()
-    ```
-    becomes
-    ```python
-    model = tm.wrap_model(model)
-    z = tm.unwrap(model).encode(x)
-    tm.unwrap(model).head.reset_parameters()
-    ```
-    """
-
-    code = "TM302"
-    name = "unwrap-attr"
-    summary = "Access custom attributes, .module and state_dict of wrapped models through tm.unwrap"
-    safety = Safety.SAFE
-    examples = (
-        Example(
-            before="""
-            import torchmigrate.runtime as tm
-            model = tm.wrap_model(model)
-            z = model.encode(x)
-            model.module.head.reset_parameters()
-            torch.save(model.state_dict(), "model.pt")
-            """,
-            after="""
-            import torchmigrate.runtime as tm
-            model = tm.wrap_model(model)
-            z = tm.unwrap(model).encode(x)
-            tm.unwrap(model).head.reset_parameters()
-            torch.save(tm.unwrap(model).state_dict(), "model.pt")
-            """,
-        ),
-    )
-
-    def leave_Module(self, node: cst.Module) -> None:
-        p = self.plan()
-        if not p.active[self.code]:
-            return
-        _report_rewrites(self, p, "TM302")
-
-
-def _report_rewrites(rule: Rule, p: Plan, owner: str) -> None:
-    tm = rule.ctx.tm
-    seen: Set[cst.CSTNode] = set()
-    for r in p.rewrites:
-        if r.owner != owner:
-            continue
-        if not r.attr and r.use == "save":
-            message = (f"saving the wrapped model `{r.name}` whole pickles the DDP wrapper, which cannot be loaded "
-                       f"outside torchrun: save the module itself, `{tm}.unwrap({r.name})`")
-        elif not r.attr and r.use == "graph":
-            message = (f"add_graph traces the model with torch.jit, which fails on the DDP wrapper: trace the module "
-                       f"itself, `{tm}.unwrap({r.name})`")
-        elif not r.attr:
-            message = (f"copying a wrapped model copies the DDP wrapper: copy the module itself, "
-                       f"`{tm}.unwrap({r.name})`")
-        elif r.attr == "module":
-            message = f"`{r.name}.module` fails when the model is not wrapped: use `{tm}.unwrap({r.name})`"
-        elif r.manual:
-            rule.report(r.node, f"`{r.name}` is the DistributedDataParallel built here: `{r.name}.state_dict()` saves "
-                                f"every key with a `module.` prefix, which the plain model cannot load; save "
-                                f"`{r.name}.module.state_dict()` (or `{tm}.unwrap({r.name}).state_dict()`) and load "
-                                "into the module the same way")
-            continue
-        elif r.attr in _STATE:
-            message = (f"`{r.name}.{r.attr}` of a DDP model has `module.`-prefixed keys: "
-                       f"use `{tm}.unwrap({r.name}).{r.attr}`")
-        else:
-            message = (f"DDP does not forward custom attributes (`{r.name}.{r.attr}` raises AttributeError): "
-                       f"use `{tm}.unwrap({r.name}).{r.attr}`")
-        edits = [replace(r.node, _unwrap_fix(tm, r.attr))]
-        choice = _wrap_check(rule.ctx, r.node)
-        if choice is not None and choice not in seen:
-            # `m.module.state_dict() if type(m) is DDP else m.state_dict()`: both branches become
-            # `tm.unwrap(m).state_dict()`, so keep one
-            seen.add(choice)
-            edits.append(replace(choice, _same_branches))
-        rule.report(r.node, message, edits=edits, imports=[rule.ctx.runtime_import()])
-
-
-_PURE_TESTS = {"type", "isinstance", "hasattr", "getattr", "len"}
-
-
-def _wrap_check(ctx: Context, node: cst.CSTNode) -> Optional[cst.IfExp]:
-    """The `a if <check> else b` whose branch holds `node`, when the check has no side effects."""
-    child, parent = node, ctx.parent(node)
-    while parent is not None and not isinstance(parent, (cst.BaseStatement, cst.BaseSmallStatement, cst.Lambda)):
-        if isinstance(parent, cst.IfExp) and child is not parent.test:
-            calls = ctx.within(parent.test, cst.Call)
-            if all(isinstance(c.func, cst.Name) and c.func.value in _PURE_TESTS for c in calls):
-                return parent
-            return None
-        child, parent = parent, ctx.parent(parent)
-    return None
-
-
-def _same_branches(node: cst.CSTNode) -> cst.CSTNode:
-    if isinstance(node, cst.IfExp) and node.body.deep_equals(node.orelse):
-        return node.body.with_changes(lpar=node.lpar, rpar=node.rpar) if node.lpar else node.body
-    return node
-
-
-class UnusedParams(_ModelRule):
-    """
-    ## What it does
-    Reports models whose set of parameters that receive gradients changes between steps while
-    DDP does not expect it, and the opposite, needless `find_unused_parameters=True`:
-
-    - `forward()` calls a submodule with parameters only in some branches of an `if`
-      (`if cfg.aux: out = out + self.aux(x)`), or parameters are frozen
-      (`requires_grad = False`) after the model was wrapped, and the existing DDP wrap lacks
-      `find_unused_parameters=True`; the wraps TM301 adds pass it in these cases;
-    - `forward()` returns several outputs and every training call of the model throws some of
-      them away (`logits, _ = model(x)`, `model(x)[0]`): the submodules feeding only those (an
-      auxiliary or projection head, also when the model class lives in another module of the
-      program) get no gradient. The wrap TM301 adds passes `find_unused_parameters=True`; an
-      existing wrap without it is reported;
-    - parameters are unfrozen after the wrap (DDP never synchronises them);
-    - `find_unused_parameters=True` on a model whose `forward()` is straight-line code using every
-      submodule (`lint` only: a migration changes nothing in a script that is already
-      distributed unless it is broken).
-
-    ## Why is this bad?
-    A parameter that gets no gradient in a step makes DDP fail with "Expected to have finished
-    reduction in the prior iteration before starting a new one" (pytorch/pytorch#43259).
-    `find_unused_parameters=True` fixes that at the cost of an extra traversal of the autograd
-    graph every step, which is wasted when every parameter is always used (pytorch#50133);
-    `static_graph=True` is the cheaper option when the used set never changes.
-
-    ## Example
-    ```python
-    class Net(nn.Module):
-        def forward(self, x):
-            out = self.body(x)
-            if self.use_aux:
-                out = out + self.aux(x)   # self.aux unused when use_aux is False
-            return out
-    model = DDP(model, device_ids=[local_rank])
-    ```
-    """
-
-    code = "TM303"
-    name = "unused-params"
-    summary = "Report conditional parameter use under DDP and needless find_unused_parameters=True"
-    safety = Safety.MANUAL
-    examples = (
-        Example(
-            before="""
-            import random
-            import torch.nn as nn
-            from torch.nn.parallel import DistributedDataParallel as DDP
-            class Net(nn.Module):
-                def __init__(self):
-                    super().__init__()
-                    self.body = nn.Linear(4, 4)
-                    self.aux = nn.Linear(4, 4)
-                def forward(self, x):
-                    out = self.body(x)
-                    if random.random() < 0.5:
-                        out = out + self.aux(x)
-                    return out
-            model = DDP(Net())
-            """,
-            after="""
-            import random
-            import torch.nn as nn
-            from torch.nn.parallel import DistributedDataParallel as DDP
-            class Net(nn.Module):
-                def __init__(self):
-                    super().__init__()
-                    self.body = nn.Linear(4, 4)
-                    self.aux = nn.Linear(4, 4)
-                def forward(self, x):
-                    out = self.body(x)
-                    if random.random() < 0.5:
-                        out = out + self.aux(x)
-                    return out
-            # TODO(torchmigrate): TM303 Net.forward() uses self.aux only in some branches: DDP then fails with "Expected to have finished reduction in the prior iteration"; pass find_unused_parameters=True to the wrap (or make every parameter take part in each step)
-            model = DDP(Net())
-            """,
-        ),
-    )
-
-    def leave_Module(self, node: cst.Module) -> None:
-        if self.plan().active[self.code]:
-            self.notes(self.code)
-
-
-class SyncBN(_ModelRule):
-    """
-    ## What it does
-    For a wrapped model that contains BatchNorm layers (a model class of the file that uses
-    `nn.BatchNorm*d`, directly or through its building blocks, or a torchvision ResNet-style
-    model), `torchmigrate ddp --sync-bn` makes the wrap `tm.wrap_model(model, sync_bn=True)`,
-    which converts the layers to `nn.SyncBatchNorm` before DDP (on CUDA; a no-op on CPU).
-    Without `--sync-bn` the migration reports the models it wraps. `lint` reports
-    user-written `DistributedDataParallel(model)` with an unsafe fix that inserts
-    `model = nn.SyncBatchNorm.convert_sync_batchnorm(model)` before it (`--unsafe-fixes`); a
-    DDP the user wrote is otherwise left alone by `ddp`, and `tm.wrap_model` by `lint`.
-
-    ## Why is this bad?
-    Under DDP each rank normalises over its own per-rank batch. With small per-rank batches
-    (detection, segmentation) the statistics get noisy and accuracy drops; SyncBatchNorm
-    computes them over the global batch, at the cost of a collective per BatchNorm layer. The
-    conversion must happen before DDP wraps the model (NVIDIA/apex#109).
-
-    ## Example
-    ```python
-    model = ResNetLike().to(device)       # uses nn.BatchNorm2d
-    model = tm.wrap_model(model)
-    ```
-    becomes, with `--sync-bn`,
-    ```python
-    model = ResNetLike().to(device)
-    model = tm.wrap_model(model, sync_bn=True)
-    ```
-    """
-
-    code = "TM304"
-    name = "sync-bn"
-    summary = "Convert BatchNorm to SyncBatchNorm when wrapping (opt-in: --sync-bn)"
-    safety = Safety.UNSAFE
-    examples = (
-        Example(
-            before="""
-            import torch.nn as nn
-            import torch.distributed as dist
-            from torch.nn.parallel import DistributedDataParallel as DDP
-            dist.init_process_group("nccl")
-            model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8)).cuda()
-            model = DDP(model, device_ids=[local_rank])
-            """,
-            mode="lint",  # reported with an unsafe fix (applied with --unsafe-fixes)
-        ),
-    )
-
-    def leave_Module(self, node: cst.Module) -> None:
-        p = self.plan()
-        if not p.active[self.code]:
-            return
-        safety = Safety.SAFE if self.ctx.options.mode == "ddp" else Safety.UNSAFE
-        for nw in [*p.new, *p.dp_sites]:
-            if getattr(nw, "sync_bn", False) and getattr(nw, "bound", None) is None:
-                name = nw.name if isinstance(nw, NewWrap) else nw.wrap.name
-                anchor = nw.anchor if isinstance(nw, NewWrap) else (nw.target or nw.outer)
-                if isinstance(nw, DPSite) and nw.action == "remove":
-                    continue
-                node_ = nw.opt.call if isinstance(nw, NewWrap) else nw.outer
-                # The keyword itself is part of the one wrap statement TM301/TM306 write.
-                self.report(node_, f"`{name}` contains BatchNorm layers: convert them to SyncBatchNorm when wrapping "
-                                   "(`sync_bn=True`)", edits=[replace(anchor, lambda n: n)], safety=safety)
-        for call, message, edits in p.sync_bn_fixes:
-            self.report(call, message, edits=edits, safety=safety)
-        self.notes(self.code)
-
-
-class LrWorldSize(_ModelRule):
-    """
-    ## What it does
-    Reports, once per optimizer, that the learning rate is not scaled with the number of
-    processes, unless the learning rate or the DataLoader batch size already involves the world
-    size (`lr * world_size`, `batch_size // dist.get_world_size()`). `ddp` reports the
-    optimizers of the models it wraps (a TODO comment); `lint` those of user-written DDP models.
-
-    ## Why is this bad?
-    Every rank now loads `batch_size` samples and DDP averages the gradients, so N ranks train
-    with a global batch of N × `batch_size` at the old learning rate. Whether to scale the
-    learning rate (linear scaling rule) or to shrink the per-rank batch is a modelling choice
-    (Lightning-AI/pytorch-lightning#3706, facebookresearch/detectron2#934); the tool does not
-    make it silently.
-
-    ## Example
-    ```python
-    model = tm.wrap_model(model)
-    optimizer = SGD(model.parameters(), lr=args.lr)   # global batch is now N x larger
-    ```
-    """
-
-    code = "TM305"
-    name = "lr-world-size"
-    summary = "Report learning rates not scaled for the larger global batch"
-    safety = Safety.MANUAL
-    examples = (
-        Example(
-            before="""
-            import torch
-            import torch.distributed as dist
-            from torch.nn.parallel import DistributedDataParallel as DDP
-            dist.init_process_group("nccl")
-            model = DDP(Net().cuda(), device_ids=[local_rank])
-            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-            """,
-            mode="lint",  # reported (in `ddp`, for the models the migration wraps: a TODO comment)
-        ),
-        Example(
-            before="""
-            import torch
-            import torch.distributed as dist
-            from torch.nn.parallel import DistributedDataParallel as DDP
-            dist.init_process_group("nccl")
-            model = DDP(Net().cuda(), device_ids=[local_rank])
-            optimizer = torch.optim.SGD(model.parameters(), lr=0.1 * dist.get_world_size())
-            """,
-            mode="lint",  # not reported: the learning rate already scales with the world size
-        ),
-    )
-
-    def leave_Module(self, node: cst.Module) -> None:
-        if self.plan().active[self.code]:
-            self.notes(self.code)
-
-
-class DataParallelToDDP(_ModelRule):
-    """
-    ## What it does
-    Replaces `nn.DataParallel` by the DDP wrap. When TM301 wraps the same model before its
-    optimizer, `model = nn.DataParallel(model, device_ids=...)` is removed (with its
-    `if torch.cuda.device_count() > 1:` guard when that is all the `if` holds); otherwise it
-    becomes `tm.wrap_model(model)` in place (after the guard, never inside it). `model.module` becomes
-    `tm.unwrap(model)`. Reports that the batch size changes meaning. In `lint` it fires on any
-    file; `torchmigrate amp` keeps DataParallel (TM405 moves autocast into `forward`).
-
-    ## Why is this bad?
-    DataParallel is single-process multi-threaded replication: slower than DDP even on one
-    node, and the PyTorch docs recommend DDP instead. DataParallel split each batch across the
-    GPUs, while under DDP every rank loads a full `batch_size`, so the global batch becomes
-    world_size × larger (use `batch_size // tm.world_size()` to keep it).
-
-    ## Example
-    ```python
-    model = Net()
-    if torch.cuda.device_count() > 1:
-        model = nn.DataParallel(model)
-    model.to(device)
-    ```
-    becomes
-    ```python
-    model = Net()
-    model = tm.wrap_model(model)
-    model.to(device)
-    ```
-    """
-
-    code = "TM306"
-    name = "dataparallel"
-    summary = "Replace nn.DataParallel with the DDP wrap (tm.wrap_model / tm.unwrap)"
-    safety = Safety.SAFE
-    examples = (
-        Example(
-            before="""
-            import torch
-            import torch.nn as nn
-            model = Net()
-            if torch.cuda.device_count() > 1:
-                model = nn.DataParallel(model, device_ids=[0, 1])
-            model.to(device)
-            torch.save(model.module.state_dict(), "model.pt")
-            """,
-            after="""
-            import torch
-            import torch.nn as nn
-            import torchmigrate.runtime as tm
-            model = Net()
-            # TODO(torchmigrate): TM306 DataParallel split each batch across the GPUs; under DDP each rank loads a full batch, so the global batch is tm.world_size() times larger: use `batch_size // tm.world_size()` per rank to keep it (or scale the learning rate)
-            model = tm.wrap_model(model)
-            model.to(device)
-            torch.save(tm.unwrap(model).state_dict(), "model.pt")
-            """,
-        ),
-    )
-
-    def leave_Module(self, node: cst.Module) -> None:
-        p = self.plan()
-        if not p.active[self.code]:
-            return
-        tm = self.ctx.tm
-        note = (f"DataParallel split each batch across the GPUs; under DDP each rank loads a full batch, so the "
-                f"global batch is {tm}.world_size() times larger: use `batch_size // {tm}.world_size()` per rank to "
-                f"keep it (or scale the learning rate)")
-        # one batch-size note per function, not one per DataParallel: at the first site's statement
-        noted: Dict[cst.CSTNode, DPSite] = {}
-        for site in p.dp_sites:
-            if site.action != "keep":
-                scope = p.fscope(site.wrap.call)
-                first = noted.get(scope)
-                if first is None or p.idx(site.note_stmt) < p.idx(first.note_stmt):
-                    noted[scope] = site
-        ensured: Set[Tuple[cst.CSTNode, str]] = set()
-        for site in p.dp_sites:
-            if site.action == "keep":
-                continue
-            edits = []
-            w = site.wrap
-            if site.action == "manual":
-                chosen = noted.get(p.fscope(w.call)) is site
-                self.report(w.call, f"{site.reason}; {note}" if chosen else site.reason, statement=site.note_stmt)
-                continue
-            if site.action == "alias":
-                edits.append(replace(w.call, lambda n: _wrapped_arg(n, p.dp_position(n)).value.with_changes(
-                    lpar=n.lpar, rpar=n.rpar) if isinstance(n, cst.Call) and _wrapped_arg(n, p.dp_position(n)) is not None
-                    else n))
-                message = (f"remove nn.DataParallel: `{w.name}` is wrapped in DDP before its optimizer (TM301), "
-                           f"after the weights of `{w.arg}` are loaded or initialised (DDP copies rank 0's weights "
-                           "to every rank when it is built)")
-            elif site.action == "remove" or (site.action == "collapse" and not site.wrap_after):
-                edits.append(remove(site.target) if site.action == "remove" else
-                             replace(site.target, lambda n: _else_body(n, [])))
-                message = (f"remove nn.DataParallel: `{w.name.split('.')[0]}` is wrapped in DDP before its "
-                           "optimizer (TM301)")
-            else:
-                fu, sb = bool(site.find_unused), site.sync_bn
-
-                def build(node, fu=fu, sb=sb):
-                    inner = _strip(node) if isinstance(node, cst.Call) else node
-                    a = _wrapped_arg(inner, p.dp_position(inner)) if isinstance(inner, cst.Call) else None
-                    module = a.value if a is not None else inner
-                    return _wrap_call(tm, module, fu, sb)
-
-                if site.action == "inplace":
-                    outer = site.outer
-                    edits.append(replace(outer, lambda n, build=build: build(n).with_changes(lpar=n.lpar, rpar=n.rpar)
-                                         if isinstance(n, cst.Call) else build(n)))
-                else:
-                    argx = _wrapped_arg(w.call, p.dp_position(w.call))
-                    new = cst.SimpleStatementLine([cst.Assign([cst.AssignTarget(expr(w.name))],
-                                                              _wrap_call(tm, argx.value, fu, sb))])
-                    if site.action == "collapse":
-                        edits.append(replace(site.target, lambda n, new=new: _else_body(n, [new])))
-                    elif site.action == "replace-if":
-                        edits.append(replace(site.target, lambda n, new=new: new.with_changes(
-                            leading_lines=n.leading_lines)))
-                    else:  # move: drop the DataParallel line, wrap after the `if`
-                        edits.append(remove(site.small))
-                        edits.append(insert_after(site.target, [new]))
-                if site.ensure_after is not None:
-                    key = (site.ensure_after, w.name)
-                    if key not in ensured:
-                        ensured.add(key)
-                        edits.append(insert_after(site.ensure_after, [cst.parse_statement(
-                            f"{w.name} = {tm}.wrap_model({w.name})")]))
-                    extra = (f" (it was in one branch: `{w.name}` is also wrapped after the `if`, so every branch "
-                             "trains in DDP)")
-                elif site.conditional:
-                    extra = " (the DataParallel was conditional: check the wrap runs on every rank)"
-                else:
-                    extra = ""
-                message = f"replace nn.DataParallel with `{tm}.wrap_model(...)`{extra}"
-            self.report(w.call, message, edits=edits, imports=[self.ctx.runtime_import()])
-            if noted.get(p.fscope(w.call)) is site:
-                self.report(w.call, note, statement=site.note_stmt)
-        for call in p.dp_functional:
-            self.report(call, "nn.parallel.data_parallel() replicates the module on every call: wrap the model once "
-                              f"with `{tm}.wrap_model(model)` and call it directly")
-        _report_rewrites(self, p, "TM306")
