@@ -4,6 +4,9 @@ models differentiated by hand).
 
 Read in this order:
 
+- the facts (`torchmigrate.program.models`): where each model of the module is created, what it
+  is made of (BatchNorm layers, submodules `forward()` uses only in some branches, heads whose
+  outputs training throws away), models differentiated by hand; no rule code;
 - `plan`: what this run does with the models of the module (which ones an optimizer trains,
   which are already wrapped, where each new `tm.wrap_model` goes, what happens to
   `nn.DataParallel`, which accesses go through `tm.unwrap`, `find_unused_parameters` and

@@ -26,34 +26,27 @@ the Attribute nodes TM302 rewrites as `ctx.facts["unwrapped_attrs"]`.
 
 from __future__ import annotations
 
-import ast
 import os
 import re
-import textwrap
-from bisect import bisect_left
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Set, Tuple
 
 import libcst as cst
 
-from torchmigrate.analysis import Optimizer, _call_arg_for, facts, is_distributed, model_root, optimizers, runs_backward, under_no_grad
+from torchmigrate.analysis import Optimizer, _call_arg_for, calls_to, facts, is_distributed, model_root, optimizers
 from torchmigrate.finding import insert_before, replace
 from torchmigrate.imports import dotted, iter_statements
-from torchmigrate.program.facts import forward_outputs
 from torchmigrate.nodes import arg as call_arg
 from torchmigrate.nodes import code, expr, set_kwarg, stmt
-from torchmigrate.positions import code_for
-from torchmigrate.rule import RUNTIME_MODULE, Context
+from torchmigrate.program.models import (APEX_DDP_CLASSES, DDP_CLASSES, DP_CLASSES, MOVES, TM_WRAP, assign_targets,
+                                         functional_model, mentions, model_facts, strip_moves)
+from torchmigrate.rule import Context
 from torchmigrate.rules.launch import creates_own_group, legacy_launch
 
 CODES = ("TM301", "TM302", "TM303", "TM304", "TM305", "TM306")
 
-DDP_CLASSES = {"torch.nn.parallel.DistributedDataParallel", "torch.nn.parallel.distributed.DistributedDataParallel"}
-_APEX_DDP = {"apex.parallel.DistributedDataParallel", "apex.parallel.distributed.DistributedDataParallel"}
-_TM_WRAP = "torchmigrate.runtime.wrap_model"
 _TM_UNWRAP = "torchmigrate.runtime.unwrap"
 _SAVES = {"torch.save", "torchmigrate.runtime.save"}
-_DP = {"torch.nn.DataParallel", "torch.nn.parallel.DataParallel", "torch.nn.parallel.data_parallel.DataParallel"}
 _DP_FUNCTIONAL = {"torch.nn.parallel.data_parallel", "torch.nn.parallel.data_parallel.data_parallel"}
 _OTHER_WRAPS = (
     "torch.distributed.fsdp.", "torch.distributed._composable.", "torch.distributed.tensor.parallel.",
@@ -64,9 +57,6 @@ _FRAMEWORKS = ("accelerate", "lightning", "pytorch_lightning", "deepspeed", "hor
                "torch_xla", "fairscale", "ignite.distributed", "composer")
 _SYNC_BN = ("torch.nn.SyncBatchNorm.convert_sync_batchnorm", "apex.parallel.convert_syncbn_model")
 
-# Methods that return the module itself (`model.cuda()`, `Net().to(device)`).
-_MOVES = {"to", "cuda", "cpu", "float", "half", "double", "bfloat16", "train", "eval", "requires_grad_",
-          "share_memory", "xpu", "type", "to_empty"}
 # nn.Module / DDP API that works the same on the DDP wrapper: never rewritten by TM302.
 _MODULE_API = {
     "forward", "parameters", "named_parameters", "buffers", "named_buffers", "children",
@@ -85,19 +75,11 @@ STATE_METHODS = ("state_dict", "load_state_dict")
 _CONFIGISH = {"args", "opt", "opts", "cfg", "config", "conf", "hparams", "hp", "params", "flags", "FLAGS",
               "settings", "options", "self.args", "self.cfg", "self.config", "self.opt", "self.hparams",
               "self.params", "self.options"}
-# Layers without parameters: using them conditionally in forward() is harmless for DDP.
-_PARAMLESS = re.compile(
-    r"(Loss|ReLU\d*|GELU|SiLU|Mish|Tanh|Sigmoid|Softmax\d*d?|LogSoftmax|Softplus|Softsign|Hardswish|"
-    r"Hardsigmoid|Hardtanh|ELU|SELU|CELU|GLU|LeakyReLU|Threshold|Identity|Dropout\d*d?|AlphaDropout|"
-    r"\w*Pool\d*d|Flatten|Unflatten|Upsample\w*|PixelShuffle|PixelUnshuffle|\w*Pad\d*d|ChannelShuffle|"
-    r"CosineSimilarity|PairwiseDistance)$")
 _FREEZE = re.compile(r"requires_grad\s*=\s*False|requires_grad_\(\s*(requires_grad\s*=\s*)?False\s*\)")
 _UNFREEZE = re.compile(r"requires_grad\s*=\s*True|requires_grad_\(\s*(requires_grad\s*=\s*)?(True)?\s*\)")
 _WORLD = re.compile(r"world|n_?gpus?\b|num_gpus|ngpus|nprocs|n_procs|num_processes|num_replicas|"
                     r"num_nodes|nnodes|get_world_size|device_count", re.IGNORECASE)
 _EMA = re.compile(r"EMA|Ema|AveragedModel|MovingAverage")
-_BN_TORCHVISION = re.compile(r"resne|wide_resnet|densenet|mobilenet|efficientnet|regnet|inception|googlenet|"
-                             r"shufflenet|mnasnet|_bn$|deeplab|fcn_|lraspp|__dict__")
 
 
 # --- small helpers -------------------------------------------------------------------------
@@ -117,41 +99,6 @@ def _root_name(node: cst.CSTNode) -> Optional[str]:
         else:
             break
     return node.value if type(node) is cst.Name else None
-
-
-def _used_outputs(ctx: Context, call: cst.Call, n: int) -> Optional[Set[int]]:
-    """Which of the `n` outputs of the model call `call` the code keeps: `out = model(x)[0]`
-    keeps {0}, `logits, _ = model(x)` keeps {0}; None when it keeps the whole result."""
-    parent = ctx.parent(call)
-    if isinstance(parent, cst.Subscript) and len(parent.slice) == 1:
-        index = parent.slice[0].slice
-        if isinstance(index, cst.Index) and isinstance(index.value, cst.Integer):
-            return {int(index.value.value) % n}
-        return None
-    if isinstance(parent, cst.Assign) and len(parent.targets) == 1:
-        target = parent.targets[0].target
-        if isinstance(target, (cst.Tuple, cst.List)) and len(target.elements) == n and not any(
-                isinstance(e, cst.StarredElement) for e in target.elements):
-            return {i for i, e in enumerate(target.elements)
-                    if not (isinstance(e.value, cst.Name) and e.value.value.startswith("_"))}
-    return None
-
-
-def strip_moves(node: cst.BaseExpression) -> cst.BaseExpression:
-    """`Net().to(device).cuda()` -> `Net()`; `model.cuda()` -> `model`."""
-    while isinstance(node, cst.Call) and isinstance(node.func, cst.Attribute) and node.func.attr.value in _MOVES:
-        node = node.func.value
-    return node
-
-
-def functional_model(ctx: Context, m: str) -> bool:
-    """`torch.autograd.grad(loss, m.parameters())` in this file: gradients taken by hand over
-    the model's own parameters (MAML's inner loop), which DDP does not support."""
-    for call in analysis_calls(ctx, "torch.autograd.grad", RUNTIME_MODULE + ".grad"):  # tm.grad: TM411's
-        inputs = call_arg(call, "inputs", 1)
-        if inputs is not None and code(inputs.value).replace(" ", "") == f"{m}.parameters()":
-            return True
-    return False
 
 
 def _binds_on_every_path(node: cst.If, name: str) -> bool:
@@ -179,31 +126,6 @@ def wrapped_arg(call: cst.Call, position: int = 0) -> Optional[cst.Arg]:
     """The module a wrapper call wraps; `position` for a program's DataParallel subclass whose
     own arguments come first (`ModuleView.dp_classes`)."""
     return call_arg(call, "module", position) or call_arg(call, "model")
-
-
-_SEQUENCES = (cst.Tuple, cst.List)  # exact type tests: isinstance against LibCST's ABCs is slow
-
-
-def _targets(node: cst.BaseAssignTargetExpression, value: Optional[cst.BaseExpression]):
-    """(dotted target, value expression or None) pairs, unpacking `a, b = A(), B()`."""
-    if type(node) in _SEQUENCES:
-        values = None
-        if type(value) in _SEQUENCES and len(value.elements) == len(node.elements):
-            values = [e.value for e in value.elements]
-        for i, element in enumerate(node.elements):
-            yield from _targets(element.value, values[i] if values else None)
-    else:
-        name = dotted(node)
-        if name:
-            yield name, value
-
-
-def _mentions(text: str, name: str) -> bool:
-    return re.search(r"(?<![\w.])" + re.escape(name) + r"\b", text) is not None
-
-
-_WORD = re.compile(r"\w+")
-_WORD_START = re.compile(r"(?<![\w.])\w+")  # a whole word, not after a dot: what `_mentions` matches
 
 
 @dataclass
@@ -286,6 +208,9 @@ def plan(ctx: Context) -> "Plan":
 
 
 class Plan:
+    """What this run does with the models of one module (see the module docstring), decided from
+    its model facts (`self.models`, `program.models`), the options and the rules enabled."""
+
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
         self.f = facts(ctx)
@@ -296,19 +221,9 @@ class Plan:
                        for c in CODES}
         self.framework = any(ctx.imports.imports_module(m) for m in _FRAMEWORKS)
         self.tm = ctx.tm
-        self._order: Dict[int, int] = {}  # id(statement) -> index: ids skip LibCST's Python-level __hash__
-        self._last: Dict[cst.CSTNode, int] = {}
-        self._assigns: Dict[str, List[Tuple[cst.CSTNode, Optional[cst.BaseExpression]]]] = {}
-        self._bn_cache: Dict[cst.CSTNode, bool] = {}
-        self._text_cache: Dict[cst.CSTNode, str] = {}
-        self._words_cache: Dict[cst.CSTNode, str] = {}
-        self._requires_grad_spots: Optional[List[int]] = None  # see `_touches_requires_grad`
-        self._mentioned: Dict[str, Set[str]] = {}
         self._memo: Dict[tuple, object] = {}
         self._delegated: Optional[Set[cst.CSTNode]] = None
         self._final: Optional[List[Wrap]] = None
-        self._fscope: Dict[cst.CSTNode, cst.CSTNode] = {}
-        self._assigned: Optional[Dict[cst.CSTNode, Set[str]]] = None
         self._freeze_sites: Optional[tuple] = None
         self.wraps: List[Wrap] = []
         self.covered: Set[Tuple[str, cst.CSTNode]] = set()  # wrapped by anything
@@ -322,11 +237,11 @@ class Plan:
         self.sync_bn_fixes: List[Tuple[cst.CSTNode, str, list]] = []
         self.sync_bn_applies = (ctx.options.mode == "ddp" and ctx.options.sync_bn) or (
             ctx.options.mode == "lint" and ctx.options.unsafe_fixes)
-        self.has_sync_bn = bool(analysis_calls(ctx, *_SYNC_BN))
+        self.has_sync_bn = bool(calls_to(ctx, *_SYNC_BN))
 
         self.error: Optional[str] = None
         try:
-            self._index()
+            self.models = model_facts(ctx)
             self._existing()
             self._from_other_modules()
             if self.active["TM301"] and not self.framework:
@@ -359,118 +274,11 @@ class Plan:
                                f"could not analyse the models of this file ({error}): wrap each trained model "
                                f"with `{self.tm}.wrap_model(model)` before creating its optimizer", None))
 
-    # --- indexes -----------------------------------------------------------------------
-    def _index(self) -> None:
-        # every statement line, one-line suite and compound statement, in source order
-        order = self._order
-        for i, s in enumerate(self.ctx.nodes(cst.SimpleStatementLine, cst.SimpleStatementSuite,
-                                             cst.BaseCompoundStatement)):
-            order[id(s)] = i
-        for a in self.f.assigns:
-            for t in a.targets:
-                for name, value in _targets(t.target, a.value):
-                    self._assigns.setdefault(name, []).append((a, value))
-
-    def idx(self, statement: Optional[cst.CSTNode]) -> int:
-        return self._order.get(id(statement), -1) if statement is not None else -1
-
-    def last_idx(self, statement: cst.CSTNode) -> int:
-        """Index of the last statement inside `statement` (itself for a simple line)."""
-        if statement not in self._last:
-            count = sum(1 for _ in iter_statements([statement])) if isinstance(
-                statement, cst.BaseCompoundStatement) else 1
-            self._last[statement] = self.idx(statement) + count - 1
-        return self._last[statement]
-
-    def fscope(self, node: cst.CSTNode) -> cst.CSTNode:
-        found = self._fscope.get(node)
-        if found is None:
-            found = self._fscope[node] = self.ctx.enclosing(node, cst.FunctionDef) or self.ctx.module
-        return found
-
-    def klass_of(self, node: cst.CSTNode) -> Optional[cst.ClassDef]:
-        return self.ctx.enclosing(node, cst.ClassDef)
-
+    # --- names -------------------------------------------------------------------------
     def key(self, name: str, node: cst.CSTNode):
         if name.startswith(("self.", "cls.")):
-            return name, self.klass_of(node)
-        return name, self.fscope(node)
-
-    def text(self, node: cst.CSTNode) -> str:
-        if node not in self._text_cache:
-            self._text_cache[node] = code_for(node, self.ctx.module)
-        return self._text_cache[node]
-
-    def words(self, node: cst.CSTNode) -> str:
-        """The names and string literals under `node`, space-separated, attribute names with
-        their dot (`.BatchNorm2d`): what the text searches below look for, without generating
-        the code of whole classes (comments are left out, which only removes false hits)."""
-        found = self._words_cache.get(node)
-        if found is None:
-            parent = self.ctx.parent
-            out = []
-            for n in self.ctx.within(node, cst.Name, cst.SimpleString):
-                up = parent(n)
-                out.append("." + n.value if type(up) is cst.Attribute and up.attr is n else n.value)
-            found = self._words_cache[node] = " ".join(out)
-        return found
-
-    def _touches_requires_grad(self, node: cst.CSTNode) -> bool:
-        """`"requires_grad" in self.words(node)`, asked of every method of every class: found by
-        bisecting the positions of the few names and strings that contain it, not by listing
-        all the words of each method."""
-        start = self.ctx.position(node)
-        if start is None:  # a node built by a rule: not indexed
-            return "requires_grad" in self.words(node)
-        if self._requires_grad_spots is None:
-            hits = [n for tp in (cst.Name, cst.SimpleString) for n in self.ctx.nodes(tp)
-                    if "requires_grad" in n.value]  # type: ignore[attr-defined]
-            self._requires_grad_spots = sorted(self.ctx.position(n) for n in hits)  # type: ignore[type-var]
-        spots = self._requires_grad_spots
-        first = bisect_left(spots, start)  # the first one at or after `node`: is it inside?
-        return first < len(spots) and spots[first] <= self.ctx.last_position(node)
-
-    @staticmethod
-    def params(func: cst.FunctionDef) -> Set[str]:
-        p = func.params
-        names = {x.name.value for x in (*p.posonly_params, *p.params, *p.kwonly_params)}
-        for star in (p.star_arg, p.star_kwarg):
-            if isinstance(star, cst.Param):
-                names.add(star.name.value)
-        return names
-
-    def assigned_in(self, scope: cst.CSTNode, name: str) -> bool:
-        if self._assigned is None:
-            self._assigned = {}
-            for n, pairs in self._assigns.items():
-                for a, _ in pairs:
-                    self._assigned.setdefault(self.fscope(a), set()).add(n)
-        return name in self._assigned.get(scope, ())
-
-    def definitions(self, name: str, scope: cst.CSTNode, klass: Optional[cst.ClassDef],
-                    before: Optional[int] = None) -> List[Tuple[cst.CSTNode, Optional[cst.BaseExpression]]]:
-        """Assignments of `name` that create the model (not wrap calls), in order."""
-        out = []
-        for a, value in self._assigns.get(name, ()):
-            if name.startswith(("self.", "cls.")):
-                if self.klass_of(a) is not klass:
-                    continue
-            elif self.fscope(a) is not scope:
-                continue
-            statement = self.ctx.statement_of(a)
-            if before is not None and self.idx(statement) >= before:
-                continue
-            if value is not None and self._is_wrap_value(value):
-                continue
-            out.append((a, value))
-        return out
-
-    def _is_wrap_value(self, value: cst.BaseExpression) -> bool:
-        inner = strip_moves(value)
-        if not isinstance(inner, cst.Call):
-            return False
-        name = self.ctx.resolve(inner.func)
-        return bool(name and (name in DDP_CLASSES or name in _APEX_DDP or name in _DP or name == _TM_WRAP))
+            return name, self.models.class_of(node)
+        return name, self.models.scope(node)
 
     # --- existing wraps ----------------------------------------------------------------
     def dp_position(self, call: cst.Call) -> int:
@@ -483,11 +291,11 @@ class Plan:
             if name in DDP_CLASSES:
                 # a legacy script's DDP becomes `tm.wrap_model` (TM301): a runtime wrap
                 return "tm" if legacy_launch(self.ctx) else "ddp"
-            if name in _APEX_DDP:
+            if name in APEX_DDP_CLASSES:
                 return "apex"
-            if name == _TM_WRAP:
+            if name == TM_WRAP:
                 return "tm"
-            if name in _DP:
+            if name in DP_CLASSES:
                 return "dp"
             if name.startswith(_OTHER_WRAPS):
                 return "other"
@@ -502,7 +310,7 @@ class Plan:
         node: cst.CSTNode = call
         while True:
             parent = self.ctx.parent(node)
-            if isinstance(parent, cst.Attribute) and parent.value is node and parent.attr.value in _MOVES:
+            if isinstance(parent, cst.Attribute) and parent.value is node and parent.attr.value in MOVES:
                 grand = self.ctx.parent(parent)
                 if isinstance(grand, cst.Call) and grand.func is parent:
                     node = grand
@@ -528,7 +336,7 @@ class Plan:
                         self.covered_not_dp.add(self.key(n, call))
                 if isinstance(parent, cst.Assign):
                     for t in parent.targets:
-                        for n, _ in _targets(t.target, None):
+                        for n, _ in assign_targets(t.target, None):
                             self.covered.add(self.key(n, call))
                             self.covered_not_dp.add(self.key(n, call))
                 continue
@@ -539,7 +347,7 @@ class Plan:
                 target = dotted(parent.targets[0].target)
             elif isinstance(parent, cst.AnnAssign) and parent.value is outer:
                 target = dotted(parent.target)
-            w = Wrap(target or arg or "", kind, self.fscope(call), self.klass_of(call), statement, False,
+            w = Wrap(target or arg or "", kind, self.models.scope(call), self.models.class_of(call), statement, False,
                      statement=statement, call=call, arg=arg)
             self.wraps.append(w)
             if kind == "dp":
@@ -564,10 +372,10 @@ class Plan:
             if fname not in returning:
                 continue
             for t in a.targets:
-                for n, _ in _targets(t.target, None):
+                for n, _ in assign_targets(t.target, None):
                     statement = self.ctx.statement_of(a)
-                    self.wraps.append(Wrap(n, "helper-" + returning[fname], self.fscope(a), self.klass_of(a),
-                                           statement, False, statement=statement))
+                    self.wraps.append(Wrap(n, "helper-" + returning[fname], self.models.scope(a),
+                                           self.models.class_of(a), statement, False, statement=statement))
                     self.covered.add(self.key(n, a))
                     if returning[fname] != "dp":
                         self.covered_not_dp.add(self.key(n, a))
@@ -610,7 +418,7 @@ class Plan:
             if self.ctx.enclosing(a, cst.FunctionDef) is not init:
                 continue
             for t in a.targets:
-                if any(n == f"self.{attr}" for n, _ in _targets(t.target, None)):
+                if any(n == f"self.{attr}" for n, _ in assign_targets(t.target, None)):
                     return self.ctx.statement_of(a)
         return None
 
@@ -645,21 +453,21 @@ class Plan:
         found = None
         for site in self.dp_sites:
             w = site.wrap
-            if w.name != m or self.fscope(w.call) is not scope or not w.arg or "." in w.arg or w.arg == m:
+            if w.name != m or self.models.scope(w.call) is not scope or not w.arg or "." in w.arg or w.arg == m:
                 continue
             if found is not None or not self._is_dp_assign(site) or w.statement is None:
                 return None
             found = site
         if found is None:
             return None
-        start, end = self.last_idx(found.wrap.statement), self.idx(stmt0)
+        start, end = self.models.last_idx(found.wrap.statement), self.models.idx(stmt0)
         return found if start < end and self._modified_between({m, found.wrap.arg}, scope, start, end) else None
 
     def _modified_between(self, names: Set[str], scope: cst.CSTNode, start: int, end: int) -> bool:
         """A statement of `scope` strictly between the indexes `start` and `end` changes the
         parameters of one of the modules `names` in place."""
         def inside(node: cst.CSTNode) -> bool:
-            return self.fscope(node) is scope and start < self.idx(self.ctx.statement_of(node)) < end
+            return self.models.scope(node) is scope and start < self.models.idx(self.ctx.statement_of(node)) < end
 
         for call, name in self.f.calls:
             f = call.func
@@ -731,7 +539,7 @@ class Plan:
                 old = best.get(k)
                 if old is None or self._prefer(placed, old):
                     best[k] = placed
-        self.new = sorted(best.values(), key=lambda w: (self.idx(w.anchor), w.after))
+        self.new = sorted(best.values(), key=lambda w: (self.models.idx(w.anchor), w.after))
         self._leave_own_group_alone()
         self._other_branches(cands)
         self._merge_adjacent()
@@ -752,8 +560,8 @@ class Plan:
                 continue
             k = (nw.name, nw.klass if nw.name.startswith(("self.", "cls.")) else nw.scope)
             seen: Set[int] = set()
-            for d, _ in self.definitions(nw.name, nw.scope, nw.klass):
-                if self.fscope(d) is not nw.scope:
+            for d, _ in self.models.definitions(nw.name, nw.scope, nw.klass):
+                if self.models.scope(d) is not nw.scope:
                     continue
                 ds = self.ctx.statement_of(d)
                 branch = self._sibling_branch(nw.anchor, ds, nw.scope)
@@ -763,7 +571,7 @@ class Plan:
                 inside = [c for c in cands.get(k, ()) if c is not nw and not c.after and c.extra_of is None
                           and any(a is branch for a in self.ctx.ancestors(c.anchor))]
                 if inside:
-                    c = min(inside, key=lambda c: self.idx(c.anchor))
+                    c = min(inside, key=lambda c: self.models.idx(c.anchor))
                     c.extra_of = nw
                     extra.append(c)
                     continue
@@ -778,7 +586,7 @@ class Plan:
                 extra.append(NewWrap(nw.name, nw.opt, nw.scope, nw.klass, last, after=True, def_stmt=ds,
                                      extra_of=nw, bound=d))
         if extra:
-            self.new = sorted([*self.new, *extra], key=lambda w: (self.idx(w.anchor), w.after))
+            self.new = sorted([*self.new, *extra], key=lambda w: (self.models.idx(w.anchor), w.after))
 
     @staticmethod
     def _exits(statement: cst.CSTNode) -> bool:
@@ -842,7 +650,7 @@ class Plan:
         for o in opts:
             if o.via is not None or not any(m in ("self", "cls") for m in o.models):
                 continue
-            klass = self.klass_of(o.call)
+            klass = self.models.class_of(o.call)
             if klass is None:
                 continue
             if any(s.via is o and s.models and not self._super_site(s) for s in opts):
@@ -864,7 +672,7 @@ class Plan:
         """`m` for optimizer parameters `tm.unwrap(m).<...>.parameters()`."""
         if not o.call.args:
             return []
-        text = self.text(o.call.args[0].value)
+        text = self.models.text(o.call.args[0].value)
         if "unwrap" not in text:
             return []
         out = []
@@ -879,7 +687,7 @@ class Plan:
             f = call.func
             if not (isinstance(f, cst.Attribute) and f.attr.value == "backward"):
                 continue
-            scope = self.fscope(call)
+            scope = self.models.scope(call)
             statement = self.ctx.statement_of(call)
             node = statement
             while node is not None and node is not scope:
@@ -907,7 +715,7 @@ class Plan:
         func = self.ctx.enclosing(o.call, cst.FunctionDef)
         if func not in self._delegated:
             return False
-        params = self.params(func)
+        params = self.models.params(func)
         args = o.call.args
         first = args[0].value if args and args[0].keyword is None else None
         return bool(set(o.models) & (params | {"self", "cls"})) or (
@@ -921,7 +729,7 @@ class Plan:
             b = old_init is not None and old_init.name.value == "__init__"
             if a != b:
                 return a
-        return self.idx(new.anchor) < self.idx(old.anchor)
+        return self.models.idx(new.anchor) < self.models.idx(old.anchor)
 
     def _placement(self, o: Optimizer, m: str):
         ctx, tm = self.ctx, self.tm
@@ -938,20 +746,21 @@ class Plan:
                     f"call `{tm}.share_params({m})` once after building it and `{tm}.sync_grads({m})` after each "
                     f"backward, before the optimizer's step (every rank then takes the same step)")
         stmt0 = o.statement
-        scope = self.fscope(o.call)
+        scope = self.models.scope(o.call)
         # `optimizer = model.configure_optimizers(...)`: wrap after the call, which needs the bare model
         after = isinstance(o.call.func, cst.Attribute) and model_root(dotted(o.call.func.value) or "") == m
         if m.startswith(("self.", "cls.")):
-            klass = self.klass_of(o.call)
+            klass = self.models.class_of(o.call)
             if klass is None:
                 return None
             if (m, klass) in self.covered and not self._removable_dp((m, klass)):
                 return None
-            defs = self.definitions(m, scope, klass)
+            defs = self.models.definitions(m, scope, klass)
             if not defs:
                 return (f"`{m}` is not assigned in class {klass.name.value}: wrap it with "
                         f"`{m} = {tm}.wrap_model({m})` where it is created, before its optimizer")
-            local = [d for d, _ in defs if self.fscope(d) is scope and self.idx(ctx.statement_of(d)) < self.idx(stmt0)]
+            local = [d for d, _ in defs if self.models.scope(d) is scope
+                     and self.models.idx(ctx.statement_of(d)) < self.models.idx(stmt0)]
             def_stmt = ctx.statement_of(local[-1]) if local else None
             model_def = ctx.statement_of(local[-1] if local else defs[-1][0])
         else:
@@ -966,16 +775,16 @@ class Plan:
                     return None
             if self._wrapped_by_callee(m, scope):
                 return None
-            defs = self.definitions(m, scope, None, before=self.idx(stmt0))
+            defs = self.models.definitions(m, scope, None, before=self.models.idx(stmt0))
             if not defs:
-                if any(self._is_wrap_value(v) for _, v in self._assigns.get(m, ()) if v is not None
-                       and self.fscope(_) is scope):
+                if any(self.models.is_wrap_value(v) for _, v in self.models.assignments(m) if v is not None
+                       and self.models.scope(_) is scope):
                     return None
                 fname = scope.name.value if isinstance(scope, cst.FunctionDef) else None
-                if fname and m in self.params(scope):
+                if fname and m in self.models.params(scope):
                     return (f"`{m}` is a parameter of {fname}(), which builds its optimizer: wrap the model with "
                             f"`{tm}.wrap_model(...)` where {fname}() is called")
-                if fname and self.definitions(m, ctx.module, None):
+                if fname and self.models.definitions(m, ctx.module, None):
                     return (f"`{m}` is a module-level model whose optimizer is built in {fname}(): wrap it with "
                             f"`{m} = {tm}.wrap_model({m})` at module level before {fname}() runs")
                 if self._wraps_itself():
@@ -988,10 +797,11 @@ class Plan:
         anchor = self._anchor(stmt0, def_stmt, scope)
         # apex: `model, optimizer = amp.initialize(model, optimizer)` must see the bare model
         # (TM407 removes it for O1; an O2/O3 one stays for the user)
-        for call in analysis_calls(ctx, "apex.amp.initialize"):
+        for call in calls_to(ctx, "apex.amp.initialize"):
             line = ctx.statement_of(call)
-            if (self.fscope(call) is scope and self.idx(line) > self.idx(anchor) and isinstance(line, cst.SimpleStatementLine)
-                    and any(_mentions(self.text(a.value), m) for a in call.args)
+            if (self.models.scope(call) is scope and self.models.idx(line) > self.models.idx(anchor)
+                    and isinstance(line, cst.SimpleStatementLine)
+                    and any(mentions(self.models.text(a.value), m) for a in call.args)
                     and ctx.parent(line) is ctx.parent(anchor)):
                 anchor, after = line, True
                 break
@@ -1011,8 +821,8 @@ class Plan:
         """`model_without_ddp = model.module` after `model = DDP(model)`: `m` is the module
         inside a model this scope wraps, so its optimizer already trains through that wrap
         (DeiT/DETR/MAE build it from `model_without_ddp`); wrapping `m` again is wrong."""
-        for a, value in self._assigns.get(m, ()):
-            if value is None or self.fscope(a) is not scope:
+        for a, value in self.models.assignments(m):
+            if value is None or self.models.scope(a) is not scope:
                 continue
             name = dotted(strip_moves(value))
             if name and name.endswith(".module") and self.key(name[:-len(".module")], a) in self.covered:
@@ -1030,11 +840,12 @@ class Plan:
                 func = w.scope
                 if w.kind.rsplit("-", 1)[-1] == "dp" or not isinstance(func, cst.FunctionDef) or w.statement is None:
                     continue
-                params = self.params(func)
+                params = self.models.params(func)
                 method = isinstance(self.ctx.parent(self.ctx.parent(func)), cst.ClassDef)
+                before = self.models.idx(w.statement)
                 for n in dict.fromkeys((w.arg, w.name)):
                     # the parameter itself is wrapped, not a model the function builds under its name
-                    if n and n in params and not self.definitions(n, func, None, before=self.idx(w.statement)):
+                    if n and n in params and not self.models.definitions(n, func, None, before=before):
                         entry = (func, n, method)
                         if entry not in found.setdefault(func.name.value, []):
                             found[func.name.value].append(entry)
@@ -1050,7 +861,7 @@ class Plan:
         for call, _ in self.f.calls:
             f = call.func
             fname = f.value if isinstance(f, cst.Name) else f.attr.value if isinstance(f, cst.Attribute) else None
-            if fname not in callees or self.fscope(call) is not scope:
+            if fname not in callees or self.models.scope(call) is not scope:
                 continue
             for func, param, method in callees[fname]:
                 if method != isinstance(f, cst.Attribute):
@@ -1107,11 +918,11 @@ class Plan:
                 other = by_anchor.get(prev)
                 if other is None or other is w:
                     break
-                if w.def_stmt is not None and self.idx(w.def_stmt) >= self.idx(prev):
+                if w.def_stmt is not None and self.models.idx(w.def_stmt) >= self.models.idx(prev):
                     break
                 w.anchor = prev
         order = {id(w): i for i, w in enumerate(self.new)}
-        self.new.sort(key=lambda w: (self.idx(w.anchor), w.after, order[id(w)]))
+        self.new.sort(key=lambda w: (self.models.idx(w.anchor), w.after, order[id(w)]))
 
     # --- DataParallel (TM306) ----------------------------------------------------------
     def _plan_dp(self) -> None:
@@ -1180,7 +991,7 @@ class Plan:
                 # `def train(model, ...): <optimizer>; if n_gpu > 1: model = DataParallel(model)`:
                 # TM301 wraps the model where train() is called.
                 func = self.ctx.enclosing(site.outer, cst.FunctionDef)
-                if func is not None and w.name in self.params(func):
+                if func is not None and w.name in self.models.params(func):
                     nw = next((n for n in self.new if n.opt.via is not None and n.extra_of is None
                                and self.ctx.enclosing(n.opt.via.call, cst.FunctionDef) is func), None)
             if nw is not None:
@@ -1263,8 +1074,8 @@ class Plan:
             statement = self.ctx.statement_of(a)
             for w in by_name[source]:
                 if w.kind != "other" and self.applies(w, a, statement):
-                    out.append(Wrap(alias, "alias-" + w.kind.rsplit("-", 1)[-1], self.fscope(a), self.klass_of(a),
-                                    statement, False, statement=statement))
+                    out.append(Wrap(alias, "alias-" + w.kind.rsplit("-", 1)[-1], self.models.scope(a),
+                                    self.models.class_of(a), statement, False, statement=statement))
                     break
         return out
 
@@ -1284,9 +1095,9 @@ class Plan:
         statement = statement or self.ctx.statement_of(node)
         if w.statement is not None and statement is w.statement:
             return False
-        fs = self.fscope(node)
+        fs = self.models.scope(node)
         if w.name.startswith(("self.", "cls.")):
-            if self.klass_of(node) is not w.klass:
+            if self.models.class_of(node) is not w.klass:
                 return False
             if fs is w.scope:
                 return self._after(w, statement)
@@ -1294,16 +1105,16 @@ class Plan:
             # `__init__`), only what follows that call sees the wrapped model
             calls = self._self_calls(w).get(fs)
             if calls:
-                return self.idx(statement) >= min(self.idx(c) for c in calls)
+                return self.models.idx(statement) >= min(self.models.idx(c) for c in calls)
             return True
         if fs is w.scope:
             return self._after(w, statement)
         if not isinstance(fs, cst.FunctionDef):
             return False
         root = w.name.split(".")[0]
-        if root in self.params(fs):
+        if root in self.models.params(fs):
             return self._receives_wrapped(fs, root)
-        if self.assigned_in(fs, root):
+        if self.models.assigned_in(fs, root):
             return False
         if w.scope is self.ctx.module:
             return True
@@ -1382,8 +1193,8 @@ class Plan:
             for call, _ in self.f.calls:
                 f = call.func
                 if isinstance(f, cst.Attribute) and f.attr.value == name and dotted(f.value) in ("self", "cls") \
-                        and self.klass_of(call) is w.klass:
-                    found.setdefault(self.fscope(call), []).append(self.ctx.statement_of(call))
+                        and self.models.class_of(call) is w.klass:
+                    found.setdefault(self.models.scope(call), []).append(self.ctx.statement_of(call))
             self._memo[key] = found
         return self._memo[key]  # type: ignore[return-value]
 
@@ -1409,203 +1220,20 @@ class Plan:
     def _after(self, w: Wrap, statement: Optional[cst.CSTNode]) -> bool:
         if statement is not None and self._exclusive(w.boundary, statement):
             return False
-        i = self.idx(statement)
+        i = self.models.idx(statement)
         if w.inclusive:
-            return i >= self.idx(w.boundary)
-        return i > self.last_idx(w.boundary)
+            return i >= self.models.idx(w.boundary)
+        return i > self.models.last_idx(w.boundary)
 
     # --- TM303 / TM304 analysis --------------------------------------------------------
-    def origin(self, name: str, scope: cst.CSTNode, klass: Optional[cst.ClassDef], before: Optional[int],
-               value: Optional[cst.BaseExpression] = None):
-        """(kind, node-or-name, call) for the expression that created the model: kind "class"
-        (a ClassDef of this file), "function" (a FunctionDef of this file) or "library" (a
-        qualified name); None when unknown. `value` is that expression when already known
-        (`DDP(Net())`), else the last assignment of `name` before `before`."""
-        if value is None or not isinstance(strip_moves(value), cst.Call):
-            defs = self.definitions(name, scope, klass, before)
-            value = defs[-1][1] if defs else None
-        if value is None:
-            return None
-        value = strip_moves(value)
-        if not isinstance(value, cst.Call):
-            return None
-        func = value.func
-        if isinstance(func, cst.Subscript):
-            resolved = self.ctx.resolve(func.value)
-            return ("library", resolved + ".__dict__", value) if resolved else None
-        fname = dotted(func)
-        if fname in self.f.classes:
-            return "class", self.f.classes[fname], value
-        if fname in self.f.functions:
-            return "function", self.f.functions[fname], value
-        resolved = self.ctx.resolve(func) or fname
-        return ("library", resolved, value) if resolved else None
-
-    def model_class(self, origin) -> Optional[cst.ClassDef]:
-        if origin is None:
-            return None
-        kind, node, _ = origin
-        if kind == "class":
-            return node
-        if kind == "function":
-            for s in iter_statements(node.body.body if isinstance(node.body, cst.IndentedBlock) else [node.body]):
-                if isinstance(s, cst.SimpleStatementLine):
-                    for small in s.body:
-                        if isinstance(small, cst.Return) and isinstance(small.value, cst.Call):
-                            inner = strip_moves(small.value)
-                            name = dotted(inner.func) if isinstance(inner, cst.Call) else None
-                            if name in self.f.classes:
-                                return self.f.classes[name]
-        return None
-
-    def has_bn(self, origin) -> bool:
-        """The model (probably) contains BatchNorm layers."""
-        if origin is None:
-            return False
-        kind, node, call = origin
-        if kind == "library":
-            if node.startswith("torchvision.models") and _BN_TORCHVISION.search(node.rsplit(".", 1)[-1]):
-                return True
-            # `nn.Sequential(nn.Conv2d(...), nn.BatchNorm2d(...))`, `Wrapper(conv_bn(3, 8))`
-            return self._text_has_bn(self.text(call), set())
-        return self._def_has_bn(node, set()) or self._text_has_bn(self.text(call), set())
-
-    def _text_has_bn(self, text: str, seen: set) -> bool:
-        if re.search(r"(?<!Frozen)BatchNorm", text):
-            return True
-        for name, other in (*self.f.classes.items(), *self.f.functions.items()):
-            if other not in seen and self.ctx.parent(other) is self.ctx.module and self._text_mentions(text, name):
-                if self._def_has_bn(other, seen):
-                    return True
-        return False
-
-    def _text_mentions(self, text: str, name: str) -> bool:
-        """`_mentions(text, name)`, from the set of words of `text`: one scan of a (long) text
-        for all the names of the file's classes and functions instead of one scan per name."""
-        if not _WORD.fullmatch(name):
-            return _mentions(text, name)
-        found = self._mentioned.get(text)
-        if found is None:
-            found = self._mentioned[text] = set(_WORD_START.findall(text))
-        return name in found
-
-    def _def_has_bn(self, node: cst.CSTNode, seen: set) -> bool:
-        if node in self._bn_cache:
-            return self._bn_cache[node]
-        seen.add(node)
-        found = self._text_has_bn(self.words(node), seen)
-        self._bn_cache[node] = found
-        return found
-
-    def conditional_submodules(self, klass: Optional[cst.ClassDef]) -> List[Tuple[str, cst.CSTNode]]:
-        """Submodules with parameters that forward() uses only in some branches of an `if`."""
-        if klass is None or not isinstance(klass.body, cst.IndentedBlock):
-            return []
-        key = ("conditional", klass)
-        if key not in self._memo:
-            self._memo[key] = self._conditional_submodules(klass)
-        return self._memo[key]  # type: ignore[return-value]
-
-    def _conditional_submodules(self, klass: cst.ClassDef) -> List[Tuple[str, cst.CSTNode]]:
-        methods = {f.name.value: f for f in klass.body.body if isinstance(f, cst.FunctionDef)}
-        forward, init = methods.get("forward"), methods.get("__init__")
-        if forward is None or init is None or not isinstance(init.body, cst.IndentedBlock):
-            return []
-        subs: Set[str] = set()
-        for s in iter_statements(init.body.body):
-            if not isinstance(s, cst.SimpleStatementLine):
-                continue
-            for small in s.body:
-                if not (isinstance(small, cst.Assign) and isinstance(small.value, cst.Call)):
-                    continue
-                for t in small.targets:
-                    name = dotted(t.target)
-                    if not (name and name.startswith("self.")) or name.count(".") != 1:
-                        continue
-                    func = self.ctx.resolve(small.value.func) or dotted(small.value.func) or ""
-                    if _PARAMLESS.search(func.rsplit(".", 1)[-1]):
-                        continue
-                    if self.ctx.enclosing(small, cst.If, cst.FunctionDef) is not init:
-                        continue  # created conditionally: the same flag usually guards its use
-                    subs.add(name[5:])
-        if not subs:
-            return []
-        uses: Dict[str, List[Tuple[Optional[cst.CSTNode], str]]] = {}
-        for node in self.ctx.within(forward.body, cst.Attribute):
-            if isinstance(node.value, cst.Name) and node.value.value == "self" and node.attr.value in subs:
-                uses.setdefault(node.attr.value, []).append(self._branch(node, forward))
-        out = []
-        for name, found in uses.items():
-            if any(cond is None for cond, _ in found):
-                continue
-            conds = {}
-            for cond, branch in found:
-                conds.setdefault(cond, set()).add(branch)
-            if any(branches >= {"body", "orelse"} for branches in conds.values()):
-                continue
-            cond = found[0][0]
-            test = getattr(cond, "test", None)
-            test_text = self.text(test) if test is not None else ""
-            if test_text.strip() in ("self.training", "not self.training") or _mentions(test_text, "self." + name):
-                continue
-            out.append((name, cond))
-        return out
-
-    def discarded_heads(self, origin, name: str) -> Tuple[str, List[str]]:
-        """(class, submodules) where the submodules feed only outputs of the model class's
-        `forward()` (of any module of the program) which every training call of the model `name`
-        throws away (`logits, _ = model(x)`, `model(x)[0]`): their parameters get no gradient,
-        and DDP fails at the second step ("Expected to have finished reduction") unless the
-        wrap passes find_unused_parameters=True."""
-        if origin is None or not name or not isinstance(origin[2], cst.Call):
-            return "", []
-        spelled = dotted(origin[2].func) or ""
-        outputs = self.ctx.program.forward_outputs.get(spelled, ())
-        if not outputs and origin[0] == "class":  # a class of this file, processed on its own
-            outputs = forward_outputs(ast.parse(textwrap.dedent(self.text(origin[1]))).body[0])
-        if len(outputs) < 2:
-            return "", []
-        kept: Set[int] = set()
-        training_calls = 0
-        for call, _ in self.f.calls:
-            if dotted(call.func) != name:
-                continue
-            scope = self.ctx.enclosing(call, cst.FunctionDef) or self.ctx.module
-            if under_no_grad(self.ctx, call) or not runs_backward(self.ctx, scope):
-                continue  # evaluation: no gradient, nothing for DDP to reduce
-            training_calls += 1
-            used = _used_outputs(self.ctx, call, len(outputs))
-            if used is None:
-                return "", []
-            kept |= used
-        if not training_calls or len(kept) == len(outputs):
-            return "", []
-        needed = set().union(*(outputs[i] for i in kept))
-        dropped = set().union(*(outputs[i] for i in range(len(outputs)) if i not in kept))
-        return spelled.rsplit(".", 1)[-1], sorted(dropped - needed)
-
-    def _branch(self, node: cst.CSTNode, stop: cst.CSTNode) -> Tuple[Optional[cst.CSTNode], str]:
-        """The innermost `if` (statement or expression) whose branch holds `node`, and which branch."""
-        child = node
-        for anc in self.ctx.ancestors(node):
-            if anc is stop:
-                break
-            if isinstance(anc, (cst.If, cst.IfExp)):
-                if child is anc.body:
-                    return anc, "body"
-                if child is anc.orelse:
-                    return anc, "orelse"
-            child = anc
-        return None, ""
-
     def _freezes(self, w: Wrap, klass: Optional[cst.ClassDef]) -> Tuple[str, str]:
         """(freeze, unfreeze) descriptions of parameters whose requires_grad changes after wrapping."""
         methods: Dict[str, str] = {}
         if klass is not None and isinstance(klass.body, cst.IndentedBlock):
             for f in klass.body.body:
                 if isinstance(f, cst.FunctionDef) and f.name.value != "__init__" \
-                        and self._touches_requires_grad(f):
-                    methods[f.name.value] = self.text(f)
+                        and self.models.touches_requires_grad(f):
+                    methods[f.name.value] = self.models.text(f)
         freeze = unfreeze = ""
         root = w.name
         if self._freeze_sites is None:
@@ -1615,7 +1243,7 @@ class Plan:
             for k in self.f.classes.values():
                 if isinstance(k.body, cst.IndentedBlock):
                     for f in k.body.body:
-                        if isinstance(f, cst.FunctionDef) and self._touches_requires_grad(f):
+                        if isinstance(f, cst.FunctionDef) and self.models.touches_requires_grad(f):
                             names.add(f.name.value)
             # (exact type tests over every call and assignment: isinstance on LibCST's ABCs is slow)
             method_calls = [(c, c.func.attr.value) for c, _ in self.f.calls
@@ -1628,30 +1256,31 @@ class Plan:
             func = call.func
             if attr != "requires_grad_" and attr not in methods:
                 continue
-            if not _mentions(self.text(func.value), root):
+            if not mentions(self.models.text(func.value), root):
                 continue
-            body = self.text(call) if attr == "requires_grad_" else methods[attr]
+            body = self.models.text(call) if attr == "requires_grad_" else methods[attr]
             is_freeze, is_unfreeze = bool(_FREEZE.search(body)), bool(_UNFREEZE.search(body))
             if not (is_freeze or is_unfreeze) or not self.applies(w, call):
                 continue
-            what = f"`{self.text(call)}`"
+            what = f"`{self.models.text(call)}`"
             if is_freeze and not freeze:
                 freeze = what
             if is_unfreeze and not unfreeze:
                 unfreeze = what
         for a in rg_assigns:
             loop = self.ctx.enclosing(a, cst.For, cst.FunctionDef)
-            if not isinstance(loop, cst.For) or not _mentions(self.text(loop.iter), root):
+            if not isinstance(loop, cst.For) or not mentions(self.models.text(loop.iter), root):
                 continue
             if not self.applies(w, a):
                 continue
-            value = self.text(a.value)
-            if value == "False" and self.text(loop.iter) in (f"{root}.parameters()", f"{root}.module.parameters()"):
+            value = self.models.text(a.value)
+            if value == "False" and self.models.text(loop.iter) in (f"{root}.parameters()",
+                                                                     f"{root}.module.parameters()"):
                 continue  # the whole model frozen (DINO's teacher): no backward reaches it, no reduction waits
             if value == "False" and not freeze:
-                freeze = f"`for ... in {self.text(loop.iter)}: ...requires_grad = False`"
+                freeze = f"`for ... in {self.models.text(loop.iter)}: ...requires_grad = False`"
             elif value != "False" and not unfreeze:
-                unfreeze = f"`for ... in {self.text(loop.iter)}: ...requires_grad = {value}`"
+                unfreeze = f"`for ... in {self.models.text(loop.iter)}: ...requires_grad = {value}`"
         return freeze, unfreeze
 
     def _unused_and_bn(self) -> None:
@@ -1667,14 +1296,14 @@ class Plan:
                 targets.append((site, site.wrap))
         for owner, w in targets:
             scope = w.scope
-            before = self.idx(w.boundary) if isinstance(owner, NewWrap) else self.idx(w.statement)
+            before = self.models.idx(w.boundary) if isinstance(owner, NewWrap) else self.models.idx(w.statement)
             wrapped = wrapped_arg(w.call, self.dp_position(w.call)) if w.call is not None else None
-            origin = self.origin(w.arg or w.name, scope, w.klass, before, wrapped.value if wrapped else None)
-            klass = self.model_class(origin)
-            cond = self.conditional_submodules(klass)
+            origin = self.models.origin(w.arg or w.name, scope, w.klass, before, wrapped.value if wrapped else None)
+            klass = self.models.model_class(origin)
+            cond = self.models.conditional_submodules(klass)
             freeze, unfreeze = self._freezes(w, klass)
             reason = ""
-            owner_class, heads = self.discarded_heads(origin, w.name)
+            owner_class, heads = self.models.discarded_heads(origin, w.name)
             if freeze:
                 reason = f"parameters are frozen after wrapping ({freeze})"
             elif cond:
@@ -1693,7 +1322,7 @@ class Plan:
                     f"parameters of `{w.name}` are unfrozen after it is wrapped ({unfreeze}): DDP only "
                     f"synchronises parameters that required grad when it was built, so wrap after unfreezing "
                     f"or re-wrap with `{tm}.wrap_model` when the trainable set changes", note_stmt))
-            bn = self.has_bn(origin) and not self.has_sync_bn
+            bn = self.models.has_bn(origin) and not self.has_sync_bn
             if isinstance(owner, (NewWrap, DPSite)):
                 owner.find_unused = reason
                 owner.bn = bn
@@ -1713,7 +1342,7 @@ class Plan:
                 self.notes["TM303"].append((call, f"{reason}: DDP then fails with \"Expected to have finished "
                     f"reduction in the prior iteration\"; pass find_unused_parameters=True to the wrap "
                     f"(or make every parameter take part in each step)", w.statement))
-            elif fu_true and not reason and lint and klass is not None and self._straight(klass):
+            elif fu_true and not reason and lint and klass is not None and self.models.uses_every_submodule(klass):
                 self.notes["TM303"].append((call, f"find_unused_parameters=True costs an extra autograd graph "
                     f"traversal every step, and {klass.name.value}.forward() uses all its submodules "
                     f"unconditionally: drop it (or pass static_graph=True if the set of used parameters never "
@@ -1743,34 +1372,8 @@ class Plan:
                 f"if per-rank batches are small, {how}")
 
     def _def_statement(self, w: Wrap, before: int) -> Optional[cst.CSTNode]:
-        defs = self.definitions(w.arg or w.name, w.scope, w.klass, before)
+        defs = self.models.definitions(w.arg or w.name, w.scope, w.klass, before)
         return self.ctx.statement_of(defs[-1][0]) if defs else None
-
-    def _straight(self, klass: cst.ClassDef) -> bool:
-        """forward() has no branches or loops and uses every submodule assigned in __init__."""
-        if not isinstance(klass.body, cst.IndentedBlock):
-            return False
-        methods = {f.name.value: f for f in klass.body.body if isinstance(f, cst.FunctionDef)}
-        forward, init = methods.get("forward"), methods.get("__init__")
-        if forward is None or init is None or not isinstance(forward.body, cst.IndentedBlock):
-            return False
-        for s in iter_statements(forward.body.body):
-            if isinstance(s, (cst.If, cst.For, cst.While, cst.Try, cst.With)):
-                return False
-        text = self.text(forward)
-        if " if " in text:
-            return False
-        for s in iter_statements(init.body.body if isinstance(init.body, cst.IndentedBlock) else []):
-            if isinstance(s, cst.SimpleStatementLine):
-                for small in s.body:
-                    if isinstance(small, cst.Assign) and isinstance(small.value, cst.Call):
-                        for t in small.targets:
-                            name = dotted(t.target)
-                            if name and name.startswith("self.") and name.count(".") == 1:
-                                func = self.ctx.resolve(small.value.func) or dotted(small.value.func) or ""
-                                if not _PARAMLESS.search(func.rsplit(".", 1)[-1]) and not _mentions(text, name):
-                                    return False
-        return True
 
     # --- attribute rewrites (TM302, and TM306 for DataParallel names) --------------------
     def _attributes(self) -> None:
@@ -1860,7 +1463,7 @@ class Plan:
             return False
         if self.ctx.options.mode == "ddp":
             return True
-        return attr == "state_dict" and w.kind == "ddp" and self.fscope(node) is w.scope \
+        return attr == "state_dict" and w.kind == "ddp" and self.models.scope(node) is w.scope \
             and self._in_scope_body(w.statement, w.scope) and self._saved(node)
 
     def _in_scope_body(self, statement: Optional[cst.CSTNode], scope: cst.CSTNode) -> bool:
@@ -1919,7 +1522,7 @@ class Plan:
                 for a in self.f.assigns:
                     for t in a.targets:
                         if type(t.target) is cst.Subscript and type(t.target.value) is cst.Name:
-                            out.setdefault((t.target.value.value, self.fscope(a)), []).append(a.value)
+                            out.setdefault((t.target.value.value, self.models.scope(a)), []).append(a.value)
                 self._memo[key] = out
             return self._memo[key]  # type: ignore[return-value]
 
@@ -1937,12 +1540,12 @@ class Plan:
                         add(node, "save")
                     elif tp is cst.Name:
                         # `state = {"net": net, ...}; torch.save(state, path)`
-                        for a, value in self._assigns.get(node.value, ()):
-                            if value is not None and self.fscope(a) is scope \
-                                    and self.idx(self.ctx.statement_of(a)) < before:
+                        for a, value in self.models.assignments(node.value):
+                            if value is not None and self.models.scope(a) is scope \
+                                    and self.models.idx(self.ctx.statement_of(a)) < before:
                                 stack.append((value, depth + 1))
                         for value in subscripts().get((node.value, scope), ()):
-                            if self.idx(self.ctx.statement_of(value)) < before:
+                            if self.models.idx(self.ctx.statement_of(value)) < before:
                                 stack.append((value, depth + 1))
                 elif tp is cst.Dict:
                     stack.extend((e.value, depth + 1) for e in reversed(node.elements) if type(e) is cst.DictElement)
@@ -1957,7 +1560,7 @@ class Plan:
             if qualified in _SAVES:
                 a = call_arg(call, "obj", 0)
                 if a is not None and not a.star:
-                    saved(a.value, self.fscope(call), self.idx(self.ctx.statement_of(call)))
+                    saved(a.value, self.models.scope(call), self.models.idx(self.ctx.statement_of(call)))
             elif type(call.func) is cst.Attribute and call.func.attr.value == "add_graph":
                 a = call_arg(call, "model", 0)
                 if a is not None and not a.star:
@@ -2037,13 +1640,13 @@ class Plan:
                    for call, qualified in self.f.calls)
 
     def _scaled(self, node: cst.BaseExpression) -> bool:
-        text = self.text(node)
+        text = self.models.text(node)
         if _WORLD.search(text):
             return True
         names = set(re.findall(r"[A-Za-z_][\w.]*", text))
         for n in names:
-            for a, value in self._assigns.get(n, ()):
-                if value is not None and _WORLD.search(self.text(value)):
+            for a, value in self.models.assignments(n):
+                if value is not None and _WORLD.search(self.models.text(value)):
                     return True
         return False
 
@@ -2054,9 +1657,3 @@ class Plan:
                 if bs is not None and self._scaled(bs.value):
                     return True
         return False
-
-
-def analysis_calls(ctx: Context, *names: str) -> List[cst.Call]:
-    from torchmigrate.analysis import calls_to
-
-    return calls_to(ctx, *names)

@@ -10,9 +10,9 @@ from torchmigrate.finding import Safety, insert_after, insert_before, replace, r
 from torchmigrate.imports import dotted
 from torchmigrate.nodes import arg as call_arg
 from torchmigrate.nodes import expr, kwarg, with_args
+from torchmigrate.program.models import DDP_CLASSES
 from torchmigrate.rule import Example
 from torchmigrate.rules.model.base import ModelRule, wrap_call
-from torchmigrate.rules.model.plan import DDP_CLASSES
 
 
 # DistributedDataParallel's leading parameters, the same in every torch since 1.x.

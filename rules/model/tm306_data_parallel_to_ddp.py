@@ -10,7 +10,8 @@ from torchmigrate.finding import Safety, insert_after, remove, replace
 from torchmigrate.nodes import expr
 from torchmigrate.rule import Example
 from torchmigrate.rules.model.base import ModelRule, report_rewrites, wrap_call
-from torchmigrate.rules.model.plan import DPSite, strip_moves, wrapped_arg
+from torchmigrate.program.models import strip_moves
+from torchmigrate.rules.model.plan import DPSite, wrapped_arg
 
 
 class DataParallelToDDP(ModelRule):
@@ -84,9 +85,9 @@ class DataParallelToDDP(ModelRule):
         noted: Dict[cst.CSTNode, DPSite] = {}
         for site in p.dp_sites:
             if site.action != "keep":
-                scope = p.fscope(site.wrap.call)
+                scope = p.models.scope(site.wrap.call)
                 first = noted.get(scope)
-                if first is None or p.idx(site.note_stmt) < p.idx(first.note_stmt):
+                if first is None or p.models.idx(site.note_stmt) < p.models.idx(first.note_stmt):
                     noted[scope] = site
         ensured: Set[Tuple[cst.CSTNode, str]] = set()
         for site in p.dp_sites:
@@ -95,7 +96,7 @@ class DataParallelToDDP(ModelRule):
             edits = []
             w = site.wrap
             if site.action == "manual":
-                chosen = noted.get(p.fscope(w.call)) is site
+                chosen = noted.get(p.models.scope(w.call)) is site
                 self.report(w.call, f"{site.reason}; {note}" if chosen else site.reason, statement=site.note_stmt)
                 continue
             if site.action == "alias":
@@ -149,7 +150,7 @@ class DataParallelToDDP(ModelRule):
                     extra = ""
                 message = f"replace nn.DataParallel with `{tm}.wrap_model(...)`{extra}"
             self.report(w.call, message, edits=edits, imports=[self.ctx.runtime_import()])
-            if noted.get(p.fscope(w.call)) is site:
+            if noted.get(p.models.scope(w.call)) is site:
                 self.report(w.call, note, statement=site.note_stmt)
         for call in p.dp_functional:
             self.report(call, "nn.parallel.data_parallel() replicates the module on every call: wrap the model once "
