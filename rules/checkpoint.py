@@ -23,6 +23,7 @@ from torchmigrate.rules.logging_rules import (
     RUNTIME, active, assignments, body_of, cached_expr, cached_stmt, caller_guards, collective_guard, guard_edit,
     guardable_line, index_in, iter_nodes, names_in, rank_word, runs_user_code, scope_of, sibling_runs, under_rank_guard,
 )
+from torchmigrate.rules.model.plan import wrapped_models
 
 SAVES = {"torch.save", RUNTIME + ".save"}
 _IMAGE_WRITERS = {"torchvision.utils.save_image"}
@@ -669,9 +670,9 @@ class LoadMapLocation(Rule):
         ctx = self.ctx
         models = set(analysis.trained_models(ctx))
         wrapped = ctx.facts.get("wrapped_models")
-        if wrapped is None and hasattr(analysis, "wrapped_models"):
+        if wrapped is None:
             try:  # computed by the model rules; optional
-                wrapped = analysis.wrapped_models(ctx)
+                wrapped = wrapped_models(ctx)
             except Exception:  # noqa: BLE001
                 wrapped = ()
         wrapped = wrapped or ()

@@ -18,6 +18,7 @@ from torchmigrate.engine import process_source, run_rules
 from torchmigrate.finding import Safety
 from torchmigrate.rule import Options
 from torchmigrate.rules import get_rule, select
+from torchmigrate.rules.model.plan import wrapped_models
 
 MODEL_CODES = ("TM301", "TM302", "TM303", "TM304", "TM305", "TM306")
 
@@ -87,7 +88,7 @@ def test_wrapped_models_fact():
         optG = torch.optim.Adam(netG.parameters())
         optD = torch.optim.Adam(netD.parameters())
     """)
-    assert analysis.wrapped_models(ctx) == ["netG", "netD"]
+    assert wrapped_models(ctx) == ["netG", "netD"]
     assert ctx.facts["wrapped_models"] == ["netG", "netD"]
 
 
@@ -98,7 +99,7 @@ def test_unwrapped_attrs_fact():
         optimizer = torch.optim.Adam(model.parameters())
         torch.save(model.state_dict(), "m.pt")
     """)
-    analysis.wrapped_models(ctx)
+    wrapped_models(ctx)
     attrs = ctx.facts["unwrapped_attrs"]
     assert [a.attr.value for a in attrs] == ["state_dict"]
 

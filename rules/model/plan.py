@@ -20,7 +20,7 @@ where it is broken; `lint` gives it for user-written DDP, and a file torchmigrat
 lints clean.
 
 The plan publishes the wrapped names as `ctx.facts["wrapped_models"]` (also
-`analysis.wrapped_models(ctx)`, which computes the plan on demand for rules that run earlier) and
+`wrapped_models(ctx)`, which computes the plan on demand for rules that run earlier) and
 the Attribute nodes TM302 rewrites as `ctx.facts["unwrapped_attrs"]`.
 """
 
@@ -205,6 +205,14 @@ def plan(ctx: Context) -> "Plan":
         found = Plan(ctx)
         ctx.facts["model_plan"] = found
     return found  # type: ignore[return-value]
+
+
+def wrapped_models(ctx: Context) -> List[str]:
+    """Dotted names of the models that are DDP-wrapped after this run (newly wrapped by TM301,
+    already wrapped by DDP / `tm.wrap_model`, or converted from `nn.DataParallel`), for the rules
+    of other families that run before the model rules (also `ctx.facts["wrapped_models"]`). A
+    decision, not a fact: it depends on the options and on which model rules are enabled."""
+    return plan(ctx).wrapped_names
 
 
 class Plan:
