@@ -11,8 +11,13 @@ them where each wrap goes, which accesses go through `tm.unwrap`, and when a wra
   or a library's qualified name) and its class (`model_class`);
 - what a model is made of: BatchNorm layers (`has_bn`), submodules `forward()` uses only in some
   branches (`conditional_submodules`) or always all of them (`uses_every_submodule`), heads whose
-  outputs every training call throws away (`discarded_heads`); methods that change
-  `requires_grad` (`touches_requires_grad`);
+  outputs every training call throws away (`discarded_heads`);
+- what changes a model: calls and assignments that may change `requires_grad`
+  (`requires_grad_changes`, `touches_requires_grad`), statements that change its parameters in
+  place (`modified_in_place`: weights loaded, initialised, assigned);
+- the module a wrapper call wraps (`wrapped_arg`); what a function returns (`returns`), the
+  statement of `__init__` storing an attribute (`self_store`), the calls of a top-level function
+  (`calls_of`);
 - models differentiated by hand over their own parameters (`functional_model`), which DDP cannot
   wrap.
 
@@ -56,6 +61,23 @@ _BN_TORCHVISION = re.compile(r"resne|wide_resnet|densenet|mobilenet|efficientnet
 _SEQUENCES = (cst.Tuple, cst.List)  # exact type tests: isinstance against LibCST's ABCs is slow
 _WORD = re.compile(r"\w+")
 _WORD_START = re.compile(r"(?<![\w.])\w+")  # a whole word, not after a dot: what `mentions` matches
+
+
+# Calls that change a module's parameters in place (wrap only after them).
+_INPLACE = {"load_state_dict", "apply", "load_weights", "load_pretrained", "load_pretrained_weights",
+            "init_weights", "reset_parameters", "load_param", "load_params", "load_parameters"}
+
+
+def _root_name(node: cst.CSTNode) -> Optional[str]:
+    """`base` for `base.vgg[0].weight`, `base.fc.load_state_dict`, `base(...)...`."""
+    while True:
+        if type(node) in (cst.Attribute, cst.Subscript):
+            node = node.value
+        elif type(node) is cst.Call:
+            node = node.func
+        else:
+            break
+    return node.value if type(node) is cst.Name else None
 
 
 def strip_moves(node: cst.BaseExpression) -> cst.BaseExpression:
@@ -139,6 +161,7 @@ class ModelFacts:
         self._bn_cache: Dict[cst.CSTNode, bool] = {}
         self._requires_grad_spots: Optional[List[int]] = None  # see `touches_requires_grad`
         self._conditional: Dict[cst.ClassDef, List[Tuple[str, cst.CSTNode]]] = {}
+        self._requires_grad_changes: Optional[Tuple[List[Tuple[cst.Call, str]], List[cst.Assign]]] = None
         # every statement line, one-line suite and compound statement, in source order
         for i, s in enumerate(ctx.nodes(cst.SimpleStatementLine, cst.SimpleStatementSuite, cst.BaseCompoundStatement)):
             self._order[id(s)] = i
@@ -321,6 +344,91 @@ class ModelFacts:
         found = self._text_has_bn(self.words(node), seen)
         self._bn_cache[node] = found
         return found
+
+    def self_store(self, init: cst.FunctionDef, attr: str) -> Optional[cst.CSTNode]:
+        """The statement of `__init__` that assigns `self.<attr>`."""
+        for a in self.f.assigns:
+            if self.ctx.enclosing(a, cst.FunctionDef) is not init:
+                continue
+            for t in a.targets:
+                if any(n == f"self.{attr}" for n, _ in assign_targets(t.target, None)):
+                    return self.ctx.statement_of(a)
+        return None
+
+    def returns(self, func: cst.FunctionDef, name: str) -> bool:
+        """`func` returns `name` (alone or in a tuple)."""
+        for s in iter_statements(func.body.body if isinstance(func.body, cst.IndentedBlock) else [func.body]):
+            if isinstance(s, (cst.SimpleStatementLine, cst.SimpleStatementSuite)):
+                for small in s.body:
+                    if isinstance(small, cst.Return) and small.value is not None:
+                        values = ([e.value for e in small.value.elements] if isinstance(small.value, cst.Tuple)
+                                  else [small.value])
+                        if any(dotted(v) == name for v in values):
+                            return True
+        return False
+
+    def calls_of(self, func: cst.FunctionDef) -> Optional[List[cst.Call]]:
+        """The calls of a top-level function in this file; None when it is a method, a nested
+        function, or used other than by calling it (passed as a callback)."""
+        if self.ctx.parent(func) is not self.ctx.module:
+            return None
+        calls = []
+        for n in self.ctx.named(func.name.value):
+            up = self.ctx.parent(n)
+            if up is func or (type(up) is cst.Attribute and up.attr is n):
+                continue  # the def itself, or another object's attribute of that name
+            if type(up) is cst.Call and up.func is n:
+                calls.append(up)
+            else:
+                return None
+        return calls
+
+    def modified_in_place(self, names: Set[str], scope: cst.CSTNode, start: int, end: int) -> bool:
+        """A statement of `scope` strictly between the indexes `start` and `end` changes the
+        parameters of one of the modules `names` in place."""
+        def inside(node: cst.CSTNode) -> bool:
+            return self.scope(node) is scope and start < self.idx(self.ctx.statement_of(node)) < end
+
+        for call, name in self.f.calls:
+            f = call.func
+            if isinstance(f, cst.Attribute) and (f.attr.value in _INPLACE or (
+                    f.attr.value.endswith("_") and f.attr.value not in ("requires_grad_", "share_memory_"))):
+                if _root_name(f.value) in names and inside(call):
+                    return True
+            if name and name.startswith("torch.nn.init.") and call.args and _root_name(call.args[0].value) in names \
+                    and inside(call):
+                return True
+        for a in self.f.assigns:
+            for t in a.targets:
+                if type(t.target) in (cst.Attribute, cst.Subscript) and _root_name(t.target) in names and inside(a):
+                    if not (type(t.target) is cst.Attribute and t.target.attr.value == "requires_grad"):
+                        return True
+        return False
+
+    def wrapped_arg(self, call: cst.Call) -> Optional[cst.Arg]:
+        """The argument of a wrapper call that holds the module it wraps, also for a program's
+        DataParallel subclass whose own arguments come first (`ModuleView.dp_classes`)."""
+        position = self.ctx.program.dp_classes.get(dotted(call.func) or "", 0)
+        return call_arg(call, "module", position) or call_arg(call, "model")
+
+    def requires_grad_changes(self) -> Tuple[List[Tuple[cst.Call, str]], List[cst.Assign]]:
+        """The calls that may change `requires_grad`, with their method name
+        (`x.requires_grad_(...)`, or a method of a class of this module whose body sets
+        requires_grad), and the assignments to a `.requires_grad`."""
+        if self._requires_grad_changes is None:
+            names = {"requires_grad_"}
+            for k in self.f.classes.values():
+                if isinstance(k.body, cst.IndentedBlock):
+                    for f in k.body.body:
+                        if isinstance(f, cst.FunctionDef) and self.touches_requires_grad(f):
+                            names.add(f.name.value)
+            # (exact type tests over every call and assignment: isinstance on LibCST's ABCs is slow)
+            method_calls = [(c, c.func.attr.value) for c, _ in self.f.calls
+                            if type(c.func) is cst.Attribute and c.func.attr.value in names]
+            assigns = [a for a in self.f.assigns if any(
+                type(t.target) is cst.Attribute and t.target.attr.value == "requires_grad" for t in a.targets)]
+            self._requires_grad_changes = (method_calls, assigns)
+        return self._requires_grad_changes
 
     def touches_requires_grad(self, node: cst.CSTNode) -> bool:
         """`"requires_grad" in self.words(node)`, asked of every method of every class: found by

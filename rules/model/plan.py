@@ -35,7 +35,7 @@ import libcst as cst
 
 from torchmigrate.analysis import Optimizer, _call_arg_for, calls_to, facts, is_distributed, model_root, optimizers
 from torchmigrate.finding import insert_before, replace
-from torchmigrate.imports import dotted, iter_statements
+from torchmigrate.imports import dotted
 from torchmigrate.nodes import arg as call_arg
 from torchmigrate.nodes import code, expr, set_kwarg, stmt
 from torchmigrate.program.models import (APEX_DDP_CLASSES, DDP_CLASSES, DP_CLASSES, MOVES, TM_WRAP, assign_targets,
@@ -84,23 +84,6 @@ _EMA = re.compile(r"EMA|Ema|AveragedModel|MovingAverage")
 
 # --- small helpers -------------------------------------------------------------------------
 
-# Calls that change a module's parameters in place (wrap only after them).
-_INPLACE = {"load_state_dict", "apply", "load_weights", "load_pretrained", "load_pretrained_weights",
-            "init_weights", "reset_parameters", "load_param", "load_params", "load_parameters"}
-
-
-def _root_name(node: cst.CSTNode) -> Optional[str]:
-    """`base` for `base.vgg[0].weight`, `base.fc.load_state_dict`, `base(...)...`."""
-    while True:
-        if type(node) in (cst.Attribute, cst.Subscript):
-            node = node.value
-        elif type(node) is cst.Call:
-            node = node.func
-        else:
-            break
-    return node.value if type(node) is cst.Name else None
-
-
 def _binds_on_every_path(node: cst.If, name: str) -> bool:
     """Every branch of the `if` (an `else` included) assigns `name` in its own block, or holds
     an `if` that does."""
@@ -122,10 +105,7 @@ def _binds_on_every_path(node: cst.If, name: str) -> bool:
     return isinstance(branch, cst.Else) and block_binds(branch.body)
 
 
-def wrapped_arg(call: cst.Call, position: int = 0) -> Optional[cst.Arg]:
-    """The module a wrapper call wraps; `position` for a program's DataParallel subclass whose
-    own arguments come first (`ModuleView.dp_classes`)."""
-    return call_arg(call, "module", position) or call_arg(call, "model")
+
 
 
 @dataclass
@@ -232,7 +212,6 @@ class Plan:
         self._memo: Dict[tuple, object] = {}
         self._delegated: Optional[Set[cst.CSTNode]] = None
         self._final: Optional[List[Wrap]] = None
-        self._freeze_sites: Optional[tuple] = None
         self.wraps: List[Wrap] = []
         self.covered: Set[Tuple[str, cst.CSTNode]] = set()  # wrapped by anything
         self.covered_not_dp: Set[Tuple[str, cst.CSTNode]] = set()  # ... by anything but DataParallel
@@ -289,9 +268,6 @@ class Plan:
         return name, self.models.scope(node)
 
     # --- existing wraps ----------------------------------------------------------------
-    def dp_position(self, call: cst.Call) -> int:
-        return self.ctx.program.dp_classes.get(dotted(call.func) or "", 0)
-
     def _kind(self, call: cst.Call, name: Optional[str]) -> Optional[str]:
         if (dotted(call.func) or "") in self.ctx.program.dp_classes:
             return "dp"  # the program's own DataParallel subclass
@@ -348,7 +324,7 @@ class Plan:
                             self.covered.add(self.key(n, call))
                             self.covered_not_dp.add(self.key(n, call))
                 continue
-            a = wrapped_arg(call, self.dp_position(call))
+            a = self.models.wrapped_arg(call)
             arg = dotted(strip_moves(a.value)) if a is not None else None
             target = None
             if isinstance(parent, cst.Assign) and parent.value is outer and len(parent.targets) == 1:
@@ -366,7 +342,7 @@ class Plan:
                     if kind != "dp":
                         self.covered_not_dp.add(self.key(n, call))
             func = self.ctx.enclosing(call, cst.FunctionDef)
-            if func is not None and (isinstance(parent, cst.Return) or (target and self._returns(func, target))):
+            if func is not None and (isinstance(parent, cst.Return) or (target and self.models.returns(func, target))):
                 returning[func.name.value] = kind
         if not returning:
             return
@@ -406,7 +382,7 @@ class Plan:
                 names = sorted(program.wrapped_params.get(qual, ()))
                 if klass is not None and func.name.value == "__init__":
                     for attr in sorted(program.wrapped_attrs.get(klass.name.value, ())):
-                        store = self._self_store(func, attr)
+                        store = self.models.self_store(func, attr)
                         if store is not None:
                             self.wraps.append(Wrap(f"self.{attr}", "program-tm", func, klass, store, False,
                                                    statement=store))
@@ -419,27 +395,6 @@ class Plan:
                     self.wraps.append(Wrap(name, "program-tm", func, klass, body[0], True))
                     self.covered.add((name, func))
                     self.covered_not_dp.add((name, func))
-
-    def _self_store(self, init: cst.FunctionDef, attr: str) -> Optional[cst.CSTNode]:
-        """The statement of `__init__` that assigns `self.<attr>`."""
-        for a in self.f.assigns:
-            if self.ctx.enclosing(a, cst.FunctionDef) is not init:
-                continue
-            for t in a.targets:
-                if any(n == f"self.{attr}" for n, _ in assign_targets(t.target, None)):
-                    return self.ctx.statement_of(a)
-        return None
-
-    def _returns(self, func: cst.FunctionDef, name: str) -> bool:
-        for s in iter_statements(func.body.body if isinstance(func.body, cst.IndentedBlock) else [func.body]):
-            if isinstance(s, (cst.SimpleStatementLine, cst.SimpleStatementSuite)):
-                for small in s.body:
-                    if isinstance(small, cst.Return) and small.value is not None:
-                        values = ([e.value for e in small.value.elements] if isinstance(small.value, cst.Tuple)
-                                  else [small.value])
-                        if any(dotted(v) == name for v in values):
-                            return True
-        return False
 
     def _removable_dp(self, key) -> bool:
         """DataParallel wraps TM306 may drop in favour of TM301's wrap: `m = DataParallel(m)`."""
@@ -469,29 +424,7 @@ class Plan:
         if found is None:
             return None
         start, end = self.models.last_idx(found.wrap.statement), self.models.idx(stmt0)
-        return found if start < end and self._modified_between({m, found.wrap.arg}, scope, start, end) else None
-
-    def _modified_between(self, names: Set[str], scope: cst.CSTNode, start: int, end: int) -> bool:
-        """A statement of `scope` strictly between the indexes `start` and `end` changes the
-        parameters of one of the modules `names` in place."""
-        def inside(node: cst.CSTNode) -> bool:
-            return self.models.scope(node) is scope and start < self.models.idx(self.ctx.statement_of(node)) < end
-
-        for call, name in self.f.calls:
-            f = call.func
-            if isinstance(f, cst.Attribute) and (f.attr.value in _INPLACE or (
-                    f.attr.value.endswith("_") and f.attr.value not in ("requires_grad_", "share_memory_"))):
-                if _root_name(f.value) in names and inside(call):
-                    return True
-            if name and name.startswith("torch.nn.init.") and call.args and _root_name(call.args[0].value) in names \
-                    and inside(call):
-                return True
-        for a in self.f.assigns:
-            for t in a.targets:
-                if type(t.target) in (cst.Attribute, cst.Subscript) and _root_name(t.target) in names and inside(a):
-                    if not (type(t.target) is cst.Attribute and t.target.attr.value == "requires_grad"):
-                        return True
-        return False
+        return found if start < end and self.models.modified_in_place({m, found.wrap.arg}, scope, start, end) else None
 
     def _is_dp_assign(self, site: DPSite) -> bool:
         """`name = DataParallel(...)` alone on its line (or one-line suite)."""
@@ -1137,7 +1070,7 @@ class Plan:
         key = ("receives", func, param)
         if key not in self._memo:
             self._memo[key] = True  # a recursive helper: assume it may while deciding
-            calls = self._calls_of(func)
+            calls = self.models.calls_of(func)
             if calls is None:
                 found = True
             elif not calls:  # called from other modules only: the program's facts decide
@@ -1146,22 +1079,6 @@ class Plan:
                 found = any(self._passes_wrapped(call, func, param) for call in calls)
             self._memo[key] = found
         return self._memo[key]  # type: ignore[return-value]
-
-    def _calls_of(self, func: cst.FunctionDef) -> Optional[List[cst.Call]]:
-        """The calls of a top-level function in this file; None when it is a method, a nested
-        function, or used other than by calling it (passed as a callback)."""
-        if self.ctx.parent(func) is not self.ctx.module:
-            return None
-        calls = []
-        for n in self.ctx.named(func.name.value):
-            up = self.ctx.parent(n)
-            if up is func or (type(up) is cst.Attribute and up.attr is n):
-                continue  # the def itself, or another object's attribute of that name
-            if type(up) is cst.Call and up.func is n:
-                calls.append(up)
-            else:
-                return None
-        return calls
 
     def _passes_wrapped(self, call: cst.Call, func: cst.FunctionDef, param: str) -> bool:
         """Whether `call` passes a wrapped model as `param`: a name a wrap reaches there, a wrap
@@ -1244,22 +1161,7 @@ class Plan:
                     methods[f.name.value] = self.models.text(f)
         freeze = unfreeze = ""
         root = w.name
-        if self._freeze_sites is None:
-            # calls that may change requires_grad: `x.requires_grad_(...)` or a method of a
-            # class of this file whose body sets requires_grad
-            names = {"requires_grad_"}
-            for k in self.f.classes.values():
-                if isinstance(k.body, cst.IndentedBlock):
-                    for f in k.body.body:
-                        if isinstance(f, cst.FunctionDef) and self.models.touches_requires_grad(f):
-                            names.add(f.name.value)
-            # (exact type tests over every call and assignment: isinstance on LibCST's ABCs is slow)
-            method_calls = [(c, c.func.attr.value) for c, _ in self.f.calls
-                            if type(c.func) is cst.Attribute and c.func.attr.value in names]
-            rg_assigns = [a for a in self.f.assigns if any(
-                type(t.target) is cst.Attribute and t.target.attr.value == "requires_grad" for t in a.targets)]
-            self._freeze_sites = (method_calls, rg_assigns)
-        method_calls, rg_assigns = self._freeze_sites
+        method_calls, rg_assigns = self.models.requires_grad_changes()
         for call, attr in method_calls:
             func = call.func
             if attr != "requires_grad_" and attr not in methods:
@@ -1305,7 +1207,7 @@ class Plan:
         for owner, w in targets:
             scope = w.scope
             before = self.models.idx(w.boundary) if isinstance(owner, NewWrap) else self.models.idx(w.statement)
-            wrapped = wrapped_arg(w.call, self.dp_position(w.call)) if w.call is not None else None
+            wrapped = self.models.wrapped_arg(w.call) if w.call is not None else None
             origin = self.models.origin(w.arg or w.name, scope, w.klass, before, wrapped.value if wrapped else None)
             klass = self.models.model_class(origin)
             cond = self.models.conditional_submodules(klass)

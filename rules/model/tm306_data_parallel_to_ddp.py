@@ -11,7 +11,7 @@ from torchmigrate.nodes import expr
 from torchmigrate.rule import Example
 from torchmigrate.rules.model.base import ModelRule, report_rewrites, wrap_call
 from torchmigrate.program.models import strip_moves
-from torchmigrate.rules.model.plan import DPSite, wrapped_arg
+from torchmigrate.rules.model.plan import DPSite
 
 
 class DataParallelToDDP(ModelRule):
@@ -100,8 +100,8 @@ class DataParallelToDDP(ModelRule):
                 self.report(w.call, f"{site.reason}; {note}" if chosen else site.reason, statement=site.note_stmt)
                 continue
             if site.action == "alias":
-                edits.append(replace(w.call, lambda n: wrapped_arg(n, p.dp_position(n)).value.with_changes(
-                    lpar=n.lpar, rpar=n.rpar) if isinstance(n, cst.Call) and wrapped_arg(n, p.dp_position(n)) is not None
+                edits.append(replace(w.call, lambda n: p.models.wrapped_arg(n).value.with_changes(
+                    lpar=n.lpar, rpar=n.rpar) if isinstance(n, cst.Call) and p.models.wrapped_arg(n) is not None
                     else n))
                 message = (f"remove nn.DataParallel: `{w.name}` is wrapped in DDP before its optimizer (TM301), "
                            f"after the weights of `{w.arg}` are loaded or initialised (DDP copies rank 0's weights "
@@ -116,7 +116,7 @@ class DataParallelToDDP(ModelRule):
 
                 def build(node, fu=fu, sb=sb):
                     inner = strip_moves(node) if isinstance(node, cst.Call) else node
-                    a = wrapped_arg(inner, p.dp_position(inner)) if isinstance(inner, cst.Call) else None
+                    a = p.models.wrapped_arg(inner) if isinstance(inner, cst.Call) else None
                     module = a.value if a is not None else inner
                     return wrap_call(tm, module, fu, sb)
 
@@ -125,7 +125,7 @@ class DataParallelToDDP(ModelRule):
                     edits.append(replace(outer, lambda n, build=build: build(n).with_changes(lpar=n.lpar, rpar=n.rpar)
                                          if isinstance(n, cst.Call) else build(n)))
                 else:
-                    argx = wrapped_arg(w.call, p.dp_position(w.call))
+                    argx = p.models.wrapped_arg(w.call)
                     new = cst.SimpleStatementLine([cst.Assign([cst.AssignTarget(expr(w.name))],
                                                               wrap_call(tm, argx.value, fu, sb))])
                     if site.action == "collapse":
