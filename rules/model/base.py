@@ -34,8 +34,9 @@ class ModelRule(Rule):
             self.report(node, message, statement=statement)
 
 
-
 def wrap_call(tm: str, module: cst.BaseExpression, find_unused: bool, sync_bn: bool) -> cst.Call:
+    """`tm.wrap_model(module, ...)` with the keywords the plan chose (TM303, TM304): the one wrap
+    statement TM301 inserts or TM306 writes in place of DataParallel."""
     args = [cst.Arg(module)]
     if find_unused:
         args.append(kwarg("find_unused_parameters", expr("True")))
@@ -61,8 +62,9 @@ def _unwrap_fix(tm: str, attr: str):
     return fix
 
 
-
 def report_rewrites(rule: Rule, p: Plan, owner: str) -> None:
+    """The plan's `tm.unwrap` rewrites owned by `owner`: TM302's, or TM306's for the names it
+    unwraps when TM302 does not run (so no `.module` is left on a converted DataParallel)."""
     tm = rule.ctx.tm
     seen: Set[cst.CSTNode] = set()
     for r in p.rewrites:

@@ -105,9 +105,6 @@ def _binds_on_every_path(node: cst.If, name: str) -> bool:
     return isinstance(branch, cst.Else) and block_binds(branch.body)
 
 
-
-
-
 @dataclass
 class Wrap:
     """A binding that holds a wrapped model after the migration."""

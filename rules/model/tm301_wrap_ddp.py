@@ -182,7 +182,6 @@ class WrapDDP(ModelRule):
                               f"(`device_ids=[{tm}.local_rank()]`)", edits=edits, imports=[self.ctx.runtime_import()])
 
 
-
 def _hardcoded(node: cst.BaseExpression, many: bool) -> bool:
     if many:
         if isinstance(node, (cst.List, cst.Tuple)):

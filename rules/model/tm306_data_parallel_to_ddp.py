@@ -158,7 +158,6 @@ class DataParallelToDDP(ModelRule):
         report_rewrites(self, p, "TM306")
 
 
-
 def _else_body(node: cst.If, extra: List[cst.BaseStatement]):
     """The statements of an `if`'s `else:` branch (then `extra`), in place of the `if`."""
     body = node.orelse.body
