@@ -45,9 +45,6 @@ facts through `loaders.loader_facts(ctx)`, the training facts through
 `training.training_facts(ctx)` and the model facts through `models.model_facts(ctx)`.
 
 Next steps, family by family (DESIGN.md, "Target layout for the program model"):
-- the model plan still finds the wraps already there itself (which call wraps which name, and
-  its kind, which partly depends on the launch rules' `legacy_launch`): the facts part can join
-  `models.py`;
 - the AMP rules still outside `rules/amp/` (`cuda_amp` TM406, `apex` TM407/TM408,
   `amp_penalty` TM411, `amp_checkpoint` TM503) move into the package, one rule per file;
 - the program-level loader facts that are still in `facts.py` (DataLoader subclasses, "builds

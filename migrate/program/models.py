@@ -15,7 +15,10 @@ them where each wrap goes, which accesses go through `tm.unwrap`, and when a wra
 - what changes a model: calls and assignments that may change `requires_grad`
   (`requires_grad_changes`, `touches_requires_grad`), statements that change its parameters in
   place (`modified_in_place`: weights loaded, initialised, assigned);
-- the module a wrapper call wraps (`wrapped_arg`); what a function returns (`returns`), the
+- the wrappers already there: what kind a call is (`wrapper_kind`: DDP, apex, `tm.wrap_model`,
+  DataParallel, another library's), the expression it makes (`wrapper_site`), the module it
+  wraps (`wrapped_arg`); a module driven by a framework that wraps models itself (`framework`);
+- what a function returns (`returns`), the
   statement of `__init__` storing an attribute (`self_store`), the calls of a top-level function
   (`calls_of`);
 - models differentiated by hand over their own parameters (`functional_model`), which DDP cannot
@@ -44,12 +47,21 @@ from torchmigrate.program.facts import forward_outputs
 from torchmigrate.rule import RUNTIME_MODULE, Context
 
 DDP_CLASSES = {"torch.nn.parallel.DistributedDataParallel", "torch.nn.parallel.distributed.DistributedDataParallel"}
-APEX_DDP_CLASSES = {"apex.parallel.DistributedDataParallel", "apex.parallel.distributed.DistributedDataParallel"}
-DP_CLASSES = {"torch.nn.DataParallel", "torch.nn.parallel.DataParallel", "torch.nn.parallel.data_parallel.DataParallel"}
-TM_WRAP = "torchmigrate.runtime.wrap_model"
+_APEX_DDP = {"apex.parallel.DistributedDataParallel", "apex.parallel.distributed.DistributedDataParallel"}
+_DP = {"torch.nn.DataParallel", "torch.nn.parallel.DataParallel", "torch.nn.parallel.data_parallel.DataParallel"}
+_TM_WRAP = "torchmigrate.runtime.wrap_model"
+# Wrappers of other libraries (FSDP, DeepSpeed, ...): the model they take is not DDP's to wrap.
+_OTHER_WRAPS = (
+    "torch.distributed.fsdp.", "torch.distributed._composable.", "torch.distributed.tensor.parallel.",
+    "deepspeed.initialize", "fairscale.", "horovod.", "torch_xla.",
+)
+# Frameworks that wrap models themselves, and the methods they do it with (`accelerator.prepare`).
+_FRAMEWORKS = ("accelerate", "lightning", "pytorch_lightning", "deepspeed", "horovod", "colossalai",
+               "torch_xla", "fairscale", "ignite.distributed", "composer")
+_FRAMEWORK_WRAPS = ("prepare", "prepare_model", "setup", "setup_module", "initialize", "wrap")
 # Methods that return the module itself (`model.cuda()`, `Net().to(device)`).
-MOVES = {"to", "cuda", "cpu", "float", "half", "double", "bfloat16", "train", "eval", "requires_grad_",
-         "share_memory", "xpu", "type", "to_empty"}
+_MOVES = {"to", "cuda", "cpu", "float", "half", "double", "bfloat16", "train", "eval", "requires_grad_",
+          "share_memory", "xpu", "type", "to_empty"}
 # Layers without parameters: using them conditionally in forward() is harmless for DDP.
 _PARAMLESS = re.compile(
     r"(Loss|ReLU\d*|GELU|SiLU|Mish|Tanh|Sigmoid|Softmax\d*d?|LogSoftmax|Softplus|Softsign|Hardswish|"
@@ -82,7 +94,7 @@ def _root_name(node: cst.CSTNode) -> Optional[str]:
 
 def strip_moves(node: cst.BaseExpression) -> cst.BaseExpression:
     """`Net().to(device).cuda()` -> `Net()`; `model.cuda()` -> `model`."""
-    while isinstance(node, cst.Call) and isinstance(node.func, cst.Attribute) and node.func.attr.value in MOVES:
+    while isinstance(node, cst.Call) and isinstance(node.func, cst.Attribute) and node.func.attr.value in _MOVES:
         node = node.func.value
     return node
 
@@ -162,6 +174,8 @@ class ModelFacts:
         self._requires_grad_spots: Optional[List[int]] = None  # see `touches_requires_grad`
         self._conditional: Dict[cst.ClassDef, List[Tuple[str, cst.CSTNode]]] = {}
         self._requires_grad_changes: Optional[Tuple[List[Tuple[cst.Call, str]], List[cst.Assign]]] = None
+        # the module is driven by a framework that wraps models itself
+        self.framework = any(ctx.imports.imports_module(name) for name in _FRAMEWORKS)
         # every statement line, one-line suite and compound statement, in source order
         for i, s in enumerate(ctx.nodes(cst.SimpleStatementLine, cst.SimpleStatementSuite, cst.BaseCompoundStatement)):
             self._order[id(s)] = i
@@ -260,7 +274,7 @@ class ModelFacts:
         if not isinstance(inner, cst.Call):
             return False
         name = self.ctx.resolve(inner.func)
-        return bool(name and (name in DDP_CLASSES or name in APEX_DDP_CLASSES or name in DP_CLASSES or name == TM_WRAP))
+        return bool(name and (name in DDP_CLASSES or name in _APEX_DDP or name in _DP or name == _TM_WRAP))
 
     def origin(self, name: str, scope: cst.CSTNode, klass: Optional[cst.ClassDef], before: Optional[int],
                value: Optional[cst.BaseExpression] = None) -> Optional[Origin]:
@@ -405,6 +419,44 @@ class ModelFacts:
                         return True
         return False
 
+    def wrapper_kind(self, call: cst.Call, name: Optional[str]) -> Optional[str]:
+        """What `call` (resolved to `name`) wraps a model in: "ddp" (DistributedDataParallel),
+        "apex" (apex's DDP), "tm" (`tm.wrap_model`), "dp" (DataParallel, or the program's own
+        subclass of it), "other" (FSDP, DeepSpeed, a framework's `prepare`...); None when it is
+        no wrapper."""
+        if (dotted(call.func) or "") in self.ctx.program.dp_classes:
+            return "dp"  # the program's own DataParallel subclass
+        if name:
+            if name in DDP_CLASSES:
+                return "ddp"
+            if name in _APEX_DDP:
+                return "apex"
+            if name == _TM_WRAP:
+                return "tm"
+            if name in _DP:
+                return "dp"
+            if name.startswith(_OTHER_WRAPS):
+                return "other"
+        elif dotted(call.func) == f"{self.ctx.tm}.wrap_model":
+            return "tm"  # the runtime import went missing: still our wrap
+        if self.framework and isinstance(call.func, cst.Attribute) and call.func.attr.value in _FRAMEWORK_WRAPS:
+            return "other"
+        return None
+
+    def wrapper_site(self, call: cst.Call) -> Tuple[cst.CSTNode, Optional[cst.CSTNode]]:
+        """The wrapper call with the moves chained on it (`DataParallel(m).cuda()`), and the node
+        holding that expression (the assignment, a return...)."""
+        node: cst.CSTNode = call
+        while True:
+            parent = self.ctx.parent(node)
+            if isinstance(parent, cst.Attribute) and parent.value is node and parent.attr.value in _MOVES:
+                grand = self.ctx.parent(parent)
+                if isinstance(grand, cst.Call) and grand.func is parent:
+                    node = grand
+                    continue
+            break
+        return node, self.ctx.parent(node)
+
     def wrapped_arg(self, call: cst.Call) -> Optional[cst.Arg]:
         """The argument of a wrapper call that holds the module it wraps, also for a program's
         DataParallel subclass whose own arguments come first (`ModuleView.dp_classes`)."""
@@ -544,7 +596,7 @@ class ModelFacts:
         throws away (`logits, _ = model(x)`, `model(x)[0]`): their parameters get no gradient,
         and DDP fails at the second step ("Expected to have finished reduction") unless the
         wrap passes find_unused_parameters=True."""
-        if origin is None or not name or not isinstance(origin.call, cst.Call):
+        if origin is None or not name:
             return "", []
         spelled = dotted(origin.call.func) or ""
         outputs = self.ctx.program.forward_outputs.get(spelled, ())

@@ -38,8 +38,7 @@ from torchmigrate.finding import insert_before, replace
 from torchmigrate.imports import dotted
 from torchmigrate.nodes import arg as call_arg
 from torchmigrate.nodes import code, expr, set_kwarg, stmt
-from torchmigrate.program.models import (APEX_DDP_CLASSES, DDP_CLASSES, DP_CLASSES, MOVES, TM_WRAP, assign_targets,
-                                         functional_model, mentions, model_facts, strip_moves)
+from torchmigrate.program.models import assign_targets, functional_model, mentions, model_facts, strip_moves
 from torchmigrate.rule import Context
 from torchmigrate.rules.launch import creates_own_group, legacy_launch
 
@@ -48,13 +47,6 @@ CODES = ("TM301", "TM302", "TM303", "TM304", "TM305", "TM306")
 _TM_UNWRAP = "torchmigrate.runtime.unwrap"
 _SAVES = {"torch.save", "torchmigrate.runtime.save"}
 _DP_FUNCTIONAL = {"torch.nn.parallel.data_parallel", "torch.nn.parallel.data_parallel.data_parallel"}
-_OTHER_WRAPS = (
-    "torch.distributed.fsdp.", "torch.distributed._composable.", "torch.distributed.tensor.parallel.",
-    "deepspeed.initialize", "fairscale.", "horovod.", "torch_xla.",
-)
-# Files driven by a framework that wraps models itself: never add a wrap there.
-_FRAMEWORKS = ("accelerate", "lightning", "pytorch_lightning", "deepspeed", "horovod", "colossalai",
-               "torch_xla", "fairscale", "ignite.distributed", "composer")
 _SYNC_BN = ("torch.nn.SyncBatchNorm.convert_sync_batchnorm", "apex.parallel.convert_syncbn_model")
 
 # nn.Module / DDP API that works the same on the DDP wrapper: never rewritten by TM302.
@@ -204,7 +196,6 @@ class Plan:
         distributed = is_distributed(ctx)
         self.active = {c: c in enabled and (mode == "ddp" or (mode == "lint" and (distributed or c == "TM306")))
                        for c in CODES}
-        self.framework = any(ctx.imports.imports_module(m) for m in _FRAMEWORKS)
         self.tm = ctx.tm
         self._memo: Dict[tuple, object] = {}
         self._delegated: Optional[Set[cst.CSTNode]] = None
@@ -228,7 +219,7 @@ class Plan:
             self.models = model_facts(ctx)
             self._existing()
             self._from_other_modules()
-            if self.active["TM301"] and not self.framework:
+            if self.active["TM301"] and not self.models.framework:
                 self._plan_new()
             self._plan_dp()
             self._unused_and_bn()
@@ -266,38 +257,10 @@ class Plan:
 
     # --- existing wraps ----------------------------------------------------------------
     def _kind(self, call: cst.Call, name: Optional[str]) -> Optional[str]:
-        if (dotted(call.func) or "") in self.ctx.program.dp_classes:
-            return "dp"  # the program's own DataParallel subclass
-        if name:
-            if name in DDP_CLASSES:
-                # a legacy script's DDP becomes `tm.wrap_model` (TM301): a runtime wrap
-                return "tm" if legacy_launch(self.ctx) else "ddp"
-            if name in APEX_DDP_CLASSES:
-                return "apex"
-            if name == TM_WRAP:
-                return "tm"
-            if name in DP_CLASSES:
-                return "dp"
-            if name.startswith(_OTHER_WRAPS):
-                return "other"
-        elif dotted(call.func) == f"{self.tm}.wrap_model":
-            return "tm"  # the runtime import went missing: still our wrap
-        if self.framework and isinstance(call.func, cst.Attribute) and call.func.attr.value in (
-                "prepare", "prepare_model", "setup", "setup_module", "initialize", "wrap"):
-            return "other"
-        return None
-
-    def _site(self, call: cst.Call):
-        node: cst.CSTNode = call
-        while True:
-            parent = self.ctx.parent(node)
-            if isinstance(parent, cst.Attribute) and parent.value is node and parent.attr.value in MOVES:
-                grand = self.ctx.parent(parent)
-                if isinstance(grand, cst.Call) and grand.func is parent:
-                    node = grand
-                    continue
-            break
-        return node, self.ctx.parent(node)
+        """The wrapper kind of `call` (`ModelFacts.wrapper_kind`), as this run sees it: a legacy
+        script's DDP becomes `tm.wrap_model` (TM301), a runtime wrap."""
+        kind = self.models.wrapper_kind(call, name)
+        return "tm" if kind == "ddp" and legacy_launch(self.ctx) else kind
 
     def _existing(self) -> None:
         returning: Dict[str, str] = {}
@@ -307,7 +270,7 @@ class Plan:
                 self.dp_functional.append(call)
             if kind is None:
                 continue
-            outer, parent = self._site(call)
+            outer, parent = self.models.wrapper_site(call)
             statement = self.ctx.statement_of(call)
             if kind == "other":
                 for a in call.args:

@@ -140,3 +140,32 @@ def test_the_facts_do_not_depend_on_the_rules_enabled():
         return (net.kind, facts.has_bn(net), [n for n, _ in facts.conditional_submodules(facts.model_class(net))])
 
     assert summary((), "ddp") == summary(select(command="ddp"), "ddp") == summary(select(command="lint"), "lint")
+
+
+def test_wrapper_kinds_and_what_they_wrap():
+    ctx, facts = facts_of("""
+        import torch
+        import torch.nn as nn
+        import torchmigrate.runtime as tm
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        from accelerate import Accelerator
+        a = DDP(net, device_ids=[0])
+        b = nn.DataParallel(module=net).cuda()
+        c = tm.wrap_model(net)
+        d = Accelerator().prepare(net)
+        e = Net()
+    """, mode="lint")  # (`ddp` leaves a file Accelerate drives alone, TM101)
+    kinds = {}
+    for call, name in facts.f.calls:
+        kind = facts.wrapper_kind(call, name)
+        if kind is not None:
+            outer, holder = facts.wrapper_site(call)
+            module = code(facts.wrapped_arg(call).value) if kind != "other" else None
+            kinds[code(holder.targets[0].target)] = (kind, module, code(outer))
+    assert kinds == {
+        "a": ("ddp", "net", "DDP(net, device_ids=[0])"),
+        "b": ("dp", "net", "nn.DataParallel(module=net).cuda()"),
+        "c": ("tm", "net", "tm.wrap_model(net)"),
+        "d": ("other", None, "Accelerator().prepare(net)"),
+    }
+    assert facts.framework
