@@ -18,9 +18,8 @@ them where each wrap goes, which accesses go through `tm.unwrap`, and when a wra
 - the wrappers already there: what kind a call is (`wrapper_kind`: DDP, apex, `tm.wrap_model`,
   DataParallel, another library's), the expression it makes (`wrapper_site`), the module it
   wraps (`wrapped_arg`); a module driven by a framework that wraps models itself (`framework`);
-- what a function returns (`returns`), the
-  statement of `__init__` storing an attribute (`self_store`), the calls of a top-level function
-  (`calls_of`);
+- what a function returns (`returns`), the statement of `__init__` storing an attribute
+  (`self_store`), the calls of a top-level function (`calls_of`);
 - models differentiated by hand over their own parameters (`functional_model`), which DDP cannot
   wrap.
 
