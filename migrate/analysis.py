@@ -562,15 +562,6 @@ def trained_models(ctx: Context) -> List[str]:
     return _cached(ctx, "trained_models", compute)
 
 
-def wrapped_models(ctx: Context) -> List[str]:
-    """Dotted names of models that are DDP-wrapped after the migration (newly wrapped by TM301,
-    already wrapped by DDP / `tm.wrap_model`, or converted from `nn.DataParallel`). Computed by
-    the model rules (`rules/model.py`) and also published as `ctx.facts["wrapped_models"]`."""
-    from torchmigrate.rules.model import plan
-
-    return plan(ctx).wrapped_names
-
-
 # --- entry point ---------------------------------------------------------------------------
 
 def entry(ctx: Context) -> Optional[Entry]:

@@ -18,6 +18,7 @@ from torchmigrate.engine import process_source, run_rules
 from torchmigrate.finding import Safety
 from torchmigrate.rule import Options
 from torchmigrate.rules import get_rule, select
+from torchmigrate.rules.model.plan import wrapped_models
 
 MODEL_CODES = ("TM301", "TM302", "TM303", "TM304", "TM305", "TM306")
 
@@ -87,7 +88,7 @@ def test_wrapped_models_fact():
         optG = torch.optim.Adam(netG.parameters())
         optD = torch.optim.Adam(netD.parameters())
     """)
-    assert analysis.wrapped_models(ctx) == ["netG", "netD"]
+    assert wrapped_models(ctx) == ["netG", "netD"]
     assert ctx.facts["wrapped_models"] == ["netG", "netD"]
 
 
@@ -98,7 +99,7 @@ def test_unwrapped_attrs_fact():
         optimizer = torch.optim.Adam(model.parameters())
         torch.save(model.state_dict(), "m.pt")
     """)
-    analysis.wrapped_models(ctx)
+    wrapped_models(ctx)
     attrs = ctx.facts["unwrapped_attrs"]
     assert [a.attr.value for a in attrs] == ["state_dict"]
 
@@ -285,14 +286,14 @@ def test_config_roots_are_not_wrapped():
 
 
 def test_plan_failure_is_reported_not_raised(monkeypatch):
-    from torchmigrate.rules import model as model_rules_module
+    from torchmigrate.rules.model import plan as model_plan_module
 
     monkeypatch.delenv("TORCHMIGRATE_DEBUG", raising=False)
 
     def boom(self):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(model_rules_module.Plan, "_plan_new", boom)
+    monkeypatch.setattr(model_plan_module.Plan, "_plan_new", boom)
     source = "import torch\nmodel = Net()\noptimizer = torch.optim.SGD(model.parameters())\n"
     result = process_source(source, "t.py", Options(mode="ddp"), model_rules())
     (f,) = result.findings

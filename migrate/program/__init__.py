@@ -33,32 +33,37 @@ How a run goes, and where each step lives:
      file exists, or run under `main_process_first` already; `metrics`: the loops over data
      loaders, the counts, lists and meters they fill, what happens to them after the loop, and
      which calls compute a metric that needs every sample;
+   - `models`: the model facts of one module (LibCST, on first use, kept on the context): the
+     assignments that create each model and where it comes from (a class or function of the
+     module, or a library), what it is made of (BatchNorm layers, submodules `forward()` uses
+     only in some branches, heads whose outputs training throws away), models differentiated
+     by hand;
 3. rules (`torchmigrate.rules`): per family, a plan (the decisions: what this run does with
-   what the facts say) and one rule per file, which reports findings with their edits; the
-   data family (`rules/data/`: `plan.py`, `tm201_dist_sampler.py` ... `tm204_...`), the launch
-   family (`rules/launch/`: `plan.py` decides where `tm.setup()` goes and which scripts are
-   legacy launches; `tm101_setup_pg.py` ... `tm801_dist_launch.py`), the logging family
-   (`rules/logging/`: `tm601_main_print.py`, `tm602_tqdm_main.py`) and the
-   AMP family (`rules/amp/`: `plan.py` decides where autocast goes, the one GradScaler and
-   where it is created, where `unscale_` goes, from the training facts, `--amp` and the rules
-   enabled; `tm401_autocast_forward.py` ... `tm604_item_sync.py`) are laid out this way, and
-   so is the checkpoint family (`rules/checkpoint/`: `plan.py` decides which statements go under
-   `main_process_first`; `tm501_save_main_unwrapped.py` ... `tm505_main_process_first.py`) and
-   the metrics family (`rules/metrics/`: `plan.py` decides how a loop's loader ends up sharded,
-   so which denominators stay exact; `tm701_reduce_counts.py` ... `tm703_gather_list_mean.py`); the
-   other families still keep their facts in their rule files;
+   what the facts say) and one rule per file, which reports findings with their edits:
+   - `rules/launch/`: `plan.py` decides where `tm.setup()` goes and which scripts are legacy
+     launches; `tm101_setup_pg.py` ... `tm801_dist_launch.py`;
+   - `rules/data/`: `plan.py` decides the sampler each loader ends up with;
+     `tm201_dist_sampler.py` ... `tm204_...`;
+   - `rules/model/`: `plan.py` decides which models get wrapped and where, what becomes of
+     DataParallel, which accesses go through `tm.unwrap`; `tm301_wrap_ddp.py` ...
+     `tm309_functional_model.py`;
+   - `rules/amp/`: `plan.py` decides where autocast goes, the one GradScaler and where it is
+     created, where `unscale_` goes, from the training facts, `--amp` and the rules enabled;
+     `tm401_autocast_forward.py` ... `tm604_item_sync.py`;
+   - `rules/checkpoint/`: `plan.py` decides which statements go under `main_process_first`;
+     `tm501_save_main_unwrapped.py` ... `tm505_main_process_first.py`;
+   - `rules/logging/`: `tm601_main_print.py`, `tm602_tqdm_main.py`;
+   - `rules/metrics/`: `plan.py` decides how a loop's loader ends up sharded, so which
+     denominators stay exact; `tm701_reduce_counts.py` ... `tm703_gather_list_mean.py`;
+   - `rules/_guards.py`: the `if tm.is_main():` edit several families share;
 4. apply (`torchmigrate.apply`, `layout`): the edits become the new source of every changed
    module, written all together or not at all.
 
 Rules read the cross-module facts through `Context.program` (a `ModuleView`), the loader
-facts through `loaders.loader_facts(ctx)` and the training facts through
-`training.training_facts(ctx)`.
+facts through `loaders.loader_facts(ctx)`, the training facts through
+`training.training_facts(ctx)` and the model facts through `models.model_facts(ctx)`.
 
 Next steps, family by family (DESIGN.md, "Target layout for the program model"):
-- `rules/model.py`'s `Plan`: the facts (which expressions are models, where they are built,
-  moved, trained and saved; functional models) to `program/models.py`, leaving `rules/model/
-  plan.py` with where the wrap goes and who owns each call, and TM301-TM309 one per file;
-  `analysis.wrapped_models` then reads the facts instead of importing a rule module;
 - the AMP rules still outside `rules/amp/` (`cuda_amp` TM406, `apex` TM407/TM408,
   `amp_penalty` TM411, `amp_checkpoint` TM503) move into the package, one rule per file;
 - the program-level loader facts that are still in `facts.py` (DataLoader subclasses, "builds

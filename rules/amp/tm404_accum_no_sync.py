@@ -18,6 +18,7 @@ from torchmigrate.rule import Context, Example
 from torchmigrate.rules.amp.base import AmpRule
 from torchmigrate.rules.amp.edits import call_node, dotted_node, with_node
 from torchmigrate.rules.amp.plan import Plan, plan
+from torchmigrate.rules.model.plan import wrapped_models
 
 
 class AccumNoSync(AmpRule):
@@ -157,7 +158,7 @@ def accumulation(ctx: Context, p: Plan) -> List[tuple]:
             continue
         if not models:
             try:
-                models = list(analysis.wrapped_models(ctx))
+                models = list(wrapped_models(ctx))
             except Exception:  # the model rules are not there
                 models = []
         region_models = []

@@ -14,11 +14,12 @@ from torchmigrate import analysis
 from torchmigrate.finding import Safety, replace
 from torchmigrate.imports import dotted
 from torchmigrate.nodes import arg, set_kwarg
-from torchmigrate.program.checkpoints import LOADS, feeds_state_dict, non_tensor_saved
-from torchmigrate.rule import Example, Rule
 from torchmigrate.nodes import expr as cached_expr
 from torchmigrate.options import RUNTIME_MODULE as RUNTIME
+from torchmigrate.program.checkpoints import LOADS, feeds_state_dict, non_tensor_saved
+from torchmigrate.rule import Example, Rule
 from torchmigrate.rules._active import active
+from torchmigrate.rules.model.plan import wrapped_models
 
 
 class LoadMapLocation(Rule):
@@ -117,9 +118,9 @@ class LoadMapLocation(Rule):
         ctx = self.ctx
         models = set(analysis.trained_models(ctx))
         wrapped = ctx.facts.get("wrapped_models")
-        if wrapped is None and hasattr(analysis, "wrapped_models"):
+        if wrapped is None:
             try:  # computed by the model rules; optional
-                wrapped = analysis.wrapped_models(ctx)
+                wrapped = wrapped_models(ctx)
             except Exception:  # noqa: BLE001
                 wrapped = ()
         wrapped = wrapped or ()

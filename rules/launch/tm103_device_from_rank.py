@@ -583,7 +583,7 @@ class DeviceFromRank(Rule):
     def _batch_moves(self) -> None:
         if moves_to_devices(self.ctx):
             return
-        from torchmigrate.rules.model import plan as model_plan
+        from torchmigrate.rules.model.plan import plan as model_plan
 
         models = {w.name for w in model_plan(self.ctx).new}
         if models:

@@ -9,11 +9,12 @@ import libcst as cst
 from torchmigrate.analysis import optimizers
 from torchmigrate.finding import Safety, insert_before
 from torchmigrate.imports import dotted
-from torchmigrate.rule import Context, Example, Rule
-from torchmigrate.rules.model import functional_model
+from torchmigrate.program.models import functional_model
+from torchmigrate.rule import Example
+from torchmigrate.rules.model.base import ModelRule
 
 
-class FunctionalModelSync(Rule):
+class FunctionalModelSync(ModelRule):
     """
     ## What it does
     For a model whose gradients the program takes by hand over its own parameters
@@ -72,10 +73,6 @@ class FunctionalModelSync(Rule):
             """,
         ),
     )
-
-    def __init__(self, ctx: Context) -> None:
-        super().__init__(ctx)
-        ctx.facts.setdefault("model_rules", set()).add(self.code)  # TM301 leaves these models to this rule
 
     def leave_Module(self, node: cst.Module) -> None:
         ctx = self.ctx

@@ -1,4 +1,4 @@
-"""TM301-TM306: wrapping trained models in DDP, and what the wrap changes.
+"""The model family's decisions: wrapping trained models in DDP, and what the wrap changes.
 
 One shared plan (`plan(ctx)`, computed once per file after the walk and cached on the context)
 decides for the whole file which models an optimizer trains, which of them are already wrapped
@@ -20,53 +20,35 @@ where it is broken; `lint` gives it for user-written DDP, and a file torchmigrat
 lints clean.
 
 The plan publishes the wrapped names as `ctx.facts["wrapped_models"]` (also
-`analysis.wrapped_models(ctx)`, which computes the plan on demand for rules that run earlier) and
+`wrapped_models(ctx)`, which computes the plan on demand for rules that run earlier) and
 the Attribute nodes TM302 rewrites as `ctx.facts["unwrapped_attrs"]`.
 """
 
 from __future__ import annotations
 
-import ast
 import os
 import re
-import textwrap
-from bisect import bisect_left
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Set, Tuple
 
 import libcst as cst
 
-from torchmigrate.analysis import Optimizer, _call_arg_for, facts, is_distributed, model_root, optimizers, runs_backward, under_no_grad
-from torchmigrate.finding import Safety, insert_after, insert_before, remove, replace, replace_with
-from torchmigrate.imports import dotted, iter_statements
-from torchmigrate.program.facts import forward_outputs
+from torchmigrate.analysis import Optimizer, _call_arg_for, calls_to, facts, is_distributed, model_root, optimizers
+from torchmigrate.finding import insert_before, replace
+from torchmigrate.imports import dotted
 from torchmigrate.nodes import arg as call_arg
-from torchmigrate.nodes import code, expr, kwarg, set_kwarg, stmt, with_args
-from torchmigrate.positions import code_for
-from torchmigrate.rule import RUNTIME_MODULE, Context, Example, Rule
+from torchmigrate.nodes import code, expr, set_kwarg, stmt
+from torchmigrate.program.models import assign_targets, functional_model, mentions, model_facts, strip_moves
+from torchmigrate.rule import Context
 from torchmigrate.rules.launch import creates_own_group, legacy_launch
 
 CODES = ("TM301", "TM302", "TM303", "TM304", "TM305", "TM306")
 
-_DDP = {"torch.nn.parallel.DistributedDataParallel", "torch.nn.parallel.distributed.DistributedDataParallel"}
-_APEX_DDP = {"apex.parallel.DistributedDataParallel", "apex.parallel.distributed.DistributedDataParallel"}
-_TM_WRAP = "torchmigrate.runtime.wrap_model"
 _TM_UNWRAP = "torchmigrate.runtime.unwrap"
 _SAVES = {"torch.save", "torchmigrate.runtime.save"}
-_DP = {"torch.nn.DataParallel", "torch.nn.parallel.DataParallel", "torch.nn.parallel.data_parallel.DataParallel"}
 _DP_FUNCTIONAL = {"torch.nn.parallel.data_parallel", "torch.nn.parallel.data_parallel.data_parallel"}
-_OTHER_WRAPS = (
-    "torch.distributed.fsdp.", "torch.distributed._composable.", "torch.distributed.tensor.parallel.",
-    "deepspeed.initialize", "fairscale.", "horovod.", "torch_xla.",
-)
-# Files driven by a framework that wraps models itself: never add a wrap there.
-_FRAMEWORKS = ("accelerate", "lightning", "pytorch_lightning", "deepspeed", "horovod", "colossalai",
-               "torch_xla", "fairscale", "ignite.distributed", "composer")
 _SYNC_BN = ("torch.nn.SyncBatchNorm.convert_sync_batchnorm", "apex.parallel.convert_syncbn_model")
 
-# Methods that return the module itself (`model.cuda()`, `Net().to(device)`).
-_MOVES = {"to", "cuda", "cpu", "float", "half", "double", "bfloat16", "train", "eval", "requires_grad_",
-          "share_memory", "xpu", "type", "to_empty"}
 # nn.Module / DDP API that works the same on the DDP wrapper: never rewritten by TM302.
 _MODULE_API = {
     "forward", "parameters", "named_parameters", "buffers", "named_buffers", "children",
@@ -81,80 +63,18 @@ _MODULE_API = {
     "require_forward_param_sync", "will_sync_module_buffers", "gather", "scatter", "to_kwargs",
     "bucket_bytes_cap", "module",
 }
-_STATE = ("state_dict", "load_state_dict")
-# DistributedDataParallel's leading parameters, the same in every torch since 1.x.
-_DDP_POSITIONS = ("module", "device_ids", "output_device", "dim", "broadcast_buffers")
+STATE_METHODS = ("state_dict", "load_state_dict")
 _CONFIGISH = {"args", "opt", "opts", "cfg", "config", "conf", "hparams", "hp", "params", "flags", "FLAGS",
               "settings", "options", "self.args", "self.cfg", "self.config", "self.opt", "self.hparams",
               "self.params", "self.options"}
-# Layers without parameters: using them conditionally in forward() is harmless for DDP.
-_PARAMLESS = re.compile(
-    r"(Loss|ReLU\d*|GELU|SiLU|Mish|Tanh|Sigmoid|Softmax\d*d?|LogSoftmax|Softplus|Softsign|Hardswish|"
-    r"Hardsigmoid|Hardtanh|ELU|SELU|CELU|GLU|LeakyReLU|Threshold|Identity|Dropout\d*d?|AlphaDropout|"
-    r"\w*Pool\d*d|Flatten|Unflatten|Upsample\w*|PixelShuffle|PixelUnshuffle|\w*Pad\d*d|ChannelShuffle|"
-    r"CosineSimilarity|PairwiseDistance)$")
 _FREEZE = re.compile(r"requires_grad\s*=\s*False|requires_grad_\(\s*(requires_grad\s*=\s*)?False\s*\)")
 _UNFREEZE = re.compile(r"requires_grad\s*=\s*True|requires_grad_\(\s*(requires_grad\s*=\s*)?(True)?\s*\)")
 _WORLD = re.compile(r"world|n_?gpus?\b|num_gpus|ngpus|nprocs|n_procs|num_processes|num_replicas|"
                     r"num_nodes|nnodes|get_world_size|device_count", re.IGNORECASE)
 _EMA = re.compile(r"EMA|Ema|AveragedModel|MovingAverage")
-_BN_TORCHVISION = re.compile(r"resne|wide_resnet|densenet|mobilenet|efficientnet|regnet|inception|googlenet|"
-                             r"shufflenet|mnasnet|_bn$|deeplab|fcn_|lraspp|__dict__")
 
 
 # --- small helpers -------------------------------------------------------------------------
-
-# Calls that change a module's parameters in place (wrap only after them).
-_INPLACE = {"load_state_dict", "apply", "load_weights", "load_pretrained", "load_pretrained_weights",
-            "init_weights", "reset_parameters", "load_param", "load_params", "load_parameters"}
-
-
-def _root_name(node: cst.CSTNode) -> Optional[str]:
-    """`base` for `base.vgg[0].weight`, `base.fc.load_state_dict`, `base(...)...`."""
-    while True:
-        if type(node) in (cst.Attribute, cst.Subscript):
-            node = node.value
-        elif type(node) is cst.Call:
-            node = node.func
-        else:
-            break
-    return node.value if type(node) is cst.Name else None
-
-
-def _used_outputs(ctx: Context, call: cst.Call, n: int) -> Optional[Set[int]]:
-    """Which of the `n` outputs of the model call `call` the code keeps: `out = model(x)[0]`
-    keeps {0}, `logits, _ = model(x)` keeps {0}; None when it keeps the whole result."""
-    parent = ctx.parent(call)
-    if isinstance(parent, cst.Subscript) and len(parent.slice) == 1:
-        index = parent.slice[0].slice
-        if isinstance(index, cst.Index) and isinstance(index.value, cst.Integer):
-            return {int(index.value.value) % n}
-        return None
-    if isinstance(parent, cst.Assign) and len(parent.targets) == 1:
-        target = parent.targets[0].target
-        if isinstance(target, (cst.Tuple, cst.List)) and len(target.elements) == n and not any(
-                isinstance(e, cst.StarredElement) for e in target.elements):
-            return {i for i, e in enumerate(target.elements)
-                    if not (isinstance(e.value, cst.Name) and e.value.value.startswith("_"))}
-    return None
-
-
-def _strip(node: cst.BaseExpression) -> cst.BaseExpression:
-    """`Net().to(device).cuda()` -> `Net()`; `model.cuda()` -> `model`."""
-    while isinstance(node, cst.Call) and isinstance(node.func, cst.Attribute) and node.func.attr.value in _MOVES:
-        node = node.func.value
-    return node
-
-
-def functional_model(ctx: Context, m: str) -> bool:
-    """`torch.autograd.grad(loss, m.parameters())` in this file: gradients taken by hand over
-    the model's own parameters (MAML's inner loop), which DDP does not support."""
-    for call in analysis_calls(ctx, "torch.autograd.grad", RUNTIME_MODULE + ".grad"):  # tm.grad: TM411's
-        inputs = call_arg(call, "inputs", 1)
-        if inputs is not None and code(inputs.value).replace(" ", "") == f"{m}.parameters()":
-            return True
-    return False
-
 
 def _binds_on_every_path(node: cst.If, name: str) -> bool:
     """Every branch of the `if` (an `else` included) assigns `name` in its own block, or holds
@@ -175,37 +95,6 @@ def _binds_on_every_path(node: cst.If, name: str) -> bool:
             return False
         branch = branch.orelse
     return isinstance(branch, cst.Else) and block_binds(branch.body)
-
-
-def _wrapped_arg(call: cst.Call, position: int = 0) -> Optional[cst.Arg]:
-    """The module a wrapper call wraps; `position` for a program's DataParallel subclass whose
-    own arguments come first (`ModuleView.dp_classes`)."""
-    return call_arg(call, "module", position) or call_arg(call, "model")
-
-
-_SEQUENCES = (cst.Tuple, cst.List)  # exact type tests: isinstance against LibCST's ABCs is slow
-
-
-def _targets(node: cst.BaseAssignTargetExpression, value: Optional[cst.BaseExpression]):
-    """(dotted target, value expression or None) pairs, unpacking `a, b = A(), B()`."""
-    if type(node) in _SEQUENCES:
-        values = None
-        if type(value) in _SEQUENCES and len(value.elements) == len(node.elements):
-            values = [e.value for e in value.elements]
-        for i, element in enumerate(node.elements):
-            yield from _targets(element.value, values[i] if values else None)
-    else:
-        name = dotted(node)
-        if name:
-            yield name, value
-
-
-def _mentions(text: str, name: str) -> bool:
-    return re.search(r"(?<![\w.])" + re.escape(name) + r"\b", text) is not None
-
-
-_WORD = re.compile(r"\w+")
-_WORD_START = re.compile(r"(?<![\w.])\w+")  # a whole word, not after a dot: what `_mentions` matches
 
 
 @dataclass
@@ -287,7 +176,18 @@ def plan(ctx: Context) -> "Plan":
     return found  # type: ignore[return-value]
 
 
+def wrapped_models(ctx: Context) -> List[str]:
+    """Dotted names of the models that are DDP-wrapped after this run (newly wrapped by TM301,
+    already wrapped by DDP / `tm.wrap_model`, or converted from `nn.DataParallel`), for the rules
+    of other families that run before the model rules (also `ctx.facts["wrapped_models"]`). A
+    decision, not a fact: it depends on the options and on which model rules are enabled."""
+    return plan(ctx).wrapped_names
+
+
 class Plan:
+    """What this run does with the models of one module (see the module docstring), decided from
+    its model facts (`self.models`, `program.models`), the options and the rules enabled."""
+
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
         self.f = facts(ctx)
@@ -296,22 +196,10 @@ class Plan:
         distributed = is_distributed(ctx)
         self.active = {c: c in enabled and (mode == "ddp" or (mode == "lint" and (distributed or c == "TM306")))
                        for c in CODES}
-        self.framework = any(ctx.imports.imports_module(m) for m in _FRAMEWORKS)
         self.tm = ctx.tm
-        self._order: Dict[int, int] = {}  # id(statement) -> index: ids skip LibCST's Python-level __hash__
-        self._last: Dict[cst.CSTNode, int] = {}
-        self._assigns: Dict[str, List[Tuple[cst.CSTNode, Optional[cst.BaseExpression]]]] = {}
-        self._bn_cache: Dict[cst.CSTNode, bool] = {}
-        self._text_cache: Dict[cst.CSTNode, str] = {}
-        self._words_cache: Dict[cst.CSTNode, str] = {}
-        self._requires_grad_spots: Optional[List[int]] = None  # see `_touches_requires_grad`
-        self._mentioned: Dict[str, Set[str]] = {}
         self._memo: Dict[tuple, object] = {}
         self._delegated: Optional[Set[cst.CSTNode]] = None
         self._final: Optional[List[Wrap]] = None
-        self._fscope: Dict[cst.CSTNode, cst.CSTNode] = {}
-        self._assigned: Optional[Dict[cst.CSTNode, Set[str]]] = None
-        self._freeze_sites: Optional[tuple] = None
         self.wraps: List[Wrap] = []
         self.covered: Set[Tuple[str, cst.CSTNode]] = set()  # wrapped by anything
         self.covered_not_dp: Set[Tuple[str, cst.CSTNode]] = set()  # ... by anything but DataParallel
@@ -324,14 +212,14 @@ class Plan:
         self.sync_bn_fixes: List[Tuple[cst.CSTNode, str, list]] = []
         self.sync_bn_applies = (ctx.options.mode == "ddp" and ctx.options.sync_bn) or (
             ctx.options.mode == "lint" and ctx.options.unsafe_fixes)
-        self.has_sync_bn = bool(analysis_calls(ctx, *_SYNC_BN))
+        self.has_sync_bn = bool(calls_to(ctx, *_SYNC_BN))
 
         self.error: Optional[str] = None
         try:
-            self._index()
+            self.models = model_facts(ctx)
             self._existing()
             self._from_other_modules()
-            if self.active["TM301"] and not self.framework:
+            if self.active["TM301"] and not self.models.framework:
                 self._plan_new()
             self._plan_dp()
             self._unused_and_bn()
@@ -361,156 +249,18 @@ class Plan:
                                f"could not analyse the models of this file ({error}): wrap each trained model "
                                f"with `{self.tm}.wrap_model(model)` before creating its optimizer", None))
 
-    # --- indexes -----------------------------------------------------------------------
-    def _index(self) -> None:
-        # every statement line, one-line suite and compound statement, in source order
-        order = self._order
-        for i, s in enumerate(self.ctx.nodes(cst.SimpleStatementLine, cst.SimpleStatementSuite,
-                                             cst.BaseCompoundStatement)):
-            order[id(s)] = i
-        for a in self.f.assigns:
-            for t in a.targets:
-                for name, value in _targets(t.target, a.value):
-                    self._assigns.setdefault(name, []).append((a, value))
-
-    def idx(self, statement: Optional[cst.CSTNode]) -> int:
-        return self._order.get(id(statement), -1) if statement is not None else -1
-
-    def last_idx(self, statement: cst.CSTNode) -> int:
-        """Index of the last statement inside `statement` (itself for a simple line)."""
-        if statement not in self._last:
-            count = sum(1 for _ in iter_statements([statement])) if isinstance(
-                statement, cst.BaseCompoundStatement) else 1
-            self._last[statement] = self.idx(statement) + count - 1
-        return self._last[statement]
-
-    def fscope(self, node: cst.CSTNode) -> cst.CSTNode:
-        found = self._fscope.get(node)
-        if found is None:
-            found = self._fscope[node] = self.ctx.enclosing(node, cst.FunctionDef) or self.ctx.module
-        return found
-
-    def klass_of(self, node: cst.CSTNode) -> Optional[cst.ClassDef]:
-        return self.ctx.enclosing(node, cst.ClassDef)
-
+    # --- names -------------------------------------------------------------------------
     def key(self, name: str, node: cst.CSTNode):
         if name.startswith(("self.", "cls.")):
-            return name, self.klass_of(node)
-        return name, self.fscope(node)
-
-    def text(self, node: cst.CSTNode) -> str:
-        if node not in self._text_cache:
-            self._text_cache[node] = code_for(node, self.ctx.module)
-        return self._text_cache[node]
-
-    def words(self, node: cst.CSTNode) -> str:
-        """The names and string literals under `node`, space-separated, attribute names with
-        their dot (`.BatchNorm2d`): what the text searches below look for, without generating
-        the code of whole classes (comments are left out, which only removes false hits)."""
-        found = self._words_cache.get(node)
-        if found is None:
-            parent = self.ctx.parent
-            out = []
-            for n in self.ctx.within(node, cst.Name, cst.SimpleString):
-                up = parent(n)
-                out.append("." + n.value if type(up) is cst.Attribute and up.attr is n else n.value)
-            found = self._words_cache[node] = " ".join(out)
-        return found
-
-    def _touches_requires_grad(self, node: cst.CSTNode) -> bool:
-        """`"requires_grad" in self.words(node)`, asked of every method of every class: found by
-        bisecting the positions of the few names and strings that contain it, not by listing
-        all the words of each method."""
-        start = self.ctx.position(node)
-        if start is None:  # a node built by a rule: not indexed
-            return "requires_grad" in self.words(node)
-        if self._requires_grad_spots is None:
-            hits = [n for tp in (cst.Name, cst.SimpleString) for n in self.ctx.nodes(tp)
-                    if "requires_grad" in n.value]  # type: ignore[attr-defined]
-            self._requires_grad_spots = sorted(self.ctx.position(n) for n in hits)  # type: ignore[type-var]
-        spots = self._requires_grad_spots
-        first = bisect_left(spots, start)  # the first one at or after `node`: is it inside?
-        return first < len(spots) and spots[first] <= self.ctx.last_position(node)
-
-    @staticmethod
-    def params(func: cst.FunctionDef) -> Set[str]:
-        p = func.params
-        names = {x.name.value for x in (*p.posonly_params, *p.params, *p.kwonly_params)}
-        for star in (p.star_arg, p.star_kwarg):
-            if isinstance(star, cst.Param):
-                names.add(star.name.value)
-        return names
-
-    def assigned_in(self, scope: cst.CSTNode, name: str) -> bool:
-        if self._assigned is None:
-            self._assigned = {}
-            for n, pairs in self._assigns.items():
-                for a, _ in pairs:
-                    self._assigned.setdefault(self.fscope(a), set()).add(n)
-        return name in self._assigned.get(scope, ())
-
-    def definitions(self, name: str, scope: cst.CSTNode, klass: Optional[cst.ClassDef],
-                    before: Optional[int] = None) -> List[Tuple[cst.CSTNode, Optional[cst.BaseExpression]]]:
-        """Assignments of `name` that create the model (not wrap calls), in order."""
-        out = []
-        for a, value in self._assigns.get(name, ()):
-            if name.startswith(("self.", "cls.")):
-                if self.klass_of(a) is not klass:
-                    continue
-            elif self.fscope(a) is not scope:
-                continue
-            statement = self.ctx.statement_of(a)
-            if before is not None and self.idx(statement) >= before:
-                continue
-            if value is not None and self._is_wrap_value(value):
-                continue
-            out.append((a, value))
-        return out
-
-    def _is_wrap_value(self, value: cst.BaseExpression) -> bool:
-        inner = _strip(value)
-        if not isinstance(inner, cst.Call):
-            return False
-        name = self.ctx.resolve(inner.func)
-        return bool(name and (name in _DDP or name in _APEX_DDP or name in _DP or name == _TM_WRAP))
+            return name, self.models.class_of(node)
+        return name, self.models.scope(node)
 
     # --- existing wraps ----------------------------------------------------------------
-    def dp_position(self, call: cst.Call) -> int:
-        return self.ctx.program.dp_classes.get(dotted(call.func) or "", 0)
-
     def _kind(self, call: cst.Call, name: Optional[str]) -> Optional[str]:
-        if (dotted(call.func) or "") in self.ctx.program.dp_classes:
-            return "dp"  # the program's own DataParallel subclass
-        if name:
-            if name in _DDP:
-                # a legacy script's DDP becomes `tm.wrap_model` (TM301): a runtime wrap
-                return "tm" if legacy_launch(self.ctx) else "ddp"
-            if name in _APEX_DDP:
-                return "apex"
-            if name == _TM_WRAP:
-                return "tm"
-            if name in _DP:
-                return "dp"
-            if name.startswith(_OTHER_WRAPS):
-                return "other"
-        elif dotted(call.func) == f"{self.tm}.wrap_model":
-            return "tm"  # the runtime import went missing: still our wrap
-        if self.framework and isinstance(call.func, cst.Attribute) and call.func.attr.value in (
-                "prepare", "prepare_model", "setup", "setup_module", "initialize", "wrap"):
-            return "other"
-        return None
-
-    def _site(self, call: cst.Call):
-        node: cst.CSTNode = call
-        while True:
-            parent = self.ctx.parent(node)
-            if isinstance(parent, cst.Attribute) and parent.value is node and parent.attr.value in _MOVES:
-                grand = self.ctx.parent(parent)
-                if isinstance(grand, cst.Call) and grand.func is parent:
-                    node = grand
-                    continue
-            break
-        return node, self.ctx.parent(node)
+        """The wrapper kind of `call` (`ModelFacts.wrapper_kind`), as this run sees it: a legacy
+        script's DDP becomes `tm.wrap_model` (TM301), a runtime wrap."""
+        kind = self.models.wrapper_kind(call, name)
+        return "tm" if kind == "ddp" and legacy_launch(self.ctx) else kind
 
     def _existing(self) -> None:
         returning: Dict[str, str] = {}
@@ -520,28 +270,28 @@ class Plan:
                 self.dp_functional.append(call)
             if kind is None:
                 continue
-            outer, parent = self._site(call)
+            outer, parent = self.models.wrapper_site(call)
             statement = self.ctx.statement_of(call)
             if kind == "other":
                 for a in call.args:
-                    n = dotted(_strip(a.value))
+                    n = dotted(strip_moves(a.value))
                     if n:
                         self.covered.add(self.key(n, call))
                         self.covered_not_dp.add(self.key(n, call))
                 if isinstance(parent, cst.Assign):
                     for t in parent.targets:
-                        for n, _ in _targets(t.target, None):
+                        for n, _ in assign_targets(t.target, None):
                             self.covered.add(self.key(n, call))
                             self.covered_not_dp.add(self.key(n, call))
                 continue
-            a = _wrapped_arg(call, self.dp_position(call))
-            arg = dotted(_strip(a.value)) if a is not None else None
+            a = self.models.wrapped_arg(call)
+            arg = dotted(strip_moves(a.value)) if a is not None else None
             target = None
             if isinstance(parent, cst.Assign) and parent.value is outer and len(parent.targets) == 1:
                 target = dotted(parent.targets[0].target)
             elif isinstance(parent, cst.AnnAssign) and parent.value is outer:
                 target = dotted(parent.target)
-            w = Wrap(target or arg or "", kind, self.fscope(call), self.klass_of(call), statement, False,
+            w = Wrap(target or arg or "", kind, self.models.scope(call), self.models.class_of(call), statement, False,
                      statement=statement, call=call, arg=arg)
             self.wraps.append(w)
             if kind == "dp":
@@ -552,12 +302,12 @@ class Plan:
                     if kind != "dp":
                         self.covered_not_dp.add(self.key(n, call))
             func = self.ctx.enclosing(call, cst.FunctionDef)
-            if func is not None and (isinstance(parent, cst.Return) or (target and self._returns(func, target))):
+            if func is not None and (isinstance(parent, cst.Return) or (target and self.models.returns(func, target))):
                 returning[func.name.value] = kind
         if not returning:
             return
         for a in self.f.assigns:
-            value = _strip(a.value)
+            value = strip_moves(a.value)
             if not isinstance(value, cst.Call):
                 continue
             f = value.func
@@ -566,10 +316,10 @@ class Plan:
             if fname not in returning:
                 continue
             for t in a.targets:
-                for n, _ in _targets(t.target, None):
+                for n, _ in assign_targets(t.target, None):
                     statement = self.ctx.statement_of(a)
-                    self.wraps.append(Wrap(n, "helper-" + returning[fname], self.fscope(a), self.klass_of(a),
-                                           statement, False, statement=statement))
+                    self.wraps.append(Wrap(n, "helper-" + returning[fname], self.models.scope(a),
+                                           self.models.class_of(a), statement, False, statement=statement))
                     self.covered.add(self.key(n, a))
                     if returning[fname] != "dp":
                         self.covered_not_dp.add(self.key(n, a))
@@ -592,7 +342,7 @@ class Plan:
                 names = sorted(program.wrapped_params.get(qual, ()))
                 if klass is not None and func.name.value == "__init__":
                     for attr in sorted(program.wrapped_attrs.get(klass.name.value, ())):
-                        store = self._self_store(func, attr)
+                        store = self.models.self_store(func, attr)
                         if store is not None:
                             self.wraps.append(Wrap(f"self.{attr}", "program-tm", func, klass, store, False,
                                                    statement=store))
@@ -605,27 +355,6 @@ class Plan:
                     self.wraps.append(Wrap(name, "program-tm", func, klass, body[0], True))
                     self.covered.add((name, func))
                     self.covered_not_dp.add((name, func))
-
-    def _self_store(self, init: cst.FunctionDef, attr: str) -> Optional[cst.CSTNode]:
-        """The statement of `__init__` that assigns `self.<attr>`."""
-        for a in self.f.assigns:
-            if self.ctx.enclosing(a, cst.FunctionDef) is not init:
-                continue
-            for t in a.targets:
-                if any(n == f"self.{attr}" for n, _ in _targets(t.target, None)):
-                    return self.ctx.statement_of(a)
-        return None
-
-    def _returns(self, func: cst.FunctionDef, name: str) -> bool:
-        for s in iter_statements(func.body.body if isinstance(func.body, cst.IndentedBlock) else [func.body]):
-            if isinstance(s, (cst.SimpleStatementLine, cst.SimpleStatementSuite)):
-                for small in s.body:
-                    if isinstance(small, cst.Return) and small.value is not None:
-                        values = ([e.value for e in small.value.elements] if isinstance(small.value, cst.Tuple)
-                                  else [small.value])
-                        if any(dotted(v) == name for v in values):
-                            return True
-        return False
 
     def _removable_dp(self, key) -> bool:
         """DataParallel wraps TM306 may drop in favour of TM301's wrap: `m = DataParallel(m)`."""
@@ -647,37 +376,15 @@ class Plan:
         found = None
         for site in self.dp_sites:
             w = site.wrap
-            if w.name != m or self.fscope(w.call) is not scope or not w.arg or "." in w.arg or w.arg == m:
+            if w.name != m or self.models.scope(w.call) is not scope or not w.arg or "." in w.arg or w.arg == m:
                 continue
             if found is not None or not self._is_dp_assign(site) or w.statement is None:
                 return None
             found = site
         if found is None:
             return None
-        start, end = self.last_idx(found.wrap.statement), self.idx(stmt0)
-        return found if start < end and self._modified_between({m, found.wrap.arg}, scope, start, end) else None
-
-    def _modified_between(self, names: Set[str], scope: cst.CSTNode, start: int, end: int) -> bool:
-        """A statement of `scope` strictly between the indexes `start` and `end` changes the
-        parameters of one of the modules `names` in place."""
-        def inside(node: cst.CSTNode) -> bool:
-            return self.fscope(node) is scope and start < self.idx(self.ctx.statement_of(node)) < end
-
-        for call, name in self.f.calls:
-            f = call.func
-            if isinstance(f, cst.Attribute) and (f.attr.value in _INPLACE or (
-                    f.attr.value.endswith("_") and f.attr.value not in ("requires_grad_", "share_memory_"))):
-                if _root_name(f.value) in names and inside(call):
-                    return True
-            if name and name.startswith("torch.nn.init.") and call.args and _root_name(call.args[0].value) in names \
-                    and inside(call):
-                return True
-        for a in self.f.assigns:
-            for t in a.targets:
-                if type(t.target) in (cst.Attribute, cst.Subscript) and _root_name(t.target) in names and inside(a):
-                    if not (type(t.target) is cst.Attribute and t.target.attr.value == "requires_grad"):
-                        return True
-        return False
+        start, end = self.models.last_idx(found.wrap.statement), self.models.idx(stmt0)
+        return found if start < end and self.models.modified_in_place({m, found.wrap.arg}, scope, start, end) else None
 
     def _is_dp_assign(self, site: DPSite) -> bool:
         """`name = DataParallel(...)` alone on its line (or one-line suite)."""
@@ -733,7 +440,7 @@ class Plan:
                 old = best.get(k)
                 if old is None or self._prefer(placed, old):
                     best[k] = placed
-        self.new = sorted(best.values(), key=lambda w: (self.idx(w.anchor), w.after))
+        self.new = sorted(best.values(), key=lambda w: (self.models.idx(w.anchor), w.after))
         self._leave_own_group_alone()
         self._other_branches(cands)
         self._merge_adjacent()
@@ -754,8 +461,8 @@ class Plan:
                 continue
             k = (nw.name, nw.klass if nw.name.startswith(("self.", "cls.")) else nw.scope)
             seen: Set[int] = set()
-            for d, _ in self.definitions(nw.name, nw.scope, nw.klass):
-                if self.fscope(d) is not nw.scope:
+            for d, _ in self.models.definitions(nw.name, nw.scope, nw.klass):
+                if self.models.scope(d) is not nw.scope:
                     continue
                 ds = self.ctx.statement_of(d)
                 branch = self._sibling_branch(nw.anchor, ds, nw.scope)
@@ -765,7 +472,7 @@ class Plan:
                 inside = [c for c in cands.get(k, ()) if c is not nw and not c.after and c.extra_of is None
                           and any(a is branch for a in self.ctx.ancestors(c.anchor))]
                 if inside:
-                    c = min(inside, key=lambda c: self.idx(c.anchor))
+                    c = min(inside, key=lambda c: self.models.idx(c.anchor))
                     c.extra_of = nw
                     extra.append(c)
                     continue
@@ -780,7 +487,7 @@ class Plan:
                 extra.append(NewWrap(nw.name, nw.opt, nw.scope, nw.klass, last, after=True, def_stmt=ds,
                                      extra_of=nw, bound=d))
         if extra:
-            self.new = sorted([*self.new, *extra], key=lambda w: (self.idx(w.anchor), w.after))
+            self.new = sorted([*self.new, *extra], key=lambda w: (self.models.idx(w.anchor), w.after))
 
     @staticmethod
     def _exits(statement: cst.CSTNode) -> bool:
@@ -844,7 +551,7 @@ class Plan:
         for o in opts:
             if o.via is not None or not any(m in ("self", "cls") for m in o.models):
                 continue
-            klass = self.klass_of(o.call)
+            klass = self.models.class_of(o.call)
             if klass is None:
                 continue
             if any(s.via is o and s.models and not self._super_site(s) for s in opts):
@@ -866,7 +573,7 @@ class Plan:
         """`m` for optimizer parameters `tm.unwrap(m).<...>.parameters()`."""
         if not o.call.args:
             return []
-        text = self.text(o.call.args[0].value)
+        text = self.models.text(o.call.args[0].value)
         if "unwrap" not in text:
             return []
         out = []
@@ -881,7 +588,7 @@ class Plan:
             f = call.func
             if not (isinstance(f, cst.Attribute) and f.attr.value == "backward"):
                 continue
-            scope = self.fscope(call)
+            scope = self.models.scope(call)
             statement = self.ctx.statement_of(call)
             node = statement
             while node is not None and node is not scope:
@@ -909,7 +616,7 @@ class Plan:
         func = self.ctx.enclosing(o.call, cst.FunctionDef)
         if func not in self._delegated:
             return False
-        params = self.params(func)
+        params = self.models.params(func)
         args = o.call.args
         first = args[0].value if args and args[0].keyword is None else None
         return bool(set(o.models) & (params | {"self", "cls"})) or (
@@ -923,7 +630,7 @@ class Plan:
             b = old_init is not None and old_init.name.value == "__init__"
             if a != b:
                 return a
-        return self.idx(new.anchor) < self.idx(old.anchor)
+        return self.models.idx(new.anchor) < self.models.idx(old.anchor)
 
     def _placement(self, o: Optimizer, m: str):
         ctx, tm = self.ctx, self.tm
@@ -940,20 +647,21 @@ class Plan:
                     f"call `{tm}.share_params({m})` once after building it and `{tm}.sync_grads({m})` after each "
                     f"backward, before the optimizer's step (every rank then takes the same step)")
         stmt0 = o.statement
-        scope = self.fscope(o.call)
+        scope = self.models.scope(o.call)
         # `optimizer = model.configure_optimizers(...)`: wrap after the call, which needs the bare model
         after = isinstance(o.call.func, cst.Attribute) and model_root(dotted(o.call.func.value) or "") == m
         if m.startswith(("self.", "cls.")):
-            klass = self.klass_of(o.call)
+            klass = self.models.class_of(o.call)
             if klass is None:
                 return None
             if (m, klass) in self.covered and not self._removable_dp((m, klass)):
                 return None
-            defs = self.definitions(m, scope, klass)
+            defs = self.models.definitions(m, scope, klass)
             if not defs:
                 return (f"`{m}` is not assigned in class {klass.name.value}: wrap it with "
                         f"`{m} = {tm}.wrap_model({m})` where it is created, before its optimizer")
-            local = [d for d, _ in defs if self.fscope(d) is scope and self.idx(ctx.statement_of(d)) < self.idx(stmt0)]
+            local = [d for d, _ in defs if self.models.scope(d) is scope
+                     and self.models.idx(ctx.statement_of(d)) < self.models.idx(stmt0)]
             def_stmt = ctx.statement_of(local[-1]) if local else None
             model_def = ctx.statement_of(local[-1] if local else defs[-1][0])
         else:
@@ -968,16 +676,16 @@ class Plan:
                     return None
             if self._wrapped_by_callee(m, scope):
                 return None
-            defs = self.definitions(m, scope, None, before=self.idx(stmt0))
+            defs = self.models.definitions(m, scope, None, before=self.models.idx(stmt0))
             if not defs:
-                if any(self._is_wrap_value(v) for _, v in self._assigns.get(m, ()) if v is not None
-                       and self.fscope(_) is scope):
+                if any(self.models.is_wrap_value(v) for _, v in self.models.assignments(m) if v is not None
+                       and self.models.scope(_) is scope):
                     return None
                 fname = scope.name.value if isinstance(scope, cst.FunctionDef) else None
-                if fname and m in self.params(scope):
+                if fname and m in self.models.params(scope):
                     return (f"`{m}` is a parameter of {fname}(), which builds its optimizer: wrap the model with "
                             f"`{tm}.wrap_model(...)` where {fname}() is called")
-                if fname and self.definitions(m, ctx.module, None):
+                if fname and self.models.definitions(m, ctx.module, None):
                     return (f"`{m}` is a module-level model whose optimizer is built in {fname}(): wrap it with "
                             f"`{m} = {tm}.wrap_model({m})` at module level before {fname}() runs")
                 if self._wraps_itself():
@@ -990,10 +698,11 @@ class Plan:
         anchor = self._anchor(stmt0, def_stmt, scope)
         # apex: `model, optimizer = amp.initialize(model, optimizer)` must see the bare model
         # (TM407 removes it for O1; an O2/O3 one stays for the user)
-        for call in analysis_calls(ctx, "apex.amp.initialize"):
+        for call in calls_to(ctx, "apex.amp.initialize"):
             line = ctx.statement_of(call)
-            if (self.fscope(call) is scope and self.idx(line) > self.idx(anchor) and isinstance(line, cst.SimpleStatementLine)
-                    and any(_mentions(self.text(a.value), m) for a in call.args)
+            if (self.models.scope(call) is scope and self.models.idx(line) > self.models.idx(anchor)
+                    and isinstance(line, cst.SimpleStatementLine)
+                    and any(mentions(self.models.text(a.value), m) for a in call.args)
                     and ctx.parent(line) is ctx.parent(anchor)):
                 anchor, after = line, True
                 break
@@ -1013,10 +722,10 @@ class Plan:
         """`model_without_ddp = model.module` after `model = DDP(model)`: `m` is the module
         inside a model this scope wraps, so its optimizer already trains through that wrap
         (DeiT/DETR/MAE build it from `model_without_ddp`); wrapping `m` again is wrong."""
-        for a, value in self._assigns.get(m, ()):
-            if value is None or self.fscope(a) is not scope:
+        for a, value in self.models.assignments(m):
+            if value is None or self.models.scope(a) is not scope:
                 continue
-            name = dotted(_strip(value))
+            name = dotted(strip_moves(value))
             if name and name.endswith(".module") and self.key(name[:-len(".module")], a) in self.covered:
                 return True
         return False
@@ -1032,11 +741,12 @@ class Plan:
                 func = w.scope
                 if w.kind.rsplit("-", 1)[-1] == "dp" or not isinstance(func, cst.FunctionDef) or w.statement is None:
                     continue
-                params = self.params(func)
+                params = self.models.params(func)
                 method = isinstance(self.ctx.parent(self.ctx.parent(func)), cst.ClassDef)
+                before = self.models.idx(w.statement)
                 for n in dict.fromkeys((w.arg, w.name)):
                     # the parameter itself is wrapped, not a model the function builds under its name
-                    if n and n in params and not self.definitions(n, func, None, before=self.idx(w.statement)):
+                    if n and n in params and not self.models.definitions(n, func, None, before=before):
                         entry = (func, n, method)
                         if entry not in found.setdefault(func.name.value, []):
                             found[func.name.value].append(entry)
@@ -1052,7 +762,7 @@ class Plan:
         for call, _ in self.f.calls:
             f = call.func
             fname = f.value if isinstance(f, cst.Name) else f.attr.value if isinstance(f, cst.Attribute) else None
-            if fname not in callees or self.fscope(call) is not scope:
+            if fname not in callees or self.models.scope(call) is not scope:
                 continue
             for func, param, method in callees[fname]:
                 if method != isinstance(f, cst.Attribute):
@@ -1109,11 +819,11 @@ class Plan:
                 other = by_anchor.get(prev)
                 if other is None or other is w:
                     break
-                if w.def_stmt is not None and self.idx(w.def_stmt) >= self.idx(prev):
+                if w.def_stmt is not None and self.models.idx(w.def_stmt) >= self.models.idx(prev):
                     break
                 w.anchor = prev
         order = {id(w): i for i, w in enumerate(self.new)}
-        self.new.sort(key=lambda w: (self.idx(w.anchor), w.after, order[id(w)]))
+        self.new.sort(key=lambda w: (self.models.idx(w.anchor), w.after, order[id(w)]))
 
     # --- DataParallel (TM306) ----------------------------------------------------------
     def _plan_dp(self) -> None:
@@ -1182,7 +892,7 @@ class Plan:
                 # `def train(model, ...): <optimizer>; if n_gpu > 1: model = DataParallel(model)`:
                 # TM301 wraps the model where train() is called.
                 func = self.ctx.enclosing(site.outer, cst.FunctionDef)
-                if func is not None and w.name in self.params(func):
+                if func is not None and w.name in self.models.params(func):
                     nw = next((n for n in self.new if n.opt.via is not None and n.extra_of is None
                                and self.ctx.enclosing(n.opt.via.call, cst.FunctionDef) is func), None)
             if nw is not None:
@@ -1265,8 +975,8 @@ class Plan:
             statement = self.ctx.statement_of(a)
             for w in by_name[source]:
                 if w.kind != "other" and self.applies(w, a, statement):
-                    out.append(Wrap(alias, "alias-" + w.kind.rsplit("-", 1)[-1], self.fscope(a), self.klass_of(a),
-                                    statement, False, statement=statement))
+                    out.append(Wrap(alias, "alias-" + w.kind.rsplit("-", 1)[-1], self.models.scope(a),
+                                    self.models.class_of(a), statement, False, statement=statement))
                     break
         return out
 
@@ -1286,9 +996,9 @@ class Plan:
         statement = statement or self.ctx.statement_of(node)
         if w.statement is not None and statement is w.statement:
             return False
-        fs = self.fscope(node)
+        fs = self.models.scope(node)
         if w.name.startswith(("self.", "cls.")):
-            if self.klass_of(node) is not w.klass:
+            if self.models.class_of(node) is not w.klass:
                 return False
             if fs is w.scope:
                 return self._after(w, statement)
@@ -1296,16 +1006,16 @@ class Plan:
             # `__init__`), only what follows that call sees the wrapped model
             calls = self._self_calls(w).get(fs)
             if calls:
-                return self.idx(statement) >= min(self.idx(c) for c in calls)
+                return self.models.idx(statement) >= min(self.models.idx(c) for c in calls)
             return True
         if fs is w.scope:
             return self._after(w, statement)
         if not isinstance(fs, cst.FunctionDef):
             return False
         root = w.name.split(".")[0]
-        if root in self.params(fs):
+        if root in self.models.params(fs):
             return self._receives_wrapped(fs, root)
-        if self.assigned_in(fs, root):
+        if self.models.assigned_in(fs, root):
             return False
         if w.scope is self.ctx.module:
             return True
@@ -1320,7 +1030,7 @@ class Plan:
         key = ("receives", func, param)
         if key not in self._memo:
             self._memo[key] = True  # a recursive helper: assume it may while deciding
-            calls = self._calls_of(func)
+            calls = self.models.calls_of(func)
             if calls is None:
                 found = True
             elif not calls:  # called from other modules only: the program's facts decide
@@ -1329,22 +1039,6 @@ class Plan:
                 found = any(self._passes_wrapped(call, func, param) for call in calls)
             self._memo[key] = found
         return self._memo[key]  # type: ignore[return-value]
-
-    def _calls_of(self, func: cst.FunctionDef) -> Optional[List[cst.Call]]:
-        """The calls of a top-level function in this file; None when it is a method, a nested
-        function, or used other than by calling it (passed as a callback)."""
-        if self.ctx.parent(func) is not self.ctx.module:
-            return None
-        calls = []
-        for n in self.ctx.named(func.name.value):
-            up = self.ctx.parent(n)
-            if up is func or (type(up) is cst.Attribute and up.attr is n):
-                continue  # the def itself, or another object's attribute of that name
-            if type(up) is cst.Call and up.func is n:
-                calls.append(up)
-            else:
-                return None
-        return calls
 
     def _passes_wrapped(self, call: cst.Call, func: cst.FunctionDef, param: str) -> bool:
         """Whether `call` passes a wrapped model as `param`: a name a wrap reaches there, a wrap
@@ -1357,7 +1051,7 @@ class Plan:
                 return True
             if (a.keyword is not None and a.keyword.value == param) or (
                     a.keyword is None and i < len(positional) and positional[i] == param):
-                value = _strip(a.value)
+                value = strip_moves(a.value)
                 break
         if value is None:
             return False
@@ -1384,8 +1078,8 @@ class Plan:
             for call, _ in self.f.calls:
                 f = call.func
                 if isinstance(f, cst.Attribute) and f.attr.value == name and dotted(f.value) in ("self", "cls") \
-                        and self.klass_of(call) is w.klass:
-                    found.setdefault(self.fscope(call), []).append(self.ctx.statement_of(call))
+                        and self.models.class_of(call) is w.klass:
+                    found.setdefault(self.models.scope(call), []).append(self.ctx.statement_of(call))
             self._memo[key] = found
         return self._memo[key]  # type: ignore[return-value]
 
@@ -1411,249 +1105,52 @@ class Plan:
     def _after(self, w: Wrap, statement: Optional[cst.CSTNode]) -> bool:
         if statement is not None and self._exclusive(w.boundary, statement):
             return False
-        i = self.idx(statement)
+        i = self.models.idx(statement)
         if w.inclusive:
-            return i >= self.idx(w.boundary)
-        return i > self.last_idx(w.boundary)
+            return i >= self.models.idx(w.boundary)
+        return i > self.models.last_idx(w.boundary)
 
     # --- TM303 / TM304 analysis --------------------------------------------------------
-    def origin(self, name: str, scope: cst.CSTNode, klass: Optional[cst.ClassDef], before: Optional[int],
-               value: Optional[cst.BaseExpression] = None):
-        """(kind, node-or-name, call) for the expression that created the model: kind "class"
-        (a ClassDef of this file), "function" (a FunctionDef of this file) or "library" (a
-        qualified name); None when unknown. `value` is that expression when already known
-        (`DDP(Net())`), else the last assignment of `name` before `before`."""
-        if value is None or not isinstance(_strip(value), cst.Call):
-            defs = self.definitions(name, scope, klass, before)
-            value = defs[-1][1] if defs else None
-        if value is None:
-            return None
-        value = _strip(value)
-        if not isinstance(value, cst.Call):
-            return None
-        func = value.func
-        if isinstance(func, cst.Subscript):
-            resolved = self.ctx.resolve(func.value)
-            return ("library", resolved + ".__dict__", value) if resolved else None
-        fname = dotted(func)
-        if fname in self.f.classes:
-            return "class", self.f.classes[fname], value
-        if fname in self.f.functions:
-            return "function", self.f.functions[fname], value
-        resolved = self.ctx.resolve(func) or fname
-        return ("library", resolved, value) if resolved else None
-
-    def model_class(self, origin) -> Optional[cst.ClassDef]:
-        if origin is None:
-            return None
-        kind, node, _ = origin
-        if kind == "class":
-            return node
-        if kind == "function":
-            for s in iter_statements(node.body.body if isinstance(node.body, cst.IndentedBlock) else [node.body]):
-                if isinstance(s, cst.SimpleStatementLine):
-                    for small in s.body:
-                        if isinstance(small, cst.Return) and isinstance(small.value, cst.Call):
-                            inner = _strip(small.value)
-                            name = dotted(inner.func) if isinstance(inner, cst.Call) else None
-                            if name in self.f.classes:
-                                return self.f.classes[name]
-        return None
-
-    def has_bn(self, origin) -> bool:
-        """The model (probably) contains BatchNorm layers."""
-        if origin is None:
-            return False
-        kind, node, call = origin
-        if kind == "library":
-            if node.startswith("torchvision.models") and _BN_TORCHVISION.search(node.rsplit(".", 1)[-1]):
-                return True
-            # `nn.Sequential(nn.Conv2d(...), nn.BatchNorm2d(...))`, `Wrapper(conv_bn(3, 8))`
-            return self._text_has_bn(self.text(call), set())
-        return self._def_has_bn(node, set()) or self._text_has_bn(self.text(call), set())
-
-    def _text_has_bn(self, text: str, seen: set) -> bool:
-        if re.search(r"(?<!Frozen)BatchNorm", text):
-            return True
-        for name, other in (*self.f.classes.items(), *self.f.functions.items()):
-            if other not in seen and self.ctx.parent(other) is self.ctx.module and self._text_mentions(text, name):
-                if self._def_has_bn(other, seen):
-                    return True
-        return False
-
-    def _text_mentions(self, text: str, name: str) -> bool:
-        """`_mentions(text, name)`, from the set of words of `text`: one scan of a (long) text
-        for all the names of the file's classes and functions instead of one scan per name."""
-        if not _WORD.fullmatch(name):
-            return _mentions(text, name)
-        found = self._mentioned.get(text)
-        if found is None:
-            found = self._mentioned[text] = set(_WORD_START.findall(text))
-        return name in found
-
-    def _def_has_bn(self, node: cst.CSTNode, seen: set) -> bool:
-        if node in self._bn_cache:
-            return self._bn_cache[node]
-        seen.add(node)
-        found = self._text_has_bn(self.words(node), seen)
-        self._bn_cache[node] = found
-        return found
-
-    def conditional_submodules(self, klass: Optional[cst.ClassDef]) -> List[Tuple[str, cst.CSTNode]]:
-        """Submodules with parameters that forward() uses only in some branches of an `if`."""
-        if klass is None or not isinstance(klass.body, cst.IndentedBlock):
-            return []
-        key = ("conditional", klass)
-        if key not in self._memo:
-            self._memo[key] = self._conditional_submodules(klass)
-        return self._memo[key]  # type: ignore[return-value]
-
-    def _conditional_submodules(self, klass: cst.ClassDef) -> List[Tuple[str, cst.CSTNode]]:
-        methods = {f.name.value: f for f in klass.body.body if isinstance(f, cst.FunctionDef)}
-        forward, init = methods.get("forward"), methods.get("__init__")
-        if forward is None or init is None or not isinstance(init.body, cst.IndentedBlock):
-            return []
-        subs: Set[str] = set()
-        for s in iter_statements(init.body.body):
-            if not isinstance(s, cst.SimpleStatementLine):
-                continue
-            for small in s.body:
-                if not (isinstance(small, cst.Assign) and isinstance(small.value, cst.Call)):
-                    continue
-                for t in small.targets:
-                    name = dotted(t.target)
-                    if not (name and name.startswith("self.")) or name.count(".") != 1:
-                        continue
-                    func = self.ctx.resolve(small.value.func) or dotted(small.value.func) or ""
-                    if _PARAMLESS.search(func.rsplit(".", 1)[-1]):
-                        continue
-                    if self.ctx.enclosing(small, cst.If, cst.FunctionDef) is not init:
-                        continue  # created conditionally: the same flag usually guards its use
-                    subs.add(name[5:])
-        if not subs:
-            return []
-        uses: Dict[str, List[Tuple[Optional[cst.CSTNode], str]]] = {}
-        for node in self.ctx.within(forward.body, cst.Attribute):
-            if isinstance(node.value, cst.Name) and node.value.value == "self" and node.attr.value in subs:
-                uses.setdefault(node.attr.value, []).append(self._branch(node, forward))
-        out = []
-        for name, found in uses.items():
-            if any(cond is None for cond, _ in found):
-                continue
-            conds = {}
-            for cond, branch in found:
-                conds.setdefault(cond, set()).add(branch)
-            if any(branches >= {"body", "orelse"} for branches in conds.values()):
-                continue
-            cond = found[0][0]
-            test = getattr(cond, "test", None)
-            test_text = self.text(test) if test is not None else ""
-            if test_text.strip() in ("self.training", "not self.training") or _mentions(test_text, "self." + name):
-                continue
-            out.append((name, cond))
-        return out
-
-    def discarded_heads(self, origin, name: str) -> Tuple[str, List[str]]:
-        """(class, submodules) where the submodules feed only outputs of the model class's
-        `forward()` (of any module of the program) which every training call of the model `name`
-        throws away (`logits, _ = model(x)`, `model(x)[0]`): their parameters get no gradient,
-        and DDP fails at the second step ("Expected to have finished reduction") unless the
-        wrap passes find_unused_parameters=True."""
-        if origin is None or not name or not isinstance(origin[2], cst.Call):
-            return "", []
-        spelled = dotted(origin[2].func) or ""
-        outputs = self.ctx.program.forward_outputs.get(spelled, ())
-        if not outputs and origin[0] == "class":  # a class of this file, processed on its own
-            outputs = forward_outputs(ast.parse(textwrap.dedent(self.text(origin[1]))).body[0])
-        if len(outputs) < 2:
-            return "", []
-        kept: Set[int] = set()
-        training_calls = 0
-        for call, _ in self.f.calls:
-            if dotted(call.func) != name:
-                continue
-            scope = self.ctx.enclosing(call, cst.FunctionDef) or self.ctx.module
-            if under_no_grad(self.ctx, call) or not runs_backward(self.ctx, scope):
-                continue  # evaluation: no gradient, nothing for DDP to reduce
-            training_calls += 1
-            used = _used_outputs(self.ctx, call, len(outputs))
-            if used is None:
-                return "", []
-            kept |= used
-        if not training_calls or len(kept) == len(outputs):
-            return "", []
-        needed = set().union(*(outputs[i] for i in kept))
-        dropped = set().union(*(outputs[i] for i in range(len(outputs)) if i not in kept))
-        return spelled.rsplit(".", 1)[-1], sorted(dropped - needed)
-
-    def _branch(self, node: cst.CSTNode, stop: cst.CSTNode) -> Tuple[Optional[cst.CSTNode], str]:
-        """The innermost `if` (statement or expression) whose branch holds `node`, and which branch."""
-        child = node
-        for anc in self.ctx.ancestors(node):
-            if anc is stop:
-                break
-            if isinstance(anc, (cst.If, cst.IfExp)):
-                if child is anc.body:
-                    return anc, "body"
-                if child is anc.orelse:
-                    return anc, "orelse"
-            child = anc
-        return None, ""
-
     def _freezes(self, w: Wrap, klass: Optional[cst.ClassDef]) -> Tuple[str, str]:
         """(freeze, unfreeze) descriptions of parameters whose requires_grad changes after wrapping."""
         methods: Dict[str, str] = {}
         if klass is not None and isinstance(klass.body, cst.IndentedBlock):
             for f in klass.body.body:
                 if isinstance(f, cst.FunctionDef) and f.name.value != "__init__" \
-                        and self._touches_requires_grad(f):
-                    methods[f.name.value] = self.text(f)
+                        and self.models.touches_requires_grad(f):
+                    methods[f.name.value] = self.models.text(f)
         freeze = unfreeze = ""
         root = w.name
-        if self._freeze_sites is None:
-            # calls that may change requires_grad: `x.requires_grad_(...)` or a method of a
-            # class of this file whose body sets requires_grad
-            names = {"requires_grad_"}
-            for k in self.f.classes.values():
-                if isinstance(k.body, cst.IndentedBlock):
-                    for f in k.body.body:
-                        if isinstance(f, cst.FunctionDef) and self._touches_requires_grad(f):
-                            names.add(f.name.value)
-            # (exact type tests over every call and assignment: isinstance on LibCST's ABCs is slow)
-            method_calls = [(c, c.func.attr.value) for c, _ in self.f.calls
-                            if type(c.func) is cst.Attribute and c.func.attr.value in names]
-            rg_assigns = [a for a in self.f.assigns if any(
-                type(t.target) is cst.Attribute and t.target.attr.value == "requires_grad" for t in a.targets)]
-            self._freeze_sites = (method_calls, rg_assigns)
-        method_calls, rg_assigns = self._freeze_sites
+        method_calls, rg_assigns = self.models.requires_grad_changes()
         for call, attr in method_calls:
             func = call.func
             if attr != "requires_grad_" and attr not in methods:
                 continue
-            if not _mentions(self.text(func.value), root):
+            if not mentions(self.models.text(func.value), root):
                 continue
-            body = self.text(call) if attr == "requires_grad_" else methods[attr]
+            body = self.models.text(call) if attr == "requires_grad_" else methods[attr]
             is_freeze, is_unfreeze = bool(_FREEZE.search(body)), bool(_UNFREEZE.search(body))
             if not (is_freeze or is_unfreeze) or not self.applies(w, call):
                 continue
-            what = f"`{self.text(call)}`"
+            what = f"`{self.models.text(call)}`"
             if is_freeze and not freeze:
                 freeze = what
             if is_unfreeze and not unfreeze:
                 unfreeze = what
         for a in rg_assigns:
             loop = self.ctx.enclosing(a, cst.For, cst.FunctionDef)
-            if not isinstance(loop, cst.For) or not _mentions(self.text(loop.iter), root):
+            if not isinstance(loop, cst.For) or not mentions(self.models.text(loop.iter), root):
                 continue
             if not self.applies(w, a):
                 continue
-            value = self.text(a.value)
-            if value == "False" and self.text(loop.iter) in (f"{root}.parameters()", f"{root}.module.parameters()"):
+            value = self.models.text(a.value)
+            if value == "False" and self.models.text(loop.iter) in (f"{root}.parameters()",
+                                                                     f"{root}.module.parameters()"):
                 continue  # the whole model frozen (DINO's teacher): no backward reaches it, no reduction waits
             if value == "False" and not freeze:
-                freeze = f"`for ... in {self.text(loop.iter)}: ...requires_grad = False`"
+                freeze = f"`for ... in {self.models.text(loop.iter)}: ...requires_grad = False`"
             elif value != "False" and not unfreeze:
-                unfreeze = f"`for ... in {self.text(loop.iter)}: ...requires_grad = {value}`"
+                unfreeze = f"`for ... in {self.models.text(loop.iter)}: ...requires_grad = {value}`"
         return freeze, unfreeze
 
     def _unused_and_bn(self) -> None:
@@ -1669,14 +1166,14 @@ class Plan:
                 targets.append((site, site.wrap))
         for owner, w in targets:
             scope = w.scope
-            before = self.idx(w.boundary) if isinstance(owner, NewWrap) else self.idx(w.statement)
-            wrapped = _wrapped_arg(w.call, self.dp_position(w.call)) if w.call is not None else None
-            origin = self.origin(w.arg or w.name, scope, w.klass, before, wrapped.value if wrapped else None)
-            klass = self.model_class(origin)
-            cond = self.conditional_submodules(klass)
+            before = self.models.idx(w.boundary) if isinstance(owner, NewWrap) else self.models.idx(w.statement)
+            wrapped = self.models.wrapped_arg(w.call) if w.call is not None else None
+            origin = self.models.origin(w.arg or w.name, scope, w.klass, before, wrapped.value if wrapped else None)
+            klass = self.models.model_class(origin)
+            cond = self.models.conditional_submodules(klass)
             freeze, unfreeze = self._freezes(w, klass)
             reason = ""
-            owner_class, heads = self.discarded_heads(origin, w.name)
+            owner_class, heads = self.models.discarded_heads(origin, w.name)
             if freeze:
                 reason = f"parameters are frozen after wrapping ({freeze})"
             elif cond:
@@ -1695,7 +1192,7 @@ class Plan:
                     f"parameters of `{w.name}` are unfrozen after it is wrapped ({unfreeze}): DDP only "
                     f"synchronises parameters that required grad when it was built, so wrap after unfreezing "
                     f"or re-wrap with `{tm}.wrap_model` when the trainable set changes", note_stmt))
-            bn = self.has_bn(origin) and not self.has_sync_bn
+            bn = self.models.has_bn(origin) and not self.has_sync_bn
             if isinstance(owner, (NewWrap, DPSite)):
                 owner.find_unused = reason
                 owner.bn = bn
@@ -1715,7 +1212,7 @@ class Plan:
                 self.notes["TM303"].append((call, f"{reason}: DDP then fails with \"Expected to have finished "
                     f"reduction in the prior iteration\"; pass find_unused_parameters=True to the wrap "
                     f"(or make every parameter take part in each step)", w.statement))
-            elif fu_true and not reason and lint and klass is not None and self._straight(klass):
+            elif fu_true and not reason and lint and klass is not None and self.models.uses_every_submodule(klass):
                 self.notes["TM303"].append((call, f"find_unused_parameters=True costs an extra autograd graph "
                     f"traversal every step, and {klass.name.value}.forward() uses all its submodules "
                     f"unconditionally: drop it (or pass static_graph=True if the set of used parameters never "
@@ -1745,34 +1242,8 @@ class Plan:
                 f"if per-rank batches are small, {how}")
 
     def _def_statement(self, w: Wrap, before: int) -> Optional[cst.CSTNode]:
-        defs = self.definitions(w.arg or w.name, w.scope, w.klass, before)
+        defs = self.models.definitions(w.arg or w.name, w.scope, w.klass, before)
         return self.ctx.statement_of(defs[-1][0]) if defs else None
-
-    def _straight(self, klass: cst.ClassDef) -> bool:
-        """forward() has no branches or loops and uses every submodule assigned in __init__."""
-        if not isinstance(klass.body, cst.IndentedBlock):
-            return False
-        methods = {f.name.value: f for f in klass.body.body if isinstance(f, cst.FunctionDef)}
-        forward, init = methods.get("forward"), methods.get("__init__")
-        if forward is None or init is None or not isinstance(forward.body, cst.IndentedBlock):
-            return False
-        for s in iter_statements(forward.body.body):
-            if isinstance(s, (cst.If, cst.For, cst.While, cst.Try, cst.With)):
-                return False
-        text = self.text(forward)
-        if " if " in text:
-            return False
-        for s in iter_statements(init.body.body if isinstance(init.body, cst.IndentedBlock) else []):
-            if isinstance(s, cst.SimpleStatementLine):
-                for small in s.body:
-                    if isinstance(small, cst.Assign) and isinstance(small.value, cst.Call):
-                        for t in small.targets:
-                            name = dotted(t.target)
-                            if name and name.startswith("self.") and name.count(".") == 1:
-                                func = self.ctx.resolve(small.value.func) or dotted(small.value.func) or ""
-                                if not _PARAMLESS.search(func.rsplit(".", 1)[-1]) and not _mentions(text, name):
-                                    return False
-        return True
 
     # --- attribute rewrites (TM302, and TM306 for DataParallel names) --------------------
     def _attributes(self) -> None:
@@ -1798,7 +1269,7 @@ class Plan:
             if attr == "module" and isinstance(parent, (cst.AssignTarget, cst.Del)):
                 continue
             statement = self.ctx.statement_of(node)
-            seen_by = [w for w in candidates if (w.full or attr not in ("module", *_STATE)
+            seen_by = [w for w in candidates if (w.full or attr not in ("module", *STATE_METHODS)
                                                  or self._prefixed_state(w, node, attr))
                        and self.applies(w, node, statement)]
             if seen_by and not (owner302 and self.ctx.options.mode == "lint" and self._checked_first(node, name)):
@@ -1814,7 +1285,7 @@ class Plan:
                 continue
             is_dp = any(id(w) in dp_wraps or w.kind.endswith("-dp") for w in seen_by)
             if owner302:
-                manual = self.ctx.options.mode == "lint" and attr in _STATE and not any(w.full for w in seen_by)
+                manual = self.ctx.options.mode == "lint" and attr in STATE_METHODS and not any(w.full for w in seen_by)
                 self.rewrites.append(AttrRewrite(node, name, attr, "TM302", is_dp, manual=manual))
             elif is_dp:  # TM306 alone must not leave `.module` behind on the model it unwrapped
                 self.rewrites.append(AttrRewrite(node, name, attr, "TM306", True))
@@ -1858,11 +1329,11 @@ class Plan:
         prefix, loaded the same way). `lint` reports only `X.state_dict()` saved by
         `torch.save`/`tm.save` where `X` is provably the DDP: wrapped unconditionally earlier in
         the same scope (not behind `if args.distributed:`, where `X` may be the plain module)."""
-        if attr not in _STATE or w.kind.rsplit("-", 1)[-1] != "ddp":
+        if attr not in STATE_METHODS or w.kind.rsplit("-", 1)[-1] != "ddp":
             return False
         if self.ctx.options.mode == "ddp":
             return True
-        return attr == "state_dict" and w.kind == "ddp" and self.fscope(node) is w.scope \
+        return attr == "state_dict" and w.kind == "ddp" and self.models.scope(node) is w.scope \
             and self._in_scope_body(w.statement, w.scope) and self._saved(node)
 
     def _in_scope_body(self, statement: Optional[cst.CSTNode], scope: cst.CSTNode) -> bool:
@@ -1921,7 +1392,7 @@ class Plan:
                 for a in self.f.assigns:
                     for t in a.targets:
                         if type(t.target) is cst.Subscript and type(t.target.value) is cst.Name:
-                            out.setdefault((t.target.value.value, self.fscope(a)), []).append(a.value)
+                            out.setdefault((t.target.value.value, self.models.scope(a)), []).append(a.value)
                 self._memo[key] = out
             return self._memo[key]  # type: ignore[return-value]
 
@@ -1939,12 +1410,12 @@ class Plan:
                         add(node, "save")
                     elif tp is cst.Name:
                         # `state = {"net": net, ...}; torch.save(state, path)`
-                        for a, value in self._assigns.get(node.value, ()):
-                            if value is not None and self.fscope(a) is scope \
-                                    and self.idx(self.ctx.statement_of(a)) < before:
+                        for a, value in self.models.assignments(node.value):
+                            if value is not None and self.models.scope(a) is scope \
+                                    and self.models.idx(self.ctx.statement_of(a)) < before:
                                 stack.append((value, depth + 1))
                         for value in subscripts().get((node.value, scope), ()):
-                            if self.idx(self.ctx.statement_of(value)) < before:
+                            if self.models.idx(self.ctx.statement_of(value)) < before:
                                 stack.append((value, depth + 1))
                 elif tp is cst.Dict:
                     stack.extend((e.value, depth + 1) for e in reversed(node.elements) if type(e) is cst.DictElement)
@@ -1959,7 +1430,7 @@ class Plan:
             if qualified in _SAVES:
                 a = call_arg(call, "obj", 0)
                 if a is not None and not a.star:
-                    saved(a.value, self.fscope(call), self.idx(self.ctx.statement_of(call)))
+                    saved(a.value, self.models.scope(call), self.models.idx(self.ctx.statement_of(call)))
             elif type(call.func) is cst.Attribute and call.func.attr.value == "add_graph":
                 a = call_arg(call, "model", 0)
                 if a is not None and not a.star:
@@ -2039,13 +1510,13 @@ class Plan:
                    for call, qualified in self.f.calls)
 
     def _scaled(self, node: cst.BaseExpression) -> bool:
-        text = self.text(node)
+        text = self.models.text(node)
         if _WORLD.search(text):
             return True
         names = set(re.findall(r"[A-Za-z_][\w.]*", text))
         for n in names:
-            for a, value in self._assigns.get(n, ()):
-                if value is not None and _WORLD.search(self.text(value)):
+            for a, value in self.models.assignments(n):
+                if value is not None and _WORLD.search(self.models.text(value)):
                     return True
         return False
 
@@ -2056,739 +1527,3 @@ class Plan:
                 if bs is not None and self._scaled(bs.value):
                     return True
         return False
-
-
-def analysis_calls(ctx: Context, *names: str) -> List[cst.Call]:
-    from torchmigrate.analysis import calls_to
-
-    return calls_to(ctx, *names)
-
-
-# --- edits -------------------------------------------------------------------------------
-
-def _wrap_call(tm: str, module: cst.BaseExpression, find_unused: bool, sync_bn: bool) -> cst.Call:
-    args = [cst.Arg(module)]
-    if find_unused:
-        args.append(kwarg("find_unused_parameters", expr("True")))
-    if sync_bn:
-        args.append(kwarg("sync_bn", expr("True")))
-    return with_args(cst.Call(func=expr(f"{tm}.wrap_model")), args)
-
-
-def _is_unwrap(node: cst.BaseExpression, tm: str) -> bool:
-    return isinstance(node, cst.Call) and dotted(node.func) == f"{tm}.unwrap"
-
-
-def _unwrap_fix(tm: str, attr: str):
-    def fix(node):
-        if not attr:  # the model itself, passed to a copy
-            return cst.Call(func=expr(f"{tm}.unwrap"), args=[cst.Arg(node)])
-        if _is_unwrap(node.value, tm):
-            return node
-        call = cst.Call(func=expr(f"{tm}.unwrap"), args=[cst.Arg(node.value.with_changes(lpar=[], rpar=[]))])
-        if attr == "module":
-            return call.with_changes(lpar=node.lpar, rpar=node.rpar)
-        return node.with_changes(value=call)
-    return fix
-
-
-# --- rules -------------------------------------------------------------------------------
-
-class _ModelRule(Rule):
-    """Shared by the model rules: registers the rule as enabled for the plan."""
-
-    commands = frozenset({"ddp", "lint"})
-
-    def __init__(self, ctx: Context) -> None:
-        super().__init__(ctx)
-        ctx.facts.setdefault("model_rules", set()).add(self.code)
-
-    def plan(self) -> Plan:
-        return plan(self.ctx)
-
-    def notes(self, code_: str) -> None:
-        for node, message, statement in self.plan().notes[code_]:
-            self.report(node, message, statement=statement)
-
-
-class WrapDDP(_ModelRule):
-    """
-    ## What it does
-    Wraps every trained model in DistributedDataParallel: inserts `model = tm.wrap_model(model)`
-    right before the statement that creates the model's optimizer (`self.model = ...` in trainer
-    classes, one wrap per model for GANs). Only models whose parameters an optimizer trains are
-    wrapped; a frozen teacher or an EMA copy is never passed to an optimizer and stays as it is.
-    When a same-file helper builds the optimizer from a model it receives
-    (`optimizer = build_optimizer(model, cfg)`), the wrap goes before that call.
-
-    `tm.wrap_model` moves the model to the rank's device and wraps it in DDP when the script runs
-    under torchrun; in a plain `python train.py` run it returns the model unchanged. Models that
-    are already wrapped (`DistributedDataParallel`, `tm.wrap_model`, FSDP, Accelerate, DeepSpeed),
-    also by a function of the file the model is passed to, are left alone. A script that creates
-    its own process group but wraps no model (it averages gradients itself, or not at all) gets
-    a report instead of a wrap. Optimizer classes of other libraries (`BertAdam`, `Lion`) count
-    when they receive a model's parameters. When parameters are frozen after the wrap or `forward()` uses a submodule only
-    in some branches, the wrap passes `find_unused_parameters=True` (see TM303).
-
-    In a legacy `torch.distributed.launch` script that `ddp` moves onto the runtime (see
-    TM101), the script's own `DDP(model, device_ids=[args.local_rank], output_device=...)`
-    becomes `tm.wrap_model(model, ...)`, keeping its other options (`find_unused_parameters=`,
-    `broadcast_buffers=`): device ids fail on CPU ranks, and an unconditional DDP fails in a
-    one-process run.
-
-    In `lint`, for files that already use torch.distributed: reports trained models that are
-    never wrapped, and DDP built with a hard-coded `device_ids=[0]` (every rank on GPU 0),
-    replaced by `[tm.local_rank()]`.
-
-    ## Why is this bad?
-    Without DDP every rank trains its own copy on its own shard and the copies drift apart: no
-    gradient is averaged. Wrapping after the optimizer's model is final (moved, loaded) and before
-    the first forward is what the DDP documentation requires.
-
-    ## Example
-    ```python
-    model = Net().to(device)
-    optimizer = torch.optim.AdamW(model.parameters())
-    ```
-    becomes
-    ```python
-    model = Net().to(device)
-    model = tm.wrap_model(model)
-    optimizer = torch.optim.AdamW(model.parameters())
-    ```
-
-    ## Limitations
-    A model created at module level whose optimizer is built inside a function, an optimizer
-    whose model cannot be traced, a module that builds its own optimizer from `self.parameters()`,
-    and a training script with no optimizer at all (parameters updated by hand) are reported for a
-    manual wrap.
-    """
-
-    code = "TM301"
-    name = "wrap-ddp"
-    summary = "Wrap each trained model in DDP (tm.wrap_model) before its optimizer is built"
-    safety = Safety.SAFE
-    examples = (
-        Example(
-            before="""
-            import torch
-            model = Net().to(device)
-            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-            """,
-            after="""
-            import torch
-            import torchmigrate.runtime as tm
-            model = Net().to(device)
-            model = tm.wrap_model(model)
-            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-            """,
-        ),
-        Example(
-            before="""
-            import torch
-            class Trainer:
-                def __init__(self, cfg):
-                    self.model = build_model(cfg)
-                    self.teacher = build_teacher(cfg).eval()
-                    self.optimizer = torch.optim.SGD(self.model.parameters(), lr=cfg.lr)
-            """,
-            after="""
-            import torch
-            import torchmigrate.runtime as tm
-            class Trainer:
-                def __init__(self, cfg):
-                    self.model = build_model(cfg)
-                    self.teacher = build_teacher(cfg).eval()
-                    self.model = tm.wrap_model(self.model)
-                    self.optimizer = torch.optim.SGD(self.model.parameters(), lr=cfg.lr)
-            """,
-        ),
-    )
-
-    def leave_Module(self, node: cst.Module) -> None:
-        p = self.plan()
-        if not p.active[self.code]:
-            return
-        tm = self.ctx.tm
-        for nw in p.new:
-            call = _wrap_call(tm, expr(nw.name), bool(nw.find_unused), nw.sync_bn)
-            statement = cst.SimpleStatementLine([cst.Assign([cst.AssignTarget(expr(nw.name))], call)])
-            edit = (insert_after if nw.after else insert_before)(nw.anchor, [statement])
-            extra = f" (find_unused_parameters=True: {nw.find_unused})" if nw.find_unused else ""
-            if nw.bound is not None:
-                self.report(nw.bound, f"`{nw.name}` is also bound in this branch, which does not build its "
-                                      f"optimizer: wrap it at the end of the branch too: `{nw.name} = "
-                                      f"{tm}.wrap_model({nw.name})`{extra}",
-                            edits=[edit], imports=[self.ctx.runtime_import()])
-                continue
-            if nw.dp is not None:
-                extra += "; replaces nn.DataParallel"
-            self.report(nw.opt.call, f"wrap `{nw.name}` in DistributedDataParallel before building its optimizer: "
-                                     f"`{nw.name} = {tm}.wrap_model({nw.name})`{extra}",
-                        edits=[edit], imports=[self.ctx.runtime_import()])
-        for n, message, statement in p.manual301:
-            self.report(n, message, statement=statement)
-        for w in p.wraps:
-            if w.kind == "ddp" and w.call is not None:
-                self._device_ids(w.call)
-            elif w.kind == "tm" and w.call is not None and self.ctx.resolve(w.call.func) in _DDP:
-                self._to_wrap_model(w.call)
-
-    def _to_wrap_model(self, call: cst.Call) -> None:
-        """A legacy script's own `DDP(model, device_ids=[args.local_rank], output_device=...)`
-        (see `legacy_launch`) becomes `tm.wrap_model(model, ...)`: it picks the device ids
-        itself (none on CPU ranks, where DDP refuses them) and returns the model unwrapped in a
-        one-process run. Other options (`find_unused_parameters=`, `broadcast_buffers=`) stay,
-        positional ones as keywords (only the first five positions are the same in every torch)."""
-        tm = self.ctx.tm
-        positional = [a for a in call.args if a.keyword is None]
-        if len(positional) > len(_DDP_POSITIONS) or any(a.star for a in call.args) \
-                or not positional and call_arg(call, "module") is None:
-            self.report(call, f"DDP built by hand for torch.distributed.launch: replace it with `{tm}.wrap_model("
-                              "model, ...)` (device ids from the local rank, none on CPU, no wrap in one process)")
-            return
-
-        def fix(c: cst.Call) -> cst.Call:
-            named = [a if a.keyword is not None else kwarg(_DDP_POSITIONS[i], a.value)
-                     for i, a in enumerate(c.args)]
-            module = next(a for a in named if a.keyword.value == "module")
-            kept = [a for a in named if a.keyword.value not in ("module", "device_ids", "output_device")]
-            module = module.with_changes(keyword=None, equal=cst.MaybeSentinel.DEFAULT)
-            return with_args(c.with_changes(func=expr(f"{tm}.wrap_model")), [module, *kept])
-
-        self.report(call, f"DDP with `device_ids` fails on CPU ranks and in a one-process run: `{tm}.wrap_model` "
-                          "picks the device itself (cuda:LOCAL_RANK, none on CPU) and wraps only under torchrun",
-                    edits=[replace(call, fix)], imports=[self.ctx.runtime_import()])
-
-    def _device_ids(self, call: cst.Call) -> None:
-        tm = self.ctx.tm
-        edits = []
-        dev = call_arg(call, "device_ids", 1)
-        if dev is not None and _hardcoded(dev.value, many=True):
-            edits.append(replace_with(dev.value, expr(f"[{tm}.local_rank()]")))
-        out = call_arg(call, "output_device", 2)
-        if out is not None and _hardcoded(out.value, many=False):
-            edits.append(replace_with(out.value, expr(f"{tm}.local_rank()")))
-        if edits:
-            self.report(call, "DDP with a hard-coded GPU puts every rank on the same device: use the local rank "
-                              f"(`device_ids=[{tm}.local_rank()]`)", edits=edits, imports=[self.ctx.runtime_import()])
-
-
-def _else_body(node: cst.If, extra: List[cst.BaseStatement]):
-    """The statements of an `if`'s `else:` branch (then `extra`), in place of the `if`."""
-    body = node.orelse.body
-    if isinstance(body, cst.SimpleStatementSuite):
-        stmts = [cst.SimpleStatementLine(list(body.body))]
-    else:
-        stmts = list(body.body)
-    stmts = stmts + list(extra)
-    first = stmts[0]
-    stmts[0] = first.with_changes(leading_lines=[*node.leading_lines, *getattr(first, "leading_lines", [])])
-    return cst.FlattenSentinel(stmts)
-
-
-def _hardcoded(node: cst.BaseExpression, many: bool) -> bool:
-    if many:
-        if isinstance(node, (cst.List, cst.Tuple)):
-            return len(node.elements) >= 1 and all(_hardcoded(e.value, False) for e in node.elements)
-        return False
-    if isinstance(node, cst.Integer):
-        return True
-    if isinstance(node, cst.SimpleString):
-        return bool(re.fullmatch(r"cuda(:\d+)?", node.evaluated_value))
-    if isinstance(node, cst.Call) and dotted(node.func) in ("torch.device", "device"):
-        return bool(node.args) and all(_hardcoded(a.value, False) for a in node.args)
-    return False
-
-
-class UnwrapAttr(_ModelRule):
-    """
-    ## What it does
-    After a model is wrapped (by TM301, `tm.wrap_model`, `DistributedDataParallel` or a former
-    `nn.DataParallel`), rewrites accesses that the wrapper does not forward:
-
-    - `model.module` → `tm.unwrap(model)` (also `model.module.x` → `tm.unwrap(model).x`);
-    - `model.state_dict()` / `model.load_state_dict(...)` → `tm.unwrap(model).state_dict()` /
-      `tm.unwrap(model).load_state_dict(...)`, so checkpoints have no `module.` prefix;
-    - custom attributes and methods (`model.encode(x)`, `model.config`, `model.fc`) →
-      `tm.unwrap(model).encode(x)`;
-    - the model itself where the wrapper must not go: copies (`copy.deepcopy(model)`, EMA),
-      whole-model checkpoints (`torch.save(model, f)`, a value of the saved dict, list or tuple,
-      also through `state = {"net": net}`) and `writer.add_graph(model, ...)` get
-      `tm.unwrap(model)` (for the wraps the migration makes).
-
-    The `nn.Module` API that DDP itself provides (`model(x)`, `parameters()`, `train()`,
-    `eval()`, `to()`, `zero_grad()`, `no_sync()`, ...) is left alone. Accesses are rewritten in
-    the scope after the wrap and in other functions and methods of the file that receive the
-    model (`tm.unwrap` is the identity on a module that is not wrapped, so this is safe wherever
-    the name holds a plain module). For scripts that build DDP themselves, `.module` stays as
-    it is (it is right there); `state_dict()` and `load_state_dict()` go through `tm.unwrap`
-    too, saving and loading alike (`model.state_dict()` of a DDP has `module.` keys that the
-    plain model cannot load). In `lint` such a script gets a report, without a fix, for
-    `torch.save(model.state_dict(), ...)` (also as a value of the saved dict) where `model` is
-    provably the DDP it built (wrapped unconditionally earlier in the same function); an alias
-    of the module (`model_without_ddp = model.module`) is already unwrapped.
-
-    ## Why is this bad?
-    `DistributedDataParallel` only forwards `nn.Module` attributes: `model.encode(x)` raises
-    `AttributeError: 'DistributedDataParallel' object has no attribute 'encode'`, and
-    `model.state_dict()` saves every key with a `module.` prefix. `model.module` on the other
-    hand fails in a single-process run, where `tm.wrap_model` returns the bare model.
-
-    ## Example
-    ```python
-    model = tm.wrap_model(model)
-    z = model.encode(x)
-    model.module.head.reset_parameters()
-    ```
-    becomes
-    ```python
-    model = tm.wrap_model(model)
-    z = tm.unwrap(model).encode(x)
-    tm.unwrap(model).head.reset_parameters()
-    ```
-    """
-
-    code = "TM302"
-    name = "unwrap-attr"
-    summary = "Access custom attributes, .module and state_dict of wrapped models through tm.unwrap"
-    safety = Safety.SAFE
-    examples = (
-        Example(
-            before="""
-            import torchmigrate.runtime as tm
-            model = tm.wrap_model(model)
-            z = model.encode(x)
-            model.module.head.reset_parameters()
-            torch.save(model.state_dict(), "model.pt")
-            """,
-            after="""
-            import torchmigrate.runtime as tm
-            model = tm.wrap_model(model)
-            z = tm.unwrap(model).encode(x)
-            tm.unwrap(model).head.reset_parameters()
-            torch.save(tm.unwrap(model).state_dict(), "model.pt")
-            """,
-        ),
-    )
-
-    def leave_Module(self, node: cst.Module) -> None:
-        p = self.plan()
-        if not p.active[self.code]:
-            return
-        _report_rewrites(self, p, "TM302")
-
-
-def _report_rewrites(rule: Rule, p: Plan, owner: str) -> None:
-    tm = rule.ctx.tm
-    seen: Set[cst.CSTNode] = set()
-    for r in p.rewrites:
-        if r.owner != owner:
-            continue
-        if not r.attr and r.use == "save":
-            message = (f"saving the wrapped model `{r.name}` whole pickles the DDP wrapper, which cannot be loaded "
-                       f"outside torchrun: save the module itself, `{tm}.unwrap({r.name})`")
-        elif not r.attr and r.use == "graph":
-            message = (f"add_graph traces the model with torch.jit, which fails on the DDP wrapper: trace the module "
-                       f"itself, `{tm}.unwrap({r.name})`")
-        elif not r.attr:
-            message = (f"copying a wrapped model copies the DDP wrapper: copy the module itself, "
-                       f"`{tm}.unwrap({r.name})`")
-        elif r.attr == "module":
-            message = f"`{r.name}.module` fails when the model is not wrapped: use `{tm}.unwrap({r.name})`"
-        elif r.manual:
-            rule.report(r.node, f"`{r.name}` is the DistributedDataParallel built here: `{r.name}.state_dict()` saves "
-                                f"every key with a `module.` prefix, which the plain model cannot load; save "
-                                f"`{r.name}.module.state_dict()` (or `{tm}.unwrap({r.name}).state_dict()`) and load "
-                                "into the module the same way")
-            continue
-        elif r.attr in _STATE:
-            message = (f"`{r.name}.{r.attr}` of a DDP model has `module.`-prefixed keys: "
-                       f"use `{tm}.unwrap({r.name}).{r.attr}`")
-        else:
-            message = (f"DDP does not forward custom attributes (`{r.name}.{r.attr}` raises AttributeError): "
-                       f"use `{tm}.unwrap({r.name}).{r.attr}`")
-        edits = [replace(r.node, _unwrap_fix(tm, r.attr))]
-        choice = _wrap_check(rule.ctx, r.node)
-        if choice is not None and choice not in seen:
-            # `m.module.state_dict() if type(m) is DDP else m.state_dict()`: both branches become
-            # `tm.unwrap(m).state_dict()`, so keep one
-            seen.add(choice)
-            edits.append(replace(choice, _same_branches))
-        rule.report(r.node, message, edits=edits, imports=[rule.ctx.runtime_import()])
-
-
-_PURE_TESTS = {"type", "isinstance", "hasattr", "getattr", "len"}
-
-
-def _wrap_check(ctx: Context, node: cst.CSTNode) -> Optional[cst.IfExp]:
-    """The `a if <check> else b` whose branch holds `node`, when the check has no side effects."""
-    child, parent = node, ctx.parent(node)
-    while parent is not None and not isinstance(parent, (cst.BaseStatement, cst.BaseSmallStatement, cst.Lambda)):
-        if isinstance(parent, cst.IfExp) and child is not parent.test:
-            calls = ctx.within(parent.test, cst.Call)
-            if all(isinstance(c.func, cst.Name) and c.func.value in _PURE_TESTS for c in calls):
-                return parent
-            return None
-        child, parent = parent, ctx.parent(parent)
-    return None
-
-
-def _same_branches(node: cst.CSTNode) -> cst.CSTNode:
-    if isinstance(node, cst.IfExp) and node.body.deep_equals(node.orelse):
-        return node.body.with_changes(lpar=node.lpar, rpar=node.rpar) if node.lpar else node.body
-    return node
-
-
-class UnusedParams(_ModelRule):
-    """
-    ## What it does
-    Reports models whose set of parameters that receive gradients changes between steps while
-    DDP does not expect it, and the opposite, needless `find_unused_parameters=True`:
-
-    - `forward()` calls a submodule with parameters only in some branches of an `if`
-      (`if cfg.aux: out = out + self.aux(x)`), or parameters are frozen
-      (`requires_grad = False`) after the model was wrapped, and the existing DDP wrap lacks
-      `find_unused_parameters=True`; the wraps TM301 adds pass it in these cases;
-    - `forward()` returns several outputs and every training call of the model throws some of
-      them away (`logits, _ = model(x)`, `model(x)[0]`): the submodules feeding only those (an
-      auxiliary or projection head, also when the model class lives in another module of the
-      program) get no gradient. The wrap TM301 adds passes `find_unused_parameters=True`; an
-      existing wrap without it is reported;
-    - parameters are unfrozen after the wrap (DDP never synchronises them);
-    - `find_unused_parameters=True` on a model whose `forward()` is straight-line code using every
-      submodule (`lint` only: a migration changes nothing in a script that is already
-      distributed unless it is broken).
-
-    ## Why is this bad?
-    A parameter that gets no gradient in a step makes DDP fail with "Expected to have finished
-    reduction in the prior iteration before starting a new one" (pytorch/pytorch#43259).
-    `find_unused_parameters=True` fixes that at the cost of an extra traversal of the autograd
-    graph every step, which is wasted when every parameter is always used (pytorch#50133);
-    `static_graph=True` is the cheaper option when the used set never changes.
-
-    ## Example
-    ```python
-    class Net(nn.Module):
-        def forward(self, x):
-            out = self.body(x)
-            if self.use_aux:
-                out = out + self.aux(x)   # self.aux unused when use_aux is False
-            return out
-    model = DDP(model, device_ids=[local_rank])
-    ```
-    """
-
-    code = "TM303"
-    name = "unused-params"
-    summary = "Report conditional parameter use under DDP and needless find_unused_parameters=True"
-    safety = Safety.MANUAL
-    examples = (
-        Example(
-            before="""
-            import random
-            import torch.nn as nn
-            from torch.nn.parallel import DistributedDataParallel as DDP
-            class Net(nn.Module):
-                def __init__(self):
-                    super().__init__()
-                    self.body = nn.Linear(4, 4)
-                    self.aux = nn.Linear(4, 4)
-                def forward(self, x):
-                    out = self.body(x)
-                    if random.random() < 0.5:
-                        out = out + self.aux(x)
-                    return out
-            model = DDP(Net())
-            """,
-            after="""
-            import random
-            import torch.nn as nn
-            from torch.nn.parallel import DistributedDataParallel as DDP
-            class Net(nn.Module):
-                def __init__(self):
-                    super().__init__()
-                    self.body = nn.Linear(4, 4)
-                    self.aux = nn.Linear(4, 4)
-                def forward(self, x):
-                    out = self.body(x)
-                    if random.random() < 0.5:
-                        out = out + self.aux(x)
-                    return out
-            # TODO(torchmigrate): TM303 Net.forward() uses self.aux only in some branches: DDP then fails with "Expected to have finished reduction in the prior iteration"; pass find_unused_parameters=True to the wrap (or make every parameter take part in each step)
-            model = DDP(Net())
-            """,
-        ),
-    )
-
-    def leave_Module(self, node: cst.Module) -> None:
-        if self.plan().active[self.code]:
-            self.notes(self.code)
-
-
-class SyncBN(_ModelRule):
-    """
-    ## What it does
-    For a wrapped model that contains BatchNorm layers (a model class of the file that uses
-    `nn.BatchNorm*d`, directly or through its building blocks, or a torchvision ResNet-style
-    model), `torchmigrate ddp --sync-bn` makes the wrap `tm.wrap_model(model, sync_bn=True)`,
-    which converts the layers to `nn.SyncBatchNorm` before DDP (on CUDA; a no-op on CPU).
-    Without `--sync-bn` the migration reports the models it wraps. `lint` reports
-    user-written `DistributedDataParallel(model)` with an unsafe fix that inserts
-    `model = nn.SyncBatchNorm.convert_sync_batchnorm(model)` before it (`--unsafe-fixes`); a
-    DDP the user wrote is otherwise left alone by `ddp`, and `tm.wrap_model` by `lint`.
-
-    ## Why is this bad?
-    Under DDP each rank normalises over its own per-rank batch. With small per-rank batches
-    (detection, segmentation) the statistics get noisy and accuracy drops; SyncBatchNorm
-    computes them over the global batch, at the cost of a collective per BatchNorm layer. The
-    conversion must happen before DDP wraps the model (NVIDIA/apex#109).
-
-    ## Example
-    ```python
-    model = ResNetLike().to(device)       # uses nn.BatchNorm2d
-    model = tm.wrap_model(model)
-    ```
-    becomes, with `--sync-bn`,
-    ```python
-    model = ResNetLike().to(device)
-    model = tm.wrap_model(model, sync_bn=True)
-    ```
-    """
-
-    code = "TM304"
-    name = "sync-bn"
-    summary = "Convert BatchNorm to SyncBatchNorm when wrapping (opt-in: --sync-bn)"
-    safety = Safety.UNSAFE
-    examples = (
-        Example(
-            before="""
-            import torch.nn as nn
-            import torch.distributed as dist
-            from torch.nn.parallel import DistributedDataParallel as DDP
-            dist.init_process_group("nccl")
-            model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8)).cuda()
-            model = DDP(model, device_ids=[local_rank])
-            """,
-            mode="lint",  # reported with an unsafe fix (applied with --unsafe-fixes)
-        ),
-    )
-
-    def leave_Module(self, node: cst.Module) -> None:
-        p = self.plan()
-        if not p.active[self.code]:
-            return
-        safety = Safety.SAFE if self.ctx.options.mode == "ddp" else Safety.UNSAFE
-        for nw in [*p.new, *p.dp_sites]:
-            if getattr(nw, "sync_bn", False) and getattr(nw, "bound", None) is None:
-                name = nw.name if isinstance(nw, NewWrap) else nw.wrap.name
-                anchor = nw.anchor if isinstance(nw, NewWrap) else (nw.target or nw.outer)
-                if isinstance(nw, DPSite) and nw.action == "remove":
-                    continue
-                node_ = nw.opt.call if isinstance(nw, NewWrap) else nw.outer
-                # The keyword itself is part of the one wrap statement TM301/TM306 write.
-                self.report(node_, f"`{name}` contains BatchNorm layers: convert them to SyncBatchNorm when wrapping "
-                                   "(`sync_bn=True`)", edits=[replace(anchor, lambda n: n)], safety=safety)
-        for call, message, edits in p.sync_bn_fixes:
-            self.report(call, message, edits=edits, safety=safety)
-        self.notes(self.code)
-
-
-class LrWorldSize(_ModelRule):
-    """
-    ## What it does
-    Reports, once per optimizer, that the learning rate is not scaled with the number of
-    processes, unless the learning rate or the DataLoader batch size already involves the world
-    size (`lr * world_size`, `batch_size // dist.get_world_size()`). `ddp` reports the
-    optimizers of the models it wraps (a TODO comment); `lint` those of user-written DDP models.
-
-    ## Why is this bad?
-    Every rank now loads `batch_size` samples and DDP averages the gradients, so N ranks train
-    with a global batch of N × `batch_size` at the old learning rate. Whether to scale the
-    learning rate (linear scaling rule) or to shrink the per-rank batch is a modelling choice
-    (Lightning-AI/pytorch-lightning#3706, facebookresearch/detectron2#934); the tool does not
-    make it silently.
-
-    ## Example
-    ```python
-    model = tm.wrap_model(model)
-    optimizer = SGD(model.parameters(), lr=args.lr)   # global batch is now N x larger
-    ```
-    """
-
-    code = "TM305"
-    name = "lr-world-size"
-    summary = "Report learning rates not scaled for the larger global batch"
-    safety = Safety.MANUAL
-    examples = (
-        Example(
-            before="""
-            import torch
-            import torch.distributed as dist
-            from torch.nn.parallel import DistributedDataParallel as DDP
-            dist.init_process_group("nccl")
-            model = DDP(Net().cuda(), device_ids=[local_rank])
-            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-            """,
-            mode="lint",  # reported (in `ddp`, for the models the migration wraps: a TODO comment)
-        ),
-        Example(
-            before="""
-            import torch
-            import torch.distributed as dist
-            from torch.nn.parallel import DistributedDataParallel as DDP
-            dist.init_process_group("nccl")
-            model = DDP(Net().cuda(), device_ids=[local_rank])
-            optimizer = torch.optim.SGD(model.parameters(), lr=0.1 * dist.get_world_size())
-            """,
-            mode="lint",  # not reported: the learning rate already scales with the world size
-        ),
-    )
-
-    def leave_Module(self, node: cst.Module) -> None:
-        if self.plan().active[self.code]:
-            self.notes(self.code)
-
-
-class DataParallelToDDP(_ModelRule):
-    """
-    ## What it does
-    Replaces `nn.DataParallel` by the DDP wrap. When TM301 wraps the same model before its
-    optimizer, `model = nn.DataParallel(model, device_ids=...)` is removed (with its
-    `if torch.cuda.device_count() > 1:` guard when that is all the `if` holds); otherwise it
-    becomes `tm.wrap_model(model)` in place (after the guard, never inside it). `model.module` becomes
-    `tm.unwrap(model)`. Reports that the batch size changes meaning. In `lint` it fires on any
-    file; `torchmigrate amp` keeps DataParallel (TM405 moves autocast into `forward`).
-
-    ## Why is this bad?
-    DataParallel is single-process multi-threaded replication: slower than DDP even on one
-    node, and the PyTorch docs recommend DDP instead. DataParallel split each batch across the
-    GPUs, while under DDP every rank loads a full `batch_size`, so the global batch becomes
-    world_size × larger (use `batch_size // tm.world_size()` to keep it).
-
-    ## Example
-    ```python
-    model = Net()
-    if torch.cuda.device_count() > 1:
-        model = nn.DataParallel(model)
-    model.to(device)
-    ```
-    becomes
-    ```python
-    model = Net()
-    model = tm.wrap_model(model)
-    model.to(device)
-    ```
-    """
-
-    code = "TM306"
-    name = "dataparallel"
-    summary = "Replace nn.DataParallel with the DDP wrap (tm.wrap_model / tm.unwrap)"
-    safety = Safety.SAFE
-    examples = (
-        Example(
-            before="""
-            import torch
-            import torch.nn as nn
-            model = Net()
-            if torch.cuda.device_count() > 1:
-                model = nn.DataParallel(model, device_ids=[0, 1])
-            model.to(device)
-            torch.save(model.module.state_dict(), "model.pt")
-            """,
-            after="""
-            import torch
-            import torch.nn as nn
-            import torchmigrate.runtime as tm
-            model = Net()
-            # TODO(torchmigrate): TM306 DataParallel split each batch across the GPUs; under DDP each rank loads a full batch, so the global batch is tm.world_size() times larger: use `batch_size // tm.world_size()` per rank to keep it (or scale the learning rate)
-            model = tm.wrap_model(model)
-            model.to(device)
-            torch.save(tm.unwrap(model).state_dict(), "model.pt")
-            """,
-        ),
-    )
-
-    def leave_Module(self, node: cst.Module) -> None:
-        p = self.plan()
-        if not p.active[self.code]:
-            return
-        tm = self.ctx.tm
-        note = (f"DataParallel split each batch across the GPUs; under DDP each rank loads a full batch, so the "
-                f"global batch is {tm}.world_size() times larger: use `batch_size // {tm}.world_size()` per rank to "
-                f"keep it (or scale the learning rate)")
-        # one batch-size note per function, not one per DataParallel: at the first site's statement
-        noted: Dict[cst.CSTNode, DPSite] = {}
-        for site in p.dp_sites:
-            if site.action != "keep":
-                scope = p.fscope(site.wrap.call)
-                first = noted.get(scope)
-                if first is None or p.idx(site.note_stmt) < p.idx(first.note_stmt):
-                    noted[scope] = site
-        ensured: Set[Tuple[cst.CSTNode, str]] = set()
-        for site in p.dp_sites:
-            if site.action == "keep":
-                continue
-            edits = []
-            w = site.wrap
-            if site.action == "manual":
-                chosen = noted.get(p.fscope(w.call)) is site
-                self.report(w.call, f"{site.reason}; {note}" if chosen else site.reason, statement=site.note_stmt)
-                continue
-            if site.action == "alias":
-                edits.append(replace(w.call, lambda n: _wrapped_arg(n, p.dp_position(n)).value.with_changes(
-                    lpar=n.lpar, rpar=n.rpar) if isinstance(n, cst.Call) and _wrapped_arg(n, p.dp_position(n)) is not None
-                    else n))
-                message = (f"remove nn.DataParallel: `{w.name}` is wrapped in DDP before its optimizer (TM301), "
-                           f"after the weights of `{w.arg}` are loaded or initialised (DDP copies rank 0's weights "
-                           "to every rank when it is built)")
-            elif site.action == "remove" or (site.action == "collapse" and not site.wrap_after):
-                edits.append(remove(site.target) if site.action == "remove" else
-                             replace(site.target, lambda n: _else_body(n, [])))
-                message = (f"remove nn.DataParallel: `{w.name.split('.')[0]}` is wrapped in DDP before its "
-                           "optimizer (TM301)")
-            else:
-                fu, sb = bool(site.find_unused), site.sync_bn
-
-                def build(node, fu=fu, sb=sb):
-                    inner = _strip(node) if isinstance(node, cst.Call) else node
-                    a = _wrapped_arg(inner, p.dp_position(inner)) if isinstance(inner, cst.Call) else None
-                    module = a.value if a is not None else inner
-                    return _wrap_call(tm, module, fu, sb)
-
-                if site.action == "inplace":
-                    outer = site.outer
-                    edits.append(replace(outer, lambda n, build=build: build(n).with_changes(lpar=n.lpar, rpar=n.rpar)
-                                         if isinstance(n, cst.Call) else build(n)))
-                else:
-                    argx = _wrapped_arg(w.call, p.dp_position(w.call))
-                    new = cst.SimpleStatementLine([cst.Assign([cst.AssignTarget(expr(w.name))],
-                                                              _wrap_call(tm, argx.value, fu, sb))])
-                    if site.action == "collapse":
-                        edits.append(replace(site.target, lambda n, new=new: _else_body(n, [new])))
-                    elif site.action == "replace-if":
-                        edits.append(replace(site.target, lambda n, new=new: new.with_changes(
-                            leading_lines=n.leading_lines)))
-                    else:  # move: drop the DataParallel line, wrap after the `if`
-                        edits.append(remove(site.small))
-                        edits.append(insert_after(site.target, [new]))
-                if site.ensure_after is not None:
-                    key = (site.ensure_after, w.name)
-                    if key not in ensured:
-                        ensured.add(key)
-                        edits.append(insert_after(site.ensure_after, [cst.parse_statement(
-                            f"{w.name} = {tm}.wrap_model({w.name})")]))
-                    extra = (f" (it was in one branch: `{w.name}` is also wrapped after the `if`, so every branch "
-                             "trains in DDP)")
-                elif site.conditional:
-                    extra = " (the DataParallel was conditional: check the wrap runs on every rank)"
-                else:
-                    extra = ""
-                message = f"replace nn.DataParallel with `{tm}.wrap_model(...)`{extra}"
-            self.report(w.call, message, edits=edits, imports=[self.ctx.runtime_import()])
-            if noted.get(p.fscope(w.call)) is site:
-                self.report(w.call, note, statement=site.note_stmt)
-        for call in p.dp_functional:
-            self.report(call, "nn.parallel.data_parallel() replicates the module on every call: wrap the model once "
-                              f"with `{tm}.wrap_model(model)` and call it directly")
-        _report_rewrites(self, p, "TM306")

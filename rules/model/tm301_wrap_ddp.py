@@ -1,0 +1,196 @@
+"""TM301: wrap each trained model in DDP (`tm.wrap_model`) before its optimizer is built."""
+
+from __future__ import annotations
+
+import re
+
+import libcst as cst
+
+from torchmigrate.finding import Safety, insert_after, insert_before, replace, replace_with
+from torchmigrate.imports import dotted
+from torchmigrate.nodes import arg as call_arg
+from torchmigrate.nodes import expr, kwarg, with_args
+from torchmigrate.program.models import DDP_CLASSES
+from torchmigrate.rule import Example
+from torchmigrate.rules.model.base import ModelRule, wrap_call
+
+
+# DistributedDataParallel's leading parameters, the same in every torch since 1.x.
+_DDP_POSITIONS = ("module", "device_ids", "output_device", "dim", "broadcast_buffers")
+
+
+class WrapDDP(ModelRule):
+    """
+    ## What it does
+    Wraps every trained model in DistributedDataParallel: inserts `model = tm.wrap_model(model)`
+    right before the statement that creates the model's optimizer (`self.model = ...` in trainer
+    classes, one wrap per model for GANs). Only models whose parameters an optimizer trains are
+    wrapped; a frozen teacher or an EMA copy is never passed to an optimizer and stays as it is.
+    When a same-file helper builds the optimizer from a model it receives
+    (`optimizer = build_optimizer(model, cfg)`), the wrap goes before that call.
+
+    `tm.wrap_model` moves the model to the rank's device and wraps it in DDP when the script runs
+    under torchrun; in a plain `python train.py` run it returns the model unchanged. Models that
+    are already wrapped (`DistributedDataParallel`, `tm.wrap_model`, FSDP, Accelerate, DeepSpeed),
+    also by a function of the file the model is passed to, are left alone. A script that creates
+    its own process group but wraps no model (it averages gradients itself, or not at all) gets
+    a report instead of a wrap. Optimizer classes of other libraries (`BertAdam`, `Lion`) count
+    when they receive a model's parameters. When parameters are frozen after the wrap or `forward()` uses a submodule only
+    in some branches, the wrap passes `find_unused_parameters=True` (see TM303).
+
+    In a legacy `torch.distributed.launch` script that `ddp` moves onto the runtime (see
+    TM101), the script's own `DDP(model, device_ids=[args.local_rank], output_device=...)`
+    becomes `tm.wrap_model(model, ...)`, keeping its other options (`find_unused_parameters=`,
+    `broadcast_buffers=`): device ids fail on CPU ranks, and an unconditional DDP fails in a
+    one-process run.
+
+    In `lint`, for files that already use torch.distributed: reports trained models that are
+    never wrapped, and DDP built with a hard-coded `device_ids=[0]` (every rank on GPU 0),
+    replaced by `[tm.local_rank()]`.
+
+    ## Why is this bad?
+    Without DDP every rank trains its own copy on its own shard and the copies drift apart: no
+    gradient is averaged. Wrapping after the optimizer's model is final (moved, loaded) and before
+    the first forward is what the DDP documentation requires.
+
+    ## Example
+    ```python
+    model = Net().to(device)
+    optimizer = torch.optim.AdamW(model.parameters())
+    ```
+    becomes
+    ```python
+    model = Net().to(device)
+    model = tm.wrap_model(model)
+    optimizer = torch.optim.AdamW(model.parameters())
+    ```
+
+    ## Limitations
+    A model created at module level whose optimizer is built inside a function, an optimizer
+    whose model cannot be traced, a module that builds its own optimizer from `self.parameters()`,
+    and a training script with no optimizer at all (parameters updated by hand) are reported for a
+    manual wrap.
+    """
+
+    code = "TM301"
+    name = "wrap-ddp"
+    summary = "Wrap each trained model in DDP (tm.wrap_model) before its optimizer is built"
+    safety = Safety.SAFE
+    examples = (
+        Example(
+            before="""
+            import torch
+            model = Net().to(device)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            """,
+            after="""
+            import torch
+            import torchmigrate.runtime as tm
+            model = Net().to(device)
+            model = tm.wrap_model(model)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            """,
+        ),
+        Example(
+            before="""
+            import torch
+            class Trainer:
+                def __init__(self, cfg):
+                    self.model = build_model(cfg)
+                    self.teacher = build_teacher(cfg).eval()
+                    self.optimizer = torch.optim.SGD(self.model.parameters(), lr=cfg.lr)
+            """,
+            after="""
+            import torch
+            import torchmigrate.runtime as tm
+            class Trainer:
+                def __init__(self, cfg):
+                    self.model = build_model(cfg)
+                    self.teacher = build_teacher(cfg).eval()
+                    self.model = tm.wrap_model(self.model)
+                    self.optimizer = torch.optim.SGD(self.model.parameters(), lr=cfg.lr)
+            """,
+        ),
+    )
+
+    def leave_Module(self, node: cst.Module) -> None:
+        p = self.plan()
+        if not p.active[self.code]:
+            return
+        tm = self.ctx.tm
+        for nw in p.new:
+            call = wrap_call(tm, expr(nw.name), bool(nw.find_unused), nw.sync_bn)
+            statement = cst.SimpleStatementLine([cst.Assign([cst.AssignTarget(expr(nw.name))], call)])
+            edit = (insert_after if nw.after else insert_before)(nw.anchor, [statement])
+            extra = f" (find_unused_parameters=True: {nw.find_unused})" if nw.find_unused else ""
+            if nw.bound is not None:
+                self.report(nw.bound, f"`{nw.name}` is also bound in this branch, which does not build its "
+                                      f"optimizer: wrap it at the end of the branch too: `{nw.name} = "
+                                      f"{tm}.wrap_model({nw.name})`{extra}",
+                            edits=[edit], imports=[self.ctx.runtime_import()])
+                continue
+            if nw.dp is not None:
+                extra += "; replaces nn.DataParallel"
+            self.report(nw.opt.call, f"wrap `{nw.name}` in DistributedDataParallel before building its optimizer: "
+                                     f"`{nw.name} = {tm}.wrap_model({nw.name})`{extra}",
+                        edits=[edit], imports=[self.ctx.runtime_import()])
+        for n, message, statement in p.manual301:
+            self.report(n, message, statement=statement)
+        for w in p.wraps:
+            if w.kind == "ddp" and w.call is not None:
+                self._device_ids(w.call)
+            elif w.kind == "tm" and w.call is not None and self.ctx.resolve(w.call.func) in DDP_CLASSES:
+                self._to_wrap_model(w.call)
+
+    def _to_wrap_model(self, call: cst.Call) -> None:
+        """A legacy script's own `DDP(model, device_ids=[args.local_rank], output_device=...)`
+        (see `legacy_launch`) becomes `tm.wrap_model(model, ...)`: it picks the device ids
+        itself (none on CPU ranks, where DDP refuses them) and returns the model unwrapped in a
+        one-process run. Other options (`find_unused_parameters=`, `broadcast_buffers=`) stay,
+        positional ones as keywords (only the first five positions are the same in every torch)."""
+        tm = self.ctx.tm
+        positional = [a for a in call.args if a.keyword is None]
+        if len(positional) > len(_DDP_POSITIONS) or any(a.star for a in call.args) \
+                or not positional and call_arg(call, "module") is None:
+            self.report(call, f"DDP built by hand for torch.distributed.launch: replace it with `{tm}.wrap_model("
+                              "model, ...)` (device ids from the local rank, none on CPU, no wrap in one process)")
+            return
+
+        def fix(c: cst.Call) -> cst.Call:
+            named = [a if a.keyword is not None else kwarg(_DDP_POSITIONS[i], a.value)
+                     for i, a in enumerate(c.args)]
+            module = next(a for a in named if a.keyword.value == "module")
+            kept = [a for a in named if a.keyword.value not in ("module", "device_ids", "output_device")]
+            module = module.with_changes(keyword=None, equal=cst.MaybeSentinel.DEFAULT)
+            return with_args(c.with_changes(func=expr(f"{tm}.wrap_model")), [module, *kept])
+
+        self.report(call, f"DDP with `device_ids` fails on CPU ranks and in a one-process run: `{tm}.wrap_model` "
+                          "picks the device itself (cuda:LOCAL_RANK, none on CPU) and wraps only under torchrun",
+                    edits=[replace(call, fix)], imports=[self.ctx.runtime_import()])
+
+    def _device_ids(self, call: cst.Call) -> None:
+        tm = self.ctx.tm
+        edits = []
+        dev = call_arg(call, "device_ids", 1)
+        if dev is not None and _hardcoded(dev.value, many=True):
+            edits.append(replace_with(dev.value, expr(f"[{tm}.local_rank()]")))
+        out = call_arg(call, "output_device", 2)
+        if out is not None and _hardcoded(out.value, many=False):
+            edits.append(replace_with(out.value, expr(f"{tm}.local_rank()")))
+        if edits:
+            self.report(call, "DDP with a hard-coded GPU puts every rank on the same device: use the local rank "
+                              f"(`device_ids=[{tm}.local_rank()]`)", edits=edits, imports=[self.ctx.runtime_import()])
+
+
+def _hardcoded(node: cst.BaseExpression, many: bool) -> bool:
+    if many:
+        if isinstance(node, (cst.List, cst.Tuple)):
+            return len(node.elements) >= 1 and all(_hardcoded(e.value, False) for e in node.elements)
+        return False
+    if isinstance(node, cst.Integer):
+        return True
+    if isinstance(node, cst.SimpleString):
+        return bool(re.fullmatch(r"cuda(:\d+)?", node.evaluated_value))
+    if isinstance(node, cst.Call) and dotted(node.func) in ("torch.device", "device"):
+        return bool(node.args) and all(_hardcoded(a.value, False) for a in node.args)
+    return False
