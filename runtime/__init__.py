@@ -460,6 +460,53 @@ def _has_graph(value, depth: int = 0) -> bool:
     return False
 
 
+def synced(model):
+    """``model``, whose methods run through DistributedDataParallel's ``forward``:
+    ``tm.synced(model).bpr_loss(users, pos, neg)`` computes a loss with a method other than
+    ``forward`` and still has its gradients averaged across ranks (reached any other way, such
+    a method runs outside DDP, which then averages nothing: every rank trains its own copy).
+    The method runs as the wrapped module's ``forward`` for that one call, with DDP's hooks
+    around it; calls it makes to ``self(...)``/``self.forward`` reach the real ``forward``.
+    Like any DDP forward it must run on every rank and its parameters must all get gradients
+    (else wrap with ``find_unused_parameters=True``). Not distributed (not a DDP): the module
+    itself, so the call is the plain method call."""
+    if isinstance(model, DistributedDataParallel):
+        return _Synced(model)
+    return unwrap(model)
+
+
+class _Synced:
+    """See ``synced``."""
+
+    def __init__(self, ddp: DistributedDataParallel) -> None:
+        self._ddp = ddp
+
+    def __getattr__(self, name):
+        module = self._ddp.module
+        method = getattr(module, name)
+        if not callable(method) or getattr(method, "__self__", None) is not module:
+            return method
+
+        def call(*args, **kwargs):
+            def once(*a, **k):  # the method in place of forward, for this one call only
+                _restore()
+                return method(*a, **k)
+
+            def _restore():
+                if module.__dict__.get("forward") is once:
+                    del module.__dict__["forward"]
+
+            module.__dict__["forward"] = once
+            try:
+                return self._ddp(*args, **kwargs)
+            finally:
+                _restore()
+
+        call.__name__ = name
+        call.__doc__ = method.__doc__
+        return call
+
+
 def unwrap(model):
     """The user's own module under any DDP, ``nn.DataParallel`` and ``torch.compile`` wrappers
     (``_orig_mod``), nested in any order. Same in every mode; non-modules are returned as is."""

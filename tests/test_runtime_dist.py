@@ -138,6 +138,14 @@ def test_share_params_and_sync_grads_do_what_ddp_does(collectives):
     assert r0["synced_grad"] == r1["synced_grad"] == pytest.approx(mean)
 
 
+def test_synced_runs_a_loss_method_through_ddp_so_its_gradients_are_averaged(collectives):
+    r0, r1 = collectives["r"]
+    assert r0["method_grad"] != r1["method_grad"]  # through tm.unwrap: each rank its own
+    mean = [(a + b) / 2 for a, b in zip(r0["method_grad"], r1["method_grad"])]
+    assert r0["synced_method_grad"] == r1["synced_method_grad"] == pytest.approx(mean)
+    assert r0["forward_after_synced"] and r1["forward_after_synced"]
+
+
 def test_shard_stream_and_any_rank(collectives):
     r0, r1 = collectives["r"]
     assert (r0["stream"], r1["stream"]) == ([0, 1, 2, 3, 4], [5, 6, 7, 8, 9])

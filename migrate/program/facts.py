@@ -222,9 +222,11 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
     for s in scopes:
         for call in s.calls:
             target = _callee(s.module, modules, call)
-            if target is None or target[0] == s.module.path or (target[0], target[1]) not in optimizer_params:
+            builder = target and (target[0], target[1][:-len(".__init__")] if target[1].endswith(".__init__")
+                                  else target[1])
+            if target is None or target[0] == s.module.path or builder not in optimizer_params:
                 continue
-            param = optimizer_params[(target[0], target[1])][1]
+            param = optimizer_params[builder][1]
             for bound, value in _bind(modules[target[0]].functions[target[1]], call, target[2]):
                 name = dotted_name(_strip_moves(value)) if bound == param else None
                 if name and not name.startswith("self."):
@@ -509,15 +511,19 @@ def _iterator_builders(modules: Dict[Path, _Module]) -> Dict[Tuple[Path, str], i
 
 def _optimizer_params(modules: Dict[Path, _Module]) -> Dict[Tuple[Path, str], Tuple[int, str]]:
     """Module-level functions that build an optimizer over a model they receive and do not wrap
-    it themselves (`def train(config, model, train_iter): optimizer = Adam(model.parameters())`):
-    (position, name) of that parameter. A caller in another module passes the model, so that is
-    where the DDP wrap belongs (its own module's rules see only a parameter)."""
+    it themselves (`def train(config, model, train_iter): optimizer = Adam(model.parameters())`),
+    and classes whose `__init__` does (`class Trainer: def __init__(self, model, loader): self.opt
+    = SGD(model.parameters())`, keyed by the class): (position, name) of that parameter among the
+    call's arguments. A caller in another module passes the model, so that is where the DDP wrap
+    belongs (its own module's rules see only a parameter)."""
     found: Dict[Tuple[Path, str], Tuple[int, str]] = {}
     for p, m in modules.items():
         for name, func in m.functions.items():
-            if "." in name:
+            if "." in name and not name.endswith(".__init__"):
                 continue
             params = [a.arg for a in (*func.args.posonlyargs, *func.args.args)]  # type: ignore[attr-defined]
+            if "." in name:
+                name, params = name.split(".")[0], params[1:]  # `Trainer(model, ...)`: `self` is not passed
             calls = [n for n in ast.walk(func) if isinstance(n, ast.Call)]
             wrapped = {dotted_name(_strip_moves(c.args[0])) for c in calls if c.args and
                        (dotted_name(c.func) or "").rsplit(".", 1)[-1] in WRAPPERS}

@@ -62,6 +62,15 @@ def _unwrap_fix(tm: str, attr: str):
     return fix
 
 
+def _synced_fix(tm: str):
+    def fix(node: cst.Attribute) -> cst.Attribute:
+        if isinstance(node.value, cst.Call) and dotted(node.value.func) == f"{tm}.synced":
+            return node
+        return node.with_changes(value=cst.Call(func=expr(f"{tm}.synced"),
+                                                args=[cst.Arg(node.value.with_changes(lpar=[], rpar=[]))]))
+    return fix
+
+
 def report_rewrites(rule: Rule, p: Plan, owner: str) -> None:
     """The plan's `tm.unwrap` rewrites owned by `owner`: TM302's, or TM306's for the names it
     unwraps when TM302 does not run (so no `.module` is left on a converted DataParallel)."""
@@ -86,6 +95,12 @@ def report_rewrites(rule: Rule, p: Plan, owner: str) -> None:
                                 f"every key with a `module.` prefix, which the plain model cannot load; save "
                                 f"`{r.name}.module.state_dict()` (or `{tm}.unwrap({r.name}).state_dict()`) and load "
                                 "into the module the same way")
+            continue
+        elif r.synced:
+            rule.report(r.node, f"`{r.name}.{r.attr}(...)` computes the training loss outside DDP's forward, so its "
+                                f"gradients would not be averaged across ranks: run it through DDP's forward with "
+                                f"`{tm}.synced({r.name}).{r.attr}(...)`",
+                        edits=[replace(r.node, _synced_fix(tm))], imports=[rule.ctx.runtime_import()])
             continue
         elif r.attr in STATE_METHODS:
             message = (f"`{r.name}.{r.attr}` of a DDP model has `module.`-prefixed keys: "

@@ -39,6 +39,8 @@ from torchmigrate.imports import dotted
 from torchmigrate.nodes import arg as call_arg
 from torchmigrate.nodes import code, expr, set_kwarg, stmt
 from torchmigrate.program.models import assign_targets, functional_model, mentions, model_facts, strip_moves
+from torchmigrate.program.syntax import block_of
+from torchmigrate.program.training import training_facts
 from torchmigrate.rule import Context
 from torchmigrate.rules.launch import creates_own_group, legacy_launch
 
@@ -164,6 +166,7 @@ class AttrRewrite:
     dp: bool = False
     use: str = ""  # for the model itself (`attr` ""): "save" or "graph" (else a copy)
     manual: bool = False  # reported only (lint: a checkpoint of the script's own DDP)
+    synced: bool = False  # a method computing the training loss: `tm.synced(model).loss(...)`
 
 
 # --- the plan ------------------------------------------------------------------------------
@@ -1286,7 +1289,8 @@ class Plan:
             is_dp = any(id(w) in dp_wraps or w.kind.endswith("-dp") for w in seen_by)
             if owner302:
                 manual = self.ctx.options.mode == "lint" and attr in STATE_METHODS and not any(w.full for w in seen_by)
-                self.rewrites.append(AttrRewrite(node, name, attr, "TM302", is_dp, manual=manual))
+                synced = not is_dp and self._computes_loss(node)
+                self.rewrites.append(AttrRewrite(node, name, attr, "TM302", is_dp, manual=manual, synced=synced))
             elif is_dp:  # TM306 alone must not leave `.module` behind on the model it unwrapped
                 self.rewrites.append(AttrRewrite(node, name, attr, "TM306", True))
         if not owner302:
@@ -1305,6 +1309,49 @@ class Plan:
             if any(self.applies(w, call, statement) for w in by_name[name]):
                 self.rewrites.append(AttrRewrite(a.value, name, "", "TM302"))
         self._whole_model_uses(by_name)
+
+    def _computes_loss(self, node: cst.Attribute) -> bool:
+        """`node` is the first method of the wrapped model called in a training step, between the
+        forward and the loss that `backward()` takes (`loss = model.bpr_loss(u, i, j)`, `z =
+        vae.encode(x)`), and the step never calls the model itself: through `tm.unwrap` it would
+        run outside DDP's forward and no gradient would be averaged, so it goes through
+        `tm.synced`. One DDP forward per step is enough: it arms DDP for that backward, which
+        then averages every parameter's gradient, however it was computed."""
+        call = self.ctx.parent(node)
+        if not (isinstance(call, cst.Call) and call.func is node) or node.attr.value in STATE_METHODS:
+            return False
+        chain = self._loss_chains().get(self.ctx.statement_of(node))
+        if chain is None:
+            return False
+        name = dotted(node.value)
+        for statement in chain:
+            for c in self.ctx.within(statement, cst.Call):
+                func = c.func
+                if dotted(func) == name:
+                    return False  # `model(x)` runs DDP's forward already
+                if isinstance(func, cst.Attribute) and dotted(func.value) == name \
+                        and func.attr.value not in STATE_METHODS:
+                    return func is node
+        return False
+
+    def _loss_chains(self) -> Dict[cst.CSTNode, List[cst.CSTNode]]:
+        """Each statement of a training step's forward-to-loss chain -> the chain (the
+        statements from the forward to the loss `backward()` takes, or the backward's own
+        statement when it computes the loss inline)."""
+        key = ("loss-chains",)
+        if key not in self._memo:
+            training, found = training_facts(self.ctx), {}
+            for site in training.sites:
+                last, _ = training.loss_definition(site)
+                chain = [site.statement]
+                if last is not None:
+                    _, body = block_of(self.ctx, last)
+                    body = list(body)
+                    chain = body[body.index(training.forward_start(last)): body.index(last) + 1] + chain
+                for statement in chain:
+                    found.setdefault(statement, chain)
+            self._memo[key] = found
+        return self._memo[key]  # type: ignore[return-value]
 
     def _checked_first(self, node: cst.Attribute, name: str) -> bool:
         """`model.module if is_parallel(model) else model` (yolov5's de_parallel), `if

@@ -19,7 +19,11 @@ class UnwrapAttr(ModelRule):
     - `model.state_dict()` / `model.load_state_dict(...)` → `tm.unwrap(model).state_dict()` /
       `tm.unwrap(model).load_state_dict(...)`, so checkpoints have no `module.` prefix;
     - custom attributes and methods (`model.encode(x)`, `model.config`, `model.fc`) →
-      `tm.unwrap(model).encode(x)`;
+      `tm.unwrap(model).encode(x)`; but the first method a training step calls between its
+      forward and the loss it backpropagates, in a step that never calls `model(...)` itself
+      (`loss = model.bpr_loss(u, i, j)`), → `tm.synced(model).bpr_loss(u, i, j)`: it runs as
+      the forward of the DDP wrapper, which then averages the step's gradients (through
+      `tm.unwrap` they would silently stay per rank);
     - the model itself where the wrapper must not go: copies (`copy.deepcopy(model)`, EMA),
       whole-model checkpoints (`torch.save(model, f)`, a value of the saved dict, list or tuple,
       also through `state = {"net": net}`) and `writer.add_graph(model, ...)` get

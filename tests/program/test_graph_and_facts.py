@@ -270,3 +270,41 @@ def test_pythonpath_of_a_copy_without_project_markers(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", str(tmp_path / "src/data"))
     program = build([tmp_path / "src/bin/train.py"], [tmp_path / "src/bin/train.py"])
     assert program.followed == []
+
+
+def test_functions_and_trainer_classes_that_build_an_optimizer_over_a_model_they_receive(tmp_path):
+    """`Trainer(model, loader)` whose `__init__` builds the optimizer is, for its caller, where the
+    model's optimizer is created (so the caller wraps it), like `train(model, loader)`; the
+    trainer's attribute then holds a wrapped model. The project's own functions and classes are
+    listed as each module spells them."""
+    write(tmp_path, {
+        "train.py": """
+            import engine
+            from engine import Trainer, fit
+            from model import Net
+            net = Net()
+            Trainer(net, None).run()
+            fit(None, net)
+            engine.fit(None, net)
+        """,
+        "engine.py": """
+            import torch
+            class Trainer:
+                def __init__(self, model, loader):
+                    self.model = model
+                    self.opt = torch.optim.SGD(model.parameters(), lr=0.1)
+                def run(self):
+                    pass
+            def fit(loader, model):
+                torch.optim.Adam(model.parameters())
+        """,
+        "model.py": "import torch\nclass Net(torch.nn.Module):\n    pass\n",
+    })
+    views = build([tmp_path / "train.py"], [tmp_path / "train.py"]).views
+    entry = views[str((tmp_path / "train.py").resolve())]
+    engine = views[str((tmp_path / "engine.py").resolve())]
+    assert entry.optimizer_builders == {"Trainer": (0, "model"), "fit": (1, "model"),
+                                        "engine.Trainer": (0, "model"), "engine.fit": (1, "model")}
+    assert engine.wrapped_attrs == {"Trainer": frozenset({"model"})}
+    assert {"Trainer", "engine.Trainer", "Net"} <= entry.own_classes
+    assert {"fit", "engine.fit"} <= entry.own_functions and "run" not in entry.own_functions

@@ -107,6 +107,30 @@ def main(outdir):
     tm.sync_grads(functional)
     res["synced_grad"] = flat(p.grad for p in functional.parameters())
 
+    # synced: a loss computed by a method other than forward, still averaged by DDP; the
+    # method's own `self(...)` reaches the real forward
+    class WithLoss(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 1)
+
+        def forward(self, x):
+            return self.lin(x)
+
+        def loss(self, x):
+            return self(x).pow(2).mean()
+
+    torch.manual_seed(0)
+    with_loss = tm.wrap_model(WithLoss())
+    x = torch.full((2, 3), float(r + 1))
+    tm.unwrap(with_loss).loss(x).backward()
+    res["method_grad"] = flat(p.grad for p in with_loss.parameters())
+    with_loss.zero_grad()
+    tm.synced(with_loss).loss(x).backward()
+    res["synced_method_grad"] = flat(p.grad for p in with_loss.parameters())
+    res["forward_after_synced"] = type(with_loss.module).forward is WithLoss.forward and \
+        "forward" not in vars(with_loss.module)
+
     res["stream"] = tm.shard_stream(list(range(11)))  # equal parts, the remainder dropped
     res["any_rank"] = [tm.any_rank(r == 1), tm.any_rank(False)]
 
