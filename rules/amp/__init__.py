@@ -5,9 +5,11 @@ policy, gradient penalties, the scaler's state in checkpoints, host syncs in the
 
 Read in this order:
 
-- the facts (`torchmigrate.program.training`, `torchmigrate.program.precision`): the training
-  steps of the module (backwards, optimizer steps, losses and where their forward starts),
-  autocast blocks and GradScalers already there, evaluation loops, gradient reads; no rule code;
+- the facts (`torchmigrate.program.training`, `torchmigrate.program.precision`,
+  `torchmigrate.program.forward_outputs`): the training steps of the module (backwards,
+  optimizer steps, losses and where their forward starts), autocast blocks and GradScalers
+  already there, evaluation loops, gradient reads, where forward outputs go (into numpy, into
+  code that is not torch's, read after a block); no rule code;
 - `plan`: what this run does about them, so that the rules agree (where autocast goes, the one
   GradScaler and where it is created, where `unscale_` goes, what to do by hand); it depends on
   the options and on which rules of the family run together;
