@@ -163,7 +163,8 @@ class ImportTable:
         return any(full == prefix or full.startswith(prefix + ".") for full in self.names.values())
 
 
-def _is_import_line(stmt: cst.CSTNode) -> bool:
+def is_import_line(stmt: cst.CSTNode) -> bool:
+    """A line of import statements only."""
     return isinstance(stmt, cst.SimpleStatementLine) and all(
         isinstance(s, (cst.Import, cst.ImportFrom)) for s in stmt.body)
 
@@ -182,7 +183,7 @@ def leading_import_anchor(module: cst.Module) -> Optional[cst.CSTNode]:
     """
     anchor = None
     for stmt in module.body:
-        if _is_import_line(stmt):
+        if is_import_line(stmt):
             anchor = stmt
         elif anchor is not None:
             break
@@ -190,4 +191,16 @@ def leading_import_anchor(module: cst.Module) -> Optional[cst.CSTNode]:
             break
     if anchor is None and module.body and _is_docstring(module.body[0]):
         return module.body[0]
+    return anchor
+
+
+def last_import_before_defs(module: cst.Module) -> Optional[cst.CSTNode]:
+    """The last top-level import line before the module's first def or class (unlike
+    `leading_import_anchor`, past code between import blocks), or None."""
+    anchor = None
+    for stmt in module.body:
+        if isinstance(stmt, (cst.FunctionDef, cst.ClassDef)):
+            break
+        if is_import_line(stmt):
+            anchor = stmt
     return anchor

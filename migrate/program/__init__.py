@@ -20,8 +20,9 @@ How a run goes, and where each step lives:
      the forward computing it starts, evaluation forwards in grad-free loops, gradient reads
      and clipping between backward and step, BCE losses; `precision`: the mixed precision a
      module already has (autocast settings, apex's opt_level, the `forward` of a model handed
-     to DataParallel); `syntax`: the tree questions both ask (blocks, scopes, names a
-     statement binds and reads);
+     to DataParallel); `forward_outputs`: where the outputs of a forward go (into numpy, into
+     a function that is not torch's, read for their value after a block); `syntax`: the tree
+     questions they ask (blocks, scopes, names a statement binds and reads);
    - `ranks`: which expressions depend on the process's rank (rank names, rank tests and the
      ranks they hold on); `rank_guards`: which code runs on some ranks only (the rank guard
      around a node, or around the calls of its function); `collectives`: the calls and code
@@ -49,7 +50,8 @@ How a run goes, and where each step lives:
      `tm309_functional_model.py`;
    - `rules/amp/`: `plan.py` decides where autocast goes, the one GradScaler and where it is
      created, where `unscale_` goes, from the training facts, `--amp` and the rules enabled;
-     `tm401_autocast_forward.py` ... `tm604_item_sync.py`;
+     `apex.py` what the two apex rules share; `tm401_autocast_forward.py` ...
+     `tm411_amp_grad_penalty.py`, `tm503_scaler_state.py`, `tm604_item_sync.py`;
    - `rules/checkpoint/`: `plan.py` decides which statements go under `main_process_first`;
      `tm501_save_main_unwrapped.py` ... `tm505_main_process_first.py`;
    - `rules/logging/`: `tm601_main_print.py`, `tm602_tqdm_main.py`;
@@ -64,8 +66,6 @@ facts through `loaders.loader_facts(ctx)`, the training facts through
 `training.training_facts(ctx)` and the model facts through `models.model_facts(ctx)`.
 
 Next steps, family by family (DESIGN.md, "Target layout for the program model"):
-- the AMP rules still outside `rules/amp/` (`cuda_amp` TM406, `apex` TM407/TM408,
-  `amp_penalty` TM411, `amp_checkpoint` TM503) move into the package, one rule per file;
 - the program-level loader facts that are still in `facts.py` (DataLoader subclasses, "builds
   a loader") join `loaders.py`, and the loader facts follow a loader that a function of another
   module returns (`data.get_loader("train")`) into the epoch loops of its callers.

@@ -41,6 +41,13 @@ FRAMEWORKS = ("accelerate", "lightning", "pytorch_lightning", "lightning_fabric"
               "fairscale", "colossalai", "ignite")
 
 
+def apex_amp_calls(ctx: Context) -> List[Tuple[cst.Call, str]]:
+    """The module's calls into `apex.amp` (`amp.initialize`, `amp.scale_loss`, ...), with their
+    resolved names."""
+    facts = analysis.facts(ctx)
+    return [(c, n) for c, n in facts.calls if n and (n == APEX_AMP or n.startswith(APEX_AMP + "."))]
+
+
 def apex_o1(ctx: Context) -> bool:
     """apex is used with opt_level O1 (or O0): convertible. O2/O3 (fp16 master weights) are not."""
     return apex_level(ctx)[0] in ("O0", "O1")

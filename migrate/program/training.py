@@ -16,7 +16,8 @@ the apex and checkpoint rules read them too. Nothing here formats a message or p
   (`data_only`), calls a model (`calls_model`); where the loss of a backward is defined
   (`loss_definition`) and where the forward computing it starts (`forward_start`);
 - evaluation forwards in grad-free loops (`eval_forwards`), gradient reads and clipping
-  between backward and step (`grad_reads`, `clip_helpers`), BCE losses (`bce_names`).
+  between backward and step (`grad_reads`, `clip_helpers`, `grad_consumers`), BCE losses
+  (`bce_names`, `computes_bce`), trained models cast to fp16 (`half_models`).
 
 Name resolution uses the import table (`ctx.resolve`), never across modules.
 """
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 import builtins
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Dict, List, Optional, Set, Tuple
+from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Set, Tuple
 
 import libcst as cst
 
@@ -34,8 +35,8 @@ from torchmigrate.imports import dotted
 from torchmigrate.program.precision import (APEX_AMP, AUTOCAST, BCE_CLASSES, BCE_FUNCS, FRAMEWORKS, SCALER,
                                             TM_AUTOCAST, TM_SCALER)
 from torchmigrate.program.syntax import (binds, binds_all, block_of, calls_by_method, calls_in, calls_spelled,
-                                         class_of, method_name, owner_statement, reads, receiver, root_name,
-                                         scope_of, statements, subnodes, suites)
+                                         class_of, line_of, method_name, owner_statement, reads, receiver,
+                                         root_name, scope_of, statements, subnodes, suites)
 
 if TYPE_CHECKING:
     from torchmigrate.rule import Context
@@ -510,6 +511,19 @@ class TrainingFacts:
             cached = self._model_roots = set(analysis.trained_models(self.ctx))
         return cached
 
+    def half_models(self) -> List[cst.Call]:
+        """`.half()` calls that cast a trained model to fp16 (`model.half()`, `net =
+        Net().half()`): it then trains in pure fp16, without fp32 master weights."""
+        models = self.model_roots()
+        out = []
+        for call, _ in calls_by_method(self.ctx).get("half", ()):
+            recv = receiver(call)
+            target = analysis._assign_target(self.ctx, call)
+            owner = root_name(recv) if recv is not None else None
+            if (owner and analysis.model_root(owner) in models) or (target and target in models):
+                out.append(call)
+        return out
+
     def alias_only(self, name: str) -> bool:
         """Every assignment of `name` is a plain expression without a call (`Tensor =
         torch.cuda.FloatTensor if cuda else torch.FloatTensor`): an alias, not a model."""
@@ -585,6 +599,20 @@ class TrainingFacts:
                     cached.add(func.name.value)
             self._bce_funcs = cached
         return cached
+
+    def computes_bce(self, body: Sequence[cst.CSTNode]) -> bool:
+        """One of the statements `body` computes a BCE loss: torch's function or module, a
+        variable holding `nn.BCELoss()`, or a function of this file that computes one."""
+        bce = self.bce_names()
+        local_funcs = self.bce_functions()
+        for s in body:
+            for call in calls_in(self.ctx, s):
+                name = self.ctx.resolve(call.func)
+                d = dotted(call.func)
+                if name in BCE_FUNCS or name in BCE_CLASSES or (d and d in bce) or (
+                        isinstance(call.func, cst.Name) and call.func.value in local_funcs):
+                    return True
+        return False
 
     def used_under_autocast(self, call: cst.Call) -> bool:
         target = analysis._assign_target(self.ctx, call)
@@ -674,6 +702,40 @@ class TrainingFacts:
                         out.append(n)
                         break
         return out
+
+
+    def grad_consumers(self) -> List[Tuple[cst.CSTNode, cst.CSTNode, bool]]:
+        """The statements of the training functions that use gradients: clipping (also through
+        a clipping helper of this file), then gradient reads between backward and step (see
+        `grad_reads`), each statement once, as (statement, function, whether it clips apex's
+        `amp.master_params(...)`)."""
+        ctx = self.ctx
+        consumers: List[Tuple[cst.CSTNode, cst.CSTNode, bool]] = []
+        helper_clips = self.clip_helpers()
+        seen_stmt: Set[cst.CSTNode] = set()
+        for call, name in self.facts.calls:
+            is_clip = name in CLIP or (isinstance(call.func, cst.Name) and call.func.value in helper_clips)
+            if not is_clip:
+                continue
+            scope = scope_of(ctx, call)
+            if scope not in self.sites_by_scope:
+                continue
+            s = line_of(ctx, call) or ctx.statement_of(call)
+            if s is None or s in seen_stmt:
+                continue
+            seen_stmt.add(s)
+            apex = any(self.resolved.get(c) == f"{APEX_AMP}.master_params" for c in calls_in(ctx, call))
+            consumers.append((s, scope, apex))
+        for node in self.grad_reads():
+            scope = scope_of(ctx, node)
+            if scope not in self.sites_by_scope:
+                continue
+            s = line_of(ctx, node) or ctx.statement_of(node)
+            if s is None or s in seen_stmt:
+                continue
+            seen_stmt.add(s)
+            consumers.append((s, scope, False))
+        return consumers
 
 
 def _loss_named(name: str) -> bool:

@@ -17,12 +17,13 @@ from typing import Iterable, List, Optional, Set
 import libcst as cst
 
 from torchmigrate.finding import insert_after, insert_before, replace
+from torchmigrate.imports import is_import_line
 from torchmigrate.nodes import code
 from torchmigrate.program.precision import AUTOCAST, SCALER
 from torchmigrate.program.syntax import is_attr_name, receiver, unparen
 from torchmigrate.rule import Context, Rule
 from torchmigrate.rules.amp.edits import call_node, call_stmt, dotted_node, runtime_kwargs
-from torchmigrate.rules.amp.plan import Plan, enabled_codes, is_import
+from torchmigrate.rules.amp.plan import Plan, enabled_codes
 
 
 class AmpRule(Rule):
@@ -72,7 +73,7 @@ def emit_scaler(rule: Rule, p: Plan) -> None:
 
     if s.new and s.after is not None:
         line = creation()
-        if isinstance(ctx.parent(s.after), cst.Module) and is_import(s.after):
+        if isinstance(ctx.parent(s.after), cst.Module) and is_import_line(s.after):
             line = line.with_changes(leading_lines=[cst.EmptyLine()])
         rule.report(s.after, f"create one GradScaler for the training steps: `{s.create}`",
                     edits=[insert_after(s.after, [line])], imports=imports)

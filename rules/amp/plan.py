@@ -1,5 +1,6 @@
-"""The AMP family's decisions: from the module's training facts (`program.training`) and the
-run's options, what this run changes so that the rules agree.
+"""The AMP family's decisions: from the module's training facts (`program.training`), where
+forward outputs go (`program.forward_outputs`) and the run's options, what this run changes so
+that the rules agree.
 
 `plan(ctx)` is computed once per module, in the first `leave_Module` that asks, and decides:
 
@@ -30,26 +31,19 @@ from typing import Dict, List, Optional, Set, Tuple
 import libcst as cst
 
 from torchmigrate import analysis
-from torchmigrate.imports import dotted
+from torchmigrate.imports import dotted, last_import_before_defs
 from torchmigrate.nodes import code
-from torchmigrate.program.precision import APEX_AMP, BCE_CLASSES, BCE_FUNCS, DATA_PARALLEL, apex_level, apex_o1, \
-    caller_dtype, wrappable_forward
-from torchmigrate.program.syntax import (binds, block_of, calls_by_method, calls_in, class_of, is_attr_name,
-                                         is_visible, line_of, method_name, owner_statement, reads, receiver,
-                                         root_name, scope_of, statements, target_names)
-from torchmigrate.program.training import CLIP, Site, Step, TrainingFacts, training_facts
+from torchmigrate.program.forward_outputs import OutputFacts, output_facts
+from torchmigrate.program.precision import BCE_CLASSES, BCE_FUNCS, DATA_PARALLEL, apex_level, apex_o1, caller_dtype, \
+    wrappable_forward
+from torchmigrate.program.syntax import (binds, block_of, calls_in, class_of, is_visible, line_of, method_name,
+                                         owner_statement, reads, receiver, root_name, scope_of, statements,
+                                         target_names)
+from torchmigrate.program.training import Site, Step, TrainingFacts, training_facts
 from torchmigrate.rule import Context
 from torchmigrate.rules.amp.edits import dtype_arg, runtime_call, runtime_kwargs
 
 BCE_BLOCKED = "uses BCELoss (TM409)"
-# Methods that turn a low-precision tensor into something safe for numpy.
-_SAFE_CONVERSIONS = frozenset({"argmax", "argmin", "float", "double", "long", "int", "bool", "item",
-                               "tolist", "topk", "eq", "ne", "gt", "lt", "ge", "le", "round"})
-# Attributes and methods that read a tensor's shape or order, not its value in its dtype.
-_SHAPE_READS = frozenset({"shape", "device", "dtype", "size", "dim", "ndim", "numel", "requires_grad"})
-_ORDER_READS = frozenset({"argmax", "argmin", "argsort"})  # same answer in bf16 up to ties
-_TENSOR_BUILTINS = frozenset({"len", "print", "isinstance", "float", "int", "range", "enumerate", "zip", "list",
-                              "tuple", "min", "max", "sum", "str", "round", "abs"})
 
 
 def enabled_codes(ctx: Context) -> Set[str]:
@@ -145,6 +139,7 @@ class _Planner:
         self.ctx = ctx
         self.facts = analysis.facts(ctx)
         self.training: TrainingFacts = training_facts(ctx)
+        self.outputs: OutputFacts = output_facts(ctx)
         self.p = Plan()
         self.region_sites: Set[int] = set()  # id() of sites whose loss gets a new autocast region
 
@@ -192,15 +187,10 @@ class _Planner:
         if any(s.kind == "apex" for s in p.sites) and not apex_o1(ctx):
             level, init = apex_level(ctx)
             p.blockers.append(("TM407", init or p.sites[0].statement, f"apex opt_level {level}"))
-        models = set(analysis.trained_models(ctx))
-        for call, name in calls_by_method(ctx).get("half", ()):
-            recv = receiver(call)
-            target = analysis._assign_target(ctx, call)
-            owner = root_name(recv) if recv is not None else None
-            if (owner and analysis.model_root(owner) in models) or (target and target in models):
-                p.blockers.append(("TM402", call,
-                                   "`.half()` trains in pure fp16 (no fp32 master weights): remove it and "
-                                   "let autocast + GradScaler handle precision"))
+        for call in self.training.half_models():
+            p.blockers.append(("TM402", call,
+                               "`.half()` trains in pure fp16 (no fp32 master weights): remove it and "
+                               "let autocast + GradScaler handle precision"))
 
     # -- scaler ---------------------------------------------------------------------------
     def choose_scaler(self, from_apex: bool) -> None:
@@ -346,7 +336,7 @@ class _Planner:
             return self.scaler_blocker("the training steps mix `self.<optimizer>` and plain names")
         # The optimizer is created in another function (`main()` builds it, `train(...)` steps
         # it): one module-level scaler that every function sees.
-        anchor = module_anchor(ctx)
+        anchor = last_import_before_defs(ctx.module)
         self.scaler_scopes = set(use_scopes)
         return ScalerInfo(name, True, anchor, f"{name} = {creation}", scope=ctx.module)
 
@@ -660,79 +650,13 @@ class _Planner:
 
     def region_problem(self, region: Region) -> Optional[str]:
         stmts = self.region_statements(region)
-        bce = self.training.bce_names()
-        local_funcs = self.training.bce_functions()
-        for s in stmts:
-            for call in calls_in(self.ctx, s):
-                name = self.ctx.resolve(call.func)
-                d = dotted(call.func)
-                if name in BCE_FUNCS or name in BCE_CLASSES or (d and d in bce) or (
-                        isinstance(call.func, cst.Name) and call.func.value in local_funcs):
-                    return BCE_BLOCKED
-        escaped = self.numpy_escape(region, stmts)
+        if self.training.computes_bce(stmts):
+            return BCE_BLOCKED
+        escaped = self.outputs.numpy_escape(stmts)
         if escaped:
             return (f"`{escaped}` leaves autocast as a bf16/fp16 tensor and is converted to numpy later "
                     "(bf16 has no numpy dtype): add `.float()` before `.numpy()`, then put the forward "
                     "under `with tm.autocast():`")
-        return None
-
-    def numpy_escape(self, region: Region, stmts: List[cst.CSTNode]) -> Optional[str]:
-        ctx = self.ctx
-        bound: Set[str] = set()
-        for s in stmts:
-            bound |= binds(ctx, s)
-        losses = {root_name(s.loss) for s in self.p.sites if s.loss is not None}
-        bound -= losses
-        if not bound:
-            return None
-        scope = scope_of(ctx, region.first)
-        if not hasattr(self, "_appends"):
-            by_method = calls_by_method(ctx)
-            self._appends = [c for c, _ in (*by_method.get("append", ()), *by_method.get("extend", ()))]
-            self._to_numpy = list(by_method.get("numpy", ())) + [(c, n) for c, n in self.facts.calls if (
-                n and n.split(".")[0] in ("numpy", "sklearn", "scipy"))]
-        # one level of taint through lists: `preds.append(outputs)`
-        for call in self._appends:
-            if scope_of(ctx, call) is scope and reads(ctx, call) & bound:
-                r = root_name(receiver(call))
-                if r:
-                    bound.add(r)
-        for call, name in self._to_numpy:
-            if scope_of(ctx, call) is not scope:
-                continue
-            if method_name(call) == "numpy":
-                chain = receiver(call)
-                hit = self.chain_hits(chain, bound)
-                if hit:
-                    return hit
-            elif name and name.split(".")[0] in ("numpy", "sklearn", "scipy"):
-                for a in call.args:
-                    if isinstance(a.value, (cst.Name, cst.Attribute)) and dotted(a.value) in bound:
-                        return dotted(a.value)
-        return None
-
-    def chain_hits(self, node: Optional[cst.BaseExpression], bound: Set[str]) -> Optional[str]:
-        while node is not None:
-            if isinstance(node, (cst.Name, cst.Attribute)) and dotted(node) in bound:
-                return dotted(node)
-            if isinstance(node, cst.Attribute):
-                node = node.value
-            elif isinstance(node, cst.Subscript):
-                node = node.value
-            elif isinstance(node, cst.Call):
-                meth = method_name(node)
-                if meth in _SAFE_CONVERSIONS:
-                    return None
-                if meth is not None:
-                    node = node.func.value
-                    continue
-                for a in node.args:
-                    hit = self.chain_hits(a.value, bound)
-                    if hit:
-                        return hit
-                return None
-            else:
-                return None
         return None
 
     def eval_regions(self) -> None:
@@ -755,41 +679,14 @@ class _Planner:
             region = Region(body[min(idx)], body[max(idx)], "eval")
             if any(self.training.barrier(s) for s in self.region_statements(region)):
                 continue
-            if self.outputs_leave_torch(region, calls):
-                continue  # evaluation stays in float32 rather than break the user's metric code
+            if self.outputs.leave_torch(self.region_statements(region), calls):
+                # in bf16 the project's SSIM helper or a numpy metric would fail ("Input type
+                # (float) and weight type (BFloat16)", no numpy dtype) or lose precision: the
+                # evaluation stays in float32 rather than break the user's metric code
+                continue
             why = self.region_problem(region)
             if why is None:
                 p.regions.append(region)
-
-    def outputs_leave_torch(self, region: Region, calls: List[cst.Call]) -> bool:
-        """An output of the evaluation forward reaches a function that is not torch's (the
-        project's SSIM helper, a numpy or skimage metric) between the forwards of `region`: in
-        bf16 it would fail ("Input type (float) and weight type (BFloat16)", bf16 has no numpy
-        dtype) or lose precision, so the evaluation forward keeps float32. Uses after the
-        region read the outputs back in float32 (`float_after`)."""
-        ctx = self.ctx
-        outputs: Set[str] = set()
-        for call in calls:
-            assign = ctx.enclosing(call, cst.Assign)
-            if assign is not None:
-                for t in assign.targets:
-                    outputs |= {n.value for n in ctx.within(t.target, cst.Name)} if not isinstance(
-                        t.target, cst.Name) else {t.target.value}
-        if not outputs:
-            return False
-        uses = (c for s in self.region_statements(region) for c in ctx.within(s, cst.Call, skip_defs=True))
-        for use in uses:
-            func = use.func
-            if isinstance(func, cst.Attribute) and not isinstance(func.value, (cst.Name, cst.Attribute)):
-                continue  # a method of a computed value: `(sr - hr).mean()`
-            name = ctx.resolve(func) or dotted(func) or ""
-            if not name or name.startswith(("torch.", "builtins.")) or name in _TENSOR_BUILTINS \
-                    or isinstance(func, cst.Attribute) and dotted(func.value) in outputs:
-                continue
-            if any(n.value in outputs for a in use.args for n in ctx.within(a, cst.Name)) or any(
-                    isinstance(a.value, cst.Name) and a.value.value in outputs for a in use.args):
-                return True
-        return False
 
     def float_after(self, region: Region) -> List[str]:
         """Forward outputs bound in `region` and read by the statements after it: the metrics
@@ -798,48 +695,14 @@ class _Planner:
         by `out = tm.to_float32(out)`. The training loss is not among them (its backward keeps
         the autocast behaviour), nor an output only used for shapes or an argmax."""
         ctx = self.ctx
-        losses = {root_name(s.loss) for s in self.p.sites if s.loss is not None}
-        outputs: List[str] = []
-        for s in _through_withs(self.region_statements(region)):
-            line = s.body[0] if isinstance(s, cst.SimpleStatementLine) and len(s.body) == 1 else None
-            if not isinstance(line, cst.Assign) or not self.training.calls_model(s) or isinstance(
-                    line.value, cst.Call) and method_name(line.value) in _SAFE_CONVERSIONS | _ORDER_READS:
-                continue  # `pred = model(x).argmax(1)`: not a floating output
-            for t in line.targets:
-                names = [t.target] if isinstance(t.target, cst.Name) else (
-                    [e.value for e in t.target.elements] if isinstance(t.target, (cst.Tuple, cst.List)) else [])
-                outputs += [n.value for n in names if isinstance(n, cst.Name) and n.value not in losses
-                            and n.value not in outputs]
+        outputs = self.outputs.bound_in(self.region_statements(region))
         if not outputs:
             return []
         _, body = block_of(ctx, region.last)
         body = list(body)
         autocast = {s for r in self.p.regions if r is not region for s in self.region_statements(r)}
         later = [s for s in body[body.index(region.last) + 1:] if s not in autocast and not self.training.covered(s)]
-        return [name for name in outputs if any(self.precise_use(name, s) for s in later)]
-
-    def precise_use(self, name: str, statement: cst.CSTNode) -> bool:
-        """`statement` reads `name` for more than its shape, device or an argmax: a use where
-        bf16 would change the number."""
-        for ref in self.ctx.within(statement, cst.Name):
-            if ref.value != name or is_attr_name(self.ctx, ref):
-                continue
-            parent = self.ctx.parent(ref)
-            if isinstance(parent, cst.Attribute) and parent.value is ref:
-                if parent.attr.value in _SHAPE_READS:
-                    continue
-                call = self.ctx.parent(parent)
-                if isinstance(call, cst.Call) and call.func is parent and parent.attr.value in _ORDER_READS:
-                    continue
-            if isinstance(parent, cst.Arg):
-                call = self.ctx.parent(parent)
-                if isinstance(call, cst.Call) and isinstance(call.func, cst.Name) and call.func.value == "len":
-                    continue
-            if isinstance(parent, cst.AssignTarget) or isinstance(parent, (cst.Tuple, cst.List)) and isinstance(
-                    self.ctx.parent(parent), cst.AssignTarget):
-                continue
-            return True
-        return False
+        return [name for name in outputs if any(self.outputs.precise_use(name, s) for s in later)]
 
     def bce_checks(self) -> None:
         p = self.p
@@ -876,35 +739,10 @@ class _Planner:
     # -- unscale_ before clipping / gradient reads (TM403) ----------------------------------------
     def unscale_points(self) -> None:
         ctx, p = self.ctx, self.p
-        consumers: List[Tuple[cst.CSTNode, cst.CSTNode, bool]] = []  # (statement, scope, apex)
-        helper_clips = self.training.clip_helpers()
-        seen_stmt: Set[cst.CSTNode] = set()
-        for call, name in self.facts.calls:
-            is_clip = name in CLIP or (isinstance(call.func, cst.Name) and call.func.value in helper_clips)
-            if not is_clip:
-                continue
-            scope = scope_of(ctx, call)
-            if scope not in self.training.sites_by_scope:
-                continue
-            s = line_of(ctx, call) or ctx.statement_of(call)
-            if s is None or s in seen_stmt:
-                continue
-            seen_stmt.add(s)
-            apex = any(self.training.resolved.get(c) == f"{APEX_AMP}.master_params" for c in calls_in(ctx, call))
-            consumers.append((s, scope, apex))
-        for node in self.training.grad_reads():
-            scope = scope_of(ctx, node)
-            if scope not in self.training.sites_by_scope:
-                continue
-            s = line_of(ctx, node) or ctx.statement_of(node)
-            if s is None or s in seen_stmt:
-                continue
-            seen_stmt.add(s)
-            consumers.append((s, scope, False))
         # (scope, window, optimizer) -> statements given an unscale_ there: a consumer in the
         # other branch of an `if` (never run in the same pass) still needs its own
         done: Dict[Tuple[cst.CSTNode, int, str], List[cst.CSTNode]] = {}
-        consumers.sort(key=lambda c: self.training.position(c[0], c[1]))
+        consumers = sorted(self.training.grad_consumers(), key=lambda c: self.training.position(c[0], c[1]))
         for s, scope, apex in consumers:
             if not p.scaler.new and not scaler_visible(ctx, p.scaler, s):
                 continue
@@ -942,27 +780,3 @@ class _Planner:
                 p.apex_unscales[s] = names
             else:
                 p.unscales.append((s, names))
-
-
-def _through_withs(body: List[cst.CSTNode]) -> List[cst.CSTNode]:
-    """The statements of `body`, those inside its `with` blocks in their place (a teacher's
-    forward under `with torch.no_grad():`)."""
-    out: List[cst.CSTNode] = []
-    for s in body:
-        out += _through_withs(list(statements(s.body))) if isinstance(s, cst.With) else [s]
-    return out
-
-
-def is_import(s: cst.CSTNode) -> bool:
-    return isinstance(s, cst.SimpleStatementLine) and all(isinstance(x, (cst.Import, cst.ImportFrom)) for x in s.body)
-
-
-def module_anchor(ctx: Context) -> Optional[cst.CSTNode]:
-    """After the last top-level import before the first def/class (where the runtime import goes)."""
-    anchor = None
-    for s in ctx.module.body:
-        if isinstance(s, (cst.FunctionDef, cst.ClassDef)):
-            break
-        if isinstance(s, cst.SimpleStatementLine) and all(isinstance(x, (cst.Import, cst.ImportFrom)) for x in s.body):
-            anchor = s
-    return anchor

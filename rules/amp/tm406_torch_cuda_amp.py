@@ -10,10 +10,9 @@ from torchmigrate import analysis
 from torchmigrate.finding import Safety, replace
 from torchmigrate.imports import dotted
 from torchmigrate.nodes import expr, kwarg, with_args
-from torchmigrate.rule import Example, Rule
-from torchmigrate.rules.amp.base import in_taken_call, name_refs, policy_active, policy_takes
+from torchmigrate.rule import Example
+from torchmigrate.rules.amp.base import AmpRule, in_taken_call, name_refs, policy_active, policy_takes
 from torchmigrate.rules.amp.edits import removal
-from torchmigrate.rules.amp.plan import enabled_codes
 
 _OLD_MODULES = {"torch.cuda.amp": "cuda", "torch.cpu.amp": "cpu"}
 _OLD_PREFIXES = tuple(module + "." for module in _OLD_MODULES)
@@ -46,7 +45,7 @@ def _modern_func(func: cst.BaseExpression) -> cst.BaseExpression:
     return func
 
 
-class TorchCudaAmp(Rule):
+class TorchCudaAmp(AmpRule):
     """
     ## What it does
     Rewrites the deprecated `torch.cuda.amp` and `torch.cpu.amp` APIs (`autocast`,
@@ -108,7 +107,6 @@ class TorchCudaAmp(Rule):
 
     def __init__(self, ctx) -> None:
         super().__init__(ctx)
-        enabled_codes(ctx).add(self.code)
         self.calls = analysis.facts(ctx).calls  # (call, resolved name), as the walk meets them
         self.handled = set()  # func nodes already rewritten as part of a call/decorator
         self.taken = set()  # calls TM410 rewrites to the runtime (see rules/amp/base.py)
