@@ -455,7 +455,8 @@ class TrainingFacts:
         if isinstance(func, cst.Attribute):
             if func.attr.value in _DATA_METHODS:
                 return False
-            owner = root_name(func.value)
+            viewed = self.callee_name(func)
+            owner = viewed.rsplit(".", 1)[0] if viewed and viewed != dotted(func) else root_name(func.value)
             if owner is None:
                 return False  # a method of a call's result: the inner call decides
             if analysis.model_root(owner) in models:
@@ -465,6 +466,15 @@ class TrainingFacts:
             return not (root in _BUILTINS or root not in bound or self.alias_only(root))
         return False
 
+    def callee_name(self, func: cst.BaseExpression) -> Optional[str]:
+        """The dotted name of what `func` calls, reading the runtime's `tm.unwrap(model).f` and
+        `tm.synced(model).f` (an earlier run's rewrites) as `model.f`."""
+        if isinstance(func, cst.Attribute) and isinstance(func.value, cst.Call) and func.value.args \
+                and self.ctx.resolve(func.value.func) in _RUNTIME_VIEWS:
+            inner = dotted(func.value.args[0].value)
+            return f"{inner}.{func.attr.value}" if inner else None
+        return dotted(func)
+
     def own_loss(self, call: cst.Call) -> bool:
         """`call` computes a loss with the project's own code rather than torch's or a
         library's, and is not handed a trained model (so it runs no forward): a function of the
@@ -473,7 +483,7 @@ class TrainingFacts:
         `self.criterion = ...`), a method of the enclosing class (`self.compute_loss(...)`) or
         of a trained model (`model.loss(...)`)."""
         func = call.func
-        name = dotted(func)
+        name = self.callee_name(func)
         models = self.model_roots()
         if name is None or self.resolved.get(call) is not None or any(
                 analysis.model_root(r) in models for a in call.args for r in reads(self.ctx, a)):
@@ -736,6 +746,9 @@ class TrainingFacts:
             seen_stmt.add(s)
             consumers.append((s, scope, False))
         return consumers
+
+
+_RUNTIME_VIEWS = frozenset({"torchmigrate.runtime.unwrap", "torchmigrate.runtime.synced"})
 
 
 def _loss_named(name: str) -> bool:

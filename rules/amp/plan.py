@@ -630,14 +630,24 @@ class _Planner:
         def runs_model(part: List[cst.CSTNode]) -> bool:
             return any(training.model_call(c) and not own_loss(c) for s in part for c in calls_in(self.ctx, s))
 
-        outputs: Set[str] = set()
+        # names read back in float32 before the span (`out = tm.to_float32(out)`): outputs of a
+        # block an earlier run ended before this loss
+        _, body = block_of(self.ctx, span[0])
+        body = list(body)
+        outputs: Set[str] = {t for s in body[:body.index(span[0])] if self.read_back(s) for t in binds(self.ctx, s)}
         for i, statement in enumerate(span):
-            if any(own_loss(c) and (not i or reads(self.ctx, c) & outputs) for c in calls_in(self.ctx, statement)):
+            if any(own_loss(c) and reads(self.ctx, c) & outputs for c in calls_in(self.ctx, statement)):
                 if not runs_model(span[i:]):
                     return span[i - 1] if runs_model(span[:i]) else None
                 break
             outputs |= binds(self.ctx, statement)
         return span[-1]
+
+    def read_back(self, statement: cst.CSTNode) -> bool:
+        """`out = tm.to_float32(out)`: what `float_after` puts after an autocast block."""
+        line = statement.body[0] if isinstance(statement, cst.SimpleStatementLine) else None
+        return isinstance(line, cst.Assign) and isinstance(line.value, cst.Call) and \
+            self.ctx.resolve(line.value.func) == "torchmigrate.runtime.to_float32"
 
     def covered_site(self, site: Site) -> bool:
         last, _ = self.training.loss_definition(site)
