@@ -95,14 +95,14 @@ def median_run(cmd: Sequence[str], repeat: int, ok=(0, 1)) -> Tuple[float, float
 
 def parse_in_process(paths: Sequence[Path], repeat: int, validate: bool = True) -> float:
     """Read, decode and `libcst.parse_module` every file; `validate=False` parses the way
-    torchmigrate does, with LibCST's per-node validation off (`engine._parser_nodes`)."""
+    torchmigrate does, with LibCST's per-node validation off (`engine.process._parser_nodes`)."""
     import contextlib
     import io
     import tokenize
 
     import libcst
 
-    from torchmigrate.engine import _parser_nodes
+    from torchmigrate.engine.process import _parser_nodes
 
     walls = []
     for _ in range(repeat):
@@ -119,7 +119,7 @@ def parse_in_process(paths: Sequence[Path], repeat: int, validate: bool = True) 
 def engine_in_process(paths: Sequence[Path], mode: str, repeat: int) -> float:
     from torchmigrate.rule import Options
     from torchmigrate.rules import select
-    from torchmigrate.runner import Job, process_file
+    from torchmigrate.engine.runner import Job, process_file
 
     codes = tuple(r.code for r in select(command=mode))
     job = Job(Options(mode=mode), codes, write=False)
@@ -138,7 +138,7 @@ def profile(paths: Sequence[Path], mode: str, top: int = 30) -> None:
 
     from torchmigrate.rule import Options
     from torchmigrate.rules import select
-    from torchmigrate.runner import Job, process_file
+    from torchmigrate.engine.runner import Job, process_file
 
     codes = tuple(r.code for r in select(command=mode))
     job = Job(Options(mode=mode), codes, write=False)

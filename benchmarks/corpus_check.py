@@ -8,7 +8,7 @@
 
 The corpus itself is not part of the repository (public code stays out of our commits); point
 this at any folder of `.py` files. Each file is copied to a temporary folder and migrated
-in-process with `torchmigrate.engine.process_source` (all rules of the command, as
+in-process with `torchmigrate.engine.process.process_source` (all rules of the command, as
 `torchmigrate ddp`/`amp` would), or with the CLI (`--cli`). Every file gets one status:
 
     parse      the original is not valid Python 3 (excluded from the rate)
@@ -331,7 +331,7 @@ def diff(a: str, b: str, name: str, context: int = 2) -> str:
 
 class InProcess:
     def __init__(self, mode: str, select: Sequence[str], ignore: Sequence[str], amp: str, sync_bn: bool) -> None:
-        from torchmigrate.engine import InputError, process_source
+        from torchmigrate.engine.process import InputError, process_source
         from torchmigrate.rule import Options
         from torchmigrate.rules import select as select_rules
 

@@ -1,6 +1,6 @@
 """`python -m torchmigrate` runs the same CLI as the `torchmigrate` console script."""
 
-from torchmigrate.cli import main
+from torchmigrate.cli.commands import main
 
 if __name__ == "__main__":
     main()

@@ -17,8 +17,8 @@ from typing import Dict, List, Optional, Tuple
 
 import libcst as cst
 
-from torchmigrate.imports import dotted, leading_import_anchor
 from torchmigrate.rule import Context, Rule
+from torchmigrate.syntax.imports import dotted, leading_import_anchor
 
 # Calls that write a file as a statement of their own (resolved names): TM504 puts them on the
 # main process, TM505 recognises the caches a program builds with them on first use.

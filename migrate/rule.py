@@ -22,10 +22,10 @@ from typing import ClassVar, Dict, FrozenSet, Iterable, List, Optional, Sequence
 import libcst as cst
 
 from torchmigrate.finding import Edit, Finding, Import, Safety
-from torchmigrate.imports import ImportTable
 from torchmigrate.options import COMMANDS, RUNTIME_MODULE, Options
 from torchmigrate.program.view import ModuleView
-from torchmigrate.walk import child_nodes
+from torchmigrate.syntax.imports import ImportTable
+from torchmigrate.syntax.walk import child_nodes
 
 # (types) -> {node type: issubclass(node type, types)}, for Context.enclosing and _NodeIndex.spots
 _MATCHES: Dict[Tuple[type, ...], Dict[type, bool]] = {}

@@ -68,7 +68,7 @@ def matches(rule: Type[Rule], selector: str) -> bool:
 def unknown(selectors: Iterable[str], command: Optional[str] = None) -> List[str]:
     """The selectors that select no rule (of `command`, when given): a typo such as TM210 or
     TM999 would otherwise select nothing and report a clean run."""
-    from torchmigrate.catalogue import all_rules as known  # cached descriptions on a warm lint
+    from torchmigrate.cli.catalogue import all_rules as known  # cached descriptions on a warm lint
 
     rules = [r for r in known() if command is None or command in r.commands]
     return [s for s in selectors if not any(matches(r, s) for r in rules)]

@@ -12,7 +12,7 @@ from typing import Dict, Iterable, List, Optional, Sequence
 import libcst as cst
 
 from torchmigrate.finding import wrap
-from torchmigrate.nodes import stmt
+from torchmigrate.syntax.nodes import stmt
 from torchmigrate.program.syntax import body_of, index_in
 from torchmigrate.rule import Context
 

@@ -9,7 +9,7 @@ from typing import Sequence
 
 import pytest
 
-from torchmigrate.engine import process_source
+from torchmigrate.engine.process import process_source
 from torchmigrate.rule import Options
 from torchmigrate.rules import get_rule, select
 
@@ -78,7 +78,7 @@ def _lint_cache(tmp_path_factory, monkeypatch):
 def run_cli():
     from click.testing import CliRunner
 
-    from torchmigrate.cli import main
+    from torchmigrate.cli.commands import main
 
     def invoke(*args, **kwargs):
         return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False, **kwargs)

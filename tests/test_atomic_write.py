@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from torchmigrate import files
-from torchmigrate.engine import InputError
+from torchmigrate.engine import files
+from torchmigrate.engine.process import InputError
 
 ORIGINAL = b"import torch\r\nx = 1\r\n"
 NEW = b"import torch\r\nx = 2\r\n"

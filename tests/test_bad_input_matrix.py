@@ -262,7 +262,7 @@ def test_broken_symlink(tmp_path, run_cli):
 
 
 def test_file_deleted_between_discovery_and_read(tmp_path, run_cli, good, monkeypatch):
-    from torchmigrate import files
+    from torchmigrate.engine import files
 
     doomed = tmp_path / "doomed.py"
     doomed.write_bytes(GOOD_SCRIPT.read_bytes())
@@ -284,7 +284,7 @@ def test_file_deleted_between_discovery_and_read(tmp_path, run_cli, good, monkey
 
 
 def test_file_edited_while_processing_is_not_overwritten(tmp_path, run_cli, monkeypatch):
-    from torchmigrate import engine  # the runner imports it when it processes a file
+    from torchmigrate.engine import process as engine  # the runner imports it when it processes a file
 
     path = tmp_path / "train.py"
     path.write_bytes(GOOD_SCRIPT.read_bytes())
@@ -323,7 +323,7 @@ def test_unwritable_directory(tmp_path, run_cli):
 def test_temp_file_cannot_be_created(tmp_path, run_cli, good, monkeypatch):
     """The unwritable directory case as root sees it (root ignores directory permissions):
     the temporary file cannot be created."""
-    from torchmigrate import files
+    from torchmigrate.engine import files
 
     folder = tmp_path / "locked"
     folder.mkdir()

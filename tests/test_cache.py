@@ -16,7 +16,8 @@ import libcst as cst
 import pytest
 
 from conftest import FIXTURES
-from torchmigrate import cache, catalogue, runner
+from torchmigrate.engine import cache, runner
+from torchmigrate.cli import catalogue
 from torchmigrate.finding import Safety
 from torchmigrate.program import build as program_build
 from torchmigrate.rule import Rule
@@ -180,7 +181,8 @@ def test_the_fingerprint_covers_every_source_of_the_tool(monkeypatch):
         return cache.fingerprint(lambda path: "edited" if changed and path.endswith(changed) else "same")
 
     base = of()
-    for source in (os.path.join("rules", "launch", "plan.py"), os.path.join("launchers", "shell.py"), "engine.py",
+    for source in (os.path.join("rules", "launch", "plan.py"), os.path.join("launchers", "shell.py"),
+                   os.path.join("engine", "process.py"),
                    os.path.join("program", "facts.py")):
         assert of(source) != base, source
     monkeypatch.setattr(cache, "_fingerprint", None)
@@ -327,7 +329,7 @@ def test_a_module_view_survives_the_cache_unchanged():
     whose order matters) comes back from the stored JSON as it went in."""
     import json
 
-    from torchmigrate.cache import _view, _view_json
+    from torchmigrate.engine.cache import _view, _view_json
     from torchmigrate.program.view import ModuleView
 
     view = ModuleView(is_entry=False, followed=True, wrapped_params={"evaluate": frozenset({"model"})},

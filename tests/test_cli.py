@@ -25,8 +25,8 @@ def amp_file(tmp_path):
 
 def test_cli_does_not_import_torch():
     code = (
-        "import sys; from torchmigrate.cli import main; import torchmigrate.rules as r; r.all_rules();"
-        "from torchmigrate.runner import runtime_source; runtime_source();"
+        "import sys; from torchmigrate.cli.commands import main; import torchmigrate.rules as r; r.all_rules();"
+        "from torchmigrate.engine.runner import runtime_source; runtime_source();"
         "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch.'))[:5]"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

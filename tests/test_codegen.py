@@ -1,15 +1,15 @@
-"""The fast printer behind `code_for` and `module_code` (torchmigrate.codegen) generates exactly
-LibCST's code: for whole modules and for every node in them, for parsed code and for nodes built
-the way rules build them (with LibCST's defaults for commas, `=` and semicolons). Generated
-programs are compared in test_robustness.py."""
+"""The fast printer behind `code_for` and `module_code` (torchmigrate.syntax.codegen) generates
+exactly LibCST's code: for whole modules and for every node in them, for parsed code and for
+nodes built the way rules build them (with LibCST's defaults for commas, `=` and semicolons).
+Generated programs are compared in test_robustness.py."""
 from __future__ import annotations
 
 import libcst as cst
 import pytest
 
 from conftest import FIXTURES
-from torchmigrate.codegen import code_for, module_code
-from torchmigrate.walk import walk
+from torchmigrate.syntax.codegen import code_for, module_code
+from torchmigrate.syntax.walk import walk
 
 SOURCES = sorted(FIXTURES.rglob("*.py"))
 

@@ -7,11 +7,11 @@ from pathlib import Path
 import libcst as cst
 import pytest
 
-from torchmigrate.apply import apply_edits
+from torchmigrate.engine.apply import apply_edits
 from torchmigrate.finding import Import, insert_before, remove, replace, wrap
-from torchmigrate.imports import ImportTable, leading_import_anchor
-from torchmigrate.nodes import expr, with_block
-from torchmigrate.walk import walk
+from torchmigrate.syntax.imports import ImportTable, leading_import_anchor
+from torchmigrate.syntax.nodes import expr, with_block
+from torchmigrate.syntax.walk import walk
 
 TM = Import("torchmigrate.runtime", asname="tm")
 
@@ -82,7 +82,7 @@ def test_import_table_aliases_and_star_imports():
 
 
 def test_todo_text_is_one_line(tmp_path):
-    from torchmigrate.engine import process_source
+    from torchmigrate.engine.process import process_source
     from torchmigrate.finding import Safety
     from torchmigrate.rule import Options, Rule
 
@@ -120,7 +120,7 @@ def test_files_are_processed_with_collection_paused_and_their_cycles_freed(tmp_p
 
     from torchmigrate.rule import Context, Options
     from torchmigrate.rules import select
-    from torchmigrate.runner import Job, run
+    from torchmigrate.engine.runner import Job, run
 
     contexts = []
     alive_at_start = []
@@ -153,7 +153,7 @@ def test_parsing_skips_node_validation_only_while_libcst_parses(monkeypatch):
     """The engine turns off LibCST's node validation for the parser's own nodes and always
     turns it back on: nodes built afterwards (by rules, or by other code in this process) are
     validated, also after a file LibCST could not parse."""
-    from torchmigrate import engine
+    from torchmigrate.engine import process as engine
 
     original = cst.CSTNode.__post_init__
     seen = []
@@ -187,7 +187,7 @@ def test_a_finished_files_tree_is_freed_by_reference_counting(script):
     collector paused and collects once per file, which is only cheap when little is left)."""
     import gc
 
-    from torchmigrate import engine
+    from torchmigrate.engine import process as engine
     from torchmigrate.rule import Options
     from torchmigrate.rules import select
 

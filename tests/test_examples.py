@@ -9,7 +9,7 @@ import pytest
 import shlex
 
 from conftest import check_launch, migrate
-from torchmigrate.explain import command_line, render
+from torchmigrate.cli.explain import command_line, render
 from torchmigrate.rule import Options
 from torchmigrate.rules import all_rules
 

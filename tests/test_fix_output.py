@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from conftest import FIXTURES
-from torchmigrate.textedits import TextEdit, lines, text_edits
+from torchmigrate.engine.textedits import TextEdit, lines, text_edits
 
 AMP_SCRIPT = FIXTURES / "TM406" / "from_import.in.py"
 AMP_EXPECTED = FIXTURES / "TM406" / "from_import.out.py"

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import FIXTURES, check_launch, fixture_settings, migrate
-from torchmigrate.engine import process_source
+from torchmigrate.engine.process import process_source
 from torchmigrate.rules import all_rules
 
 CASES = sorted(p for p in FIXTURES.glob("TM*/*.in.py"))

@@ -20,9 +20,9 @@ import libcst as cst
 import pytest
 
 from conftest import FIXTURES, ROOT
-from torchmigrate import formats
+from torchmigrate.cli import formats
 from torchmigrate.finding import Safety, replace_with
-from torchmigrate.nodes import expr
+from torchmigrate.syntax.nodes import expr
 from torchmigrate.rule import Example, Rule
 from torchmigrate.rules import _REGISTRY, all_rules
 
@@ -430,7 +430,7 @@ def test_parallel_output_is_deterministic(tmp_path):
 
 
 def test_default_jobs_use_every_cpu_only_for_runs_worth_a_pool(monkeypatch):
-    from torchmigrate import runner
+    from torchmigrate.engine import runner
 
     monkeypatch.setattr(runner.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
     assert runner.auto_jobs(1) == 1  # a one-file pre-commit call: no pool start-up
@@ -443,7 +443,7 @@ def test_without_worker_processes_the_run_goes_on_in_process(tmp_path, monkeypat
     """Sandboxes without POSIX semaphores cannot start a process pool: same results, serially."""
     import concurrent.futures
 
-    from torchmigrate import runner
+    from torchmigrate.engine import runner
     from torchmigrate.rule import Options
 
     def refuse(*args, **kwargs):

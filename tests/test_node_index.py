@@ -8,9 +8,9 @@ from pathlib import Path
 import libcst as cst
 import pytest
 
-from torchmigrate.engine import run_rules
+from torchmigrate.engine.process import run_rules
 from torchmigrate.rule import Context, Options, Rule
-from torchmigrate.walk import child_nodes
+from torchmigrate.syntax.walk import child_nodes
 
 SCRIPTS = sorted((Path(__file__).parent.parent / "fixtures" / "scripts").glob("*.py"))
 DEFS = (cst.FunctionDef, cst.ClassDef, cst.Lambda)

@@ -46,6 +46,7 @@ def test_build_is_warning_free(tmp_path):
         metadata = next(n for n in archive.namelist() if n.endswith(".dist-info/METADATA"))
         assert "License-Expression: MIT" in archive.read(metadata).decode()
         names = archive.namelist()
-    for module in ("torchmigrate/cli.py", "torchmigrate/launchers/shell.py", "torchmigrate/rules/launch/plan.py",
-                   "torchmigrate/runtime/__init__.py"):
+    for module in ("torchmigrate/cli/commands.py", "torchmigrate/engine/process.py", "torchmigrate/syntax/walk.py",
+                   "torchmigrate/program/program.py", "torchmigrate/launchers/shell.py",
+                   "torchmigrate/rules/launch/plan.py", "torchmigrate/runtime/__init__.py"):
         assert module in names

@@ -13,8 +13,8 @@ import libcst as cst
 import pytest
 
 from conftest import FIXTURES
-from torchmigrate import positions
-from torchmigrate.layout import Layout
+from torchmigrate.syntax import positions
+from torchmigrate.syntax.layout import Layout
 
 TRICKY = {
     "crlf": "import torch\r\n\r\n# c\r\ndef f(a,\r\n      b):\r\n    return (a +\r\n            b)\r\n",

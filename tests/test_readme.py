@@ -27,7 +27,7 @@ CLI_COMMANDS = ("ddp", "amp", "lint", "verify", "rules", "explain")
 def rules_table() -> str:
     from click.testing import CliRunner
 
-    from torchmigrate.cli import main
+    from torchmigrate.cli.commands import main
 
     result = CliRunner().invoke(main, ["rules", "--format", "markdown"], prog_name="torchmigrate")
     assert result.exit_code == 0, result.output
@@ -37,7 +37,7 @@ def rules_table() -> str:
 def cli_reference() -> str:
     from click.testing import CliRunner
 
-    from torchmigrate.cli import main
+    from torchmigrate.cli.commands import main
 
     parts = []
     for command in ("",) + CLI_COMMANDS:

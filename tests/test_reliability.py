@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 
 from conftest import FIXTURES
-from torchmigrate import engine, files, runner
-from torchmigrate.engine import InputError, check_parser_depth, python_tree
+from torchmigrate.engine import process as engine, files, runner
+from torchmigrate.engine.process import InputError, check_parser_depth, python_tree
 from torchmigrate.rule import Options
 from torchmigrate.rules import select
 

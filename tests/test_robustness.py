@@ -25,8 +25,9 @@ from hypothesis import HealthCheck, assume, given, note, reject, settings
 from hypothesis import strategies as st
 
 from conftest import FIXTURES, ROOT
-from torchmigrate import engine, positions
-from torchmigrate.engine import InputError, RewriteError, process_source
+from torchmigrate.engine import process as engine
+from torchmigrate.syntax import positions
+from torchmigrate.engine.process import InputError, RewriteError, process_source
 from torchmigrate.rule import Options
 from torchmigrate.rules import select
 
@@ -383,8 +384,8 @@ def test_regenerate_matches_full_codegen(source, monkeypatch_regenerate):
 @given(source=st.one_of(hypothesmith.from_grammar(), hypothesmith.from_node()))
 def test_fast_printer_matches_libcst_on_arbitrary_programs(source):
     """`codegen`'s printer against LibCST's code generation, for the module and each node."""
-    from torchmigrate.codegen import code_for, module_code
-    from torchmigrate.walk import walk
+    from torchmigrate.syntax.codegen import code_for, module_code
+    from torchmigrate.syntax.walk import walk
 
     try:
         module = cst.parse_module(source)
@@ -414,7 +415,7 @@ def test_positions_match_libcst_position_provider():
     """Lazy positions agree with LibCST's PositionProvider on every node of real scripts."""
     from libcst.metadata import MetadataWrapper, PositionProvider
 
-    from torchmigrate.walk import walk
+    from torchmigrate.syntax.walk import walk
 
     for path in sorted((FIXTURES / "scripts").glob("*.py"))[:4]:
         module = cst.parse_module(path.read_text(encoding="utf-8"))

@@ -13,7 +13,7 @@ import libcst as cst
 import pytest
 
 from conftest import FIXTURES
-from torchmigrate.engine import process_source
+from torchmigrate.engine.process import process_source
 from torchmigrate.finding import EditKind
 from torchmigrate.rule import Options
 from torchmigrate.rules import get_rule, select

@@ -13,7 +13,7 @@ import libcst as cst
 import pytest
 
 from conftest import FIXTURES, migrate
-from torchmigrate.engine import process_source
+from torchmigrate.engine.process import process_source
 from torchmigrate.rule import Context, Options
 from torchmigrate.rules import get_rule, select
 from torchmigrate.rules.checkpoint.tm501_save_main_unwrapped import is_local_rank_test

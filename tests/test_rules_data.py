@@ -14,8 +14,8 @@ import pytest
 
 from conftest import FIXTURES, migrate
 from launcher import torchrun
-from torchmigrate.engine import process_source, run_rules
-from torchmigrate.nodes import code
+from torchmigrate.engine.process import process_source, run_rules
+from torchmigrate.syntax.nodes import code
 from torchmigrate.rule import Options
 from torchmigrate import analysis
 from torchmigrate.program.loaders import loader_facts, loaders, refs_at

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import textwrap
 
-from torchmigrate.engine import process_source
+from torchmigrate.engine.process import process_source
 from torchmigrate.rule import Options
 from torchmigrate.rules import get_rule, select
 

@@ -15,7 +15,7 @@ import textwrap
 import pytest
 
 from conftest import FIXTURES, ROOT
-from torchmigrate.engine import process_source
+from torchmigrate.engine.process import process_source
 from torchmigrate.finding import Safety
 from torchmigrate.rule import Options
 from torchmigrate.rules import get_rule

@@ -14,7 +14,7 @@ import pytest
 
 from conftest import FIXTURES
 from torchmigrate import analysis
-from torchmigrate.engine import process_source, run_rules
+from torchmigrate.engine.process import process_source, run_rules
 from torchmigrate.finding import Safety
 from torchmigrate.rule import Options
 from torchmigrate.rules import get_rule, select

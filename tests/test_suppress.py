@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from torchmigrate.suppress import ALL, Suppressions
+from torchmigrate.engine.suppress import ALL, Suppressions
 
 CUDA_AMP = "from torch.cuda.amp import autocast"
 

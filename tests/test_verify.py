@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from conftest import FIXTURES
-from torchmigrate import verify_checks as checks
-from torchmigrate.verify_checks import Run
+from torchmigrate.cli import verify_checks as checks
+from torchmigrate.cli.verify_checks import Run
 
 BROKEN = FIXTURES / "verify"
 

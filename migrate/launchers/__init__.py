@@ -16,8 +16,8 @@ from pathlib import Path, PurePath
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
-from torchmigrate.discover import SKIP_DIRS, _is_virtualenv
-from torchmigrate.outcome import Outcome
+from torchmigrate.cli.discover import SKIP_DIRS, _is_virtualenv
+from torchmigrate.engine.outcome import Outcome
 
 CODE = "TM801"
 MAKEFILE_NAMES = ("Makefile", "makefile", "GNUmakefile")

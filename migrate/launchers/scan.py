@@ -21,14 +21,14 @@ from dataclasses import dataclass
 from pathlib import Path, PurePath
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
-from torchmigrate import files
-from torchmigrate.diff import unified_diff
+from torchmigrate.cli.diff import unified_diff
+from torchmigrate.engine import files
+from torchmigrate.engine.outcome import Outcome, Record
 from torchmigrate.errors import InputError
 from torchmigrate.launchers import Settings, convert, kind_of, loops
 from torchmigrate.launchers.convert import LAUNCH, Launch
 from torchmigrate.launchers.entries import Places, tails
 from torchmigrate.launchers.shell import Command, commands
-from torchmigrate.outcome import Outcome, Record
 from torchmigrate.program.graph import relpath
 
 CODE = "TM801"

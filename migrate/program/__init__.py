@@ -2,8 +2,8 @@
 
 How a run goes, and where each step lives:
 
-1. engine (`torchmigrate.engine`, `runner`): takes the files given, builds the program, runs
-   the enabled rules over each module, and hands their edits to apply;
+1. engine (`torchmigrate.engine`: `runner`, `process`): takes the files given, builds the
+   program, runs the enabled rules over each module, and hands their edits to apply;
 2. program model (this package): facts, computed once and kept, never depending on which
    rules are enabled;
    - `graph`, `build`: entry scripts -> the project's own modules they import (never installed
@@ -58,8 +58,11 @@ How a run goes, and where each step lives:
    - `rules/metrics/`: `plan.py` decides how a loop's loader ends up sharded, so which
      denominators stay exact; `tm701_reduce_counts.py` ... `tm703_gather_list_mean.py`;
    - `rules/_guards.py`: the `if tm.is_main():` edit several families share;
-4. apply (`torchmigrate.apply`, `layout`): the edits become the new source of every changed
-   module, written all together or not at all.
+4. apply (`torchmigrate.engine`: `apply`, `files`): the edits become the new source of every
+   changed module, written all together or not at all.
+
+All of it reads LibCST trees through `torchmigrate.syntax` (the walk, the imports table, node
+helpers, code generation, positions); the command line is `torchmigrate.cli`.
 
 Rules read the cross-module facts through `Context.program` (a `ModuleView`), the loader
 facts through `loaders.loader_facts(ctx)`, the training facts through

@@ -24,10 +24,10 @@ from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 import libcst as cst
 
 from torchmigrate import analysis
-from torchmigrate.imports import dotted
-from torchmigrate.nodes import code
 from torchmigrate.program.loaders import RUNTIME
 from torchmigrate.program.scopes import assignments, names_in, scope_of
+from torchmigrate.syntax.imports import dotted
+from torchmigrate.syntax.nodes import code
 
 if TYPE_CHECKING:
     from torchmigrate.rule import Context

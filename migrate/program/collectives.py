@@ -11,9 +11,9 @@ from typing import TYPE_CHECKING, Optional
 import libcst as cst
 
 from torchmigrate import analysis
-from torchmigrate.imports import dotted
 from torchmigrate.options import RUNTIME_MODULE as RUNTIME
 from torchmigrate.program.syntax import iter_nodes
+from torchmigrate.syntax.imports import dotted
 
 if TYPE_CHECKING:
     from torchmigrate.rule import Context

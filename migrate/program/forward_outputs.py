@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, List, Optional, Sequence, Set
 import libcst as cst
 
 from torchmigrate import analysis
-from torchmigrate.imports import dotted
 from torchmigrate.program.syntax import binds, calls_by_method, is_attr_name, method_name, reads, receiver, \
     root_name, scope_of, statements
 from torchmigrate.program.training import training_facts
+from torchmigrate.syntax.imports import dotted
 
 if TYPE_CHECKING:
     from torchmigrate.rule import Context

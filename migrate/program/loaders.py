@@ -43,9 +43,9 @@ from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 import libcst as cst
 
 from torchmigrate import analysis
-from torchmigrate.imports import dotted
-from torchmigrate.nodes import code
-from torchmigrate.walk import child_nodes
+from torchmigrate.syntax.imports import dotted
+from torchmigrate.syntax.nodes import code
+from torchmigrate.syntax.walk import child_nodes
 
 DATALOADERS = ("torch.utils.data.DataLoader", "torch.utils.data.dataloader.DataLoader")
 DIST_SAMPLERS = ("torch.utils.data.DistributedSampler", "torch.utils.data.distributed.DistributedSampler")

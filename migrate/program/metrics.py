@@ -25,12 +25,12 @@ from typing import TYPE_CHECKING, Dict, List, Optional, Set, Tuple
 import libcst as cst
 
 from torchmigrate import analysis
-from torchmigrate.imports import dotted
-from torchmigrate.program.loaders import DATALOADERS
 from torchmigrate.program.collectives import is_collective
+from torchmigrate.program.loaders import DATALOADERS
 from torchmigrate.program.loaders import TQDM_CALLS
 from torchmigrate.program.scopes import scope_of
 from torchmigrate.program.syntax import body_of, index_in
+from torchmigrate.syntax.imports import dotted
 
 if TYPE_CHECKING:
     from torchmigrate.rule import Context

@@ -38,12 +38,12 @@ from typing import Dict, List, NamedTuple, Optional, Set, Tuple, Union
 import libcst as cst
 
 from torchmigrate.analysis import calls_to, facts, runs_backward, under_no_grad
-from torchmigrate.imports import dotted, iter_statements
-from torchmigrate.nodes import arg as call_arg
-from torchmigrate.nodes import code
-from torchmigrate.positions import code_for
 from torchmigrate.program.facts import forward_outputs
 from torchmigrate.rule import RUNTIME_MODULE, Context
+from torchmigrate.syntax.imports import dotted, iter_statements
+from torchmigrate.syntax.nodes import arg as call_arg
+from torchmigrate.syntax.nodes import code
+from torchmigrate.syntax.positions import code_for
 
 DDP_CLASSES = {"torch.nn.parallel.DistributedDataParallel", "torch.nn.parallel.distributed.DistributedDataParallel"}
 _APEX_DDP = {"apex.parallel.DistributedDataParallel", "apex.parallel.distributed.DistributedDataParallel"}

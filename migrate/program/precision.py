@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING, List, Optional, Tuple
 import libcst as cst
 
 from torchmigrate import analysis
-from torchmigrate.imports import dotted
-from torchmigrate.nodes import code
 from torchmigrate.program.syntax import method_name, statements
+from torchmigrate.syntax.imports import dotted
+from torchmigrate.syntax.nodes import code
 
 if TYPE_CHECKING:
     from torchmigrate.rule import Context

@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING, Dict, Optional, Set
 import libcst as cst
 
 from torchmigrate import analysis
-from torchmigrate.imports import dotted
-from torchmigrate.nodes import string_value
 from torchmigrate.program.syntax import iter_nodes, last_name
+from torchmigrate.syntax.imports import dotted
+from torchmigrate.syntax.nodes import string_value
 
 if TYPE_CHECKING:
     from torchmigrate.rule import Context

@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Callable, Dict, Iterable, Iterator, List, Opti
 import libcst as cst
 
 from torchmigrate import analysis
-from torchmigrate.imports import dotted
-from torchmigrate.walk import child_fields, child_nodes
+from torchmigrate.syntax.imports import dotted
+from torchmigrate.syntax.walk import child_fields, child_nodes
 
 if TYPE_CHECKING:
     from torchmigrate.rule import Context

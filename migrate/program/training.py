@@ -31,12 +31,12 @@ from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Set, Tuple
 import libcst as cst
 
 from torchmigrate import analysis
-from torchmigrate.imports import dotted
 from torchmigrate.program.precision import (APEX_AMP, AUTOCAST, BCE_CLASSES, BCE_FUNCS, FRAMEWORKS, SCALER,
                                             TM_AUTOCAST, TM_SCALER)
 from torchmigrate.program.syntax import (binds, binds_all, block_of, calls_by_method, calls_in, calls_spelled,
                                          class_of, line_of, method_name, owner_statement, reads, receiver,
                                          root_name, scope_of, statements, subnodes, suites)
+from torchmigrate.syntax.imports import dotted
 
 if TYPE_CHECKING:
     from torchmigrate.rule import Context

@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, Optional, Set
 import libcst as cst
 
 from torchmigrate import analysis
-from torchmigrate.imports import dotted
 from torchmigrate.program.syntax import body_of, index_in, iter_nodes
+from torchmigrate.syntax.imports import dotted
 
 if TYPE_CHECKING:
     from torchmigrate.rule import Context

@@ -16,7 +16,7 @@ from typing import Dict, List, Optional, Sequence, Set
 import libcst as cst
 
 from torchmigrate.finding import replace
-from torchmigrate.imports import dotted
+from torchmigrate.syntax.imports import dotted
 from torchmigrate.rule import Context
 from torchmigrate.program.precision import apex_amp_calls, apex_level
 from torchmigrate.program.syntax import is_attr_name, statements, subnodes

@@ -17,8 +17,8 @@ from typing import Iterable, List, Optional, Set
 import libcst as cst
 
 from torchmigrate.finding import insert_after, insert_before, replace
-from torchmigrate.imports import is_import_line
-from torchmigrate.nodes import code
+from torchmigrate.syntax.imports import is_import_line
+from torchmigrate.syntax.nodes import code
 from torchmigrate.program.precision import AUTOCAST, SCALER
 from torchmigrate.program.syntax import is_attr_name, receiver, unparen
 from torchmigrate.rule import Context, Rule

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Dict, Optional, Sequence
 import libcst as cst
 
 from torchmigrate.finding import remove
-from torchmigrate.nodes import expr, kwarg, with_args
+from torchmigrate.syntax.nodes import expr, kwarg, with_args
 
 if TYPE_CHECKING:
     from torchmigrate.rule import Context

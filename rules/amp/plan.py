@@ -31,8 +31,8 @@ from typing import Dict, List, Optional, Set, Tuple
 import libcst as cst
 
 from torchmigrate import analysis
-from torchmigrate.imports import dotted, last_import_before_defs
-from torchmigrate.nodes import code
+from torchmigrate.syntax.imports import dotted, last_import_before_defs
+from torchmigrate.syntax.nodes import code
 from torchmigrate.program.forward_outputs import OutputFacts, output_facts
 from torchmigrate.program.precision import BCE_CLASSES, BCE_FUNCS, DATA_PARALLEL, apex_level, apex_o1, caller_dtype, \
     wrappable_forward

@@ -8,7 +8,7 @@ from typing import Sequence
 import libcst as cst
 
 from torchmigrate.finding import Safety, replace, wrap
-from torchmigrate.nodes import code
+from torchmigrate.syntax.nodes import code
 from torchmigrate.rule import Context, Example
 from torchmigrate.rules.amp.base import AmpRule
 from torchmigrate.rules.amp.edits import call_node, call_stmt, expr_of, runtime_kwargs, with_node

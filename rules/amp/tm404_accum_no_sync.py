@@ -8,8 +8,8 @@ import libcst as cst
 
 from torchmigrate import analysis
 from torchmigrate.finding import Safety, wrap
-from torchmigrate.imports import dotted
-from torchmigrate.nodes import code
+from torchmigrate.syntax.imports import dotted
+from torchmigrate.syntax.nodes import code
 from torchmigrate.program.precision import TM_NO_SYNC
 from torchmigrate.program.syntax import (binds, block_of, calls_in, line_of, method_name, owner_statement, reads,
                                          unparen)

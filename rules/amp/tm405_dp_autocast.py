@@ -8,7 +8,7 @@ import libcst as cst
 
 from torchmigrate import analysis
 from torchmigrate.finding import Safety, wrap
-from torchmigrate.nodes import code
+from torchmigrate.syntax.nodes import code
 from torchmigrate.program.precision import (DATA_PARALLEL, caller_dtype, model_class, replica_settings_lost,
                                             wrappable_forward)
 from torchmigrate.rule import Example

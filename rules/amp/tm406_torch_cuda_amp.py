@@ -8,8 +8,8 @@ import libcst as cst
 
 from torchmigrate import analysis
 from torchmigrate.finding import Safety, replace
-from torchmigrate.imports import dotted
-from torchmigrate.nodes import expr, kwarg, with_args
+from torchmigrate.syntax.imports import dotted
+from torchmigrate.syntax.nodes import expr, kwarg, with_args
 from torchmigrate.rule import Example
 from torchmigrate.rules.amp.base import AmpRule, in_taken_call, name_refs, policy_active, policy_takes
 from torchmigrate.rules.amp.edits import removal

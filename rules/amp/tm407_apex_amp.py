@@ -10,8 +10,8 @@ import libcst as cst
 
 from torchmigrate import analysis
 from torchmigrate.finding import Safety, insert_before, remove, replace
-from torchmigrate.imports import dotted
-from torchmigrate.nodes import code, expr, stmt
+from torchmigrate.syntax.imports import dotted
+from torchmigrate.syntax.nodes import code, expr, stmt
 from torchmigrate.rule import Example
 from torchmigrate.program.precision import apex_amp_calls, apex_level
 from torchmigrate.program.syntax import statements

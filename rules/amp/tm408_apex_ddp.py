@@ -10,7 +10,7 @@ import libcst as cst
 
 from torchmigrate import analysis
 from torchmigrate.finding import Import, Safety, replace
-from torchmigrate.nodes import code, expr, with_args
+from torchmigrate.syntax.nodes import code, expr, with_args
 from torchmigrate.rule import Example
 from torchmigrate.program.precision import APEX_AMP
 from torchmigrate.rules.amp.apex import ApexRule, ApexState, Collector, is_apex

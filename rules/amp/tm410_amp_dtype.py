@@ -8,8 +8,8 @@ import libcst as cst
 
 from torchmigrate import analysis
 from torchmigrate.finding import Safety, replace
-from torchmigrate.imports import dotted
-from torchmigrate.nodes import code, expr, kwarg, with_args
+from torchmigrate.syntax.imports import dotted
+from torchmigrate.syntax.nodes import code, expr, kwarg, with_args
 from torchmigrate.program.precision import AUTOCAST, SCALER, TM_AUTOCAST, TM_SCALER
 from torchmigrate.rule import Context, Example
 from torchmigrate.rules.amp.base import AmpRule, convertible_call, in_taken_call, name_refs

@@ -6,7 +6,7 @@ import libcst as cst
 
 from torchmigrate import analysis
 from torchmigrate.finding import Safety, replace
-from torchmigrate.nodes import arg
+from torchmigrate.syntax.nodes import arg
 from torchmigrate.rule import RUNTIME_MODULE, Example, Rule
 
 _GRAD = "torch.autograd.grad"

@@ -8,8 +8,8 @@ import libcst as cst
 
 from torchmigrate import analysis
 from torchmigrate.finding import Safety, insert_after, replace
-from torchmigrate.imports import dotted
-from torchmigrate.nodes import code, expr, stmt
+from torchmigrate.syntax.imports import dotted
+from torchmigrate.syntax.nodes import code, expr, stmt
 from torchmigrate.rule import Example
 from torchmigrate.program.precision import APEX_AMP
 from torchmigrate.program.syntax import calls_by_method, line_of, method_name, receiver

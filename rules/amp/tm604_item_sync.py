@@ -8,7 +8,7 @@ import libcst as cst
 
 from torchmigrate import analysis
 from torchmigrate.finding import Safety
-from torchmigrate.nodes import code
+from torchmigrate.syntax.nodes import code
 from torchmigrate.program.syntax import calls_by_method, receiver, root_name
 from torchmigrate.rule import Context, Example
 from torchmigrate.rules.amp.base import AmpRule

@@ -16,7 +16,7 @@ from typing import Dict, List, Optional, Set, Tuple
 import libcst as cst
 
 from torchmigrate import analysis
-from torchmigrate.imports import dotted
+from torchmigrate.syntax.imports import dotted
 from torchmigrate.program.writes import (early_return_check, existence_if, fetches, in_body, in_loop, inside_def,
                                          under_main_process_first, writes_file)
 from torchmigrate.rule import Context

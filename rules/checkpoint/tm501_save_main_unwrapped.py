@@ -12,13 +12,13 @@ import libcst as cst
 
 from torchmigrate import analysis
 from torchmigrate.finding import Safety, insert_after, insert_before, replace
-from torchmigrate.imports import dotted
-from torchmigrate.nodes import arg, code, keep_alignment
+from torchmigrate.syntax.imports import dotted
+from torchmigrate.syntax.nodes import arg, code, keep_alignment
 from torchmigrate.program.checkpoints import (LOADS, SAVES, file_handle, is_buffer, is_open, load_events, path_text,
                                               with_binding)
 from torchmigrate.rule import Context, Example, Rule
 from torchmigrate.rules.checkpoint.plan import plan
-from torchmigrate.nodes import expr as cached_expr, stmt as cached_stmt
+from torchmigrate.syntax.nodes import expr as cached_expr, stmt as cached_stmt
 from torchmigrate.options import RUNTIME_MODULE as RUNTIME
 from torchmigrate.program.collectives import runs_user_code
 from torchmigrate.program.rank_guards import caller_guards, collective_guard, under_rank_guard

@@ -12,9 +12,9 @@ import libcst as cst
 
 from torchmigrate import analysis
 from torchmigrate.finding import Safety, replace
-from torchmigrate.imports import dotted
-from torchmigrate.nodes import arg, set_kwarg
-from torchmigrate.nodes import expr as cached_expr
+from torchmigrate.syntax.imports import dotted
+from torchmigrate.syntax.nodes import arg, set_kwarg
+from torchmigrate.syntax.nodes import expr as cached_expr
 from torchmigrate.options import RUNTIME_MODULE as RUNTIME
 from torchmigrate.program.checkpoints import LOADS, feeds_state_dict, non_tensor_saved
 from torchmigrate.rule import Example, Rule

@@ -8,8 +8,8 @@ import libcst as cst
 
 from torchmigrate import analysis
 from torchmigrate.finding import Safety, replace
-from torchmigrate.imports import dotted
-from torchmigrate.nodes import set_kwarg
+from torchmigrate.syntax.imports import dotted
+from torchmigrate.syntax.nodes import set_kwarg
 from torchmigrate.program.checkpoints import follows_save
 from torchmigrate.program.writes import is_pil_image
 from torchmigrate.rule import Example, Rule

@@ -8,7 +8,7 @@ from typing import List
 import libcst as cst
 
 from torchmigrate.finding import Edit, replace
-from torchmigrate.nodes import code, expr
+from torchmigrate.syntax.nodes import code, expr
 from torchmigrate.program.loaders import Loader, LoaderFacts, loader_facts
 from torchmigrate.rule import Rule
 from torchmigrate.rules.data.plan import DataPlan, data_plan

@@ -31,7 +31,7 @@ from typing import Dict, Optional, Set, Tuple
 
 import libcst as cst
 
-from torchmigrate.nodes import code
+from torchmigrate.syntax.nodes import code
 from torchmigrate.program.loaders import Loader, LoaderFacts, is_literal, is_pure, loader_facts
 
 _COMPREHENSIONS = (cst.ListComp, cst.SetComp, cst.DictComp, cst.GeneratorExp)

@@ -9,9 +9,9 @@ from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 import libcst as cst
 
-from torchmigrate.codegen import FastState
+from torchmigrate.syntax.codegen import FastState
 from torchmigrate.finding import replace
-from torchmigrate.nodes import code, expr, kwarg, shift_continuations
+from torchmigrate.syntax.nodes import code, expr, kwarg, shift_continuations
 from torchmigrate.program.loaders import PARAMS
 
 _EMPTY = cst.Module(body=[])  # code generation settings of `code()`

@@ -10,8 +10,8 @@ import libcst as cst
 
 from torchmigrate import analysis
 from torchmigrate.finding import Safety, replace
-from torchmigrate.imports import dotted
-from torchmigrate.nodes import code, expr
+from torchmigrate.syntax.imports import dotted
+from torchmigrate.syntax.nodes import code, expr
 from torchmigrate.program.facts import iterator_builders_of, training_text
 from torchmigrate.program.loaders import Loader
 from torchmigrate.rule import Example

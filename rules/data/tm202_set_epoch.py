@@ -8,11 +8,11 @@ from typing import Dict, List, Optional, Set, Tuple
 import libcst as cst
 
 from torchmigrate.finding import Safety, insert_after, insert_before
-from torchmigrate.nodes import code, stmt
+from torchmigrate.syntax.nodes import code, stmt
 from torchmigrate.program.loaders import TM_SET_EPOCH, Loader, bind_params, header_loop, is_pure, key_of, loops_of
 from torchmigrate.rule import Example
 from torchmigrate.rules.data.base import DataRule
-from torchmigrate.walk import child_nodes
+from torchmigrate.syntax.walk import child_nodes
 
 # Calls that read a loader without iterating it.
 _NON_CONSUMING = frozenset({"len", "print", "isinstance", "hasattr", "getattr", "type", "id", "str", "repr"})

@@ -5,8 +5,8 @@ from __future__ import annotations
 import libcst as cst
 
 from torchmigrate.finding import Safety, replace
-from torchmigrate.imports import dotted
-from torchmigrate.nodes import expr
+from torchmigrate.syntax.imports import dotted
+from torchmigrate.syntax.nodes import expr
 from torchmigrate.program.loaders import bind_args, is_literal
 from torchmigrate.rule import Example
 from torchmigrate.rules.data.base import DataRule

@@ -14,8 +14,8 @@ from typing import List, Optional
 import libcst as cst
 
 from torchmigrate import analysis
-from torchmigrate.imports import dotted, leading_import_anchor
-from torchmigrate.nodes import string_value
+from torchmigrate.syntax.imports import dotted, leading_import_anchor
+from torchmigrate.syntax.nodes import string_value
 from torchmigrate.options import RUNTIME_MODULE as RUNTIME
 from torchmigrate.rule import Context
 from torchmigrate.rules.launch.base import INIT_PG, LOCAL_RANK_FLAGS, SPAWN, option_strings

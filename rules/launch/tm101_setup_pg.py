@@ -9,7 +9,7 @@ import libcst as cst
 
 from torchmigrate import analysis
 from torchmigrate.finding import Safety, insert_after, insert_before, replace, replace_with, wrap
-from torchmigrate.nodes import arg, code, expr, kwarg, stmt, with_args
+from torchmigrate.syntax.nodes import arg, code, expr, kwarg, stmt, with_args
 from torchmigrate.program.loaders import DIST_SAMPLERS
 from torchmigrate.program.rank_guards import rank_guard_of
 from torchmigrate.rule import Context, Example, Rule

@@ -9,7 +9,7 @@ import libcst as cst
 
 from torchmigrate import analysis
 from torchmigrate.finding import Import, Safety, replace
-from torchmigrate.nodes import arg, code, expr, kwarg, string_value, with_args
+from torchmigrate.syntax.nodes import arg, code, expr, kwarg, string_value, with_args
 from torchmigrate.rule import Example, Rule
 from torchmigrate.rules.launch.base import LOCAL_RANK_FLAGS, option_strings
 

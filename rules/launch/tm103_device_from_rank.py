@@ -9,8 +9,8 @@ import libcst as cst
 
 from torchmigrate import analysis
 from torchmigrate.finding import Safety, insert_after, insert_before, remove, replace, replace_with
-from torchmigrate.imports import dotted
-from torchmigrate.nodes import arg, code, expr, kwarg, stmt, with_args
+from torchmigrate.syntax.imports import dotted
+from torchmigrate.syntax.nodes import arg, code, expr, kwarg, stmt, with_args
 from torchmigrate.options import RUNTIME_MODULE as RUNTIME
 from torchmigrate.program.ranks import rank_dependent
 from torchmigrate.rule import Context, Example, Rule

@@ -9,8 +9,8 @@ import libcst as cst
 
 from torchmigrate import analysis
 from torchmigrate.finding import Safety
-from torchmigrate.imports import dotted
-from torchmigrate.nodes import code
+from torchmigrate.syntax.imports import dotted
+from torchmigrate.syntax.nodes import code
 from torchmigrate.options import RUNTIME_MODULE as RUNTIME
 from torchmigrate.program.ranks import opposite_polarity, rank_polarity
 from torchmigrate.program.syntax import last_name

@@ -9,8 +9,8 @@ import libcst as cst
 
 from torchmigrate import analysis
 from torchmigrate.finding import Safety, remove, replace
-from torchmigrate.imports import dotted
-from torchmigrate.nodes import arg, code, expr, kwarg, with_args
+from torchmigrate.syntax.imports import dotted
+from torchmigrate.syntax.nodes import arg, code, expr, kwarg, with_args
 from torchmigrate.options import RUNTIME_MODULE as RUNTIME
 from torchmigrate.rule import Context, Example, Rule
 from torchmigrate.rules.launch.base import SEEDERS

@@ -8,8 +8,8 @@ import libcst as cst
 
 from torchmigrate import analysis
 from torchmigrate.finding import Safety, insert_after, replace
-from torchmigrate.imports import dotted
-from torchmigrate.nodes import set_kwarg
+from torchmigrate.syntax.imports import dotted
+from torchmigrate.syntax.nodes import set_kwarg
 from torchmigrate.rule import Example, Rule
 from torchmigrate.program.rank_guards import collective_guard
 from torchmigrate.rules._active import active

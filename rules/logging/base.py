@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import libcst as cst
 
-from torchmigrate.nodes import kwarg, set_kwarg
+from torchmigrate.syntax.nodes import kwarg, set_kwarg
 
 # Expressions that need parentheses as the operand of `or` or the branch of `x if c else y`.
 NEEDS_PARENS = (cst.IfExp, cst.Lambda, cst.NamedExpr, cst.Yield)

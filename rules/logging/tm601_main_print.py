@@ -9,8 +9,8 @@ import libcst as cst
 
 from torchmigrate import analysis
 from torchmigrate.finding import Safety, replace
-from torchmigrate.imports import dotted
-from torchmigrate.nodes import expr, keep_alignment, set_kwarg
+from torchmigrate.syntax.imports import dotted
+from torchmigrate.syntax.nodes import expr, keep_alignment, set_kwarg
 from torchmigrate.options import RUNTIME_MODULE as RUNTIME
 from torchmigrate.program.collectives import runs_user_code
 from torchmigrate.program.rank_guards import caller_guards, under_rank_guard

@@ -6,7 +6,7 @@ import libcst as cst
 
 from torchmigrate import analysis
 from torchmigrate.finding import Safety, replace
-from torchmigrate.nodes import expr, set_kwarg
+from torchmigrate.syntax.nodes import expr, set_kwarg
 from torchmigrate.program.loaders import TQDM_CALLS
 from torchmigrate.program.rank_guards import under_rank_guard
 from torchmigrate.program.ranks import rank_dependent

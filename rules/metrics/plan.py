@@ -15,7 +15,7 @@ from typing import Optional, Set
 
 import libcst as cst
 
-from torchmigrate.nodes import code
+from torchmigrate.syntax.nodes import code
 from torchmigrate.program.loaders import DIST_SAMPLERS, refs_at
 from torchmigrate.program.metrics import loader_expr
 from torchmigrate.rule import Context

@@ -14,7 +14,7 @@ import libcst as cst
 
 from torchmigrate import analysis
 from torchmigrate.finding import Safety, insert_after
-from torchmigrate.nodes import code
+from torchmigrate.syntax.nodes import code
 from torchmigrate.program.metrics import (events_after, initial_value, is_number, loader_loop, named_like_loader,
                                           reassigned_in)
 from torchmigrate.rule import Context, Example, Rule

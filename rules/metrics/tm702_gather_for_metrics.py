@@ -8,8 +8,8 @@ import libcst as cst
 
 from torchmigrate import analysis
 from torchmigrate.finding import Safety
-from torchmigrate.imports import dotted
-from torchmigrate.nodes import code
+from torchmigrate.syntax.imports import dotted
+from torchmigrate.syntax.nodes import code
 from torchmigrate.program.loaders import DATALOADERS
 from torchmigrate.program.metrics import binding_of, is_store, loader_loop, metric_name, source_index, starts_empty_list
 from torchmigrate.rule import Context, Example, Rule

@@ -9,8 +9,8 @@ import libcst as cst
 
 from torchmigrate import analysis
 from torchmigrate.finding import Safety, insert_after
-from torchmigrate.imports import dotted
-from torchmigrate.nodes import code
+from torchmigrate.syntax.imports import dotted
+from torchmigrate.syntax.nodes import code
 from torchmigrate.program.metrics import (binding_of, initial_value, is_load, leaves_early, loader_loop,
                                           reassigned_in, source_index, starts_empty_list)
 from torchmigrate.rule import Context, Example, Rule

@@ -10,8 +10,8 @@ from typing import Optional, Set
 import libcst as cst
 
 from torchmigrate.finding import replace
-from torchmigrate.imports import dotted
-from torchmigrate.nodes import expr, kwarg, with_args
+from torchmigrate.syntax.imports import dotted
+from torchmigrate.syntax.nodes import expr, kwarg, with_args
 from torchmigrate.rule import Context, Rule
 from torchmigrate.rules.model.plan import STATE_METHODS, Plan, plan
 

@@ -35,9 +35,9 @@ import libcst as cst
 
 from torchmigrate.analysis import Optimizer, _call_arg_for, calls_to, facts, is_distributed, model_root, optimizers
 from torchmigrate.finding import insert_before, replace
-from torchmigrate.imports import dotted
-from torchmigrate.nodes import arg as call_arg
-from torchmigrate.nodes import code, expr, set_kwarg, stmt
+from torchmigrate.syntax.imports import dotted
+from torchmigrate.syntax.nodes import arg as call_arg
+from torchmigrate.syntax.nodes import code, expr, set_kwarg, stmt
 from torchmigrate.program.models import assign_targets, functional_model, mentions, model_facts, strip_moves
 from torchmigrate.program.syntax import block_of
 from torchmigrate.program.training import training_facts

@@ -7,9 +7,9 @@ import re
 import libcst as cst
 
 from torchmigrate.finding import Safety, insert_after, insert_before, replace, replace_with
-from torchmigrate.imports import dotted
-from torchmigrate.nodes import arg as call_arg
-from torchmigrate.nodes import expr, kwarg, with_args
+from torchmigrate.syntax.imports import dotted
+from torchmigrate.syntax.nodes import arg as call_arg
+from torchmigrate.syntax.nodes import expr, kwarg, with_args
 from torchmigrate.program.models import DDP_CLASSES
 from torchmigrate.rule import Example
 from torchmigrate.rules.model.base import ModelRule, wrap_call

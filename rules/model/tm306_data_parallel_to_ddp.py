@@ -7,7 +7,7 @@ from typing import Dict, List, Set, Tuple
 import libcst as cst
 
 from torchmigrate.finding import Safety, insert_after, remove, replace
-from torchmigrate.nodes import expr
+from torchmigrate.syntax.nodes import expr
 from torchmigrate.rule import Example
 from torchmigrate.rules.model.base import ModelRule, report_rewrites, wrap_call
 from torchmigrate.program.models import strip_moves

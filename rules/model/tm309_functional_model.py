@@ -8,7 +8,7 @@ import libcst as cst
 
 from torchmigrate.analysis import optimizers
 from torchmigrate.finding import Safety, insert_before
-from torchmigrate.imports import dotted
+from torchmigrate.syntax.imports import dotted
 from torchmigrate.program.models import functional_model
 from torchmigrate.rule import Example
 from torchmigrate.rules.model.base import ModelRule

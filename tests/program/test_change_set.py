@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from torchmigrate import files
+from torchmigrate.engine import files
 
 PROJECT = Path(__file__).resolve().parents[2] / "fixtures" / "projects" / "data_eval_modules"
 

@@ -9,8 +9,8 @@ import textwrap
 import libcst as cst
 
 from torchmigrate import analysis
-from torchmigrate.engine import run_rules
-from torchmigrate.nodes import code
+from torchmigrate.engine.process import run_rules
+from torchmigrate.syntax.nodes import code
 from torchmigrate.program.checkpoints import (SAVES, feeds_state_dict, file_handle, follows_save, is_buffer,
                                               load_events, non_tensor_saved, path_text)
 from torchmigrate.program.writes import (early_return_check, existence_if, fetches, under_main_process_first,

@@ -9,8 +9,8 @@ import textwrap
 
 import libcst as cst
 
-from torchmigrate.engine import run_rules
-from torchmigrate.nodes import code
+from torchmigrate.engine.process import run_rules
+from torchmigrate.syntax.nodes import code
 from torchmigrate.program.forward_outputs import output_facts
 from torchmigrate.program.precision import apex_amp_calls
 from torchmigrate.program.training import training_facts

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import libcst as cst
 
-from torchmigrate.engine import run_rules
+from torchmigrate.engine.process import run_rules
 from torchmigrate.program.build import build
 from torchmigrate.program.loaders import header_loop, loader_facts, loops_of, refs_at
 from torchmigrate.rule import Options

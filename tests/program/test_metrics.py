@@ -8,8 +8,8 @@ import textwrap
 import libcst as cst
 
 from torchmigrate import analysis
-from torchmigrate.engine import run_rules
-from torchmigrate.nodes import code
+from torchmigrate.engine.process import run_rules
+from torchmigrate.syntax.nodes import code
 from torchmigrate.program.metrics import (events_after, initial_value, leaves_early, loader_expr, loader_loop,
                                           metric_name, reassigned_in, starts_empty_list)
 from torchmigrate.rule import Options

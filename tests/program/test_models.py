@@ -8,8 +8,8 @@ import textwrap
 
 import libcst as cst
 
-from torchmigrate.engine import run_rules
-from torchmigrate.nodes import code
+from torchmigrate.engine.process import run_rules
+from torchmigrate.syntax.nodes import code
 from torchmigrate.program.models import functional_model, model_facts
 from torchmigrate.rule import Options
 from torchmigrate.rules import select

@@ -9,8 +9,8 @@ import textwrap
 import libcst as cst
 import pytest
 
-from torchmigrate.engine import run_rules
-from torchmigrate.nodes import code
+from torchmigrate.engine.process import run_rules
+from torchmigrate.syntax.nodes import code
 from torchmigrate.program.collectives import is_collective, runs_user_code
 from torchmigrate.program.rank_guards import caller_guards, collective_guard, rank_guard_of, under_rank_guard
 from torchmigrate.program.ranks import rank_dependent, rank_polarity, rank_word

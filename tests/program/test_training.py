@@ -10,8 +10,8 @@ import textwrap
 import libcst as cst
 import pytest
 
-from torchmigrate.engine import run_rules
-from torchmigrate.nodes import code
+from torchmigrate.engine.process import run_rules
+from torchmigrate.syntax.nodes import code
 from torchmigrate.program.precision import apex_level, caller_dtype
 from torchmigrate.program.training import training_facts
 from torchmigrate.rule import Options

@@ -20,8 +20,8 @@ from typing import Dict, Iterable, List, Optional, Tuple
 
 import libcst as cst
 
-from torchmigrate.codegen import MarkingState, code_for, module_code
-from torchmigrate.layout import UNITS, Layout, Mismatch
+from torchmigrate.syntax.codegen import MarkingState, code_for, module_code
+from torchmigrate.syntax.layout import UNITS, Layout, Mismatch
 
 __all__ = ["positions_and_layout", "positions", "position_of", "regenerate", "code_for", "module_code"]
 

@@ -1,6 +1,6 @@
 """The checks of `torchmigrate verify`: plain functions over what each rank's probe recorded
-(`torchmigrate.verify_probe`) and what each rank printed. No torch here: the CLI process judges
-the records; only the children run the user's code.
+(`torchmigrate.cli.verify_probe`) and what each rank printed. No torch here: the CLI process
+judges the records; only the children run the user's code.
 
 Each check returns a `Check`: pass, fail or skip (nothing to judge, e.g. no checkpoint was saved),
 a one-line message a user can act on, the evidence lines and the user's `file:line` responsible.

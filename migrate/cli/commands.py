@@ -16,14 +16,15 @@ from typing import List, NoReturn, Optional
 
 import click
 
-from torchmigrate import __version__, formats, launchers, report
-from torchmigrate.config import ConfigError
-from torchmigrate.diff import colorize, use_color
-from torchmigrate.inputs import Inputs, Request, gather
+from torchmigrate import __version__, launchers
+from torchmigrate.cli import formats, report
+from torchmigrate.cli.config import ConfigError
+from torchmigrate.cli.diff import colorize, use_color
+from torchmigrate.cli.inputs import Inputs, Request, gather
+from torchmigrate.cli.settings import Selection, split
+from torchmigrate.engine.runner import (AUTO_JOBS_MIN_FILES, VENDORED_NAME, Job, Outcome, Progress, auto_jobs,
+                                        process_file, run, write_together)
 from torchmigrate.options import RUNTIME_MODULE, Options
-from torchmigrate.runner import (AUTO_JOBS_MIN_FILES, VENDORED_NAME, Job, Outcome, Progress, auto_jobs, process_file,
-                                 run, write_together)
-from torchmigrate.settings import Selection, split
 
 AMP_CHOICES = ("auto", "bf16", "fp16", "off")
 
@@ -44,7 +45,7 @@ def _fail(message: str) -> NoReturn:
 
 
 def _rule_names():
-    from torchmigrate.catalogue import all_rules
+    from torchmigrate.cli.catalogue import all_rules
 
     return {r.code: r.name for r in all_rules()}
 
@@ -146,7 +147,7 @@ class _Commands(click.Group):
 
     def get_command(self, ctx, name):
         if name == "verify":
-            from torchmigrate.verify import command
+            from torchmigrate.cli.verify import command
 
             return command
         return super().get_command(ctx, name)
@@ -346,7 +347,7 @@ def lint(paths, fix, unsafe_fixes, diff, show_fixes, fmt, exit_zero, statistics,
     torchmigrate.toml (the closest one above each file). `-` as the path reads the source from
     stdin; with --fix the fixed source goes to stdout and the findings to stderr.
     """
-    from torchmigrate import cache as lint_cache
+    from torchmigrate.engine import cache as lint_cache
 
     # json and sarif carry each fix's edits, which the cache does not keep: those runs compute
     cache = None if paths == ("-",) or stdin_filename or (fmt in ("json", "sarif") and not statistics) \
@@ -397,7 +398,7 @@ def _lint_diff(outcomes: List[Outcome], show_fixes: bool, unsafe_fixes: bool, er
 
 
 def _lint_report(outcomes, codes, fmt, statistics, fix, unsafe_fixes, show_fixes, err: bool) -> None:
-    from torchmigrate.catalogue import get_rule
+    from torchmigrate.cli.catalogue import get_rule
 
     rules = [get_rule(code) for code in codes]
     if statistics:
@@ -447,7 +448,7 @@ def list_rules(fmt):
 @click.argument("code")
 def explain(code):
     """Print a rule's documentation with its before/after example."""
-    from torchmigrate.explain import render
+    from torchmigrate.cli.explain import render
     from torchmigrate.rules import get_rule
 
     try:

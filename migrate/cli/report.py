@@ -11,8 +11,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-from torchmigrate.formats import error_lines
-from torchmigrate.outcome import Outcome
+from torchmigrate.cli.formats import error_lines
+from torchmigrate.engine.outcome import Outcome
 
 __all__ = ["error_lines", "target_problem", "write", "migration_summary", "migration_text", "migration_json",
            "summary_line", "not_done"]

@@ -17,8 +17,8 @@ import stat
 from pathlib import Path
 from typing import Iterable, Iterator, List, Optional, Tuple
 
-from torchmigrate.config import Configs, absolute
-from torchmigrate.ignore import IgnoreFiles, Patterns
+from torchmigrate.cli.config import Configs, absolute
+from torchmigrate.cli.ignore import IgnoreFiles, Patterns
 
 SKIP_DIRS = {
     ".git", ".hg", ".svn", "__pycache__", "build", "dist", ".venv", "venv", "env", ".env",

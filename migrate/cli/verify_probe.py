@@ -1,11 +1,11 @@
 """The probe `torchmigrate verify` runs each torchrun worker through:
-`python -m torchmigrate.verify_probe SCRIPT ARGS...` (only ever in the child processes; this module
-imports torch, the CLI never imports it).
+`python -m torchmigrate.cli.verify_probe SCRIPT ARGS...` (only ever in the child processes; this
+module imports torch, the CLI never imports it).
 
 It patches torch and `open` before the script runs, then runs the script as `__main__` (like
 `python SCRIPT`), so nothing is written into the user's files. It records what the checks in
-`torchmigrate.verify_checks` judge, and writes `rank<R>.json` into `$TM_VERIFY_DIR` when the script
-ends, however it ends:
+`torchmigrate.cli.verify_checks` judge, and writes `rank<R>.json` into `$TM_VERIFY_DIR` when the
+script ends, however it ends:
 - the indices every DataLoader iteration draws (its whole epoch, read from the sampler before the
   first batch) and how many optimizer steps ran while it was the loader being read; a loader read
   while optimizers step is a training loader;

@@ -24,7 +24,7 @@ from typing import Dict, List, Optional, Tuple
 
 import libcst as cst
 
-from torchmigrate.codegen import Done, PartialState
+from torchmigrate.syntax.codegen import Done, PartialState
 
 # LibCST compound statement -> the ast node types it parses to.
 _COMPOUND = {

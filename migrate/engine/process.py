@@ -18,16 +18,16 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import libcst as cst
 
-from torchmigrate.apply import apply_edits
+from torchmigrate.engine.apply import apply_edits
+from torchmigrate.engine.suppress import Suppressions
+from torchmigrate.engine.textedits import TextEdit, text_edits
 from torchmigrate.errors import InputError
 from torchmigrate.finding import Edit, EditKind, Finding, Safety
-from torchmigrate.layout import statement_lines
-from torchmigrate.positions import positions_and_layout, regenerate
 from torchmigrate.program.view import ModuleView
 from torchmigrate.rule import Context, Options, RuleType
-from torchmigrate.suppress import Suppressions
-from torchmigrate.textedits import TextEdit, text_edits
-from torchmigrate.walk import walk
+from torchmigrate.syntax.layout import statement_lines
+from torchmigrate.syntax.positions import positions_and_layout, regenerate
+from torchmigrate.syntax.walk import walk
 
 # Cheap prefilter: a file that never mentions these cannot need a change.
 PREFILTER = ("torch", "apex")
@@ -220,7 +220,7 @@ def _managing_framework(ctx: Context):
 
 
 def _root_of(node) -> str:
-    from torchmigrate.imports import dotted
+    from torchmigrate.syntax.imports import dotted
 
     if isinstance(node, cst.ImportFrom) and node.module is not None and not node.relative:
         return (dotted(node.module) or "").split(".")[0]

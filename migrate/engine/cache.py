@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from torchmigrate.outcome import Outcome, Record
+from torchmigrate.engine.outcome import Outcome, Record
 from torchmigrate.program.fs import Realpaths, digest
 
 FORMAT = "1"  # the layout of entries; bump when it changes
@@ -176,7 +176,7 @@ def find_pyproject(start: Path) -> Optional[Path]:
 def open_for_lint(option: Optional[str], paths: Sequence[str]) -> Optional["LintCache"]:
     """The cache of a lint run (`option`: `--cache-dir`, "" for the default, None for
     `--no-cache`); the rule catalogue is kept in it too."""
-    from torchmigrate import catalogue
+    from torchmigrate.cli import catalogue
 
     cache = None if option is None else LintCache(location(option, paths))
     catalogue.use(cache.store if cache is not None else None)

@@ -14,11 +14,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO, Callable, Dict, List, Optional, Sequence, Tuple
 
-from torchmigrate import files
-from torchmigrate.diff import unified_diff
+from torchmigrate.cli.diff import unified_diff
+from torchmigrate.engine import files
+from torchmigrate.engine.outcome import Outcome, Record
 from torchmigrate.errors import InputError
 from torchmigrate.options import Options
-from torchmigrate.outcome import Outcome, Record
 from torchmigrate.program.view import ModuleView
 
 VENDORED_NAME = "torchmigrate_runtime.py"
@@ -54,7 +54,7 @@ def process_file(path: str, job: Job, given: Optional[files.Decoded] = None) -> 
     """Process one file (`given`: its source, read from stdin). Never raises: any failure
     becomes `outcome.error` and the file is left as it was, so one bad file never stops the
     others."""
-    from torchmigrate.engine import process_source  # LibCST: only when a file is processed
+    from torchmigrate.engine.process import process_source  # LibCST: only when a file is processed
     from torchmigrate.rules import get_rule
 
     outcome = Outcome(path)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
-from torchmigrate.textedits import TextEdit
+from torchmigrate.engine.textedits import TextEdit
 
 
 @dataclass(frozen=True)

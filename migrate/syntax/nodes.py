@@ -11,8 +11,8 @@ from typing import Callable, Optional, Sequence
 
 import libcst as cst
 
-from torchmigrate.positions import code_for
-from torchmigrate.walk import child_nodes
+from torchmigrate.syntax.positions import code_for
+from torchmigrate.syntax.walk import child_nodes
 
 _EMPTY = cst.Module(body=[])
 

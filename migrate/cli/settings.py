@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Optional, Sequence, Tuple
 
-from torchmigrate.config import Config, ConfigError, Configs
+from torchmigrate.cli.config import Config, ConfigError, Configs
 from torchmigrate.options import COMMANDS
 
 HINT = "use codes such as TM201, prefixes such as TM2, or rule names; see `torchmigrate rules`"
@@ -52,7 +52,7 @@ def _check(selectors: Sequence[str], where: str, command: Optional[str] = None) 
 
 def enabled(command: str, layers: Sequence[Tuple[Sequence[str], Sequence[str], Sequence[str]]]) -> Tuple[str, ...]:
     """The codes of `command`'s rules enabled by layers of (select, extend-select, ignore)."""
-    from torchmigrate.catalogue import all_rules  # cached descriptions on a warm lint
+    from torchmigrate.cli.catalogue import all_rules  # cached descriptions on a warm lint
     from torchmigrate.rules import matches
 
     rules = [r for r in all_rules() if command in r.commands]

@@ -14,12 +14,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence, Tuple
 
-from torchmigrate.config import ConfigError, Configs
-from torchmigrate.discover import Discovery
+from torchmigrate.cli.config import ConfigError, Configs
+from torchmigrate.cli.discover import Discovery
+from torchmigrate.cli.settings import Selection, Settings
+from torchmigrate.engine.files import Decoded, decode
+from torchmigrate.engine.runner import Outcome, path_error
 from torchmigrate.errors import InputError
-from torchmigrate.files import Decoded, decode
-from torchmigrate.runner import Outcome, path_error
-from torchmigrate.settings import Selection, Settings
 
 if TYPE_CHECKING:
     from torchmigrate.program.build import Program

@@ -13,8 +13,8 @@ from typing import Dict, Iterable, List, Sequence, Set
 import libcst as cst
 
 from torchmigrate.finding import Edit, EditKind, Import
-from torchmigrate.imports import ImportTable, leading_import_anchor
-from torchmigrate.walk import child_fields
+from torchmigrate.syntax.imports import ImportTable, leading_import_anchor
+from torchmigrate.syntax.walk import child_fields
 
 TODO_PREFIX = "# TODO(torchmigrate): "
 

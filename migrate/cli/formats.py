@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Type
 
 from torchmigrate import __version__
-from torchmigrate.outcome import Outcome, Record
+from torchmigrate.engine.outcome import Outcome, Record
 
 if TYPE_CHECKING:  # rules are classes or their cached descriptions (see `catalogue`); no LibCST here
     from torchmigrate.rule import Rule

@@ -1,8 +1,9 @@
 """`torchmigrate verify`: run a training script on N ranks under torchrun and say what is wrong.
 
-This side never imports torch: it starts `python -m torch.distributed.run` as a child process with
-every worker running the script through the probe (`python -m torchmigrate.verify_probe SCRIPT`),
-reads back what each rank recorded and printed, and judges it with `torchmigrate.verify_checks`.
+This side never imports torch: it starts `python -m torch.distributed.run` as a child process
+with every worker running the script through the probe
+(`python -m torchmigrate.cli.verify_probe SCRIPT`), reads back what each rank recorded and
+printed, and judges it with `torchmigrate.cli.verify_checks`.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from typing import List, Optional, Sequence
 
 import click
 
-from torchmigrate import verify_checks
-from torchmigrate.verify_checks import FAIL, Run
+from torchmigrate.cli import verify_checks
+from torchmigrate.cli.verify_checks import FAIL, Run
 
 # A known PyTorch teardown race: a gloo rank aborts at interpreter exit after everything ran; it is
 # not the script's fault, so such a launch is run once more (as the test suite's launcher does).
@@ -63,7 +64,8 @@ def _launch(options: Options, args: Sequence[str], extra_env: Optional[dict], fo
     records, logs = os.path.join(folder, "records"), os.path.join(folder, "logs")
     os.makedirs(records)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={options.nproc}",
-           "--redirects", "3", "--log-dir", logs, "-m", "torchmigrate.verify_probe", str(options.script), *args]
+           "--redirects", "3", "--log-dir", logs, "-m", "torchmigrate.cli.verify_probe", str(options.script),
+           *args]
     proc = subprocess.Popen(cmd, env=_env(options, records, extra_env), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     timed_out = False
