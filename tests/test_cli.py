@@ -193,6 +193,20 @@ def test_config_select_ignore_exclude(tmp_path, run_cli, monkeypatch):
     assert run_cli("lint", ".").exit_code == 2
 
 
+def test_a_bad_settings_file_beside_the_program_is_a_clear_error(tmp_path, run_cli):
+    """`ddp train.py` also looks for launch files in the project's folders; a settings file
+    there that cannot be read stops the run with its message (exit 2, no traceback), before
+    anything is written."""
+    source = "import torch\nprint(torch.zeros(1))\n"
+    (tmp_path / "train.py").write_text(source)
+    (tmp_path / "tools" / "scripts").mkdir(parents=True)
+    (tmp_path / "tools" / "pyproject.toml").write_text("[tool.torchmigrate]\nbogus = 1\n")
+    result = run_cli("ddp", tmp_path / "train.py")
+    assert result.exit_code == 2, result.output
+    assert "unknown keys: bogus" in result.output and "Traceback" not in result.output
+    assert (tmp_path / "train.py").read_text() == source
+
+
 def test_suppressions(tmp_path, run_cli):
     path = tmp_path / "t.py"
     path.write_text("from torch.cuda.amp import autocast  # torchmigrate: ignore[TM406]\n")

@@ -58,6 +58,16 @@ def _gather(command: str, paths, select, extend_select, ignore, amp: Optional[st
         _fail(str(exc))
 
 
+def _launch_files(paths, inputs: Inputs, around_scripts: bool) -> List[Path]:
+    """The shell scripts, Makefiles and READMEs to check beside the Python files. A settings
+    file met on the way that cannot be read is an error (exit 2), as it is in discovery, and
+    comes before anything is written."""
+    try:
+        return launchers.files_for(paths, inputs.codes, inputs.left_out, around_scripts=around_scripts)
+    except ConfigError as exc:
+        _fail(str(exc))
+
+
 def _run_files(files: List[Path], job: Job, jobs: int) -> List[Outcome]:
     """Run the job over these files (all of a run's, or the lint cache's misses); a progress bar
     goes to stderr on a terminal for long runs."""
@@ -219,8 +229,7 @@ def _migrate(command: str, paths, dry_run: bool, check: bool, amp: Optional[str]
     # the program summary judges DDP only when the rules that make it are on for every file
     whole = command == "ddp" and all({"TM201", "TM301"} <= set(codes) for codes, _ in inputs.per_file.values())
     program = inputs.program
-    launch_files = [] if inputs.reads_stdin else launchers.files_for(paths, inputs.codes, inputs.left_out,
-                                                                      around_scripts=True)
+    launch_files = [] if inputs.reads_stdin else _launch_files(paths, inputs, around_scripts=True)
     job = Job(options, inputs.codes, write=write, want_diff=dry_run, vendor_runtime=vendor,
               program=(program.views or None) if program else None,
               together=write and (len(inputs.files) > 1 or bool(launch_files) or whole), per_file=inputs.per_file,
@@ -369,7 +378,7 @@ def lint(paths, fix, unsafe_fixes, diff, show_fixes, fmt, exit_zero, statistics,
     else:
         outcomes = _run(inputs, job, jobs)
     if not inputs.reads_stdin:
-        launch_files = launchers.files_for(paths, inputs.codes, inputs.left_out, around_scripts=False)
+        launch_files = _launch_files(paths, inputs, around_scripts=False)
         outcomes += launchers.run(launch_files, inputs.files, paths,
                                   launchers.Settings("lint", apply=fix and not diff, write=fix and not diff), outcomes)
     errors = _echo_errors(outcomes)
