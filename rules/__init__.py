@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 import re
 import pkgutil
-from typing import TYPE_CHECKING, Dict, Iterable, List, Optional, Sequence, Type
+from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Type
 
 if TYPE_CHECKING:
     from torchmigrate.rule import Rule
@@ -63,15 +63,6 @@ def matches(rule: Type[Rule], selector: str) -> bool:
     """A selector is a code or code prefix (`TM`, `TM2`, `TM406`, any case) or a rule name."""
     selector = selector.strip()
     return bool(_PREFIX.match(selector)) and rule.code.startswith(selector.upper()) or rule.name == selector
-
-
-def unknown(selectors: Iterable[str], command: Optional[str] = None) -> List[str]:
-    """The selectors that select no rule (of `command`, when given): a typo such as TM210 or
-    TM999 would otherwise select nothing and report a clean run."""
-    from torchmigrate.cli.catalogue import all_rules as known  # cached descriptions on a warm lint
-
-    rules = [r for r in known() if command is None or command in r.commands]
-    return [s for s in selectors if not any(matches(r, s) for r in rules)]
 
 
 def select(codes=(), ignore=(), command: str = "lint", rules: Optional[Sequence] = None) -> List[Type["Rule"]]:

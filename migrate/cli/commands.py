@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import replace
+from pathlib import Path
 from typing import List, NoReturn, Optional
 
 import click
@@ -356,12 +357,14 @@ def lint(paths, fix, unsafe_fixes, diff, show_fixes, fmt, exit_zero, statistics,
     torchmigrate.toml (the closest one above each file). `-` as the path reads the source from
     stdin; with --fix the fixed source goes to stdout and the findings to stderr.
     """
+    from torchmigrate.cli import catalogue
     from torchmigrate.engine import cache as lint_cache
 
     # json and sarif carry each fix's edits, which the cache does not keep: those runs compute
     cache = None if paths == ("-",) or stdin_filename or (fmt in ("json", "sarif") and not statistics) \
         else lint_cache.open_for_lint(
         None if no_cache else cache_dir or "", paths)
+    catalogue.use(cache.store if cache is not None else None)
     inputs = _gather("lint", paths, select, extend_select, ignore, None, _common(
         config, force_exclude, respect_gitignore, stdin_filename, follow), cache=cache)
     fix = fix or diff

@@ -1,4 +1,5 @@
-"""Unified diffs for `--dry-run`, coloured only when the output is a terminal."""
+"""The colours of `--dry-run` diffs, only when the output is a terminal (the diffs themselves:
+`engine.textedits.unified_diff`)."""
 
 from __future__ import annotations
 
@@ -7,20 +8,6 @@ import sys
 from typing import IO, Optional
 
 import click
-
-
-def unified_diff(old: str, new: str, path: str) -> str:
-    import difflib  # only when there is a diff to show
-
-    prefix = ("", "") if os.path.isabs(path) else ("a/", "b/")
-    lines = difflib.unified_diff(
-        old.splitlines(keepends=True), new.splitlines(keepends=True),
-        fromfile=f"{prefix[0]}{path}", tofile=f"{prefix[1]}{path}",
-    )
-    out = []
-    for line in lines:
-        out.append(line if line.endswith("\n") else line + "\n\\ No newline at end of file\n")
-    return "".join(out)
 
 
 def use_color(stream: Optional[IO] = None) -> bool:

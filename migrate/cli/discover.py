@@ -19,17 +19,7 @@ from typing import Iterable, Iterator, List, Optional, Tuple
 
 from torchmigrate.cli.config import Configs, absolute
 from torchmigrate.cli.ignore import IgnoreFiles, Patterns
-
-SKIP_DIRS = {
-    ".git", ".hg", ".svn", "__pycache__", "build", "dist", ".venv", "venv", "env", ".env",
-    ".tox", ".nox", ".mypy_cache", ".pytest_cache", ".ruff_cache", "site-packages",
-    "node_modules", ".eggs", ".torchmigrate_cache",
-}
-
-
-def _is_virtualenv(path: Path) -> bool:
-    return (path / "pyvenv.cfg").exists()
-
+from torchmigrate.program.fs import SKIP_DIRS, is_virtualenv
 
 class Discovery:
     """Finds the files to process and answers whether a path is left out."""
@@ -107,7 +97,7 @@ class Discovery:
             dirnames[:] = sorted(
                 d for d in dirnames
                 if d not in SKIP_DIRS and not d.endswith(".egg-info")
-                and not _is_virtualenv(base / d) and not self.left_out(base / d, is_dir=True)
+                and not is_virtualenv(base / d) and not self.left_out(base / d, is_dir=True)
             )
             for name in sorted(filenames):
                 if name.endswith(".py"):

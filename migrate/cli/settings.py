@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 from torchmigrate.cli.config import Config, ConfigError, Configs
 from torchmigrate.options import COMMANDS
@@ -36,16 +36,24 @@ class Selection:
     ignore: Tuple[str, ...] = ()
 
 
-def _check(selectors: Sequence[str], where: str, command: Optional[str] = None) -> None:
-    from torchmigrate.rules import unknown
+def _unknown(selectors: Iterable[str], command: Optional[str] = None) -> List[str]:
+    """The selectors that select no rule (of `command`, when given): a typo such as TM210 or
+    TM999 would otherwise select nothing and report a clean run."""
+    from torchmigrate.cli.catalogue import all_rules  # cached descriptions on a warm lint
+    from torchmigrate.rules import matches
 
-    bad = unknown(selectors)
+    rules = [r for r in all_rules() if command is None or command in r.commands]
+    return [s for s in selectors if not any(matches(r, s) for r in rules)]
+
+
+def _check(selectors: Sequence[str], where: str, command: Optional[str] = None) -> None:
+    bad = _unknown(selectors)
     if bad:
         raise ConfigError(f"{where}: unknown rule selector {', '.join(map(repr, bad))} ({HINT})")
     if command is None:
         return
-    for selector in unknown(selectors, command):
-        runs_in = [f"torchmigrate {c}" for c in COMMANDS if not unknown([selector], c)]
+    for selector in _unknown(selectors, command):
+        runs_in = [f"torchmigrate {c}" for c in COMMANDS if not _unknown([selector], c)]
         raise ConfigError(f"{where}: {selector!r} selects no rule that `torchmigrate {command}` runs "
                           f"(only rules of {' and '.join(runs_in)})")
 

@@ -175,12 +175,8 @@ def find_pyproject(start: Path) -> Optional[Path]:
 
 def open_for_lint(option: Optional[str], paths: Sequence[str]) -> Optional["LintCache"]:
     """The cache of a lint run (`option`: `--cache-dir`, "" for the default, None for
-    `--no-cache`); the rule catalogue is kept in it too."""
-    from torchmigrate.cli import catalogue
-
-    cache = None if option is None else LintCache(location(option, paths))
-    catalogue.use(cache.store if cache is not None else None)
-    return cache
+    `--no-cache`); the CLI keeps its rule catalogue in its store too (`catalogue.use`)."""
+    return None if option is None else LintCache(location(option, paths))
 
 
 class Store:

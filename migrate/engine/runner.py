@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO, Callable, Dict, List, Optional, Sequence, Tuple
 
-from torchmigrate.cli.diff import unified_diff
+from torchmigrate.engine.textedits import unified_diff
 from torchmigrate.engine import files
 from torchmigrate.engine.outcome import Outcome, Record
 from torchmigrate.errors import InputError

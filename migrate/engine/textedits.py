@@ -1,4 +1,5 @@
-"""A fix as text replacements (what `lint --format json/sarif` hand to editors and bots).
+"""A fix as text replacements (what `lint --format json/sarif` hand to editors and bots), and
+the unified diff of a changed file (`--dry-run`).
 
 Fixes are made on the syntax tree, so the replacements are read off the source before and
 after the fix: the changed runs of lines (difflib), each trimmed to the characters that differ.
@@ -6,6 +7,7 @@ after the fix: the changed runs of lines (difflib), each trimmed to the characte
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from typing import List, Tuple
@@ -70,3 +72,17 @@ def _position(text: str, offset: int, first_line: int) -> Tuple[int, int]:
     if not head or head[-1].endswith(("\n", "\r")):
         return first_line + len(head), 0
     return first_line + len(head) - 1, len(head[-1])
+
+
+def unified_diff(old: str, new: str, path: str) -> str:
+    import difflib  # only when there is a diff to show
+
+    prefix = ("", "") if os.path.isabs(path) else ("a/", "b/")
+    lines = difflib.unified_diff(
+        old.splitlines(keepends=True), new.splitlines(keepends=True),
+        fromfile=f"{prefix[0]}{path}", tofile=f"{prefix[1]}{path}",
+    )
+    out = []
+    for line in lines:
+        out.append(line if line.endswith("\n") else line + "\n\\ No newline at end of file\n")
+    return "".join(out)

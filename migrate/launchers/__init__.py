@@ -16,7 +16,7 @@ from pathlib import Path, PurePath
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
-from torchmigrate.cli.discover import SKIP_DIRS, _is_virtualenv
+from torchmigrate.program.fs import SKIP_DIRS, is_virtualenv
 from torchmigrate.engine.outcome import Outcome
 
 CODE = "TM801"
@@ -80,7 +80,7 @@ def _walk(root: Path, exclude: Callable[[Path], bool]) -> Iterable[Path]:
         dirnames[:] = sorted(
             d for d in dirnames
             if d not in SKIP_DIRS and not d.startswith(".") and not d.endswith(".egg-info")
-            and not _is_virtualenv(base / d) and not exclude(base / d))
+            and not is_virtualenv(base / d) and not exclude(base / d))
         for name in sorted(filenames):
             if name in MAKEFILE_NAMES or os.path.splitext(name)[1].lower() in SUFFIXES:
                 path = base / name

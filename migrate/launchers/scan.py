@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePath
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
-from torchmigrate.cli.diff import unified_diff
+from torchmigrate.engine.textedits import unified_diff
 from torchmigrate.engine import files
 from torchmigrate.engine.outcome import Outcome, Record
 from torchmigrate.errors import InputError

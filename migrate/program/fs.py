@@ -22,6 +22,19 @@ except ImportError:  # pragma: no cover - a Python built without it
     from hashlib import blake2b
 
 
+# folders no walk enters (version control, caches, builds, virtualenvs by their usual names)
+SKIP_DIRS = {
+    ".git", ".hg", ".svn", "__pycache__", "build", "dist", ".venv", "venv", "env", ".env",
+    ".tox", ".nox", ".mypy_cache", ".pytest_cache", ".ruff_cache", "site-packages",
+    "node_modules", ".eggs", ".torchmigrate_cache",
+}
+
+
+def is_virtualenv(path: Path) -> bool:
+    """A virtualenv's folder (it has `pyvenv.cfg`): installed code, never walked."""
+    return (path / "pyvenv.cfg").exists()
+
+
 def digest(data: bytes) -> str:
     """The content hash the cache keys on (BLAKE2b, 128 bits: fast, no practical collision)."""
     return blake2b(data, digest_size=16).hexdigest()

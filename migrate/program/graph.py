@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
-from torchmigrate.cli.discover import SKIP_DIRS
+from torchmigrate.program.fs import SKIP_DIRS
 from torchmigrate.program.fs import PLAIN, FileSystem
 
 _STDLIB = frozenset(getattr(sys, "stdlib_module_names", ())) | {"__future__"}  # Python >= 3.10

@@ -82,12 +82,12 @@ def _binds_on_every_path(node: cst.If, name: str) -> bool:
     """Every branch of the `if` (an `else` included) assigns `name` in its own block, or holds
     an `if` that does."""
     def block_binds(block: cst.BaseSuite) -> bool:
-        for stmt in getattr(block, "body", ()):
-            if isinstance(stmt, cst.SimpleStatementLine):
-                for small in stmt.body:
+        for statement in getattr(block, "body", ()):
+            if isinstance(statement, cst.SimpleStatementLine):
+                for small in statement.body:
                     if isinstance(small, cst.Assign) and any(dotted(t.target) == name for t in small.targets):
                         return True
-            elif isinstance(stmt, cst.If) and _binds_on_every_path(stmt, name):
+            elif isinstance(statement, cst.If) and _binds_on_every_path(statement, name):
                 return True
         return False
 
