@@ -428,6 +428,13 @@ class TrainingFacts:
             return forward[-1]
         return start
 
+    def forward_span(self, last: cst.CSTNode) -> List[cst.CSTNode]:
+        """The statements of `last`'s block from `forward_start(last)` to `last` (a loss
+        definition): the forward and the loss of one training step."""
+        _, body = block_of(self.ctx, last)
+        body = list(body)
+        return body[body.index(self.forward_start(last)): body.index(last) + 1]
+
     def calls_model(self, statement: cst.CSTNode) -> bool:
         """`statement` calls a model (`model_call`)."""
         return any(self.model_call(call) for call in calls_in(self.ctx, statement))
@@ -490,20 +497,37 @@ class TrainingFacts:
             return False
         if analysis.model_root(name) in models:  # a trained model: its forward, or a loss method
             return isinstance(func, cst.Attribute) and _loss_named(func.attr.value)
-        functions = {n for n, d in self.facts.functions.items() if class_of(self.ctx, d) is None}
-        if name in functions or name in self.ctx.program.own_functions:
+        functions, classes, instances = self._own_code()
+        if name in functions:
             return True
         if isinstance(func, cst.Attribute) and name.count(".") == 1 and name.split(".")[0] in ("self", "cls"):
             klass = self.ctx.enclosing(call, cst.ClassDef)
             if klass is not None and _loss_named(func.attr.value) and any(
                     isinstance(d, cst.FunctionDef) and d.name.value == func.attr.value for d in klass.body.body):
                 return True
-        classes = set(self.facts.classes) | self.ctx.program.own_classes
         if name in classes:
             return _loss_named(name)
-        return any(isinstance(a.value, cst.Call) and (dotted(a.value.func) or "") in classes
-                   and (_loss_named(name) or _loss_named(dotted(a.value.func) or ""))
-                   and any(dotted(t.target) == name for t in a.targets) for a in self.facts.assigns)
+        return any(_loss_named(name) or _loss_named(klass) for klass in instances.get(name, ()))
+
+    def _own_code(self) -> Tuple[Set[str], Set[str], Dict[str, List[str]]]:
+        """The program's functions and classes as this file spells them (module-level ones of
+        this file too), and the names this file binds to an instance of one of those classes ->
+        the classes (`criterion = FocalLoss()`, `self.criterion = losses.Dice()`)."""
+        cached = getattr(self, "_own", None)
+        if cached is None:
+            functions = {n for n, d in self.facts.functions.items() if class_of(self.ctx, d) is None}
+            functions |= self.ctx.program.own_functions
+            classes = set(self.facts.classes) | self.ctx.program.own_classes
+            instances: Dict[str, List[str]] = {}
+            for a in self.facts.assigns:
+                klass = dotted(a.value.func) if isinstance(a.value, cst.Call) else None
+                if klass in classes:
+                    for t in a.targets:
+                        target = dotted(t.target)
+                        if target:
+                            instances.setdefault(target, []).append(klass)
+            cached = self._own = (functions, classes, instances)
+        return cached
 
     def file_bindings(self) -> Set[str]:
         """First parts of every name the file binds (assignments, loop and `with` targets,

@@ -589,10 +589,10 @@ class _Planner:
                 continue
             if last is None or self.training.covered(last) or last in self.training.autocast_set:
                 continue
-            first = self.training.forward_start(last)
+            span = self.training.forward_span(last)
+            first, last = span[0], self.before_own_loss(span)
             block, body = block_of(ctx, first)
             body = list(body)
-            last = self.before_own_loss(body[body.index(first): body.index(last) + 1])
             if last is None:
                 continue  # no forward before the project's loss (it is under autocast already)
             raw.setdefault(block, []).append((body.index(first), body.index(last), site))

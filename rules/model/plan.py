@@ -39,7 +39,6 @@ from torchmigrate.syntax.imports import dotted
 from torchmigrate.syntax.nodes import arg as call_arg
 from torchmigrate.syntax.nodes import code, expr, set_kwarg, stmt
 from torchmigrate.program.models import assign_targets, functional_model, mentions, model_facts, strip_moves
-from torchmigrate.program.syntax import block_of
 from torchmigrate.program.training import training_facts
 from torchmigrate.rule import Context
 from torchmigrate.rules.launch import creates_own_group, legacy_launch
@@ -1343,11 +1342,7 @@ class Plan:
             training, found = training_facts(self.ctx), {}
             for site in training.sites:
                 last, _ = training.loss_definition(site)
-                chain = [site.statement]
-                if last is not None:
-                    _, body = block_of(self.ctx, last)
-                    body = list(body)
-                    chain = body[body.index(training.forward_start(last)): body.index(last) + 1] + chain
+                chain = ([] if last is None else training.forward_span(last)) + [site.statement]
                 for statement in chain:
                     found.setdefault(statement, chain)
             self._memo[key] = found
