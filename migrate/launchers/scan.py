@@ -192,9 +192,7 @@ class _Scanner:
         old_rank = None if launch.option("--use-env") else self._old_local_rank(target)
         if old_rank is not None:
             self._report(where, f"starts {name} with torch.distributed.launch, which passes --local-rank, "
-                         f"but {name}:{old_rank} parses --local_rank without reading LOCAL_RANK: under torchrun every "
-                         f"process would keep the default. Fix it first (TM102: `torchmigrate lint --select TM102 --fix "
-                         f"{name}`), then use `{new}`")
+                         f"but {_unfixed_rank(name, old_rank)}, then use `{new}`")
             return []
         self._report(where, f"starts {name} with the deprecated torch.distributed.launch (it passes "
                      f"--local-rank; the migrated program runs under torchrun): `{new}`", fix=True)
@@ -238,9 +236,7 @@ class _Scanner:
         old_rank = self._old_local_rank(target) if plan.local_rank else None
         if old_rank is not None:
             self._report(where, f"starts the ranks of {name} by hand (a loop) with --local_rank, but "
-                         f"{name}:{old_rank} parses --local_rank without reading LOCAL_RANK: under torchrun every "
-                         f"process would keep the default. Fix it first (TM102: `torchmigrate lint --select TM102 "
-                         f"--fix {name}`), then replace the loop with `{plan.command}`")
+                         f"{_unfixed_rank(name, old_rank)}, then replace the loop with `{plan.command}`")
             return []
         self._report(where, f"starts the ranks of {name} by hand ({plan.count} background processes in a loop): "
                      f"one torchrun command starts the same processes, `{plan.command}`", fix=True)
@@ -333,3 +329,10 @@ def link_groups(groups: Sequence[Sequence[str]], links: Dict[str, List[str]]) ->
     for x in list(parent):
         members.setdefault(root(x), []).append(x)
     return [m for m in members.values() if len(m) > 1]
+
+
+def _unfixed_rank(name: str, line: int) -> str:
+    """Why a script whose `--local_rank` option ignores `LOCAL_RANK` must be fixed before its
+    launch command becomes torchrun's, and how."""
+    return (f"{name}:{line} parses --local_rank without reading LOCAL_RANK: under torchrun every process would "
+            f"keep the default. Fix it first (TM102: `torchmigrate lint --select TM102 --fix {name}`)")
