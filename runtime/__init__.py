@@ -27,15 +27,18 @@ communicate; every other helper is collective-free and safe inside ``if tm.is_ma
 """
 from __future__ import annotations
 
+import atexit
 import builtins
 import contextlib
 import copy
 import datetime
+import functools
 import gc
 import io
 import itertools
 import logging
 import numbers
+import operator
 import os
 import random
 import re
@@ -56,7 +59,7 @@ __all__ = [
     "Ctx", "setup", "cleanup", "device", "rank", "local_rank", "world_size", "is_main",
     "is_distributed", "wrap_model", "unwrap", "sampler", "eval_sampler", "set_epoch", "no_sync",
     "amp_dtype", "autocast", "GradScaler", "print", "barrier", "all_reduce", "gather_for_metrics", "gather_list", "broadcast_object", "shared_generator", "grad", "any_rank", "share_params", "sync_grads", "shard_stream",
-    "shard_sampler", "reduce_meter",
+    "shard_sampler", "reduce_meter", "per_rank_batch", "sync_batchnorm", "synced", "to_float32",
     "save", "load", "strip_prefix", "load_state_dict", "seed_everything", "main_only", "main_process_first",
 ]
 
@@ -74,8 +77,11 @@ class Ctx:
 
 _CTX: Ctx | None = None
 _OWN_PG = False  # True when setup() created the process group (so cleanup() destroys it)
+_GROUPS_MADE = 0  # process groups setup() has created in this process (see _restart_store)
+_FAILED = False  # an uncaught exception is ending this process (set by the failure hook)
+_AT_EXIT = False  # cleanup() is registered to run at interpreter exit
 _LOG_DISABLED = False
-_DDP_WRAPPERS: weakref.WeakSet = weakref.WeakSet()  # wrap_model's DDPs, released by cleanup()
+_DDP_WRAPPERS: list = []  # weak references to wrap_model's DDPs, oldest first; released by cleanup()
 
 
 def _first_host(nodelist: str) -> str:
@@ -149,9 +155,11 @@ def device() -> torch.device:
 
 
 def _require_pg() -> None:
+    """Make sure a process group exists where one is needed: ``setup()`` on first use, so a
+    helper called before the program's own ``tm.setup()`` (or after a ``tm.cleanup()`` that ran
+    too early, such as one at module level of an imported module) still works."""
     if not _pg():
-        raise RuntimeError(f"torchmigrate.runtime: world size is {world_size()} but no process "
-                           "group exists; call tm.setup() first")
+        setup()
 
 
 def _check_gpu_per_process() -> None:
@@ -185,7 +193,9 @@ def _restart_store(env: dict, timeout) -> dict:
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                           timeout=wait)
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return {"store": dist.PrefixStore(f"torchmigrate/attempt_{attempt}", store),
+    # A group set up again after cleanup() (lazily, by a helper that needs one) gets keys of its
+    # own too: every rank counts its set-ups alike, so the ranks agree on the prefix.
+    return {"store": dist.PrefixStore(f"torchmigrate/attempt_{attempt}/group_{_GROUPS_MADE}", store),
             "rank": env["RANK"], "world_size": env["WORLD_SIZE"]}
 
 
@@ -204,8 +214,8 @@ def setup(backend: str | None = None, timeout=None) -> Ctx:
     ``_install_failure_hook``), and a torchrun restart gets a rendezvous of its own (see
     ``_restart_store``); a ``MASTER_PORT`` already in use is an error that says so.
     """
-    global _CTX, _OWN_PG, _LOG_DISABLED
-    if _CTX is not None:
+    global _CTX, _OWN_PG, _LOG_DISABLED, _GROUPS_MADE, _AT_EXIT
+    if _CTX is not None and (_pg() or not _CTX.world_size > 1):
         return _CTX
     env = _env()
     if env["slurm"]:
@@ -233,11 +243,17 @@ def setup(backend: str | None = None, timeout=None) -> Ctx:
                 "still alive): pick a free port (torchrun --master-port=N, or export MASTER_PORT=N "
                 "before srun)") from exc
         _OWN_PG = True
+        _GROUPS_MADE += 1
         _install_failure_hook(rank())
+        if not _AT_EXIT:
+            atexit.register(_cleanup_at_exit)
+            _AT_EXIT = True
     _CTX = Ctx(rank(), env["LOCAL_RANK"], world_size(), dev, rank() == 0)
     if not _CTX.is_main and not _LOG_DISABLED:
         logging.disable(logging.INFO)
         _LOG_DISABLED = True
+    if _CTX.world_size > 1:
+        _watch_writes()
     return _CTX
 
 
@@ -262,6 +278,8 @@ def _install_failure_hook(me: int) -> None:
     previous = _PREVIOUS_HOOK = sys.excepthook
 
     def hook(exc_type, exc, tb):
+        global _FAILED
+        _FAILED = True
         previous(exc_type, exc, tb)
         what = f"{exc_type.__name__}: {exc}".splitlines()[0][:300]
         first = f"{me}\t{what}"
@@ -297,6 +315,8 @@ def _release_ddp(ddp: DistributedDataParallel) -> None:
     in this one process; DDP-specific methods (``join``, comm hooks) do not.
     """
     ddp.require_backward_grad_sync = False  # also turns off the python reducer's grad hooks
+    for handle in ddp.__dict__.get("_tm_hooks", ()):
+        handle.remove()
     for handle in getattr(ddp, "_accum_grad_hooks", ()):
         handle.remove()
     for name in ("_accum_grad_hooks", "_comm_hooks"):
@@ -319,17 +339,45 @@ def cleanup() -> None:
     destroyed. The wrappers stay usable for plain forward passes in this process.
     While an exception is propagating there is no barrier and no release (the other ranks may
     never come, and a Reducer may be mid-backward): the group is just destroyed.
+
+    Misplaced calls cannot end training early: a ``cleanup()`` at module level of a module that
+    is imported (not run as ``__main__``) runs at import time, before the program trains; it is
+    deferred to the interpreter's exit, where ``setup()`` registered a cleanup anyway. Before the
+    group goes, the runtime's checks compare the wrapped models' parameters across ranks once
+    more (see ``_check_drift``).
     """
     global _CTX, _OWN_PG, _LOG_DISABLED, _PREVIOUS_HOOK
-    if _PREVIOUS_HOOK is not None and sys.exc_info()[0] is None:
+    if _OWN_PG and _pg() and _called_at_import(sys._getframe(1)):
+        return
+    _finish(clean=sys.exc_info()[0] is None and not _FAILED)
+
+
+def _called_at_import(frame) -> bool:
+    """The caller is the top level of a module being imported (not the ``__main__`` script)."""
+    return frame is not None and frame.f_code.co_name == "<module>" \
+        and frame.f_globals.get("__name__") not in ("__main__", None)
+
+
+def _cleanup_at_exit() -> None:
+    """``cleanup()`` at interpreter exit, for a program whose own cleanup never ran (or was
+    deferred). After an uncaught exception there is no barrier: the other ranks may never come."""
+    if _OWN_PG and _pg():
+        _finish(clean=not _FAILED)
+
+
+def _finish(clean: bool) -> None:
+    global _CTX, _OWN_PG, _LOG_DISABLED, _PREVIOUS_HOOK
+    if _PREVIOUS_HOOK is not None and clean:
         sys.excepthook, _PREVIOUS_HOOK = _PREVIOUS_HOOK, None
     if _OWN_PG and _pg():
-        if sys.exc_info()[0] is None:
+        if clean:
+            for ddp in _live_wrappers():
+                _check_drift(ddp, "at the end of the run")
             try:
                 barrier()
             except Exception:  # a peer already gone: tear down anyway
                 pass
-            for ddp in list(_DDP_WRAPPERS):
+            for ddp in _live_wrappers():
                 with contextlib.suppress(Exception):
                     _release_ddp(ddp)
             _DDP_WRAPPERS.clear()
@@ -352,6 +400,11 @@ def wrap_model(model: nn.Module, *, find_unused_parameters: bool = False, sync_b
     that is already DDP is returned as is, so wrapping twice is harmless; a model that holds an
     already wrapped one (``WithLoss(net)`` after ``net = tm.wrap_model(net)``) holds its module
     instead, so no gradient is reduced twice (the inner wrapper still works when called alone).
+
+    The wrapper never lets a parameter without a gradient stop training (see ``_DDP``): the
+    first training step finds out whether every parameter gets one, and where some do not
+    (a head the loss never reads, a layer behind a flag that is off) gradients are averaged
+    after each backward instead of by DDP's reducer, with one warning naming them.
     """
     if isinstance(model, DistributedDataParallel):
         return model
@@ -365,8 +418,23 @@ def wrap_model(model: nn.Module, *, find_unused_parameters: bool = False, sync_b
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     ddp = _DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None,
                find_unused_parameters=find_unused_parameters, **ddp_kwargs)
-    _DDP_WRAPPERS.add(ddp)  # cleanup() releases it before destroying the group
+    _DDP_WRAPPERS.append(weakref.ref(ddp))  # cleanup() releases it before destroying the group
     return ddp
+
+
+def _live_wrappers() -> list:
+    """wrap_model's DDPs still alive, oldest first (the same order on every rank)."""
+    return [d for d in (ref() for ref in _DDP_WRAPPERS) if d is not None]
+
+
+def sync_batchnorm(model: nn.Module) -> nn.Module:
+    """``nn.SyncBatchNorm.convert_sync_batchnorm(model)`` where it can run: distributed on CUDA.
+    On the CPU (gloo ranks, one process) SyncBatchNorm cannot run its forward, so the model is
+    returned as is. For programs that asked for synchronised BatchNorm (apex's
+    ``convert_syncbn_model``, a ``--sync-bn`` flag)."""
+    if is_distributed() and device().type == "cuda":
+        return nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    return model
 
 
 def _unnest(model: nn.Module) -> None:
@@ -384,22 +452,100 @@ _MODULE_API = frozenset(dir(nn.Module))
 
 class _DDP(DistributedDataParallel):
     """The ``DistributedDataParallel`` that ``wrap_model`` returns: a program that worked as one
-    process keeps working when a module it calls reads the model's own attributes.
+    process keeps working, and its gradients are averaged whatever shape its training step has.
 
-    Code in another module often reads what the user's class defines (``model.n_classes``,
-    ``model.init_hidden(bsz)``, ``model.config``): on a plain DDP that is an ``AttributeError``
-    on every rank. Here an attribute DDP does not have is looked up on the wrapped module.
-    A *method* reached that way runs the module outside DDP's ``forward``: fine for inference
-    (sampling, ``init_hidden``), but gradients it produces are not averaged across ranks; such
-    a call whose result carries a gradient graph warns once per method (rank 0), naming the fix
-    (call it inside ``forward``, or through ``tm.unwrap(model)`` only for inference).
+    **Gradients.** DDP's reducer needs every parameter to get a gradient in every step, from
+    parameters used inside ``forward`` (else "Expected to have finished reduction in the prior
+    iteration" at the next step), and averages nothing in a step that never calls the wrapper
+    (a step written as ``model.encoder(x)``, ``model.head(f)``). So:
 
-    ``state_dict()`` has the plain module's keys (no ``module.`` prefix): a checkpoint saved
-    from the wrapper anywhere (a helper of the project that receives the wrapped model, an EMA
-    class matching names) loads into the plain model, in one process and for inference.
-    ``load_state_dict`` takes both forms. (As the submodule of another module, the usual
-    prefixed keys are kept, so the parent's own checkpoints stay consistent.)
+    - the first training step ("probe") runs the module without the reducer and notes, on every
+      rank, which parameters got a gradient; that step's gradients are averaged after its
+      backward. If every parameter got one on every rank, DDP's own overlapped reduction takes
+      over from the next step. If not (a head the loss never reads, a layer behind a flag that
+      is off), the wrapper stays in "manual" mode: each backward ends by averaging the gradients
+      that exist on any rank (a missing one counts as zero), and rank 0 warns once, naming the
+      parameters. Correct for any step; slower than DDP's overlap on large models.
+    - a backward that reaches the parameters in a step where the wrapper's ``forward`` was not
+      called, but its submodules or methods were reached through it (``model.encoder(x)``,
+      ``model.compute_loss(batch)``), is averaged the same way. A backward through
+      ``tm.unwrap(model)`` alone is left alone, as DDP would (it may run on one rank only).
+    Averaging is skipped under ``no_sync()`` (gradient accumulation) and, like DDP's, needs every
+    rank to run the backward. An explicit ``find_unused_parameters=True`` or ``static_graph``
+    keeps DDP's own handling from the start. ``TORCHMIGRATE_DDP=plain`` turns all of this off.
+
+    **Attributes.** Code in another module often reads what the user's class defines
+    (``model.n_classes``, ``model.init_hidden(bsz)``, ``model.config``): on a plain DDP that is
+    an ``AttributeError`` on every rank. Here an attribute DDP does not have is looked up on the
+    wrapped module (a method reached that way runs outside DDP's ``forward``; its gradients
+    are still averaged, as above).
+
+    **Checkpoints.** ``state_dict()`` has the plain module's keys (no ``module.`` prefix): a
+    checkpoint saved from the wrapper anywhere loads into the plain model, in one process and for
+    inference. ``load_state_dict`` takes both forms. (As the submodule of another module, the
+    usual prefixed keys are kept, so the parent's own checkpoints stay consistent.) Pickling the
+    wrapper (``torch.save(model, path)``, ``copy.deepcopy(model)``) pickles the plain module, which
+    loads in one process, as the original program's did.
     """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        plain = os.environ.get("TORCHMIGRATE_DDP", "").lower() == "plain"
+        self._tm_mode = "ddp" if plain or self.find_unused_parameters or self.static_graph else "probe"
+        self._tm_armed = False  # the wrapper's forward ran (with gradients) since the last backward
+        self._tm_outside = False  # a submodule or method was reached through the wrapper since then
+        self._tm_queued = False  # the end-of-backward callback is queued
+        self._tm_touched: set = set()
+        self._tm_steps = 0
+        self._tm_params = [p for p in self.module.parameters() if p.requires_grad]
+        ref = weakref.ref(self)
+        self._tm_hooks = [] if plain else [
+            p.register_post_accumulate_grad_hook(functools.partial(_on_grad, ref, i))
+            for i, p in enumerate(self._tm_params)]
+
+    def forward(self, *inputs, **kwargs):
+        if not (torch.is_grad_enabled() and self.require_backward_grad_sync and self._tm_hooks):
+            return super().forward(*inputs, **kwargs)
+        self._tm_steps += 1
+        if self._tm_steps in _DRIFT_CHECKS or self._tm_steps % 1000 == 0:
+            _check_drift(self, f"after {self._tm_steps - 1} training steps")
+        self._tm_armed = True
+        if self._tm_mode == "ddp":
+            return super().forward(*inputs, **kwargs)
+        _sync_buffers(self)
+        return self.module(*inputs, **kwargs)
+
+    def _tm_after_backward(self) -> None:
+        """End of a backward that reached this model's parameters (queued by ``_on_grad``)."""
+        touched, self._tm_touched, self._tm_queued = self._tm_touched, set(), False
+        armed, outside, self._tm_armed, self._tm_outside = self._tm_armed, self._tm_outside, False, False
+        if not (armed or outside):
+            return  # the wrapper took no part (``tm.unwrap(model)(x)``): as with DDP, nothing is averaged
+        if self._tm_mode == "ddp" and armed:
+            return  # DDP's reducer averaged this backward
+        if self._tm_mode == "probe":
+            self._tm_decide(touched)
+        _average_grads(self._tm_params)
+
+    def _tm_decide(self, touched: set) -> None:
+        """After the first training backward: DDP's reducer if every parameter got a gradient
+        on every rank, else averaging after each backward (with one warning on rank 0)."""
+        mine = torch.zeros(len(self._tm_params), dtype=torch.int32)
+        mine[sorted(touched)] = 1
+        everywhere = all_reduce(mine, op="min")
+        if bool(everywhere.all()):
+            self._tm_mode = "ddp"
+            return
+        self._tm_mode = "manual"
+        if is_main():
+            names = {id(p): n for n, p in self.module.named_parameters()}
+            missing = [names.get(id(p), "?") for p, got in zip(self._tm_params, everywhere.tolist()) if not got]
+            shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+            _warn(f"{len(missing)} parameter(s) of {type(self.module).__name__} got no gradient in the first "
+                  f"training step on some rank ({shown}); DistributedDataParallel would stop at the next step. "
+                  "Their gradients are averaged after each backward instead (correct, without DDP's "
+                  "overlap of communication and backward). If they are used only in some steps, "
+                  "tm.wrap_model(model, find_unused_parameters=True) uses DDP's own handling.")
 
     def state_dict(self, *args, **kwargs):
         if args or kwargs.get("prefix") or kwargs.get("destination") is not None:
@@ -414,8 +560,9 @@ class _DDP(DistributedDataParallel):
             if inner is None or name.startswith("__"):
                 raise
         value = getattr(inner, name)
-        if callable(value) and name not in _MODULE_API and getattr(value, "__self__", None) is inner:
-            return _outside_forward(self, name, value)
+        if torch.is_grad_enabled() and (isinstance(value, nn.Module) or getattr(value, "__self__", None) is inner) \
+                and name not in _MODULE_API:
+            self.__dict__["_tm_outside"] = True  # a step through model.encoder(x): averaged after backward
         return value
 
     def load_state_dict(self, state_dict, strict: bool = True, *args, **kwargs):
@@ -424,40 +571,207 @@ class _DDP(DistributedDataParallel):
             return self.module.load_state_dict(strip_prefix(state_dict), strict, *args, **kwargs)
         return super().load_state_dict(state_dict, strict, *args, **kwargs)
 
-
-_WARNED_OUTSIDE: set = set()
-
-
-def _outside_forward(ddp: DistributedDataParallel, name: str, method):
-    """``method`` of the wrapped module; warns once when its result carries a gradient graph
-    (a forward that DDP does not see, so its gradients are not averaged)."""
-    def call(*args, **kwargs):
-        result = method(*args, **kwargs)
-        if name not in _WARNED_OUTSIDE and torch.is_grad_enabled() and _has_graph(result):
-            _WARNED_OUTSIDE.add(name)
-            if is_main():
-                import warnings
-                warnings.warn(
-                    f"torchmigrate: `model.{name}()` runs the model outside DistributedDataParallel's forward: "
-                    "gradients it produces are NOT averaged across ranks. Compute the loss through "
-                    f"`model(...)` (move this into forward()), or call `tm.unwrap(model).{name}()` only for "
-                    "inference (under torch.no_grad()).", RuntimeWarning, stacklevel=2)
-        return result
-
-    call.__name__ = name
-    call.__doc__ = method.__doc__
-    return call
+    def __reduce_ex__(self, protocol):
+        # operator.getitem((module,), 0): the plain module, through a function of the standard
+        # library, so the file loads where torchmigrate is not installed.
+        return operator.getitem, ((self.module,), 0)
 
 
-def _has_graph(value, depth: int = 0) -> bool:
-    """A tensor that requires grad, also inside tuples, lists and dicts (two levels)."""
-    if isinstance(value, torch.Tensor):
-        return value.requires_grad
-    if depth < 2 and isinstance(value, (tuple, list)):
-        return any(_has_graph(v, depth + 1) for v in value)
-    if depth < 2 and isinstance(value, dict):
-        return any(_has_graph(v, depth + 1) for v in value.values())
-    return False
+# Training steps (counted per wrapper) before which parameters are compared across ranks; then
+# every 1000th. Each check is one all-reduce of two numbers per wrapper.
+_DRIFT_CHECKS = frozenset({2, 11, 101})
+
+
+def _on_grad(ref, index: int, _param) -> None:
+    """Post-accumulate-grad hook on each parameter of a ``_DDP``: note the parameter, and queue
+    the wrapper's end-of-backward step once per backward."""
+    ddp = ref()
+    if ddp is None or not ddp.require_backward_grad_sync:
+        return  # released, or inside no_sync(): gradients accumulate locally
+    ddp._tm_touched.add(index)
+    if not ddp._tm_queued:
+        ddp._tm_queued = True
+        torch.autograd.Variable._execution_engine.queue_callback(ddp._tm_after_backward)
+
+
+def _average_grads(params) -> None:
+    """Average ``.grad`` across ranks in place for the parameters that have one on any rank (a
+    missing one counts as zero there); one collective for the flags, one per dtype."""
+    have = all_reduce(torch.tensor([p.grad is not None for p in params], dtype=torch.int32), op="max")
+    chosen = [p for p, h in zip(params, have.tolist()) if h]
+    for p in chosen:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    if not chosen:
+        return
+    averaged = all_reduce(*(p.grad for p in chosen), op="mean")
+    for p, g in zip(chosen, averaged if len(chosen) > 1 else (averaged,)):
+        p.grad.copy_(g)
+
+
+def _sync_buffers(ddp: DistributedDataParallel) -> None:
+    """Rank 0's buffers (BatchNorm statistics) on every rank before a forward, as DDP does."""
+    if not getattr(ddp, "broadcast_buffers", True):
+        return
+    buffers = [b for b in ddp.module.buffers() if b.numel()]
+    if buffers:
+        _broadcast_tensors(buffers)
+
+
+def _broadcast_tensors(tensors) -> None:
+    comm = device() if _nccl() else torch.device("cpu")
+    by_dtype: dict = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for items in by_dtype.values():
+        flat = torch.cat([t.detach().reshape(-1) for t in items]).to(comm)
+        dist.broadcast(flat, src=0)
+        with torch.no_grad():
+            for t, part in zip(items, flat.split([t.numel() for t in items])):
+                t.copy_(part.reshape(t.shape).to(t.device))
+
+
+_DRIFT_WARNED: set = set()
+
+
+def _checks_on() -> bool:
+    """The runtime's checks (``_check_drift``, ``_watch_writes``) run unless
+    ``TORCHMIGRATE_CHECKS`` is 0/off/false/no."""
+    return os.environ.get("TORCHMIGRATE_CHECKS", "1").strip().lower() not in ("0", "off", "false", "no")
+
+
+def _warn(message: str) -> None:
+    """One line on stderr, whatever the program's warning filters say (research code often
+    silences ``warnings``)."""
+    with contextlib.suppress(Exception):
+        sys.stderr.write(f"torchmigrate.runtime: {message}\n")
+        sys.stderr.flush()
+
+
+_RUNTIME_FILE = os.path.normcase(os.path.abspath(__file__))
+_LIBRARY_DIRS: tuple = ()  # the standard library and site-packages: frames there are not the user's
+_WRITES_WARNED: set = set()
+_WRITE_WARNINGS_MAX = 10
+_WATCHING = False
+
+
+def _library_dirs() -> tuple:
+    import sysconfig
+    dirs = {sysconfig.get_paths().get(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    dirs |= {os.path.dirname(os.path.dirname(torch.__file__))}
+    return tuple(os.path.normcase(os.path.abspath(d)) + os.sep for d in dirs if d)
+
+
+_NOT_THE_PROGRAMS = ("tempfile.py", "<frozen importlib._bootstrap>", "<frozen importlib._bootstrap_external>")
+
+
+def _user_frame(frame):
+    """The innermost frame in the program's own code (not the standard library, an installed
+    package or this runtime); None for a temporary file or a write made while importing (a
+    library's cache), which are nobody's defect."""
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if name.endswith(_NOT_THE_PROGRAMS):
+            return None
+        if not name.startswith("<"):
+            full = os.path.normcase(os.path.abspath(name))
+            if full != _RUNTIME_FILE and not full.startswith(_LIBRARY_DIRS):
+                return frame
+        frame = frame.f_back
+    return None
+
+
+def _per_rank_path(path: str) -> bool:
+    """A path that names this rank (``log_rank1.txt``, ``worker-1/``): written per rank on purpose."""
+    return re.search(rf"(rank|proc|process|gpu|worker|node|device)[-_ ]?{rank()}(?!\d)", path, re.I) is not None
+
+
+_IGNORED_PREFIXES = ("/dev/", "/proc/", "/sys/")
+
+
+def _note_write(path) -> None:
+    """A file opened for writing on a rank other than 0: warn once per place in the program."""
+    if not _WATCHING or len(_WRITES_WARNED) >= _WRITE_WARNINGS_MAX:
+        return
+    try:
+        path = os.fsdecode(path) if isinstance(path, (str, bytes, os.PathLike)) else None
+    except Exception:
+        return
+    if not path or path.startswith(_IGNORED_PREFIXES) or path.endswith((".pyc", ".lock")) \
+            or "__pycache__" in path or _per_rank_path(path):
+        return
+    frame = _user_frame(sys._getframe(2))
+    if frame is None:
+        return
+    where = f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
+    if where in _WRITES_WARNED:
+        return
+    _WRITES_WARNED.add(where)
+    _warn(f"rank {rank()} writes {path!r} ({frame.f_code.co_filename}:{frame.f_lineno}): every rank "
+          "writes this file, which rank 0 alone should write (put the write under "
+          "`if tm.is_main():`, or open it with a name of its own per rank). Shown once per place; "
+          "TORCHMIGRATE_CHECKS=0 turns the runtime's checks off.")
+
+
+def _audit(event: str, args) -> None:
+    if event != "open" or not _WATCHING:
+        return
+    path, mode, flags = (tuple(args) + (None, None, None))[:3]
+    if isinstance(mode, str):
+        writing = any(c in mode for c in "wax+")
+    else:
+        writing = isinstance(flags, int) and bool(flags & (os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT))
+    if writing:
+        _note_write(path)
+
+
+def _watch_writes() -> None:
+    """On ranks other than 0, notice files opened for writing (an audit hook, plus
+    ``torch.save``, which writes from C++) and warn once per place in the program: the usual
+    silent defect of a migrated program is a file written by every rank through a helper that
+    the migration did not guard. Cheap: the hook returns at once for every event but "open"."""
+    global _WATCHING, _LIBRARY_DIRS
+    if _WATCHING or is_main() or not _checks_on():
+        return
+    _LIBRARY_DIRS = _library_dirs()
+    _WATCHING = True
+    if not getattr(sys, "_torchmigrate_audit", False):
+        sys.addaudithook(_audit)  # cannot be removed: _WATCHING switches it off
+        sys._torchmigrate_audit = True
+        original = torch.save
+
+        @functools.wraps(original)
+        def save(obj, f, *args, **kwargs):
+            _note_write(f)
+            return original(obj, f, *args, **kwargs)
+
+        torch.save = save
+
+
+def _check_drift(ddp: DistributedDataParallel, when: str) -> None:
+    """Warn once (rank 0) when the wrapped model's parameters differ across ranks: two sums
+    over every parameter, compared with one all-reduce of max and one of min. DDP keeps the
+    parameters identical, so a difference means something trained outside it (an optimizer
+    over another copy, a learning rate that differs per rank, a step only some ranks take).
+    Off with ``TORCHMIGRATE_CHECKS=0``. A collective: called at points every rank reaches (the
+    wrapper's training forwards, and cleanup)."""
+    if not _checks_on() or id(ddp) in _DRIFT_WARNED:
+        return
+    with torch.no_grad():
+        total = torch.zeros(2, dtype=torch.float64)
+        for i, p in enumerate(ddp.module.parameters()):
+            v = p.detach().double()
+            total[0] += v.sum().cpu()
+            total[1] += (v.abs().sum() * (1 + (i % 7))).cpu()
+    high, low = all_reduce(total, op="max"), all_reduce(total, op="min")
+    if torch.equal(high, low):
+        return
+    _DRIFT_WARNED.add(id(ddp))
+    if is_main():
+        _warn(f"the parameters of {type(ddp.module).__name__} differ across ranks {when}: something "
+              "updates them outside DistributedDataParallel (an optimizer over another copy of the "
+              "model, a learning rate or a step that differs between ranks, a per-rank metric "
+              "steering training). Every rank now trains a different model.")
 
 
 def synced(model):
@@ -674,6 +988,27 @@ def shard_stream(data):
         return data
     n = len(data) // world
     return data[rank() * n:(rank() + 1) * n]
+
+
+def per_rank_batch(batch_size: int) -> int:
+    """This rank's share of a global batch of ``batch_size`` samples: ``batch_size // world_size()``,
+    so the migrated program keeps the original's batch, steps per epoch, schedules and learning
+    rate (each optimizer step still averages the gradients of ``batch_size`` samples). 1 process:
+    ``batch_size``. A size that does not divide by the number of processes is an error that names
+    the nearest sizes that do (a silent rounding would change the optimisation)."""
+    world = world_size()
+    if batch_size is None or world <= 1:
+        return batch_size
+    size = int(batch_size)
+    if size % world:
+        low, high = size - size % world, size + world - size % world
+        nearest = f"{low} or {high}" if low else f"{high}"
+        raise ValueError(
+            f"torchmigrate.runtime: the batch size {size} does not divide among {world} processes "
+            f"(each rank loads batch_size / world_size samples, so that a step sees the same global "
+            f"batch as the original program): use a batch size of {nearest}, or launch a number of "
+            f"processes that divides {size}")
+    return size // world
 
 
 def eval_sampler(dataset, shuffle: bool = False, seed: int = 0) -> Sampler:
@@ -1005,18 +1340,34 @@ def sync_grads(model) -> None:
         p.grad = g
 
 
+_METER_FIELDS = (("sum", "count"), ("total", "count"), ("sum", "n"), ("total", "n"), ("_sum", "_count"),
+                 ("running_sum", "count"), ("total", "steps"))
+
+
 def reduce_meter(meter):
-    """Sum a running-average object's ``sum`` and ``count`` across ranks, in place, and recompute
-    its ``avg`` (``AverageMeter``-style classes); returns it. An object without numeric ``sum`` and
-    ``count`` is returned unchanged (every rank has the same class, so every rank skips alike).
-    1 process: unchanged. A collective: call it on every rank."""
-    total, count = getattr(meter, "sum", None), getattr(meter, "count", None)
-    if not is_distributed() or not isinstance(total, (numbers.Real, torch.Tensor)) \
-            or not isinstance(count, (numbers.Real, torch.Tensor)):
+    """Sum a running-average object's total and count across ranks, in place, and recompute its
+    ``avg`` where that is a plain attribute (``AverageMeter``-style classes; the pairs
+    ``sum``/``count``, ``total``/``count``, ``sum``/``n``, ``total``/``n`` are recognised); returns it.
+    An ``avg`` that is a read-only property (computed from the total and count) is left to
+    compute itself. An object without such numeric fields is returned unchanged (every rank has the
+    same class, so every rank skips alike). 1 process: unchanged. A collective: call it on every
+    rank."""
+    if not is_distributed():
         return meter
-    meter.sum, meter.count = all_reduce(total, count)
-    if hasattr(meter, "avg"):
-        meter.avg = meter.sum / meter.count if meter.count else meter.avg
+    for total_name, count_name in _METER_FIELDS:
+        total, count = getattr(meter, total_name, None), getattr(meter, count_name, None)
+        if isinstance(total, (numbers.Real, torch.Tensor)) and isinstance(count, (numbers.Real, torch.Tensor)) \
+                and not isinstance(total, bool):
+            break
+    else:
+        return meter
+    total, count = all_reduce(total, count)
+    with contextlib.suppress(AttributeError, TypeError):
+        setattr(meter, total_name, total)
+        setattr(meter, count_name, count)
+    if "avg" in getattr(meter, "__dict__", {}) and not isinstance(getattr(type(meter), "avg", None), property):
+        with contextlib.suppress(AttributeError, TypeError, ZeroDivisionError):
+            meter.avg = total / count if count else meter.avg
     return meter
 
 

@@ -295,3 +295,54 @@ def test_slurm_two_tasks_without_torchrun(tmp_path):
         assert r["env"] == {"RANK": str(r["rank"]), "LOCAL_RANK": str(r["rank"]),
                             "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
                             "MASTER_PORT": str(port)}
+
+
+# ------------------------------------------------------------------ the safety nets of wrap_model
+
+@pytest.fixture(scope="module")
+def nets(tmp_path_factory):
+    """tests/runtime_probe/nets.py under torchrun, 2 gloo ranks: never calls tm.setup() itself,
+    imports a module whose top level calls tm.cleanup(), trains models that plain DDP cannot."""
+    outdir = tmp_path_factory.mktemp("nets")
+    env = clean_env(CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(PROBES))
+    run = torchrun("--standalone", "--nproc-per-node=2", PROBES / "nets.py", outdir,
+                   env=env, timeout=TIMEOUT, stale=[outdir / "*"])
+    assert run.returncode == 0, run.report()
+    return {"outdir": outdir, "output": run.output, "r": read_ranks(outdir, 2)}
+
+
+def test_a_head_the_loss_never_reads_trains_identically_with_one_warning(nets):
+    r0, r1 = nets["r"]
+    assert r0["heads_mode"] == r1["heads_mode"] == "manual"
+    assert r0["heads"] == r1["heads"]  # a parameter used outside forward is averaged too
+    warnings_ = [line for line in nets["output"].splitlines() if "got no gradient" in line]
+    assert len(warnings_) == 1 and "aux.weight, aux.bias" in warnings_[0]
+
+
+def test_steps_through_submodules_are_averaged_and_plain_models_keep_ddp(nets):
+    r0, r1 = nets["r"]
+    assert r0["plain_mode"] == r1["plain_mode"] == "ddp"
+    assert r0["plain"] == r1["plain"]
+
+
+def test_a_module_level_cleanup_in_an_imported_module_does_not_end_the_group(nets):
+    assert [r["rank"] for r in nets["r"]] == [0, 1]  # set up lazily by wrap_model, kept
+
+
+def test_a_pickled_wrapper_is_the_plain_module(nets):
+    for r in nets["r"]:
+        assert r["pickled_type"] == r["deepcopy_type"] == "Plain"
+
+
+def test_reduce_meter_leaves_a_read_only_avg_to_compute_itself(nets):
+    for r in nets["r"]:
+        assert r["meter"] == [6.0, 4, 1.5]
+
+
+def test_the_runtime_names_a_file_every_rank_writes_and_drifting_parameters(nets):
+    out = nets["output"]
+    writes = [line for line in out.splitlines() if "writes" in line and "summary.txt" in line]
+    assert len(writes) == 1 and "rank 1" in writes[0] and "nets_helpers.py:9" in writes[0]
+    assert "rank0.json" not in out and "rank1.json" not in out  # per-rank names are intended
+    drift = [line for line in out.splitlines() if "differ across ranks" in line]
+    assert len(drift) == 1 and "Linear" in drift[0]

@@ -153,13 +153,20 @@ def test_gloo_may_share_one_gpu(one_fake_gpu, monkeypatch):
     monkeypatch.setattr(tm, "_CTX", None)
 
 
-def test_communicating_helpers_demand_setup(other_rank):
-    with pytest.raises(RuntimeError, match="setup"):
-        tm.all_reduce(1)
-    with pytest.raises(RuntimeError, match="setup"):
-        tm.wrap_model(nn.Linear(2, 2))
-    with pytest.raises(RuntimeError, match="setup"):
-        tm.barrier()
+def test_communicating_helpers_set_up_the_group_on_first_use(other_rank, monkeypatch):
+    """A helper that needs the group calls setup() itself (a program whose own tm.setup() comes
+    later, or ran before a misplaced tm.cleanup(), still works)."""
+    calls = []
+
+    def fake_setup(*args, **kwargs):
+        calls.append(1)
+        raise RuntimeError("set up")
+
+    monkeypatch.setattr(tm, "setup", fake_setup)
+    for helper in (lambda: tm.all_reduce(1), lambda: tm.wrap_model(nn.Linear(2, 2)), tm.barrier):
+        with pytest.raises(RuntimeError, match="set up"):
+            helper()
+    assert len(calls) == 3
 
 
 # ------------------------------------------------------------------ SLURM

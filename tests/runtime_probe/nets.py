@@ -1,0 +1,104 @@
+"""Probe launched by tests/test_runtime_dist.py: the runtime's safety nets under torchrun.
+
+No tm.setup() call: the first helper that needs the group sets it up. Models whose training
+steps DDP alone cannot run (a head the loss never reads, a parameter used outside forward, a step
+written as submodule calls) still train identically on every rank; a file written by rank 1
+through a helper is named; parameters that drift apart are named; a pickled wrapper is the plain
+module. Writes <outdir>/rank<R>.json."""
+import copy
+import io
+import json
+import os
+import sys
+
+import torch
+from torch import nn
+
+import torchmigrate.runtime as tm
+import nets_helpers  # its top-level tm.cleanup() runs now
+
+
+class TwoHeads(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(4, 8)
+        self.head = nn.Linear(8, 2)
+        self.aux = nn.Linear(8, 3)  # computed, never read by the loss
+        self.scale = nn.Parameter(torch.ones(1))  # used outside forward
+
+    def forward(self, x):
+        h = torch.relu(self.body(x))
+        return self.head(h), self.aux(h)
+
+
+class Plain(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.encoder = nn.Linear(4, 8)
+        self.decoder = nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.decoder(torch.relu(self.encoder(x)))
+
+
+def flat(module):
+    return torch.cat([p.detach().reshape(-1) for p in module.parameters()]).tolist()
+
+
+def main(outdir):
+    res = {}
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(100 + tm.rank())  # each rank its own batches
+
+    heads = tm.wrap_model(TwoHeads())  # sets up the group lazily
+    res["rank"] = tm.rank()
+    opt = torch.optim.SGD(heads.parameters(), lr=0.1)
+    for _ in range(3):
+        out, _aux = heads(torch.randn(6, 4, generator=g))
+        loss = (out * heads.scale).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    res["heads_mode"] = heads._tm_mode
+    res["heads"] = flat(heads.module)
+
+    plain = tm.wrap_model(Plain())
+    opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    for step in range(4):
+        x = torch.randn(6, 4, generator=g)
+        # the even steps go around the wrapper's forward, through its submodules
+        y = plain(x) if step % 2 else plain.decoder(torch.relu(plain.encoder(x)))
+        opt.zero_grad()
+        y.pow(2).mean().backward()
+        opt.step()
+    res["plain_mode"] = plain._tm_mode
+    res["plain"] = flat(plain.module)
+
+    buffer = io.BytesIO()
+    torch.save(plain, buffer)  # the wrapper pickles as the plain module
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    res["pickled_type"] = type(loaded).__name__
+    res["deepcopy_type"] = type(copy.deepcopy(plain)).__name__
+
+    meter = nets_helpers.Meter()
+    meter.update(float(tm.rank() + 1), n=2)
+    tm.reduce_meter(meter)
+    res["meter"] = [meter.sum, meter.count, meter.avg]
+
+    nets_helpers.write_summary(os.path.join(outdir, "summary.txt"), "done")
+
+    drifting = tm.wrap_model(nn.Linear(3, 1))
+    opt = torch.optim.SGD(drifting.parameters(), lr=0.1 * (tm.rank() + 1))  # per-rank lr
+    for _ in range(12):
+        drifting(torch.ones(2, 3)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    with open(os.path.join(outdir, f"rank{tm.rank()}.json"), "w") as f:
+        json.dump(res, f)
+    tm.cleanup()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
