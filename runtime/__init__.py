@@ -775,10 +775,11 @@ def _check_drift(ddp: DistributedDataParallel, when: str) -> None:
 
 
 def synced(model):
-    """``model``, whose methods run through DistributedDataParallel's ``forward``:
-    ``tm.synced(model).bpr_loss(users, pos, neg)`` computes a loss with a method other than
-    ``forward`` and still has its gradients averaged across ranks (reached any other way, such
-    a method runs outside DDP, which then averages nothing: every rank trains its own copy).
+    """``model``, whose methods and submodules run through DistributedDataParallel's ``forward``:
+    ``tm.synced(model).bpr_loss(users, pos, neg)`` or ``tm.synced(model).backbone(x)`` computes
+    with something other than ``forward`` and still arms DDP's overlapped gradient averaging for
+    that step (through ``tm.unwrap(model)`` such a call runs outside DDP, which then averages
+    nothing: every rank trains its own copy).
     The method runs as the wrapped module's ``forward`` for that one call, with DDP's hooks
     around it; calls it makes to ``self(...)``/``self.forward`` reach the real ``forward``.
     Like any DDP forward it must run on every rank and its parameters must all get gradients
@@ -798,7 +799,9 @@ class _Synced:
     def __getattr__(self, name):
         module = self._ddp.module
         method = getattr(module, name)
-        if not callable(method) or getattr(method, "__self__", None) is not module:
+        if isinstance(method, nn.Module):
+            method = method.__call__  # a submodule: `tm.synced(model).backbone(x)` runs it as the forward
+        elif not callable(method) or getattr(method, "__self__", None) is not module:
             return method
 
         def call(*args, **kwargs):

@@ -74,6 +74,15 @@ def main(outdir):
     res["plain_mode"] = plain._tm_mode
     res["plain"] = flat(plain.module)
 
+    routed = tm.wrap_model(Plain())  # a step written as submodule calls, the first through tm.synced
+    opt = torch.optim.SGD(routed.parameters(), lr=0.1)
+    for _ in range(3):
+        h = torch.relu(tm.synced(routed).encoder(torch.randn(6, 4, generator=g)))
+        opt.zero_grad()
+        tm.unwrap(routed).decoder(h).pow(2).mean().backward()
+        opt.step()
+    res["routed"] = flat(routed.module)
+
     buffer = io.BytesIO()
     torch.save(plain, buffer)  # the wrapper pickles as the plain module
     buffer.seek(0)
