@@ -1281,7 +1281,7 @@ def broadcast_object(value, src: int = 0):
     at random, a shuffled file list or a permutation that splits train from validation. Sets up
     the process group first if the program has not yet (the draw may come before the code that
     does). Tensors come back on the device they were on. A collective: call it on every rank."""
-    if world_size() <= 1:
+    if world_size() <= 1 or (not _pg() and _in_worker_process()):
         return value
     if not _pg():
         setup()
@@ -1290,6 +1290,14 @@ def broadcast_object(value, src: int = 0):
     if isinstance(value, torch.Tensor):
         return box[0].to(value.device)
     return box[0]
+
+
+def _in_worker_process() -> bool:
+    """A process that ``multiprocessing`` started (a DataLoader worker that imports the program's
+    modules again under the spawn or forkserver start methods): it is no rank, so module-level
+    code that shares a value across ranks keeps its own there instead of waiting for peers."""
+    import multiprocessing
+    return multiprocessing.parent_process() is not None
 
 
 def shared_generator(seed: int | None = None) -> torch.Generator:

@@ -50,7 +50,8 @@ class MainOnlyWrites(Rule):
     - `logging.FileHandler(path)` (and the rotating ones) becomes
       `(logging.FileHandler(path) if tm.is_main() else logging.NullHandler())`: one log file,
       written by the main process.
-    - `os.makedirs(d)` without `exist_ok` gets `exist_ok=True`, and `os.mkdir(d)` under
+    - `os.makedirs(d)` and `pathlib`'s `path.mkdir(parents=True)` without `exist_ok=True`
+      (missing, `False` or an expression) get `exist_ok=True`, and `os.mkdir(d)` under
       `if not os.path.isdir(d):` / `os.path.exists(d)` becomes `os.makedirs(d, exist_ok=True)`.
 
     ## Why is this bad?
@@ -99,7 +100,7 @@ class MainOnlyWrites(Rule):
             return
         withs: List[cst.With] = []
         for call, name in analysis.facts(ctx).calls:
-            if name == _MAKEDIRS and not any(a.keyword and a.keyword.value == "exist_ok" for a in call.args):
+            if (name == _MAKEDIRS or _path_mkdir(call, name)) and not _exist_ok(call):
                 self.report(call, "every rank creates this folder: a rank that comes second fails with "
                                   "FileExistsError; pass exist_ok=True",
                             edits=[replace(call, lambda c: set_kwarg(c, "exist_ok", cst.Name("True")))])
@@ -197,3 +198,18 @@ class MainOnlyWrites(Rule):
             if isinstance(anc, (cst.FunctionDef, cst.ClassDef)):
                 return False
         return False
+
+
+def _exist_ok(call: cst.Call) -> bool:
+    """`exist_ok=True` is passed: a folder that exists is fine."""
+    return any(a.keyword is not None and a.keyword.value == "exist_ok" and isinstance(a.value, cst.Name)
+               and a.value.value == "True" for a in call.args)
+
+
+def _path_mkdir(call: cst.Call, name) -> bool:
+    """`p.mkdir(...)` of a `pathlib.Path`: a method `mkdir` (not `os.mkdir`) given nothing but
+    pathlib's keywords (`mode`, `parents`, `exist_ok`)."""
+    func = call.func
+    if not (isinstance(func, cst.Attribute) and func.attr.value == "mkdir") or (name or "").startswith("os."):
+        return False
+    return all(a.keyword is not None and a.keyword.value in ("mode", "parents", "exist_ok") for a in call.args)

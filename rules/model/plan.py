@@ -834,6 +834,11 @@ class Plan:
         for site in self.dp_sites:
             if not self.active["TM306"]:
                 continue
+            if self._rewraps_wrapped(site.outer):
+                # `if isinstance(m, DataParallel): m = MyDP(convert(m.module)); return m` (a
+                # helper that converts a model and wraps it again only if it came wrapped): once
+                # the program has no DataParallel left the branch never runs, so it stays as it is
+                continue
             w = site.wrap
             root = w.name.split(".")[0] if not w.name.startswith(("self.", "cls.")) else ".".join(w.name.split(".")[:2])
             if self.key(root, w.call) in self.covered_not_dp or self.key(w.name, w.call) in self.covered_not_dp:
@@ -918,7 +923,7 @@ class Plan:
                 site.action, site.target = "replace-if", owner
                 site.note_stmt = owner
                 boundary = owner
-            elif in_if and assign and w.name == w.arg:
+            elif in_if and assign and w.name == w.arg and not _exits_after(block, container):
                 outer_if = owner
                 while isinstance(self.ctx.parent(outer_if), cst.If):
                     outer_if = self.ctx.parent(outer_if)
@@ -932,7 +937,34 @@ class Plan:
                 boundary = line
                 if in_if and assign and w.name and "." not in w.name:
                     site.ensure_after = self._widest_binding_if(owner, w.name)
+                    if site.ensure_after is None and w.name == w.arg and _exits_after(block, container):
+                        # `if n_gpu > 1: model = DataParallel(model); return model`: the path
+                        # past the `if` is wrapped too (wrapping twice returns the same DDP)
+                        site.ensure_after = owner
             w.boundary, w.inclusive = boundary, False
+
+    def _rewraps_wrapped(self, node: cst.CSTNode) -> bool:
+        """`node` runs only when a model is already a DataParallel: inside the body of an `if`
+        whose test is `isinstance(x, <DataParallel or a subclass>)` or `hasattr(x, "module")`."""
+        dp_names = {"DataParallel", *(c.rsplit(".", 1)[-1] for c in self.ctx.program.dp_classes)}
+        child = node
+        for anc in self.ctx.ancestors(node):
+            if isinstance(anc, (cst.FunctionDef, cst.ClassDef)):
+                return False
+            if isinstance(anc, cst.If) and child is anc.body:
+                for call in self.ctx.within(anc.test, cst.Call):
+                    fn = dotted(call.func)
+                    if fn == "isinstance" and len(call.args) == 2:
+                        classes = {(dotted(n) or "").rsplit(".", 1)[-1]
+                                   for n in self.ctx.within(call.args[1].value, cst.Name, cst.Attribute)}
+                        if classes & dp_names:
+                            return True
+                    if fn == "hasattr" and len(call.args) == 2 and \
+                            isinstance(call.args[1].value, cst.SimpleString) and \
+                            call.args[1].value.evaluated_value == "module":
+                        return True
+            child = anc
+        return False
 
     def _widest_binding_if(self, node: cst.If, name: str) -> Optional[cst.If]:
         """The outermost `if` around `node` (through `elif`, `else` and nested branches, not
@@ -1569,3 +1601,16 @@ class Plan:
                 if bs is not None and self._scaled(bs.value):
                     return True
         return False
+
+
+def _exits_after(block: cst.CSTNode, line: cst.CSTNode) -> bool:
+    """A statement after `line` in `block` leaves it (`return`, `raise`, `break`, `continue`):
+    a wrap moved after the enclosing `if` would never run on that path."""
+    body = list(getattr(block, "body", ()))
+    if line not in body:
+        return False
+    for statement in body[body.index(line):]:
+        smalls = statement.body if isinstance(statement, cst.SimpleStatementLine) else ()
+        if any(isinstance(s, (cst.Return, cst.Raise, cst.Break, cst.Continue)) for s in smalls):
+            return True
+    return False
