@@ -416,8 +416,8 @@ def wrap_model(model: nn.Module, *, find_unused_parameters: bool = False, sync_b
     _require_pg()
     if sync_bn and dev.type == "cuda":
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    ddp = _DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None,
-               find_unused_parameters=find_unused_parameters, **ddp_kwargs)
+    ddp = _wrapper_class(type(model))(model, device_ids=[dev.index] if dev.type == "cuda" else None,
+                                      find_unused_parameters=find_unused_parameters, **ddp_kwargs)
     _DDP_WRAPPERS.append(weakref.ref(ddp))  # cleanup() releases it before destroying the group
     return ddp
 
@@ -575,6 +575,31 @@ class _DDP(DistributedDataParallel):
         # operator.getitem((module,), 0): the plain module, through a function of the standard
         # library, so the file loads where torchmigrate is not installed.
         return operator.getitem, ((self.module,), 0)
+
+
+_WRAPPER_CLASSES: dict = {}
+
+
+def _wrapper_class(cls: type) -> type:
+    """A ``_DDP`` subclass named after the wrapped module's class: code that names things after
+    the model (``type(model).__name__`` in a checkpoint's "arch", a file name) reads what it read
+    in one process. A container module (``nn.Sequential``) keeps its indexing, length and
+    iteration (``model[-1]``, ``len(model)``), which DDP itself does not forward."""
+    made = _WRAPPER_CLASSES.get(cls)
+    if made is None:
+        namespace = {"__qualname__": cls.__qualname__, "__module__": __name__, "__doc__": _DDP.__doc__}
+        for dunder in ("__getitem__", "__len__", "__iter__"):
+            if hasattr(cls, dunder):
+                namespace[dunder] = _delegate(dunder)
+        made = _WRAPPER_CLASSES[cls] = type(cls.__name__, (_DDP,), namespace)
+    return made
+
+
+def _delegate(dunder: str):
+    def method(self, *args):
+        return getattr(self.module, dunder)(*args)
+    method.__name__ = dunder
+    return method
 
 
 # Training steps (counted per wrapper) before which parameters are compared across ranks; then

@@ -335,6 +335,12 @@ def test_a_pickled_wrapper_is_the_plain_module(nets):
         assert r["pickled_type"] == r["deepcopy_type"] == "Plain"
 
 
+def test_the_wrapper_is_named_and_indexed_like_the_module(nets):
+    for r in nets["r"]:
+        assert r["type_name"] == "TwoHeads"
+        assert r["sequential"] == [3, "Linear", ["Linear", "ReLU", "Linear"]]
+
+
 def test_reduce_meter_leaves_a_read_only_avg_to_compute_itself(nets):
     for r in nets["r"]:
         assert r["meter"] == [6.0, 4, 1.5]

@@ -60,6 +60,9 @@ def main(outdir):
         loss.backward()
         opt.step()
     res["heads_mode"] = heads._tm_mode
+    res["type_name"] = type(heads).__name__  # "TwoHeads", as in one process
+    seq = tm.wrap_model(nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 1)))
+    res["sequential"] = [len(seq), type(seq[-1]).__name__, [type(m).__name__ for m in seq]]
     res["heads"] = flat(heads.module)
 
     plain = tm.wrap_model(Plain())
