@@ -50,12 +50,15 @@ _SAVES = {"torch.save", "torchmigrate.runtime.save"}
 _DP_FUNCTIONAL = {"torch.nn.parallel.data_parallel", "torch.nn.parallel.data_parallel.data_parallel"}
 _SYNC_BN = ("torch.nn.SyncBatchNorm.convert_sync_batchnorm", "apex.parallel.convert_syncbn_model")
 
-# nn.Module / DDP API that works the same on the DDP wrapper: never rewritten by TM302.
+# nn.Module / DDP API that works the same on the DDP wrapper: never rewritten by TM302. (Not
+# here: the structure a wrapper changes: `named_parameters()` and `named_modules()` gain a
+# `module.` prefix, so an optimizer group chosen by name comes out empty; `children()` is the
+# wrapped module alone, `list(model.children())[-1]` the whole model; `add_module` adds to the
+# wrapper. Those go through `tm.unwrap`.)
 _MODULE_API = {
-    "forward", "parameters", "named_parameters", "buffers", "named_buffers", "children",
-    "named_children", "modules", "named_modules", "train", "eval", "to", "to_empty", "cuda", "cpu",
+    "forward", "parameters", "buffers", "train", "eval", "to", "to_empty", "cuda", "cpu",
     "xpu", "ipu", "mtia", "zero_grad", "requires_grad_", "apply", "half", "float", "double",
-    "bfloat16", "type", "share_memory", "add_module", "extra_repr", "training", "compile",
+    "bfloat16", "type", "share_memory", "extra_repr", "training", "compile",
     "dump_patches", "call_super_init",
     # DistributedDataParallel's own API
     "no_sync", "join", "join_hook", "join_device", "join_process_group", "register_comm_hook",
