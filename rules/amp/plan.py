@@ -590,6 +590,8 @@ class _Planner:
             if last is None or self.training.covered(last) or last in self.training.autocast_set:
                 continue
             span = self.training.forward_span(last)
+            if self.calls_own_autocast(span):
+                continue  # `outputs = self._predict(x)` whose body enters autocast (behind the program's own flag)
             first, last = span[0], self.before_own_loss(span)
             block, body = block_of(ctx, first)
             body = list(body)
@@ -614,6 +616,26 @@ class _Planner:
                     continue
                 p.regions.append(region)
                 self.region_sites.update(id(site) for site in sites)
+
+    def calls_own_autocast(self, span: List[cst.CSTNode]) -> bool:
+        """A statement of the forward span calls a function or method of this file that enters
+        autocast itself (often behind the program's own `use_amp` flag): the program decides
+        its precision there, and a second autocast around the call would force it on."""
+        ctx = self.ctx
+        key = "amp.autocast_functions"
+        names = ctx.facts.get(key)
+        if names is None:
+            names = ctx.facts[key] = {f.name.value for f in (ctx.enclosing(w, cst.FunctionDef)
+                                                             for w in self.training.autocast_withs) if f is not None}
+        if not names:
+            return False
+        for statement in span:
+            for call in ctx.within(statement, cst.Call):
+                func = call.func
+                name = func.attr.value if isinstance(func, cst.Attribute) else func.value if isinstance(func, cst.Name) else None
+                if name in names:
+                    return True
+        return False
 
     def before_own_loss(self, span: List[cst.CSTNode]) -> Optional[cst.CSTNode]:
         """Where the autocast block over the forward-to-loss `span` ends: before the statement
