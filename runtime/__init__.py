@@ -512,6 +512,10 @@ class _DDP(DistributedDataParallel):
         self._tm_armed = True
         if self._tm_mode == "ddp":
             return super().forward(*inputs, **kwargs)
+        if self._tm_steps == 1:
+            # weights (re)initialised after the wrap, on ranks seeded apart: rank 0's, as DDP
+            # copied them when it was built (no optimizer has stepped yet)
+            _broadcast_tensors([p for p in self.module.parameters()])
         _sync_buffers(self)
         return self.module(*inputs, **kwargs)
 
@@ -783,13 +787,20 @@ def _check_drift(ddp: DistributedDataParallel, when: str) -> None:
     if not _checks_on() or id(ddp) in _DRIFT_WARNED:
         return
     with torch.no_grad():
-        total = torch.zeros(2, dtype=torch.float64)
+        total = torch.zeros(3, dtype=torch.float64)
         for i, p in enumerate(ddp.module.parameters()):
             v = p.detach().double()
             total[0] += v.sum().cpu()
             total[1] += (v.abs().sum() * (1 + (i % 7))).cpu()
+        total[2] = _SAMPLERS_MADE
     high, low = all_reduce(total, op="max"), all_reduce(total, op="min")
-    if torch.equal(high, low):
+    if high[2] != low[2] and "samplers" not in _DRIFT_WARNED:
+        _DRIFT_WARNED.add("samplers")
+        if is_main():
+            _warn("the ranks built different numbers of shuffling samplers (a loader built on some ranks only): "
+                  "the seeds of the samplers built after it differ across ranks, so their shards overlap. "
+                  "Build every training loader on every rank.")
+    if torch.equal(high[:2], low[:2]):
         return
     _DRIFT_WARNED.add(id(ddp))
     if is_main():
@@ -862,14 +873,30 @@ def unwrap(model):
     return model
 
 
-def sampler(dataset, shuffle=True, seed: int = 0, drop_last: bool = False) -> Sampler:
+_SAMPLERS_MADE = 0  # shuffling samplers made by this process, in order (see _own_seed)
+
+
+def _own_seed(seed) -> int:
+    """The seed of the next shuffling sampler: ``seed`` (default 0) plus a number for each sampler
+    made before it. Two loaders that shuffled independently in the original (unpaired A and B
+    images zipped together, a source and a reference loader) must not draw the same order on
+    every rank; the ranks still agree on each sampler's seed, since every rank builds its loaders
+    in the same order (the runtime's drift check compares them across ranks)."""
+    global _SAMPLERS_MADE
+    _SAMPLERS_MADE += 1
+    return int(seed or 0) + 7919 * (_SAMPLERS_MADE - 1)
+
+
+def sampler(dataset, shuffle=True, seed: int | None = None, drop_last: bool = False) -> Sampler:
     """Training sampler. Distributed: ``DistributedSampler`` (each rank a disjoint shard, padded to
     equal length unless ``drop_last``; reshuffled by ``set_epoch``, or on every pass where nothing
-    calls it, see ``_EpochSampler``; ``seed`` must match across ranks). 1 process: ``RandomSampler`` (global torch RNG, like ``shuffle=True``) if ``shuffle``
-    is truthy, else ``SequentialSampler``."""
+    calls it, see ``_EpochSampler``; each sampler its own seed, see ``_own_seed``, the same on
+    every rank). 1 process: ``RandomSampler`` (global torch RNG, like ``shuffle=True``) if
+    ``shuffle`` is truthy, else ``SequentialSampler``."""
     if is_distributed():
         return _EpochSampler(dataset, num_replicas=world_size(), rank=rank(),
-                             shuffle=bool(shuffle), seed=seed, drop_last=drop_last)
+                             shuffle=bool(shuffle), seed=_own_seed(seed) if shuffle else int(seed or 0),
+                             drop_last=drop_last)
     return RandomSampler(dataset) if shuffle else SequentialSampler(dataset)
 
 
@@ -922,7 +949,7 @@ class _EpochSampler(DistributedSampler):
         return super().__iter__()
 
 
-def shard_sampler(sampler, seed: int = 0):
+def shard_sampler(sampler, seed: int | None = None):
     """Any sampler or batch sampler (``WeightedRandomSampler``, ``RandomSampler(replacement=True)``,
     a bucketing batch sampler of the project), shared out by rank. 1 process: ``sampler`` itself.
 
@@ -934,7 +961,7 @@ def shard_sampler(sampler, seed: int = 0):
     sampler too). Like Accelerate's sharded samplers, it works whatever the sampler does."""
     if not is_distributed():
         return sampler
-    return _ShardedSampler(sampler, seed)
+    return _ShardedSampler(sampler, _own_seed(seed))
 
 
 class _ShardedSampler(Sampler):
@@ -1013,6 +1040,10 @@ def shard_stream(data):
     stream into columns; 1 process: ``data`` itself."""
     world = world_size()
     if world <= 1:
+        return data
+    if isinstance(data, torch.utils.data.DataLoader) or not (hasattr(data, "__len__") and hasattr(data, "__getitem__")):
+        # a loader (sharded by its sampler, or not: the runtime's checks say so) or an iterator
+        # cannot be cut by offsets: left as it is
         return data
     n = len(data) // world
     return data[rank() * n:(rank() + 1) * n]

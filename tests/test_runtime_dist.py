@@ -324,6 +324,7 @@ def test_steps_through_submodules_are_averaged_and_plain_models_keep_ddp(nets):
     assert r0["plain_mode"] == r1["plain_mode"] == "ddp"
     assert r0["plain"] == r1["plain"]
     assert r0["routed"] == r1["routed"]  # tm.synced(model).encoder(x) runs through DDP's forward
+    assert r0["late_init"] == r1["late_init"]  # weights initialised after the wrap: rank 0's at the first step
 
 
 def test_a_module_level_cleanup_in_an_imported_module_does_not_end_the_group(nets):

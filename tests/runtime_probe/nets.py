@@ -86,6 +86,18 @@ def main(outdir):
         opt.step()
     res["routed"] = flat(routed.module)
 
+    late = tm.wrap_model(Plain())
+    torch.manual_seed(1000 + tm.rank())  # initialised after the wrap, on ranks seeded apart
+    for m in tm.unwrap(late).modules():
+        if isinstance(m, nn.Linear):
+            m.reset_parameters()
+    opt = torch.optim.SGD(late.parameters(), lr=0.1)
+    for _ in range(2):
+        opt.zero_grad()
+        late(torch.randn(6, 4, generator=g)).pow(2).mean().backward()
+        opt.step()
+    res["late_init"] = flat(late.module)
+
     buffer = io.BytesIO()
     torch.save(plain, buffer)  # the wrapper pickles as the plain module
     buffer.seek(0)
