@@ -389,7 +389,7 @@ def _finish(clean: bool) -> None:
 
 
 def wrap_model(model: nn.Module, *, find_unused_parameters: bool = False, sync_bn: bool = False,
-               **ddp_kwargs) -> nn.Module:
+               data_parallel: bool = False, **ddp_kwargs) -> nn.Module:
     """Move ``model`` to ``device()`` and wrap it in DistributedDataParallel when distributed.
 
     1 process, or a model without trainable parameters (frozen teacher, EMA copy): returned
@@ -401,6 +401,11 @@ def wrap_model(model: nn.Module, *, find_unused_parameters: bool = False, sync_b
     already wrapped one (``WithLoss(net)`` after ``net = tm.wrap_model(net)``) holds its module
     instead, so no gradient is reduced twice (the inner wrapper still works when called alone).
 
+    ``data_parallel=True`` (what ``torchmigrate ddp`` passes where the program used
+    ``nn.DataParallel``): in one process the model stays in ``nn.DataParallel``, as the original
+    ran, so code anywhere that reads ``model.module`` keeps working and ``python train.py`` still
+    uses every visible GPU (on the CPU DataParallel just calls the module).
+
     The wrapper never lets a parameter without a gradient stop training (see ``_DDP``): the
     first training step finds out whether every parameter gets one, and where some do not
     (a head the loss never reads, a layer behind a flag that is off) gradients are averaged
@@ -408,10 +413,14 @@ def wrap_model(model: nn.Module, *, find_unused_parameters: bool = False, sync_b
     """
     if isinstance(model, DistributedDataParallel):
         return model
+    if isinstance(model, nn.DataParallel) and is_distributed():
+        model = model.module  # a model the program wrapped itself: DDP replaces it
     _unnest(model)
     dev = device()
     model = model.to(dev)
-    if not is_distributed() or not any(p.requires_grad for p in model.parameters()):
+    if not is_distributed():
+        return nn.DataParallel(model) if data_parallel and not isinstance(model, nn.DataParallel) else model
+    if not any(p.requires_grad for p in model.parameters()):
         return model
     _require_pg()
     if sync_bn and dev.type == "cuda":

@@ -228,6 +228,16 @@ def test_wrap_model_one_process_moves_without_wrapping():
     assert tm.wrap_model(frozen) is frozen
 
 
+def test_wrap_model_keeps_a_former_data_parallel_in_one_process():
+    """A program that used nn.DataParallel reads `.module` anywhere: in one process it keeps it."""
+    model = small_model()
+    wrapped = tm.wrap_model(model, data_parallel=True)
+    assert isinstance(wrapped, nn.DataParallel) and wrapped.module is model
+    assert tm.wrap_model(wrapped, data_parallel=True) is wrapped
+    out = wrapped(torch.randn(4, 3, device=tm.device()))
+    assert out.shape == (4, 2) and tm.unwrap(wrapped) is model
+
+
 def test_unwrap_nested_wrappers():
     inner = small_model()
     compiled = torch.compile(inner, backend="eager")  # OptimizedModule; never run here
