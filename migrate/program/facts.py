@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, FrozenSet, Iterable, List, Optional, Set, Tuple
 
+from torchmigrate.program import effects
 from torchmigrate.program.graph import Graph, dotted_name
 from torchmigrate.program.view import ModuleView
 
@@ -286,6 +287,9 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
     entry_set = {Path(e).resolve() for e in entries}
     overridden = _print_overridden(graph, modules, scopes, entry_set)
     called, unguarded = _calls_from_elsewhere(modules, scopes)
+    bindings = {path: effects.bindings_of(m.imports) for path, m in modules.items()}
+    program_effects = effects.combine(effects.summarize(m.tree, str(path), bindings[path]) for path, m in modules.items())
+    writer_classes = {(Path(p), name) for p, name in program_effects.writer_classes}
     several = len(modules) > 1
     views: Dict[Path, ModuleView] = {}
     for path, m in modules.items():
@@ -311,6 +315,9 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
             print_override=path in overridden,
             called_elsewhere=frozenset(q for p, q in called if p == path),
             guarded_elsewhere=frozenset(q for p, q in called - unguarded if p == path),
+            call_effects=effects.spelled_effects(program_effects, str(path)),
+            writer_classes=frozenset(_spellings(m, modules, writer_classes)),
+            bindings=bindings[path],
         )
     return views
 
