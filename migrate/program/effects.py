@@ -637,7 +637,8 @@ class ProgramEffects:
     kinds: Dict[Key, FrozenSet[str]] = field(default_factory=dict)
     # program classes built from a library writer (a `SummaryWriter` subclass), through their bases
     writer_classes: Set[Tuple[str, str]] = field(default_factory=set)
-    # each call of each scope: (scope key, spelled callee) -> the keys it reaches
+    # each call of each scope, in order: (the keys it reaches, whether it runs on the main
+    # process only or under `main_process_first`, the callee as spelled)
     edges: Dict[Key, List[Tuple[List[Key], bool, str]]] = field(default_factory=dict)
 
     def of(self, path: str, qual: str) -> FrozenSet[str]:
@@ -659,7 +660,7 @@ def combine(summaries: Iterable[ModuleSummary]) -> ProgramEffects:
                 reached, writes = _resolve(mods, found.writer_classes, call.target)
                 if writes:
                     direct[key].add(WRITE)
-                found.edges[key].append((reached, call.guarded, call.spelled))
+                found.edges[key].append((reached, call.guarded or call.ordered, call.spelled))
     kinds = {k: set(v) for k, v in direct.items()}
     changed = True
     while changed:
@@ -730,9 +731,9 @@ def _resolve(mods: Dict[str, ModuleSummary], writers: Set[Tuple[str, str]], targ
 # --- questions ------------------------------------------------------------------------------
 
 def reached_unguarded(effects: ProgramEffects) -> Set[Key]:
-    """The scopes that some path runs on every rank: every module body (imports run everywhere),
-    functions nothing in the program calls (a launcher, a callback: assume every rank), and what
-    they call outside rank guards."""
+    """The scopes that some path runs on every rank at once: every module body (imports run
+    everywhere), functions nothing in the program calls (a launcher, a callback: assume every
+    rank), and what they call outside rank guards and `main_process_first` blocks."""
     called: Set[Key] = {r for calls in effects.edges.values() for reached, _, _ in calls for r in reached}
     todo = [k for k in effects.edges if k[1] == MODULE_SCOPE or k not in called]
     seen = set(todo)

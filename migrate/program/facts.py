@@ -288,7 +288,7 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
     overridden = _print_overridden(graph, modules, scopes, entry_set)
     called, unguarded = _calls_from_elsewhere(modules, scopes)
     bindings = {path: effects.bindings_of(m.imports) for path, m in modules.items()}
-    program_effects = effects.combine(effects.summarize(m.tree, str(path), bindings[path]) for path, m in modules.items())
+    program_effects = _effects(modules, bindings)
     writer_classes = {(Path(p), name) for p, name in program_effects.writer_classes}
     several = len(modules) > 1
     views: Dict[Path, ModuleView] = {}
@@ -320,6 +320,22 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
             bindings=bindings[path],
         )
     return views
+
+
+def program_effects(graph: Graph, trees: Dict[Path, ast.Module]) -> effects.ProgramEffects:
+    """The effects of every function, method and class of the program (`program.effects`),
+    with each module's imports bound to the program's modules as `compute` binds them."""
+    modules: Dict[Path, _Module] = {}
+    for path in graph.modules:
+        if trees.get(path) is not None:
+            modules[path] = _Module(path, trees[path])
+    for m in modules.values():
+        _bind_imports(m, graph, modules)
+    return _effects(modules, {path: effects.bindings_of(m.imports) for path, m in modules.items()})
+
+
+def _effects(modules: Dict[Path, _Module], bindings: Dict[Path, effects.Bindings]) -> effects.ProgramEffects:
+    return effects.combine(effects.summarize(m.tree, str(path), bindings[path]) for path, m in modules.items())
 
 
 def _module_aliases(s: _Scope) -> Set[str]:

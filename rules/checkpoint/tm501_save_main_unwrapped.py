@@ -26,7 +26,7 @@ from torchmigrate.program.ranks import rank_word
 from torchmigrate.program.scopes import scope_of
 from torchmigrate.program.syntax import body_of, index_in, iter_nodes, unconditional
 from torchmigrate.rules._active import active
-from torchmigrate.rules._guards import guard_edit, guardable_line, sibling_runs
+from torchmigrate.rules._guards import guard_edit, guardable_line, orphaned, sibling_runs
 
 _IMAGE_WRITERS = {"torchvision.utils.save_image"}
 # File operations that, after `tm.save`, would run on ranks where the file was never written.
@@ -311,7 +311,7 @@ class SaveMainUnwrapped(Rule):
         """`with open(p, "wb") as f: torch.save(obj, f)`: every rank would truncate the file."""
         ctx = self.ctx
         if handle is None or not isinstance(ctx.parent(handle), (cst.IndentedBlock, cst.Module)) \
-                or runs_user_code(ctx, handle):
+                or runs_user_code(ctx, handle) or orphaned(ctx, [handle]):
             self.report(call, f"torch.save into a file opened on every rank: open and write it under "
                               f"`if {ctx.tm}.is_main():`")
             return
