@@ -77,23 +77,24 @@ def orphaned(ctx: Context, run: Sequence[cst.CSTNode]) -> List[str]:
     end = ctx.last_position(run[-1])
     found = []
     for name in sorted({n for s in run for n in binds(ctx, s) if "." not in n}):
-        for use in ctx.named(name):
-            position = ctx.position(use)
-            if position is not None and position > end and (ctx.enclosing(use, cst.FunctionDef) or ctx.module) is scope \
-                    and not _is_target(ctx, use):
-                found.append(name)
-                break
+        later = sorted(((p, use) for use in ctx.named(name) if (p := ctx.position(use)) is not None and p > end
+                        and (ctx.enclosing(use, cst.FunctionDef) or ctx.module) is scope and not _other_name(ctx, use)),
+                       key=lambda found: found[0])
+        # the next mention decides: a read needs the value, a new binding (`with open(p) as f`) replaces it
+        if later and not _binding(ctx, later[0][1]):
+            found.append(name)
     return found
 
 
-def _is_target(ctx: Context, name: cst.Name) -> bool:
-    """`name` is bound here (an assignment target, `as` name, loop variable), or an attribute's
-    or keyword's name rather than a read."""
+def _other_name(ctx: Context, name: cst.Name) -> bool:
+    """`x.name` or `f(name=...)`: an attribute's or keyword's name, not the variable."""
     parent = ctx.parent(name)
-    if isinstance(parent, cst.Attribute) and parent.attr is name:
-        return True
-    if isinstance(parent, cst.Arg) and parent.keyword is name:
-        return True
+    return isinstance(parent, cst.Attribute) and parent.attr is name or isinstance(parent, cst.Arg) and parent.keyword is name
+
+
+def _binding(ctx: Context, name: cst.Name) -> bool:
+    """`name` is bound here: an assignment target, an `as` name, a loop variable."""
+    parent = ctx.parent(name)
     return isinstance(parent, (cst.AssignTarget, cst.AsName)) or (
         isinstance(parent, (cst.For, cst.CompFor, cst.AnnAssign)) and getattr(parent, "target", None) is name)
 

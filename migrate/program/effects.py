@@ -132,6 +132,8 @@ class Scope:
     kinds: Set[str] = field(default_factory=set)
     writes: List[Write] = field(default_factory=list)
     calls: List["Call"] = field(default_factory=list)
+    params: List[str] = field(default_factory=list)  # positional parameters, in order (`self` too)
+    written: Set[str] = field(default_factory=set)  # parameters that name a file it writes
 
 
 @dataclass(frozen=True)
@@ -277,6 +279,7 @@ class _Reader:
         if isinstance(node, _FUNCS):
             a = node.args
             self.params = {p.arg for p in (*a.posonlyargs, *a.args, *a.kwonlyargs)}
+            self.scope.params = [p.arg for p in (*a.posonlyargs, *a.args)]
             self.params |= {p.arg for p in (a.vararg, a.kwarg) if p is not None}
         self.locals: Set[str] = set()  # names assigned here (values, not the program's)
         self.names = names.copy() if names is not None else _Names()
@@ -471,6 +474,8 @@ class _Reader:
         if isinstance(target, ast.Name) and target.id in self.names.handles or (
                 isinstance(target, ast.Call) and self._resolve(target.func) == "open"):
             return  # `json.dump(x, f)`, `json.dump(x, open(p, "w"))`: the site is where the file is opened
+        if target is not None:
+            self.scope.written |= {n.id for n in ast.walk(target) if isinstance(n, ast.Name) and n.id in self.params}
         text = None
         if target is not None:
             try:
@@ -776,6 +781,27 @@ def bindings_of(imports: Dict[str, Tuple[Path, Optional[str]]]) -> Bindings:
     return {local: (str(path), symbol) for local, (path, symbol) in imports.items()}
 
 
+def written_arguments(effects: ProgramEffects, path: str) -> Dict[str, Tuple[FrozenSet[int], FrozenSet[str]]]:
+    """For `ModuleView.call_writes`: "<scope>|<callee as spelled>" -> the positions and keywords
+    of the call's arguments that name a file the function it reaches writes
+    (`write_results(results, path)`: position 1, keyword "path")."""
+    out: Dict[str, Tuple[FrozenSet[int], FrozenSet[str]]] = {}
+    s = effects.summaries.get(path)
+    if s is None:
+        return out
+    for qual, scope in s.scopes.items():
+        for (reached, _, spelled), call in zip(effects.edges.get((path, qual), ()), scope.calls):
+            for r in reached:
+                callee = effects.summaries[r[0]].scopes.get(r[1])
+                if callee is None or not callee.written:
+                    continue
+                params = callee.params[1:] if call.target[0] != "symbol" or r[1].endswith(".__init__") \
+                    else callee.params
+                out[f"{qual}|{spelled}"] = (frozenset(i for i, p in enumerate(params) if p in callee.written),
+                                            frozenset(callee.written))
+    return out
+
+
 def spelled_effects(effects: ProgramEffects, path: str) -> Dict[str, FrozenSet[str]]:
     """For `ModuleView.call_effects`: "<scope>|<callee as spelled>" -> the effects of the
     program code that call reaches (with the write of a library writer it builds)."""
@@ -796,15 +822,15 @@ def spelled_effects(effects: ProgramEffects, path: str) -> Dict[str, FrozenSet[s
     return out
 
 
-def of_module(source: str, path: str) -> Tuple[Dict[str, FrozenSet[str]], FrozenSet[str]]:
-    """`ModuleView.call_effects` and `writer_classes` of a module processed without its
+def of_module(source: str, path: str):
+    """`ModuleView.call_effects`, `writer_classes` and `call_writes` of a module processed without its
     program (stdin, a fixture, `--no-follow`): its own functions, methods and classes only."""
     try:
         tree = ast.parse(source)
     except (SyntaxError, ValueError, RecursionError, MemoryError):
-        return {}, frozenset()
+        return {}, frozenset(), {}
     found = combine([summarize(tree, path, {})])
-    return spelled_effects(found, path), frozenset(c for _, c in found.writer_classes)
+    return spelled_effects(found, path), frozenset(c for _, c in found.writer_classes), written_arguments(found, path)
 
 
 def summarize_source(source: str, path: str, bindings: Bindings) -> Optional[ModuleSummary]:

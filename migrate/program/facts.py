@@ -316,6 +316,7 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
             called_elsewhere=frozenset(q for p, q in called if p == path),
             guarded_elsewhere=frozenset(q for p, q in called - unguarded if p == path),
             call_effects=effects.spelled_effects(program_effects, str(path)),
+            call_writes=effects.written_arguments(program_effects, str(path)),
             writer_classes=frozenset(_spellings(m, modules, writer_classes)),
             bindings=bindings[path],
         )

@@ -54,6 +54,9 @@ class ModuleView:
     # the effects of the program's code each call of this module reaches (`program.effects`):
     # "<scope>|<callee as spelled>" ("main|utils.save_params", "Trainer.fit|self.log") -> kinds
     call_effects: Dict[str, FrozenSet[str]] = field(default_factory=dict)
+    # the same keys -> (positions, keywords) of the call's arguments that name a file the code
+    # it reaches writes (`write_results(results, path)`: ({1}, {"path"}))
+    call_writes: Dict[str, Tuple[FrozenSet[int], FrozenSet[str]]] = field(default_factory=dict)
     # the program's classes built on a library writer (a `SummaryWriter` subclass), as this
     # module spells them: building one writes files
     writer_classes: FrozenSet[str] = frozenset()

@@ -12,7 +12,9 @@ from torchmigrate.syntax.imports import dotted
 from torchmigrate.syntax.nodes import code, set_kwarg, stmt
 from torchmigrate.program.checkpoints import follows_save
 from torchmigrate.program.syntax import body_of, unconditional
-from torchmigrate.program.writes import handle_uses_write_only, is_pil_image, writes_file
+from torchmigrate.program import effects
+from torchmigrate.program.writes import (call_kinds, handle_uses_write_only, in_body, is_pil_image, scope_qual,
+                                         writes_file)
 from torchmigrate.rule import Example, Rule
 from torchmigrate.rules.checkpoint.plan import plan
 from torchmigrate.program.collectives import runs_user_code
@@ -27,6 +29,9 @@ _COPIES = frozenset({"shutil.copy", "shutil.copyfile", "shutil.copy2", "shutil.c
 # second rank to remove it fails with FileNotFoundError (`ddp` only: distributed code may remove
 # files of its own rank).
 _REMOVALS = frozenset({"os.remove", "os.unlink", "shutil.rmtree"})
+
+# effects of program code that must run on every rank
+_EVERY_RANK = frozenset({effects.COLLECTIVE, effects.TRAIN, effects.CALLS})
 
 _FILE_HANDLERS = ("logging.FileHandler", "logging.handlers.RotatingFileHandler",
                   "logging.handlers.TimedRotatingFileHandler")
@@ -156,6 +161,8 @@ class MainOnlyWrites(Rule):
             self._wait_for_reread(run)
         for call, assign in handles:
             self._handle(call, assign)
+        for call, name in analysis.facts(ctx).calls:
+            self._helper_reread(call)
 
     def _open(self, call: cst.Call, withs: List[cst.CSTNode], handles: List[Tuple[cst.Call, cst.Assign]]) -> None:
         """Where a file is opened for writing: a `with` block, a handle kept in a name
@@ -182,9 +189,13 @@ class MainOnlyWrites(Rule):
         ranks, so the file is opened on the main process only and `f` is `tm.main_only`'s null
         object elsewhere, which absorbs every write. Only when every use of `f` writes into it."""
         ctx = self.ctx
-        if under_rank_guard(ctx, call) or plan(ctx).orders(ctx, call) or "+" in (self._mode(call) or "+"):
+        if under_rank_guard(ctx, call) or plan(ctx).orders(ctx, call):
             return
         name = dotted(assign.targets[0].target) or ""
+        if "+" in (self._mode(call) or "+"):
+            self.report(call, f"every rank opens this file to write and read it: write it on the main process only "
+                              f"(`if {ctx.tm}.is_main():`), then `{ctx.tm}.barrier()` before any rank reads it")
+            return
         scope = (ctx.enclosing(assign, cst.ClassDef) if name.startswith("self.") else None) \
             or ctx.enclosing(assign, cst.FunctionDef) or ctx.module
         if not handle_uses_write_only(ctx, name, scope, assign):
@@ -237,13 +248,32 @@ class MainOnlyWrites(Rule):
         return mode.evaluated_value if isinstance(mode, cst.SimpleString) and isinstance(
             mode.evaluated_value, str) else None
 
-    def _wait_for_reread(self, run) -> None:
+    def _helper_reread(self, call: cst.Call) -> None:
+        """`write_results(results, path)` (the program's own code, in any module, that writes
+        files and guards them on the main process: see the effects) followed by every rank
+        reading `path`: the same wait as for a write of this file."""
+        ctx = self.ctx
+        kinds = call_kinds(ctx, call)
+        line = ctx.statement_of(call)
+        if not kinds or effects.WRITE not in kinds or kinds & _EVERY_RANK or under_rank_guard(ctx, call) \
+                or not isinstance(line, cst.SimpleStatementLine) or not in_body(ctx, line) \
+                or plan(ctx).orders(ctx, call):
+            return
+        positions, keywords = ctx.program.call_writes.get(f"{scope_qual(ctx, call)}|{dotted(call.func)}", ((), ()))
+        paths = {code(a.value) for i, a in enumerate(call.args)
+                 if (a.keyword is None and not a.star and i in positions) or (a.keyword is not None and a.keyword.value in keywords)}
+        self._wait_for_reread([line], paths)
+
+    def _wait_for_reread(self, run, written: Optional[set] = None) -> None:
         """A file the main process now writes alone and every rank reads back later in the same
         function (an evaluation json, a results file): the others must wait until it is
-        complete, so a `tm.barrier()` goes after the write, where every rank reaches it."""
+        complete, so a `tm.barrier()` goes before the read, where every rank reaches it.
+        `written`: the path texts the run may write (else its first `open` for writing)."""
         ctx = self.ctx
-        written = self._written_path(run)
         if written is None:
+            path = self._written_path(run)
+            written = {path} if path is not None else set()
+        if not written:
             return
         scope = ctx.enclosing(run[0], cst.FunctionDef) or ctx.module
         end = ctx.last_position(run[-1])
@@ -254,7 +284,7 @@ class MainOnlyWrites(Rule):
             if name and name.endswith(".barrier"):
                 return
             first = call.args[0].value if call.args and call.args[0].keyword is None else None
-            if first is None or code(first) != written or writes_file(call, name):
+            if first is None or code(first) not in written or writes_file(call, name):
                 continue
             body = body_of(ctx.parent(run[0])) or ()
             reading = next((a for a in (call, *ctx.ancestors(call)) if any(a is b for b in body)), None)

@@ -303,7 +303,7 @@ def test_module_views_carry_call_effects_and_writer_classes(tmp_path):
 
 
 def test_a_module_alone_knows_its_own_effects():
-    call_effects, writer_classes = effects.of_module(textwrap.dedent("""
+    call_effects, writer_classes, call_writes = effects.of_module(textwrap.dedent("""
         import json
         from torch.utils.tensorboard import SummaryWriter
         class Board(SummaryWriter):
@@ -317,3 +317,4 @@ def test_a_module_alone_knows_its_own_effects():
     """), "x.py")
     assert call_effects["main|dump"] == {WRITE}
     assert writer_classes == {"Board"}
+    assert call_writes["main|dump"] == ({1}, {"path"})  # the file it writes is named by `path`
