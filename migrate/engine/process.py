@@ -289,8 +289,7 @@ def process_source(source: str, path: str, options: Options, rules: Sequence[Rul
     if suppressions.skip_file:
         return SourceResult(source, source)
     if program is None:  # a file alone: the effects of its own code still count
-        call_effects, writer_classes, call_writes = effects.of_module(source, path)
-        program = ModuleView(call_effects=call_effects, writer_classes=writer_classes, call_writes=call_writes)
+        program = ModuleView(**effects.of_module(source, path))
     with _deep_recursion():
         result = _process(source, path, options, rules, suppressions, program, fix_edits)
         if options.migrating or not result.changed:

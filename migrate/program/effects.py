@@ -69,6 +69,7 @@ _WRITER_CLASS_NAMES = frozenset({"SummaryWriter", "FileWriter"})
 _WRITER_CLASSES = frozenset({"tensorboard_logger.Logger", "logging.FileHandler",
                              "logging.handlers.RotatingFileHandler", "logging.handlers.TimedRotatingFileHandler"})
 _MKDIRS = frozenset({"os.makedirs", "os.mkdir", "pathlib.Path.mkdir"})
+_EXISTS = frozenset({"os.path.exists", "os.path.isdir", "os.path.isfile"})
 _READERS = frozenset({"json.load", "pickle.load", "numpy.load", "numpy.loadtxt", "torch.load", "yaml.load",
                       "yaml.safe_load", "PIL.Image.open", "cv2.imread", "imageio.imread", "imageio.v2.imread",
                       "scipy.io.loadmat", "joblib.load", "h5py.File", "os.listdir", "glob.glob"})
@@ -140,13 +141,14 @@ class Scope:
 class Call:
     """A call of the program's code: what it names, whether it runs on the main process only
     (under a rank guard, or of an object `tm.main_only` built), the callee as spelled, its line,
-    and whether it runs under `main_process_first`."""
+    whether it runs under `main_process_first`, and whether under a file-existence test."""
 
     target: Target
     guarded: bool
     spelled: str
     line: int
     ordered: bool = False
+    first_run: bool = False  # under an `if` that asks whether a file or folder exists
 
 
 @dataclass
@@ -283,7 +285,7 @@ class _Reader:
             self.params |= {p.arg for p in (a.vararg, a.kwarg) if p is not None}
         self.locals: Set[str] = set()  # names assigned here (values, not the program's)
         self.names = names.copy() if names is not None else _Names()
-        self._bound = False
+        self._exists = 0  # inside `if <a file exists test>:` blocks
 
     def _body(self) -> List[ast.stmt]:
         return self.node.body if isinstance(self.node, _FUNCS) else [
@@ -405,9 +407,12 @@ class _Reader:
                 continue
             if isinstance(stmt, ast.If):
                 rank = rank_test(stmt.test)
+                exists = self._asks_exists(stmt.test)
                 self._expr(stmt.test, guarded, ordered)
+                self._exists += exists
                 self._block(stmt.body, guarded or rank, ordered)
                 self._block(stmt.orelse, guarded or rank, ordered)
+                self._exists -= exists
                 if rank and not stmt.orelse and isinstance(stmt.body[-1], (ast.Return, ast.Continue, ast.Break)):
                     guarded = True  # `if not is_main(): return`: the rest runs on the main process
                 continue
@@ -434,6 +439,12 @@ class _Reader:
                     self._block(block, guarded, ordered)
             else:
                 self._expr(stmt, guarded, ordered)
+
+    def _asks_exists(self, test: ast.AST) -> bool:
+        """The test asks whether a file or folder exists (`os.path.isdir(out)`, `p.exists()`)."""
+        return any(isinstance(n, ast.Call) and (self._resolve(n.func) in _EXISTS or (
+            isinstance(n.func, ast.Attribute) and n.func.attr in ("exists", "is_file", "is_dir") and not n.args))
+            for n in ast.walk(test))
 
     def _outliving(self, target: ast.AST) -> bool:
         """An assignment target that outlives the call: `self.x`, `param.x`, `param[i]`, a
@@ -515,7 +526,7 @@ class _Reader:
         if target is not None:
             owner = (_dotted(func) or "").rpartition(".")[0]
             self.scope.calls.append(Call(target, guarded or owner in self.names.nulls, _dotted(func) or "",
-                                         call.lineno, ordered))
+                                         call.lineno, ordered, self._exists > 0))
             return False
         if name == "open" or (name.endswith(".open") and isinstance(func, ast.Attribute) and name != "PIL.Image.open"):
             if _opens_for_writing(call):
@@ -735,6 +746,20 @@ def _resolve(mods: Dict[str, ModuleSummary], writers: Set[Tuple[str, str]], targ
 
 # --- questions ------------------------------------------------------------------------------
 
+def first_run_builders(effects: ProgramEffects) -> Set[Key]:
+    """Functions that write files and that the program calls only when a file or folder is
+    missing (`if not os.path.isdir(out): build_features(raw, out)`): first-run builders. TM505
+    puts each such call, with its test, under `main_process_first`; their writes are not
+    guarded one by one (a rank could see a half-written folder)."""
+    calls: Dict[Key, List[bool]] = {}
+    for key, scope_calls in ((k, effects.summaries[k[0]].scopes[k[1]].calls) for k in effects.edges):
+        for (reached, _, _), call in zip(effects.edges[key], scope_calls):
+            for r in reached:
+                calls.setdefault(r, []).append(call.first_run and not call.guarded)
+    return {k for k, firsts in calls.items() if firsts and all(firsts) and WRITE in effects.kinds.get(k, ())
+            and not effects.kinds.get(k, frozenset()) & {COLLECTIVE, TRAIN, CALLS}}
+
+
 def reached_unguarded(effects: ProgramEffects) -> Set[Key]:
     """The scopes that some path runs on every rank at once: every module body (imports run
     everywhere), functions nothing in the program calls (a launcher, a callback: assume every
@@ -823,14 +848,17 @@ def spelled_effects(effects: ProgramEffects, path: str) -> Dict[str, FrozenSet[s
 
 
 def of_module(source: str, path: str):
-    """`ModuleView.call_effects`, `writer_classes` and `call_writes` of a module processed without its
+    """The `ModuleView` fields from `program.effects` of a module processed without its
     program (stdin, a fixture, `--no-follow`): its own functions, methods and classes only."""
     try:
         tree = ast.parse(source)
     except (SyntaxError, ValueError, RecursionError, MemoryError):
-        return {}, frozenset(), {}
+        return {}
     found = combine([summarize(tree, path, {})])
-    return spelled_effects(found, path), frozenset(c for _, c in found.writer_classes), written_arguments(found, path)
+    return {"call_effects": spelled_effects(found, path),
+            "writer_classes": frozenset(c for _, c in found.writer_classes),
+            "call_writes": written_arguments(found, path),
+            "first_run_builders": frozenset(q for _, q in first_run_builders(found))}
 
 
 def summarize_source(source: str, path: str, bindings: Bindings) -> Optional[ModuleSummary]:

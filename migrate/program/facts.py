@@ -290,6 +290,7 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
     bindings = {path: effects.bindings_of(m.imports) for path, m in modules.items()}
     program_effects = _effects(modules, bindings)
     writer_classes = {(Path(p), name) for p, name in program_effects.writer_classes}
+    builders_first = effects.first_run_builders(program_effects)
     several = len(modules) > 1
     views: Dict[Path, ModuleView] = {}
     for path, m in modules.items():
@@ -317,6 +318,7 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
             guarded_elsewhere=frozenset(q for p, q in called - unguarded if p == path),
             call_effects=effects.spelled_effects(program_effects, str(path)),
             call_writes=effects.written_arguments(program_effects, str(path)),
+            first_run_builders=frozenset(q for p, q in builders_first if p == str(path)),
             writer_classes=frozenset(_spellings(m, modules, writer_classes)),
             bindings=bindings[path],
         )

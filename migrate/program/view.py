@@ -57,6 +57,9 @@ class ModuleView:
     # the same keys -> (positions, keywords) of the call's arguments that name a file the code
     # it reaches writes (`write_results(results, path)`: ({1}, {"path"}))
     call_writes: Dict[str, Tuple[FrozenSet[int], FrozenSet[str]]] = field(default_factory=dict)
+    # functions of this module that write files and that the program calls only when a file
+    # or folder is missing (first-run builders, `program.effects.first_run_builders`)
+    first_run_builders: FrozenSet[str] = frozenset()
     # the program's classes built on a library writer (a `SummaryWriter` subclass), as this
     # module spells them: building one writes files
     writer_classes: FrozenSet[str] = frozenset()

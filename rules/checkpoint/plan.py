@@ -19,7 +19,7 @@ from torchmigrate import analysis
 from torchmigrate.syntax.imports import dotted
 from torchmigrate.program import effects
 from torchmigrate.program.writes import (call_kinds, early_return_check, existence_if, fetches, in_body, in_loop,
-                                         inside_def, under_main_process_first, writes_file)
+                                         inside_def, scope_qual, under_main_process_first, writes_file)
 from torchmigrate.rule import Context
 from torchmigrate.program.collectives import is_collective
 from torchmigrate.program.rank_guards import rank_guard_of
@@ -47,12 +47,17 @@ class Plan:
     spans: List[Span] = field(default_factory=list)
     manual: List[Tuple[cst.CSTNode, str]] = field(default_factory=list)  # (node, why no fix)
     wrapped: Set[cst.CSTNode] = field(default_factory=set)  # every statement of every span
+    # this module's first-run builders (`ModuleView.first_run_builders`), when TM505 runs: every
+    # call of them goes under `main_process_first` with its existence test, wherever it is
+    builders: frozenset = frozenset()
 
     def orders(self, ctx: Context, node: cst.CSTNode) -> bool:
         """Whether `node` runs in a block that makes the other ranks wait for the main process:
-        one already in the code, or one this run adds (when TM505 runs)."""
+        one already in the code, or one this run adds (when TM505 runs), here or around every
+        call of the first-run builder that holds it."""
         return under_main_process_first(ctx, node) or node in self.wrapped \
-            or any(a in self.wrapped for a in ctx.ancestors(node))
+            or any(a in self.wrapped for a in ctx.ancestors(node)) \
+            or bool(self.builders) and scope_qual(ctx, node) in self.builders
 
 
 def plan(ctx: Context) -> Plan:
@@ -69,7 +74,7 @@ class _Planner:
     def plan(self) -> Plan:
         ctx = self.ctx
         spans: Dict[cst.CSTNode, Span] = {}
-        result = Plan()
+        result = Plan(builders=ctx.program.first_run_builders)
         for call, name in analysis.facts(ctx).calls:
             kind = ("download" if fetches(ctx, call, name) else None) or self._cache_write(call, name)
             if kind is None or inside_def(ctx, call, ctx.statement_of(call)):

@@ -303,7 +303,7 @@ def test_module_views_carry_call_effects_and_writer_classes(tmp_path):
 
 
 def test_a_module_alone_knows_its_own_effects():
-    call_effects, writer_classes, call_writes = effects.of_module(textwrap.dedent("""
+    found = effects.of_module(textwrap.dedent("""
         import json
         from torch.utils.tensorboard import SummaryWriter
         class Board(SummaryWriter):
@@ -315,6 +315,31 @@ def test_a_module_alone_knows_its_own_effects():
             dump({}, "a.json")
             b = Board("runs")
     """), "x.py")
-    assert call_effects["main|dump"] == {WRITE}
-    assert writer_classes == {"Board"}
-    assert call_writes["main|dump"] == ({1}, {"path"})  # the file it writes is named by `path`
+    assert found["call_effects"]["main|dump"] == {WRITE}
+    assert found["writer_classes"] == {"Board"}
+    assert found["call_writes"]["main|dump"] == ({1}, {"path"})  # the file it writes is named by `path`
+
+
+def test_first_run_builders_are_called_only_when_their_output_is_missing(tmp_path):
+    found = facts_of(tmp_path, {
+        "train.py": """
+            import os
+            import torch
+            from prep import build, export
+            def main(out):
+                if not os.path.isdir(out):
+                    build(out)
+                export(out)
+                if not os.path.exists(out + "/x"):
+                    export(out)
+            main("features")
+            """,
+        "prep.py": """
+            import numpy as np
+            def build(out):
+                np.save(out + "/a.npy", np.zeros(1))
+            def export(out):
+                np.save(out + "/b.npy", np.zeros(1))
+            """,
+    })
+    assert effects.first_run_builders(found) == {(str((tmp_path / "prep.py").resolve()), "build")}
