@@ -538,6 +538,8 @@ class _Reader:
             where = {"json.dump": 1, "pickle.dump": 1, "yaml.dump": 1, "yaml.safe_dump": 1, "torch.save": 1,
                      "joblib.dump": 1, "torchvision.utils.save_image": 1, "shutil.copy": 1, "shutil.copyfile": 1,
                      "shutil.copy2": 1, "shutil.copytree": 1, "shutil.move": 1}.get(name, 0)
+            if name == "wandb.init" and any(k.arg == "mode" and rank_test(k.value) for k in call.keywords):
+                guarded = True  # `mode=None if tm.is_main() else "disabled"`: a run on the main process only
             self._write(call, name, guarded, ordered, _arg(call, where, "filename" if name == "logging.basicConfig" else None))
             if name == "logging.basicConfig":
                 kinds.add(OUTPUT)

@@ -53,6 +53,21 @@ class MainOnlyWrites(Rule):
       `ddp` `os.remove(path)`, `logging.basicConfig(filename=...)`, ...) goes under
       `if tm.is_main():` (the other ranks' INFO records are off anyway, see `tm.setup`)
       on the same terms; adjacent ones share one guard.
+    - A file kept open across statements, `f = open(path, "a")` ... `f.write(...)` ...
+      `f.close()` (also `self.file = open(...)` in a logger class), becomes
+      `f = tm.main_only(open, path, "a")` when every use of `f` writes into it (`f.write`,
+      `print(..., file=f)`, `json.dump(obj, f)`, `csv.writer(f)`, `f.close()`): the file is
+      opened on the main process, a null object absorbs the writes elsewhere, and no name is
+      left unbound. Other uses (`f.name`, a `+` mode) are reported.
+    - A `with open(...)` block is never guarded when names it binds are read after it
+      (NameError on the other ranks) or when it runs a forward pass or a collective: its file is
+      opened through `tm.main_only(open, ...)` instead when the block writes only through it,
+      else the block is reported.
+    - A file every rank reads back after the main process alone wrote it (an evaluation json,
+      also one written by a helper of any module, from the program's effects) gets
+      `tm.barrier()` before the read, where every rank reaches it.
+    - Writes inside a first-run builder (a function of the program called only when its output
+      is missing, whose calls TM505 puts under `main_process_first` whole) are not guarded.
     - `logging.FileHandler(path)` (and the rotating ones) becomes
       `(logging.FileHandler(path) if tm.is_main() else logging.NullHandler())`: one log file,
       written by the main process.

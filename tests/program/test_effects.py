@@ -208,8 +208,9 @@ def test_a_wrapper_class_whose_methods_write(tmp_path):
 def test_guards_main_only_and_main_process_first_are_not_every_rank(tmp_path):
     found = facts_of(tmp_path, {
         "train.py": """
-            import json, os
+            import json, logging, os
             import torch
+            import wandb
             import torchmigrate.runtime as tm
             from helpers import dump, build_cache
             def main(rank):
@@ -222,6 +223,8 @@ def test_guards_main_only_and_main_process_first_are_not_every_rank(tmp_path):
             def later():
                 f = tm.main_only(open, "c.txt", "a")
                 f.write("c")
+                wandb.init(project="p", mode=None if tm.is_main() else "disabled")
+                handler = logging.FileHandler("x.log") if tm.is_main() else logging.NullHandler()
                 tm.save({}, "d.pt")
                 with tm.main_process_first():
                     if not os.path.exists("cache"):
