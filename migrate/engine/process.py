@@ -23,6 +23,7 @@ from torchmigrate.engine.suppress import Suppressions
 from torchmigrate.engine.textedits import TextEdit, text_edits
 from torchmigrate.errors import InputError
 from torchmigrate.finding import Edit, EditKind, Finding, Safety
+from torchmigrate.program import effects
 from torchmigrate.program.view import ModuleView
 from torchmigrate.rule import Context, Options, RuleType
 from torchmigrate.syntax.layout import statement_lines
@@ -287,6 +288,8 @@ def process_source(source: str, path: str, options: Options, rules: Sequence[Rul
     suppressions = Suppressions.scan(source)
     if suppressions.skip_file:
         return SourceResult(source, source)
+    if program is None:  # a file alone: the effects of its own code still count
+        program = ModuleView(**effects.of_module(source, path))
     with _deep_recursion():
         result = _process(source, path, options, rules, suppressions, program, fix_edits)
         if options.migrating or not result.changed:

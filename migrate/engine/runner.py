@@ -19,6 +19,7 @@ from torchmigrate.engine import files
 from torchmigrate.engine.outcome import Outcome, Record
 from torchmigrate.errors import InputError
 from torchmigrate.options import Options
+from torchmigrate.program import effects
 from torchmigrate.program.view import ModuleView
 
 VENDORED_NAME = "torchmigrate_runtime.py"
@@ -84,6 +85,9 @@ def process_file(path: str, job: Job, given: Optional[files.Decoded] = None) -> 
                 outcome.written = True
         uses_runtime = outcome.uses_runtime = options.runtime_module in result.new_source
         outcome.signals = signals(result.new_source)
+        if options.mode == "ddp":  # what the migrated module still writes on every rank: the report
+            outcome.effects = effects.summarize_source(result.new_source, os.path.realpath(path),
+                                                       view.bindings if view is not None else {})
         if job.vendor_runtime and job.write and uses_runtime and not job.together:
             outcome.vendored = vendor_runtime(Path(path).parent)
     except InputError as exc:

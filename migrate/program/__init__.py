@@ -34,6 +34,12 @@ How a run goes, and where each step lives:
      file exists, or run under `main_process_first` already; `metrics`: the loops over data
      loaders, the counts, lists and meters they fill, what happens to them after the loop, and
      which calls compute a metric that needs every sample;
+   - `effects`: what every function, method and class of the program does under torchrun
+     (writes files, with the path, prints, collectives, training steps, reads, random draws,
+     the clock, state), through calls, instances, subclasses and library sinks, computed once
+     per program from `ast` (`facts.program_effects`) and handed to each module's view
+     (`call_effects`, `call_writes`, `writer_classes`, `first_run_builders`); read again off
+     the migrated sources, it tells the report which files every rank still writes;
    - `models`: the model facts of one module (LibCST, on first use, kept on the context): the
      assignments that create each model and where it comes from (a class or function of the
      module, or a library), what it is made of (BatchNorm layers, submodules `forward()` uses

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, FrozenSet, Iterable, List, Optional, Set, Tuple
 
+from torchmigrate.program import effects
 from torchmigrate.program.graph import Graph, dotted_name
 from torchmigrate.program.view import ModuleView
 
@@ -286,6 +287,10 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
     entry_set = {Path(e).resolve() for e in entries}
     overridden = _print_overridden(graph, modules, scopes, entry_set)
     called, unguarded = _calls_from_elsewhere(modules, scopes)
+    bindings = {path: effects.bindings_of(m.imports) for path, m in modules.items()}
+    program_effects = _effects(modules, bindings)
+    writer_classes = {(Path(p), name) for p, name in program_effects.writer_classes}
+    builders_first = effects.first_run_builders(program_effects)
     several = len(modules) > 1
     views: Dict[Path, ModuleView] = {}
     for path, m in modules.items():
@@ -311,8 +316,29 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
             print_override=path in overridden,
             called_elsewhere=frozenset(q for p, q in called if p == path),
             guarded_elsewhere=frozenset(q for p, q in called - unguarded if p == path),
+            call_effects=effects.spelled_effects(program_effects, str(path)),
+            call_writes=effects.written_arguments(program_effects, str(path)),
+            first_run_builders=frozenset(q for p, q in builders_first if p == str(path)),
+            writer_classes=frozenset(_spellings(m, modules, writer_classes)),
+            bindings=bindings[path],
         )
     return views
+
+
+def program_effects(graph: Graph, trees: Dict[Path, ast.Module]) -> effects.ProgramEffects:
+    """The effects of every function, method and class of the program (`program.effects`),
+    with each module's imports bound to the program's modules as `compute` binds them."""
+    modules: Dict[Path, _Module] = {}
+    for path in graph.modules:
+        if trees.get(path) is not None:
+            modules[path] = _Module(path, trees[path])
+    for m in modules.values():
+        _bind_imports(m, graph, modules)
+    return _effects(modules, {path: effects.bindings_of(m.imports) for path, m in modules.items()})
+
+
+def _effects(modules: Dict[Path, _Module], bindings: Dict[Path, effects.Bindings]) -> effects.ProgramEffects:
+    return effects.combine(effects.summarize(m.tree, str(path), bindings[path]) for path, m in modules.items())
 
 
 def _module_aliases(s: _Scope) -> Set[str]:

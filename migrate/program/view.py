@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, FrozenSet, Tuple
+from typing import Dict, FrozenSet, Optional, Tuple
 
 
 @dataclass(frozen=True)
@@ -51,3 +51,18 @@ class ModuleView:
     # utils.save_checkpoint(...)`)
     called_elsewhere: FrozenSet[str] = frozenset()
     guarded_elsewhere: FrozenSet[str] = frozenset()
+    # the effects of the program's code each call of this module reaches (`program.effects`):
+    # "<scope>|<callee as spelled>" ("main|utils.save_params", "Trainer.fit|self.log") -> kinds
+    call_effects: Dict[str, FrozenSet[str]] = field(default_factory=dict)
+    # the same keys -> (positions, keywords) of the call's arguments that name a file the code
+    # it reaches writes (`write_results(results, path)`: ({1}, {"path"}))
+    call_writes: Dict[str, Tuple[FrozenSet[int], FrozenSet[str]]] = field(default_factory=dict)
+    # functions of this module that write files and that the program calls only when a file
+    # or folder is missing (first-run builders, `program.effects.first_run_builders`)
+    first_run_builders: FrozenSet[str] = frozenset()
+    # the program's classes built on a library writer (a `SummaryWriter` subclass), as this
+    # module spells them: building one writes files
+    writer_classes: FrozenSet[str] = frozenset()
+    # local name -> (module path, symbol or None): the program's modules and symbols this
+    # module's imports bind, so the migrated source's effects can be read again (the report)
+    bindings: Dict[str, Tuple[str, Optional[str]]] = field(default_factory=dict)
