@@ -48,6 +48,8 @@ class Outcome:
     # what the report tells without asking for anything (`path:line: text`): a launch line
     # that stays valid, and how to scale it
     notes: Tuple[str, ...] = ()
+    # what is wrong with the file's suppression comments (stderr, as Ruff's `warning:` lines)
+    warnings: Tuple[str, ...] = ()
     digest: str = ""  # hash of the bytes processed (`program.fs.digest`): the lint cache's key
     output: Optional[bytes] = None  # with `Job.to_stdout`: the new source, encoded as the input
 

@@ -86,3 +86,25 @@ def unified_diff(old: str, new: str, path: str) -> str:
     for line in lines:
         out.append(line if line.endswith("\n") else line + "\n\\ No newline at end of file\n")
     return "".join(out)
+
+
+def line_map(old: str, new: str):
+    """Where each line of `old` is in `new`: a function from a 1-based line of `old` to one of
+    `new` (an unchanged line: the same line, moved; a changed one: its counterpart in the
+    replacement, else the first line after what was removed), so a report made on the source
+    as it was read points into the file as written."""
+    import difflib
+
+    a, b = lines(old), lines(new)
+    blocks = difflib.SequenceMatcher(None, a, b, autojunk=False).get_opcodes()
+
+    def where(line: int) -> int:
+        index = line - 1
+        for tag, i1, i2, j1, j2 in blocks:
+            if i1 <= index < i2:
+                if tag == "equal":
+                    return j1 + (index - i1) + 1
+                return (j1 + min(index - i1, max(j2 - j1 - 1, 0)) + 1) if j2 > j1 else min(j1 + 1, max(len(b), 1))
+        return line if index < len(a) else min(line + len(b) - len(a), max(len(b), 1))
+
+    return where
