@@ -34,11 +34,11 @@ def _selection_lines(config: Config, request: Request) -> List[str]:
     lines = []
     for key, value in (("select", config.select), ("extend-select", config.extend_select), ("ignore", config.ignore)):
         if value or key == "select":
-            lines.append(f"  {key:<15}{_listed(value) if value else '(not set: every rule)'}  [{where}]")
+            lines.append(f"  {key:<16}{_listed(value) if value else '(not set: every rule)'}  [{where}]")
     for key, value in (("--select", request.selection.select), ("--extend-select", request.selection.extend_select),
                        ("--ignore", request.selection.ignore)):
         if value:
-            lines.append(f"  {key:<15}{_listed(value)}  [command line{', replaces the above' if key == '--select' else ''}]")
+            lines.append(f"  {key:<16}{_listed(value)}  [command line{', replaces the above' if key == '--select' else ''}]")
     return lines
 
 
@@ -46,14 +46,14 @@ def _amp_line(config: Config, request: Request) -> Optional[str]:
     if request.command == "lint":
         return None
     if request.amp:
-        return f"  {'amp':<15}{request.amp}  [--amp]"
+        return f"  {'amp':<16}{request.amp}  [--amp]"
     if config.amp:
-        return f"  {'amp':<15}{config.amp}  [{config.where}]"
-    return f"  {'amp':<15}auto  [default]"
+        return f"  {'amp':<16}{config.amp}  [{config.where}]"
+    return f"  {'amp':<16}auto  [default]"
 
 
 def _exclusion_lines(path: Path, config: Config, discovery: Discovery, request: Request) -> List[str]:
-    lines = [f"  {'exclude':<15}{_listed(config.exclude)}" + (f"  [{config.where}; relative to {config.root}]"
+    lines = [f"  {'exclude':<16}{_listed(config.exclude)}" + (f"  [{config.where}; relative to {config.root}]"
                                                             if config.exclude else "")]
     if discovery.forced_out(path, is_dir=False):
         state = "yes: left out (--force-exclude)"
@@ -64,9 +64,9 @@ def _exclusion_lines(path: Path, config: Config, discovery: Discovery, request: 
         state = "ignored by .gitignore/.ignore when a folder is searched; processed when given by name"
     else:
         state = "no"
-    lines.append(f"  {'excluded':<15}{state}")
-    lines.append(f"  {'force-exclude':<15}{'yes' if request.force_exclude else 'no'}  [command line]")
-    lines.append(f"  {'gitignore':<15}{'respected' if request.respect_gitignore else 'not read'}  [command line]")
+    lines.append(f"  {'excluded':<16}{state}")
+    lines.append(f"  {'force-exclude':<16}{'yes' if request.force_exclude else 'no'}  [command line]")
+    lines.append(f"  {'gitignore':<16}{'respected' if request.respect_gitignore else 'not read'}  [command line]")
     return lines
 
 
@@ -74,11 +74,11 @@ def _cache_line(paths: Sequence[str], cache_dir: Optional[str], no_cache: bool) 
     from torchmigrate.engine import cache
 
     if no_cache:
-        return f"  {'cache':<15}off  [--no-cache]"
+        return f"  {'cache':<16}off  [--no-cache]"
     where = cache.location(cache_dir or "", paths)
     origin = ("--cache-dir" if cache_dir else f"${cache.ENV}" if os.environ.get(cache.ENV)
               else "default: beside the nearest pyproject.toml, else in the working directory")
-    return f"  {'cache':<15}{where}  [{origin}]"
+    return f"  {'cache':<16}{where}  [{origin}]"
 
 
 def describe(request: Request, cache: Optional[Tuple[Optional[str], bool]] = None) -> str:
@@ -92,9 +92,9 @@ def describe(request: Request, cache: Optional[Tuple[Optional[str], bool]] = Non
         config = configs.for_file(path)
         codes, _ = settings.for_file(path)
         lines = [f"Settings for {request.stdin_filename or name} (torchmigrate {request.command}):",
-                 f"  {'settings file':<15}{_origin(config, configs.forced is not None)}"]
+                 f"  {'settings file':<16}{_origin(config, configs.forced is not None)}"]
         lines += _selection_lines(config, request)
-        lines.append(f"  {'rules enabled':<15}{_listed(codes)}  ({len(codes)} rules)")
+        lines.append(f"  {'rules enabled':<16}{_listed(codes)}  ({len(codes)} rules)")
         amp = _amp_line(config, request)
         lines += [amp] if amp else []
         lines += _exclusion_lines(path, config, discovery, request)
