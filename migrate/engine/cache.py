@@ -42,7 +42,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 from torchmigrate.engine.outcome import Outcome, Record
 from torchmigrate.program.fs import Realpaths, digest
 
-FORMAT = "1"  # the layout of entries; bump when it changes
+FORMAT = "2"  # the layout of entries; bump when it changes
 DIRNAME = ".torchmigrate_cache"
 ENV = "TORCHMIGRATE_CACHE_DIR"
 GITIGNORE = "# Created by torchmigrate: the lint cache, safe to delete.\n*\n"
@@ -262,12 +262,14 @@ def _atomic_text(path: Path, text: str) -> None:
 
 def _outcome_json(outcome: Outcome) -> dict:
     return {"records": [list(dataclasses.astuple(r)) for r in outcome.records], "changed": outcome.changed,
-            "uses_runtime": outcome.uses_runtime, "signals": list(outcome.signals)}
+            "uses_runtime": outcome.uses_runtime, "signals": list(outcome.signals), "diff": outcome.diff,
+            "warnings": list(outcome.warnings)}
 
 
 def _outcome(path: str, data: dict, file_digest: str) -> Outcome:
     return Outcome(path, records=[Record(*r) for r in data["records"]], changed=bool(data["changed"]),
-                   uses_runtime=bool(data["uses_runtime"]), signals=tuple(data["signals"]), digest=file_digest)
+                   uses_runtime=bool(data["uses_runtime"]), signals=tuple(data["signals"]), digest=file_digest,
+                   diff=str(data["diff"]), warnings=tuple(data["warnings"]))
 
 
 def _view_json(view) -> dict:
@@ -450,7 +452,9 @@ class LintCache:
                     hit = _outcome(str(path), data, file_digest)
                 except (KeyError, TypeError, ValueError):
                     hit = None
-            if hit is not None and not (job.write and hit.changed):  # --fix: a change must be made
+            # --fix: a change must be made; --diff: a result kept without its diff cannot show it
+            if hit is not None and not (job.write and hit.changed) and not (job.want_diff and hit.changed
+                                                                            and not hit.diff):
                 found[i] = hit
                 self.hits += 1
             else:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO, Callable, Dict, List, Optional, Sequence, Tuple
 
-from torchmigrate.engine.textedits import unified_diff
+from torchmigrate.engine.textedits import line_map, unified_diff
 from torchmigrate.engine import files
 from torchmigrate.engine.outcome import Outcome, Record
 from torchmigrate.errors import InputError
@@ -65,10 +65,17 @@ def process_file(path: str, job: Job, given: Optional[files.Decoded] = None) -> 
         decoded = given or files.read(Path(path))
         view = job.program.get(os.path.realpath(path)) if job.program else None
         result = process_source(decoded.text, path, options, rules, view, job.fix_edits)
+        # a migration's findings are found on the source as read; once it is written (or
+        # printed), they point into the file the user opens next
+        where = (line_map(result.source, result.new_source)
+                 if options.migrating and result.changed and (job.write or job.to_stdout) else None)
         records = [
-            Record(path, f.line, f.col, f.code, f.message, f.safety.value, f.applied, f.fix)
+            Record(path, where(f.line) if where else f.line, f.col, f.code, f.message, f.safety.value, f.applied,
+                   f.fix)
             for f in result.findings if not f.suppressed
         ]
+        outcome.warnings = tuple(f"Invalid rule code provided to `# torchmigrate: ignore` at {path}:{line}: {code}"
+                                 for line, code in result.unknown_ignores)
         if job.to_stdout:
             outcome.output = files.encode(result.new_source, decoded.encoding)
         new_bytes = files.encode(result.new_source, decoded.encoding) if result.changed and job.write else None
