@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, FrozenSet, Iterable, List, Optional, Set, Tuple
 
+from torchmigrate.program.classes import OTHER, argument_kind, class_kinds, optimizer_wrapper
 from torchmigrate.program.graph import Graph, dotted_name
 from torchmigrate.program.view import ModuleView
 
@@ -267,7 +268,11 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
             break
 
     loader_classes = {(p, name) for p, m in modules.items() for name, c in m.classes.items() if _loader_subclass(c)}
-    cuda_classes = {(p, name) for p, m in modules.items() for name, c in m.classes.items() if _own_cuda(c)}
+    all_kinds = class_kinds(modules)
+    kinds = {key: kind for key, kind in all_kinds.items() if kind is not None}
+    params_known = _param_kinds(modules, scopes, all_kinds)
+    wrappers = {key: w for key, kind in kinds.items() if kind == OTHER
+                and (w := optimizer_wrapper(modules[key[0]].classes[key[1]])) is not None}
     own_functions = {(p, name) for p, m in modules.items() for name in m.functions if "." not in name}
     own_classes = {(p, name) for p, m in modules.items() for name in m.classes}
     dp_classes = {(p, name): _dp_module_position(c) for p, m in modules.items() for name, c in m.classes.items()
@@ -295,7 +300,10 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
             wrapped_params={q: frozenset(p) for (mp, q), p in wrapped.items() if mp == path},
             wrapped_attrs={k: frozenset(a) for (mp, k), a in attrs.items() if mp == path},
             loader_classes=frozenset(_spellings(m, modules, loader_classes)),
-            cuda_classes=frozenset(_spellings(m, modules, cuda_classes)),
+            class_kinds={spelled: kinds[key] for key in kinds for spelled in _spellings(m, modules, {key})},
+            optimizer_wrappers={spelled: wrappers[key] for key in wrappers
+                                for spelled in _spellings(m, modules, {key})},
+            param_kinds={q: k for (mp, q), k in params_known.items() if mp == path},
             own_functions=frozenset(_spellings(m, modules, {k for k in own_functions if k[0] != path})),
             own_classes=frozenset(_spellings(m, modules, {k for k in own_classes if k[0] != path})),
             dp_classes={spelled: dp_classes[key] for key in dp_classes
@@ -313,6 +321,37 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
             guarded_elsewhere=frozenset(q for p, q in called - unguarded if p == path),
         )
     return views
+
+
+def _param_kinds(modules: Dict[Path, _Module], scopes: List[_Scope],
+                 kinds: Dict[Tuple[Path, str], Optional[str]]) -> Dict[Tuple[Path, str], Dict[str, str]]:
+    """(module, "f" / "Cls.__init__") -> the parameters that every call of it in the program
+    passes the same known kind (`DiceLoss(torch.ones(4))`: `weight` is a tensor)."""
+    seen: Dict[Tuple[Path, str], Dict[str, List[Optional[str]]]] = {}
+    for s in scopes:
+        m = s.module
+        for call in s.calls:
+            target = _callee(m, modules, call)
+            if target is None and isinstance(call.func, ast.Name):
+                if call.func.id in m.classes:
+                    target = (m.path, f"{call.func.id}.__init__", True)
+                elif call.func.id in m.functions:
+                    target = (m.path, call.func.id, False)
+            if target is None:
+                continue
+            path, qual, skip_self = target
+            func = modules[path].functions.get(qual)
+            if func is None:
+                continue
+            for param, value in _bind(func, call, skip_self):
+                seen.setdefault((path, qual), {}).setdefault(param, []).append(
+                    argument_kind(m, modules, kinds, value))
+    out: Dict[Tuple[Path, str], Dict[str, str]] = {}
+    for key, params in seen.items():
+        for param, found in params.items():
+            if len(set(found)) == 1 and found[0] is not None:
+                out.setdefault(key, {})[param] = found[0]
+    return out
 
 
 def _module_aliases(s: _Scope) -> Set[str]:
@@ -439,15 +478,6 @@ def _loader_subclass(klass: ast.ClassDef) -> bool:
         if isinstance(item, FUNC_TYPES) and item.name == "__init__":
             return item.args.kwarg is not None
     return True
-
-
-def _own_cuda(klass: ast.ClassDef) -> bool:
-    """A class with its own `cuda()` method whose bases do not look like an `nn.Module`: its
-    instances have no `.to()`."""
-    bases = " ".join(dotted_name(b) or "" for b in klass.bases)
-    if any(word in bases for word in ("Module", "nn.", "Tensor", "Loss")):
-        return False
-    return any(isinstance(item, FUNC_TYPES) and item.name == "cuda" for item in klass.body)
 
 
 def forward_outputs(klass: ast.ClassDef) -> Tuple[FrozenSet[str], ...]:

@@ -13,6 +13,7 @@ from torchmigrate.syntax.imports import dotted
 from torchmigrate.syntax.nodes import arg, code, expr, kwarg, stmt, with_args
 from torchmigrate.options import RUNTIME_MODULE as RUNTIME
 from torchmigrate.program.ranks import rank_dependent
+from torchmigrate.program.types import MODULE, TENSOR, kind_of, result_kind
 from torchmigrate.rule import Context, Example, Rule
 from torchmigrate.rules.launch.base import INIT_PG
 from torchmigrate.rules.launch.plan import legacy_launch, setup_plan
@@ -437,8 +438,6 @@ class DeviceFromRank(Rule):
     def _dot_cuda(self, call: cst.Call) -> None:
         if self.ctx.resolve(call.func) is not None or any(a.star for a in call.args):
             return
-        if self._own_cuda_method(call.func.value):
-            return  # the program's own `cuda()` (its tensors are moved inside, in its module)
         device = arg(call, "device", 0)
         if self._in_map_location(call):
             if device is not None and self.converting and gpu_index(device.value) is not None:
@@ -454,6 +453,9 @@ class DeviceFromRank(Rule):
             kind = EXPR
         if not self._wrong(kind):
             return
+        if (kind_of(self.ctx, call.func.value) or result_kind(self.ctx, call)) not in (TENSOR, MODULE):
+            self._foreign_cuda(call, kind, device)
+            return
 
         def fix(c: cst.Call) -> cst.Call:
             positional = [a for a in c.args if a.keyword is None]
@@ -466,19 +468,26 @@ class DeviceFromRank(Rule):
         self._fix(call, f"{what}, the same on every rank unless set per process; use .to(tm.device())",
                   replace(call, fix))
 
-    def _own_cuda_method(self, receiver: cst.BaseExpression) -> bool:
-        """`receiver` is an instance of a program class with a `cuda()` method of its own and no
-        `.to()` (`ModuleView.cuda_classes`): `Cls(...)`, or a name bound to one in this file."""
-        classes = self.ctx.program.cuda_classes
-        if not classes:
-            return False
-        if isinstance(receiver, cst.Call):
-            return (dotted(receiver.func) or "") in classes
-        name = dotted(receiver)
-        return name is not None and any(
-            isinstance(a.value, cst.Call) and (dotted(a.value.func) or "") in classes
-            and any(dotted(t.target) == name for t in a.targets)
-            for a in analysis.facts(self.ctx).assigns)
+    def _foreign_cuda(self, call: cst.Call, kind: str, device: Optional[cst.Arg]) -> None:
+        """`x.cuda()` on what is not known to be a tensor or a module (a loss object of the
+        program with a `cuda()` of its own, a container, a parameter): the call stays, it may
+        have no `.to()`. After tm.setup() the current GPU is the process's own, so a bare
+        `.cuda()` is right as it is; a GPU index becomes the process's own, `tm.local_rank()`."""
+        receiver = code(call.func.value)
+        if kind == BARE:
+            if not self.converting:  # lint: a file that never pins its GPU
+                self.report(call, f"`{receiver}.cuda()` uses the current GPU, which this file never sets per process "
+                                  "(torch.cuda.set_device(local_rank)): every rank would use GPU 0")
+            return
+        if device is None or self._is_local_rank(device.value):
+            return
+        self._fix(device.value, f"`.cuda({code(device.value)})` names a fixed GPU, the same on every rank; "
+                                f"`{receiver}` is not known to be a tensor or a module, so its own cuda() is kept "
+                                f"with the process's own GPU index, tm.local_rank()",
+                  replace_with(device.value, expr(f"{self.ctx.tm}.local_rank()")))
+
+    def _is_local_rank(self, node: cst.BaseExpression) -> bool:
+        return isinstance(node, cst.Call) and not node.args and self.ctx.resolve(node.func) == RUNTIME + ".local_rank"
 
     def _dot_to(self, call: cst.Call) -> None:
         if self.ctx.resolve(call.func) is not None:
