@@ -15,7 +15,7 @@ updates the learning rate and then steps the torch optimizer it holds).
 from __future__ import annotations
 
 import ast
-from typing import TYPE_CHECKING, Dict, NamedTuple, Optional, Tuple
+from typing import TYPE_CHECKING, Dict, NamedTuple, Optional, Sequence, Tuple
 
 from torchmigrate.program.graph import dotted_name
 
@@ -181,33 +181,42 @@ _MOVES = frozenset({"to", "cuda", "cpu", "float", "half", "double", "detach", "c
 
 
 def argument_kind(m: _Module, modules: Dict[Path, _Module], kinds: Dict[Tuple[Path, str], Optional[str]],
-                  node: ast.AST) -> Optional[str]:
-    """The kind of an argument a call passes, from what makes it: a torch call spelled as
-    programs spell them (`torch.ones(4)`, `nn.Linear(...)`), a class of the program, a move of
-    either (`torch.ones(4).cuda()`). None for anything else (names are not followed)."""
+                  node: ast.AST, assigns: Sequence[ast.Assign] = ()) -> Tuple[Optional[str], Optional[Tuple[Path, str]]]:
+    """(kind, program class) of an argument a call passes, from what makes it: a torch call
+    spelled as programs spell them (`torch.ones(4)`, `nn.Linear(...)`), a class of the program,
+    a move of either (`torch.ones(4).cuda()`), or a name every one of `assigns` (the calling
+    scope's) binds to one of those. (None, None) for anything else."""
+    if isinstance(node, ast.Name):
+        values = [a.value for a in assigns if any(isinstance(t, ast.Name) and t.id == node.id for t in a.targets)]
+        found = {argument_kind(m, modules, kinds, v) for v in values}
+        return found.pop() if len(found) == 1 else (None, None)
     if not isinstance(node, ast.Call):
-        return None
+        return None, None
     func = node.func
     if isinstance(func, ast.Attribute) and func.attr in _MOVES:
         inner = argument_kind(m, modules, kinds, func.value)
-        if inner is not None:
+        if inner[0] is not None:
             return inner
     name = dotted_name(func)
     if name is None:
-        return None
+        return None, None
     head, _, rest = name.partition(".")
+    key: Optional[Tuple[Path, str]] = None
     if not rest and name in m.classes:
-        return kinds.get((m.path, name))
+        key = (m.path, name)
     bound = m.imports.get(head)
-    if bound is not None and bound[0] in modules:
+    if key is None and bound is not None and bound[0] in modules:
         path, symbol = bound
         if symbol is not None and not rest:
-            return kinds.get((path, symbol))
-        if symbol is None and rest:
-            return kinds.get((path, rest))
-        return None
+            key = (path, symbol)
+        elif symbol is None and rest:
+            key = (path, rest)
+        if key is None or key[1] not in modules[path].classes:
+            return None, None
+    if key is not None:
+        return kinds.get(key), key
     for short, full in _SPELLED:
         if name.startswith(short):
             name = full + name[len(short):]
             break
-    return library_call_kind(name)
+    return library_call_kind(name), None

@@ -270,7 +270,7 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
     loader_classes = {(p, name) for p, m in modules.items() for name, c in m.classes.items() if _loader_subclass(c)}
     all_kinds = class_kinds(modules)
     kinds = {key: kind for key, kind in all_kinds.items() if kind is not None}
-    params_known = _param_kinds(modules, scopes, all_kinds)
+    params_known, params_classes = _param_kinds(modules, scopes, all_kinds)
     wrappers = {key: w for key, kind in kinds.items() if kind == OTHER
                 and (w := optimizer_wrapper(modules[key[0]].classes[key[1]])) is not None}
     own_functions = {(p, name) for p, m in modules.items() for name in m.functions if "." not in name}
@@ -304,6 +304,9 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
             optimizer_wrappers={spelled: wrappers[key] for key in wrappers
                                 for spelled in _spellings(m, modules, {key})},
             param_kinds={q: k for (mp, q), k in params_known.items() if mp == path},
+            param_wrappers={q: {p: wrappers[c] for p, c in found.items() if c in wrappers}
+                            for (mp, q), found in params_classes.items() if mp == path
+                            and any(c in wrappers for c in found.values())},
             own_functions=frozenset(_spellings(m, modules, {k for k in own_functions if k[0] != path})),
             own_classes=frozenset(_spellings(m, modules, {k for k in own_classes if k[0] != path})),
             dp_classes={spelled: dp_classes[key] for key in dp_classes
@@ -323,13 +326,17 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
     return views
 
 
-def _param_kinds(modules: Dict[Path, _Module], scopes: List[_Scope],
-                 kinds: Dict[Tuple[Path, str], Optional[str]]) -> Dict[Tuple[Path, str], Dict[str, str]]:
+def _param_kinds(modules: Dict[Path, _Module], scopes: List[_Scope], kinds: Dict[Tuple[Path, str], Optional[str]]
+                 ) -> Tuple[Dict[Tuple[Path, str], Dict[str, str]], Dict[Tuple[Path, str], Dict[str, Tuple[Path, str]]]]:
     """(module, "f" / "Cls.__init__") -> the parameters that every call of it in the program
-    passes the same known kind (`DiceLoss(torch.ones(4))`: `weight` is a tensor)."""
-    seen: Dict[Tuple[Path, str], Dict[str, List[Optional[str]]]] = {}
+    passes the same known kind (`DiceLoss(torch.ones(4))`: `weight` is a tensor), and those
+    every call passes an instance of the same class of the program (`opt = NoamOpt(...)`,
+    `LossCompute(gen, crit, opt)`)."""
+    module_assigns = {s.module.path: s.assigns for s in scopes if isinstance(s.node, ast.Module)}
+    seen: Dict[Tuple[Path, str], Dict[str, List[tuple]]] = {}
     for s in scopes:
         m = s.module
+        assigns = s.assigns + (module_assigns.get(m.path, []) if s.node is not m.tree else [])
         for call in s.calls:
             target = _callee(m, modules, call)
             if target is None and isinstance(call.func, ast.Name):
@@ -345,13 +352,19 @@ def _param_kinds(modules: Dict[Path, _Module], scopes: List[_Scope],
                 continue
             for param, value in _bind(func, call, skip_self):
                 seen.setdefault((path, qual), {}).setdefault(param, []).append(
-                    argument_kind(m, modules, kinds, value))
-    out: Dict[Tuple[Path, str], Dict[str, str]] = {}
+                    argument_kind(m, modules, kinds, value, assigns))
+    out_kinds: Dict[Tuple[Path, str], Dict[str, str]] = {}
+    out_classes: Dict[Tuple[Path, str], Dict[str, Tuple[Path, str]]] = {}
     for key, params in seen.items():
         for param, found in params.items():
-            if len(set(found)) == 1 and found[0] is not None:
-                out.setdefault(key, {})[param] = found[0]
-    return out
+            if len(set(found)) != 1:
+                continue
+            kind, klass = found[0]
+            if kind is not None:
+                out_kinds.setdefault(key, {})[param] = kind
+            if klass is not None:
+                out_classes.setdefault(key, {})[param] = klass
+    return out_kinds, out_classes
 
 
 def _module_aliases(s: _Scope) -> Set[str]:

@@ -25,13 +25,16 @@ program (`ctx.program`). Answers are kept per node in ``ctx.facts``.
 
 from __future__ import annotations
 
+import ast
 import re
+import textwrap
 from typing import TYPE_CHECKING, Dict, Iterable, List, Optional, Set
 
 import libcst as cst
 
 from torchmigrate import analysis
-from torchmigrate.program.classes import MODULE, OPTIMIZER, OTHER, TENSOR, library_base_kind, library_call_kind
+from torchmigrate.program.classes import (MODULE, OPTIMIZER, OTHER, TENSOR, OptimizerWrapper, library_base_kind,
+                                         library_call_kind, optimizer_wrapper)
 from torchmigrate.program.loaders import DATALOADERS, TQDM_CALLS, refs_at
 from torchmigrate.syntax.imports import dotted
 
@@ -49,7 +52,7 @@ _TENSOR_NOT_TENSOR = frozenset({"item", "tolist", "numpy", "size", "dim", "numel
                                 "get_device", "backward", "register_hook"})
 # used on a name, these say what it holds (when its bindings do not)
 _MODULE_ONLY = frozenset({"parameters", "named_parameters", "modules", "named_modules", "children",
-                          "named_children", "register_buffer", "register_forward_hook", "load_state_dict"})
+                          "named_children", "register_buffer", "register_forward_hook"})
 _TENSOR_ONLY_ATTRS = frozenset({"shape", "dtype", "ndim", "is_cuda", "T"})
 _TENSOR_ONLY_METHODS = frozenset({"view", "size", "unsqueeze", "squeeze", "permute", "transpose", "reshape",
                                   "contiguous", "item", "numel", "detach", "long", "masked_fill", "view_as",
@@ -429,4 +432,81 @@ def result_kind(ctx: Context, call: cst.Call) -> Optional[str]:
         return None
     if isinstance(parent, cst.Assign) and len(parent.targets) == 1 and isinstance(parent.targets[0].target, cst.Name):
         return kind_of(ctx, parent.targets[0].target)
+    return None
+
+
+def made_by(ctx: Context, node: cst.BaseExpression, depth: int = 0) -> Optional[str]:
+    """The program's class (as this module spells it) that every binding of `node` makes:
+    `opt = ScheduledOptim(...)`, `self.optimizer = NoamOpt(...)`, a parameter annotated with it.
+    None when the bindings do not agree or are not calls of one of the program's classes."""
+    if depth > 4:
+        return None
+    if isinstance(node, cst.Call):
+        spelled = dotted(node.func)
+        return spelled if spelled is not None and class_kind(ctx, spelled) is not None else None
+    values: List[Optional[str]] = []
+    if isinstance(node, cst.Name):
+        for value, how in _bindings(ctx, node):
+            if value is _PARAM:
+                annotation = how.annotation
+                values.append(dotted(annotation.annotation) if annotation is not None else None)
+            else:
+                values.append(made_by(ctx, value, depth + 1) if how == "=" and value is not None else None)
+    elif isinstance(node, cst.Attribute) and dotted(node.value) == "self":
+        klass = ctx.enclosing(node, cst.ClassDef)
+        for n in ctx.named(node.attr.value):
+            up = ctx.parent(n)
+            if isinstance(up, cst.Attribute) and up.attr is n and dotted(up.value) == "self" \
+                    and ctx.enclosing(up, cst.ClassDef) is klass:
+                binding = _binding(ctx, up)
+                if binding is not None:
+                    value, how = binding
+                    values.append(made_by(ctx, value, depth + 1) if how == "=" and value is not None else None)
+    if not values or None in values or len(set(values)) != 1:
+        return None
+    return values[0]
+
+
+def optimizer_wrapper_of(ctx: Context, node: cst.BaseExpression) -> Optional[OptimizerWrapper]:
+    """The program's optimizer wrapper (`classes.OptimizerWrapper`) that `node` holds: an
+    instance made here (`opt = NoamOpt(...)`), or a parameter (or the `self.` attribute storing
+    one) that every call in the program passes one."""
+    made = made_by(ctx, node)
+    if made is not None:
+        known = ctx.program.optimizer_wrappers.get(made)
+        klass = analysis.facts(ctx).classes.get(made)
+        if known is None and klass is not None and class_kind(ctx, made) == OTHER:
+            tree = ast.parse(textwrap.dedent(ctx.module.code_for_node(klass)))  # a file alone
+            known = optimizer_wrapper(tree.body[0])  # type: ignore[arg-type]
+        return known
+    param = _param_behind(ctx, node)
+    if param is None:
+        return None
+    func = ctx.enclosing(param, cst.FunctionDef)
+    klass = ctx.enclosing(func, cst.ClassDef) if func is not None else None
+    qual = f"{klass.name.value}.{func.name.value}" if klass is not None else func.name.value if func else ""
+    return ctx.program.param_wrappers.get(qual, {}).get(param.name.value)
+
+
+def _param_behind(ctx: Context, node: cst.BaseExpression) -> Optional[cst.Param]:
+    """The parameter `node` is bound to and nothing else: a parameter name, or a `self.x` that
+    its class only ever assigns from one parameter (`self.opt = opt` in `__init__`)."""
+    values: List[tuple] = []
+    if isinstance(node, cst.Name):
+        values = _bindings(ctx, node)
+    elif isinstance(node, cst.Attribute) and dotted(node.value) == "self":
+        klass = ctx.enclosing(node, cst.ClassDef)
+        for n in ctx.named(node.attr.value):
+            up = ctx.parent(n)
+            if isinstance(up, cst.Attribute) and up.attr is n and dotted(up.value) == "self" \
+                    and ctx.enclosing(up, cst.ClassDef) is klass:
+                binding = _binding(ctx, up)
+                if binding is not None:
+                    values.append(binding)
+        if len(values) == 1 and values[0][1] == "=" and isinstance(values[0][0], cst.Name):
+            values = _bindings(ctx, values[0][0])
+        else:
+            return None
+    if len(values) == 1 and values[0][0] is _PARAM:
+        return values[0][1]
     return None

@@ -33,6 +33,8 @@ class ModuleView:
     # functions and methods of this module ("f", "Cls.__init__") -> the parameters every call
     # in the program passes a value of one known kind (`DiceLoss(torch.ones(4))`: a tensor)
     param_kinds: Dict[str, Dict[str, str]] = field(default_factory=dict)
+    # ... and those every call passes an instance of one optimizer wrapper of the program
+    param_wrappers: Dict[str, Dict[str, OptimizerWrapper]] = field(default_factory=dict)
     # the module-level functions and the classes that other modules of the program define, as
     # this module spells them (`focal_loss`, `losses.FocalLoss`): the project's code, not a library's
     own_functions: FrozenSet[str] = frozenset()
