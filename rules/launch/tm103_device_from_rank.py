@@ -98,8 +98,13 @@ class DeviceFromRank(Rule):
       become `tm.device()`; with another condition (`use_cuda`, `not args.no_cuda and ...`) the
       condition is kept: `tm.device() if use_cuda else torch.device("cpu")`.
     - `x.cuda()`, `x.cuda(0)`, `x.cuda(args.gpu)`, `x.cuda(non_blocking=True)` become
-      `x.to(tm.device())` (keeping `non_blocking=`/`memory_format=`); `.to("cuda:0")` and
-      `device="cuda"` keywords of torch factories become `tm.device()`.
+      `x.to(tm.device())` (keeping `non_blocking=`/`memory_format=`) where `x` is known to be a
+      tensor or a module (`program.types`: made by torch or `nn`, a model class of the program,
+      a batch of a data loader, ...). Anything else keeps its own `cuda()` (a loss object of the
+      program with a `cuda()` but no `.to()`, a container, an unannotated parameter): after
+      `tm.setup()` the current GPU is the process's own, and a GPU index becomes
+      `tm.local_rank()`. `.to("cuda:0")` and `device="cuda"` keywords of torch factories become
+      `tm.device()`.
     - `device = "cuda"` / `"cuda:0"` string variables become `tm.device()` when every use
       treats them as a device (`.to(device)`, `device=device`); when the script also compares
       or formats the string (`device == "cuda"`, `autocast(device_type=device)`), a
@@ -146,12 +151,14 @@ class DeviceFromRank(Rule):
     ## Example
     ```python
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model = Net().cuda()
+    model = Net().cuda()  # class Net(nn.Module) of the program
+    criterion = DiceLoss().cuda()  # a plain class of the program with its own cuda()
     ```
     becomes
     ```python
     device = tm.device()
     model = Net().to(tm.device())
+    criterion = DiceLoss().cuda()
     ```
     """
 
@@ -164,16 +171,20 @@ class DeviceFromRank(Rule):
         Example(
             before="""
             import torch
+            from torch import nn
             device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-            model = Net().cuda()
-            x = x.cuda(non_blocking=True)
+            model = nn.Linear(4, 2).cuda()
+            x = torch.randn(8, 4).cuda(non_blocking=True)
+            criterion = MyLoss().cuda()
             """,
             after="""
             import torch
+            from torch import nn
             import torchmigrate.runtime as tm
             device = tm.device()
-            model = Net().to(tm.device())
-            x = x.to(tm.device(), non_blocking=True)
+            model = nn.Linear(4, 2).to(tm.device())
+            x = torch.randn(8, 4).to(tm.device(), non_blocking=True)
+            criterion = MyLoss().cuda()
             """,
         ),
         Example(
