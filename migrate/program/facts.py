@@ -182,8 +182,9 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
                     class_models.setdefault((s.module.path, s.klass), set()).add(name)
                 else:
                     s.models.add(name)
-        for a in s.assigns:  # model = tm.wrap_model(model) / DDP(model): the target too
-            if isinstance(a.value, ast.Call) and (dotted_name(a.value.func) or "").rsplit(".", 1)[-1] in WRAPPERS:
+        for a in s.assigns:  # model = tm.wrap_model(model) / DDP(model).cuda(): the target too
+            value = _strip_moves(a.value)
+            if isinstance(value, ast.Call) and (dotted_name(value.func) or "").rsplit(".", 1)[-1] in WRAPPERS:
                 for t in a.targets:
                     name = dotted_name(t)
                     if name and not name.startswith("self."):
@@ -271,6 +272,7 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
     all_kinds = class_kinds(modules)
     kinds = {key: kind for key, kind in all_kinds.items() if kind is not None}
     params_known, params_classes = _param_kinds(modules, scopes, all_kinds)
+    pickled = frozenset(_pickled_keys(scopes))
     wrappers = {key: w for key, kind in kinds.items() if kind == OTHER
                 and (w := optimizer_wrapper(modules[key[0]].classes[key[1]])) is not None}
     own_functions = {(p, name) for p, m in modules.items() for name in m.functions if "." not in name}
@@ -304,6 +306,7 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
             optimizer_wrappers={spelled: wrappers[key] for key in wrappers
                                 for spelled in _spellings(m, modules, {key})},
             param_kinds={q: k for (mp, q), k in params_known.items() if mp == path},
+            pickled_keys=pickled,
             param_wrappers={q: {p: wrappers[c] for p, c in found.items() if c in wrappers}
                             for (mp, q), found in params_classes.items() if mp == path
                             and any(c in wrappers for c in found.values())},
@@ -365,6 +368,47 @@ def _param_kinds(modules: Dict[Path, _Module], scopes: List[_Scope], kinds: Dict
             if klass is not None:
                 out_classes.setdefault(key, {})[param] = klass
     return out_kinds, out_classes
+
+
+def _pickled_keys(scopes: List[_Scope]) -> Set[str]:
+    """Keys of the dicts the program builds (for its checkpoints) whose value is a whole model
+    or optimizer object rather than its state dict: `{"optimizer": optimizer, "model":
+    model.module}`. A load that reads one of them gets a pickled object back."""
+    found: Set[str] = set()
+    for s in scopes:
+        # optimizers, and the program's wrappers of one built over a model's parameters
+        objects = {dotted_name(t) for a in s.assigns if isinstance(a.value, ast.Call) and (
+                   _optimizer_models(a.value) or _over_parameters(a.value)) for t in a.targets} | s.models
+        objects.discard(None)
+        if not objects:
+            continue
+        body = s.node.body if not isinstance(s.node, ast.Module) else [
+            n for n in s.node.body if not isinstance(n, (*FUNC_TYPES, ast.ClassDef))]
+        stack = list(body)
+        while stack:
+            n = stack.pop()
+            if isinstance(n, (*FUNC_TYPES, ast.ClassDef, ast.Lambda)):
+                continue
+            pairs: List[Tuple[Optional[ast.AST], ast.AST]] = []
+            if isinstance(n, ast.Dict):
+                pairs = list(zip(n.keys, n.values))
+            elif isinstance(n, ast.Call) and dotted_name(n.func) == "dict":
+                pairs = [(ast.Constant(k.arg), k.value) for k in n.keywords if k.arg]
+            for key, value in pairs:
+                if isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.args:
+                    value = value.args[0]  # `get_module(model)`, `deepcopy(model)`: still the object
+                name = dotted_name(value)
+                if isinstance(key, ast.Constant) and isinstance(key.value, str) and name is not None \
+                        and (name in objects or name.split(".")[0] in objects):
+                    found.add(key.value)
+            stack.extend(ast.iter_child_nodes(n))
+    return found
+
+
+def _over_parameters(call: ast.Call) -> bool:
+    """`OptimWrapper(model.parameters(), lr=...)`: a call given a model's parameters."""
+    return any(isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "parameters"
+               for a in (*call.args, *(k.value for k in call.keywords)) for n in ast.walk(a))
 
 
 def _module_aliases(s: _Scope) -> Set[str]:

@@ -35,6 +35,9 @@ class ModuleView:
     param_kinds: Dict[str, Dict[str, str]] = field(default_factory=dict)
     # ... and those every call passes an instance of one optimizer wrapper of the program
     param_wrappers: Dict[str, Dict[str, OptimizerWrapper]] = field(default_factory=dict)
+    # keys of the program's checkpoint dicts that hold a whole model or optimizer object
+    # (`{"optimizer": optimizer}`), not a state dict: loading one unpickles the object
+    pickled_keys: FrozenSet[str] = frozenset()
     # the module-level functions and the classes that other modules of the program define, as
     # this module spells them (`focal_loss`, `losses.FocalLoss`): the project's code, not a library's
     own_functions: FrozenSet[str] = frozenset()
