@@ -33,7 +33,8 @@ from typing import Dict, Iterable, List, Optional, Set, Tuple
 
 import libcst as cst
 
-from torchmigrate.analysis import Optimizer, _call_arg_for, calls_to, facts, is_distributed, model_root, optimizers
+from torchmigrate.analysis import (Optimizer, _call_arg_for, calls_to, facts, is_distributed, is_variable, model_root,
+                                   optimizers)
 from torchmigrate.finding import insert_before, replace
 from torchmigrate.syntax.imports import dotted
 from torchmigrate.syntax.nodes import arg as call_arg
@@ -638,6 +639,9 @@ class Plan:
         ctx, tm = self.ctx, self.tm
         if m in ("self", "cls"):
             return None
+        if not is_variable(m):  # never suggest `True = tm.wrap_model(True)`
+            return (f"cannot tell which model this optimizer trains: wrap that model with "
+                    f"`model = {tm}.wrap_model(model)` before creating the optimizer")
         if m in _CONFIGISH:
             return (f"the optimizer trains parameters reached through `{m}`: wrap that model with "
                     f"`{tm}.wrap_model(...)` before creating the optimizer")
