@@ -37,10 +37,13 @@ CASES = {
     "data_eval_modules": (["train.py"], ["data.py", "evaluate.py"]),
     "utils_writers": (["train.py"], ["utils.py"]),
     "shared_module": (["train.py", "finetune.py"], ["common.py"]),
+    # written for nn.DataParallel: a loss object with its own .cuda(), the project's optimizer
+    # object, checkpoints that pickle the model and the optimizer, DataParallel checks in utils
+    "dataparallel_objects": (["train.py"], ["losses.py", "utils.py"]),
 }
 
 
-RESUMABLE = {"package_relative"}  # reads RESUME (a checkpoint) and continues after its epoch
+RESUMABLE = {"package_relative", "dataparallel_objects"}  # reads RESUME (a checkpoint) and continues after its epoch
 
 
 def _env(out_dir: Path, **extra) -> dict:
@@ -99,9 +102,15 @@ def test_project_migrates_and_trains(project, tmp_path):
             assert [r.count("resumed from epoch 2") for r in resumed] == [1, 0], resumed[0][-3000:]
             assert [int(m.group(1)) for m in EPOCH_LINE.finditer(resumed[0])] == [3, 4]
 
-    for ckpt in out_dir.rglob("*.pt"):
-        obj = torch.load(ckpt, map_location="cpu", weights_only=False)
-        assert not [k for k in _all_keys(obj) if k.startswith(("module.", "_orig_mod."))], ckpt
+    sys.path.insert(0, str(folder))  # checkpoints that pickle the program's own classes
+    try:
+        for ckpt in out_dir.rglob("*.pt"):
+            obj = torch.load(ckpt, map_location="cpu", weights_only=False)
+            assert not [k for k in _all_keys(obj) if k.startswith(("module.", "_orig_mod."))], ckpt
+            for value in obj.values() if isinstance(obj, dict) else [obj]:
+                assert not isinstance(value, torch.nn.parallel.DistributedDataParallel), "a wrapper pickled"
+    finally:
+        sys.path.remove(str(folder))
 
     plain_dir = tmp_path / "plain"
     plain_dir.mkdir()

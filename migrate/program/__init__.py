@@ -28,8 +28,14 @@ How a run goes, and where each step lives:
      around a node, or around the calls of its function); `collectives`: the calls and code
      that must run on every rank; `scopes`: per-module indexes of scopes, assignments and
      names;
+   - `classes`: what each class of the program is (module, optimizer, tensor, plain class)
+     through its bases across modules, the program's optimizer wrappers, the kind of value
+     every call passes a parameter; `types`: what an expression of one module holds (a tensor,
+     a module, an optimizer, a plain object of the program, or unknown), which the rules that
+     rewrite a call on an object check first (`.cuda()`, `GradScaler.step`, `scale`);
    - `checkpoints`: the saves and loads of one module, the file each one names (also through
-     `with open(path) as f`), buffers and file objects, what its checkpoints hold; `writes`:
+     `with open(path) as f`), buffers and file objects, what its checkpoints hold (pickled
+     objects used as loaded: `holds_objects`); `writes`:
      which calls write files, download them (or build a dataset's cache files), test whether a
      file exists, or run under `main_process_first` already; `metrics`: the loops over data
      loaders, the counts, lists and meters they fill, what happens to them after the loop, and

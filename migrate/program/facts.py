@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Dict, FrozenSet, Iterable, List, Optional, Set, Tuple
 
 from torchmigrate.program import effects
+from torchmigrate.program.classes import OTHER, argument_kind, class_kinds, optimizer_wrapper
 from torchmigrate.program.graph import Graph, dotted_name
 from torchmigrate.program.view import ModuleView
 
@@ -182,8 +183,9 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
                     class_models.setdefault((s.module.path, s.klass), set()).add(name)
                 else:
                     s.models.add(name)
-        for a in s.assigns:  # model = tm.wrap_model(model) / DDP(model): the target too
-            if isinstance(a.value, ast.Call) and (dotted_name(a.value.func) or "").rsplit(".", 1)[-1] in WRAPPERS:
+        for a in s.assigns:  # model = tm.wrap_model(model) / DDP(model).cuda(): the target too
+            value = _strip_moves(a.value)
+            if isinstance(value, ast.Call) and (dotted_name(value.func) or "").rsplit(".", 1)[-1] in WRAPPERS:
                 for t in a.targets:
                     name = dotted_name(t)
                     if name and not name.startswith("self."):
@@ -268,7 +270,12 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
             break
 
     loader_classes = {(p, name) for p, m in modules.items() for name, c in m.classes.items() if _loader_subclass(c)}
-    cuda_classes = {(p, name) for p, m in modules.items() for name, c in m.classes.items() if _own_cuda(c)}
+    all_kinds = class_kinds(modules)
+    kinds = {key: kind for key, kind in all_kinds.items() if kind is not None}
+    params_known, params_classes = _param_kinds(modules, scopes, all_kinds)
+    pickled = frozenset(_pickled_keys(scopes))
+    wrappers = {key: w for key, kind in kinds.items() if kind == OTHER
+                and (w := optimizer_wrapper(modules[key[0]].classes[key[1]])) is not None}
     own_functions = {(p, name) for p, m in modules.items() for name in m.functions if "." not in name}
     own_classes = {(p, name) for p, m in modules.items() for name in m.classes}
     dp_classes = {(p, name): _dp_module_position(c) for p, m in modules.items() for name, c in m.classes.items()
@@ -300,7 +307,14 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
             wrapped_params={q: frozenset(p) for (mp, q), p in wrapped.items() if mp == path},
             wrapped_attrs={k: frozenset(a) for (mp, k), a in attrs.items() if mp == path},
             loader_classes=frozenset(_spellings(m, modules, loader_classes)),
-            cuda_classes=frozenset(_spellings(m, modules, cuda_classes)),
+            class_kinds={spelled: kinds[key] for key in kinds for spelled in _spellings(m, modules, {key})},
+            optimizer_wrappers={spelled: wrappers[key] for key in wrappers
+                                for spelled in _spellings(m, modules, {key})},
+            param_kinds={q: k for (mp, q), k in params_known.items() if mp == path},
+            pickled_keys=pickled,
+            param_wrappers={q: {p: wrappers[c] for p, c in found.items() if c in wrappers}
+                            for (mp, q), found in params_classes.items() if mp == path
+                            and any(c in wrappers for c in found.values())},
             own_functions=frozenset(_spellings(m, modules, {k for k in own_functions if k[0] != path})),
             own_classes=frozenset(_spellings(m, modules, {k for k in own_classes if k[0] != path})),
             dp_classes={spelled: dp_classes[key] for key in dp_classes
@@ -339,6 +353,88 @@ def program_effects(graph: Graph, trees: Dict[Path, ast.Module]) -> effects.Prog
 
 def _effects(modules: Dict[Path, _Module], bindings: Dict[Path, effects.Bindings]) -> effects.ProgramEffects:
     return effects.combine(effects.summarize(m.tree, str(path), bindings[path]) for path, m in modules.items())
+
+
+def _param_kinds(modules: Dict[Path, _Module], scopes: List[_Scope], kinds: Dict[Tuple[Path, str], Optional[str]]
+                 ) -> Tuple[Dict[Tuple[Path, str], Dict[str, str]], Dict[Tuple[Path, str], Dict[str, Tuple[Path, str]]]]:
+    """(module, "f" / "Cls.__init__") -> the parameters that every call of it in the program
+    passes the same known kind (`DiceLoss(torch.ones(4))`: `weight` is a tensor), and those
+    every call passes an instance of the same class of the program (`opt = NoamOpt(...)`,
+    `LossCompute(gen, crit, opt)`)."""
+    module_assigns = {s.module.path: s.assigns for s in scopes if isinstance(s.node, ast.Module)}
+    seen: Dict[Tuple[Path, str], Dict[str, List[tuple]]] = {}
+    for s in scopes:
+        m = s.module
+        assigns = s.assigns + (module_assigns.get(m.path, []) if s.node is not m.tree else [])
+        for call in s.calls:
+            target = _callee(m, modules, call)
+            if target is None and isinstance(call.func, ast.Name):
+                if call.func.id in m.classes:
+                    target = (m.path, f"{call.func.id}.__init__", True)
+                elif call.func.id in m.functions:
+                    target = (m.path, call.func.id, False)
+            if target is None:
+                continue
+            path, qual, skip_self = target
+            func = modules[path].functions.get(qual)
+            if func is None:
+                continue
+            for param, value in _bind(func, call, skip_self):
+                seen.setdefault((path, qual), {}).setdefault(param, []).append(
+                    argument_kind(m, modules, kinds, value, assigns))
+    out_kinds: Dict[Tuple[Path, str], Dict[str, str]] = {}
+    out_classes: Dict[Tuple[Path, str], Dict[str, Tuple[Path, str]]] = {}
+    for key, params in seen.items():
+        for param, found in params.items():
+            if len(set(found)) != 1:
+                continue
+            kind, klass = found[0]
+            if kind is not None:
+                out_kinds.setdefault(key, {})[param] = kind
+            if klass is not None:
+                out_classes.setdefault(key, {})[param] = klass
+    return out_kinds, out_classes
+
+
+def _pickled_keys(scopes: List[_Scope]) -> Set[str]:
+    """Keys of the dicts the program builds (for its checkpoints) whose value is a whole model
+    or optimizer object rather than its state dict: `{"optimizer": optimizer, "model":
+    model.module}`. A load that reads one of them gets a pickled object back."""
+    found: Set[str] = set()
+    for s in scopes:
+        # optimizers, and the program's wrappers of one built over a model's parameters
+        objects = {dotted_name(t) for a in s.assigns if isinstance(a.value, ast.Call) and (
+                   _optimizer_models(a.value) or _over_parameters(a.value)) for t in a.targets} | s.models
+        objects.discard(None)
+        if not objects:
+            continue
+        body = s.node.body if not isinstance(s.node, ast.Module) else [
+            n for n in s.node.body if not isinstance(n, (*FUNC_TYPES, ast.ClassDef))]
+        stack = list(body)
+        while stack:
+            n = stack.pop()
+            if isinstance(n, (*FUNC_TYPES, ast.ClassDef, ast.Lambda)):
+                continue
+            pairs: List[Tuple[Optional[ast.AST], ast.AST]] = []
+            if isinstance(n, ast.Dict):
+                pairs = list(zip(n.keys, n.values))
+            elif isinstance(n, ast.Call) and dotted_name(n.func) == "dict":
+                pairs = [(ast.Constant(k.arg), k.value) for k in n.keywords if k.arg]
+            for key, value in pairs:
+                if isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.args:
+                    value = value.args[0]  # `get_module(model)`, `deepcopy(model)`: still the object
+                name = dotted_name(value)
+                if isinstance(key, ast.Constant) and isinstance(key.value, str) and name is not None \
+                        and (name in objects or name.split(".")[0] in objects):
+                    found.add(key.value)
+            stack.extend(ast.iter_child_nodes(n))
+    return found
+
+
+def _over_parameters(call: ast.Call) -> bool:
+    """`OptimWrapper(model.parameters(), lr=...)`: a call given a model's parameters."""
+    return any(isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "parameters"
+               for a in (*call.args, *(k.value for k in call.keywords)) for n in ast.walk(a))
 
 
 def _module_aliases(s: _Scope) -> Set[str]:
@@ -465,15 +561,6 @@ def _loader_subclass(klass: ast.ClassDef) -> bool:
         if isinstance(item, FUNC_TYPES) and item.name == "__init__":
             return item.args.kwarg is not None
     return True
-
-
-def _own_cuda(klass: ast.ClassDef) -> bool:
-    """A class with its own `cuda()` method whose bases do not look like an `nn.Module`: its
-    instances have no `.to()`."""
-    bases = " ".join(dotted_name(b) or "" for b in klass.bases)
-    if any(word in bases for word in ("Module", "nn.", "Tensor", "Loss")):
-        return False
-    return any(isinstance(item, FUNC_TYPES) and item.name == "cuda" for item in klass.body)
 
 
 def forward_outputs(klass: ast.ClassDef) -> Tuple[FrozenSet[str], ...]:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, FrozenSet, Optional, Tuple
 
+from torchmigrate.program.classes import OptimizerWrapper
+
 
 @dataclass(frozen=True)
 class ModuleView:
@@ -22,9 +24,20 @@ class ModuleView:
     # the program's `nn.DataParallel` subclasses as this module spells them -> the position of
     # the module among their positional arguments (`BalancedDataParallel(gpu0_bsz, model)`: 1)
     dp_classes: Dict[str, int] = field(default_factory=dict)
-    # the program's classes that are not modules but have a `cuda()` method of their own (a
-    # loss or metric object), as this module spells them: `x.cuda()` on one is their method
-    cuda_classes: FrozenSet[str] = frozenset()
+    # the program's classes as this module spells them -> what they are (`classes.MODULE`,
+    # `OPTIMIZER`, `TENSOR`, `OTHER`); a class whose bases the program cannot see is absent
+    class_kinds: Dict[str, str] = field(default_factory=dict)
+    # the program's plain classes stepped like an optimizer (`ScheduledOptim`), as this module
+    # spells them -> the attribute holding the torch optimizer they step
+    optimizer_wrappers: Dict[str, OptimizerWrapper] = field(default_factory=dict)
+    # functions and methods of this module ("f", "Cls.__init__") -> the parameters every call
+    # in the program passes a value of one known kind (`DiceLoss(torch.ones(4))`: a tensor)
+    param_kinds: Dict[str, Dict[str, str]] = field(default_factory=dict)
+    # ... and those every call passes an instance of one optimizer wrapper of the program
+    param_wrappers: Dict[str, Dict[str, OptimizerWrapper]] = field(default_factory=dict)
+    # keys of the program's checkpoint dicts that hold a whole model or optimizer object
+    # (`{"optimizer": optimizer}`), not a state dict: loading one unpickles the object
+    pickled_keys: FrozenSet[str] = frozenset()
     # the module-level functions and the classes that other modules of the program define, as
     # this module spells them (`focal_loss`, `losses.FocalLoss`): the project's code, not a library's
     own_functions: FrozenSet[str] = frozenset()

@@ -33,7 +33,8 @@ from typing import Dict, Iterable, List, Optional, Set, Tuple
 
 import libcst as cst
 
-from torchmigrate.analysis import Optimizer, _call_arg_for, calls_to, facts, is_distributed, model_root, optimizers
+from torchmigrate.analysis import (Optimizer, _call_arg_for, calls_to, facts, is_distributed, is_variable, model_root,
+                                   optimizers)
 from torchmigrate.finding import insert_before, replace
 from torchmigrate.syntax.imports import dotted
 from torchmigrate.syntax.nodes import arg as call_arg
@@ -641,6 +642,9 @@ class Plan:
         ctx, tm = self.ctx, self.tm
         if m in ("self", "cls"):
             return None
+        if not is_variable(m):  # never suggest `True = tm.wrap_model(True)`
+            return (f"cannot tell which model this optimizer trains: wrap that model with "
+                    f"`model = {tm}.wrap_model(model)` before creating the optimizer")
         if m in _CONFIGISH:
             return (f"the optimizer trains parameters reached through `{m}`: wrap that model with "
                     f"`{tm}.wrap_model(...)` before creating the optimizer")
@@ -1263,17 +1267,16 @@ class Plan:
                         f"SyncBatchNorm (`sync_bn=True`)", [replace(call, lambda c: set_kwarg(c, "sync_bn", expr("True")))]))
             elif lint:
                 # user-written DDP: an unsafe fix converting the layers right before the wrap
-                nn = self.ctx.imports.alias_for("torch.nn") or (
-                    f"{self.ctx.imports.alias_for('torch')}.nn" if self.ctx.imports.alias_for("torch") else None)
                 message = self._bn_message(w.name, True)
-                if nn and w.arg and isinstance(w.statement, cst.SimpleStatementLine):
-                    fix = stmt(f"{w.arg} = {nn}.SyncBatchNorm.convert_sync_batchnorm({w.arg})")
+                if w.arg and w.arg.isidentifier() and isinstance(w.statement, cst.SimpleStatementLine):
+                    fix = stmt(f"{w.arg} = {self.tm}.sync_batchnorm({w.arg})")
                     self.sync_bn_fixes.append((call, message, [insert_before(w.statement, [fix])]))
                 else:
                     self.notes["TM304"].append((call, message, note_stmt))
 
     def _bn_message(self, name: str, plain_ddp: bool = False) -> str:
-        how = (f"convert with `nn.SyncBatchNorm.convert_sync_batchnorm({name})` before DDP"
+        how = (f"convert with `{name} = {self.tm}.sync_batchnorm({name})` before DDP (SyncBatchNorm where it runs: "
+               f"distributed on CUDA)"
                if plain_ddp else f"pass `sync_bn=True` to `{self.tm}.wrap_model` (`torchmigrate ddp --sync-bn`)")
         return (f"`{name}` contains BatchNorm layers, which now normalise over each rank's own batch; "
                 f"if per-rank batches are small, {how}")
