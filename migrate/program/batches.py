@@ -192,16 +192,17 @@ class BatchFacts:
         return BatchLoop(loop, "iterable", wrapped, loader=bool(refs), carried=self._carried(loop))
 
     def _sliced_by(self, loop: cst.For, variable: str) -> List[str]:
-        """What the loop body slices with its variable in a bound (`X[i:i + bs]`), by name."""
+        """What the loop body slices with its variable in a bound (`X[i:i + bs]`), by name, and
+        the sequences read by index in such a bound (`starts` of `X[starts[k]:starts[k] + n]`)."""
         out: List[str] = []
         for sub in self.ctx.within(loop.body, cst.Subscript, skip_defs=True):
             for element in sub.slice:
                 s = element.slice
-                if isinstance(s, cst.Slice) and any(
-                        bound is not None and variable in _names(bound) for bound in (s.lower, s.upper)):
-                    name = dotted(sub.value)
-                    if name is not None and name not in out:
-                        out.append(name)
+                bounds = [b for b in (s.lower, s.upper) if b is not None] if isinstance(s, cst.Slice) else []
+                if not any(variable in _names(b) for b in bounds):
+                    continue
+                names = [dotted(sub.value)] + [dotted(i.value) for b in bounds for i in self.ctx.within(b, cst.Subscript)]
+                out += [n for n in names if n is not None and n not in out]
         return out
 
     def _carried(self, loop: cst.For) -> Optional[str]:
