@@ -141,7 +141,7 @@ class DataPlan:
         return False
 
     @property
-    def iterator_builders(self) -> Dict[str, int]:
+    def iterator_builders(self) -> Dict[str, Tuple[int, ...]]:
         """The program's hand-made batch iterators and their builders, as this module spells
         them (`ModuleView.iterator_builders`; of this file alone when it has no program)."""
         found = self.ctx.program.iterator_builders
@@ -159,10 +159,10 @@ class DataPlan:
         if not builders:
             return False
         for call, _name in analysis.facts(self.ctx).calls:
-            position = builders.get(dotted(call.func) or "")
-            if position is None:
+            positions = builders.get(dotted(call.func) or "")
+            if positions is None:
                 continue
-            args = training_args(call, position)
+            args = training_args(call, positions)
             function = self.ctx.enclosing(call, cst.FunctionDef)
             if args and (any(training_text(code(a.value)) for a in args)
                          or (function is not None and training_text(function.name.value))):
@@ -321,10 +321,10 @@ def _reason(loader: Loader, tm: str) -> str:
 _MAY_ITERATE = re.compile(r"__next__|__iter__|\byield\b")
 
 
-def training_args(call: cst.Call, position: int) -> List[cst.Arg]:
-    """The data arguments of a call of an iterator builder (at `position`; -1: every positional one)."""
+def training_args(call: cst.Call, positions: Tuple[int, ...]) -> List[cst.Arg]:
+    """The data arguments of a call of an iterator builder (at `positions`; -1: every positional one)."""
     positional = [a for a in call.args if a.keyword is None and not a.star]
-    return positional if position < 0 else positional[position:position + 1]
+    return positional if -1 in positions else [positional[p] for p in positions if p < len(positional)]
 
 
 def _within(node: cst.CSTNode, container: cst.CSTNode, ctx) -> bool:

@@ -178,10 +178,10 @@ class DistSampler(DataRule):
         tm = ctx.tm
         sharded = False
         for call, _name in analysis.facts(ctx).calls:
-            position = builders.get(dotted(call.func) or "")
-            if position is None:
+            positions = builders.get(dotted(call.func) or "")
+            if positions is None:
                 continue
-            args = training_args(call, position)
+            args = training_args(call, positions)
             if not args:
                 continue
             if any(_is_shard(a.value) for a in args):
