@@ -499,7 +499,8 @@ def _iterator_builders(modules: Dict[Path, _Module]) -> Dict[Tuple[Path, str], T
     - generator functions slicing parameters into batches (`def minibatch(*tensors,
       batch_size)`, `def batch_iter(data, batch_size)`, `def batches(X, y, bs)` reading `X[idx]`
       and `y[idx]`: both, so the samples of the two stay paired once each is cut by rank)."""
-    classes = {(p, name): (0,) for p, m in modules.items() for name, c in m.classes.items() if _iterator_class(c)}
+    classes = {(p, name): _class_data_positions(c) for p, m in modules.items() for name, c in m.classes.items()
+               if _iterator_class(c)}
     found = dict(classes)
     for p, m in modules.items():
         local = {name for (q, name) in classes if q == p} | _spellings(m, modules, set(classes))
@@ -537,7 +538,7 @@ def _optimizer_params(modules: Dict[Path, _Module]) -> Dict[Tuple[Path, str], Tu
 def iterator_builders_of(definitions: Iterable[ast.stmt]) -> Dict[str, Tuple[int, ...]]:
     """`ModuleView.iterator_builders` of one module alone, from its top-level definitions (a
     file processed without its program: stdin, a fixture)."""
-    classes = {d.name: (0,) for d in definitions if isinstance(d, ast.ClassDef) and _iterator_class(d)}
+    classes = {d.name: _class_data_positions(d) for d in definitions if isinstance(d, ast.ClassDef) and _iterator_class(d)}
     found = dict(classes)
     for d in definitions:
         if isinstance(d, FUNC_TYPES) and (position := _builder_position(d, set(classes))) is not None:
@@ -571,6 +572,22 @@ def _iterator_class(klass: ast.ClassDef) -> bool:
     methods = {f.name: f for f in klass.body if isinstance(f, FUNC_TYPES)}
     init = methods.get("__init__")
     return ("__next__" in methods or "__iter__" in methods) and init is not None and len(_params(init)) > 1
+
+
+def _class_data_positions(klass: ast.ClassDef) -> Tuple[int, ...]:
+    """The data arguments of an iterator class: the `__init__` parameters it keeps as attributes
+    (`self.X = X`) that a method subscripts (`self.X[idx]`, not `self.cfg["bs"]`), so that
+    `BatchIterator(X, y, bs)` gets both X and y cut by rank; the first one where none is found."""
+    init = next(f for f in klass.body if isinstance(f, FUNC_TYPES) and f.name == "__init__")
+    params = [p.arg for p in (*init.args.posonlyargs, *init.args.args)][1:]
+    pairs = [(t, n.value) for n in ast.walk(init) if isinstance(n, ast.Assign) for t in n.targets]
+    pairs += [p for t, v in pairs if isinstance(t, ast.Tuple) and isinstance(v, ast.Tuple)
+              and len(t.elts) == len(v.elts) for p in zip(t.elts, v.elts)]  # `self.X, self.y = X, y`
+    kept = {t.attr: v.id for t, v in pairs if isinstance(v, ast.Name) and v.id in params
+            and isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"}
+    read = {n.value.attr for n in ast.walk(klass) if isinstance(n, ast.Subscript) and not isinstance(n.slice, ast.Constant)
+            and isinstance(n.value, ast.Attribute) and isinstance(n.value.value, ast.Name) and n.value.value.id == "self"}
+    return tuple(sorted(params.index(kept[a]) for a in read if a in kept)) or (0,)
 
 
 def _builder_position(func: ast.AST, iterator_classes: Set[str]) -> Optional[Tuple[int, ...]]:
