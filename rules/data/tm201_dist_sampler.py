@@ -1,4 +1,5 @@
-"""TM201: every training DataLoader gets a distributed sampler (and token streams a shard)."""
+"""TM201: every training DataLoader gets a distributed sampler, and training data no DataLoader
+carries (token streams, hand-made batches, full-batch indices) its share by rank."""
 
 from __future__ import annotations
 
@@ -47,15 +48,31 @@ class DistSampler(DataRule):
     `tm.shard_sampler(...)`: the same draw on every rank (same seed, a new one each epoch), each
     rank taking every W-th item, padded to equal step counts; a sampler built with the rank or
     world size already shards and is left alone. An `IterableDataset`, or arguments hidden in
-    `*args`/`**kwargs` the tool cannot see, is reported for a manual change instead, and so is a
-    training step in a program that builds no DataLoader at all (full-batch tensors, a
-    hand-made loop over indices): every rank would train on the same batches. Token streams
-    (`batchify(corpus.train, bsz)`) and the program's hand-made batch iterators over training
-    data (a class with `__next__` such as `DatasetIterater(train_data, ...)`, a function that
-    builds one, a generator slicing its arguments, `minibatch(users, items)` in a training
-    function) are sharded instead: each rank reads its own contiguous part of the data,
-    `tm.shard_stream(train_data)`, parts of equal length so every rank runs the same number
-    of steps; evaluation data stays whole. In a program that trains but wraps no model in DDP
+    `*args`/`**kwargs` the tool cannot see, is reported for a manual change instead.
+
+    Training data that no DataLoader carries is sharded too, always with equal step counts:
+    - token streams (`batchify(corpus.train, bsz)`) and the program's hand-made batch iterators
+      over training data (a class with `__next__` such as `DatasetIterater(train_data, ...)`, a
+      function that builds one, a generator indexing its arguments, `minibatch(users, items)` in
+      a training function): each rank reads its own contiguous part of every data argument,
+      `tm.shard_stream(train_data)`, parts of equal length;
+    - a hand-made loop over batch starts whose body is a training step
+      (`for i in range(0, len(X), bs): xb = X[perm[i:i + bs]]`, also under `enumerate`/`tqdm`):
+      `tm.shard_range(range(...))`, rank r taking batches r, r+W, ...; the permutation the loop
+      slices (`perm = torch.randperm(n)`, `np.random.shuffle(idx)`) is drawn by rank 0 and shared
+      (`tm.broadcast_object`), so the ranks' batches are disjoint;
+    - in a program with no DataLoader, a training loop over any other iterable of batches (a
+      generator, a `BatchIterator`, a bucket iterator, a list of batches): `tm.shard_batches(...)`,
+      each rank keeping every W-th batch of a sequence drawn alike on every rank;
+    - full-batch training (`loss = F.nll_loss(out[idx_train], labels[idx_train])`, a node or edge
+      mask of a graph): each rank scores its part of the training indices (`tm.shard_indices`)
+      and `tm.shard_mean` weights the parts, so the averaged gradient and the loss are exactly
+      those of one process.
+    A loop that carries a state from one batch to the next (`output, hidden = model(x, hidden)`),
+    an order drawn by a call the tool cannot share (`X, y = shuffle(X, y)`), a summed or weighted
+    full-batch loss, or a training step over data the tool cannot see stays whole with a TODO
+    that says so: every rank would train on the same batches. Evaluation data stays whole.
+    In a program that trains but wraps no model in DDP
     (TM301 could not: the optimizer is built where the model cannot be wrapped, the training
     step runs a method other than `forward`), training data is kept whole with a TODO: shards
     would train a different model on each rank, worse than the original. Loaders
@@ -71,7 +88,7 @@ class DistSampler(DataRule):
 
     code = "TM201"
     name = "dist-sampler"
-    summary = "Shard training DataLoaders across ranks with a distributed sampler"
+    summary = "Shard training data across ranks: DataLoaders, token streams, hand-made batches, full-batch indices"
     safety = Safety.SAFE
     examples = (
         Example(
