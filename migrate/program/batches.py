@@ -111,16 +111,19 @@ class BatchFacts:
         self.losses: List[FullBatchLoss] = []
         self._steps: Dict[int, bool] = {}  # id(FunctionDef) -> one training step per call
         generated: List[BatchLoop] = []  # batch loops of generators: their orders only
-        for loop in ctx.nodes(cst.For):
-            if self._is_step(loop.body):
+        trains = any(analysis.is_backward(c) for c, _ in self.facts.calls)
+        yields = bool(ctx.nodes(cst.Yield))
+        for loop in ctx.nodes(cst.For) if trains or yields else ():
+            if trains and self._is_step(loop.body):
                 found = self._batch_loop(loop)
                 if found is not None:
                     self.loops.append(found)
-            elif ctx.within(loop.body, cst.Yield, skip_defs=True):
+            elif yields and ctx.within(loop.body, cst.Yield, skip_defs=True):
                 found = self._batch_loop(loop, generator=True)
                 if found is not None:
                     generated.append(found)
-        self._full_batch_losses()
+        if trains:
+            self._full_batch_losses()
         self.order_draws: Set[int] = {id(o.node) for b in self.loops + generated for o in b.orders}
 
     def release(self) -> None:
