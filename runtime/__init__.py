@@ -22,8 +22,9 @@ Environment contract, read in this order:
 
 A process group is created only when world size > 1 (as Accelerate): ``torchrun
 --nproc-per-node=1`` behaves like ``python train.py``. Only ``setup``, ``wrap_model``, ``cleanup``,
-``barrier``, ``main_process_first``, ``all_reduce``, ``gather_for_metrics``, ``gather_list`` and ``reduce_meter``
-communicate; every other helper is collective-free and safe inside ``if tm.is_main():`` blocks.
+``barrier``, ``main_process_first``, ``all_reduce``, ``gather_for_metrics``, ``gather_list``, ``reduce_meter``,
+``shard_mean`` and (on its first pass over an iterator) ``shard_batches`` communicate; every other
+helper is collective-free and safe inside ``if tm.is_main():`` blocks.
 """
 from __future__ import annotations
 
@@ -61,6 +62,7 @@ __all__ = [
     "amp_dtype", "autocast", "GradScaler", "print", "barrier", "all_reduce", "gather_for_metrics", "gather_list", "broadcast_object", "shared_generator", "grad", "any_rank", "share_params", "sync_grads", "shard_stream",
     "shard_sampler", "reduce_meter", "per_rank_batch", "sync_batchnorm", "synced", "to_float32",
     "save", "load", "strip_prefix", "load_state_dict", "seed_everything", "main_only", "main_process_first",
+    "shard_range", "shard_indices", "shard_mean", "shard_batches",
 ]
 
 
@@ -1056,6 +1058,197 @@ def shard_stream(data):
         return data
     n = len(data) // world
     return data[rank() * n:(rank() + 1) * n]
+
+
+def shard_range(batches):
+    """This rank's share of the batches of a hand-made training loop:
+    ``for i in tm.shard_range(range(0, len(X), batch_size)): xb = X[i:i + batch_size]``. ``batches``
+    is a ``range`` or any sequence (batch starts, batch numbers, lists of batches); rank r takes
+    items r, r+W, r+2W, ... and, when the count does not divide by W, the last round is padded
+    with the first items (as ``DistributedSampler`` pads), so every rank runs the same number of
+    steps: DDP's backward is a collective, and a rank with one step more would wait forever.
+    A ``range`` that divides stays a ``range``. With a per-rank batch of ``batch_size / W``
+    (``tm.per_rank_batch``) consecutive ranks take consecutive slices, so the W slices of one step
+    are exactly the original program's batch. 1 process: ``batches`` itself."""
+    world = world_size()
+    if world <= 1:
+        return batches
+    me, n = rank(), len(batches)
+    mine = batches[me::world]
+    share = -(-n // world)
+    if share * world == n or n == 0:
+        return mine
+    return list(mine) + [batches[j % n] for j in range(me + len(mine) * world, share * world, world)]
+
+
+def shard_indices(idx):
+    """This rank's part of a set of training indices: an index tensor, a numpy array, a list or a
+    ``range`` (rank r keeps entries r, r+W, ...), or a boolean mask (the same shape, true only at
+    this rank's share of the true positions, taken the same way). For full-batch training
+    (``loss = F.nll_loss(out[idx_train], labels[idx_train])`` on a whole graph): each rank scores
+    its part of the training nodes, and ``shard_mean`` weights the parts so that DDP's averaged
+    gradient is the one-process gradient. Parts differ in size by at most one. 1 process: ``idx``."""
+    world = world_size()
+    if world <= 1:
+        return idx
+    me = rank()
+    if _is_mask(idx):
+        positions = idx.reshape(-1).nonzero()
+        positions = positions[0] if isinstance(positions, tuple) else positions.reshape(-1)
+        part = idx.reshape(-1) & False
+        part[positions[me::world]] = True
+        return part.reshape(idx.shape)
+    return idx[me::world]
+
+
+def _is_mask(idx) -> bool:
+    """A boolean mask (torch or numpy), as opposed to a list of indices."""
+    dtype = getattr(idx, "dtype", None)
+    return dtype is not None and (dtype == torch.bool or str(dtype) == "bool")
+
+
+def _index_count(idx) -> int:
+    """How many samples ``idx`` selects: the true entries of a mask, else its length."""
+    return int(idx.sum()) if _is_mask(idx) else len(idx)
+
+
+def shard_mean(loss, idx):
+    """A mean loss computed over this rank's part of ``idx`` (``tm.shard_indices(idx)``), made
+    this rank's share of the mean over all of ``idx``. Its gradient is the part's mean scaled by
+    ``n_r * W / N`` (n_r samples in this rank's part, N in all of ``idx``): DDP averages the W
+    gradients, which then add up to exactly the one-process gradient, even when N does not divide
+    by W. Its value is the mean over every rank's part, which is what one process computes, so
+    a printed or compared loss agrees across ranks and with the original. A collective (one
+    scalar): call it on every rank. 1 process: ``loss``."""
+    world = world_size()
+    if world <= 1:
+        return loss
+    total = _index_count(idx)
+    mine = len(range(rank(), total, world))
+    if total == 0:
+        return loss
+    share = loss * (mine * world / total) if mine else loss.nan_to_num() * 0
+    summed = all_reduce(loss.detach().float() * mine if mine else torch.zeros((), device=loss.device))
+    value = (summed / total).to(loss.dtype)
+    return share + (value - share.detach())
+
+
+def shard_batches(batches, seed: int | None = None):
+    """This rank's share of an iterable of batches that no sampler can shard: a generator of the
+    program (``def batches(X, y, bs): ... yield``), a project ``BatchIterator``, a bucket
+    iterator, a list of batches. Rank r keeps batches r, r+W, r+2W, ...; the last round is padded
+    with the first batches, so every rank runs the same number of steps (DDP waits otherwise).
+
+    - A list, tuple or ``range``: its items, as ``shard_range``.
+    - A ``DataLoader``: one with a distributed sampler (``tm.sampler``, ``tm.shard_sampler``,
+      ``DistributedSampler``) is already sharded and comes back as it is; another over a
+      map-style dataset gets its (batch) sampler wrapped in ``tm.shard_sampler`` in place, so
+      each rank loads only its own batches.
+    - Anything else is read whole on every rank, under a random stream of its own that is seeded
+      alike on every rank for each pass (``seed``, else rank 0's ``torch.initial_seed()``, plus the
+      pass number; torch's CPU, Python's and numpy's global generators, restored around each
+      batch): an iterator that shuffles as it goes then yields the same sequence on every rank, so
+      the ranks' batches are disjoint, and the program's own draws (dropout) are not disturbed.
+      Each rank still builds every batch (W times the loading work of its share).
+
+    1 process: ``batches`` itself."""
+    if world_size() <= 1:
+        return batches
+    from torch.utils.data import DataLoader
+    if isinstance(batches, DataLoader):
+        return _shard_loader(batches)
+    if isinstance(batches, (list, tuple, range)):
+        return shard_range(batches)
+    return _ShardedBatches(batches, seed)
+
+
+def _shard_loader(loader):
+    """A DataLoader given to ``shard_batches``: see there. The sampler is replaced through
+    ``object.__setattr__`` because DataLoader forbids setting it after construction; its
+    iterators are built from it afresh on each pass, so the next pass reads only this rank's share."""
+    samplers = (loader.sampler, loader.batch_sampler, getattr(loader.batch_sampler, "sampler", None))
+    if any(isinstance(s, (DistributedSampler, _ShardedSampler, _StridedSampler)) for s in samplers):
+        return loader
+    if isinstance(loader.dataset, torch.utils.data.IterableDataset):
+        return _ShardedBatches(loader, None)
+    if loader.batch_sampler is not None:
+        object.__setattr__(loader, "batch_sampler", _ShardedSampler(loader.batch_sampler, 0))
+    else:
+        object.__setattr__(loader, "sampler", _ShardedSampler(loader.sampler, 0))
+    return loader
+
+
+class _ShardedBatches:
+    """See ``shard_batches``. Programs build a new iterator each epoch (``tm.shard_batches(
+    batches(X, y, bs))``), so the pass number that makes each epoch's order new is counted over
+    every wrapper of the process (``_PASSES``): the ranks iterate in step, so they count alike."""
+
+    def __init__(self, inner, seed) -> None:
+        self.inner, self.seed = inner, seed
+
+    def __len__(self) -> int:
+        return -(-len(self.inner) // world_size())
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)  # `train_iter.dataset`, `init_epoch()`
+
+    def __iter__(self):
+        if self.seed is None:
+            if _PASSES["seed"] is None:
+                _PASSES["seed"] = int(broadcast_object(torch.initial_seed()))
+            self.seed = _PASSES["seed"]
+        world, me = world_size(), rank()
+        streams = _Streams(self.seed + _PASSES["count"])
+        _PASSES["count"] += 1
+        it = streams.run(iter, self.inner)
+        head, total = [], 0
+        while True:
+            item = streams.run(next, it, _END)
+            if item is _END:
+                break
+            if total < world:
+                head.append(item)
+            if total % world == me:
+                yield item
+            total += 1
+        share = -(-total // world)
+        for j in range(total, share * world):  # padding from the first batches
+            if j % world == me:
+                yield head[(j - total) % len(head)]
+
+
+_PASSES = {"seed": None, "count": 0}  # rank 0's initial seed, shared once; passes so far
+
+
+class _Streams:
+    """Global random generators of their own (torch's CPU one, Python's, numpy's when loaded),
+    seeded with ``seed``: ``run`` calls a function under them and puts the program's back."""
+
+    def __init__(self, seed: int) -> None:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            self.torch_state = torch.get_rng_state()
+        self.random_state = random.Random(seed).getstate()
+        numpy = sys.modules.get("numpy")
+        self.numpy_state = numpy.random.RandomState(seed % 2**32).get_state() if numpy is not None else None
+
+    def run(self, fn, *args):
+        numpy = sys.modules.get("numpy")
+        kept = (torch.get_rng_state(), random.getstate(),
+                numpy.random.get_state() if numpy is not None and self.numpy_state is not None else None)
+        torch.set_rng_state(self.torch_state)
+        random.setstate(self.random_state)
+        if kept[2] is not None:
+            numpy.random.set_state(self.numpy_state)
+        try:
+            return fn(*args)
+        finally:
+            self.torch_state, self.random_state = torch.get_rng_state(), random.getstate()
+            torch.set_rng_state(kept[0])
+            random.setstate(kept[1])
+            if kept[2] is not None:
+                self.numpy_state = numpy.random.get_state()
+                numpy.random.set_state(kept[2])
 
 
 def per_rank_batch(batch_size: int) -> int:

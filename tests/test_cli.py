@@ -224,14 +224,14 @@ def test_the_report_opens_with_what_the_program_does_under_torchrun(tmp_path, ru
         shutil.copy(scripts / name, tmp_path / name)
     plain = run_cli("ddp", "--dry-run", tmp_path / "toplevel_classifier.py").output
     assert "Under torchrun:" in plain and "done: models wrapped in DDP (gradients averaged): " in plain
-    assert "done: training loaders sharded" in plain and "NOT DONE" not in plain
+    assert "done: training data sharded" in plain and "NOT DONE" not in plain
     functional = run_cli("ddp", "--dry-run", tmp_path / "maml_functional.py").output
     assert "done: functional models kept in sync" in functional
     assert "done: models wrapped in DDP" not in functional
     drawn = run_cli("ddp", "--dry-run", tmp_path / "helper_loaders.py").output
     assert "done: random configuration drawn once and shared by every rank" in drawn
     stream = run_cli("ddp", "--dry-run", tmp_path / "token_stream_lm.py").output
-    assert "done: training loaders sharded" in stream
+    assert "done: training data sharded" in stream
 
 
 def test_positions_after_an_in_place_migration_point_into_the_written_file(tmp_path):

@@ -88,7 +88,7 @@ WRITES_DONE = "writes, saves and logs on rank 0 only"
 _DONE = (  # (what, rule codes whose applied changes show it)
     ("models wrapped in DDP (gradients averaged)", ("TM301", "TM306", "TM407")),
     ("functional models kept in sync (tm.share_params, gradients averaged by tm.sync_grads)", ("TM309",)),
-    ("training loaders sharded", ("TM201",)),
+    ("training data sharded (loaders, token streams, hand-made batches)", ("TM201",)),
     ("evaluation loaders sharded (each sample once)", ("TM203",)),
     ("epoch loops reshuffling (set_epoch)", ("TM202",)),
     (WRITES_DONE, ("TM501", "TM504", "TM505", "TM601", "TM602")),

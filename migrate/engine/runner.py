@@ -105,12 +105,15 @@ def process_file(path: str, job: Job, given: Optional[files.Decoded] = None) -> 
     return outcome
 
 
+# training data that no DataLoader carries, once sharded (hand-made batch loops, full-batch indices)
+_HAND_MADE = ("shard_range(", "shard_batches(", "shard_indices(")
 # signal -> any of these in a migrated source
 _SIGNALS = {
     "trains": (".backward(",),
     "wraps": ("wrap_model(", "DistributedDataParallel(", "DDP(", "sync_grads("),
-    "loaders": ("DataLoader(", "DataLoader as ", "shard_stream("),  # `from torch.utils.data import DataLoader as DL`
-    "shards": ("tm.sampler(", "eval_sampler(", "shard_sampler(", "DistributedSampler(", ".sampler(", "shard_stream("),
+    "loaders": ("DataLoader(", "DataLoader as ", "shard_stream(", *_HAND_MADE),  # `DataLoader as DL`
+    "shards": ("tm.sampler(", "eval_sampler(", "shard_sampler(", "DistributedSampler(", ".sampler(", "shard_stream(",
+               *_HAND_MADE),
 }
 
 

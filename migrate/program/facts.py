@@ -602,16 +602,18 @@ def forward_outputs(klass: ast.ClassDef) -> Tuple[FrozenSet[str], ...]:
     return tuple(frozenset(uses(e)) for e in returned)
 
 
-def _iterator_builders(modules: Dict[Path, _Module]) -> Dict[Tuple[Path, str], int]:
-    """The program's hand-made batch iterators and what builds them, with the position of the
-    data argument (-1: every positional argument, `minibatch(*tensors, batch_size=...)`):
+def _iterator_builders(modules: Dict[Path, _Module]) -> Dict[Tuple[Path, str], Tuple[int, ...]]:
+    """The program's hand-made batch iterators and what builds them, with the positions of the
+    data arguments ((-1,): every positional argument, `minibatch(*tensors, batch_size=...)`):
     - classes with `__next__`/`__iter__` that are not datasets, loaders or modules, taking the
       data first (`DatasetIterater(batches, batch_size, device)`, `LMOrderedIterator(data, bsz,
       bptt)`);
     - functions that return one built from a parameter (`build_iterator(dataset, config)`);
-    - generator functions slicing a parameter into batches (`def minibatch(*tensors,
-      batch_size)`, `def batch_iter(data, batch_size)`)."""
-    classes = {(p, name): 0 for p, m in modules.items() for name, c in m.classes.items() if _iterator_class(c)}
+    - generator functions slicing parameters into batches (`def minibatch(*tensors,
+      batch_size)`, `def batch_iter(data, batch_size)`, `def batches(X, y, bs)` reading `X[idx]`
+      and `y[idx]`: both, so the samples of the two stay paired once each is cut by rank)."""
+    classes = {(p, name): _class_data_positions(c) for p, m in modules.items() for name, c in m.classes.items()
+               if _iterator_class(c)}
     found = dict(classes)
     for p, m in modules.items():
         local = {name for (q, name) in classes if q == p} | _spellings(m, modules, set(classes))
@@ -646,10 +648,10 @@ def _optimizer_params(modules: Dict[Path, _Module]) -> Dict[Tuple[Path, str], Tu
     return found
 
 
-def iterator_builders_of(definitions: Iterable[ast.stmt]) -> Dict[str, int]:
+def iterator_builders_of(definitions: Iterable[ast.stmt]) -> Dict[str, Tuple[int, ...]]:
     """`ModuleView.iterator_builders` of one module alone, from its top-level definitions (a
     file processed without its program: stdin, a fixture)."""
-    classes = {d.name: 0 for d in definitions if isinstance(d, ast.ClassDef) and _iterator_class(d)}
+    classes = {d.name: _class_data_positions(d) for d in definitions if isinstance(d, ast.ClassDef) and _iterator_class(d)}
     found = dict(classes)
     for d in definitions:
         if isinstance(d, FUNC_TYPES) and (position := _builder_position(d, set(classes))) is not None:
@@ -667,12 +669,12 @@ def training_text(text: str) -> bool:
     return bool(_TRAINING.search(text)) and not _NOT_TRAINING.search(text)
 
 
-def _training_iterator(call: ast.Call, position: int, function: str) -> bool:
-    """`call` builds a hand-made batch iterator over training data: its data argument (at the
-    builder's `position`; every positional one for -1) says training, or it is built in a
+def _training_iterator(call: ast.Call, positions: Tuple[int, ...], function: str) -> bool:
+    """`call` builds a hand-made batch iterator over training data: a data argument (at the
+    builder's `positions`; every positional one for -1) says training, or it is built in a
     function whose name does (`BPR_train_original`). TM201 shards these (`tm.shard_stream`)."""
     args = [a for a in call.args if not isinstance(a, ast.Starred)]
-    args = args if position < 0 else args[position:position + 1]
+    args = args if -1 in positions else [args[p] for p in positions if p < len(args)]
     return bool(args) and (any(training_text(ast.unparse(a)) for a in args) or training_text(function))
 
 
@@ -685,17 +687,36 @@ def _iterator_class(klass: ast.ClassDef) -> bool:
     return ("__next__" in methods or "__iter__" in methods) and init is not None and len(_params(init)) > 1
 
 
-def _builder_position(func: ast.AST, iterator_classes: Set[str]) -> Optional[int]:
-    """Where the data goes in a function that builds a batch iterator (see `_iterator_builders`)."""
+def _class_data_positions(klass: ast.ClassDef) -> Tuple[int, ...]:
+    """The data arguments of an iterator class: the `__init__` parameters it keeps as attributes
+    (`self.X = X`) that a method subscripts (`self.X[idx]`, not `self.cfg["bs"]`), so that
+    `BatchIterator(X, y, bs)` gets both X and y cut by rank; the first one where none is found."""
+    init = next(f for f in klass.body if isinstance(f, FUNC_TYPES) and f.name == "__init__")
+    params = [p.arg for p in (*init.args.posonlyargs, *init.args.args)][1:]
+    pairs = [(t, n.value) for n in ast.walk(init) if isinstance(n, ast.Assign) for t in n.targets]
+    pairs += [p for t, v in pairs if isinstance(t, ast.Tuple) and isinstance(v, ast.Tuple)
+              and len(t.elts) == len(v.elts) for p in zip(t.elts, v.elts)]  # `self.X, self.y = X, y`
+    kept = {t.attr: v.id for t, v in pairs if isinstance(v, ast.Name) and v.id in params
+            and isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"}
+    read = {n.value.attr for n in ast.walk(klass) if isinstance(n, ast.Subscript) and not isinstance(n.slice, ast.Constant)
+            and isinstance(n.value, ast.Attribute) and isinstance(n.value.value, ast.Name) and n.value.value.id == "self"}
+    return tuple(sorted(params.index(kept[a]) for a in read if a in kept)) or (0,)
+
+
+def _builder_position(func: ast.AST, iterator_classes: Set[str]) -> Optional[Tuple[int, ...]]:
+    """Where the data goes in a function that builds a batch iterator (see `_iterator_builders`):
+    for a generator, every parameter it subscripts with something other than a literal key
+    (`X[idx]`, `data[i:i + bs]`, not `cfg["bs"]`)."""
     args = func.args  # type: ignore[attr-defined]
     params = [p.arg for p in (*args.posonlyargs, *args.args) if p.arg != "self"]
     vararg = args.vararg
     body = ast.Module(body=func.body, type_ignores=[])  # type: ignore[attr-defined]
     if any(isinstance(n, (ast.Yield, ast.YieldFrom)) for n in ast.walk(body)):
-        sliced = {dotted_name(n.value) for n in ast.walk(body) if isinstance(n, ast.Subscript)}
+        sliced = {dotted_name(n.value) for n in ast.walk(body)
+                  if isinstance(n, ast.Subscript) and not isinstance(n.slice, ast.Constant)}
         if vararg is not None and not params:
-            return -1 if any(isinstance(n, ast.Name) and n.id == vararg.arg for n in ast.walk(body)) else None
-        return next((i for i, name in enumerate(params) if name in sliced), None)
+            return (-1,) if any(isinstance(n, ast.Name) and n.id == vararg.arg for n in ast.walk(body)) else None
+        return tuple(i for i, name in enumerate(params) if name in sliced) or None
     built: Dict[str, int] = {}
     for node in ast.walk(body):
         call = node.value if isinstance(node, (ast.Assign, ast.Return)) else None
@@ -704,13 +725,13 @@ def _builder_position(func: ast.AST, iterator_classes: Set[str]) -> Optional[int
         data = dotted_name(call.args[0])
         if data in params:
             if isinstance(node, ast.Return):
-                return params.index(data)
+                return (params.index(data),)
             for t in node.targets:
                 if isinstance(t, ast.Name):
                     built[t.id] = params.index(data)
     for node in ast.walk(body):
         if isinstance(node, ast.Return) and isinstance(node.value, ast.Name) and node.value.id in built:
-            return built[node.value.id]
+            return (built[node.value.id],)
     return None
 
 

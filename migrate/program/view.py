@@ -46,8 +46,8 @@ class ModuleView:
     # the `self.` submodules each returned element depends on (an unused head: TM303)
     forward_outputs: Dict[str, Tuple[FrozenSet[str], ...]] = field(default_factory=dict)
     # the program's hand-made batch iterators and the functions that build them, as this module
-    # spells them -> the position of the data argument (-1: every positional argument)
-    iterator_builders: Dict[str, int] = field(default_factory=dict)
+    # spells them -> the positions of the data arguments ((-1,): every positional argument)
+    iterator_builders: Dict[str, Tuple[int, ...]] = field(default_factory=dict)
     # functions of other modules that build an optimizer over a model parameter, as this module
     # spells them -> (position, name) of that parameter: their callers here wrap the model
     optimizer_builders: Dict[str, Tuple[int, str]] = field(default_factory=dict)

@@ -11,6 +11,7 @@ from torchmigrate.finding import Safety, insert_after, replace
 from torchmigrate.syntax.imports import dotted
 from torchmigrate.syntax.nodes import set_kwarg
 from torchmigrate.rule import Example, Rule
+from torchmigrate.program.batches import batch_facts
 from torchmigrate.program.rank_guards import collective_guard
 from torchmigrate.rules._active import active
 from torchmigrate.rules.launch.base import SEEDERS
@@ -200,7 +201,7 @@ class AgreedDraws(Rule):
 
     def _draw(self, assign: cst.Assign) -> None:
         ctx = self.ctx
-        if len(assign.targets) != 1 or not self._agreed_place(assign):
+        if len(assign.targets) != 1 or not self._agreed_place(assign) or self._batch_order(assign):
             return
         target = dotted(assign.targets[0].target)
         if target is None:
@@ -282,7 +283,7 @@ class AgreedDraws(Rule):
         if not (isinstance(ctx.parent(call), cst.Expr) and isinstance(statement, cst.SimpleStatementLine)
                 and len(statement.body) == 1 and len(call.args) == 1 and not call.args[0].star):
             return
-        if not self._agreed_place(call) or self._loops_between(call):
+        if not self._agreed_place(call) or self._loops_between(call) or self._batch_order(statement):
             return
         if self._next_is_broadcast(statement):
             return
@@ -311,6 +312,14 @@ class AgreedDraws(Rule):
                     imports=[ctx.runtime_import()])
 
     # --- helpers --------------------------------------------------------------------------
+
+    def _batch_order(self, node: cst.CSTNode) -> bool:
+        """`node` draws the order of a hand-made batch loop (`perm = torch.randperm(n)` sliced
+        by `for i in range(0, n, bs)`): the data family shares it where it shards the loop, and
+        leaves it alone where it does not, since rank 0's order alone would make every rank
+        train on the same batches."""
+        draws = batch_facts(self.ctx).order_draws
+        return id(node) in draws or any(id(c) in draws for c in self.ctx.within(node, cst.Call))
 
     def _next_is_broadcast(self, statement: cst.CSTNode) -> bool:
         block = self.ctx.parent(statement)

@@ -239,17 +239,28 @@ def test_hand_made_batch_iterators_and_their_builders(tmp_path):
             def batch_iter(config, data, size):
                 for i in range(0, len(data), size):
                     yield data[i:i + size]
+            class Pairs:
+                def __init__(self, X, y, size):
+                    self.X, self.y, self.size = X, y, size
+                def __iter__(self):
+                    for i in range(0, len(self.X), self.size):
+                        yield self.X[i:i + self.size], self.y[i:i + self.size]
+            def paired(X, y, size, opts):
+                perm = torch.randperm(len(X))
+                for i in range(0, len(X), opts["size"]):
+                    idx = perm[i:i + size]
+                    yield X[idx], y[idx]
             def helper(x):
                 return x + 1
         """),
     })
     program = build([tmp_path / "train.py"], [tmp_path / "train.py"])
     views = {Path(k).name: v for k, v in program.views.items()}
-    assert views["utils.py"].iterator_builders == {"DatasetIterater": 0, "build_iterator": 0, "minibatch": -1,
-                                                   "batch_iter": 1}
+    assert views["utils.py"].iterator_builders == {"DatasetIterater": (0,), "build_iterator": (0,), "minibatch": (-1,),
+                                                   "batch_iter": (1,), "paired": (0, 1), "Pairs": (0, 1)}
     assert views["train.py"].iterator_builders == {
-        "utils.DatasetIterater": 0, "utils.build_iterator": 0, "utils.minibatch": -1, "utils.batch_iter": 1,
-        "build_iterator": 0, "minibatch": -1}
+        "utils.DatasetIterater": (0,), "utils.build_iterator": (0,), "utils.minibatch": (-1,),
+        "utils.batch_iter": (1,), "utils.paired": (0, 1), "utils.Pairs": (0, 1), "build_iterator": (0,), "minibatch": (-1,)}
 
 
 def test_pythonpath_of_a_copy_without_project_markers(tmp_path, monkeypatch):
