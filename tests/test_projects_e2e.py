@@ -37,7 +37,11 @@ CASES = {
     "data_eval_modules": (["train.py"], ["data.py", "evaluate.py"]),
     "utils_writers": (["train.py"], ["utils.py"]),
     "shared_module": (["train.py", "finetune.py"], ["common.py"]),
+    # loaded by names in config/train.json through importlib, never imported by name
+    "config_driven": (["train.py"], ["trainer/trainer.py", "trainer/base_trainer.py"]),
 }
+# project -> (file under OUT_DIR, its lines after a 3-epoch run under torchrun): written once
+LINES_WRITTEN = {"config_driven": ("results.csv", ["epoch,loss", "0,", "1,", "2,"])}
 
 
 RESUMABLE = {"package_relative"}  # reads RESUME (a checkpoint) and continues after its epoch
@@ -98,6 +102,11 @@ def test_project_migrates_and_trains(project, tmp_path):
             resumed = [r["output"] for r in verdict["resume_ranks"]]
             assert [r.count("resumed from epoch 2") for r in resumed] == [1, 0], resumed[0][-3000:]
             assert [int(m.group(1)) for m in EPOCH_LINE.finditer(resumed[0])] == [3, 4]
+
+    if project in LINES_WRITTEN:
+        name, starts = LINES_WRITTEN[project]
+        lines = (out_dir / name).read_text().splitlines()
+        assert len(lines) == len(starts) and all(l.startswith(s) for l, s in zip(lines, starts)), lines
 
     for ckpt in out_dir.rglob("*.pt"):
         obj = torch.load(ckpt, map_location="cpu", weights_only=False)
