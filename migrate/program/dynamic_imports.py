@@ -238,9 +238,3 @@ def config_strings(project: Project, fs: FileSystem) -> "ConfigStrings":
 class ConfigStrings:
     dotted: Dict[str, Path]  # `trainer.trainer`, `models.net.Net` -> the file that names it first
     words: Set[str]  # every identifier-like word (`resnet18` for `"arch": "resnet18"`)
-
-    def module_candidates(self, name: str) -> List[str]:
-        """The module names a configured string may stand for: itself (`trainer.trainer`) or,
-        for `module.attribute` (`models.net.Net`, `losses.focal_loss`), its module."""
-        head = name.rsplit(".", 1)[0]
-        return [name, head]

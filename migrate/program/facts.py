@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, FrozenSet, Iterable, List, Optional, Set, Tuple
 
-from torchmigrate.program.graph import Graph, dotted_name
+from torchmigrate.program.graph import Graph
+from torchmigrate.program.search_path import dotted_name
 from torchmigrate.program.view import ModuleView
 
 # Optimizer classes by their last name (torch.optim and common ports). A call counts as an

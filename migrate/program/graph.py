@@ -3,8 +3,12 @@
 Resolution follows what Python does for a script run as `python train.py`: `sys.path[0]` is the
 script's folder, so `import data` finds a sibling `data.py` (or a package `data/`), and packages
 under the project root resolve from there too. Relative imports resolve against the importing
-module's package. Anything that does not resolve to a file inside the project root (the standard
-library, installed packages, a virtualenv inside the project) is not part of the program.
+module's package. The folders the program itself puts on its path (`sys.path` edits, PYTHONPATH
+in its launch files, a `src/` layout, its packages installed in place: `search_path`) are
+searched too, and modules it loads by name (`importlib.import_module`, names in its
+configuration files: `dynamic_imports`) are followed like imports. Anything that does not
+resolve to a file inside the project root (the standard library, installed packages, a
+virtualenv inside the project) is not part of the program.
 """
 
 from __future__ import annotations
@@ -21,7 +25,6 @@ from torchmigrate.program import dynamic_imports, search_path
 from torchmigrate.program.fs import SKIP_DIRS
 from torchmigrate.program.fs import PLAIN, FileSystem
 from torchmigrate.program.project import Project, walk as project_walk
-from torchmigrate.program.search_path import dotted_name  # noqa: F401 (the program layer's helper)
 
 _STDLIB = frozenset(getattr(sys, "stdlib_module_names", ())) | {"__future__"}  # Python >= 3.10
 
@@ -45,7 +48,8 @@ class Graph:
     imports: Dict[Path, List[Path]] = field(default_factory=dict)
     # every import statement of each module (one walk of its tree, shared with `facts`)
     statements: Dict[Path, List[ast.stmt]] = field(default_factory=dict)
-    # imports that look like the project's own but resolve nowhere: module -> (line, name)
+    # imports that look like the project's own but resolve nowhere, and modules loaded by a name
+    # that no text of the project gives: module -> (line, name or the call written out)
     unresolved: Dict[Path, List[Tuple[int, str]]] = field(default_factory=dict)
 
 
@@ -213,17 +217,18 @@ def _follow(entries: List[Path], roots: Dict[Path, Path], trees: Dict[Path, ast.
                              search.mapped.get(scope))
         statements = graph.statements[path] = import_statements(tree)
         misses: List[Tuple[int, str]] = []
+        unknown: List[Tuple[int, str]] = []  # modules loaded by a name no text of the project gives
         try:
             imported = imported_files(statements, path, resolver, entry_dir, misses)
-            imported += _loaded_by_name(tree, path, resolver, entry_dir, scope, search, misses)
+            imported += _loaded_by_name(tree, path, resolver, entry_dir, scope, search, misses, unknown)
         except OSError:  # an import name the file system refuses (too long): not followed
             imported = []
         local = [(line, name) for line, name in misses
-                 if name.startswith(".") or " " in name or name.split(".")[0] in search.names(scope)]
-        if any(not name.startswith(".") and " " not in name for _, name in local):
+                 if name.startswith(".") or name.split(".")[0] in search.names(scope)]
+        if any(not name.startswith(".") for _, name in local):
             search.look_further(scope)  # the project's own code, found nowhere yet
-        if local:
-            graph.unresolved[path] = sorted(local)
+        if local or unknown:
+            graph.unresolved[path] = sorted(local + unknown)
         found = []
         for f in imported:
             if f != path and f not in found and (_inside(f, scope) or f.parent == entry_dir):
@@ -234,9 +239,10 @@ def _follow(entries: List[Path], roots: Dict[Path, Path], trees: Dict[Path, ast.
 
 
 def _loaded_by_name(tree: ast.Module, importer: Path, resolver: _Resolver, entry_dir: Path, scope: Path,
-                    search: "_Search", misses: List[Tuple[int, str]]) -> List[Path]:
-    """Project files the module loads by name at run time (see `dynamic_imports`); what it
-    loads but cannot be found goes to `misses` (a run-time name as the call, written out)."""
+                    search: "_Search", misses: List[Tuple[int, str]], unknown: List[Tuple[int, str]]) -> List[Path]:
+    """Project files the module loads by name at run time (see `dynamic_imports`). A name
+    written in the code but found nowhere goes to `misses`, as an import's would; a call whose
+    module no text of the project names goes to `unknown`, written out."""
     out: List[Path] = []
     loads = dynamic_imports.scan(tree, importer, entry_dir)
     search.add_names(entry_dir, loads.names)
@@ -254,13 +260,15 @@ def _loaded_by_name(tree: ast.Module, importer: Path, resolver: _Resolver, entry
             if site.path is not None and resolver.fs.is_file(site.path):
                 found = [resolver.fs.resolve(site.path)]
         elif site.kind == "prefix":
+            if site.names[0].split(".")[0] not in search.names(scope):
+                continue  # a module of an installed package (`torchvision.models.` + name)
             found = _package_modules(resolver, site.names[0], entry_dir, search.config(scope))
         else:
             found = search.configured(scope, entry_dir, resolver)
         if found:
             out += found
         else:
-            misses.append((site.line, f"{site.text} (loads a module named at run time)"))
+            unknown.append((site.line, f"{site.text} (loads a module named at run time)"))
     return out
 
 
@@ -281,14 +289,21 @@ def _by_name(resolver: _Resolver, importer: Path, name: str, entry_dir: Path) ->
 def _package_modules(resolver: _Resolver, package: str, entry_dir: Path, config) -> List[Path]:
     """`import_module("models." + arch)`: the modules of package `models` that the project's
     configuration names (`"arch": "resnet"`), else every module of it (the call can load only
-    these)."""
+    these). A folder without `__init__.py` is a package too (a namespace package)."""
     init = resolver.absolute(None, package, entry_dir)
-    if not init or init[-1].name != "__init__.py":
-        return []
-    folder = init[-1].parent
-    names = [n[:-3] for n in resolver.fs.listing(folder).split("\n") if n.endswith(".py") and n != "__init__.py"]
-    chosen = [n for n in names if n in config.words] or names
-    return init + [folder / f"{n}.py" for n in sorted(chosen)]
+    if init and init[-1].name == "__init__.py":
+        folders = [init[-1].parent]
+    else:
+        init = []
+        bases = dict.fromkeys((entry_dir, resolver.root, *resolver.extra))
+        folders = [b.joinpath(*package.split(".")) for b in bases]
+    for folder in folders:
+        names = [n[:-3] for n in resolver.fs.listing(folder).split("\n")
+                 if n.endswith(".py") and n != "__init__.py" and n[:-3].isidentifier()]
+        if names:
+            chosen = [n for n in names if n in config.words] or names
+            return init + [resolver.fs.resolve(folder / f"{n}.py") for n in sorted(chosen)]
+    return []
 
 
 class _Search:

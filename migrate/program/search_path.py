@@ -49,7 +49,7 @@ def code_dirs(tree: ast.Module, module: Path, cwd: Path) -> List[Path]:
     `__file__` (`os.path.dirname/abspath/join`, `Path(...).parent`, `.parents[n]`, `/`, f-strings,
     module-level names assigned once). A relative literal is taken from `cwd`, the folder the
     program runs from (the entry script's)."""
-    values = Paths(tree, module, cwd)
+    values: Optional[Paths] = None  # built only for a module that edits the path
     out: List[Path] = []
     for node in ast.walk(tree):
         args: List[ast.AST] = []
@@ -64,6 +64,7 @@ def code_dirs(tree: ast.Module, module: Path, cwd: Path) -> List[Path]:
         elif isinstance(node, ast.AugAssign) and isinstance(node.op, ast.Add) and dotted_name(node.target) == "sys.path":
             args = _elements(node.value)
         for arg in args:
+            values = values or Paths(tree, module, cwd)
             folder = values.of(arg)
             if folder is not None:
                 out.append(Path(os.path.normpath(folder)))

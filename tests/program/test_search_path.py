@@ -269,6 +269,8 @@ def test_a_package_and_a_run_time_name(tmp_path, call):
     assert modules(tmp_path) == ["models/__init__.py", "models/resnet.py", "models/vgg.py", "train.py"]
     write(tmp_path, {"configs/r18.yml": "arch: resnet\nlr: 0.1\n"})
     assert modules(tmp_path) == ["models/__init__.py", "models/resnet.py", "train.py"]
+    (tmp_path / "models/__init__.py").unlink()  # a namespace package
+    assert modules(tmp_path) == ["models/resnet.py", "train.py"]
 
 
 def test_a_module_loaded_from_a_file(tmp_path):
@@ -316,7 +318,7 @@ def test_module_names_written_in_the_programs_code(tmp_path, where):
 def test_imports_of_installed_packages_by_name_are_not_listed(tmp_path):
     write(tmp_path, {
         "train.py": "import importlib\nfor name in ('apex', 'deepspeed'):\n    importlib.import_module(name)\n"
-                    "yaml = __import__('yaml')\n",
+                    "yaml = __import__('yaml')\nnet = importlib.import_module('torchvision.models.' + arch)\n",
     })
     program = build([Path("train.py")], [Path("train.py")])
     assert program.unresolved == [] and program.followed == []
