@@ -40,7 +40,11 @@ CASES = {
     # written for nn.DataParallel: a loss object with its own .cuda(), the project's optimizer
     # object, checkpoints that pickle the model and the optimizer, DataParallel checks in utils
     "dataparallel_objects": (["train.py"], ["losses.py", "utils.py"]),
+    # loaded by names in config/train.json through importlib, never imported by name
+    "config_driven": (["train.py"], ["trainer/trainer.py", "trainer/base_trainer.py"]),
 }
+# project -> (file under OUT_DIR, its lines after a 3-epoch run under torchrun): written once
+LINES_WRITTEN = {"config_driven": ("results.csv", ["epoch,loss", "0,", "1,", "2,"])}
 
 
 RESUMABLE = {"package_relative", "dataparallel_objects"}  # reads RESUME (a checkpoint) and continues after its epoch
@@ -101,6 +105,11 @@ def test_project_migrates_and_trains(project, tmp_path):
             resumed = [r["output"] for r in verdict["resume_ranks"]]
             assert [r.count("resumed from epoch 2") for r in resumed] == [1, 0], resumed[0][-3000:]
             assert [int(m.group(1)) for m in EPOCH_LINE.finditer(resumed[0])] == [3, 4]
+
+    if project in LINES_WRITTEN:
+        name, starts = LINES_WRITTEN[project]
+        lines = (out_dir / name).read_text().splitlines()
+        assert len(lines) == len(starts) and all(l.startswith(s) for l, s in zip(lines, starts)), lines
 
     sys.path.insert(0, str(folder))  # checkpoints that pickle the program's own classes
     try:

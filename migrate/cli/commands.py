@@ -294,7 +294,7 @@ def _migrate(command: str, paths, dry_run: bool, check: bool, amp: Optional[str]
         sys.exit(2)
     if preview:
         sys.exit(1 if any(o.changed for o in outcomes) else 0)
-    if any(o.open_records for o in outcomes) or (whole and report.not_done(outcomes)):
+    if any(o.open_records for o in outcomes) or (whole and report.not_done(outcomes, program.unresolved if program else ())):
         sys.exit(1)
 
 

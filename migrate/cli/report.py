@@ -22,7 +22,8 @@ def _plural(n: int, word: str) -> str:
     return f"{n} {word}{'' if n == 1 else 's'}"
 
 
-def migration_summary(outcomes: Sequence[Outcome], dry_run: bool, ddp: bool = False) -> Dict:
+def migration_summary(outcomes: Sequence[Outcome], dry_run: bool, ddp: bool = False,
+                      unresolved: Sequence[str] = ()) -> Dict:
     changes = Counter(r.code for o in outcomes for r in o.records if r.applied)
     attention = [r for o in outcomes for r in o.open_records]
     changed_files = [o.path for o in outcomes if o.changed]
@@ -33,17 +34,18 @@ def migration_summary(outcomes: Sequence[Outcome], dry_run: bool, ddp: bool = Fa
         "changes": dict(sorted(changes.items())),
         "attention": [r.__dict__ for r in attention],
         "errors": error_lines(outcomes),
-        "not_done": not_done(outcomes) if ddp else [],
+        "not_done": not_done(outcomes, unresolved) if ddp else [],
         "notes": [n for o in outcomes for n in o.notes],
     }
 
 
-def summary_line(outcomes: Sequence[Outcome], dry_run: bool, ddp: bool = False) -> str:
+def summary_line(outcomes: Sequence[Outcome], dry_run: bool, ddp: bool = False,
+                 unresolved: Sequence[str] = ()) -> str:
     """The last line of a migration report: `N files would be changed; M findings need attention.`
     (`changed` when written), or `Nothing to change (N files checked)[; M findings need attention].`"""
     n_files = sum(1 for o in outcomes if o.changed)
     attention = sum(len(o.open_records) for o in outcomes)
-    missing = len(not_done(outcomes)) if ddp else 0
+    missing = len(not_done(outcomes, unresolved)) if ddp else 0
     n_errors = sum(1 for o in outcomes if o.error)
     checked = len(outcomes) - n_errors
     need = f"{_plural(attention, 'finding')} {'needs' if attention == 1 else 'need'} attention"
@@ -66,7 +68,8 @@ def unresolved_lines(unresolved: Sequence[str]) -> List[str]:
     if not unresolved:
         return []
     return ["Not followed: imports of what looks like the project's own code, found nowhere from where the "
-            "program runs (set PYTHONPATH as the program's launch script does, or pass those files too); "
+            "program runs (set PYTHONPATH as the program's launch script does, or pass those files too), and "
+            "modules loaded by a name known only at run time that no configuration file of the project names; "
             "nothing in them was checked or migrated:"] + [f"  {u}" for u in unresolved]
 
 
@@ -118,12 +121,16 @@ def every_rank_writes(outcomes: Sequence[Outcome]) -> List[str]:
     return list(out.values())
 
 
-def not_done(outcomes: Sequence[Outcome]) -> List[str]:
+def not_done(outcomes: Sequence[Outcome], unresolved: Sequence[str] = ()) -> List[str]:
     """What the program still does wrong under torchrun, whatever the findings say: a program
     that trains with no model wrapped in DDP, or builds loaders and shards none of them, or
-    writes files on every rank."""
+    writes files on every rank, or whose own modules were not all found (nothing in those was
+    migrated)."""
     have = {s for o in outcomes for s in o.signals}
     out = []
+    if unresolved:
+        out.append(f"{_plural(len(unresolved), 'import')} of the program's own code not followed (see \"Not "
+                   "followed\"): whatever those modules train, load, save or print is NOT migrated")
     writes = every_rank_writes(outcomes)
     if writes:
         shown = ", ".join(writes[:6]) + (f", +{len(writes) - 6} more" if len(writes) > 6 else "")
@@ -140,12 +147,12 @@ def not_done(outcomes: Sequence[Outcome]) -> List[str]:
     return out
 
 
-def torchrun_lines(outcomes: Sequence[Outcome]) -> List[str]:
+def torchrun_lines(outcomes: Sequence[Outcome], unresolved: Sequence[str] = ()) -> List[str]:
     """The program summary: what the program does under torchrun after this run, where, and
     prominently what it does not."""
     applied = [r for o in outcomes for r in o.records if r.applied]
     lines = []
-    missing = not_done(outcomes)
+    missing = not_done(outcomes, unresolved)
     partly = any(m.startswith("files still written by every rank") for m in missing)
     for what, codes in _DONE:
         where = [r.location for r in applied if r.code in codes]
@@ -165,7 +172,7 @@ def migration_text(outcomes: Sequence[Outcome], dry_run: bool, names: Dict[str, 
     """The report; with `ddp`, it opens with what the program does under torchrun."""
     data = migration_summary(outcomes, dry_run)
     lines: List[str] = program_lines(outcomes, followed) + unresolved_lines(unresolved) + (
-        torchrun_lines(outcomes) if ddp else [])
+        torchrun_lines(outcomes, unresolved) if ddp else [])
     if data["changes"]:
         lines.append("Changes:" if not dry_run else "Changes (not written):")
         for code, n in data["changes"].items():
@@ -179,13 +186,13 @@ def migration_text(outcomes: Sequence[Outcome], dry_run: bool, names: Dict[str, 
     if notes:
         lines.append("Notes:")
         lines += [f"  {n}" for n in notes]
-    lines.append(summary_line(outcomes, dry_run, ddp))
+    lines.append(summary_line(outcomes, dry_run, ddp, unresolved))
     return "\n".join(lines)
 
 
 def migration_json(outcomes: Sequence[Outcome], dry_run: bool, ddp: bool = False,
                    unresolved: Sequence[str] = ()) -> str:
-    data = migration_summary(outcomes, dry_run, ddp)
+    data = migration_summary(outcomes, dry_run, ddp, unresolved)
     data["unresolved_imports"] = list(unresolved)
     return json.dumps(data, indent=2)
 

@@ -40,12 +40,15 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from torchmigrate.engine.outcome import Outcome, Record
-from torchmigrate.program.fs import Realpaths, digest
+from torchmigrate.program.fs import CACHE_TAG, Realpaths, digest
 
 FORMAT = "2"  # the layout of entries; bump when it changes
 DIRNAME = ".torchmigrate_cache"
 ENV = "TORCHMIGRATE_CACHE_DIR"
 GITIGNORE = "# Created by torchmigrate: the lint cache, safe to delete.\n*\n"
+CACHEDIR_TAG = ("Signature: 8a477f597d28d172789f06886806bc55\n"
+                "# This file is a cache directory tag created by torchmigrate (the lint cache).\n"
+                "# For information about cache directory tags, see https://bford.info/cachedir/\n")
 KEEP = 4  # tool versions whose entries are kept
 
 _fingerprint: Optional[str] = None
@@ -220,6 +223,9 @@ class Store:
         ignore = self.root / ".gitignore"
         if not ignore.exists():
             _atomic_text(ignore, GITIGNORE)
+        tag = self.root / CACHE_TAG
+        if not tag.exists():  # backup tools, and the walk of a program build, skip the folder
+            _atomic_text(tag, CACHEDIR_TAG)
         if fresh and _read_text(ignore) == GITIGNORE:
             self._prune()
         self._made.add(folder)

@@ -30,7 +30,8 @@ from torchmigrate.syntax.layout import statement_lines
 from torchmigrate.syntax.positions import positions_and_layout, regenerate
 from torchmigrate.syntax.walk import walk
 
-# Cheap prefilter: a file that never mentions these cannot need a change.
+# Cheap prefilter: a file alone that never mentions these cannot need a change. A module of a
+# torch program is always analysed (see `process_source`).
 PREFILTER = ("torch", "apex")
 
 
@@ -282,14 +283,16 @@ def process_source(source: str, path: str, options: Options, rules: Sequence[Rul
     """`program`: what the rest of the program says about this module (None: a file alone).
     With `fix_edits`, each finding whose fix was not applied gets it as text edits against
     the result's new source (`Finding.fix`)."""
-    # The entry of a program whose torch code lives in other modules (`Solver(cfg).train()`)
-    # still needs its process group, so the prefilter does not apply to it.
-    entry_of_torch_program = program is not None and program.followed and program.is_entry and program.program_torch
+    # A module of a torch program matters even where it never mentions torch: the entry whose
+    # torch code lives in other modules (`Solver(cfg).train()`) needs its process group, and a
+    # helpers.py that pickles results, writes files and prints runs on every rank. The
+    # prefilter skips only files that are no part of one.
+    part_of_torch_program = program is not None and program.followed and program.program_torch
     suppressions = Suppressions.scan(source)
     unknown = suppressions.unknown(known_codes())
     if suppressions.skip_file:
         return SourceResult(source, source, unknown_ignores=unknown)
-    if not entry_of_torch_program and not any(word in source for word in PREFILTER):
+    if not part_of_torch_program and not any(word in source for word in PREFILTER):
         check_syntax(source)  # a syntax error is reported in every file, as Ruff does
         return SourceResult(source, source, unknown_ignores=unknown)
     if program is None:  # a file alone: the effects of its own code still count

@@ -7,7 +7,11 @@ How a run goes, and where each step lives:
 2. program model (this package): facts, computed once and kept, never depending on which
    rules are enabled;
    - `graph`, `build`: entry scripts -> the project's own modules they import (never installed
-     packages); `facts`, `view`: the cross-module facts from CPython's `ast` (cheap,
+     packages), on the search path the program sets up (`search_path`: `sys.path` edits,
+     PYTHONPATH in launch files, `src/` layouts, packages installed in place) and through the
+     modules it loads by name (`dynamic_imports`: `importlib.import_module`, the module names
+     in its configuration files); `project`: one walk of the project's files for both, through
+     `fs`, whose answers the lint cache records; `facts`, `view`: the cross-module facts from CPython's `ast` (cheap,
      picklable), one `ModuleView` per module: which function parameters receive a wrapped
      model from another module, which modules are entry points, whether the program trains or
      builds a DataLoader at all, its DataLoader subclasses;

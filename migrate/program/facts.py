@@ -25,7 +25,8 @@ from typing import Dict, FrozenSet, Iterable, List, Optional, Set, Tuple
 
 from torchmigrate.program import effects
 from torchmigrate.program.classes import OTHER, argument_kind, class_kinds, optimizer_wrapper
-from torchmigrate.program.graph import Graph, dotted_name
+from torchmigrate.program.graph import Graph
+from torchmigrate.program.search_path import dotted_name
 from torchmigrate.program.view import ModuleView
 
 # Optimizer classes by their last name (torch.optim and common ports). A call counts as an
@@ -283,7 +284,7 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
     heads = {(p, name): outs for p, m in modules.items() for name, c in m.classes.items()
              if len(outs := forward_outputs(c)) > 1}
     builders = _iterator_builders(modules)
-    torch_anywhere = any(_uses_torch(graph.statements.get(p, ())) for p in modules)
+    torch_programs = _torch_programs(graph, modules)
     loader_names = {"DataLoader"} | {name for _, name in loader_classes}
     builds_loaders = any((dotted_name(c.func) or "").rsplit(".", 1)[-1] in loader_names for s in scopes for c in s.calls)
     spelled_builders = {m.path: {spelled: builders[key] for key in builders for spelled in _spellings(m, modules, {key})}
@@ -326,7 +327,7 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
                                 for spelled in _spellings(m, modules, {key})},
             program_trains=trains,
             program_loaders=builds_loaders,
-            program_torch=torch_anywhere,
+            program_torch=path in torch_programs,
             print_override=path in overridden,
             called_elsewhere=frozenset(q for p, q in called if p == path),
             guarded_elsewhere=frozenset(q for p, q in called - unguarded if p == path),
@@ -856,6 +857,26 @@ def _self_stores(init: ast.AST, param: str) -> List[str]:
             name = dotted_name(t)
             if name and name.startswith("self.") and name.count(".") == 1 and _ref(_strip_moves(v)) == param:
                 out.append(name[5:])
+    return out
+
+
+def _torch_programs(graph: Graph, modules: Dict[Path, "_Module"]) -> Set[Path]:
+    """The modules connected by imports (either direction) to a module that uses torch: the
+    parts of a torch program, also those that never mention torch (a helpers.py that pickles
+    results and prints), which the engine must therefore read."""
+    neighbours: Dict[Path, Set[Path]] = {p: set() for p in modules}
+    for path, deps in graph.imports.items():
+        for dep in deps:
+            if path in neighbours and dep in neighbours:
+                neighbours[path].add(dep)
+                neighbours[dep].add(path)
+    out: Set[Path] = set()
+    todo = [p for p in modules if _uses_torch(graph.statements.get(p, ()))]
+    while todo:
+        path = todo.pop()
+        if path not in out:
+            out.add(path)
+            todo.extend(neighbours[path] - out)
     return out
 
 

@@ -55,7 +55,9 @@ class ModuleView:
     # some module of the program builds a DataLoader (or subclass), or a hand-made batch
     # iterator over training data (which TM201 shards): the global batch grows with the ranks
     program_loaders: bool = False
-    program_torch: bool = False  # some module of the program uses torch
+    # some module connected to this one by imports uses torch: this module is part of a torch
+    # program, and is analysed even if it never mentions torch
+    program_torch: bool = False
     # the program replaces `builtins.print` (DeiT/DETR's `setup_for_distributed`, MoCo's
     # `print_pass`) on a path this module runs in: its prints are already rank-aware
     print_override: bool = False
