@@ -17,7 +17,7 @@ from __future__ import annotations
 import ast
 from typing import TYPE_CHECKING, Dict, NamedTuple, Optional, Sequence, Tuple
 
-from torchmigrate.program.graph import dotted_name
+from torchmigrate.program.search_path import dotted_name
 
 if TYPE_CHECKING:
     from pathlib import Path
