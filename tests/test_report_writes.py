@@ -40,11 +40,11 @@ def write(root: Path, files: dict) -> None:
 
 
 def test_a_write_left_in_a_module_the_rules_did_not_change_is_named(tmp_path, run_cli):
-    # notes.py never mentions torch, so the rules leave it as it is: its write still runs on every rank
+    # the user told the rules to leave notes.py's write alone: it still runs on every rank
     write(tmp_path, {"train.py": TRAIN, "notes.py": """
         import os
         def remember(out, epoch):
-            with open(os.path.join(out, "notes.txt"), "a") as f:
+            with open(os.path.join(out, "notes.txt"), "a") as f:  # torchmigrate: ignore[TM504]
                 f.write(str(epoch))
         """})
     result = run_cli("ddp", "--dry-run", tmp_path / "train.py")
@@ -86,7 +86,7 @@ def test_the_json_report_lists_the_writes_left(tmp_path, run_cli):
     write(tmp_path, {"train.py": TRAIN, "notes.py": """
         import json
         def remember(out, epoch):
-            json.dump({"epoch": epoch}, open(out + "/notes.json", "w"))
+            json.dump({"epoch": epoch}, open(out + "/notes.json", "w"))  # torchmigrate: ignore[TM504]
         """})
     report = tmp_path / "report.json"
     run_cli("ddp", "--dry-run", "--report", report, tmp_path / "train.py")

@@ -292,6 +292,8 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
     builds_loaders = builds_loaders or any(
         _training_iterator(c, spelled_builders[s.module.path][dotted_name(c.func)], getattr(s.node, "name", ""))
         for s in scopes for c in s.calls if (dotted_name(c.func) or "") in spelled_builders[s.module.path])
+    # the program sets up torch.distributed itself (its own process group, DDP or sampler)
+    distributed = any((dotted_name(c.func) or "").rsplit(".", 1)[-1] in _OWN_DISTRIBUTED for s in scopes for c in s.calls)
     entry_set = {Path(e).resolve() for e in entries}
     overridden = _print_overridden(graph, modules, scopes, entry_set)
     called, unguarded = _calls_from_elsewhere(modules, scopes)
@@ -327,6 +329,7 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
                                 for spelled in _spellings(m, modules, {key})},
             program_trains=trains,
             program_loaders=builds_loaders,
+            program_distributed=distributed,
             program_torch=path in torch_programs,
             print_override=path in overridden,
             called_elsewhere=frozenset(q for p, q in called if p == path),
@@ -338,6 +341,9 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
             bindings=bindings[path],
         )
     return views
+
+
+_OWN_DISTRIBUTED = frozenset({"init_process_group", "DistributedDataParallel", "DistributedSampler"})
 
 
 def program_effects(graph: Graph, trees: Dict[Path, ast.Module]) -> effects.ProgramEffects:

@@ -55,6 +55,9 @@ class ModuleView:
     # some module of the program builds a DataLoader (or subclass), or a hand-made batch
     # iterator over training data (which TM201 shards): the global batch grows with the ranks
     program_loaders: bool = False
+    # some module of the program sets up torch.distributed itself (`init_process_group`, its own
+    # DDP or DistributedSampler): its data is shared out by its own code
+    program_distributed: bool = False
     # some module connected to this one by imports uses torch: this module is part of a torch
     # program, and is analysed even if it never mentions torch
     program_torch: bool = False

@@ -103,7 +103,7 @@ class DataPlan:
         """The plan of a `BatchLoop` or a `FullBatchLoss` of `batches` (one not yet sharded)."""
         ctx = self.ctx
         facts = self.facts
-        if not ctx.options.migrating or facts.distributed or facts.skip_file:
+        if not ctx.options.migrating or facts.distributed or facts.skip_file or ctx.program.program_distributed:
             return BatchPlan("skip")
         if isinstance(found, FullBatchLoss):
             if ctx.program.program_loaders or facts.loaders:
