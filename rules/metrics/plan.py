@@ -10,25 +10,16 @@ over the ranks instead. The loader facts say which loaders an expression denotes
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Optional, Set
+from typing import Optional
 
 import libcst as cst
 
 from torchmigrate.syntax.nodes import code
 from torchmigrate.program.loaders import DIST_SAMPLERS, refs_at
-from torchmigrate.program.metrics import loader_expr
+from torchmigrate.program.metrics import ExactDenominators, loader_expr
 from torchmigrate.rule import Context
 from torchmigrate.rules.data.plan import data_plan
 from torchmigrate.options import RUNTIME_MODULE as RUNTIME
-
-
-@dataclass
-class ExactDenominators:
-    """`len(...)` denominators that stay exact after a reduction, from the loop's loaders."""
-
-    dataset: Set[str] = field(default_factory=set)  # len(X) = whole dataset, loader unpadded (tm.eval_sampler)
-    batches: Set[str] = field(default_factory=set)  # len(X) = per-rank batch count, equal on every rank
 
 
 def _sharding(ctx: Context, loader) -> Optional[str]:

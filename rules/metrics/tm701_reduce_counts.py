@@ -8,68 +8,18 @@ for all of them, on every rank), when every division they take part in stays rig
 from __future__ import annotations
 
 import re
-from typing import Dict, List, Optional, Set, Tuple
+from typing import Dict, List, Set, Tuple
 
 import libcst as cst
 
 from torchmigrate import analysis
 from torchmigrate.finding import Safety, insert_after
 from torchmigrate.syntax.nodes import code
-from torchmigrate.program.metrics import (events_after, initial_value, is_number, loader_loop, named_like_loader,
-                                          reassigned_in)
+from torchmigrate.program.metrics import loader_loop, loop_sums, named_like_loader
 from torchmigrate.rule import Context, Example, Rule
 from torchmigrate.program.rank_guards import collective_guard
 from torchmigrate.rules._active import active
-from torchmigrate.rules.metrics.plan import ExactDenominators, exact_lens
-
-
-_SAFE_FUNCS = {"max", "min", "float", "int", "abs", "round"}
-_SAFE_METHODS = {"item", "float", "double", "cpu", "long"}
-
-_DIVISIONS = (cst.Divide, cst.FloorDivide)
-_DIVISION_ASSIGNS = (cst.DivideAssign, cst.FloorDivideAssign, cst.MultiplyAssign)
-
-
-def _closed(node: cst.CSTNode, group: Set[str], lens: Set[str] = frozenset()) -> bool:
-    """Only accumulators of `group`, numbers, max/min/float/int/abs/round, and `len(X)` for X in `lens`."""
-    if isinstance(node, cst.Name):
-        return node.value in group
-    if isinstance(node, (cst.Integer, cst.Float)):
-        return True
-    if isinstance(node, cst.BinaryOperation):
-        return _closed(node.left, group, lens) and _closed(node.right, group, lens)
-    if isinstance(node, cst.UnaryOperation):
-        return _closed(node.expression, group, lens)
-    if isinstance(node, cst.Call):
-        func = node.func
-        if isinstance(func, cst.Name) and func.value in _SAFE_FUNCS:
-            return all(_closed(a.value, group, lens) for a in node.args)
-        if isinstance(func, cst.Name) and func.value == "len" and len(node.args) == 1 and lens:
-            return code(node.args[0].value).replace(" ", "") in lens
-        if isinstance(func, cst.Attribute) and func.attr.value in _SAFE_METHODS and not node.args:
-            return _closed(func.value, group, lens)
-        return False
-    return False
-
-
-def _classify(left: cst.CSTNode, right: cst.CSTNode, whole: cst.CSTNode, group: Set[str], exact: ExactDenominators) -> Optional[str]:
-    """How a division involving accumulators stays right after reducing: "sum" (reduce with a
-    sum), "mean" (`x / len(loader)`: average over ranks), or None (foreign denominator)."""
-    if _closed(whole, group) or (exact.dataset and _closed(whole, group, exact.dataset)):
-        return "sum"
-    if exact.batches and _closed(left, group) and isinstance(right, cst.Call) and _closed(right, set(), exact.batches):
-        return "mean"
-    return None
-
-
-def _divisions_of(ctx: Context, use: cst.Name) -> List[cst.BinaryOperation]:
-    out = []
-    for anc in ctx.ancestors(use):
-        if isinstance(anc, (cst.BaseSmallStatement, cst.BaseCompoundStatement)):
-            break
-        if isinstance(anc, cst.BinaryOperation) and isinstance(anc.operator, _DIVISIONS):
-            out.append(anc)
-    return out
+from torchmigrate.rules.metrics.plan import exact_lens
 
 
 class ReduceCounts(Rule):
@@ -208,61 +158,12 @@ class ReduceCounts(Rule):
 
     def _loop(self, loop: cst.For, names: List[str]) -> None:
         ctx = self.ctx
-        if ctx.within(loop.body, cst.Return, cst.Yield, skip_defs=True):
-            return  # some ranks may leave the loop early and never reach a reduction after it
-        candidates = []
-        for name in names:
-            found, value = initial_value(ctx, loop, name)
-            if found and value is not None and is_number(value) and not reassigned_in(ctx, loop, name):
-                candidates.append(name)
-        if not candidates:
-            return
-        events = events_after(ctx, loop, set(candidates))
-        group = set()
-        for name in candidates:
-            ev = events[name]
-            if ev.collective or not ev.uses and not ev.augs:
-                continue  # already reduced, or not used after the loop
-            if any(isinstance(a.operator, (cst.AddAssign, cst.SubtractAssign)) for a in ev.augs):
-                continue  # accumulated further after the loop: unclear where to reduce
-            group.add(name)
-        if not group:
-            return
         exact = exact_lens(ctx, loop)
-        foreign: Dict[str, cst.CSTNode] = {}
-        kind: Dict[str, str] = {}
-        changed = True
-        while changed:
-            changed = False
-            kind = {}
-            for name in sorted(group):
-                ev = events[name]
-                kinds: Set[Optional[str]] = set()
-                bad = None
-                for a in ev.augs:
-                    if isinstance(a.operator, _DIVISION_ASSIGNS):
-                        k = _classify(a.target, a.value, a.value, group, exact) if not isinstance(a.operator, cst.MultiplyAssign) \
-                            else ("sum" if _closed(a.value, group) else None)
-                        kinds.add(k)
-                        if k is None and bad is None:
-                            bad = a
-                for use in ev.uses:
-                    divisions = _divisions_of(ctx, use)
-                    if not divisions:
-                        kinds.add("plain")
-                    for d in divisions:
-                        k = _classify(d.left, d.right, d, group, exact)
-                        kinds.add(k)
-                        if k is None and bad is None:
-                            bad = d
-                if bad is None and "mean" in kinds and kinds != {"mean"}:
-                    bad = next((d for use in ev.uses for d in _divisions_of(ctx, use)), None) or ev.uses[0]
-                if bad is not None:
-                    foreign[name] = bad
-                    group.discard(name)
-                    changed = True
-                else:
-                    kind[name] = "mean" if kinds == {"mean"} else "sum"
+        found = loop_sums(ctx, loop, names, exact)
+        kind, foreign = found.kinds, found.foreign
+        group = set(kind)
+        if not group and not foreign:
+            return
         tm = ctx.tm
         ordered = [n for n in names if n in group]
         if ordered:
