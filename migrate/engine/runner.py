@@ -66,8 +66,10 @@ def process_file(path: str, job: Job, given: Optional[files.Decoded] = None) -> 
         result = process_source(decoded.text, path, options, rules, view, job.fix_edits)
         records = [
             Record(path, f.line, f.col, f.code, f.message, f.safety.value, f.applied, f.fix)
-            for f in result.findings if not f.suppressed
+            for f in result.findings if not f.suppressed and not f.note
         ]
+        outcome.notes = tuple(f"{path}:{f.line}: {f.code} {f.message}" for f in result.findings
+                              if f.note and not f.suppressed)
         if job.to_stdout:
             outcome.output = files.encode(result.new_source, decoded.encoding)
         new_bytes = files.encode(result.new_source, decoded.encoding) if result.changed and job.write else None

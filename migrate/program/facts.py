@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, FrozenSet, Iterable, List, Optional, Set, Tuple
 
+from torchmigrate.program import splits
 from torchmigrate.program.graph import Graph, dotted_name
 from torchmigrate.program.view import ModuleView
 
@@ -266,6 +267,7 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
         if not changed:
             break
 
+    loader_params = _loader_params(modules, scopes)
     loader_classes = {(p, name) for p, m in modules.items() for name, c in m.classes.items() if _loader_subclass(c)}
     cuda_classes = {(p, name) for p, m in modules.items() for name, c in m.classes.items() if _own_cuda(c)}
     own_functions = {(p, name) for p, m in modules.items() for name in m.functions if "." not in name}
@@ -294,6 +296,8 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
             followed=several,
             wrapped_params={q: frozenset(p) for (mp, q), p in wrapped.items() if mp == path},
             wrapped_attrs={k: frozenset(a) for (mp, k), a in attrs.items() if mp == path},
+            loader_params={q: {p: frozenset(k) for p, k in params.items()}
+                           for (mp, q), params in loader_params.items() if mp == path},
             loader_classes=frozenset(_spellings(m, modules, loader_classes)),
             cuda_classes=frozenset(_spellings(m, modules, cuda_classes)),
             own_functions=frozenset(_spellings(m, modules, {k for k in own_functions if k[0] != path})),
@@ -313,6 +317,54 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
             guarded_elsewhere=frozenset(q for p, q in called - unguarded if p == path),
         )
     return views
+
+
+def _loader_params(modules: Dict[Path, _Module], scopes: List[_Scope]) -> Dict[Tuple[Path, str], Dict[str, Set[str]]]:
+    """(module, "f" or "Cls.m") -> parameter -> the splits of the data loaders that other
+    modules hand it: "train" or "eval" where the argument's name says so (`val_loader`,
+    `data.get_loader("test")`, `loaders["val"]`), "unknown" for a loader-like argument that
+    says neither; followed through parameters that pass a loader on, to a fixpoint."""
+    out: Dict[Tuple[Path, str], Dict[str, Set[str]]] = {}
+    for _ in range(6):
+        changed = False
+        for s in scopes:
+            held = out.get((s.module.path, _qual(s)), {})
+            for call in s.calls:
+                target = _callee(s.module, modules, call) or _method_of_instance(s, modules, call)
+                if target is None or target[0] == s.module.path:
+                    continue
+                path, qual, skip_self = target
+                func = modules[path].functions.get(qual)
+                if func is None:
+                    continue
+                for param, value in _bind(func, call, skip_self):
+                    kinds = _loader_kinds(value, held)
+                    bucket = out.setdefault((path, qual), {}).setdefault(param, set()) if kinds else None
+                    if bucket is not None and not kinds <= bucket:
+                        bucket |= kinds
+                        changed = True
+        if not changed:
+            break
+    return out
+
+
+def _loader_kinds(value: ast.AST, held: Dict[str, Set[str]]) -> Set[str]:
+    """The splits a loader-like argument names ({"train"}, {"eval"}, {"unknown"}), the splits
+    a parameter of the caller holds, or nothing for an argument that is not loader-like."""
+    name = dotted_name(value)
+    if name is not None and name in held:
+        return set(held[name])
+    text = []
+    if isinstance(value, ast.Subscript) and isinstance(value.slice, ast.Constant) and isinstance(value.slice.value, str):
+        name = dotted_name(value.value)
+        text.append(value.slice.value)
+    elif isinstance(value, ast.Call):
+        name = dotted_name(value.func)
+        text += [a.value for a in value.args if isinstance(a, ast.Constant) and isinstance(a.value, str)]
+    if name is None or not splits.named_like_loader(name):
+        return set()
+    found = splits.words(name.rsplit(".", 1)[-1]) + [w for t in text for w in splits.words(t)]
+    return {splits.verdict(found) or "unknown"}
 
 
 def _module_aliases(s: _Scope) -> Set[str]:

@@ -26,9 +26,9 @@ import libcst as cst
 
 from torchmigrate import analysis
 from torchmigrate.program.collectives import is_collective
-from torchmigrate.program.loaders import DATALOADERS
-from torchmigrate.program.loaders import TQDM_CALLS
+from torchmigrate.program.loaders import DATALOADERS, TQDM_CALLS, loader_expr  # noqa: F401 (loader_expr: re-exported)
 from torchmigrate.program.scopes import scope_of
+from torchmigrate.program.splits import named_like_loader  # noqa: F401 (re-exported)
 from torchmigrate.program.syntax import body_of, index_in
 from torchmigrate.syntax.imports import dotted
 from torchmigrate.syntax.nodes import code
@@ -37,12 +37,6 @@ if TYPE_CHECKING:
     from torchmigrate.rule import Context
 
 _WRAPPERS = {"enumerate", "iter", "zip"}
-
-
-def named_like_loader(name: str) -> bool:
-    """A dotted name that reads as a data loader: `val_loader`, `self.dl`, `train_dl`."""
-    last = name.rsplit(".", 1)[-1].lower()
-    return "loader" in last or last in ("dl", "dls") or last.endswith("_dl") or last.startswith("dl_")
 
 
 def loader_names(ctx: Context) -> Set[str]:
@@ -100,17 +94,6 @@ def loader_loop(ctx: Context, node: cst.CSTNode) -> Optional[cst.For]:
         if isinstance(anc, cst.For) and iterates_loader(ctx, anc.iter):
             return anc
     return None
-
-
-def loader_expr(ctx: Context, node: cst.BaseExpression) -> cst.BaseExpression:
-    """`enumerate(tqdm(loader))` -> `loader`."""
-    while isinstance(node, cst.Call) and node.args and node.args[0].keyword is None:
-        func = node.func
-        if (isinstance(func, cst.Name) and func.value in ("enumerate", "iter")) or ctx.resolve(func) in TQDM_CALLS:
-            node = node.args[0].value
-        else:
-            break
-    return node
 
 
 def is_number(node: cst.BaseExpression) -> bool:

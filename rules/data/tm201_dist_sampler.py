@@ -121,6 +121,10 @@ class DistSampler(DataRule):
                 what = f"`{loader.target}`" if loader.target else "this DataLoader"
                 self.add_sampler(loader, f"{what} gives every rank the whole dataset: shard it with a distributed "
                                          f"sampler (`sampler={self.ctx.tm}.sampler(...)`)")
+                if loader.kind == "mixed" and plan.eval_whole(loader):
+                    self.keep_whole(loader)
+                elif loader.kind == "mixed":
+                    self.sharded_unproven(loader)
             elif status == "custom" and loader.custom_arg is not None and not facts.distributed:
                 self._shard_custom(loader)
             elif status == "whole":

@@ -85,6 +85,8 @@ class EvalUnpadded(DataRule):
                                          "batch is one group (a user's candidate items, a query's documents) that "
                                          "sharding by sample would split; every rank evaluates the whole set, so "
                                          "its metrics agree across ranks: shard whole batches by hand for a speed-up")
+            elif status == "plain" and not facts.distributed and plan.eval_whole(loader):
+                self.keep_whole(loader)
             elif status == "plain" and not facts.distributed:
                 what = f"`{loader.target}`" if loader.target else "this evaluation DataLoader"
                 if plan.of(loader).eval_with_grad:
@@ -96,6 +98,7 @@ class EvalUnpadded(DataRule):
                 else:
                     self.add_sampler(loader, f"{what} gives every rank the whole evaluation set: shard it without "
                                              f"padding (`sampler={tm}.eval_sampler(...)`) so each sample counts once")
+                self.sharded_unproven(loader)
             elif status in ("custom", "iterable", "unknown", "unhoistable") and not facts.distributed:
                 self.manual(loader)
             elif status == "distributed" and not self.ctx.options.migrating and self._padded(loader):

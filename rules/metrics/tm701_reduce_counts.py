@@ -8,18 +8,19 @@ for all of them, on every rank), when every division they take part in stays rig
 from __future__ import annotations
 
 import re
-from typing import Dict, List, Set, Tuple
+from typing import Dict, List, Optional, Set, Tuple
 
 import libcst as cst
 
 from torchmigrate import analysis
 from torchmigrate.finding import Safety, insert_after
-from torchmigrate.syntax.nodes import code
-from torchmigrate.program.metrics import loader_loop, loop_sums, named_like_loader
+from torchmigrate.syntax.nodes import code, expr
+from torchmigrate.program.loaders import is_pure
+from torchmigrate.program.metrics import loader_expr, loader_loop, loop_sums, named_like_loader
 from torchmigrate.rule import Context, Example, Rule
 from torchmigrate.program.rank_guards import collective_guard
 from torchmigrate.rules._active import active
-from torchmigrate.rules.metrics.plan import exact_lens
+from torchmigrate.rules.metrics.plan import exact_lens, loop_sharding
 
 
 class ReduceCounts(Rule):
@@ -123,7 +124,8 @@ class ReduceCounts(Rule):
         for aug in self.dict_augs:
             loop = loader_loop(ctx, aug)
             name = aug.target.value.value
-            if loop is None or (loop, name) in seen or analysis.runs_backward(ctx, loop):
+            if loop is None or (loop, name) in seen or analysis.runs_backward(ctx, loop) \
+                    or loop_sharding(ctx, loop) == "whole":
                 continue
             seen.add((loop, name))
             self.report(aug, f"`{name}[...]` sums values over this rank's shard of the loader only: reduce the summed "
@@ -158,36 +160,44 @@ class ReduceCounts(Rule):
 
     def _loop(self, loop: cst.For, names: List[str]) -> None:
         ctx = self.ctx
+        sharding = loop_sharding(ctx, loop)
+        if sharding == "whole":
+            return  # every rank iterates the whole loader: its sums are the whole data's already
         exact = exact_lens(ctx, loop)
         found = loop_sums(ctx, loop, names, exact)
         kind, foreign = found.kinds, found.foreign
-        group = set(kind)
-        if not group and not foreign:
-            return
         tm = ctx.tm
-        ordered = [n for n in names if n in group]
+        # a loader whose sharding only the run knows: reduce where it turns out sharded
+        over = code(loader_expr(ctx, loop.iter)) if sharding == "unknown" else None
+        if over is not None and not is_pure(loader_expr(ctx, loop.iter)):
+            over = None
+        ordered = [n for n in names if n in kind]
         if ordered:
             sums = [n for n in ordered if kind.get(n) != "mean"]
             means = [n for n in ordered if kind.get(n) == "mean"]
             depth = sum(1 for a in ctx.ancestors(loop) if isinstance(a, cst.IndentedBlock)) * 4
             lines, statements = [], []
+            extra = f", over={over}" if over else ""
             if sums:
-                lines.append(_reduce_line(tm, sums, "", depth))
-                statements.append(_reduce_statement(tm, sums, False, depth))
+                lines.append(_reduce_line(tm, sums, extra))
+                statements.append(_reduce_statement(tm, sums, "", over, depth))
             if means:
-                lines.append(_reduce_line(tm, means, ', op="mean"', depth))
-                statements.append(_reduce_statement(tm, means, True, depth))
+                lines.append(_reduce_line(tm, means, ', op="mean"' + extra))
+                statements.append(_reduce_statement(tm, means, "mean", over, depth))
             guard = collective_guard(ctx, loop)
             listed = ", ".join(f"`{n}`" for n in ordered)
             one = len(ordered) == 1
+            shard = "this rank's shard" if not over else f"this rank's shard when `{over}` is sharded"
             if guard is not None:
-                self.report(loop, f"{listed} {'counts' if one else 'count'} only this rank's shard, but this loop "
+                self.report(loop, f"{listed} {'counts' if one else 'count'} only {shard}, but this loop "
                                   f"runs under a rank guard, where a reduction would hang the other ranks: evaluate "
                                   f"on every rank and add `{'; '.join(lines)}` after the loop",
                             statement=ctx.statement_of(loop))
             else:
-                self.report(loop, f"{listed} {'counts' if one else 'count'} only this rank's shard; reduce "
-                                  f"{'it' if one else 'them'} across ranks after the loop",
+                self.report(loop, f"{listed} {'counts' if one else 'count'} only {shard}; reduce "
+                                  f"{'it' if one else 'them'} across ranks after the loop"
+                                  + (f" (`over={over}`: left as {'it is' if one else 'they are'} where the loader "
+                                     "is not sharded)" if over else ""),
                             edits=[insert_after(loop, statements)],
                             imports=[ctx.runtime_import()])
         bad_names = [n for n in names if n in foreign]
@@ -196,31 +206,33 @@ class ReduceCounts(Rule):
             self.report(first, _manual_message(tm, bad_names, _denominator(first), padded=bool(exact.batches)))
 
 
-def _reduce_line(tm: str, names: List[str], extra: str, indent: int) -> str:
+def _reduce_line(tm: str, names: List[str], extra: str) -> str:
     """`a, b = tm.all_reduce(a, b)` as text (for messages)."""
     joined = ", ".join(names)
     return f"{joined} = {tm}.all_reduce({joined}{extra})"
 
 
 _COMMA = cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))
+_EQ = cst.AssignEqual(whitespace_before=cst.SimpleWhitespace(""), whitespace_after=cst.SimpleWhitespace(""))
 
 
-def _reduce_statement(tm: str, names: List[str], mean: bool, indent: int) -> cst.SimpleStatementLine:
-    """`a, b = tm.all_reduce(a, b)` (built directly: parsing costs ~10 ms), broken after the
-    parenthesis when the line would pass 100 columns."""
+def _reduce_statement(tm: str, names: List[str], op: str, over: Optional[str], indent: int) -> cst.SimpleStatementLine:
+    """`a, b = tm.all_reduce(a, b)` (with `op="mean"`, `over=loader` when given; built directly:
+    parsing costs ~10 ms), broken after the parenthesis when the line would pass 100 columns."""
     if len(names) == 1:
         target: cst.BaseExpression = cst.Name(names[0])
     else:
         target = cst.Tuple([cst.Element(cst.Name(n), comma=_COMMA if i < len(names) - 1 else cst.MaybeSentinel.DEFAULT)
                             for i, n in enumerate(names)], lpar=[], rpar=[])
-    args = [cst.Arg(cst.Name(n), comma=_COMMA if i < len(names) - 1 or mean else cst.MaybeSentinel.DEFAULT)
-            for i, n in enumerate(names)]
-    if mean:
-        args.append(cst.Arg(cst.SimpleString('"mean"'), keyword=cst.Name("op"),
-                            equal=cst.AssignEqual(whitespace_before=cst.SimpleWhitespace(""),
-                                                  whitespace_after=cst.SimpleWhitespace(""))))
+    args = [cst.Arg(cst.Name(n)) for n in names]
+    if op:
+        args.append(cst.Arg(cst.SimpleString(f'"{op}"'), keyword=cst.Name("op"), equal=_EQ))
+    if over:
+        args.append(cst.Arg(expr(over), keyword=cst.Name("over"), equal=_EQ))
+    args = [a.with_changes(comma=_COMMA) for a in args[:-1]] + args[-1:]
     call = cst.Call(cst.Attribute(cst.Name(tm), cst.Name("all_reduce")), args)
-    if indent + len(_reduce_line(tm, names, ', op="mean"' if mean else "", 0)) > 100:
+    extra = (f', op="{op}"' if op else "") + (f", over={over}" if over else "")
+    if indent + len(_reduce_line(tm, names, extra)) > 100:
         call = call.with_changes(whitespace_before_args=cst.ParenthesizedWhitespace(
             first_line=cst.TrailingWhitespace(), empty_lines=[], indent=True,
             last_line=cst.SimpleWhitespace("    ")))

@@ -11,11 +11,13 @@ from torchmigrate.finding import Safety
 from torchmigrate.syntax.imports import dotted
 from torchmigrate.syntax.nodes import code
 from torchmigrate.program.loaders import DATALOADERS
-from torchmigrate.program.metrics import binding_of, is_store, loader_loop, metric_name, source_index, starts_empty_list
+from torchmigrate.program.metrics import (binding_of, is_store, loader_expr, loader_loop, metric_name, source_index,
+                                          starts_empty_list)
 from torchmigrate.rule import Context, Example, Rule
 from torchmigrate.program.scopes import names_in, scope_of
 from torchmigrate.program.syntax import iter_nodes
 from torchmigrate.rules._active import active
+from torchmigrate.rules.metrics.plan import loop_sharding
 
 
 _GATHERS = ("gather_for_metrics", "all_gather", "all_gather_object", "gather", "gather_object")
@@ -110,6 +112,9 @@ class GatherForMetrics(Rule):
 
     def _check(self, loop: cst.For, lists: List[str], reported: Set[cst.CSTNode]) -> None:
         ctx = self.ctx
+        sharding = loop_sharding(ctx, loop)
+        if sharding == "whole":
+            return  # every rank predicts the whole set: the metric is the whole set's already
         index = source_index(ctx)
         begin = index.end[loop]
         scope = scope_of(ctx, loop)
@@ -164,11 +169,15 @@ class GatherForMetrics(Rule):
         listed = ", ".join(f"`{s}`" for s in ordered)
         first = ordered[0]
         one = len(ordered) == 1
-        self.report(call, f"{listed} hold{'s' if one else ''} this rank's predictions only, and "
+        loader = code(loader_expr(ctx, loop.iter))
+        when = f" when `{loader}` is sharded" if sharding == "unknown" else ""
+        over = f", over={loader}" if sharding == "unknown" else ""
+        self.report(call, f"{listed} hold{'s' if one else ''} this rank's predictions only{when}, and "
                           f"{', '.join(f'`{m}`' for m in metrics)} need{'s' if len(metrics) == 1 else ''} all of "
                           f"them: gather {'it' if one else 'each list'} on every rank first, e.g. "
-                          f"`{first} = {tm}.gather_for_metrics(torch.cat({first}), {size})` "
-                          f"(it takes tensors and returns them in dataset order)")
+                          f"`{first} = {tm}.gather_for_metrics(torch.cat({first}), {size}{over})` "
+                          f"(it takes tensors and returns them in dataset order"
+                          + ("; unchanged where the loader is not sharded)" if over else ")"))
 
 
 def _dataset_len(ctx: Context, loop: cst.For) -> str:

@@ -11,13 +11,15 @@ from torchmigrate import analysis
 from torchmigrate.finding import Safety, insert_after
 from torchmigrate.syntax.imports import dotted
 from torchmigrate.syntax.nodes import code
-from torchmigrate.program.metrics import (initial_value, is_load, leaves_early, loader_loop, means_only,
+from torchmigrate.program.loaders import is_pure
+from torchmigrate.program.metrics import (initial_value, is_load, leaves_early, loader_expr, loader_loop, means_only,
                                           reassigned_in, source_index, starts_empty_list)
 from torchmigrate.rule import Context, Example, Rule
 from torchmigrate.program.rank_guards import collective_guard
 from torchmigrate.program.scopes import scope_of
 from torchmigrate.program.syntax import body_of, index_in
 from torchmigrate.rules._active import active
+from torchmigrate.rules.metrics.plan import loop_sharding
 
 
 # `AverageMeter()`, `RunningAverage()`, `LossTracker()`: objects that keep a running sum and count
@@ -97,13 +99,13 @@ class GatherListMean(Rule):
                 if found is not None and func.value.value not in found:
                     found.append(func.value.value)
         for loop, names in meters.items():
-            if not leaves_early(ctx, loop):
+            if not leaves_early(ctx, loop) and loop_sharding(ctx, loop) != "whole":
                 self._meters(loop, names)
         for loop, names in loops.items():
             lists = [n for n in names if starts_empty_list(ctx, loop, n) and not reassigned_in(ctx, loop, n)
                      and means_only(ctx, loop, n)]
-            if not lists or leaves_early(ctx, loop):
-                continue
+            if not lists or leaves_early(ctx, loop) or loop_sharding(ctx, loop) == "whole":
+                continue  # (a loader every rank iterates in full: its means are the whole data's)
             listed = ", ".join(f"`{n}`" for n in lists)
             self._after_loop(loop, [f"{n} = {ctx.tm}.gather_list({n})" for n in lists],
                              f"{listed} {'holds' if len(lists) == 1 else 'hold'} this rank's values only, but this "
@@ -134,7 +136,10 @@ class GatherListMean(Rule):
             return
         listed = ", ".join(f"`{n}`" for n in found)
         averages = f"{listed} average{'s' if len(found) == 1 else ''} this rank's batches only"
-        self._after_loop(loop, [f"{ctx.tm}.reduce_meter({n})" for n in found],
+        over = ""
+        if loop_sharding(ctx, loop) == "unknown" and is_pure(loader_expr(ctx, loop.iter)):
+            over = f", over={code(loader_expr(ctx, loop.iter))}"  # the run knows whether it is sharded
+        self._after_loop(loop, [f"{ctx.tm}.reduce_meter({n}{over})" for n in found],
                          f"{averages}, but this loop runs under a rank guard, where a reduction would hang the "
                          "other ranks",
                          f"{averages}; reduce {'its' if len(found) == 1 else 'their'} sum and count across ranks")
