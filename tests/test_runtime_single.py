@@ -658,3 +658,12 @@ def test_to_float32_casts_low_precision_outputs_in_any_container():
     assert pair.aux[1] == 3 and tm.to_float32(None) is None
     pair.logits.sum().backward()  # differentiable: a loss computed from it still trains
     assert half.grad is not None
+
+
+def test_over_a_loader_in_one_process_nothing_is_sharded_and_values_pass_through():
+    from torch.utils.data import DataLoader, TensorDataset
+
+    loader = DataLoader(TensorDataset(torch.arange(6.0)), batch_size=4, sampler=tm.eval_sampler(list(range(6))))
+    assert tm.sharded(loader) is False
+    assert tm.all_reduce(3, 2.5, over=loader) == (3, 2.5)
+    assert tm.gather_for_metrics(torch.arange(5.0), 3, over=loader).tolist() == [0.0, 1.0, 2.0]

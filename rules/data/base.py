@@ -124,10 +124,11 @@ class DataRule(Rule):
         every value computed from it reduced: a TODO names the value."""
         why = self.plan.of(loader).unproven
         if why and self.ctx.options.shard_eval:
-            self.report(loader.call, f"sharded by --shard-eval, but not every value computed from it is proven "
-                                     f"reduced across ranks: {why}. Reduce or gather it across ranks before it is "
-                                     "used (TM701/TM702/TM703 say how where they can), or evaluate the whole set on "
-                                     "every rank (no --shard-eval)")
+            what = "its evaluation branch sharded" if loader.kind == "mixed" else "sharded"
+            self.report(loader.call, f"{what} by --shard-eval (or `shard-eval = true`), but not every value computed "
+                                     f"from it is proven reduced across ranks: {why}. Reduce or gather that value "
+                                     "across ranks before it is used (TM701/TM702/TM703 say how where they can), or "
+                                     "evaluate the whole set on every rank (without --shard-eval)")
 
     def keep_ordered(self, loader: Loader) -> None:
         """A loader whose batches the code pairs with its dataset's fields in dataset order is
