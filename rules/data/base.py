@@ -125,10 +125,10 @@ class DataRule(Rule):
         why = self.plan.of(loader).unproven
         if why and self.ctx.options.shard_eval:
             what = "its evaluation branch sharded" if loader.kind == "mixed" else "sharded"
-            self.report(loader.call, f"{what} by --shard-eval (or `shard-eval = true`), but not every value computed "
-                                     f"from it is proven reduced across ranks: {why}. Reduce or gather that value "
-                                     "across ranks before it is used (TM701/TM702/TM703 say how where they can), or "
-                                     "evaluate the whole set on every rank (without --shard-eval)")
+            self.report(loader.call, f"{what} by --shard-eval (or `shard-eval = true`), but sharding may change what "
+                                     f"is computed from it, as not every value is proven reduced across ranks: {why}. "
+                                     "Make that value right across ranks by hand (TM701/TM702/TM703 reduce what they "
+                                     "can), or evaluate the whole set on every rank (without --shard-eval)")
 
     def keep_ordered(self, loader: Loader) -> None:
         """A loader whose batches the code pairs with its dataset's fields in dataset order is
