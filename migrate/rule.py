@@ -41,6 +41,8 @@ class Example:
     # the file it is written in: a Python file, or a launch file (`run.sh`, `Makefile`,
     # `README.md`: TM801), whose commands start `train.py`
     file: str = "train.py"
+    also: Tuple[str, ...] = ()  # rules selected with this one (what it relies on, e.g. TM701's reductions)
+    flags: Tuple[str, ...] = ()  # options of the command ("--shard-eval")
 
     @property
     def before_text(self) -> str:

@@ -148,3 +148,45 @@ def test_eval_kept_whole_agrees_across_ranks_and_with_one_process(tmp_path):
                            text=True, timeout=180)
     assert plain.returncode == 0, plain.stderr[-3000:]
     assert len(re.findall(r"^epoch \d+ ", plain.stdout, re.M)) == EPOCHS
+
+
+MAIN_ONLY = FIXTURES / "projects" / "eval_main_only"
+
+REFERENCE_MAIN_ONLY = textwrap.dedent('''
+    import sys
+    import torch
+    import torch.nn as nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    g = torch.Generator().manual_seed(1)
+    x, vx = torch.randn(128, 6, generator=g), torch.randn(37, 6, generator=g)
+    vy = (vx.sum(1) > 0).long()
+    model = nn.Linear(6, 2)
+    model.load_state_dict(torch.load(sys.argv[1], map_location="cpu"))
+    print(f"{(model(vx).argmax(1) == vy).float().mean().item():.6f}")
+''')
+
+
+def test_evaluation_on_the_main_process_only_still_works_on_the_whole_set(tmp_path):
+    """Validation that the original runs under its own main-process guard: the loader is kept
+    whole (nothing could be reduced under the guard), nothing waits for the other rank, and
+    rank 0's accuracy is the whole validation set's, not a shard's."""
+    folder = tmp_path / "p"
+    shutil.copytree(MAIN_ONLY, folder)
+    proc = subprocess.run([sys.executable, "-m", "torchmigrate", "ddp", "train.py"], cwd=folder,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode in (0, 1), proc.stdout + proc.stderr
+    assert "`val_loader` kept whole" in proc.stdout and "rank guard" in proc.stdout
+    migrated = (folder / "train.py").read_text()
+    assert "eval_sampler" not in migrated and "all_reduce" not in migrated
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    run = torchrun("--standalone", "--nproc-per-node=2", "train.py", env=_env(out_dir), cwd=folder, timeout=180,
+                   stale=[out_dir / "*"])
+    assert run.returncode == 0, run.report()
+    printed = re.findall(r"val_acc ([0-9.]+)", run.ranks[0])
+    assert len(printed) == 3 and not re.search(r"val_acc", run.ranks[1])
+    ref = subprocess.run([sys.executable, "-c", REFERENCE_MAIN_ONLY, str(out_dir / "model.pt")],
+                         capture_output=True, text=True, timeout=120, env=_env(out_dir))
+    assert ref.returncode == 0, ref.stderr
+    assert printed[-1] == ref.stdout.strip()

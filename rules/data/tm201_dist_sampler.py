@@ -36,6 +36,10 @@ class DistSampler(DataRule):
     `SequentialSampler` when not shuffling) in a plain `python train.py` run.
 
     Loaders whose name, dataset or enclosing function says val/test/eval/dev are left to TM203.
+    A loader built for both (`shuffle=is_train`, a dict comprehension over `["train", "val"]`)
+    gets `tm.sampler(...) if <training> else ...`, where the evaluation branch follows TM203's
+    decision: `tm.eval_sampler(...)` where what is computed from it is proven reduced, else
+    `None` (every rank evaluates the whole set; a note says so).
     Where the loop over a training loader reads the loader's batch size as a shape
     (`out.view(opt.batch_size, 4, 4)`, `torch.ones(opt.batch_size, 1)`), the loader also gets
     `drop_last=True`: the whole dataset may divide into full batches while a rank's share of it

@@ -47,6 +47,14 @@ class ReduceCounts(Rule):
     Any other denominator (`len(loader.dataset)` of a padded training loader, `len(loader)` of an
     unpadded one, a loop index, a count from elsewhere) is reported instead, with the line to add.
 
+    Only loops over a sharded loader need it. A loader every rank iterates in full (an
+    evaluation loader TM203 keeps whole, or one the program's other modules hand this function
+    under a name that says validation or test) gives sums of the whole set on every rank, and
+    reducing them would count each sample once per rank: such loops are left alone. Where only
+    the run can tell (a loader handed in from elsewhere, in a loop without a backward pass), the
+    reduction takes the loader, `tm.all_reduce(correct, total, over=val_loader)`, and reduces
+    only when it turns out sharded.
+
     ## Why is this bad?
     Under DDP each rank iterates its own shard, so an accuracy computed from rank-local counts
     describes one shard, and rank 0 logs and checkpoints on it (Lightning-AI/pytorch-lightning#1479).
@@ -84,7 +92,7 @@ class ReduceCounts(Rule):
                     pred = model(x).argmax(1)
                     correct += (pred == y).sum().item()
                     total += y.size(0)
-                correct, total = tm.all_reduce(correct, total)
+                correct, total = tm.all_reduce(correct, total, over=val_loader)
                 return correct / total
             """,
         ),

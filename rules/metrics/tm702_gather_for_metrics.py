@@ -41,6 +41,11 @@ class GatherForMetrics(Rule):
     `tm.eval_sampler` loaders) and drops sampler padding given the dataset length, like
     Accelerate's `gather_for_metrics`. It must run on every rank.
 
+    A loop over a loader every rank iterates in full (an evaluation loader TM203 keeps whole)
+    already holds every prediction on every rank: nothing is reported. Where only the run can
+    tell (a loader handed in from another module), the suggested gather takes the loader,
+    `over=loader`, and leaves the predictions as they are where it is not sharded.
+
     ## Limitations
     Report only: where the gathered tensors go (a metric on every rank, or on rank 0) is a choice
     for the script's author.
@@ -69,7 +74,7 @@ class GatherForMetrics(Rule):
             for x, y in val_loader:
                 preds.append(model(x).sigmoid())
                 labels.append(y)
-            # TODO(torchmigrate): TM702 `labels`, `preds` hold this rank's predictions only, and `roc_auc_score` needs all of them: gather each list on every rank first, e.g. `labels = tm.gather_for_metrics(torch.cat(labels), len(val_loader.dataset))` (it takes tensors and returns them in dataset order)
+            # TODO(torchmigrate): TM702 `labels`, `preds` hold this rank's predictions only when `val_loader` is sharded, and `roc_auc_score` needs all of them: gather each list on every rank first, e.g. `labels = tm.gather_for_metrics(torch.cat(labels), len(val_loader.dataset), over=val_loader)` (it takes tensors and returns them in dataset order; unchanged where the loader is not sharded)
             auc = roc_auc_score(torch.cat(labels), torch.cat(preds))
             """,
         ),

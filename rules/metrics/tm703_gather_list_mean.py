@@ -52,7 +52,11 @@ class GatherListMean(Rule):
     Only means are rewritten (a mean over duplicated values is unchanged, so this is right even
     for a loader that turns out unsharded); a list used any other way is left alone.
 
-    The gather must run on every rank: a loop under a rank guard is reported instead.
+    The gather must run on every rank: a loop under a rank guard is reported instead. A loop
+    over a loader every rank iterates in full (an evaluation loader TM203 keeps whole) already
+    covers every batch and is left alone; where only the run can tell whether the loader is
+    sharded (one handed in from another module), the meter's reduction takes it,
+    `tm.reduce_meter(meter, over=loader)`, so a whole set's sum and count are not multiplied.
     """
 
     code = "TM703"
