@@ -323,22 +323,32 @@ def _loader_params(modules: Dict[Path, _Module], scopes: List[_Scope]) -> Dict[T
     """(module, "f" or "Cls.m") -> parameter -> the splits of the data loaders that other
     modules hand it: "train" or "eval" where the argument's name says so (`val_loader`,
     `data.get_loader("test")`, `loaders["val"]`), "unknown" for a loader-like argument that
-    says neither; followed through parameters that pass a loader on, to a fixpoint."""
+    says neither; followed through parameters that pass a loader on (also to functions of the
+    same module: `run(model, loader)` calling `evaluate(model, loader)`), to a fixpoint."""
     out: Dict[Tuple[Path, str], Dict[str, Set[str]]] = {}
-    for _ in range(6):
+    for sweep in range(7):
         changed = False
         for s in scopes:
             held = out.get((s.module.path, _qual(s)), {})
             for call in s.calls:
                 target = _callee(s.module, modules, call) or _method_of_instance(s, modules, call)
-                if target is None or target[0] == s.module.path:
+                local = target is None or target[0] == s.module.path
+                target = _local_callee(s, call) if local else target
+                if target is None:
                     continue
                 path, qual, skip_self = target
                 func = modules[path].functions.get(qual)
                 if func is None:
                     continue
                 for param, value in _bind(func, call, skip_self):
+                    # within a module only what a parameter holds passes on: the module's own
+                    # loaders are its loader facts' business
+                    if local and dotted_name(value) not in held:
+                        continue
                     kinds = _loader_kinds(value, held)
+                    if not kinds and sweep and param in out.get((path, qual), {}):
+                        # a parameter that takes loaders, handed something not named like one
+                        kinds = _named_split(value)
                     bucket = out.setdefault((path, qual), {}).setdefault(param, set()) if kinds else None
                     if bucket is not None and not kinds <= bucket:
                         bucket |= kinds
@@ -346,6 +356,17 @@ def _loader_params(modules: Dict[Path, _Module], scopes: List[_Scope]) -> Dict[T
         if not changed:
             break
     return out
+
+
+def _local_callee(s: _Scope, call: ast.Call) -> Optional[Tuple[Path, str, bool]]:
+    """`f(...)` of a function of the scope's own module, `self.m(...)` of its own class."""
+    func = call.func
+    if isinstance(func, ast.Name) and func.id in s.module.functions:
+        return s.module.path, func.id, False
+    if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id == "self" and s.klass \
+            and f"{s.klass}.{func.attr}" in s.module.functions:
+        return s.module.path, f"{s.klass}.{func.attr}", True
+    return None
 
 
 def _loader_kinds(value: ast.AST, held: Dict[str, Set[str]]) -> Set[str]:
@@ -365,6 +386,15 @@ def _loader_kinds(value: ast.AST, held: Dict[str, Set[str]]) -> Set[str]:
         return set()
     found = splits.words(name.rsplit(".", 1)[-1]) + [w for t in text for w in splits.words(t)]
     return {splits.verdict(found) or "unknown"}
+
+
+def _named_split(value: ast.AST) -> Set[str]:
+    """The split an argument's name says (`val_data`: {"eval"}), {"unknown"} when it says none,
+    nothing for a constant (`None`)."""
+    if isinstance(value, ast.Constant):
+        return set()
+    name = dotted_name(value) or ""
+    return {splits.verdict(splits.words(name.rsplit(".", 1)[-1])) or "unknown"}
 
 
 def _module_aliases(s: _Scope) -> Set[str]:

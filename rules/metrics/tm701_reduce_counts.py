@@ -111,7 +111,7 @@ class ReduceCounts(Rule):
                 correct = 0
                 for x, y in val_loader:
                     correct += (model(x).argmax(1) == y).sum().item()
-                # TODO(torchmigrate): TM701 `correct` is a sum over this rank's shard but divided by `len(val_loader.dataset)`, the whole dataset: add `correct = tm.all_reduce(correct)` after the loop (exact when the loader is sharded with tm.eval_sampler), or count samples in the loop (`n += y.size(0)`), reduce the count too and divide by it
+                # TODO(torchmigrate): TM701 `correct` is a sum over this rank's shard but divided by `len(val_loader.dataset)`, the whole dataset: add `correct = tm.all_reduce(correct, over=val_loader)` after the loop (exact when the loader is sharded with tm.eval_sampler), or count samples in the loop (`n += y.size(0)`), reduce the count too and divide by it
                 return correct / len(val_loader.dataset)
             """,
         ),
@@ -211,7 +211,8 @@ class ReduceCounts(Rule):
         bad_names = [n for n in names if n in foreign]
         if bad_names:
             first = foreign[bad_names[0]]
-            self.report(first, _manual_message(tm, bad_names, _denominator(first), padded=bool(exact.batches)))
+            self.report(first, _manual_message(tm, bad_names, _denominator(first), padded=bool(exact.batches),
+                                               over=over))
 
 
 def _reduce_line(tm: str, names: List[str], extra: str) -> str:
@@ -247,25 +248,27 @@ def _reduce_statement(tm: str, names: List[str], op: str, over: Optional[str], i
     return cst.SimpleStatementLine([cst.Assign([cst.AssignTarget(target)], call)])
 
 
-def _manual_message(tm: str, names: List[str], den: str, padded: bool = False) -> str:
+def _manual_message(tm: str, names: List[str], den: str, padded: bool = False, over: Optional[str] = None) -> str:
+    """What to do about sums divided by a denominator a reduction would not keep right (with
+    `over`: the loader, when only the run knows whether it is sharded)."""
     listed = ", ".join(f"`{n}`" for n in names)
     joined = ", ".join(names)
+    args = joined + (f", over={over}" if over else "")
     one = len(names) == 1
     compact = den.replace(" ", "")
     if compact.startswith("len(") and compact.endswith(".dataset)") or re.match(r"len\(\w*(ds|dataset|data|set)\)$", compact):
         return (f"{listed} {'is a sum' if one else 'are sums'} over this rank's shard but divided by `{den}`, "
-                f"the whole dataset: add `{joined} = {tm}.all_reduce({joined})` after the loop "
+                f"the whole dataset: add `{joined} = {tm}.all_reduce({args})` after the loop "
                 + ("(approximate: the training sampler pads the shards with a few repeated samples)" if padded else
                    f"(exact when the loader is sharded with {tm}.eval_sampler)")
                 + ", or count samples in the loop (`n += y.size(0)`), reduce the count too and divide by it")
     if compact.startswith("len(") and named_like_loader(compact[4:-1]):
-        mean = ", ".join(names)
         return (f"{listed} {'sums' if one else 'sum'} per-batch values over this rank's batches but "
                 f"{'is' if one else 'are'} divided by `{den}`, this rank's batch count: add "
-                f"`{mean} = {tm}.all_reduce({mean}, op=\"mean\")` after the loop to average over the ranks "
+                f"`{joined} = {tm}.all_reduce({args}, op=\"mean\")` after the loop to average over the ranks "
                 f"(their batch counts are equal with a DistributedSampler)")
     return (f"{listed} {'is a sum' if one else 'are sums'} over this rank's shard but divided by `{den}`: "
-            f"reduce {'it' if one else 'them'} after the loop (`{joined} = {tm}.all_reduce({joined})`) "
+            f"reduce {'it' if one else 'them'} after the loop (`{joined} = {tm}.all_reduce({args})`) "
             f"together with a count accumulated in the loop, and divide by the reduced count")
 
 
