@@ -9,11 +9,13 @@ How a run goes, and where each step lives:
    - `graph`, `build`: entry scripts -> the project's own modules they import (never installed
      packages); `facts`, `view`: the cross-module facts from CPython's `ast` (cheap,
      picklable), one `ModuleView` per module: which function parameters receive a wrapped
-     model from another module, which modules are entry points, whether the program trains or
-     builds a DataLoader at all, its DataLoader subclasses;
+     model from another module, which receive data loaders and of which split (`loader_params`),
+     which modules are entry points, whether the program trains or builds a DataLoader at all,
+     its DataLoader subclasses;
    - `loaders`: the loader facts of one module (LibCST, on first use, kept on the context):
      every DataLoader, its dataset, shuffle and sampler, train or evaluation use, the names
-     it is visible under, the loops that iterate it and whether they run with gradients;
+     it is visible under, the loops that iterate it and whether they run with gradients, and
+     the uses through which it leaves the module's sight (`consumers`);
    - `training`: the training facts of one module (LibCST, on first use, kept on the
      context): the training steps (a `backward()` and an optimizer `step()` in one function),
      the autocast blocks and GradScalers already there, where each loss is defined and where
@@ -32,8 +34,12 @@ How a run goes, and where each step lives:
      `with open(path) as f`), buffers and file objects, what its checkpoints hold; `writes`:
      which calls write files, download them (or build a dataset's cache files), test whether a
      file exists, or run under `main_process_first` already; `metrics`: the loops over data
-     loaders, the counts, lists and meters they fill, what happens to them after the loop, and
-     which calls compute a metric that needs every sample;
+     loaders, the counts, lists and meters they fill, what happens to them after the loop, which
+     sums one reduction after the loop keeps right (`loop_sums`) and which lists are used only in
+     a mean (`means_only`), and which calls compute a metric that needs every sample;
+     `loop_effects`: what a loop over a loader leaves behind for the code after it (names read
+     after it, lists it appends to, objects it may change, an early exit); `splits`: whether a
+     name speaks of training or evaluation data;
    - `models`: the model facts of one module (LibCST, on first use, kept on the context): the
      assignments that create each model and where it comes from (a class or function of the
      module, or a library), what it is made of (BatchNorm layers, submodules `forward()` uses

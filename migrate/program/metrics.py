@@ -11,7 +11,11 @@ where a reduction or a gather goes (TM701, TM702, TM703).
 - what happens to names after a loop (`events_after`: their reads, augmented assignments, and
   whether a collective runs before they are rebound; `binding_of`, `is_load`, `is_store`),
   over a source-order index of names, calls and collectives (`source_index`);
-- which calls compute a metric that needs every sample (`metric_name`).
+- which calls compute a metric that needs every sample (`metric_name`);
+- the sums a loop adds to and whether one reduction after it keeps their divisions right
+  (`loop_sums`, given the `ExactDenominators` of how its loader is sharded), and whether a list's
+  only use after the loop is its mean (`means_only`): what TM701 and TM703 rewrite, and what the
+  data plan counts as reduced when it decides whether an evaluation loader may be sharded.
 
 Name resolution uses the import table (`ctx.resolve`), never across modules.
 """
