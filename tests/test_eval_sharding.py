@@ -50,6 +50,26 @@ STYLES = [
                     total += criterion(model(x), y).item() * len(y)
             return total / len(test_loader.dataset)
     """, True, ""),
+    ("counts over a parameter not named like a loader", """
+        holdout_loader = DataLoader(holdout_set, batch_size=64)
+        def score(net, data):
+            right = n = 0
+            with torch.no_grad():
+                for inputs, targets in data:
+                    right += (net(inputs).argmax(1) == targets).sum().item()
+                    n += len(targets)
+            return right / n
+        print(score(model, holdout_loader))
+    """, True, ""),
+    ("losses extended, then averaged", """
+        val_loader = DataLoader(val_set, batch_size=64)
+        @torch.no_grad()
+        def validate():
+            losses = []
+            for x, y in val_loader:
+                losses.extend([criterion(model(x), y).item()])
+            return np.mean(losses)
+    """, False, "`losses.extend(...)`"),
     ("an AverageMeter", """
         val_loader = DataLoader(val_set, batch_size=64)
         @torch.no_grad()

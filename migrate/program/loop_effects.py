@@ -56,7 +56,6 @@ _BUILTINS = frozenset({"len", "float", "int", "bool", "str", "max", "min", "sum"
 _MODE_METHODS = frozenset({"eval", "train", "to", "cuda", "cpu", "float", "half", "double", "requires_grad_"})
 _DISPLAY_METHODS = frozenset({"set_description", "set_description_str", "set_postfix", "set_postfix_str",
                               "refresh", "write"})
-_LIST_GROWERS = frozenset({"append", "extend", "insert"})
 # Names of objects that keep what they are handed (`metric(out, y)` accumulates).
 _STATEFUL = re.compile(r"(?i)metric|meter|evaluat|score|acc|confusion|track|count|stat|logger|writer|record|"
                        r"monitor|histor|saver|summar|cache|buffer|memory|bank|queue")
@@ -70,7 +69,7 @@ class LoopEffects:
 
     # names the loop binds that are read after it (before they are rebound) -> the first such read
     bound: Dict[str, cst.Name] = field(default_factory=dict)
-    # lists that outlive the loop and that it appends to -> its first append
+    # lists that outlive the loop and that it appends to (`.append`) -> its first append
     appended: Dict[str, cst.Call] = field(default_factory=dict)
     # anything else that may carry per-batch values out of the loop: (node, what it is)
     kept: List[Tuple[cst.CSTNode, str]] = field(default_factory=list)
@@ -191,8 +190,8 @@ class _Effects:
             head = owner.split(".")[0]
             if head in self.local:
                 return None
-            if method in _LIST_GROWERS and isinstance(func.value, cst.Name):
-                return "append"
+            if method == "append" and isinstance(func.value, cst.Name):
+                return "append"  # (what TM703 gathers; `extend`/`insert` it does not)
             if method in _DISPLAY_METHODS:
                 return None
             if self._runs_forward(owner) and (method in _MODE_METHODS or self._result_used(call)):

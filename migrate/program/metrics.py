@@ -30,7 +30,7 @@ import libcst as cst
 
 from torchmigrate import analysis
 from torchmigrate.program.collectives import is_collective
-from torchmigrate.program.loaders import DATALOADERS, TQDM_CALLS, loader_expr  # noqa: F401 (loader_expr: re-exported)
+from torchmigrate.program.loaders import DATALOADERS, TQDM_CALLS, loader_expr, refs_at  # noqa: F401 (loader_expr: re-exported)
 from torchmigrate.program.scopes import scope_of
 from torchmigrate.program.splits import named_like_loader  # noqa: F401 (re-exported)
 from torchmigrate.program.syntax import body_of, index_in
@@ -67,7 +67,8 @@ def loader_names(ctx: Context) -> Set[str]:
 
 def iterates_loader(ctx: Context, node: cst.BaseExpression, known: Optional[Set[str]] = None) -> bool:
     """`loader`, `self.val_loader`, `loaders["val"]`, `enumerate(loader)`, `tqdm(loader)`, `pbar`
-    (bound to `tqdm(loader)`), a name bound to `DataLoader(...)`."""
+    (bound to `tqdm(loader)`), a name bound to `DataLoader(...)`, a parameter or alias that the
+    loader facts follow to a DataLoader of this module."""
     if isinstance(node, cst.Call):
         func = node.func
         resolved = ctx.resolve(func)
@@ -79,6 +80,7 @@ def iterates_loader(ctx: Context, node: cst.BaseExpression, known: Optional[Set[
         if resolved in TQDM_CALLS and node.args and node.args[0].keyword is None:
             return iterates_loader(ctx, node.args[0].value, known)
         return False
+    expression = node
     if isinstance(node, cst.Subscript):
         node = node.value
     name = dotted(node)
@@ -87,7 +89,8 @@ def iterates_loader(ctx: Context, node: cst.BaseExpression, known: Optional[Set[
     if named_like_loader(name):
         return True
     names = known if known is not None else loader_names(ctx)
-    return name in names
+    # a name the loader facts follow to a DataLoader of this module (`def evaluate(model, data)`)
+    return name in names or (known is None and bool(refs_at(ctx, expression)))
 
 
 def loader_loop(ctx: Context, node: cst.CSTNode) -> Optional[cst.For]:
