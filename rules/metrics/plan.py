@@ -73,8 +73,10 @@ def loop_sharding(ctx: Context, loop: cst.For) -> str:
     data plan) and for a parameter that other modules hand loaders whose names say their split
     (`ModuleView.loader_params`: an evaluation loader reaching another module is never proven
     reduced, so it stays whole unless `--shard-eval`; a training loader is sharded while the
-    program wraps a model). A loop that runs a backward pass iterates training data, sharded.
-    Otherwise "unknown": the runtime decides (`tm.all_reduce(..., over=loader)`)."""
+    program wraps a model). Where nothing is known of the loader, a loop that runs a backward
+    pass iterates training data, sharded. Otherwise "unknown" (some of its loaders sharded and
+    some not, as a loader built for both splits whose evaluation half stays whole, or nothing
+    known): the runtime decides (`tm.all_reduce(..., over=loader)`)."""
     node = loader_expr(ctx, loop.iter)
     states: Set[Optional[str]] = set()
     try:
@@ -92,14 +94,13 @@ def loop_sharding(ctx: Context, loop: cst.For) -> str:
                 states.add("distributed" if ctx.options.shard_training else "whole")
             else:
                 states.add(None)
-    if states and None not in states:
-        if states == {"whole"}:
-            return "whole"
-        if "whole" not in states:
-            return "sharded"
-    if analysis.runs_backward(ctx, loop) and "whole" not in states:
-        return "sharded"
-    return "unknown"
+    if not states:  # nothing known of the loader: a loop that trains iterates training data
+        return "sharded" if analysis.runs_backward(ctx, loop) else "unknown"
+    if states == {"whole"}:
+        return "whole"
+    if None in states or "whole" in states:
+        return "unknown"  # (a loader built for both splits whose evaluation half stays whole)
+    return "sharded"
 
 
 def exact_lens(ctx: Context, loop: cst.For) -> ExactDenominators:
