@@ -31,6 +31,9 @@ class Options:
     # False when a first pass found that the program trains but wraps no model in DDP: its
     # training data then stays whole (TM201), since shards would train one model per rank
     shard_training: bool = True
+    # `--shard-eval` / `shard-eval = true`: shard evaluation loaders even where the program model
+    # cannot prove that every value computed from them is reduced (a TODO says what is not)
+    shard_eval: bool = False
 
     @property
     def migrating(self) -> bool:

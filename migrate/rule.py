@@ -41,6 +41,8 @@ class Example:
     # the file it is written in: a Python file, or a launch file (`run.sh`, `Makefile`,
     # `README.md`: TM801), whose commands start `train.py`
     file: str = "train.py"
+    also: Tuple[str, ...] = ()  # rules selected with this one (what it relies on, e.g. TM701's reductions)
+    flags: Tuple[str, ...] = ()  # options of the command ("--shard-eval")
 
     @property
     def before_text(self) -> str:
@@ -67,6 +69,9 @@ class Context:
         self.walked = False  # the walk has met every node (set before any `leave_Module`)
         self._index: Optional[_NodeIndex] = None
         self.findings: List[Finding] = []
+        # The codes of the rules running on this file: a family's plan may ask which of another
+        # family's rules will act (the facts never depend on it).
+        self.enabled: FrozenSet[str] = frozenset()
         # Free-form facts one rule publishes for others, e.g. names of wrapped models.
         self.facts: Dict[str, object] = {}
         # enclosing(): (types) -> {id(node): answer}; ids are safe, the tree outlives the context.
@@ -312,7 +317,9 @@ class Rule:
         imports: Sequence[Import] = (),
         safety: Optional[Safety] = None,
         statement: Optional[cst.CSTNode] = None,
+        note: bool = False,
     ) -> Finding:
+        """Report a finding; `note`: one that asks for nothing (see `Finding.note`)."""
         finding = Finding(
             code=self.code,
             message=message,
@@ -321,6 +328,8 @@ class Rule:
             edits=tuple(edits),
             imports=tuple(imports),
             statement=statement,
+            todo=not note,
+            note=note,
         )
         self.ctx.findings.append(finding)
         return finding

@@ -58,7 +58,7 @@ from torch.utils.data import DistributedSampler, RandomSampler, Sampler, Sequent
 
 __all__ = [
     "Ctx", "setup", "cleanup", "device", "rank", "local_rank", "world_size", "is_main",
-    "is_distributed", "wrap_model", "unwrap", "sampler", "eval_sampler", "set_epoch", "no_sync",
+    "is_distributed", "wrap_model", "unwrap", "sampler", "eval_sampler", "sharded", "set_epoch", "no_sync",
     "amp_dtype", "autocast", "GradScaler", "print", "barrier", "all_reduce", "gather_for_metrics", "gather_list", "broadcast_object", "shared_generator", "grad", "any_rank", "share_params", "sync_grads", "shard_stream",
     "shard_sampler", "reduce_meter", "per_rank_batch", "sync_batchnorm", "synced", "to_float32",
     "save", "load", "strip_prefix", "load_state_dict", "seed_everything", "main_only", "main_process_first",
@@ -1285,6 +1285,31 @@ def eval_sampler(dataset, shuffle: bool = False, seed: int = 0) -> Sampler:
     return RandomSampler(dataset) if shuffle else SequentialSampler(dataset)
 
 
+def sharded(loader) -> bool:
+    """Whether iterating ``loader`` gives this rank only its own part of the data: a DataLoader
+    (or sampler) whose sampler or batch sampler is ``tm.sampler``/``tm.eval_sampler``/
+    ``tm.shard_sampler``, a ``DistributedSampler``, or any sampler with ``num_replicas`` > 1.
+    False in one process, and for a loader that every rank iterates in full (no sampler, the
+    default samplers, a sampler of the program's own that knows no rank), or for an object with
+    no sampler at all (a list, a hand-made iterator): ``all_reduce(..., over=loader)`` then leaves
+    numbers computed over it as they are, since every rank computed them over the whole data."""
+    if world_size() <= 1:
+        return False
+    seen = 0
+    todo = [loader]
+    while todo and seen < 8:
+        obj = todo.pop()
+        seen += 1
+        if isinstance(obj, (DistributedSampler, _StridedSampler, _ShardedSampler)):
+            return True
+        replicas = getattr(obj, "num_replicas", None)
+        if isinstance(replicas, int) and not isinstance(replicas, bool) and replicas > 1:
+            return True
+        todo += [inner for name in ("sampler", "batch_sampler") if (inner := getattr(obj, name, None)) is not None
+                 and inner is not obj]
+    return False
+
+
 def set_epoch(loader_or_sampler, epoch: int) -> None:
     """Call ``set_epoch(epoch)`` on a DataLoader's sampler (or its batch sampler's sampler), or on
     the object itself; no-op when none has one (e.g. RandomSampler in one process)."""
@@ -1433,8 +1458,14 @@ def barrier() -> None:
 _OPS = {"sum": "SUM", "mean": "SUM", "max": "MAX", "min": "MIN"}
 
 
-def all_reduce(*xs, op: str = "sum"):
+def all_reduce(*xs, op: str = "sum", over=None):
     """Reduce values across ranks and return the results (inputs are not modified).
+
+    ``over``: the loader the values were computed over. Where it is not sharded (``sharded``:
+    every rank iterated all of it, e.g. an evaluation loader kept whole) the values are already
+    those of the whole data, identical on every rank, and are returned as they are, as in one
+    process (a sum reduced again would count every sample once per rank). A collective when the
+    loader is sharded: call it on every rank.
 
     ``op``: "sum", "mean", "max" or "min". Python numbers in, numbers out (ints stay ints for
     sum/max/min; mean gives floats); tensors in, new tensors out on the input's device (moved to
@@ -1446,7 +1477,7 @@ def all_reduce(*xs, op: str = "sum"):
     """
     if op not in _OPS:
         raise ValueError(f"all_reduce: op must be one of {sorted(_OPS)}, got {op!r}")
-    world = world_size()
+    world = world_size() if over is None or sharded(over) else 1
     out = list(xs)
     if world > 1:
         _require_pg()
@@ -1484,8 +1515,12 @@ def all_reduce(*xs, op: str = "sum"):
     return out[0] if len(out) == 1 else tuple(out)
 
 
-def gather_for_metrics(x, total_len: int | None = None):
+def gather_for_metrics(x, total_len: int | None = None, over=None):
     """All-gather per-rank results along dim 0 and return them in dataset order.
+
+    ``over``: the loader the results were computed over; where it is not sharded (``sharded``),
+    every rank holds the whole set's results already and gets ``x[:total_len]``, as in one
+    process.
 
     Ordering: the result interleaves ranks element by element (rank 0's first, rank 1's first,
     ..., rank 0's second, ...), which is dataset order for ``eval_sampler`` and for
@@ -1495,13 +1530,13 @@ def gather_for_metrics(x, total_len: int | None = None):
     back. Lists/tuples/dicts of tensors are gathered item by item. 1 process: ``x[:total_len]``.
     """
     if isinstance(x, (list, tuple)):
-        return type(x)(gather_for_metrics(v, total_len) for v in x)
+        return type(x)(gather_for_metrics(v, total_len, over) for v in x)
     if isinstance(x, dict):
-        return {k: gather_for_metrics(v, total_len) for k, v in x.items()}
+        return {k: gather_for_metrics(v, total_len, over) for k, v in x.items()}
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"gather_for_metrics: expected a tensor, got {type(x).__name__}")
     x = x.reshape(1) if x.dim() == 0 else x
-    if is_distributed():
+    if is_distributed() and (over is None or sharded(over)):
         _require_pg()
         comm = device() if _nccl() else torch.device("cpu")
         t = x.detach().to(comm)
@@ -1613,15 +1648,16 @@ _METER_FIELDS = (("sum", "count"), ("total", "count"), ("sum", "n"), ("total", "
                  ("running_sum", "count"), ("total", "steps"))
 
 
-def reduce_meter(meter):
+def reduce_meter(meter, over=None):
     """Sum a running-average object's total and count across ranks, in place, and recompute its
     ``avg`` where that is a plain attribute (``AverageMeter``-style classes; the pairs
     ``sum``/``count``, ``total``/``count``, ``sum``/``n``, ``total``/``n`` are recognised); returns it.
     An ``avg`` that is a read-only property (computed from the total and count) is left to
     compute itself. An object without such numeric fields is returned unchanged (every rank has the
-    same class, so every rank skips alike). 1 process: unchanged. A collective: call it on every
-    rank."""
-    if not is_distributed():
+    same class, so every rank skips alike). ``over``: the loader the meter averaged; where it is
+    not sharded (``sharded``) the meter already covers the whole data and is left as it is.
+    1 process: unchanged. A collective: call it on every rank."""
+    if not is_distributed() or (over is not None and not sharded(over)):
         return meter
     for total_name, count_name in _METER_FIELDS:
         total, count = getattr(meter, total_name, None), getattr(meter, count_name, None)

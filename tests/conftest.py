@@ -27,7 +27,7 @@ def fixture_settings(source: str, code: str):
     line says otherwise, e.g. `# fixture: mode=amp select=TM401,TM402 amp=bf16`."""
     rule = get_rule(code)
     mode = next(m for m in ("ddp", "amp", "lint") if m in rule.commands)
-    settings = {"mode": mode, "select": code, "amp": "auto", "sync_bn": "0", "unsafe": "0"}
+    settings = {"mode": mode, "select": code, "amp": "auto", "sync_bn": "0", "unsafe": "0", "shard_eval": "0"}
     first = source.splitlines()[0] if source else ""
     match = _HEADER.match(first)
     if match:
@@ -35,7 +35,8 @@ def fixture_settings(source: str, code: str):
             key, _, value = item.partition("=")
             settings[key] = value
     options = Options(mode=settings["mode"], amp=settings["amp"], sync_bn=settings["sync_bn"] == "1",
-                      fix=settings["mode"] == "lint", unsafe_fixes=settings["unsafe"] == "1")
+                      fix=settings["mode"] == "lint", unsafe_fixes=settings["unsafe"] == "1",
+                      shard_eval=settings["shard_eval"] == "1")
     if settings["select"] == "all":
         rules = select(command=settings["mode"])
     else:

@@ -11,14 +11,14 @@ import shlex
 from conftest import check_launch, migrate
 from torchmigrate.cli.explain import command_line, render
 from torchmigrate.rule import Options
-from torchmigrate.rules import all_rules
+from torchmigrate.rules import all_rules, get_rule
 
 EXAMPLES = [(rule, i, ex) for rule in all_rules() for i, ex in enumerate(rule.examples)]
 
 
 @pytest.mark.parametrize("rule,index,example", EXAMPLES, ids=[f"{r.code}-{i}" for r, i, _ in EXAMPLES])
 def test_documented_example(rule, index, example):
-    options = Options(mode=example.mode, fix=example.mode == "lint")
+    options = Options(mode=example.mode, fix=example.mode == "lint", shard_eval="--shard-eval" in example.flags)
     before = example.before_text
     expected = example.after_text if example.after_text is not None else before
     if not example.file.endswith(".py"):  # a launch file (TM801)
@@ -26,9 +26,10 @@ def test_documented_example(rule, index, example):
         assert out == expected
         assert check_launch(out, example.file).text == out
         return
-    out = migrate(before, options, [rule])
+    rules = [rule, *(get_rule(code) for code in example.also)]
+    out = migrate(before, options, rules)
     assert out == expected
-    assert migrate(out, options, [rule]) == out
+    assert migrate(out, options, rules) == out
 
 
 @pytest.mark.parametrize("rule,index,example", EXAMPLES, ids=[f"{r.code}-{i}" for r, i, _ in EXAMPLES])

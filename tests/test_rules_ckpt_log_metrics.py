@@ -187,6 +187,7 @@ def test_reduction_never_under_rank_guard():
 
 
 def test_metric_messages_name_the_dataset():
+    # a loader sharded by --shard-eval although its predictions are not gathered (kept whole otherwise)
     result = run("""
         import torch
         from torch.utils.data import DataLoader
@@ -198,7 +199,7 @@ def test_metric_messages_name_the_dataset():
             scores.append(model(x))
             labels.append(y)
         auc = roc_auc_score(torch.cat(labels), torch.cat(scores))
-    """, codes=("TM702",))
+    """, codes=("TM702",), options=Options(mode="ddp", shard_eval=True))
     message = result.findings[0].message
     assert "tm.gather_for_metrics(torch.cat(labels), len(test_set))" in message
     assert "`roc_auc_score`" in message

@@ -188,6 +188,20 @@ def test_gather_for_metrics_restores_dataset_order(collectives):
         assert r["gathered_padded"] == [10.0 * i for i in range(7)]
 
 
+def test_reductions_over_a_loader_reduce_only_a_sharded_one(collectives):
+    """`over=loader`: the sum of a loader every rank iterates in full is the whole set's on every
+    rank already and comes back unchanged (reduced again it would count each sample twice);
+    over an `eval_sampler` shard the per-rank parts add up to the whole set."""
+    whole = sum(10.0 * i for i in range(7))
+    for r in collectives["r"]:
+        assert r["sharded"] == [False, True, True, False]
+        assert r["over_whole"] == [whole, 7]
+        assert r["over_sharded"] == [whole, 7]
+        assert r["over_mean"] == whole
+        assert r["gathered_whole"] == [10.0 * i for i in range(7)]
+        assert r["meter_whole"] == [whole, 7]
+
+
 def test_save_only_rank0_writes(collectives):
     outdir = collectives["outdir"]
     assert sorted(os.listdir(outdir / "ckpt")) == ["model.pt"]  # one file, no temp leftovers

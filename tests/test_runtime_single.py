@@ -730,3 +730,12 @@ def test_shard_batches_shards_an_unsharded_loader_in_place_and_keeps_a_sharded_o
                                                                                     num_replicas=2, rank=1))
     assert tm.shard_batches(sharded) is sharded
     assert tm.shard_batches(sharded).sampler.__class__ is DistributedSampler
+
+
+def test_over_a_loader_in_one_process_nothing_is_sharded_and_values_pass_through():
+    from torch.utils.data import DataLoader, TensorDataset
+
+    loader = DataLoader(TensorDataset(torch.arange(6.0)), batch_size=4, sampler=tm.eval_sampler(list(range(6))))
+    assert tm.sharded(loader) is False
+    assert tm.all_reduce(3, 2.5, over=loader) == (3, 2.5)
+    assert tm.gather_for_metrics(torch.arange(5.0), 3, over=loader).tolist() == [0.0, 1.0, 2.0]

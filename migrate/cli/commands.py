@@ -250,11 +250,11 @@ def _migrate(command: str, paths, dry_run: bool, check: bool, amp: Optional[str]
     if inputs.reads_stdin and vendor:
         _fail("--vendor-runtime writes the runtime beside the script: it needs a file, not stdin")
     preview = dry_run or check
-    options = Options(mode=command, amp=amp or "auto", sync_bn=sync_bn,
+    options = Options(mode=command, amp=amp or "auto", sync_bn=sync_bn, shard_eval=bool(common.get("shard_eval")),
                       runtime_module="torchmigrate_runtime" if vendor else RUNTIME_MODULE)
     write = not preview and not inputs.reads_stdin
     # the program summary judges DDP only when the rules that make it are on for every file
-    whole = command == "ddp" and all({"TM201", "TM301"} <= set(codes) for codes, _ in inputs.per_file.values())
+    whole = command == "ddp" and all({"TM201", "TM301"} <= set(s.codes) for s in inputs.per_file.values())
     program = inputs.program
     launch_files = [] if inputs.reads_stdin else _launch_files(paths, inputs, around_scripts=True)
     job = Job(options, inputs.codes, write=write, want_diff=dry_run, vendor_runtime=vendor,
@@ -316,13 +316,17 @@ def _migration_options(func):
 @paths_argument
 @_migration_options
 @click.option("--sync-bn", is_flag=True, help="Convert BatchNorm layers to SyncBatchNorm (TM304).")
+@click.option("--shard-eval/--no-shard-eval", "shard_eval", default=None,
+              help="Shard evaluation loaders even where the tool cannot prove that every value computed from them "
+                   "is reduced across ranks (a TODO names what is not). By default such a loader is kept whole: "
+                   "every rank evaluates the whole set, as the original did. Replaces `shard-eval` of the settings.")
 @click.option("--vendor-runtime", is_flag=True,
               help=f"Write the runtime shim beside each script as {VENDORED_NAME} and import it from there.")
 @_common_options
 @show_settings_option
 @jobs_option
-def ddp(paths, dry_run, check, amp, report_file, follow, sync_bn, vendor_runtime, select, extend_select, ignore,
-        config, force_exclude, respect_gitignore, stdin_filename, show_settings, jobs):
+def ddp(paths, dry_run, check, amp, report_file, follow, sync_bn, shard_eval, vendor_runtime, select, extend_select,
+        ignore, config, force_exclude, respect_gitignore, stdin_filename, show_settings, jobs):
     """Rewrite training scripts in place for torchrun + DDP (+ AMP).
 
     With --dry-run, print the unified diff (coloured on a terminal) and the report, write nothing.
@@ -335,7 +339,7 @@ def ddp(paths, dry_run, check, amp, report_file, follow, sync_bn, vendor_runtime
     if show_settings:
         _show_settings("ddp", paths, select, extend_select, ignore, amp, common)
     _migrate("ddp", paths, dry_run, check, amp, sync_bn, report_file, vendor_runtime, jobs, select, extend_select,
-             ignore, common)
+             ignore, dict(common, shard_eval=shard_eval))
 
 
 @main.command(epilog=EXIT_CODES)

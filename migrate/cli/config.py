@@ -8,7 +8,9 @@ is the whole configuration. `--config PATH` forces one file for every path; its 
 patterns are then relative to the working directory (Ruff does the same).
 
 Keys: `select`, `extend-select`, `ignore` (rule codes, prefixes or names), `exclude`,
-`extend-exclude` (gitignore-style patterns relative to the settings file's folder) and `amp`.
+`extend-exclude` (gitignore-style patterns relative to the settings file's folder), `amp` and
+`shard-eval` (also spelled `shard_eval`: shard evaluation loaders even where the reduction of
+what is computed from them is not proven, see `--shard-eval`).
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Optional, Tuple
 
-KEYS = {"select", "extend-select", "ignore", "exclude", "extend-exclude", "amp"}
+KEYS = {"select", "extend-select", "ignore", "exclude", "extend-exclude", "amp", "shard-eval", "shard_eval"}
+_BOOLEANS = ("shard-eval", "shard_eval")
 AMP_VALUES = ("auto", "bf16", "fp16", "off")
 # In one folder, the first of these that holds torchmigrate settings is used.
 NAMES = ("torchmigrate.toml", "pyproject.toml")
@@ -36,6 +39,7 @@ class Config:
     ignore: Tuple[str, ...] = ()
     exclude: Tuple[str, ...] = ()  # gitignore-style patterns, relative to `root`
     amp: Optional[str] = None
+    shard_eval: Optional[bool] = None  # None: not set here
     path: Optional[Path] = None  # the settings file; None: the defaults
     root: Optional[Path] = None  # the folder `exclude` is relative to (None: nothing to exclude)
 
@@ -82,10 +86,14 @@ def parse(path: Path, root: Optional[Path] = None) -> Optional[Config]:
     amp = section.get("amp")
     if amp is not None and amp not in AMP_VALUES:
         raise ConfigError(f"{where}: amp must be one of {', '.join(AMP_VALUES)}")
-    strings = {key: _strings(section.get(key, []), key, where) for key in KEYS - {"amp"}}
+    for key in _BOOLEANS:
+        if key in section and not isinstance(section[key], bool):
+            raise ConfigError(f"{where}: {key} must be true or false")
+    shard_eval = section.get("shard-eval", section.get("shard_eval"))
+    strings = {key: _strings(section.get(key, []), key, where) for key in KEYS - {"amp", *_BOOLEANS}}
     return Config(
         select=strings["select"], extend_select=strings["extend-select"], ignore=strings["ignore"],
-        exclude=strings["exclude"] + strings["extend-exclude"], amp=amp, path=path,
+        exclude=strings["exclude"] + strings["extend-exclude"], amp=amp, shard_eval=shard_eval, path=path,
         root=root or path.parent,
     )
 

@@ -3,8 +3,8 @@
 The examples printed here are the rule's `examples`, each labelled with the exact command that
 turns its "before" into its "after" (`command_line`); tests/test_examples.py runs that very
 command through the CLI on each example, so what the documentation shows is what the tool writes.
-An example shows its rule alone (`--select CODE`): the whole command runs every rule, and other
-rules would change the same snippet too.
+An example shows its rule alone (`--select CODE`), or with the rules it relies on (`also`): the
+whole command runs every rule, and other rules would change the same snippet too.
 """
 
 from __future__ import annotations
@@ -25,7 +25,9 @@ COMMAND = {"ddp": "torchmigrate ddp", "amp": "torchmigrate amp", "lint": "torchm
 
 def command_line(rule: type[Rule], example: Example) -> str:
     """The command that writes the example's "after" (give it the file of the "before")."""
-    return f"{COMMAND.get(example.mode, example.mode)} --select {rule.code}"
+    codes = ",".join((rule.code, *example.also))
+    flags = "".join(f" {f}" for f in example.flags)
+    return f"{COMMAND.get(example.mode, example.mode)}{flags} --select {codes}"
 
 
 def render(rule: type[Rule]) -> str:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence, Tupl
 
 from torchmigrate.cli.config import ConfigError, Configs
 from torchmigrate.cli.discover import Discovery
-from torchmigrate.cli.settings import Selection, Settings
+from torchmigrate.cli.settings import FileSettings, Selection, Settings
 from torchmigrate.engine.files import Decoded, decode
 from torchmigrate.engine.runner import Outcome, path_error
 from torchmigrate.errors import InputError
@@ -31,7 +31,7 @@ STDIN = "-"
 class Inputs:
     files: List[Path] = field(default_factory=list)
     errors: List[Outcome] = field(default_factory=list)  # paths that could not be processed at all
-    per_file: Dict[str, Tuple[Tuple[str, ...], str]] = field(default_factory=dict)  # see `Job.per_file`
+    per_file: Dict[str, FileSettings] = field(default_factory=dict)  # see `Job.per_file`
     codes: Tuple[str, ...] = ()  # every rule code enabled for some file
     program: Optional["Program"] = None  # files only (stdin is processed alone)
     left_out: Callable[..., bool] = lambda path, is_dir=False: False  # what discovery leaves out
@@ -49,6 +49,7 @@ class Request:
     paths: Tuple[str, ...]
     selection: Selection = Selection()
     amp: Optional[str] = None
+    shard_eval: Optional[bool] = None  # --shard-eval / --no-shard-eval (None: the settings decide)
     config: Optional[str] = None
     stdin_filename: Optional[str] = None
     force_exclude: bool = False
@@ -66,7 +67,7 @@ def gather(request: Request, cache=None) -> Inputs:
     if request.stdin_filename and paths != (STDIN,):
         raise ConfigError("--stdin-filename names the source read from stdin: give `-` as the only path")
     configs = Configs(request.config)
-    settings = Settings(request.command, request.selection, request.amp, configs)
+    settings = Settings(request.command, request.selection, request.amp, configs, request.shard_eval)
     discovery = Discovery(configs, request.respect_gitignore, request.force_exclude)
     inputs = Inputs()
     if paths == (STDIN,):
@@ -77,8 +78,8 @@ def gather(request: Request, cache=None) -> Inputs:
         _discover(inputs, paths, discovery, request, cache)
         for file in inputs.files:
             inputs.per_file[str(file)] = settings.for_file(file)
-    inputs.codes = tuple(sorted({c for codes, _ in inputs.per_file.values() for c in codes})) \
-        or settings.for_file(Path.cwd() / "stdin.py")[0]
+    inputs.codes = tuple(sorted({c for s in inputs.per_file.values() for c in s.codes})) \
+        or settings.for_file(Path.cwd() / "stdin.py").codes
     return inputs
 
 

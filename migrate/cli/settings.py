@@ -4,7 +4,7 @@ file that governs the file (see `config.py`).
 As in Ruff, the settings file and then the command line each make one layer of selection:
 a layer's `select` replaces what the layers before it enabled, its `extend-select` adds to that
 and its `ignore` takes away (so `--select TM406` enables TM406 even where the file's settings
-ignore it). `--amp` replaces the file's `amp`. A selector that selects no
+ignore it). `--amp` replaces the file's `amp`, `--shard-eval`/`--no-shard-eval` its `shard-eval`. A selector that selects no
 rule at all (a typo such as TM210) is an error wherever it is written, so a run never reports
 a clean result for rules it did not run; on the command line, a `--select` that selects no rule
 of the command at hand (`ddp --select TM405`, an `amp`-only rule) is one too.
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 from torchmigrate.cli.config import Config, ConfigError, Configs
 from torchmigrate.options import COMMANDS
@@ -76,16 +76,27 @@ def enabled(command: str, layers: Sequence[Tuple[Sequence[str], Sequence[str], S
     return tuple(sorted(codes))
 
 
-class Settings:
-    """What each file gets: rule codes and AMP mode, from the command line and its settings."""
+class FileSettings(NamedTuple):
+    """What one file is processed with."""
 
-    def __init__(self, command: str, cli: Selection, amp: Optional[str], configs: Configs) -> None:
+    codes: Tuple[str, ...]
+    amp: str
+    shard_eval: bool = False
+
+
+class Settings:
+    """What each file gets: rule codes, AMP mode and whether evaluation is sharded regardless,
+    from the command line and its settings."""
+
+    def __init__(self, command: str, cli: Selection, amp: Optional[str], configs: Configs,
+                 shard_eval: Optional[bool] = None) -> None:
         _check(cli.select, "--select", command)
         _check(cli.extend_select, "--extend-select", command)
         _check(cli.ignore, "--ignore")
         self.command = command
         self.cli = cli
         self.amp = amp
+        self.shard_eval = shard_eval
         self.configs = configs
         self._codes: Dict[Optional[Path], Tuple[str, ...]] = {}
 
@@ -101,7 +112,8 @@ class Settings:
                 (config.select, config.extend_select, config.ignore), (cli.select, cli.extend_select, cli.ignore)])
         return found
 
-    def for_file(self, path: Path) -> Tuple[Tuple[str, ...], str]:
-        """(rule codes, amp) for the file at `path`."""
+    def for_file(self, path: Path) -> FileSettings:
+        """The rule codes, amp and shard-eval for the file at `path`."""
         config = self.configs.for_file(path)
-        return self.codes(config), self.amp or config.amp or "auto"
+        shard_eval = self.shard_eval if self.shard_eval is not None else bool(config.shard_eval)
+        return FileSettings(self.codes(config), self.amp or config.amp or "auto", shard_eval)

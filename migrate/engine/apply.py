@@ -99,7 +99,10 @@ class _Rebuilder:
                 before.extend(edit.statements)
             elif edit.kind is EditKind.INSERT_AFTER:
                 after.extend(edit.statements)
-            elif edit.kind is EditKind.TODO and not isinstance(updated, (cst.RemovalSentinel, cst.FlattenSentinel)):
+            elif edit.kind is EditKind.TODO and isinstance(updated, cst.FlattenSentinel) and updated.nodes:
+                # the statement became several (a hoisted assignment before it): above the first
+                updated = cst.FlattenSentinel([add_todo(updated.nodes[0], edit.text), *updated.nodes[1:]])
+            elif edit.kind is EditKind.TODO and not isinstance(updated, cst.RemovalSentinel):
                 updated = add_todo(updated, edit.text)
         if before or after:
             middle = [] if isinstance(updated, cst.RemovalSentinel) else (

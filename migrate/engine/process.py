@@ -239,6 +239,7 @@ def run_rules(module: cst.Module, path: str, options: Options, rules: Sequence[R
     from torchmigrate.analysis import Facts
 
     ctx = Context(module, path, options, program)
+    ctx.enabled = frozenset(r.code for r in rules)
     if options.migrating:
         framework = _managing_framework(ctx)
         if framework is not None:

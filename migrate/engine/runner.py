@@ -36,9 +36,9 @@ class Job:
     program: Optional[Dict[str, ModuleView]] = None
     # write every changed file at the end, all or none (a program), instead of one by one
     together: bool = False
-    # path (as given to `run`) -> (rule codes, amp) from the settings that govern the file;
-    # a file not in it gets `rule_codes` and `options.amp`
-    per_file: Optional[Dict[str, Tuple[Tuple[str, ...], str]]] = None
+    # path (as given to `run`) -> (rule codes, amp, shard_eval) from the settings that govern
+    # the file (`cli.settings.FileSettings`); a file not in it gets `rule_codes` and `options`
+    per_file: Optional[Dict[str, Tuple]] = None
     fix_edits: bool = False  # records carry the fixes not applied as text edits (json, sarif)
     to_stdout: bool = False  # the source comes from stdin and the new source goes to `Outcome.output`
 
@@ -47,8 +47,10 @@ class Job:
         own = self.per_file.get(path) if self.per_file else None
         if own is None:
             return self.rule_codes, self.options
-        codes, amp = own
-        return codes, (self.options if amp == self.options.amp else replace(self.options, amp=amp))
+        codes, amp, shard_eval = own
+        if amp == self.options.amp and shard_eval == self.options.shard_eval:
+            return codes, self.options
+        return codes, replace(self.options, amp=amp, shard_eval=shard_eval)
 
 
 def process_file(path: str, job: Job, given: Optional[files.Decoded] = None) -> Outcome:
@@ -72,10 +74,12 @@ def process_file(path: str, job: Job, given: Optional[files.Decoded] = None) -> 
         records = [
             Record(path, where(f.line) if where else f.line, f.col, f.code, f.message, f.safety.value, f.applied,
                    f.fix)
-            for f in result.findings if not f.suppressed
+            for f in result.findings if not f.suppressed and not f.note
         ]
         outcome.warnings = tuple(f"Invalid rule code provided to `# torchmigrate: ignore` at {path}:{line}: {code}"
                                  for line, code in result.unknown_ignores)
+        outcome.notes = tuple(f"{path}:{where(f.line) if where else f.line}: {f.code} {f.message}"
+                              for f in result.findings if f.note and not f.suppressed)
         if job.to_stdout:
             outcome.output = files.encode(result.new_source, decoded.encoding)
         new_bytes = files.encode(result.new_source, decoded.encoding) if result.changed and job.write else None

@@ -13,11 +13,13 @@ How a run goes, and where each step lives:
      in its configuration files); `project`: one walk of the project's files for both, through
      `fs`, whose answers the lint cache records; `facts`, `view`: the cross-module facts from CPython's `ast` (cheap,
      picklable), one `ModuleView` per module: which function parameters receive a wrapped
-     model from another module, which modules are entry points, whether the program trains or
-     builds a DataLoader at all, its DataLoader subclasses;
+     model from another module, which receive data loaders and of which split (`loader_params`),
+     which modules are entry points, whether the program trains or builds a DataLoader at all,
+     its DataLoader subclasses;
    - `loaders`: the loader facts of one module (LibCST, on first use, kept on the context):
      every DataLoader, its dataset, shuffle and sampler, train or evaluation use, the names
-     it is visible under, the loops that iterate it and whether they run with gradients;
+     it is visible under, the loops that iterate it and whether they run with gradients, and
+     the uses through which it leaves the module's sight (`consumers`);
    - `training`: the training facts of one module (LibCST, on first use, kept on the
      context): the training steps (a `backward()` and an optimizer `step()` in one function),
      the autocast blocks and GradScalers already there, where each loss is defined and where
@@ -50,6 +52,12 @@ How a run goes, and where each step lives:
      per program from `ast` (`facts.program_effects`) and handed to each module's view
      (`call_effects`, `call_writes`, `writer_classes`, `first_run_builders`); read again off
      the migrated sources, it tells the report which files every rank still writes;
+     loaders, the counts, lists and meters they fill, what happens to them after the loop, which
+     sums one reduction after the loop keeps right (`loop_sums`) and which lists are used only in
+     a mean (`means_only`), and which calls compute a metric that needs every sample;
+     `loop_effects`: what a loop over a loader leaves behind for the code after it (names read
+     after it, lists it appends to, objects it may change, an early exit); `splits`: whether a
+     name speaks of training or evaluation data;
    - `models`: the model facts of one module (LibCST, on first use, kept on the context): the
      assignments that create each model and where it comes from (a class or function of the
      module, or a library), what it is made of (BatchNorm layers, submodules `forward()` uses

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, FrozenSet, Iterable, List, Optional, Set, Tuple
 
-from torchmigrate.program import effects
+from torchmigrate.program import effects, splits
 from torchmigrate.program.classes import OTHER, argument_kind, class_kinds, optimizer_wrapper
 from torchmigrate.program.graph import Graph
 from torchmigrate.program.search_path import dotted_name
@@ -270,6 +270,7 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
         if not changed:
             break
 
+    loader_params = _loader_params(modules, scopes)
     loader_classes = {(p, name) for p, m in modules.items() for name, c in m.classes.items() if _loader_subclass(c)}
     all_kinds = class_kinds(modules)
     kinds = {key: kind for key, kind in all_kinds.items() if kind is not None}
@@ -309,6 +310,8 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
             followed=several,
             wrapped_params={q: frozenset(p) for (mp, q), p in wrapped.items() if mp == path},
             wrapped_attrs={k: frozenset(a) for (mp, k), a in attrs.items() if mp == path},
+            loader_params={q: {p: frozenset(k) for p, k in params.items()}
+                           for (mp, q), params in loader_params.items() if mp == path},
             loader_classes=frozenset(_spellings(m, modules, loader_classes)),
             class_kinds={spelled: kinds[key] for key in kinds for spelled in _spellings(m, modules, {key})},
             optimizer_wrappers={spelled: wrappers[key] for key in wrappers
@@ -442,6 +445,84 @@ def _over_parameters(call: ast.Call) -> bool:
     """`OptimWrapper(model.parameters(), lr=...)`: a call given a model's parameters."""
     return any(isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "parameters"
                for a in (*call.args, *(k.value for k in call.keywords)) for n in ast.walk(a))
+
+
+def _loader_params(modules: Dict[Path, _Module], scopes: List[_Scope]) -> Dict[Tuple[Path, str], Dict[str, Set[str]]]:
+    """(module, "f" or "Cls.m") -> parameter -> the splits of the data loaders that other
+    modules hand it: "train" or "eval" where the argument's name says so (`val_loader`,
+    `data.get_loader("test")`, `loaders["val"]`), "unknown" for a loader-like argument that
+    says neither; followed through parameters that pass a loader on (also to functions of the
+    same module: `run(model, loader)` calling `evaluate(model, loader)`), to a fixpoint."""
+    out: Dict[Tuple[Path, str], Dict[str, Set[str]]] = {}
+    for sweep in range(7):
+        changed = False
+        for s in scopes:
+            held = out.get((s.module.path, _qual(s)), {})
+            for call in s.calls:
+                target = _callee(s.module, modules, call) or _method_of_instance(s, modules, call)
+                local = target is None or target[0] == s.module.path
+                target = _local_callee(s, call) if local else target
+                if target is None:
+                    continue
+                path, qual, skip_self = target
+                func = modules[path].functions.get(qual)
+                if func is None:
+                    continue
+                for param, value in _bind(func, call, skip_self):
+                    # within a module only what a parameter holds passes on: the module's own
+                    # loaders are its loader facts' business
+                    if local and dotted_name(value) not in held:
+                        continue
+                    kinds = _loader_kinds(value, held)
+                    if not kinds and sweep and param in out.get((path, qual), {}):
+                        # a parameter that takes loaders, handed something not named like one
+                        kinds = _named_split(value)
+                    bucket = out.setdefault((path, qual), {}).setdefault(param, set()) if kinds else None
+                    if bucket is not None and not kinds <= bucket:
+                        bucket |= kinds
+                        changed = True
+        if not changed:
+            break
+    return out
+
+
+def _local_callee(s: _Scope, call: ast.Call) -> Optional[Tuple[Path, str, bool]]:
+    """`f(...)` of a function of the scope's own module, `self.m(...)` of its own class."""
+    func = call.func
+    if isinstance(func, ast.Name) and func.id in s.module.functions:
+        return s.module.path, func.id, False
+    if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id == "self" and s.klass \
+            and f"{s.klass}.{func.attr}" in s.module.functions:
+        return s.module.path, f"{s.klass}.{func.attr}", True
+    return None
+
+
+def _loader_kinds(value: ast.AST, held: Dict[str, Set[str]]) -> Set[str]:
+    """The splits a loader-like argument names ({"train"}, {"eval"}, {"unknown"}), the splits
+    a parameter of the caller holds, or nothing for an argument that is not loader-like."""
+    name = dotted_name(value)
+    if name is not None and name in held:
+        return set(held[name])
+    text = []
+    if isinstance(value, ast.Subscript) and isinstance(value.slice, ast.Constant) and isinstance(value.slice.value, str):
+        name = dotted_name(value.value)
+        text.append(value.slice.value)
+    elif isinstance(value, ast.Call):
+        name = dotted_name(value.func)
+        text += [a.value for a in value.args if isinstance(a, ast.Constant) and isinstance(a.value, str)]
+    if name is None or not splits.named_like_loader(name):
+        return set()
+    found = splits.words(name.rsplit(".", 1)[-1]) + [w for t in text for w in splits.words(t)]
+    return {splits.verdict(found) or "unknown"}
+
+
+def _named_split(value: ast.AST) -> Set[str]:
+    """The split an argument's name says (`val_data`: {"eval"}), {"unknown"} when it says none,
+    nothing for a constant (`None`)."""
+    if isinstance(value, ast.Constant):
+        return set()
+    name = dotted_name(value) or ""
+    return {splits.verdict(splits.words(name.rsplit(".", 1)[-1])) or "unknown"}
 
 
 def _module_aliases(s: _Scope) -> Set[str]:

@@ -43,6 +43,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 import libcst as cst
 
 from torchmigrate import analysis
+from torchmigrate.program import splits
 from torchmigrate.syntax.imports import dotted
 from torchmigrate.syntax.nodes import code
 from torchmigrate.syntax.walk import child_nodes
@@ -74,11 +75,6 @@ PARAMS = ("dataset", "batch_size", "shuffle", "sampler", "batch_sampler", "num_w
           "pin_memory", "drop_last", "timeout", "worker_init_fn", "multiprocessing_context", "generator")
 KNOWN_KWARGS = frozenset(PARAMS) | {"prefetch_factor", "persistent_workers", "pin_memory_device", "in_order"}
 
-_EVAL_WORDS = r"val|valid|validation|validate|test|tests|testing|eval|evaluate|evaluation|dev|holdout|heldout"
-_TRAIN_WORDS = r"train|training|trainval|trn"
-_SUFFIX = r"(?:loader|loaders|set|sets|ds|data|dataset|datasets|dl|iter|gen|batches|split)?"
-_EVAL_RE = re.compile(rf"^(?:{_EVAL_WORDS}){_SUFFIX}$")
-_TRAIN_RE = re.compile(rf"^(?:{_TRAIN_WORDS}){_SUFFIX}$")
 _RANK_RE = re.compile(r"^(?:rank|local_rank|global_rank|world_size|num_replicas|num_shards|shard_id|shard_index)$")
 _TRAIN_FLAGS = ("train", "is_train", "training", "is_training")
 NO_GRAD = ("torch.no_grad", "torch.inference_mode", "torch.autograd.no_grad", "torch.autograd.grad_mode.no_grad",
@@ -151,21 +147,6 @@ class Loader:
 
 # --- small helpers ---------------------------------------------------------------------------
 
-def _words(text: str) -> List[str]:
-    """Lower-case words of an identifier or string: `trainLoader_2` -> ['train', 'loader']."""
-    text = re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", text)
-    return [w for w in re.split(r"[^a-z]+", text.lower()) if w]
-
-
-def _verdict(words: Iterable[str]) -> Optional[str]:
-    words = list(words)
-    if any(_TRAIN_RE.match(w) for w in words):
-        return "train"
-    if any(_EVAL_RE.match(w) for w in words):
-        return "eval"
-    return None
-
-
 def _expression_words(node: cst.CSTNode) -> List[str]:
     """Words of the names and strings in an expression; `train=False` counts as 'eval'.
     (A loop, not a recursive closure: a closure that calls itself is a reference cycle, left for
@@ -176,14 +157,14 @@ def _expression_words(node: cst.CSTNode) -> List[str]:
         n = stack.pop()
         tp = type(n)
         if tp is cst.Name:
-            out.extend(_words(n.value))
+            out.extend(splits.words(n.value))
         elif tp is cst.SimpleString:
             try:
                 value = n.evaluated_value
             except Exception:  # noqa: BLE001 - odd literals carry no signal
                 continue
             if not isinstance(value, bytes):
-                out.extend(_words(value))
+                out.extend(splits.words(value))
         elif tp is cst.Arg and n.keyword is not None:
             if n.keyword.value in _TRAIN_FLAGS and type(n.value) is cst.Name and n.value.value in ("True", "False"):
                 out.append("train" if n.value.value == "True" else "eval")
@@ -503,7 +484,7 @@ class LoaderFacts:
                     text = f"{code(target_node)}[{literal}]"
                     scope = self.binding_scope(call, base)
                     self.add_ref(scope, f"{base}[{key_text!r}]", text, [loader], statement)
-                    self.refs[(id(scope), f"{base}[{key_text!r}]")].eval = _verdict(_words(key_text)) == "eval"
+                    self.refs[(id(scope), f"{base}[{key_text!r}]")].eval = splits.verdict(splits.words(key_text)) == "eval"
             loader.bound = tuple(r.key for r in loader.refs)
         args = bind_args(call)
         if args is not None:
@@ -581,7 +562,7 @@ class LoaderFacts:
     def _classify(self, call: cst.Call, loader: Loader, keys) -> Tuple[str, Optional[str]]:
         ctx = self.ctx
         if keys:
-            verdicts = [(_verdict(_words(k)) or "train", lit) for k, lit in keys]
+            verdicts = [(splits.verdict(splits.words(k)) or "train", lit) for k, lit in keys]
             train = [lit for v, lit in verdicts if v == "train"]
             if len(train) == len(verdicts):
                 return "train", None
@@ -595,19 +576,19 @@ class LoaderFacts:
             return "mixed", cond
         sources: List[List[str]] = []
         if loader.target:
-            sources.append(_words(loader.target.split(".")[-1]))
+            sources.append(splits.words(loader.target.split(".")[-1]))
         if loader.dataset is not None:
             sources.append(self._dataset_words(loader))
         fn = self.function_of(call)
         if isinstance(fn, cst.FunctionDef):
-            sources.append(_words(fn.name.value))
+            sources.append(splits.words(fn.name.value))
         for words in sources:
-            verdict = _verdict(words)
+            verdict = splits.verdict(words)
             if verdict:
                 return verdict, None
         shuffle = loader.shuffle
         if shuffle is not None and not is_literal(shuffle, "True", "False", "None"):
-            if _verdict(_expression_words(shuffle)):
+            if splits.verdict(_expression_words(shuffle)):
                 loader.condition_is_shuffle = True
                 return "mixed", _parenthesize(code(shuffle), shuffle)
         return "train", None
@@ -915,6 +896,80 @@ class LoaderFacts:
                 return node, found
             node = up
 
+    def consumers(self, loader: Loader) -> Tuple[List[cst.For], List[Tuple[cst.CSTNode, str]]]:
+        """The `for` loops of this module that iterate the loader (directly, or through
+        `enumerate`/`iter`/a progress bar), and the uses through which it leaves this module's
+        sight, each with what happens there: handed to a function of another module or a
+        library, returned from a function that another module calls (or that nothing here
+        calls), iterated by a comprehension or together with something else, counted with
+        `len()`, or bound at module level in a module that others import. Names the loader is
+        bound to in this module (aliases, parameters of its functions, `self.` attributes,
+        what its functions return to callers here) are followed."""
+        ctx = self.ctx
+        loops: List[cst.For] = []
+        escapes: List[Tuple[cst.CSTNode, str]] = []
+        if loader.target and loader.scope is ctx.module and not ctx.program.is_entry:
+            escapes.append((loader.call, f"`{loader.target}` is bound at module level, where other modules may import it"))
+        sites = [(loader.call, None)] if loader.target is None else []
+        sites += list(self.uses(lambda x: x is loader))
+        for node, _ref in sites:
+            if _bound_here(ctx, node):
+                continue  # `val_loader = ...`: where a name is bound, not a use of it
+            site = _iteration_site(node, ctx)
+            if isinstance(site, cst.For) and loader_expr(ctx, site.iter) is node:
+                if site not in loops:
+                    loops.append(site)
+            elif isinstance(site, cst.For):
+                escapes.append((node, f"`{code(site.iter)}` iterates it together with other data"))
+            elif site is not None:
+                escapes.append((node, f"a comprehension iterates it (`{code(ctx.parent(site))[:50]}`)"))
+            else:
+                why = self._escape(node)
+                if why:
+                    escapes.append((node, why))
+        return loops, escapes
+
+    def _returned(self, node: cst.CSTNode) -> bool:
+        parent = self.ctx.parent(node)
+        if type(parent) is cst.Element:
+            parent = self.ctx.parent(self.ctx.parent(parent))
+        return type(parent) is cst.Return
+
+    def _escape(self, node: cst.CSTNode) -> str:
+        """Why the loader leaves this module's sight at `node` (a use that is not an iteration),
+        or "" when its further uses are followed here."""
+        ctx = self.ctx
+        parent = ctx.parent(node)
+        if type(parent) is cst.Arg:
+            call = ctx.parent(parent)
+            if type(call) is cst.Call and dotted(call.func) == "len":
+                return f"`{code(call)}` counts its batches, which sharding changes"
+            if type(call) is cst.Call and any(param for callee, skip in self.callees(call)
+                                              for param, value in bind_params(callee, call, skip) if value is node):
+                return ""  # a parameter of a function of this module: its uses are followed
+            return f"`{code(call.func) if type(call) is cst.Call else code(parent)}(...)` is handed it"
+        if type(parent) is cst.Assign and parent.value is node and len(parent.targets) == 1:
+            k = key_of(parent.targets[0].target)
+            if k is not None and "[" not in k and self.lookup(parent, k) is not None:
+                return ""  # an alias, followed
+            return f"`{code(parent.targets[0].target)}` holds it"
+        if self._returned(node):
+            fn = ctx.enclosing(node, cst.FunctionDef)
+            if fn is None:
+                return "it is returned"
+            klass = self.class_of(fn)
+            qual = f"{klass.name.value}.{fn.name.value}" if klass is not None else fn.name.value
+            if qual in ctx.program.called_elsewhere:
+                return "it is returned to another module"
+            callers = self.callers.get(id(fn), [])
+            if not callers:
+                return "it is returned, and no code of this module calls the function"
+            for c in callers:
+                if type(ctx.parent(c)) is not cst.Assign:
+                    return f"it is returned and handed on (`{code(c)[:50]}`)"
+            return ""
+        return f"`{code(ctx.statement_of(node) or node)[:60]}` uses it"
+
     def iterated_with_grad(self, loader: Loader) -> bool:
         """A `for` (or comprehension) over the loader runs outside no_grad/inference_mode."""
         for node, _ref in self.uses(lambda x: x is loader):
@@ -1058,6 +1113,18 @@ def _name_part(ctx, node: cst.CSTNode) -> bool:
     return (type(parent) is cst.Attribute and parent.attr is node) or (type(parent) is cst.Arg and parent.keyword is node)
 
 
+def _bound_here(ctx, node: cst.CSTNode) -> bool:
+    """`node` is (part of) an assignment, `for` or `with` target."""
+    parent = ctx.parent(node)
+    while type(parent) in (cst.Element, cst.Tuple, cst.List, cst.StarredElement):
+        node, parent = parent, ctx.parent(parent)
+    if type(parent) is cst.AssignTarget:
+        return True
+    if type(parent) in (cst.AnnAssign, cst.AugAssign, cst.For, cst.CompFor) and parent.target is node:
+        return True
+    return type(parent) is cst.AsName
+
+
 def _iteration_site(node: cst.CSTNode, ctx) -> Optional[cst.CSTNode]:
     """The `for` or comprehension whose iterable holds `node` (`for b in tqdm(loader)`)."""
     child = node
@@ -1068,6 +1135,17 @@ def _iteration_site(node: cst.CSTNode, ctx) -> Optional[cst.CSTNode]:
             return None
         child = anc
     return None
+
+
+def loader_expr(ctx, node: cst.BaseExpression) -> cst.BaseExpression:
+    """`enumerate(tqdm(loader))` -> `loader`: what a loop's iterable iterates."""
+    while isinstance(node, cst.Call) and node.args and node.args[0].keyword is None:
+        func = node.func
+        if (isinstance(func, cst.Name) and func.value in ("enumerate", "iter")) or ctx.resolve(func) in TQDM_CALLS:
+            node = node.args[0].value
+        else:
+            break
+    return node
 
 
 def calls_within(ctx, node: cst.CSTNode) -> List[cst.Call]:

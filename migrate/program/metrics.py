@@ -11,7 +11,11 @@ where a reduction or a gather goes (TM701, TM702, TM703).
 - what happens to names after a loop (`events_after`: their reads, augmented assignments, and
   whether a collective runs before they are rebound; `binding_of`, `is_load`, `is_store`),
   over a source-order index of names, calls and collectives (`source_index`);
-- which calls compute a metric that needs every sample (`metric_name`).
+- which calls compute a metric that needs every sample (`metric_name`);
+- the sums a loop adds to and whether one reduction after it keeps their divisions right
+  (`loop_sums`, given the `ExactDenominators` of how its loader is sharded), and whether a list's
+  only use after the loop is its mean (`means_only`): what TM701 and TM703 rewrite, and what the
+  data plan counts as reduced when it decides whether an evaluation loader may be sharded.
 
 Name resolution uses the import table (`ctx.resolve`), never across modules.
 """
@@ -26,22 +30,17 @@ import libcst as cst
 
 from torchmigrate import analysis
 from torchmigrate.program.collectives import is_collective
-from torchmigrate.program.loaders import DATALOADERS
-from torchmigrate.program.loaders import TQDM_CALLS
+from torchmigrate.program.loaders import DATALOADERS, TQDM_CALLS, loader_expr, refs_at  # noqa: F401 (loader_expr: re-exported)
 from torchmigrate.program.scopes import scope_of
+from torchmigrate.program.splits import named_like_loader  # noqa: F401 (re-exported)
 from torchmigrate.program.syntax import body_of, index_in
 from torchmigrate.syntax.imports import dotted
+from torchmigrate.syntax.nodes import code
 
 if TYPE_CHECKING:
     from torchmigrate.rule import Context
 
 _WRAPPERS = {"enumerate", "iter", "zip"}
-
-
-def named_like_loader(name: str) -> bool:
-    """A dotted name that reads as a data loader: `val_loader`, `self.dl`, `train_dl`."""
-    last = name.rsplit(".", 1)[-1].lower()
-    return "loader" in last or last in ("dl", "dls") or last.endswith("_dl") or last.startswith("dl_")
 
 
 def loader_names(ctx: Context) -> Set[str]:
@@ -68,7 +67,8 @@ def loader_names(ctx: Context) -> Set[str]:
 
 def iterates_loader(ctx: Context, node: cst.BaseExpression, known: Optional[Set[str]] = None) -> bool:
     """`loader`, `self.val_loader`, `loaders["val"]`, `enumerate(loader)`, `tqdm(loader)`, `pbar`
-    (bound to `tqdm(loader)`), a name bound to `DataLoader(...)`."""
+    (bound to `tqdm(loader)`), a name bound to `DataLoader(...)`, a parameter or alias that the
+    loader facts follow to a DataLoader of this module."""
     if isinstance(node, cst.Call):
         func = node.func
         resolved = ctx.resolve(func)
@@ -80,6 +80,7 @@ def iterates_loader(ctx: Context, node: cst.BaseExpression, known: Optional[Set[
         if resolved in TQDM_CALLS and node.args and node.args[0].keyword is None:
             return iterates_loader(ctx, node.args[0].value, known)
         return False
+    expression = node
     if isinstance(node, cst.Subscript):
         node = node.value
     name = dotted(node)
@@ -88,7 +89,8 @@ def iterates_loader(ctx: Context, node: cst.BaseExpression, known: Optional[Set[
     if named_like_loader(name):
         return True
     names = known if known is not None else loader_names(ctx)
-    return name in names
+    # a name the loader facts follow to a DataLoader of this module (`def evaluate(model, data)`)
+    return name in names or (known is None and bool(refs_at(ctx, expression)))
 
 
 def loader_loop(ctx: Context, node: cst.CSTNode) -> Optional[cst.For]:
@@ -99,17 +101,6 @@ def loader_loop(ctx: Context, node: cst.CSTNode) -> Optional[cst.For]:
         if isinstance(anc, cst.For) and iterates_loader(ctx, anc.iter):
             return anc
     return None
-
-
-def loader_expr(ctx: Context, node: cst.BaseExpression) -> cst.BaseExpression:
-    """`enumerate(tqdm(loader))` -> `loader`."""
-    while isinstance(node, cst.Call) and node.args and node.args[0].keyword is None:
-        func = node.func
-        if (isinstance(func, cst.Name) and func.value in ("enumerate", "iter")) or ctx.resolve(func) in TQDM_CALLS:
-            node = node.args[0].value
-        else:
-            break
-    return node
 
 
 def is_number(node: cst.BaseExpression) -> bool:
@@ -358,3 +349,225 @@ def metric_name(ctx: Context, call: cst.Call) -> Optional[str]:
     if name.startswith(_METRIC_MODULES) or set(lower.split("_")) & _METRIC_TOKENS or any(w in lower for w in _METRIC_WORDS):
         return last
     return None
+
+
+# --- the sums of a loop, and whether a reduction keeps their divisions right -------------------
+
+@dataclass
+class ExactDenominators:
+    """`len(...)` denominators that stay exact once a loop's sums are reduced across ranks, given
+    how its loader is sharded (the metrics plan knows that: `rules/metrics/plan.exact_lens`)."""
+
+    dataset: Set[str] = field(default_factory=set)  # len(X) = whole dataset, loader unpadded (tm.eval_sampler)
+    batches: Set[str] = field(default_factory=set)  # len(X) = per-rank batch count, equal on every rank
+
+
+_SAFE_FUNCS = {"max", "min", "float", "int", "abs", "round"}
+_SAFE_METHODS = {"item", "float", "double", "cpu", "long"}
+_DIVISIONS = (cst.Divide, cst.FloorDivide)
+_DIVISION_ASSIGNS = (cst.DivideAssign, cst.FloorDivideAssign, cst.MultiplyAssign)
+
+
+def _closed(node: cst.CSTNode, group: Set[str], lens: Set[str] = frozenset()) -> bool:
+    """Only accumulators of `group`, numbers, max/min/float/int/abs/round, and `len(X)` for X in `lens`."""
+    if isinstance(node, cst.Name):
+        return node.value in group
+    if isinstance(node, (cst.Integer, cst.Float)):
+        return True
+    if isinstance(node, cst.BinaryOperation):
+        return _closed(node.left, group, lens) and _closed(node.right, group, lens)
+    if isinstance(node, cst.UnaryOperation):
+        return _closed(node.expression, group, lens)
+    if isinstance(node, cst.Call):
+        func = node.func
+        if isinstance(func, cst.Name) and func.value in _SAFE_FUNCS:
+            return all(_closed(a.value, group, lens) for a in node.args)
+        if isinstance(func, cst.Name) and func.value == "len" and len(node.args) == 1 and lens:
+            return code(node.args[0].value).replace(" ", "") in lens
+        if isinstance(func, cst.Attribute) and func.attr.value in _SAFE_METHODS and not node.args:
+            return _closed(func.value, group, lens)
+        return False
+    return False
+
+
+def _classify(left: cst.CSTNode, right: cst.CSTNode, whole: cst.CSTNode, group: Set[str],
+              exact: ExactDenominators) -> Optional[str]:
+    """How a division involving accumulators stays right after reducing: "sum" (reduce with a
+    sum), "mean" (`x / len(loader)`: average over ranks), or None (foreign denominator)."""
+    if _closed(whole, group) or (exact.dataset and _closed(whole, group, exact.dataset)):
+        return "sum"
+    if exact.batches and _closed(left, group) and isinstance(right, cst.Call) and _closed(right, set(), exact.batches):
+        return "mean"
+    return None
+
+
+def _divisions_of(ctx: Context, use: cst.Name) -> List[cst.BinaryOperation]:
+    out = []
+    for anc in ctx.ancestors(use):
+        if isinstance(anc, (cst.BaseSmallStatement, cst.BaseCompoundStatement)):
+            break
+        if isinstance(anc, cst.BinaryOperation) and isinstance(anc.operator, _DIVISIONS):
+            out.append(anc)
+    return out
+
+
+@dataclass
+class Sums:
+    """The numbers a loop adds to (`correct += ...`, `total += y.size(0)`) and what a reduction
+    after the loop would make of them (`loop_sums`)."""
+
+    # reducible: name -> "sum" (`tm.all_reduce(x)`) or "mean" (`op="mean"`, a sum over len(loader))
+    kinds: Dict[str, str] = field(default_factory=dict)
+    # a division after the loop that a reduction would make wrong: name -> that division (or `x /= d`)
+    foreign: Dict[str, cst.CSTNode] = field(default_factory=dict)
+    reduced: Set[str] = field(default_factory=set)  # a collective already runs after the loop
+
+
+def loop_sums(ctx: Context, loop: cst.For, names: List[str], exact: ExactDenominators) -> Sums:
+    """Which of `names` (added to with `+=` in `loop`) are sums that one reduction right after
+    the loop makes right: set to a number before the loop (in the same pass of any enclosing
+    loop), never rebound in it, used after it, not added to after it, and every division they
+    take part in after the loop stays right once they are reduced (`ExactDenominators`). A
+    loop that may be left early (`return`, `yield`) has none: some ranks would never reach a
+    reduction after it."""
+    out = Sums()
+    if ctx.within(loop.body, cst.Return, cst.Yield, skip_defs=True):
+        return out
+    candidates = []
+    for name in names:
+        found, value = initial_value(ctx, loop, name)
+        if found and value is not None and is_number(value) and not reassigned_in(ctx, loop, name):
+            candidates.append(name)
+    if not candidates:
+        return out
+    events = events_after(ctx, loop, set(candidates))
+    group = set()
+    for name in candidates:
+        ev = events[name]
+        if ev.collective and (ev.uses or ev.augs):
+            out.reduced.add(name)
+            continue
+        if ev.collective or not ev.uses and not ev.augs:
+            continue  # not used after the loop
+        if any(isinstance(a.operator, (cst.AddAssign, cst.SubtractAssign)) for a in ev.augs):
+            continue  # accumulated further after the loop: unclear where to reduce
+        group.add(name)
+    changed = True
+    while changed and group:
+        changed = False
+        kinds: Dict[str, str] = {}
+        for name in sorted(group):
+            ev = events[name]
+            found: Set[Optional[str]] = set()
+            bad = None
+            for a in ev.augs:
+                if isinstance(a.operator, _DIVISION_ASSIGNS):
+                    k = _classify(a.target, a.value, a.value, group, exact) \
+                        if not isinstance(a.operator, cst.MultiplyAssign) else ("sum" if _closed(a.value, group) else None)
+                    found.add(k)
+                    if k is None and bad is None:
+                        bad = a
+            for use in ev.uses:
+                divisions = _divisions_of(ctx, use)
+                if not divisions:
+                    found.add("plain")
+                for d in divisions:
+                    k = _classify(d.left, d.right, d, group, exact)
+                    found.add(k)
+                    if k is None and bad is None:
+                        bad = d
+            if bad is None and "mean" in found and found != {"mean"}:
+                bad = next((d for use in ev.uses for d in _divisions_of(ctx, use)), None) or ev.uses[0]
+            if bad is not None:
+                out.foreign[name] = bad
+                group.discard(name)
+                changed = True
+            else:
+                kinds[name] = "mean" if found == {"mean"} else "sum"
+        out.kinds = kinds
+    return out
+
+
+# --- lists of per-batch values whose only use is their mean ----------------------------------
+
+# Calls that turn a list into its mean: the result is the same whichever rank's values it holds,
+# so gathering every rank's values into it is right whether or not the loader was sharded.
+MEAN_CALLS = frozenset({"mean", "fmean", "average", "nanmean"})
+_TO_ARRAY = frozenset({"tensor", "as_tensor", "stack", "array", "asarray", "Tensor", "FloatTensor"})
+
+
+def means_only(ctx: Context, loop: cst.For, name: str) -> bool:
+    """Every use of the list `name` after `loop` (in its scope, before a rebinding) is inside a
+    mean: `sum(x) / len(x)`, `np.mean(x)`, `statistics.mean(x)`, `torch.tensor(x).mean()`, a mean
+    over its items (`np.mean([d["acc"] for d in x])`)."""
+    index = source_index(ctx)
+    begin = index.end[loop]
+    scope = scope_of(ctx, loop)
+    uses = 0
+    for order, n in index.names(name):
+        if order <= begin or scope_of(ctx, n) is not scope or not is_load(ctx, n):
+            continue
+        if binding_of(ctx, n) is not None:
+            continue  # `losses = np.mean(losses)`: the target; its value's uses are checked
+        if not _in_mean(ctx, n, name):
+            return False
+        uses += 1
+        statement = ctx.statement_of(n)
+        if any(binding_of(ctx, t) is not None for t in ctx.within(statement, cst.Name) if t.value == name):
+            break  # rebound here: later uses are of the mean, not the list
+    return uses > 0
+
+
+def _in_mean(ctx: Context, use: cst.Name, name: str) -> bool:
+    parent = ctx.parent(use)
+    if isinstance(parent, cst.CompFor) and parent.iter is use:
+        # `np.mean([x["acc"] for x in summ])`: a mean over the (gathered) list's items
+        comp = ctx.parent(parent)
+        if isinstance(comp, (cst.ListComp, cst.GeneratorExp)) and isinstance(ctx.parent(comp), cst.Arg):
+            return _in_mean_call(ctx, ctx.parent(comp), name)
+        return False
+    if isinstance(parent, cst.Subscript) and _is_first_item(parent) and isinstance(ctx.parent(parent), cst.CompFor) \
+            and ctx.parent(parent).iter is parent:
+        return True  # `for metric in summ[0]`: the keys of one item, the same on every rank
+    if not isinstance(parent, cst.Arg):
+        return False
+    return _in_mean_call(ctx, parent, name)
+
+
+def _in_mean_call(ctx: Context, parent: cst.Arg, name: str) -> bool:
+    """`parent` is the first and only argument of a mean (or a side of sum/len)."""
+    call = ctx.parent(parent)
+    if not isinstance(call, cst.Call) or call.args[0] is not parent:
+        return False
+    label = (dotted(call.func) or "").rsplit(".", 1)[-1]
+    if label in MEAN_CALLS and len(call.args) == 1:
+        return True
+    if label in _TO_ARRAY:  # torch.tensor(losses).mean()
+        attr = ctx.parent(call)
+        return (isinstance(attr, cst.Attribute) and attr.attr.value in MEAN_CALLS
+                and isinstance(ctx.parent(attr), cst.Call))
+    if label in ("sum", "len") and len(call.args) == 1:
+        return _sum_over_len(ctx, call, name)
+    return False
+
+
+def _is_first_item(node: cst.Subscript) -> bool:
+    """`x[0]`."""
+    if len(node.slice) != 1 or not isinstance(node.slice[0].slice, cst.Index):
+        return False
+    value = node.slice[0].slice.value
+    return isinstance(value, cst.Integer) and value.value == "0"
+
+
+def _sum_over_len(ctx: Context, call: cst.Call, name: str) -> bool:
+    """`call` (`sum(x)` or `len(x)`) is a side of `sum(x) / len(x)` (also `max(len(x), 1)`)."""
+    node: cst.CSTNode = call
+    parent = ctx.parent(node)
+    if isinstance(parent, cst.Arg):  # max(len(x), 1)
+        outer = ctx.parent(parent)
+        if isinstance(outer, cst.Call) and dotted(outer.func) == "max":
+            node, parent = outer, ctx.parent(outer)
+    if not (isinstance(parent, cst.BinaryOperation) and isinstance(parent.operator, cst.Divide)):
+        return False
+    left, right = code(parent.left).replace(" ", ""), code(parent.right).replace(" ", "")
+    return left == f"sum({name})" and right in (f"len({name})", f"max(len({name}),1)", f"max(1,len({name}))")

@@ -55,8 +55,9 @@ class DataRule(Rule):
                        else f'{loader.kwargs_shuffle}.get("shuffle", False)' if loader.kwargs_shuffle else "False")
             if loader.kind == "mixed":
                 train_shuffle = "True" if loader.condition_is_shuffle else shuffle
+                evaluation = "None" if plan.eval_whole(loader) else f"{tm}.eval_sampler({dataset_text})"
                 sampler_text = (f"{tm}.sampler({dataset_text}, shuffle={train_shuffle}) if {loader.condition} "
-                                f"else {tm}.eval_sampler({dataset_text})")
+                                f"else {evaluation}")
             else:
                 sampler_text = f"{tm}.sampler({dataset_text}, shuffle={shuffle})"
         sampler = expr(sampler_text)
@@ -106,6 +107,28 @@ class DataRule(Rule):
     def manual(self, loader: Loader) -> None:
         self.report(loader.call, self.plan.of(loader).reason)
 
+
+    def keep_whole(self, loader: Loader) -> None:
+        """An evaluation loader (or the evaluation half of a mixed one) whose shards the program
+        model cannot prove reduced: every rank evaluates the whole set, and the report's notes
+        say so, with why and what it costs."""
+        what = f"`{loader.target}`" if loader.target else "this DataLoader"
+        half = "'s evaluation branch" if loader.kind == "mixed" else ""
+        self.report(loader.call, f"{what}{half} kept whole: every rank evaluates the whole set, as the original "
+                                 "did, so its numbers agree across ranks (the cost: each rank does the whole "
+                                 f"evaluation's work). Not sharded because {self.plan.of(loader).unproven}; "
+                                 "`--shard-eval` shards it anyway", note=True)
+
+    def sharded_unproven(self, loader: Loader) -> None:
+        """An evaluation loader sharded by `--shard-eval` although the program model cannot prove
+        every value computed from it reduced: a TODO names the value."""
+        why = self.plan.of(loader).unproven
+        if why and self.ctx.options.shard_eval:
+            what = "its evaluation branch sharded" if loader.kind == "mixed" else "sharded"
+            self.report(loader.call, f"{what} by --shard-eval (or `shard-eval = true`), but sharding may change what "
+                                     f"is computed from it, as not every value is proven reduced across ranks: {why}. "
+                                     "Make that value right across ranks by hand (TM701/TM702/TM703 reduce what they "
+                                     "can), or evaluate the whole set on every rank (without --shard-eval)")
 
     def keep_ordered(self, loader: Loader) -> None:
         """A loader whose batches the code pairs with its dataset's fields in dataset order is

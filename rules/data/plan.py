@@ -13,7 +13,23 @@ this run does with it.
   shuffle=False)`` (``eval_with_grad``): a DDP forward then broadcasts buffers, so ranks must
   run equal batch counts or they hang;
 - ``needs_epoch``: its sampler reshuffles, so epoch loops over it need ``set_epoch`` (TM202);
-- ``reason``: what to do by hand when no rule can (the TODO of a manual finding).
+- ``reason``: what to do by hand when no rule can (the TODO of a manual finding);
+- ``unproven``: for an evaluation loader (or the evaluation half of a mixed one), why the
+  program model cannot prove that every value computed from it is reduced across ranks before
+  it is used ("" when it can). Such a loader is kept whole (``sampler`` None, or None in the
+  evaluation branch of a mixed loader): every rank evaluates the whole set, as the original
+  did, and its numbers agree across ranks. With `Options.shard_eval` it is sharded anyway and
+  the reason becomes a TODO.
+
+An evaluation loader is proven when every use of it in its module is a `for` loop over it
+(`LoaderFacts.consumers`: handed to another module, returned to one, counted with `len()`, it
+is not), its batch size is not read as a shape (`Loader.sized_by`), and every loop over it runs
+under `no_grad` on every rank, runs to its end, and leaves behind only what the metrics rules
+reduce (`loop_effects`): sums that TM701 reduces exactly (`loop_sums`, with `len(dataset)`
+exact for an unpadded shard) and lists of per-batch values whose only use is their mean, which
+TM703 gathers. Anything else a loop keeps (a metric object's state, a list of predictions, an
+attribute, a file) is a value the tool cannot reduce, and a sharded loader would make it one
+rank's value.
 
 A training loader gets the status ``"whole"`` (no sampler, every rank iterates all of it) when
 the program trains but wraps no model in DDP (`Options.shard_training`): shards would train a
@@ -42,7 +58,11 @@ from torchmigrate.syntax.imports import dotted
 from torchmigrate.syntax.nodes import code
 from torchmigrate.program.batches import BatchFacts, BatchLoop, FullBatchLoss, batch_facts
 from torchmigrate.program.facts import iterator_builders_of, training_text
-from torchmigrate.program.loaders import Loader, LoaderFacts, is_literal, is_pure, loader_facts
+from torchmigrate.program.loaders import Loader, LoaderFacts, is_literal, is_pure, loader_expr, loader_facts, refs_at
+from torchmigrate.program.loop_effects import loop_effects
+from torchmigrate.program.metrics import (ExactDenominators, Sums, loop_sums, means_only, reassigned_in,
+                                          starts_empty_list)
+from torchmigrate.program.rank_guards import collective_guard
 
 _COMPREHENSIONS = (cst.ListComp, cst.SetComp, cst.DictComp, cst.GeneratorExp)
 UNWRAPPED = ("kept whole: no model of the program is wrapped in DDP (see TM301), so shards would train a different "
@@ -60,6 +80,7 @@ class LoaderPlan:
     sampler: Optional[str] = None
     needs_epoch: bool = False
     eval_with_grad: bool = False  # an evaluation loop over it runs with gradients enabled
+    unproven: str = ""  # why its evaluation shards cannot be proven reduced ("" when they can)
 
 
 @dataclass(eq=False)
@@ -276,8 +297,66 @@ class DataPlan:
         if plan.status != "plain" or facts.skip_file or loader.ordered:
             return None
         if loader.kind == "eval":
-            return None if facts.distributed or loader.grouped else "eval"
+            if facts.distributed or loader.grouped:
+                return None
+            plan.unproven = self._unproven(loader)
+            return None if plan.unproven and not self.ctx.options.shard_eval else "eval"
+        if loader.kind == "mixed":
+            plan.unproven = self._unproven(loader)
         return "distributed" if loader.kind == "train" else "mixed"
+
+    def eval_whole(self, loader: Loader) -> bool:
+        """The loader's evaluation shards are not proven reduced and stay whole (the evaluation
+        branch of a mixed loader gets no sampler)."""
+        return bool(self.of(loader).unproven) and not self.ctx.options.shard_eval
+
+    def _unproven(self, loader: Loader) -> str:
+        """Why sharding this evaluation loader could change what the program computes from it
+        ("" when every value computed from it is proven reduced: see the module docstring)."""
+        facts = self.facts
+        if loader.sized_by:
+            return f"a loop over it reads its batch size `{loader.sized_by}` as a shape, which a rank's last batch may not fill"
+        loops, escapes = facts.consumers(loader)
+        if escapes:
+            node, why = escapes[0]
+            return why + _where(self.ctx, node)
+        if not loops:
+            return "no loop of this module iterates it"
+        for loop in loops:
+            why = self._loop_unproven(loader, loop)
+            if why:
+                return why
+        return ""
+
+    def _loop_unproven(self, loader: Loader, loop: cst.For) -> str:
+        ctx = self.ctx
+        where = _where(ctx, loop)
+        if not self.facts.grad_free(loop, 0):
+            return (f"the loop over it{where} runs with gradients enabled, where a DDP forward needs the same number "
+                    "of batches on every rank")
+        if collective_guard(ctx, loop) is not None:
+            return f"the loop over it{where} runs on some ranks only (a rank guard), where nothing can be reduced"
+        effects = loop_effects(ctx, loop)
+        if effects.leaves_early is not None:
+            return f"the loop over it{where} may stop early (`{code(effects.leaves_early).strip()[:40]}`)"
+        loaders = [x for r in refs_at(ctx, loader_expr(ctx, loop.iter)) for x in r.loaders]
+        exact = ExactDenominators()
+        if loaders == [loader]:  # what TM701 may divide by once the loader has `tm.eval_sampler`
+            exact.dataset.add(code(loader_expr(ctx, loop.iter)).replace(" ", "") + ".dataset")
+            if isinstance(loader.dataset, (cst.Name, cst.Attribute)):
+                exact.dataset.add(code(loader.dataset))
+        sums = loop_sums(ctx, loop, list(effects.bound), exact) if "TM701" in ctx.enabled else Sums()
+        for name in effects.bound:
+            if sums.kinds.get(name) != "sum" and name not in sums.reduced:
+                return f"`{name}` carries per-batch values out of the loop over it{where}"
+        for name in effects.appended:
+            if not ("TM703" in ctx.enabled and starts_empty_list(ctx, loop, name)
+                    and not reassigned_in(ctx, loop, name) and means_only(ctx, loop, name)):
+                return f"`{name}` collects per-batch values{where} that are used other than in a mean"
+        if effects.kept:
+            _node, what = effects.kept[0]
+            return f"{what} in the loop over it{where}"
+        return ""
 
     def _needs_epoch(self, loader: Loader, plan: LoaderPlan) -> bool:
         if self.facts.skip_file or loader.kind == "eval":
@@ -325,6 +404,12 @@ def training_args(call: cst.Call, positions: Tuple[int, ...]) -> List[cst.Arg]:
     """The data arguments of a call of an iterator builder (at `positions`; -1: every positional one)."""
     positional = [a for a in call.args if a.keyword is None and not a.star]
     return positional if -1 in positions else [positional[p] for p in positions if p < len(positional)]
+
+
+def _where(ctx, node: cst.CSTNode) -> str:
+    """` in `evaluate()`` for a node inside a function (or method), else ""."""
+    fn = ctx.enclosing(node, cst.FunctionDef)
+    return f" in `{fn.name.value}()`" if fn is not None else ""
 
 
 def _within(node: cst.CSTNode, container: cst.CSTNode, ctx) -> bool:

@@ -36,6 +36,10 @@ class DistSampler(DataRule):
     `SequentialSampler` when not shuffling) in a plain `python train.py` run.
 
     Loaders whose name, dataset or enclosing function says val/test/eval/dev are left to TM203.
+    A loader built for both (`shuffle=is_train`, a dict comprehension over `["train", "val"]`)
+    gets `tm.sampler(...) if <training> else ...`, where the evaluation branch follows TM203's
+    decision: `tm.eval_sampler(...)` where what is computed from it is proven reduced, else
+    `None` (every rank evaluates the whole set; a note says so).
     Where the loop over a training loader reads the loader's batch size as a shape
     (`out.view(opt.batch_size, 4, 4)`, `torch.ones(opt.batch_size, 1)`), the loader also gets
     `drop_last=True`: the whole dataset may divide into full batches while a rank's share of it
@@ -138,6 +142,10 @@ class DistSampler(DataRule):
                 what = f"`{loader.target}`" if loader.target else "this DataLoader"
                 self.add_sampler(loader, f"{what} gives every rank the whole dataset: shard it with a distributed "
                                          f"sampler (`sampler={self.ctx.tm}.sampler(...)`)")
+                if loader.kind == "mixed" and plan.eval_whole(loader):
+                    self.keep_whole(loader)
+                elif loader.kind == "mixed":
+                    self.sharded_unproven(loader)
             elif status == "custom" and loader.custom_arg is not None and not facts.distributed:
                 self._shard_custom(loader)
             elif status == "whole":

@@ -13,45 +13,97 @@ from torchmigrate.rules.data.base import DataRule
 class EvalUnpadded(DataRule):
     """
     ## What it does
-    Gives evaluation loaders (their name, dataset, enclosing function or a `train=False` /
-    `split="val"` argument says val/valid/validation/test/eval/dev) an unpadded sampler,
-    `sampler=tm.eval_sampler(dataset)`, and drops `shuffle`. In `lint`, in files that already
-    use torch.distributed, it reports evaluation loaders sharded with a `DistributedSampler`.
+    Shards an evaluation loader (its name, dataset, enclosing function or a `train=False` /
+    `split="val"` argument says val/valid/validation/test/eval/dev) with an unpadded sampler,
+    `sampler=tm.eval_sampler(dataset)`, dropping `shuffle`, **only where the program model
+    proves that every value computed from it is reduced across ranks before it is used**:
+
+    - every use of the loader is a `for` loop of its module (not handed to another module or a
+      library, not returned to another module, not iterated by a comprehension, not counted
+      with `len()`);
+    - each loop runs under `torch.no_grad()` on every rank (no rank guard) and to its end (no
+      `break`/`return`), and no loop reads the loader's batch size as a shape;
+    - each loop leaves behind only sums that TM701 reduces exactly (`correct += ...`,
+      `loss_sum += loss.item() * n` divided by a count or by `len(loader.dataset)`) and lists
+      of per-batch values whose only use is their mean, which TM703 gathers. A metric object
+      (`matrix.add(...)`, `metric.update(...)`), a list of predictions for sklearn, an attribute
+      or a file written in the loop is a value the tool cannot reduce.
+
+    Otherwise the loader is **kept whole**: every rank evaluates the whole set, as the original
+    did, so every rank computes the same numbers and the metrics rules reduce nothing over it
+    (a reduction would count each sample once per rank). The report's notes say so in one line,
+    with the reason. Its cost: each rank does the whole evaluation's work, so evaluation takes as
+    long as in one process instead of 1/N of it (training is still sharded).
+
+    `--shard-eval` (or `shard-eval = true` in `[tool.torchmigrate]`) shards evaluation loaders
+    anyway and leaves a TODO naming the value that is not proven reduced. In `lint`, in files
+    that already use torch.distributed, the rule reports evaluation loaders sharded with a
+    `DistributedSampler`.
 
     An evaluation loader whose batch size is a computed group size (`batch_size=num_neg + 1`:
-    each batch is one user's positive and negatives, read as `item[0]`) is kept unsharded and
-    reported: sharding by sample would split every group across ranks and silently change the
-    metric (found on guoyang9/NCF).
+    each batch is one user's positive and negatives, read as `item[0]`) is kept unsharded even
+    with `--shard-eval`: sharding by sample would split every group across ranks.
 
     ## Why is this bad?
     Without a sampler every rank evaluates the whole set (N times the work); with a
     `DistributedSampler` the set is padded with repeated samples so that it divides evenly, so
     metrics count some samples twice (5 samples on 2 ranks: rank 1 gets `[1, 3, 0]`).
-    `tm.eval_sampler` gives rank r the samples r, r+N, r+2N, ...: each sample exactly once.
-    Reduce the per-rank counts afterwards (TM701) or gather predictions (TM702).
+    `tm.eval_sampler` gives rank r the samples r, r+N, r+2N, ...: each sample exactly once. But a
+    sharded loader makes every value computed from it one rank's value; each one the tool does
+    not reduce is a silent wrong number that then steers training (the best checkpoint, early
+    stopping, `scheduler.step(val_loss)`), and code that relies on full batches or on dataset
+    order breaks. So sharding is for evaluation the tool can prove right.
 
     ## Limitations
-    Ranks may then run one batch fewer than others, which is safe only when no per-batch
-    collective runs during evaluation: evaluate under `torch.no_grad()` (a DDP forward with
-    gradients enabled may broadcast buffers) or through `tm.unwrap(model)`. In files that are
-    already distributed, evaluation loaders without a sampler are left alone (rank-0-only
-    evaluation is a valid design).
+    The proof sees one module: a loader that reaches another module's `evaluate()` is kept
+    whole (the metrics rules there know it from the program's calls, or ask the runtime:
+    `over=loader`). Ranks of a sharded loader may run one batch fewer than others, which is
+    safe only when no per-batch collective runs during evaluation, hence the `no_grad`
+    condition. In files that are already distributed, evaluation loaders without a sampler are
+    left alone (rank-0-only evaluation is a valid design).
     """
 
     code = "TM203"
     name = "eval-unpadded"
-    summary = "Shard evaluation DataLoaders without padding (every sample exactly once)"
+    summary = "Shard evaluation DataLoaders without padding where what is computed from them is reduced"
     safety = Safety.SAFE
     examples = (
         Example(
             before="""
+            import torch
             from torch.utils.data import DataLoader
             val_loader = DataLoader(val_ds, batch_size=128, shuffle=False)
+            correct = total = 0
+            with torch.no_grad():
+                for x, y in val_loader:
+                    correct += (model(x).argmax(1) == y).sum().item()
+                    total += y.size(0)
+            print(correct / total)
             """,
             after="""
+            import torch
             from torch.utils.data import DataLoader
             import torchmigrate.runtime as tm
             val_loader = DataLoader(val_ds, batch_size=128, sampler=tm.eval_sampler(val_ds))
+            correct = total = 0
+            with torch.no_grad():
+                for x, y in val_loader:
+                    correct += (model(x).argmax(1) == y).sum().item()
+                    total += y.size(0)
+                correct, total = tm.all_reduce(correct, total)
+            print(correct / total)
+            """,
+            also=("TM701",),
+        ),
+        Example(
+            before="""
+            import torch
+            from sklearn.metrics import f1_score
+            from torch.utils.data import DataLoader
+            val_loader = DataLoader(val_ds, batch_size=128, shuffle=False)
+            with torch.no_grad():
+                preds = [model(x).argmax(1) for x, _ in val_loader]
+            print(f1_score(val_ds.targets, torch.cat(preds), average="macro"))
             """,
         ),
         Example(
@@ -62,9 +114,11 @@ class EvalUnpadded(DataRule):
             after="""
             import torch.utils.data as data
             import torchmigrate.runtime as tm
+            # TODO(torchmigrate): TM203 sharded by --shard-eval (or `shard-eval = true`), but sharding may change what is computed from it, as not every value is proven reduced across ranks: no loop of this module iterates it. Make that value right across ranks by hand (TM701/TM702/TM703 reduce what they can), or evaluate the whole set on every rank (without --shard-eval)
             test_dataset = datasets.MNIST("data", train=False)
             test_loader = data.DataLoader(test_dataset, batch_size=1000, sampler=tm.eval_sampler(test_dataset))
             """,
+            flags=("--shard-eval",),
         ),
     )
 
@@ -85,6 +139,8 @@ class EvalUnpadded(DataRule):
                                          "batch is one group (a user's candidate items, a query's documents) that "
                                          "sharding by sample would split; every rank evaluates the whole set, so "
                                          "its metrics agree across ranks: shard whole batches by hand for a speed-up")
+            elif status == "plain" and not facts.distributed and plan.eval_whole(loader):
+                self.keep_whole(loader)
             elif status == "plain" and not facts.distributed:
                 what = f"`{loader.target}`" if loader.target else "this evaluation DataLoader"
                 if plan.of(loader).eval_with_grad:
@@ -96,6 +152,7 @@ class EvalUnpadded(DataRule):
                 else:
                     self.add_sampler(loader, f"{what} gives every rank the whole evaluation set: shard it without "
                                              f"padding (`sampler={tm}.eval_sampler(...)`) so each sample counts once")
+                self.sharded_unproven(loader)
             elif status in ("custom", "iterable", "unknown", "unhoistable") and not facts.distributed:
                 self.manual(loader)
             elif status == "distributed" and not self.ctx.options.migrating and self._padded(loader):

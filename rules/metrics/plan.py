@@ -1,5 +1,11 @@
 """The metrics family's decisions: how the loader of a loop is sharded once this run's fixes are
-in, and so which `len(...)` denominators stay exact when TM701 reduces the sums of the loop.
+in (`loop_sharding`: sharded, whole, or unknown and left to the runtime), and so whether the
+values a loop computes need a reduction at all and which `len(...)` denominators stay exact when
+TM701 reduces the sums of the loop.
+
+A loop over a loader that every rank iterates in full (an evaluation loader kept whole) computes
+the whole data's numbers on every rank: reducing them again would count each sample once per
+rank, so the metrics rules leave it alone.
 
 A loader the data rules give an unpadded `tm.eval_sampler` (TM203) makes `len(loader.dataset)`
 exact for summed counts; one with a padded distributed sampler (TM201, or a `DistributedSampler`
@@ -10,39 +16,39 @@ over the ranks instead. The loader facts say which loaders an expression denotes
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Optional, Set
 
 import libcst as cst
 
+from torchmigrate import analysis
 from torchmigrate.syntax.nodes import code
 from torchmigrate.program.loaders import DIST_SAMPLERS, refs_at
-from torchmigrate.program.metrics import loader_expr
+from torchmigrate.program.metrics import ExactDenominators, loader_expr
 from torchmigrate.rule import Context
 from torchmigrate.rules.data.plan import data_plan
 from torchmigrate.options import RUNTIME_MODULE as RUNTIME
 
 
-@dataclass
-class ExactDenominators:
-    """`len(...)` denominators that stay exact after a reduction, from the loop's loaders."""
-
-    dataset: Set[str] = field(default_factory=set)  # len(X) = whole dataset, loader unpadded (tm.eval_sampler)
-    batches: Set[str] = field(default_factory=set)  # len(X) = per-rank batch count, equal on every rank
-
-
 def _sharding(ctx: Context, loader) -> Optional[str]:
-    """"eval" (unpadded: every sample once), "distributed" (padded, equal batch counts) or None,
-    for a loader of the loader facts, once this run's fixes are in (the data plan)."""
-    decided = data_plan(ctx).of(loader)
+    """How a loader of the loader facts is sharded once this run's fixes are in (the data
+    plan): "eval" (unpadded: every sample once), "distributed" (padded, equal batch counts),
+    "mixed" (one of those, by its condition), "planned" (sharded by the plan's decision, through
+    a rule this run does not apply), "whole" (every rank iterates all of it: an evaluation loader
+    kept whole, a loader the plan gives no sampler) or None (unknown: the loader's sampling is
+    hidden, or half of it is kept whole)."""
+    plan = data_plan(ctx)
+    decided = plan.of(loader)
     status, call = decided.status, loader.call
     if status == "plain":
-        fixed = {f.code for f in ctx.findings if f.edits and f.node is call}
-        if "TM203" in fixed and decided.sampler == "eval":
-            return "eval"
-        if "TM201" in fixed and decided.sampler == "distributed":
-            return "distributed"
-        return None
+        if not ctx.options.migrating:  # lint: TM201 says a plain training loader must be sharded
+            return "whole" if loader.kind == "eval" else "planned"
+        if decided.sampler is None:
+            return "whole"
+        if ("TM203" if loader.kind == "eval" else "TM201") not in ctx.enabled:
+            return "planned"  # the plan shards it, by a rule this run does not apply
+        if decided.sampler == "mixed":
+            return None if plan.eval_whole(loader) else "mixed"
+        return decided.sampler  # "eval" or "distributed"
     if status == "distributed" and isinstance(call, cst.Call):
         for a in call.args:
             if a.keyword is not None and a.keyword.value == "sampler" and isinstance(a.value, cst.Call):
@@ -52,7 +58,49 @@ def _sharding(ctx: Context, loader) -> Optional[str]:
                 if name in (RUNTIME + ".sampler", *DIST_SAMPLERS):
                     return "distributed"
         return "distributed" if decided.sampler == "distributed" else None
+    if status == "custom":
+        return "distributed" if decided.sampler == "distributed" else "whole"
+    if status == "sharded":
+        return "distributed"
+    if status == "whole":
+        return "whole"
     return None
+
+
+def loop_sharding(ctx: Context, loop: cst.For) -> str:
+    """"sharded", "whole" or "unknown": whether the loader `loop` iterates gives each rank its
+    own part of the data once this run's fixes are in. Known for a loader of this module (the
+    data plan) and for a parameter that other modules hand loaders whose names say their split
+    (`ModuleView.loader_params`: an evaluation loader reaching another module is never proven
+    reduced, so it stays whole unless `--shard-eval`; a training loader is sharded while the
+    program wraps a model). Where nothing is known of the loader, a loop that runs a backward
+    pass iterates training data, sharded. Otherwise "unknown" (some of its loaders sharded and
+    some not, as a loader built for both splits whose evaluation half stays whole, or nothing
+    known): the runtime decides (`tm.all_reduce(..., over=loader)`)."""
+    node = loader_expr(ctx, loop.iter)
+    states: Set[Optional[str]] = set()
+    try:
+        states |= {_sharding(ctx, x) for r in refs_at(ctx, node) for x in r.loaders}
+    except Exception:  # noqa: BLE001 - an optional refinement: without it the runtime decides
+        states.add(None)
+    fn = ctx.enclosing(loop, cst.FunctionDef)
+    if isinstance(node, cst.Name) and fn is not None:
+        klass = ctx.enclosing(fn, cst.ClassDef)
+        qual = f"{klass.name.value}.{fn.name.value}" if klass is not None else fn.name.value
+        for split in ctx.program.loader_params.get(qual, {}).get(node.value, ()):
+            if split == "eval":
+                states.add("eval" if ctx.options.shard_eval else "whole")
+            elif split == "train":
+                states.add("distributed" if ctx.options.shard_training else "whole")
+            else:
+                states.add(None)
+    if not states:  # nothing known of the loader: a loop that trains iterates training data
+        return "sharded" if analysis.runs_backward(ctx, loop) else "unknown"
+    if states == {"whole"}:
+        return "whole"
+    if None in states or "whole" in states:
+        return "unknown"  # (a loader built for both splits whose evaluation half stays whole)
+    return "sharded"
 
 
 def exact_lens(ctx: Context, loop: cst.For) -> ExactDenominators:

@@ -14,62 +14,13 @@ import libcst as cst
 
 from torchmigrate import analysis
 from torchmigrate.finding import Safety, insert_after
-from torchmigrate.syntax.nodes import code
-from torchmigrate.program.metrics import (events_after, initial_value, is_number, loader_loop, named_like_loader,
-                                          reassigned_in)
+from torchmigrate.syntax.nodes import code, expr
+from torchmigrate.program.loaders import is_pure
+from torchmigrate.program.metrics import loader_expr, loader_loop, loop_sums, named_like_loader
 from torchmigrate.rule import Context, Example, Rule
 from torchmigrate.program.rank_guards import collective_guard
 from torchmigrate.rules._active import active
-from torchmigrate.rules.metrics.plan import ExactDenominators, exact_lens
-
-
-_SAFE_FUNCS = {"max", "min", "float", "int", "abs", "round"}
-_SAFE_METHODS = {"item", "float", "double", "cpu", "long"}
-
-_DIVISIONS = (cst.Divide, cst.FloorDivide)
-_DIVISION_ASSIGNS = (cst.DivideAssign, cst.FloorDivideAssign, cst.MultiplyAssign)
-
-
-def _closed(node: cst.CSTNode, group: Set[str], lens: Set[str] = frozenset()) -> bool:
-    """Only accumulators of `group`, numbers, max/min/float/int/abs/round, and `len(X)` for X in `lens`."""
-    if isinstance(node, cst.Name):
-        return node.value in group
-    if isinstance(node, (cst.Integer, cst.Float)):
-        return True
-    if isinstance(node, cst.BinaryOperation):
-        return _closed(node.left, group, lens) and _closed(node.right, group, lens)
-    if isinstance(node, cst.UnaryOperation):
-        return _closed(node.expression, group, lens)
-    if isinstance(node, cst.Call):
-        func = node.func
-        if isinstance(func, cst.Name) and func.value in _SAFE_FUNCS:
-            return all(_closed(a.value, group, lens) for a in node.args)
-        if isinstance(func, cst.Name) and func.value == "len" and len(node.args) == 1 and lens:
-            return code(node.args[0].value).replace(" ", "") in lens
-        if isinstance(func, cst.Attribute) and func.attr.value in _SAFE_METHODS and not node.args:
-            return _closed(func.value, group, lens)
-        return False
-    return False
-
-
-def _classify(left: cst.CSTNode, right: cst.CSTNode, whole: cst.CSTNode, group: Set[str], exact: ExactDenominators) -> Optional[str]:
-    """How a division involving accumulators stays right after reducing: "sum" (reduce with a
-    sum), "mean" (`x / len(loader)`: average over ranks), or None (foreign denominator)."""
-    if _closed(whole, group) or (exact.dataset and _closed(whole, group, exact.dataset)):
-        return "sum"
-    if exact.batches and _closed(left, group) and isinstance(right, cst.Call) and _closed(right, set(), exact.batches):
-        return "mean"
-    return None
-
-
-def _divisions_of(ctx: Context, use: cst.Name) -> List[cst.BinaryOperation]:
-    out = []
-    for anc in ctx.ancestors(use):
-        if isinstance(anc, (cst.BaseSmallStatement, cst.BaseCompoundStatement)):
-            break
-        if isinstance(anc, cst.BinaryOperation) and isinstance(anc.operator, _DIVISIONS):
-            out.append(anc)
-    return out
+from torchmigrate.rules.metrics.plan import exact_lens, loop_sharding
 
 
 class ReduceCounts(Rule):
@@ -95,6 +46,14 @@ class ReduceCounts(Rule):
 
     Any other denominator (`len(loader.dataset)` of a padded training loader, `len(loader)` of an
     unpadded one, a loop index, a count from elsewhere) is reported instead, with the line to add.
+
+    Only loops over a sharded loader need it. A loader every rank iterates in full (an
+    evaluation loader TM203 keeps whole, or one the program's other modules hand this function
+    under a name that says validation or test) gives sums of the whole set on every rank, and
+    reducing them would count each sample once per rank: such loops are left alone. Where only
+    the run can tell (a loader handed in from elsewhere, in a loop without a backward pass), the
+    reduction takes the loader, `tm.all_reduce(correct, total, over=val_loader)`, and reduces
+    only when it turns out sharded.
 
     ## Why is this bad?
     Under DDP each rank iterates its own shard, so an accuracy computed from rank-local counts
@@ -133,7 +92,7 @@ class ReduceCounts(Rule):
                     pred = model(x).argmax(1)
                     correct += (pred == y).sum().item()
                     total += y.size(0)
-                correct, total = tm.all_reduce(correct, total)
+                correct, total = tm.all_reduce(correct, total, over=val_loader)
                 return correct / total
             """,
         ),
@@ -152,7 +111,7 @@ class ReduceCounts(Rule):
                 correct = 0
                 for x, y in val_loader:
                     correct += (model(x).argmax(1) == y).sum().item()
-                # TODO(torchmigrate): TM701 `correct` is a sum over this rank's shard but divided by `len(val_loader.dataset)`, the whole dataset: add `correct = tm.all_reduce(correct)` after the loop (exact when the loader is sharded with tm.eval_sampler), or count samples in the loop (`n += y.size(0)`), reduce the count too and divide by it
+                # TODO(torchmigrate): TM701 `correct` is a sum over this rank's shard but divided by `len(val_loader.dataset)`, the whole dataset: add `correct = tm.all_reduce(correct, over=val_loader)` after the loop (exact when the loader is sharded with tm.eval_sampler), or count samples in the loop (`n += y.size(0)`), reduce the count too and divide by it
                 return correct / len(val_loader.dataset)
             """,
         ),
@@ -173,7 +132,8 @@ class ReduceCounts(Rule):
         for aug in self.dict_augs:
             loop = loader_loop(ctx, aug)
             name = aug.target.value.value
-            if loop is None or (loop, name) in seen or analysis.runs_backward(ctx, loop):
+            if loop is None or (loop, name) in seen or analysis.runs_backward(ctx, loop) \
+                    or loop_sharding(ctx, loop) == "whole":
                 continue
             seen.add((loop, name))
             self.report(aug, f"`{name}[...]` sums values over this rank's shard of the loader only: reduce the summed "
@@ -208,143 +168,107 @@ class ReduceCounts(Rule):
 
     def _loop(self, loop: cst.For, names: List[str]) -> None:
         ctx = self.ctx
-        if ctx.within(loop.body, cst.Return, cst.Yield, skip_defs=True):
-            return  # some ranks may leave the loop early and never reach a reduction after it
-        candidates = []
-        for name in names:
-            found, value = initial_value(ctx, loop, name)
-            if found and value is not None and is_number(value) and not reassigned_in(ctx, loop, name):
-                candidates.append(name)
-        if not candidates:
-            return
-        events = events_after(ctx, loop, set(candidates))
-        group = set()
-        for name in candidates:
-            ev = events[name]
-            if ev.collective or not ev.uses and not ev.augs:
-                continue  # already reduced, or not used after the loop
-            if any(isinstance(a.operator, (cst.AddAssign, cst.SubtractAssign)) for a in ev.augs):
-                continue  # accumulated further after the loop: unclear where to reduce
-            group.add(name)
-        if not group:
-            return
+        sharding = loop_sharding(ctx, loop)
+        if sharding == "whole":
+            return  # every rank iterates the whole loader: its sums are the whole data's already
         exact = exact_lens(ctx, loop)
-        foreign: Dict[str, cst.CSTNode] = {}
-        kind: Dict[str, str] = {}
-        changed = True
-        while changed:
-            changed = False
-            kind = {}
-            for name in sorted(group):
-                ev = events[name]
-                kinds: Set[Optional[str]] = set()
-                bad = None
-                for a in ev.augs:
-                    if isinstance(a.operator, _DIVISION_ASSIGNS):
-                        k = _classify(a.target, a.value, a.value, group, exact) if not isinstance(a.operator, cst.MultiplyAssign) \
-                            else ("sum" if _closed(a.value, group) else None)
-                        kinds.add(k)
-                        if k is None and bad is None:
-                            bad = a
-                for use in ev.uses:
-                    divisions = _divisions_of(ctx, use)
-                    if not divisions:
-                        kinds.add("plain")
-                    for d in divisions:
-                        k = _classify(d.left, d.right, d, group, exact)
-                        kinds.add(k)
-                        if k is None and bad is None:
-                            bad = d
-                if bad is None and "mean" in kinds and kinds != {"mean"}:
-                    bad = next((d for use in ev.uses for d in _divisions_of(ctx, use)), None) or ev.uses[0]
-                if bad is not None:
-                    foreign[name] = bad
-                    group.discard(name)
-                    changed = True
-                else:
-                    kind[name] = "mean" if kinds == {"mean"} else "sum"
+        found = loop_sums(ctx, loop, names, exact)
+        kind, foreign = found.kinds, found.foreign
         tm = ctx.tm
-        ordered = [n for n in names if n in group]
+        # a loader whose sharding only the run knows: reduce where it turns out sharded
+        over = code(loader_expr(ctx, loop.iter)) if sharding == "unknown" else None
+        if over is not None and not is_pure(loader_expr(ctx, loop.iter)):
+            over = None
+        ordered = [n for n in names if n in kind]
         if ordered:
             sums = [n for n in ordered if kind.get(n) != "mean"]
             means = [n for n in ordered if kind.get(n) == "mean"]
             depth = sum(1 for a in ctx.ancestors(loop) if isinstance(a, cst.IndentedBlock)) * 4
             lines, statements = [], []
+            extra = f", over={over}" if over else ""
             if sums:
-                lines.append(_reduce_line(tm, sums, "", depth))
-                statements.append(_reduce_statement(tm, sums, False, depth))
+                lines.append(_reduce_line(tm, sums, extra))
+                statements.append(_reduce_statement(tm, sums, "", over, depth))
             if means:
-                lines.append(_reduce_line(tm, means, ', op="mean"', depth))
-                statements.append(_reduce_statement(tm, means, True, depth))
+                lines.append(_reduce_line(tm, means, ', op="mean"' + extra))
+                statements.append(_reduce_statement(tm, means, "mean", over, depth))
             guard = collective_guard(ctx, loop)
             listed = ", ".join(f"`{n}`" for n in ordered)
             one = len(ordered) == 1
+            shard = "this rank's shard" if not over else f"this rank's shard when `{over}` is sharded"
             if guard is not None:
-                self.report(loop, f"{listed} {'counts' if one else 'count'} only this rank's shard, but this loop "
+                self.report(loop, f"{listed} {'counts' if one else 'count'} only {shard}, but this loop "
                                   f"runs under a rank guard, where a reduction would hang the other ranks: evaluate "
                                   f"on every rank and add `{'; '.join(lines)}` after the loop",
                             statement=ctx.statement_of(loop))
             else:
-                self.report(loop, f"{listed} {'counts' if one else 'count'} only this rank's shard; reduce "
-                                  f"{'it' if one else 'them'} across ranks after the loop",
+                self.report(loop, f"{listed} {'counts' if one else 'count'} only {shard}; reduce "
+                                  f"{'it' if one else 'them'} across ranks after the loop"
+                                  + (f" (`over={over}`: left as {'it is' if one else 'they are'} where the loader "
+                                     "is not sharded)" if over else ""),
                             edits=[insert_after(loop, statements)],
                             imports=[ctx.runtime_import()])
         bad_names = [n for n in names if n in foreign]
         if bad_names:
             first = foreign[bad_names[0]]
-            self.report(first, _manual_message(tm, bad_names, _denominator(first), padded=bool(exact.batches)))
+            self.report(first, _manual_message(tm, bad_names, _denominator(first), padded=bool(exact.batches),
+                                               over=over))
 
 
-def _reduce_line(tm: str, names: List[str], extra: str, indent: int) -> str:
+def _reduce_line(tm: str, names: List[str], extra: str) -> str:
     """`a, b = tm.all_reduce(a, b)` as text (for messages)."""
     joined = ", ".join(names)
     return f"{joined} = {tm}.all_reduce({joined}{extra})"
 
 
 _COMMA = cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))
+_EQ = cst.AssignEqual(whitespace_before=cst.SimpleWhitespace(""), whitespace_after=cst.SimpleWhitespace(""))
 
 
-def _reduce_statement(tm: str, names: List[str], mean: bool, indent: int) -> cst.SimpleStatementLine:
-    """`a, b = tm.all_reduce(a, b)` (built directly: parsing costs ~10 ms), broken after the
-    parenthesis when the line would pass 100 columns."""
+def _reduce_statement(tm: str, names: List[str], op: str, over: Optional[str], indent: int) -> cst.SimpleStatementLine:
+    """`a, b = tm.all_reduce(a, b)` (with `op="mean"`, `over=loader` when given; built directly:
+    parsing costs ~10 ms), broken after the parenthesis when the line would pass 100 columns."""
     if len(names) == 1:
         target: cst.BaseExpression = cst.Name(names[0])
     else:
         target = cst.Tuple([cst.Element(cst.Name(n), comma=_COMMA if i < len(names) - 1 else cst.MaybeSentinel.DEFAULT)
                             for i, n in enumerate(names)], lpar=[], rpar=[])
-    args = [cst.Arg(cst.Name(n), comma=_COMMA if i < len(names) - 1 or mean else cst.MaybeSentinel.DEFAULT)
-            for i, n in enumerate(names)]
-    if mean:
-        args.append(cst.Arg(cst.SimpleString('"mean"'), keyword=cst.Name("op"),
-                            equal=cst.AssignEqual(whitespace_before=cst.SimpleWhitespace(""),
-                                                  whitespace_after=cst.SimpleWhitespace(""))))
+    args = [cst.Arg(cst.Name(n)) for n in names]
+    if op:
+        args.append(cst.Arg(cst.SimpleString(f'"{op}"'), keyword=cst.Name("op"), equal=_EQ))
+    if over:
+        args.append(cst.Arg(expr(over), keyword=cst.Name("over"), equal=_EQ))
+    args = [a.with_changes(comma=_COMMA) for a in args[:-1]] + args[-1:]
     call = cst.Call(cst.Attribute(cst.Name(tm), cst.Name("all_reduce")), args)
-    if indent + len(_reduce_line(tm, names, ', op="mean"' if mean else "", 0)) > 100:
+    extra = (f', op="{op}"' if op else "") + (f", over={over}" if over else "")
+    if indent + len(_reduce_line(tm, names, extra)) > 100:
         call = call.with_changes(whitespace_before_args=cst.ParenthesizedWhitespace(
             first_line=cst.TrailingWhitespace(), empty_lines=[], indent=True,
             last_line=cst.SimpleWhitespace("    ")))
     return cst.SimpleStatementLine([cst.Assign([cst.AssignTarget(target)], call)])
 
 
-def _manual_message(tm: str, names: List[str], den: str, padded: bool = False) -> str:
+def _manual_message(tm: str, names: List[str], den: str, padded: bool = False, over: Optional[str] = None) -> str:
+    """What to do about sums divided by a denominator a reduction would not keep right (with
+    `over`: the loader, when only the run knows whether it is sharded)."""
     listed = ", ".join(f"`{n}`" for n in names)
     joined = ", ".join(names)
+    args = joined + (f", over={over}" if over else "")
     one = len(names) == 1
     compact = den.replace(" ", "")
     if compact.startswith("len(") and compact.endswith(".dataset)") or re.match(r"len\(\w*(ds|dataset|data|set)\)$", compact):
         return (f"{listed} {'is a sum' if one else 'are sums'} over this rank's shard but divided by `{den}`, "
-                f"the whole dataset: add `{joined} = {tm}.all_reduce({joined})` after the loop "
+                f"the whole dataset: add `{joined} = {tm}.all_reduce({args})` after the loop "
                 + ("(approximate: the training sampler pads the shards with a few repeated samples)" if padded else
                    f"(exact when the loader is sharded with {tm}.eval_sampler)")
                 + ", or count samples in the loop (`n += y.size(0)`), reduce the count too and divide by it")
     if compact.startswith("len(") and named_like_loader(compact[4:-1]):
-        mean = ", ".join(names)
         return (f"{listed} {'sums' if one else 'sum'} per-batch values over this rank's batches but "
                 f"{'is' if one else 'are'} divided by `{den}`, this rank's batch count: add "
-                f"`{mean} = {tm}.all_reduce({mean}, op=\"mean\")` after the loop to average over the ranks "
+                f"`{joined} = {tm}.all_reduce({args}, op=\"mean\")` after the loop to average over the ranks "
                 f"(their batch counts are equal with a DistributedSampler)")
     return (f"{listed} {'is a sum' if one else 'are sums'} over this rank's shard but divided by `{den}`: "
-            f"reduce {'it' if one else 'them'} after the loop (`{joined} = {tm}.all_reduce({joined})`) "
+            f"reduce {'it' if one else 'them'} after the loop (`{joined} = {tm}.all_reduce({args})`) "
             f"together with a count accumulated in the loop, and divide by the reduced count")
 
 

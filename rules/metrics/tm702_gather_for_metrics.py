@@ -11,11 +11,13 @@ from torchmigrate.finding import Safety
 from torchmigrate.syntax.imports import dotted
 from torchmigrate.syntax.nodes import code
 from torchmigrate.program.loaders import DATALOADERS
-from torchmigrate.program.metrics import binding_of, is_store, loader_loop, metric_name, source_index, starts_empty_list
+from torchmigrate.program.metrics import (binding_of, is_store, loader_expr, loader_loop, metric_name, source_index,
+                                          starts_empty_list)
 from torchmigrate.rule import Context, Example, Rule
 from torchmigrate.program.scopes import names_in, scope_of
 from torchmigrate.program.syntax import iter_nodes
 from torchmigrate.rules._active import active
+from torchmigrate.rules.metrics.plan import loop_sharding
 
 
 _GATHERS = ("gather_for_metrics", "all_gather", "all_gather_object", "gather", "gather_object")
@@ -38,6 +40,11 @@ class GatherForMetrics(Rule):
     need all predictions. `tm.gather_for_metrics` all-gathers them in dataset order (for
     `tm.eval_sampler` loaders) and drops sampler padding given the dataset length, like
     Accelerate's `gather_for_metrics`. It must run on every rank.
+
+    A loop over a loader every rank iterates in full (an evaluation loader TM203 keeps whole)
+    already holds every prediction on every rank: nothing is reported. Where only the run can
+    tell (a loader handed in from another module), the suggested gather takes the loader,
+    `over=loader`, and leaves the predictions as they are where it is not sharded.
 
     ## Limitations
     Report only: where the gathered tensors go (a metric on every rank, or on rank 0) is a choice
@@ -67,7 +74,7 @@ class GatherForMetrics(Rule):
             for x, y in val_loader:
                 preds.append(model(x).sigmoid())
                 labels.append(y)
-            # TODO(torchmigrate): TM702 `labels`, `preds` hold this rank's predictions only, and `roc_auc_score` needs all of them: gather each list on every rank first, e.g. `labels = tm.gather_for_metrics(torch.cat(labels), len(val_loader.dataset))` (it takes tensors and returns them in dataset order)
+            # TODO(torchmigrate): TM702 `labels`, `preds` hold this rank's predictions only when `val_loader` is sharded, and `roc_auc_score` needs all of them: gather each list on every rank first, e.g. `labels = tm.gather_for_metrics(torch.cat(labels), len(val_loader.dataset), over=val_loader)` (it takes tensors and returns them in dataset order; unchanged where the loader is not sharded)
             auc = roc_auc_score(torch.cat(labels), torch.cat(preds))
             """,
         ),
@@ -110,6 +117,9 @@ class GatherForMetrics(Rule):
 
     def _check(self, loop: cst.For, lists: List[str], reported: Set[cst.CSTNode]) -> None:
         ctx = self.ctx
+        sharding = loop_sharding(ctx, loop)
+        if sharding == "whole":
+            return  # every rank predicts the whole set: the metric is the whole set's already
         index = source_index(ctx)
         begin = index.end[loop]
         scope = scope_of(ctx, loop)
@@ -164,11 +174,15 @@ class GatherForMetrics(Rule):
         listed = ", ".join(f"`{s}`" for s in ordered)
         first = ordered[0]
         one = len(ordered) == 1
-        self.report(call, f"{listed} hold{'s' if one else ''} this rank's predictions only, and "
+        loader = code(loader_expr(ctx, loop.iter))
+        when = f" when `{loader}` is sharded" if sharding == "unknown" else ""
+        over = f", over={loader}" if sharding == "unknown" else ""
+        self.report(call, f"{listed} hold{'s' if one else ''} this rank's predictions only{when}, and "
                           f"{', '.join(f'`{m}`' for m in metrics)} need{'s' if len(metrics) == 1 else ''} all of "
                           f"them: gather {'it' if one else 'each list'} on every rank first, e.g. "
-                          f"`{first} = {tm}.gather_for_metrics(torch.cat({first}), {size})` "
-                          f"(it takes tensors and returns them in dataset order)")
+                          f"`{first} = {tm}.gather_for_metrics(torch.cat({first}), {size}{over})` "
+                          f"(it takes tensors and returns them in dataset order"
+                          + ("; unchanged where the loader is not sharded)" if over else ")"))
 
 
 def _dataset_len(ctx: Context, loop: cst.For) -> str:

@@ -11,19 +11,17 @@ from torchmigrate import analysis
 from torchmigrate.finding import Safety, insert_after
 from torchmigrate.syntax.imports import dotted
 from torchmigrate.syntax.nodes import code
-from torchmigrate.program.metrics import (binding_of, initial_value, is_load, leaves_early, loader_loop,
+from torchmigrate.program.loaders import is_pure
+from torchmigrate.program.metrics import (initial_value, is_load, leaves_early, loader_expr, loader_loop, means_only,
                                           reassigned_in, source_index, starts_empty_list)
 from torchmigrate.rule import Context, Example, Rule
 from torchmigrate.program.rank_guards import collective_guard
 from torchmigrate.program.scopes import scope_of
 from torchmigrate.program.syntax import body_of, index_in
 from torchmigrate.rules._active import active
+from torchmigrate.rules.metrics.plan import loop_sharding
 
 
-# Calls that turn a list into its mean: the result is the same whichever rank's values it holds,
-# so gathering every rank's values into it is right whether or not the loader was sharded.
-_MEAN_CALLS = frozenset({"mean", "fmean", "average", "nanmean"})
-_TO_ARRAY = frozenset({"tensor", "as_tensor", "stack", "array", "asarray", "Tensor", "FloatTensor"})
 # `AverageMeter()`, `RunningAverage()`, `LossTracker()`: objects that keep a running sum and count
 _METER = re.compile(r"(?i)(meter|average|avg|tracker|accumulator)$")
 
@@ -54,7 +52,11 @@ class GatherListMean(Rule):
     Only means are rewritten (a mean over duplicated values is unchanged, so this is right even
     for a loader that turns out unsharded); a list used any other way is left alone.
 
-    The gather must run on every rank: a loop under a rank guard is reported instead.
+    The gather must run on every rank: a loop under a rank guard is reported instead. A loop
+    over a loader every rank iterates in full (an evaluation loader TM203 keeps whole) already
+    covers every batch and is left alone; where only the run can tell whether the loader is
+    sharded (one handed in from another module), the meter's reduction takes it,
+    `tm.reduce_meter(meter, over=loader)`, so a whole set's sum and count are not multiplied.
     """
 
     code = "TM703"
@@ -101,13 +103,13 @@ class GatherListMean(Rule):
                 if found is not None and func.value.value not in found:
                     found.append(func.value.value)
         for loop, names in meters.items():
-            if not leaves_early(ctx, loop):
+            if not leaves_early(ctx, loop) and loop_sharding(ctx, loop) != "whole":
                 self._meters(loop, names)
         for loop, names in loops.items():
             lists = [n for n in names if starts_empty_list(ctx, loop, n) and not reassigned_in(ctx, loop, n)
-                     and self._means_only(loop, n)]
-            if not lists or leaves_early(ctx, loop):
-                continue
+                     and means_only(ctx, loop, n)]
+            if not lists or leaves_early(ctx, loop) or loop_sharding(ctx, loop) == "whole":
+                continue  # (a loader every rank iterates in full: its means are the whole data's)
             listed = ", ".join(f"`{n}`" for n in lists)
             self._after_loop(loop, [f"{n} = {ctx.tm}.gather_list({n})" for n in lists],
                              f"{listed} {'holds' if len(lists) == 1 else 'hold'} this rank's values only, but this "
@@ -138,7 +140,10 @@ class GatherListMean(Rule):
             return
         listed = ", ".join(f"`{n}`" for n in found)
         averages = f"{listed} average{'s' if len(found) == 1 else ''} this rank's batches only"
-        self._after_loop(loop, [f"{ctx.tm}.reduce_meter({n})" for n in found],
+        over = ""
+        if loop_sharding(ctx, loop) == "unknown" and is_pure(loader_expr(ctx, loop.iter)):
+            over = f", over={code(loader_expr(ctx, loop.iter))}"  # the run knows whether it is sharded
+        self._after_loop(loop, [f"{ctx.tm}.reduce_meter({n}{over})" for n in found],
                          f"{averages}, but this loop runs under a rank guard, where a reduction would hang the "
                          "other ranks",
                          f"{averages}; reduce {'its' if len(found) == 1 else 'their'} sum and count across ranks")
@@ -173,67 +178,6 @@ class GatherListMean(Rule):
         nxt = _next_sibling(self.ctx, loop)
         return nxt is not None and "reduce_meter(" in code(nxt) and any(n in code(nxt) for n in names)
 
-    def _means_only(self, loop: cst.For, name: str) -> bool:
-        """Every use of `name` after `loop` (in its scope, before a rebinding) is inside a mean."""
-        ctx = self.ctx
-        index = source_index(ctx)
-        begin = index.end[loop]
-        scope = scope_of(ctx, loop)
-        uses = 0
-        for order, n in index.names(name):
-            if order <= begin or scope_of(ctx, n) is not scope or not is_load(ctx, n):
-                continue
-            if binding_of(ctx, n) is not None:
-                continue  # `losses = np.mean(losses)`: the target; its value's uses are checked
-            if not self._in_mean(n, name):
-                return False
-            uses += 1
-            statement = ctx.statement_of(n)
-            if any(binding_of(ctx, t) is not None for t in ctx.within(statement, cst.Name) if t.value == name):
-                break  # rebound here: later uses are of the mean, not the list
-        return uses > 0
-
-    def _in_mean(self, use: cst.Name, name: str) -> bool:
-        ctx = self.ctx
-        parent = ctx.parent(use)
-        if isinstance(parent, cst.CompFor) and parent.iter is use:
-            # `np.mean([x["acc"] for x in summ])`: a mean over the (gathered) list's items
-            comp = ctx.parent(parent)
-            if isinstance(comp, (cst.ListComp, cst.GeneratorExp)) and isinstance(ctx.parent(comp), cst.Arg):
-                return self._in_mean_call(ctx.parent(comp), name)
-            return False
-        if isinstance(parent, cst.Subscript) and _is_first_item(parent) and isinstance(ctx.parent(parent), cst.CompFor) \
-                and ctx.parent(parent).iter is parent:
-            return True  # `for metric in summ[0]`: the keys of one item, the same on every rank
-        if not isinstance(parent, cst.Arg):
-            return False
-        return self._in_mean_call(parent, name)
-
-    def _in_mean_call(self, parent: cst.Arg, name: str) -> bool:
-        """`parent` is the first and only argument of a mean (or a side of sum/len)."""
-        ctx = self.ctx
-        call = ctx.parent(parent)
-        if not isinstance(call, cst.Call) or call.args[0] is not parent:
-            return False
-        label = (dotted(call.func) or "").rsplit(".", 1)[-1]
-        if label in _MEAN_CALLS and len(call.args) == 1:
-            return True
-        if label in _TO_ARRAY:  # torch.tensor(losses).mean()
-            attr = ctx.parent(call)
-            return (isinstance(attr, cst.Attribute) and attr.attr.value in _MEAN_CALLS
-                    and isinstance(ctx.parent(attr), cst.Call))
-        if label in ("sum", "len") and len(call.args) == 1:
-            return _sum_over_len(ctx, call, name)
-        return False
-
-
-def _is_first_item(node: cst.Subscript) -> bool:
-    """`x[0]`."""
-    if len(node.slice) != 1 or not isinstance(node.slice[0].slice, cst.Index):
-        return False
-    value = node.slice[0].slice.value
-    return isinstance(value, cst.Integer) and value.value == "0"
-
 
 def _next_sibling(ctx: Context, statement: cst.CSTNode) -> Optional[cst.CSTNode]:
     body = body_of(ctx.parent(statement))
@@ -241,17 +185,3 @@ def _next_sibling(ctx: Context, statement: cst.CSTNode) -> Optional[cst.CSTNode]
         return None
     i = index_in(body, statement)
     return body[i + 1] if i is not None and i + 1 < len(body) else None
-
-
-def _sum_over_len(ctx: Context, call: cst.Call, name: str) -> bool:
-    """`call` (`sum(x)` or `len(x)`) is a side of `sum(x) / len(x)` (also `max(len(x), 1)`)."""
-    node: cst.CSTNode = call
-    parent = ctx.parent(node)
-    if isinstance(parent, cst.Arg):  # max(len(x), 1)
-        outer = ctx.parent(parent)
-        if isinstance(outer, cst.Call) and dotted(outer.func) == "max":
-            node, parent = outer, ctx.parent(outer)
-    if not (isinstance(parent, cst.BinaryOperation) and isinstance(parent.operator, cst.Divide)):
-        return False
-    left, right = code(parent.left).replace(" ", ""), code(parent.right).replace(" ", "")
-    return left == f"sum({name})" and right in (f"len({name})", f"max(len({name}),1)", f"max(1,len({name}))")

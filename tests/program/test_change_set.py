@@ -61,13 +61,13 @@ def test_a_failed_rename_restores_the_files_done(tmp_path, monkeypatch):
 def test_cli_writes_no_module_of_a_program_when_one_cannot_be_written(tmp_path):
     folder = tmp_path / "p"
     shutil.copytree(PROJECT, folder)
-    (folder / "evaluate.py").chmod(0o444)
+    (folder / "data.py").chmod(0o444)
     before = {p.name: p.read_text() for p in folder.glob("*.py")}
     proc = subprocess.run([sys.executable, "-m", "torchmigrate", "ddp", "train.py"], cwd=folder,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert "evaluate.py:1:1: cannot write: file is read-only" in proc.stderr
-    assert "train.py:1:1: not written: evaluate.py of the same program could not be written" in proc.stderr
+    assert "data.py:1:1: cannot write: file is read-only" in proc.stderr
+    assert "train.py:1:1: not written: data.py of the same program could not be written" in proc.stderr
     assert {p.name: p.read_text() for p in folder.glob("*.py")} == before
 
 

@@ -172,6 +172,28 @@ def main(outdir):
     res["padded_len"] = len(padded)
     res["gathered_padded"] = tm.gather_for_metrics(padded, total_len=n).tolist()
 
+    # over=loader: reduced where the loader is sharded, left as it is where every rank iterates all
+    # of it (an evaluation loader kept whole), so a whole set's sum is never counted once per rank
+    whole = DataLoader(TensorDataset(values), batch_size=3)
+    total_whole = sum(float(v.sum()) for (v,) in whole)
+    total_shard = sum(float(v.sum()) for v, _ in eloader)
+    res["sharded"] = [tm.sharded(whole), tm.sharded(eloader), tm.sharded(
+        DataLoader(TensorDataset(values), batch_size=3, sampler=ps)), tm.sharded(list(range(3)))]
+    res["over_whole"] = tm.all_reduce(total_whole, 7, over=whole)
+    res["over_sharded"] = tm.all_reduce(total_shard, len(list(es)), over=eloader)
+    res["over_mean"] = tm.all_reduce(total_whole, op="mean", over=whole)
+    res["gathered_whole"] = tm.gather_for_metrics(torch.cat([v for (v,) in whole]), n, over=whole).tolist()
+
+    class Meter:
+        def __init__(self):
+            self.sum, self.count, self.avg = 0.0, 0, 0.0
+
+    meter = Meter()
+    for (v,) in whole:
+        meter.sum, meter.count = meter.sum + float(v.sum()), meter.count + len(v)
+    tm.reduce_meter(meter, over=whole)
+    res["meter_whole"] = [meter.sum, meter.count]
+
     # save: only rank 0 writes; every rank then loads rank 0's file
     ckdir = os.path.join(outdir, "ckpt")
     os.makedirs(ckdir, exist_ok=True)
