@@ -1172,9 +1172,9 @@ def _shard_loader(loader):
     if isinstance(loader.dataset, torch.utils.data.IterableDataset):
         return _ShardedBatches(loader, None)
     if loader.batch_sampler is not None:
-        object.__setattr__(loader, "batch_sampler", _ShardedSampler(loader.batch_sampler, 0))
+        object.__setattr__(loader, "batch_sampler", _ShardedSampler(loader.batch_sampler, _own_seed(None)))
     else:
-        object.__setattr__(loader, "sampler", _ShardedSampler(loader.sampler, 0))
+        object.__setattr__(loader, "sampler", _ShardedSampler(loader.sampler, _own_seed(None)))
     return loader
 
 

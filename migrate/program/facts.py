@@ -272,6 +272,9 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
 
     loader_params = _loader_params(modules, scopes)
     loader_classes = {(p, name) for p, m in modules.items() for name, c in m.classes.items() if _loader_subclass(c)}
+    # DataLoader subclasses whose calls cannot take a `sampler=` (their __init__ builds the
+    # DataLoader's arguments itself): the loaders they make are sharded where they are iterated
+    opaque_loaders = any(_derives_loader(c) and not _loader_subclass(c) for m in modules.values() for c in m.classes.values())
     all_kinds = class_kinds(modules)
     kinds = {key: kind for key, kind in all_kinds.items() if kind is not None}
     params_known, params_classes = _param_kinds(modules, scopes, all_kinds)
@@ -333,6 +336,7 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
             program_trains=trains,
             program_loaders=builds_loaders,
             program_distributed=distributed,
+            opaque_loaders=opaque_loaders,
             program_torch=path in torch_programs,
             print_override=path in overridden,
             called_elsewhere=frozenset(q for p, q in called if p == path),
@@ -638,6 +642,11 @@ def _rank_test(test: ast.AST) -> bool:
                     "local", "global", "world", "get", "node", "my", "process", "proc"))):
             return True
     return False
+
+
+def _derives_loader(klass: ast.ClassDef) -> bool:
+    """`class X(DataLoader)` (by its base's last name)."""
+    return any((dotted_name(b) or "").rsplit(".", 1)[-1] == "DataLoader" for b in klass.bases)
 
 
 def _loader_subclass(klass: ast.ClassDef) -> bool:

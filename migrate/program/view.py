@@ -61,6 +61,9 @@ class ModuleView:
     # some module of the program sets up torch.distributed itself (`init_process_group`, its own
     # DDP or DistributedSampler): its data is shared out by its own code
     program_distributed: bool = False
+    # the program has DataLoader subclasses whose calls cannot take a `sampler=` (their
+    # `__init__` passes DataLoader its own arguments): their loaders are sharded where iterated
+    opaque_loaders: bool = False
     # some module connected to this one by imports uses torch: this module is part of a torch
     # program, and is analysed even if it never mentions torch
     program_torch: bool = False

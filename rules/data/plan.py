@@ -130,9 +130,12 @@ class DataPlan:
             if ctx.program.program_loaders or facts.loaders:
                 return BatchPlan("skip")  # mini-batches come from a loader: a mask there is per batch
             return BatchPlan("shard") if ctx.options.shard_training else BatchPlan("whole", UNWRAPPED)
-        if found.kind == "iterable" and (found.loader or ctx.program.program_loaders or facts.loaders
-                                         or self.builds_training_iterators):
+        if found.kind == "iterable" and (found.loader or self.builds_training_iterators or (
+                (ctx.program.program_loaders or facts.loaders) and not ctx.program.opaque_loaders)):
             return BatchPlan("skip")  # a loader (or a built iterator) is sharded where it is built
+        # A training loop over batches this module cannot trace, in a program whose DataLoader
+        # subclasses build their loaders where no `sampler=` can be added: `tm.shard_batches`
+        # leaves a loader that is sharded already as it is and shards any other at run time.
         if found.kind == "range" and self._streams(found.sliced):
             return BatchPlan("skip")  # a token stream: each rank already has its own part
         if found.carried:
