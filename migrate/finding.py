@@ -101,6 +101,10 @@ class Finding:
     statement: Optional[cst.CSTNode] = field(default=None, repr=False)
     # The fix, not applied by this run, as text edits (`process_source(..., fix_edits=True)`).
     fix: Optional[tuple] = None
+    # Advice, not a defect: the program is correct either way (a performance hint, a note on
+    # numerics). Listed as a note; never a TODO, never counted as needing attention, never
+    # changes the exit status (SARIF's level "note").
+    advice: bool = False
 
     @property
     def fixable(self) -> bool:

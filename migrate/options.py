@@ -8,6 +8,10 @@ from dataclasses import dataclass
 
 RUNTIME_MODULE = "torchmigrate.runtime"
 COMMANDS = ("ddp", "amp", "lint")
+# How a migration sizes each rank's batch (TM305): "global" keeps the original's global batch
+# (each rank loads batch_size / world_size), "per-gpu" keeps each rank's batch and scales the
+# learning rate with the number of processes.
+BATCH_POLICIES = ("global", "per-gpu")
 
 
 class Safety(str, enum.Enum):
@@ -31,6 +35,7 @@ class Options:
     # False when a first pass found that the program trains but wraps no model in DDP: its
     # training data then stays whole (TM201), since shards would train one model per rank
     shard_training: bool = True
+    batch_policy: str = "global"  # see BATCH_POLICIES
 
     @property
     def migrating(self) -> bool:

@@ -67,6 +67,10 @@ class Context:
         self.walked = False  # the walk has met every node (set before any `leave_Module`)
         self._index: Optional[_NodeIndex] = None
         self.findings: List[Finding] = []
+        # The codes of the rules that run together on this module (set by the engine): a rule
+        # whose decision depends on another's edit (TM305 divides the batch of the loaders TM201
+        # shards) asks here.
+        self.enabled: FrozenSet[str] = frozenset()
         # Free-form facts one rule publishes for others, e.g. names of wrapped models.
         self.facts: Dict[str, object] = {}
         # enclosing(): (types) -> {id(node): answer}; ids are safe, the tree outlives the context.
@@ -312,7 +316,10 @@ class Rule:
         imports: Sequence[Import] = (),
         safety: Optional[Safety] = None,
         statement: Optional[cst.CSTNode] = None,
+        advice: bool = False,
     ) -> Finding:
+        """`advice`: the finding changes nothing about correctness (a performance hint): the
+        report lists it as a note, and it neither needs attention nor fails the run."""
         finding = Finding(
             code=self.code,
             message=message,
@@ -321,6 +328,7 @@ class Rule:
             edits=tuple(edits),
             imports=tuple(imports),
             statement=statement,
+            advice=advice,
         )
         self.ctx.findings.append(finding)
         return finding

@@ -25,7 +25,7 @@ from torchmigrate.cli.inputs import Inputs, Request, gather
 from torchmigrate.cli.settings import Selection, split
 from torchmigrate.engine.runner import (AUTO_JOBS_MIN_FILES, VENDORED_NAME, Job, Outcome, Progress, auto_jobs,
                                         process_file, run, write_together)
-from torchmigrate.options import RUNTIME_MODULE, Options
+from torchmigrate.options import BATCH_POLICIES, RUNTIME_MODULE, Options
 
 AMP_CHOICES = ("auto", "bf16", "fp16", "off")
 
@@ -224,7 +224,7 @@ def _migrate(command: str, paths, dry_run: bool, check: bool, amp: Optional[str]
     if inputs.reads_stdin and vendor:
         _fail("--vendor-runtime writes the runtime beside the script: it needs a file, not stdin")
     preview = dry_run or check
-    options = Options(mode=command, amp=amp or "auto", sync_bn=sync_bn,
+    options = Options(mode=command, amp=amp or "auto", sync_bn=sync_bn, batch_policy=inputs.batch_policy,
                       runtime_module="torchmigrate_runtime" if vendor else RUNTIME_MODULE)
     write = not preview and not inputs.reads_stdin
     # the program summary judges DDP only when the rules that make it are on for every file
@@ -290,12 +290,17 @@ def _migration_options(func):
 @paths_argument
 @_migration_options
 @click.option("--sync-bn", is_flag=True, help="Convert BatchNorm layers to SyncBatchNorm (TM304).")
+@click.option("--batch-policy", type=click.Choice(BATCH_POLICIES), default=None,
+              help="global (default): each rank loads batch_size / world_size samples, so the global batch, the "
+                   "steps per epoch and the learning rate stay the original's. per-gpu: each rank loads the whole "
+                   "batch_size and the learning rate is scaled by the world size (TM305). Replaces `batch-policy` "
+                   "of the settings.")
 @click.option("--vendor-runtime", is_flag=True,
               help=f"Write the runtime shim beside each script as {VENDORED_NAME} and import it from there.")
 @_common_options
 @jobs_option
-def ddp(paths, dry_run, check, amp, report_file, follow, sync_bn, vendor_runtime, select, extend_select, ignore,
-        config, force_exclude, respect_gitignore, stdin_filename, jobs):
+def ddp(paths, dry_run, check, amp, report_file, follow, sync_bn, batch_policy, vendor_runtime, select, extend_select,
+        ignore, config, force_exclude, respect_gitignore, stdin_filename, jobs):
     """Rewrite training scripts in place for torchrun + DDP (+ AMP).
 
     With --dry-run, print the unified diff (coloured on a terminal) and the report, write nothing.
@@ -305,7 +310,8 @@ def ddp(paths, dry_run, check, amp, report_file, follow, sync_bn, vendor_runtime
     not followed).
     """
     _migrate("ddp", paths, dry_run, check, amp, sync_bn, report_file, vendor_runtime, jobs, select, extend_select,
-             ignore, _common(config, force_exclude, respect_gitignore, stdin_filename, follow))
+             ignore, dict(_common(config, force_exclude, respect_gitignore, stdin_filename, follow),
+                          batch_policy=batch_policy))
 
 
 @main.command(epilog=EXIT_CODES)

@@ -8,7 +8,8 @@ is the whole configuration. `--config PATH` forces one file for every path; its 
 patterns are then relative to the working directory (Ruff does the same).
 
 Keys: `select`, `extend-select`, `ignore` (rule codes, prefixes or names), `exclude`,
-`extend-exclude` (gitignore-style patterns relative to the settings file's folder) and `amp`.
+`extend-exclude` (gitignore-style patterns relative to the settings file's folder), `amp` and
+`batch-policy` (`ddp`: "global" or "per-gpu"; the settings of the program's first file decide).
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Optional, Tuple
 
-KEYS = {"select", "extend-select", "ignore", "exclude", "extend-exclude", "amp"}
+from torchmigrate.options import BATCH_POLICIES
+
+KEYS = {"select", "extend-select", "ignore", "exclude", "extend-exclude", "amp", "batch-policy"}
 AMP_VALUES = ("auto", "bf16", "fp16", "off")
 # In one folder, the first of these that holds torchmigrate settings is used.
 NAMES = ("torchmigrate.toml", "pyproject.toml")
@@ -36,6 +39,7 @@ class Config:
     ignore: Tuple[str, ...] = ()
     exclude: Tuple[str, ...] = ()  # gitignore-style patterns, relative to `root`
     amp: Optional[str] = None
+    batch_policy: Optional[str] = None  # `ddp`: "global" or "per-gpu" (see `Options.batch_policy`)
     path: Optional[Path] = None  # the settings file; None: the defaults
     root: Optional[Path] = None  # the folder `exclude` is relative to (None: nothing to exclude)
 
@@ -82,10 +86,13 @@ def parse(path: Path, root: Optional[Path] = None) -> Optional[Config]:
     amp = section.get("amp")
     if amp is not None and amp not in AMP_VALUES:
         raise ConfigError(f"{where}: amp must be one of {', '.join(AMP_VALUES)}")
-    strings = {key: _strings(section.get(key, []), key, where) for key in KEYS - {"amp"}}
+    policy = section.get("batch-policy")
+    if policy is not None and policy not in BATCH_POLICIES:
+        raise ConfigError(f"{where}: batch-policy must be one of {', '.join(BATCH_POLICIES)}")
+    strings = {key: _strings(section.get(key, []), key, where) for key in KEYS - {"amp", "batch-policy"}}
     return Config(
         select=strings["select"], extend_select=strings["extend-select"], ignore=strings["ignore"],
-        exclude=strings["exclude"] + strings["extend-exclude"], amp=amp, path=path,
+        exclude=strings["exclude"] + strings["extend-exclude"], amp=amp, batch_policy=policy, path=path,
         root=root or path.parent,
     )
 

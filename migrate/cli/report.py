@@ -34,6 +34,7 @@ def migration_summary(outcomes: Sequence[Outcome], dry_run: bool, ddp: bool = Fa
         "attention": [r.__dict__ for r in attention],
         "errors": error_lines(outcomes),
         "not_done": not_done(outcomes) if ddp else [],
+        "advice": [r.__dict__ for o in outcomes for r in o.advice_records],
         "notes": [n for o in outcomes for n in o.notes],
     }
 
@@ -53,6 +54,9 @@ def summary_line(outcomes: Sequence[Outcome], dry_run: bool, ddp: bool = False) 
     else:
         verb = "would be changed" if dry_run else "changed"
         line = f"{n_files} file{'' if n_files == 1 else 's'} {verb}; {need}."
+    advice = sum(len(o.advice_records) for o in outcomes)
+    if advice:
+        line += f" {_plural(advice, 'note')} of advice (see Notes)."
     if missing:
         line += f" NOT DONE under torchrun: {missing} (see above)."
     if n_errors:
@@ -143,7 +147,9 @@ def migration_text(outcomes: Sequence[Outcome], dry_run: bool, names: Dict[str, 
         lines.append("Needs attention:")
         for r in attention:
             lines.append(f"  {r.location}: {r.code} {r.message}")
-    notes = [n for o in outcomes for n in o.notes]
+    # advice (correct either way) and what the launch files tell, apart from what needs a person
+    notes = [f"{r.location}: {r.code} {r.message}" for o in outcomes for r in o.advice_records]
+    notes += [n for o in outcomes for n in o.notes]
     if notes:
         lines.append("Notes:")
         lines += [f"  {n}" for n in notes]

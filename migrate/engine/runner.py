@@ -65,7 +65,7 @@ def process_file(path: str, job: Job, given: Optional[files.Decoded] = None) -> 
         view = job.program.get(os.path.realpath(path)) if job.program else None
         result = process_source(decoded.text, path, options, rules, view, job.fix_edits)
         records = [
-            Record(path, f.line, f.col, f.code, f.message, f.safety.value, f.applied, f.fix)
+            Record(path, f.line, f.col, f.code, f.message, f.safety.value, f.applied, f.fix, f.advice)
             for f in result.findings if not f.suppressed
         ]
         if job.to_stdout:

@@ -278,6 +278,7 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
     torch_anywhere = any(_uses_torch(graph.statements.get(p, ())) for p in modules)
     loader_names = {"DataLoader"} | {name for _, name in loader_classes}
     builds_loaders = any((dotted_name(c.func) or "").rsplit(".", 1)[-1] in loader_names for s in scopes for c in s.calls)
+    builds_dataloaders = builds_loaders
     spelled_builders = {m.path: {spelled: builders[key] for key in builders for spelled in _spellings(m, modules, {key})}
                         for m in modules.values()}
     builds_loaders = builds_loaders or any(
@@ -307,6 +308,7 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
                                 for spelled in _spellings(m, modules, {key})},
             program_trains=trains,
             program_loaders=builds_loaders,
+            program_dataloaders=builds_dataloaders,
             program_torch=torch_anywhere,
             print_override=path in overridden,
             called_elsewhere=frozenset(q for p, q in called if p == path),

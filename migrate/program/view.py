@@ -42,6 +42,9 @@ class ModuleView:
     # some module of the program builds a DataLoader (or subclass), or a hand-made batch
     # iterator over training data (which TM201 shards): the global batch grows with the ranks
     program_loaders: bool = False
+    # some module of the program builds a DataLoader (or subclass), whose batch size TM305 can
+    # divide among the ranks (a hand-made iterator or a library's loader it cannot)
+    program_dataloaders: bool = False
     program_torch: bool = False  # some module of the program uses torch
     # the program replaces `builtins.print` (DeiT/DETR's `setup_for_distributed`, MoCo's
     # `print_pass`) on a path this module runs in: its prints are already rank-aware

@@ -86,7 +86,7 @@ class ItemSync(AmpRule):
                 continue  # only at log steps
             loops_done.add(loop)
             self.report(call, f"`{code(call)}` every step synchronises with the GPU: accumulate "
-                              f"`{owner}.detach()` and call `.item()` only when logging")
+                              f"`{owner}.detach()` and call `.item()` only when logging", advice=True)
 
 
 def _between(ctx: Context, node: cst.CSTNode, stop: cst.CSTNode) -> Iterator[cst.CSTNode]:
