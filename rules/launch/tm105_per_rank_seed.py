@@ -136,8 +136,8 @@ class PerRankSeed(Rule):
         ctx = self.ctx
         if not (ctx.options.mode == "ddp" or analysis.is_distributed(ctx)):
             return
-        if ctx.options.mode == "ddp" and (not analysis.is_distributed(ctx)
-                                          or ctx.imports.imports_module(ctx.options.runtime_module)):
+        own_ddp = analysis.calls_to(ctx, *(m for m in analysis.DISTRIBUTED_MARKERS if not m.startswith(RUNTIME)))
+        if ctx.options.mode == "ddp" and not own_ddp:  # a program this migration makes distributed
             self._streams_part_at_training()
             return
         seeds = analysis.calls_to(ctx, *SEEDERS)
