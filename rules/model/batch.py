@@ -104,8 +104,7 @@ def _kept(loader: Loader, size: Optional[cst.Arg], args) -> str:
     if isinstance(size.value, cst.Integer) and int(size.value.evaluated_value) == 1:
         return "a batch of one sample cannot be split among the ranks"
     if loader.batch_read:
-        return (f"the loop over it reads `{loader.batch_read}` as a value (a shape or a count), which would "
-                "no longer match its batches")
+        return f"the loop over it reads `{loader.batch_read}` as a shape or a count, which a smaller batch would not match"
     return ""
 
 
