@@ -1293,7 +1293,11 @@ def shared_generator(seed: int | None = None) -> torch.Generator:
     """A CPU ``torch.Generator`` seeded alike on every rank, for ``random_split(...,
     generator=tm.shared_generator())``: every rank makes the same split. The seed is ``seed``, or
     rank 0's ``torch.initial_seed()``: fixed when the program seeds torch, new each run when it
-    does not, as the split was before. A collective: call it on every rank."""
+    does not, as the split was before. One process without ``seed``: torch's default generator,
+    so the split (and every draw after it) is exactly the original program's. A collective: call
+    it on every rank."""
+    if seed is None and world_size() <= 1:
+        return torch.default_generator
     generator = torch.Generator()
     generator.manual_seed(int(broadcast_object(torch.initial_seed() if seed is None else seed)))
     return generator

@@ -604,6 +604,18 @@ def test_per_rank_batch(monkeypatch, size, world, expected):
     assert tm.per_rank_batch(size) == expected
 
 
+def test_shared_generator_in_one_process_is_the_default_stream():
+    """A migrated `random_split(..., generator=tm.shared_generator())` run as one process splits,
+    and leaves the global stream, exactly as the original split did."""
+    data = list(range(10))
+    torch.manual_seed(4)
+    original = [list(part) for part in torch.utils.data.random_split(data, [7, 3])], torch.rand(2).tolist()
+    torch.manual_seed(4)
+    migrated = [list(part) for part in torch.utils.data.random_split(data, [7, 3], generator=tm.shared_generator())]
+    assert (migrated, torch.rand(2).tolist()) == original
+    assert tm.shared_generator(3) is not torch.default_generator
+
+
 def test_per_rank_batch_names_the_nearest_sizes(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("RANK", "0")
