@@ -79,8 +79,7 @@ def text(outcomes: Sequence[Outcome], fix: bool = False, unsafe_fixes: bool = Fa
     elif not remaining and not fixed:
         lines.append("All checks passed!")
     if advice:
-        lines.append(f"{_plural(len(advice), 'note')} of advice (they change nothing about correctness and do not "
-                     "fail the run).")
+        lines.append(f"{_plural(len(advice), 'note')} of advice: correct either way, not counted as findings.")
     return "\n".join(lines)
 
 

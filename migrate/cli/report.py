@@ -88,7 +88,7 @@ def program_lines(outcomes: Sequence[Outcome], followed: Sequence[Path]) -> List
     return lines
 
 
-_DONE = (  # (what, rule codes whose applied changes show it)
+_DONE = (  # (what, rule codes whose applied changes show it[, words their message holds])
     ("models wrapped in DDP (gradients averaged)", ("TM301", "TM306", "TM407")),
     ("functional models kept in sync (tm.share_params, gradients averaged by tm.sync_grads)", ("TM309",)),
     ("training loaders sharded", ("TM201",)),
@@ -97,6 +97,10 @@ _DONE = (  # (what, rule codes whose applied changes show it)
     ("writes, saves and logs on rank 0 only", ("TM501", "TM504", "TM601", "TM602")),
     ("metrics reduced across ranks", ("TM701", "TM703")),
     ("random configuration drawn once and shared by every rank", ("TM107",)),
+    ("the original's global batch kept: each rank loads batch_size / world_size (batch policy global)",
+     ("TM305",), "per_rank_batch"),
+    ("learning rates scaled with the world size (batch policy per-gpu)", ("TM305",), "is scaled with it"),
+    ("each rank draws its own random numbers once training starts (tm.seed_per_rank)", ("TM105",)),
     ("steps skipped by all ranks together", ("TM108",)),
 )
 
@@ -122,8 +126,8 @@ def torchrun_lines(outcomes: Sequence[Outcome]) -> List[str]:
     prominently what it does not."""
     applied = [r for o in outcomes for r in o.records if r.applied]
     lines = []
-    for what, codes in _DONE:
-        where = [r.location for r in applied if r.code in codes]
+    for what, codes, *words in _DONE:
+        where = [r.location for r in applied if r.code in codes and all(w in r.message for w in words)]
         if where:
             shown = ", ".join(where[:3]) + (f", +{len(where) - 3} more" if len(where) > 3 else "")
             lines.append(f"  done: {what}: {shown}")

@@ -79,24 +79,6 @@ class LrWorldSize(ModelRule):
         Example(
             before="""
             import torch
-            from torch.utils.data import DataLoader
-            train_loader = DataLoader(train_set, batch_size=args.batch_size, shuffle=True)
-            model = Net()
-            optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
-            """,
-            after="""
-            import torch
-            from torch.utils.data import DataLoader
-            import torchmigrate.runtime as tm
-            train_loader = DataLoader(train_set, batch_size=tm.per_rank_batch(args.batch_size), sampler=tm.sampler(train_set, shuffle=True))
-            model = Net()
-            model = tm.wrap_model(model)
-            optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
-            """,
-        ),
-        Example(
-            before="""
-            import torch
             import torch.distributed as dist
             from torch.nn.parallel import DistributedDataParallel as DDP
             dist.init_process_group("nccl")
