@@ -10,7 +10,11 @@ Rows, each the median of several runs in fresh processes, bytecode cached as aft
   cache on a cold run; each run gets an empty cache folder; the two cold rows alternate, so a
   machine that drifts affects both alike);
 - **warm**: the same files again, unchanged (every result from the cache), alternating with
-- **ruff cold**: `ruff check --no-cache --isolated` on the same files (when ruff is installed).
+- **ruff cold**: `ruff check --no-cache --isolated` on the same files (when ruff is installed);
+- **one file edited**: the warm cache, after a new line is appended to one file (a different
+  file and text each run, as a pre-commit hook sees one edited file), next to
+- **that file alone**: `torchmigrate lint --no-cache` of the edited file only (start-up, LibCST
+  and its own program included): what an incremental re-lint should cost at best.
 
 It also checks that a warm run imports no LibCST (`python -X importtime`).
 `bench.py` runs `measure` too, on its corpus.
@@ -60,7 +64,8 @@ def find_ruff() -> Optional[str]:
 
 
 def measure(folder: Path, env: Dict[str, str], work: Path, warm_repeat: int = 15,
-            cold_repeat: int = 3, tm: Sequence[str] = (sys.executable, "-m", "torchmigrate")) -> Dict[str, Timing]:
+            cold_repeat: int = 3, tm: Sequence[str] = (sys.executable, "-m", "torchmigrate"),
+            edit_repeat: int = 5) -> Dict[str, Timing]:
     """The rows above, for the command `tm` (`python -m torchmigrate` as `env` finds it) on `folder`."""
     tm = list(tm)
     lint = ["lint", "--exit-zero", str(folder)]
@@ -86,6 +91,16 @@ def measure(folder: Path, env: Dict[str, str], work: Path, warm_repeat: int = 15
         rows["ruff check, cold"] = _median(ruffs)
     imports = subprocess.run([*tm, *warm], capture_output=True, text=True, env={**env, "PYTHONPROFILEIMPORTTIME": "1"})
     rows["_libcst_imported"] = (float("libcst" in imports.stderr), 0.0)
+    edited, alone = [], []
+    files = sorted(folder.rglob("*.py"))
+    for i in range(edit_repeat):
+        target = files[(7 + 37 * i) % len(files)]
+        with open(target, "a", encoding="utf-8") as handle:
+            handle.write(f"# edited by bench_cache ({i})\n")
+        edited.append(_timed([*tm, *warm], env))
+        alone.append(_timed([*tm, "lint", "--exit-zero", "--no-cache", str(target)], env))
+    rows["one file edited"] = _median(edited)
+    rows["that file alone, --no-cache"] = _median(alone)
     return rows
 
 
@@ -102,6 +117,10 @@ def report(rows: Dict[str, Timing], files: int) -> List[str]:
         lines.append(f"warm / ruff cold: {rows['warm'][0] / ruff[0]:.2f}x wall, {rows['warm'][1] / ruff[1]:.2f}x cpu "
                      "(target <= 1)")
     lines.append("warm run imports LibCST: " + ("YES (it should not)" if rows["_libcst_imported"][0] else "no"))
+    if "one file edited" in rows:
+        edited = rows["one file edited"]
+        lines.append(f"one file edited / warm: {edited[0] / rows['warm'][0]:.1f}x wall (target <= 3); / that file "
+                     f"alone: {edited[0] / rows['that file alone, --no-cache'][0]:.1f}x wall")
     return lines
 
 
@@ -146,6 +165,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--warm-repeat", type=int, default=15)
     ap.add_argument("--cold-repeat", type=int, default=3)
+    ap.add_argument("--edit-repeat", type=int, default=5)
     ap.add_argument("--installed", action="store_true",
                     help="also time a copy installed with pip (as users run it: no editable-install finder)")
     args = ap.parse_args(argv)
@@ -159,7 +179,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             setups.append(("torchmigrate (console script) of a pip-installed copy", [installed(tmp)]))
         for i, (title, tm) in enumerate(setups):
             print(f"\n{title}{_load()}")
-            rows = measure(tmp / "corpus", env, tmp / f"caches-{i}", args.warm_repeat, args.cold_repeat, tm)
+            rows = measure(tmp / "corpus", env, tmp / f"caches-{i}", args.warm_repeat, args.cold_repeat, tm,
+                           args.edit_repeat)
             print("\n".join(report(rows, len(paths))) + f"\n(after it{_load()})")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

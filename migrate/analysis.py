@@ -11,6 +11,8 @@ metadata providers.
 
 from __future__ import annotations
 
+import builtins
+import keyword
 import re
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
@@ -374,9 +376,19 @@ def _factory_models(ctx: Context, call: cst.Call, name: Optional[str], functions
     return out
 
 
+def is_variable(name: str) -> bool:
+    """`model`, `self.net.backbone`: a dotted name that can be assigned to (not `True`, `None`,
+    a builtin such as `len`), so a suggestion `name = tm.wrap_model(name)` is code."""
+    parts = name.split(".")
+    return all(p.isidentifier() and not keyword.iskeyword(p) for p in parts) \
+        and (len(parts) > 1 or not hasattr(builtins, parts[0]))
+
+
 def _model_like(ctx: Context, name: str, node: cst.BaseExpression) -> bool:
-    """A variable that may hold a module: not an import, a config object, a class or function
-    of this file, or a list of parameters."""
+    """A variable that may hold a module: not a constant, an import, a config object, a class
+    or function of this file, or a list of parameters."""
+    if not is_variable(name):
+        return False
     root = model_root(name)
     if ctx.resolve(node) is not None or root in _CONFIG_NAMES or root.split(".")[-1] in _CONFIG_NAMES:
         return False

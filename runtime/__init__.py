@@ -22,8 +22,9 @@ Environment contract, read in this order:
 
 A process group is created only when world size > 1 (as Accelerate): ``torchrun
 --nproc-per-node=1`` behaves like ``python train.py``. Only ``setup``, ``wrap_model``, ``cleanup``,
-``barrier``, ``main_process_first``, ``all_reduce``, ``gather_for_metrics``, ``gather_list`` and ``reduce_meter``
-communicate; every other helper is collective-free and safe inside ``if tm.is_main():`` blocks.
+``barrier``, ``main_process_first``, ``all_reduce``, ``gather_for_metrics``, ``gather_list``, ``reduce_meter``,
+``shard_mean`` and (on its first pass over an iterator) ``shard_batches`` communicate; every other
+helper is collective-free and safe inside ``if tm.is_main():`` blocks.
 """
 from __future__ import annotations
 
@@ -61,6 +62,7 @@ __all__ = [
     "amp_dtype", "autocast", "GradScaler", "print", "barrier", "all_reduce", "gather_for_metrics", "gather_list", "broadcast_object", "shared_generator", "grad", "any_rank", "share_params", "sync_grads", "shard_stream",
     "shard_sampler", "reduce_meter", "per_rank_batch", "sync_batchnorm", "synced", "to_float32",
     "save", "load", "strip_prefix", "load_state_dict", "seed_everything", "seed_per_rank", "main_only", "main_process_first",
+    "shard_range", "shard_indices", "shard_mean", "shard_batches",
 ]
 
 
@@ -389,7 +391,7 @@ def _finish(clean: bool) -> None:
 
 
 def wrap_model(model: nn.Module, *, find_unused_parameters: bool = False, sync_bn: bool = False,
-               **ddp_kwargs) -> nn.Module:
+               data_parallel: bool = False, **ddp_kwargs) -> nn.Module:
     """Move ``model`` to ``device()`` and wrap it in DistributedDataParallel when distributed.
 
     1 process, or a model without trainable parameters (frozen teacher, EMA copy): returned
@@ -401,6 +403,11 @@ def wrap_model(model: nn.Module, *, find_unused_parameters: bool = False, sync_b
     already wrapped one (``WithLoss(net)`` after ``net = tm.wrap_model(net)``) holds its module
     instead, so no gradient is reduced twice (the inner wrapper still works when called alone).
 
+    ``data_parallel=True`` (what ``torchmigrate ddp`` passes where the program used
+    ``nn.DataParallel``): in one process the model stays in ``nn.DataParallel``, as the original
+    ran, so code anywhere that reads ``model.module`` keeps working and ``python train.py`` still
+    uses every visible GPU (on the CPU DataParallel just calls the module).
+
     The wrapper never lets a parameter without a gradient stop training (see ``_DDP``): the
     first training step finds out whether every parameter gets one, and where some do not
     (a head the loss never reads, a layer behind a flag that is off) gradients are averaged
@@ -408,16 +415,20 @@ def wrap_model(model: nn.Module, *, find_unused_parameters: bool = False, sync_b
     """
     if isinstance(model, DistributedDataParallel):
         return model
+    if isinstance(model, nn.DataParallel) and is_distributed():
+        model = model.module  # a model the program wrapped itself: DDP replaces it
     _unnest(model)
     dev = device()
     model = model.to(dev)
-    if not is_distributed() or not any(p.requires_grad for p in model.parameters()):
+    if not is_distributed():
+        return nn.DataParallel(model) if data_parallel and not isinstance(model, nn.DataParallel) else model
+    if not any(p.requires_grad for p in model.parameters()):
         return model
     _require_pg()
     if sync_bn and dev.type == "cuda":
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    ddp = _DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None,
-               find_unused_parameters=find_unused_parameters, **ddp_kwargs)
+    ddp = _wrapper_class(type(model))(model, device_ids=[dev.index] if dev.type == "cuda" else None,
+                                      find_unused_parameters=find_unused_parameters, **ddp_kwargs)
     _DDP_WRAPPERS.append(weakref.ref(ddp))  # cleanup() releases it before destroying the group
     return ddp
 
@@ -512,6 +523,10 @@ class _DDP(DistributedDataParallel):
         self._tm_armed = True
         if self._tm_mode == "ddp":
             return super().forward(*inputs, **kwargs)
+        if self._tm_steps == 1:
+            # weights (re)initialised after the wrap, on ranks seeded apart: rank 0's, as DDP
+            # copied them when it was built (no optimizer has stepped yet)
+            _broadcast_tensors([p for p in self.module.parameters()])
         _sync_buffers(self)
         return self.module(*inputs, **kwargs)
 
@@ -575,6 +590,31 @@ class _DDP(DistributedDataParallel):
         # operator.getitem((module,), 0): the plain module, through a function of the standard
         # library, so the file loads where torchmigrate is not installed.
         return operator.getitem, ((self.module,), 0)
+
+
+_WRAPPER_CLASSES: dict = {}
+
+
+def _wrapper_class(cls: type) -> type:
+    """A ``_DDP`` subclass named after the wrapped module's class: code that names things after
+    the model (``type(model).__name__`` in a checkpoint's "arch", a file name) reads what it read
+    in one process. A container module (``nn.Sequential``) keeps its indexing, length and
+    iteration (``model[-1]``, ``len(model)``), which DDP itself does not forward."""
+    made = _WRAPPER_CLASSES.get(cls)
+    if made is None:
+        namespace = {"__qualname__": cls.__qualname__, "__module__": __name__, "__doc__": _DDP.__doc__}
+        for dunder in ("__getitem__", "__len__", "__iter__"):
+            if hasattr(cls, dunder):
+                namespace[dunder] = _delegate(dunder)
+        made = _WRAPPER_CLASSES[cls] = type(cls.__name__, (_DDP,), namespace)
+    return made
+
+
+def _delegate(dunder: str):
+    def method(self, *args):
+        return getattr(self.module, dunder)(*args)
+    method.__name__ = dunder
+    return method
 
 
 # Training steps (counted per wrapper) before which parameters are compared across ranks; then
@@ -758,13 +798,20 @@ def _check_drift(ddp: DistributedDataParallel, when: str) -> None:
     if not _checks_on() or id(ddp) in _DRIFT_WARNED:
         return
     with torch.no_grad():
-        total = torch.zeros(2, dtype=torch.float64)
+        total = torch.zeros(3, dtype=torch.float64)
         for i, p in enumerate(ddp.module.parameters()):
             v = p.detach().double()
             total[0] += v.sum().cpu()
             total[1] += (v.abs().sum() * (1 + (i % 7))).cpu()
+        total[2] = _SAMPLERS_MADE
     high, low = all_reduce(total, op="max"), all_reduce(total, op="min")
-    if torch.equal(high, low):
+    if high[2] != low[2] and "samplers" not in _DRIFT_WARNED:
+        _DRIFT_WARNED.add("samplers")
+        if is_main():
+            _warn("the ranks built different numbers of shuffling samplers (a loader built on some ranks only): "
+                  "the seeds of the samplers built after it differ across ranks, so their shards overlap. "
+                  "Build every training loader on every rank.")
+    if torch.equal(high[:2], low[:2]):
         return
     _DRIFT_WARNED.add(id(ddp))
     if is_main():
@@ -775,10 +822,11 @@ def _check_drift(ddp: DistributedDataParallel, when: str) -> None:
 
 
 def synced(model):
-    """``model``, whose methods run through DistributedDataParallel's ``forward``:
-    ``tm.synced(model).bpr_loss(users, pos, neg)`` computes a loss with a method other than
-    ``forward`` and still has its gradients averaged across ranks (reached any other way, such
-    a method runs outside DDP, which then averages nothing: every rank trains its own copy).
+    """``model``, whose methods and submodules run through DistributedDataParallel's ``forward``:
+    ``tm.synced(model).bpr_loss(users, pos, neg)`` or ``tm.synced(model).backbone(x)`` computes
+    with something other than ``forward`` and still arms DDP's overlapped gradient averaging for
+    that step (through ``tm.unwrap(model)`` such a call runs outside DDP, which then averages
+    nothing: every rank trains its own copy).
     The method runs as the wrapped module's ``forward`` for that one call, with DDP's hooks
     around it; calls it makes to ``self(...)``/``self.forward`` reach the real ``forward``.
     Like any DDP forward it must run on every rank and its parameters must all get gradients
@@ -798,7 +846,9 @@ class _Synced:
     def __getattr__(self, name):
         module = self._ddp.module
         method = getattr(module, name)
-        if not callable(method) or getattr(method, "__self__", None) is not module:
+        if isinstance(method, nn.Module):
+            method = method.__call__  # a submodule: `tm.synced(model).backbone(x)` runs it as the forward
+        elif not callable(method) or getattr(method, "__self__", None) is not module:
             return method
 
         def call(*args, **kwargs):
@@ -834,14 +884,30 @@ def unwrap(model):
     return model
 
 
-def sampler(dataset, shuffle=True, seed: int = 0, drop_last: bool = False) -> Sampler:
+_SAMPLERS_MADE = 0  # shuffling samplers made by this process, in order (see _own_seed)
+
+
+def _own_seed(seed) -> int:
+    """The seed of the next shuffling sampler: ``seed`` (default 0) plus a number for each sampler
+    made before it. Two loaders that shuffled independently in the original (unpaired A and B
+    images zipped together, a source and a reference loader) must not draw the same order on
+    every rank; the ranks still agree on each sampler's seed, since every rank builds its loaders
+    in the same order (the runtime's drift check compares them across ranks)."""
+    global _SAMPLERS_MADE
+    _SAMPLERS_MADE += 1
+    return int(seed or 0) + 7919 * (_SAMPLERS_MADE - 1)
+
+
+def sampler(dataset, shuffle=True, seed: int | None = None, drop_last: bool = False) -> Sampler:
     """Training sampler. Distributed: ``DistributedSampler`` (each rank a disjoint shard, padded to
     equal length unless ``drop_last``; reshuffled by ``set_epoch``, or on every pass where nothing
-    calls it, see ``_EpochSampler``; ``seed`` must match across ranks). 1 process: ``RandomSampler`` (global torch RNG, like ``shuffle=True``) if ``shuffle``
-    is truthy, else ``SequentialSampler``."""
+    calls it, see ``_EpochSampler``; each sampler its own seed, see ``_own_seed``, the same on
+    every rank). 1 process: ``RandomSampler`` (global torch RNG, like ``shuffle=True``) if
+    ``shuffle`` is truthy, else ``SequentialSampler``."""
     if is_distributed():
         return _EpochSampler(dataset, num_replicas=world_size(), rank=rank(),
-                             shuffle=bool(shuffle), seed=seed, drop_last=drop_last)
+                             shuffle=bool(shuffle), seed=_own_seed(seed) if shuffle else int(seed or 0),
+                             drop_last=drop_last)
     return RandomSampler(dataset) if shuffle else SequentialSampler(dataset)
 
 
@@ -894,7 +960,7 @@ class _EpochSampler(DistributedSampler):
         return super().__iter__()
 
 
-def shard_sampler(sampler, seed: int = 0):
+def shard_sampler(sampler, seed: int | None = None):
     """Any sampler or batch sampler (``WeightedRandomSampler``, ``RandomSampler(replacement=True)``,
     a bucketing batch sampler of the project), shared out by rank. 1 process: ``sampler`` itself.
 
@@ -906,7 +972,7 @@ def shard_sampler(sampler, seed: int = 0):
     sampler too). Like Accelerate's sharded samplers, it works whatever the sampler does."""
     if not is_distributed():
         return sampler
-    return _ShardedSampler(sampler, seed)
+    return _ShardedSampler(sampler, _own_seed(seed))
 
 
 class _ShardedSampler(Sampler):
@@ -986,8 +1052,203 @@ def shard_stream(data):
     world = world_size()
     if world <= 1:
         return data
+    if isinstance(data, torch.utils.data.DataLoader) or not (hasattr(data, "__len__") and hasattr(data, "__getitem__")):
+        # a loader (sharded by its sampler, or not: the runtime's checks say so) or an iterator
+        # cannot be cut by offsets: left as it is
+        return data
     n = len(data) // world
     return data[rank() * n:(rank() + 1) * n]
+
+
+def shard_range(batches):
+    """This rank's share of the batches of a hand-made training loop:
+    ``for i in tm.shard_range(range(0, len(X), batch_size)): xb = X[i:i + batch_size]``. ``batches``
+    is a ``range`` or any sequence (batch starts, batch numbers, lists of batches); rank r takes
+    items r, r+W, r+2W, ... and, when the count does not divide by W, the last round is padded
+    with the first items (as ``DistributedSampler`` pads), so every rank runs the same number of
+    steps: DDP's backward is a collective, and a rank with one step more would wait forever.
+    A ``range`` that divides stays a ``range``. With a per-rank batch of ``batch_size / W``
+    (``tm.per_rank_batch``) consecutive ranks take consecutive slices, so the W slices of one step
+    are exactly the original program's batch. 1 process: ``batches`` itself."""
+    world = world_size()
+    if world <= 1:
+        return batches
+    me, n = rank(), len(batches)
+    mine = batches[me::world]
+    share = -(-n // world)
+    if share * world == n or n == 0:
+        return mine
+    return list(mine) + [batches[j % n] for j in range(me + len(mine) * world, share * world, world)]
+
+
+def shard_indices(idx):
+    """This rank's part of a set of training indices: an index tensor, a numpy array, a list or a
+    ``range`` (rank r keeps entries r, r+W, ...), or a boolean mask (the same shape, true only at
+    this rank's share of the true positions, taken the same way). For full-batch training
+    (``loss = F.nll_loss(out[idx_train], labels[idx_train])`` on a whole graph): each rank scores
+    its part of the training nodes, and ``shard_mean`` weights the parts so that DDP's averaged
+    gradient is the one-process gradient. Parts differ in size by at most one. 1 process: ``idx``."""
+    world = world_size()
+    if world <= 1:
+        return idx
+    me = rank()
+    if _is_mask(idx):
+        positions = idx.reshape(-1).nonzero()
+        positions = positions[0] if isinstance(positions, tuple) else positions.reshape(-1)
+        part = idx.reshape(-1) & False
+        part[positions[me::world]] = True
+        return part.reshape(idx.shape)
+    return idx[me::world]
+
+
+def _is_mask(idx) -> bool:
+    """A boolean mask (torch or numpy), as opposed to a list of indices."""
+    dtype = getattr(idx, "dtype", None)
+    return dtype is not None and (dtype == torch.bool or str(dtype) == "bool")
+
+
+def _index_count(idx) -> int:
+    """How many samples ``idx`` selects: the true entries of a mask, else its length."""
+    return int(idx.sum()) if _is_mask(idx) else len(idx)
+
+
+def shard_mean(loss, idx):
+    """A mean loss computed over this rank's part of ``idx`` (``tm.shard_indices(idx)``), made
+    this rank's share of the mean over all of ``idx``. Its gradient is the part's mean scaled by
+    ``n_r * W / N`` (n_r samples in this rank's part, N in all of ``idx``): DDP averages the W
+    gradients, which then add up to exactly the one-process gradient, even when N does not divide
+    by W. Its value is the mean over every rank's part, which is what one process computes, so
+    a printed or compared loss agrees across ranks and with the original. A collective (one
+    scalar): call it on every rank. 1 process: ``loss``."""
+    world = world_size()
+    if world <= 1:
+        return loss
+    total = _index_count(idx)
+    mine = len(range(rank(), total, world))
+    if total == 0:
+        return loss
+    share = loss * (mine * world / total) if mine else loss.nan_to_num() * 0
+    summed = all_reduce(loss.detach().float() * mine if mine else torch.zeros((), device=loss.device))
+    value = (summed / total).to(loss.dtype)
+    return share + (value - share.detach())
+
+
+def shard_batches(batches, seed: int | None = None):
+    """This rank's share of an iterable of batches that no sampler can shard: a generator of the
+    program (``def batches(X, y, bs): ... yield``), a project ``BatchIterator``, a bucket
+    iterator, a list of batches. Rank r keeps batches r, r+W, r+2W, ...; the last round is padded
+    with the first batches, so every rank runs the same number of steps (DDP waits otherwise).
+
+    - A list, tuple or ``range``: its items, as ``shard_range``.
+    - A ``DataLoader``: one with a distributed sampler (``tm.sampler``, ``tm.shard_sampler``,
+      ``DistributedSampler``) is already sharded and comes back as it is; another over a
+      map-style dataset gets its (batch) sampler wrapped in ``tm.shard_sampler`` in place, so
+      each rank loads only its own batches.
+    - Anything else is read whole on every rank, under a random stream of its own that is seeded
+      alike on every rank for each pass (``seed``, else rank 0's ``torch.initial_seed()``, plus the
+      pass number; torch's CPU, Python's and numpy's global generators, restored around each
+      batch): an iterator that shuffles as it goes then yields the same sequence on every rank, so
+      the ranks' batches are disjoint, and the program's own draws (dropout) are not disturbed.
+      Each rank still builds every batch (W times the loading work of its share).
+
+    1 process: ``batches`` itself."""
+    if world_size() <= 1:
+        return batches
+    from torch.utils.data import DataLoader
+    if isinstance(batches, DataLoader):
+        return _shard_loader(batches)
+    if isinstance(batches, (list, tuple, range)):
+        return shard_range(batches)
+    return _ShardedBatches(batches, seed)
+
+
+def _shard_loader(loader):
+    """A DataLoader given to ``shard_batches``: see there. The sampler is replaced through
+    ``object.__setattr__`` because DataLoader forbids setting it after construction; its
+    iterators are built from it afresh on each pass, so the next pass reads only this rank's share."""
+    samplers = (loader.sampler, loader.batch_sampler, getattr(loader.batch_sampler, "sampler", None))
+    if any(isinstance(s, (DistributedSampler, _ShardedSampler, _StridedSampler)) for s in samplers):
+        return loader
+    if isinstance(loader.dataset, torch.utils.data.IterableDataset):
+        return _ShardedBatches(loader, None)
+    if loader.batch_sampler is not None:
+        object.__setattr__(loader, "batch_sampler", _ShardedSampler(loader.batch_sampler, 0))
+    else:
+        object.__setattr__(loader, "sampler", _ShardedSampler(loader.sampler, 0))
+    return loader
+
+
+class _ShardedBatches:
+    """See ``shard_batches``. Programs build a new iterator each epoch (``tm.shard_batches(
+    batches(X, y, bs))``), so the pass number that makes each epoch's order new is counted over
+    every wrapper of the process (``_PASSES``): the ranks iterate in step, so they count alike."""
+
+    def __init__(self, inner, seed) -> None:
+        self.inner, self.seed = inner, seed
+
+    def __len__(self) -> int:
+        return -(-len(self.inner) // world_size())
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)  # `train_iter.dataset`, `init_epoch()`
+
+    def __iter__(self):
+        if self.seed is None:
+            if _PASSES["seed"] is None:
+                _PASSES["seed"] = int(broadcast_object(torch.initial_seed()))
+            self.seed = _PASSES["seed"]
+        world, me = world_size(), rank()
+        streams = _Streams(self.seed + _PASSES["count"])
+        _PASSES["count"] += 1
+        it = streams.run(iter, self.inner)
+        head, total = [], 0
+        while True:
+            item = streams.run(next, it, _END)
+            if item is _END:
+                break
+            if total < world:
+                head.append(item)
+            if total % world == me:
+                yield item
+            total += 1
+        share = -(-total // world)
+        for j in range(total, share * world):  # padding from the first batches
+            if j % world == me:
+                yield head[(j - total) % len(head)]
+
+
+_PASSES = {"seed": None, "count": 0}  # rank 0's initial seed, shared once; passes so far
+
+
+class _Streams:
+    """Global random generators of their own (torch's CPU one, Python's, numpy's when loaded),
+    seeded with ``seed``: ``run`` calls a function under them and puts the program's back."""
+
+    def __init__(self, seed: int) -> None:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            self.torch_state = torch.get_rng_state()
+        self.random_state = random.Random(seed).getstate()
+        numpy = sys.modules.get("numpy")
+        self.numpy_state = numpy.random.RandomState(seed % 2**32).get_state() if numpy is not None else None
+
+    def run(self, fn, *args):
+        numpy = sys.modules.get("numpy")
+        kept = (torch.get_rng_state(), random.getstate(),
+                numpy.random.get_state() if numpy is not None and self.numpy_state is not None else None)
+        torch.set_rng_state(self.torch_state)
+        random.setstate(self.random_state)
+        if kept[2] is not None:
+            numpy.random.set_state(self.numpy_state)
+        try:
+            return fn(*args)
+        finally:
+            self.torch_state, self.random_state = torch.get_rng_state(), random.getstate()
+            torch.set_rng_state(kept[0])
+            random.setstate(kept[1])
+            if kept[2] is not None:
+                self.numpy_state = numpy.random.get_state()
+                numpy.random.set_state(kept[2])
 
 
 def per_rank_batch(batch_size: int) -> int:
@@ -1278,7 +1539,7 @@ def broadcast_object(value, src: int = 0):
     at random, a shuffled file list or a permutation that splits train from validation. Sets up
     the process group first if the program has not yet (the draw may come before the code that
     does). Tensors come back on the device they were on. A collective: call it on every rank."""
-    if world_size() <= 1:
+    if world_size() <= 1 or (not _pg() and _in_worker_process()):
         return value
     if not _pg():
         setup()
@@ -1287,6 +1548,14 @@ def broadcast_object(value, src: int = 0):
     if isinstance(value, torch.Tensor):
         return box[0].to(value.device)
     return box[0]
+
+
+def _in_worker_process() -> bool:
+    """A process that ``multiprocessing`` started (a DataLoader worker that imports the program's
+    modules again under the spawn or forkserver start methods): it is no rank, so module-level
+    code that shares a value across ranks keeps its own there instead of waiting for peers."""
+    import multiprocessing
+    return multiprocessing.parent_process() is not None
 
 
 def shared_generator(seed: int | None = None) -> torch.Generator:

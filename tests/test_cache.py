@@ -25,7 +25,8 @@ from torchmigrate.rules import _REGISTRY, all_rules
 
 SCRIPTS = FIXTURES / "scripts"
 FORMATS = [("--format", "text"), ("--format", "json"), ("--format", "github"), ("--format", "sarif"),
-           ("--statistics",), ("--statistics", "--format", "json")]
+           ("--statistics",), ("--statistics", "--format", "json"), ("--diff",), ("--fix", "--diff"),
+           ("--diff", "--show-fixes")]
 
 
 @pytest.fixture
@@ -62,6 +63,8 @@ def lint(run_cli, *args):
 def test_a_hit_gives_the_output_of_a_fresh_run(project, run_cli, processed, fmt):
     fresh = lint(run_cli, "--no-cache", *fmt, project)
     assert fresh[0] == 2  # findings, and a file that cannot be checked
+    if "--diff" in fmt:
+        assert fresh[1].count("+++ ") == 3, fresh[1]  # the three scripts' diffs
     first = lint(run_cli, *fmt, project)
     processed.clear()
     warm = lint(run_cli, *fmt, project)
@@ -69,6 +72,15 @@ def test_a_hit_gives_the_output_of_a_fresh_run(project, run_cli, processed, fmt)
     if fmt in (("--format", "json"), ("--format", "sarif")):
         return  # these carry each fix's edits, which the cache does not keep: always computed
     assert processed == ["broken.py"]  # an input error is never stored
+
+
+def test_warnings_about_ignore_comments_are_kept_with_the_result(tmp_path, run_cli, processed):
+    (tmp_path / "t.py").write_text("import torch\nx = torch.zeros(1)  # torchmigrate: ignore[TM999]\n")
+    fresh = lint(run_cli, "--no-cache", tmp_path / "t.py")
+    assert "warning: Invalid rule code provided to `# torchmigrate: ignore` at" in fresh[2] and "t.py:2: TM999" in fresh[2]
+    lint(run_cli, tmp_path / "t.py")
+    processed.clear()
+    assert lint(run_cli, tmp_path / "t.py") == fresh and processed == []
 
 
 def test_a_warm_run_imports_no_libcst(project, tmp_path):
@@ -335,6 +347,6 @@ def test_a_module_view_survives_the_cache_unchanged():
     view = ModuleView(is_entry=False, followed=True, wrapped_params={"evaluate": frozenset({"model"})},
                       loader_classes=frozenset({"AudioDataLoader"}), dp_classes={"BalancedDataParallel": 1},
                       forward_outputs={"nets.Net": (frozenset({"body", "cls"}), frozenset({"aux"}))},
-                      iterator_builders={"build_iterator": 0}, optimizer_builders={"engine.train": (1, "model")},
+                      iterator_builders={"build_iterator": (0,)}, optimizer_builders={"engine.train": (1, "model")},
                       program_trains=True)
     assert _view(json.loads(json.dumps(_view_json(view)))) == view

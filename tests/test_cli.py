@@ -224,14 +224,35 @@ def test_the_report_opens_with_what_the_program_does_under_torchrun(tmp_path, ru
         shutil.copy(scripts / name, tmp_path / name)
     plain = run_cli("ddp", "--dry-run", tmp_path / "toplevel_classifier.py").output
     assert "Under torchrun:" in plain and "done: models wrapped in DDP (gradients averaged): " in plain
-    assert "done: training loaders sharded" in plain and "NOT DONE" not in plain
+    assert "done: training data sharded" in plain and "NOT DONE" not in plain
     functional = run_cli("ddp", "--dry-run", tmp_path / "maml_functional.py").output
     assert "done: functional models kept in sync" in functional
     assert "done: models wrapped in DDP" not in functional
     drawn = run_cli("ddp", "--dry-run", tmp_path / "helper_loaders.py").output
     assert "done: random configuration drawn once and shared by every rank" in drawn
     stream = run_cli("ddp", "--dry-run", tmp_path / "token_stream_lm.py").output
-    assert "done: training loaders sharded" in stream
+    assert "done: training data sharded" in stream
+
+
+def test_positions_after_an_in_place_migration_point_into_the_written_file(tmp_path):
+    """The report of `ddp --dry-run` points into the file as it is; the report of an in-place
+    `ddp` into the file as written (lines added above a finding move it down)."""
+    import re
+
+    script = tmp_path / "train.py"
+    shutil.copy(FIXTURES / "scripts" / "toplevel_classifier.py", script)
+    original = script.read_text().splitlines()
+    finding = re.compile(r"train\.py:(\d+):(\d+): (TM\d+)")
+    preview = subprocess.run([sys.executable, "-m", "torchmigrate", "ddp", "--dry-run", str(script)],
+                             capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-m", "torchmigrate", "ddp", str(script)], capture_output=True, text=True)
+    before, after = finding.findall(preview.stderr), finding.findall(done.stdout)
+    written = script.read_text().splitlines()
+    assert before and [c for _, _, c in before] == [c for _, _, c in after], (preview.stderr, done.stdout)
+    assert any(b[0] != a[0] for b, a in zip(before, after))  # the migration moved them
+    for (line, col, code), (new_line, new_col, _) in zip(before, after):
+        assert new_col == col
+        assert original[int(line) - 1].strip() == written[int(new_line) - 1].strip(), (code, line, new_line)
 
 
 # --- decisions instead of questions: the batch policy and advice ----------------------------

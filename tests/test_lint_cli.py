@@ -615,3 +615,132 @@ def test_input_errors_are_not_reported_as_all_clear(tmp_path, run_cli):
     assert result.exit_code == 2
     assert "All checks passed" not in result.stdout
     assert "1 file could not be checked" in result.stdout
+
+
+# --- the first hour (issue 28): what a new user meets -----------------------------------------
+
+def _lint(*args, cwd=None, input=None):
+    return subprocess.run([sys.executable, "-m", "torchmigrate", "lint", "--no-cache", *map(str, args)],
+                          capture_output=True, text=True, cwd=cwd, input=input)
+
+
+def test_syntax_errors_are_reported_in_files_that_do_not_mention_torch(tmp_path):
+    """As Ruff: every file linted is parsed, so a broken file never reads as "All checks passed"."""
+    (tmp_path / "util.py").write_text("def f(:\n    pass\n")
+    (tmp_path / "ok.py").write_text("x = 1\n")
+    proc = _lint(tmp_path)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert re.search(r"util\.py:1:7: syntax error: ", proc.stderr), proc.stderr
+    assert "ok.py" not in proc.stderr
+    compiled_only = tmp_path / "ret.py"  # what only CPython's compiler refuses
+    compiled_only.write_text("return 1\n")
+    assert _lint(compiled_only).returncode == 2
+    skipped = tmp_path / "skipped.py"
+    skipped.write_text("# torchmigrate: skip-file\ndef f(:\n")
+    assert _lint(skipped).returncode == 0
+
+
+def test_unknown_codes_in_ignore_comments_are_warned_about(tmp_path):
+    """A typo in a suppression suppresses nothing: a `warning:` line names it (Ruff's warning for
+    an invalid rule code in a `# noqa`); known codes and prefixes are accepted, as is a bare
+    `ignore`, and in files that do not mention torch too."""
+    script = tmp_path / "t.py"
+    script.write_text("import torch\n"
+                      "a = torch.zeros(1)  # torchmigrate: ignore[TM999, TM2]\n"
+                      "b = 1  # torchmigrate: ignore[tm201,TM406]\n"
+                      "c = 2  # torchmigrate: ignore\n"
+                      "s = '# torchmigrate: ignore[TM000]'\n")
+    (tmp_path / "plain.py").write_text("x = 1  # torchmigrate: ignore[TM21O]\n")
+    proc = _lint(script, tmp_path / "plain.py")
+    warnings = [line for line in proc.stderr.splitlines() if line.startswith("warning:")]
+    assert warnings == [
+        f"warning: Invalid rule code provided to `# torchmigrate: ignore` at {script}:2: TM999",
+        f"warning: Invalid rule code provided to `# torchmigrate: ignore` at {script}:3: tm201",
+        f"warning: Invalid rule code provided to `# torchmigrate: ignore` at {tmp_path / 'plain.py'}:1: TM21O",
+    ], proc.stderr
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_show_settings_says_what_applies_to_a_file_and_where_it_came_from(tmp_path):
+    (tmp_path / "pyproject.toml").write_text('[tool.torchmigrate]\nignore = ["TM406"]\nexclude = ["legacy/"]\n'
+                                             'amp = "bf16"\n')
+    (tmp_path / "legacy").mkdir()
+    (tmp_path / "legacy" / "old.py").write_text("import torch\n")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "torchmigrate.toml").write_text('select = ["TM2"]\n')
+    (tmp_path / "sub" / "train.py").write_text("import torch\n")
+    proc = subprocess.run([sys.executable, "-m", "torchmigrate", "lint", "--show-settings", "--force-exclude",
+                           "--extend-select", "TM406", "legacy/old.py", "sub/train.py"],
+                          capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    old, sub = (" ".join(block.split()) for block in proc.stdout.split("\n\n"))  # spaces aligned: one here
+    assert old.startswith("Settings for legacy/old.py (torchmigrate lint):")
+    assert f"settings file {tmp_path / 'pyproject.toml'} [tool.torchmigrate] (the closest settings file" in old
+    assert f"ignore TM406 [{tmp_path / 'pyproject.toml'} [tool.torchmigrate]]" in old
+    assert "--extend-select TM406 [command line]" in old and "TM406" in old.split("rules enabled")[1]
+    assert "excluded yes: left out (--force-exclude)" in old
+    assert "cache " in old
+    assert f"settings file {tmp_path / 'sub' / 'torchmigrate.toml'} (the closest" in sub
+    enabled = sub.split("rules enabled ")[1].split(" (")[0].split(", ")
+    assert enabled == ["TM201", "TM202", "TM203", "TM204", "TM406"], sub
+    assert "excluded no" in sub
+    ddp = subprocess.run([sys.executable, "-m", "torchmigrate", "ddp", "--show-settings", "legacy/old.py"],
+                         capture_output=True, text=True, cwd=tmp_path)
+    shown = " ".join(ddp.stdout.split())
+    assert ddp.returncode == 0 and "amp bf16 [" in shown, ddp.stdout + ddp.stderr
+    assert "matched by `exclude`, but processed" in shown
+    assert (tmp_path / "legacy" / "old.py").read_text() == "import torch\n"  # nothing processed
+
+
+DATA_PARALLEL = """\
+import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def train(steps=5):
+    torch.manual_seed(0)
+    net = Net()
+    if torch.cuda.device_count() > 1:
+        net = nn.DataParallel(net, device_ids=[0, 1])
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    for step in range(steps):
+        x, y = torch.randn(16, 4), torch.randint(0, 2, (16,))
+        opt.zero_grad()
+        nn.functional.cross_entropy(net(x), y).backward()
+        opt.step()
+    torch.save(net.module.state_dict() if isinstance(net, nn.DataParallel) else net.state_dict(), "net.pt")
+
+
+if __name__ == "__main__":
+    train()
+"""
+
+
+@pytest.mark.slow
+def test_a_dataparallel_fix_leaves_a_program_that_runs_under_torchrun(tmp_path):
+    """`lint --fix` (the torchmigrate-fix hook) replaces DataParallel with tm.wrap_model: the
+    result must run under torchrun (the runtime sets the process group up on first use) and
+    train in sync, not stop with "no process group"."""
+    pytest.importorskip("torch")
+    script = tmp_path / "train.py"
+    script.write_text(DATA_PARALLEL)
+    fixed = _lint("--fix", script)
+    assert "tm.wrap_model(net)" in script.read_text(), script.read_text()
+    assert fixed.returncode in (0, 1), fixed.stdout + fixed.stderr
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run([sys.executable, "-m", "torchmigrate", "verify", "--format", "json", "--steps", "0",
+                           "--epochs", "0", script], capture_output=True, text=True, cwd=tmp_path, env=env,
+                          timeout=600)
+    report = json.loads(proc.stdout)
+    checks = {c["name"]: c for c in report["checks"]}
+    assert checks["exit"]["status"] == "pass", json.dumps(report["ranks"], indent=1)[-3000:]
+    assert checks["params"]["status"] == "pass" and checks["writers"]["status"] == "pass", json.dumps(checks)

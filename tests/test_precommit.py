@@ -240,3 +240,32 @@ def test_readme_snippet_works_after_autoupdate_freeze(project, precommit):
     result = precommit["run"](project, "torchmigrate-lint")
     assert result.returncode == 1 and "train.py:2:1: TM406 " in result.stdout, _explain(result)
     assert "mutable reference" not in result.stdout + result.stderr
+
+
+def _readme_local_snippet() -> str:
+    """The README's `repo: local` example (torchmigrate from the developer's own environment)."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    return next(b.split("```")[0] for b in text.split("```yaml\n")[1:] if "repo: local" in b.split("```")[0])
+
+
+def test_readme_local_hook_respects_exclude_and_says_to_install_it(project, precommit):
+    """The local hook as the README gives it: staged files excluded by the project's settings
+    are skipped (--force-exclude), the others checked; the README says to `pre-commit install`."""
+    env = dict(precommit["env"])
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")  # language: system
+    (project / ".pre-commit-config.yaml").write_text(_readme_local_snippet())
+    _stage(project, env, {".pre-commit-config.yaml": _readme_local_snippet(),
+                          "pyproject.toml": '[tool.torchmigrate]\nexclude = ["legacy/"]\n',
+                          "legacy/old.py": AMP_SCRIPT.read_text(), "train.py": CLEAN})
+    result = precommit["run"](project, "torchmigrate-lint")
+    assert result.returncode == 0, _explain(result)
+    _stage(project, env, {"train.py": AMP_SCRIPT.read_text()})
+    result = precommit["run"](project, "torchmigrate-lint")
+    assert result.returncode == 1 and "train.py:2:1: TM406" in result.stdout and "legacy" not in result.stdout, \
+        _explain(result)
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = text[text.index("### pre-commit"):text.index("### GitHub Actions")]
+    assert "pre-commit install" in section
+    install = subprocess.run([sys.executable, "-m", "pre_commit", "install"], cwd=project, env=env,
+                             capture_output=True, text=True, timeout=120)
+    assert install.returncode == 0 and (project / ".git" / "hooks" / "pre-commit").is_file(), _explain(install)

@@ -37,10 +37,17 @@ CASES = {
     "data_eval_modules": (["train.py"], ["data.py", "evaluate.py"]),
     "utils_writers": (["train.py"], ["utils.py"]),
     "shared_module": (["train.py", "finetune.py"], ["common.py"]),
+    # written for nn.DataParallel: a loss object with its own .cuda(), the project's optimizer
+    # object, checkpoints that pickle the model and the optimizer, DataParallel checks in utils
+    "dataparallel_objects": (["train.py"], ["losses.py", "utils.py"]),
+    # loaded by names in config/train.json through importlib, never imported by name
+    "config_driven": (["train.py"], ["trainer/trainer.py", "trainer/base_trainer.py"]),
 }
+# project -> (file under OUT_DIR, its lines after a 3-epoch run under torchrun): written once
+LINES_WRITTEN = {"config_driven": ("results.csv", ["epoch,loss", "0,", "1,", "2,"])}
 
 
-RESUMABLE = {"package_relative"}  # reads RESUME (a checkpoint) and continues after its epoch
+RESUMABLE = {"package_relative", "dataparallel_objects"}  # reads RESUME (a checkpoint) and continues after its epoch
 
 
 def _env(out_dir: Path, **extra) -> dict:
@@ -99,9 +106,20 @@ def test_project_migrates_and_trains(project, tmp_path):
             assert [r.count("resumed from epoch 2") for r in resumed] == [1, 0], resumed[0][-3000:]
             assert [int(m.group(1)) for m in EPOCH_LINE.finditer(resumed[0])] == [3, 4]
 
-    for ckpt in out_dir.rglob("*.pt"):
-        obj = torch.load(ckpt, map_location="cpu", weights_only=False)
-        assert not [k for k in _all_keys(obj) if k.startswith(("module.", "_orig_mod."))], ckpt
+    if project in LINES_WRITTEN:
+        name, starts = LINES_WRITTEN[project]
+        lines = (out_dir / name).read_text().splitlines()
+        assert len(lines) == len(starts) and all(l.startswith(s) for l, s in zip(lines, starts)), lines
+
+    sys.path.insert(0, str(folder))  # checkpoints that pickle the program's own classes
+    try:
+        for ckpt in out_dir.rglob("*.pt"):
+            obj = torch.load(ckpt, map_location="cpu", weights_only=False)
+            assert not [k for k in _all_keys(obj) if k.startswith(("module.", "_orig_mod."))], ckpt
+            for value in obj.values() if isinstance(obj, dict) else [obj]:
+                assert not isinstance(value, torch.nn.parallel.DistributedDataParallel), "a wrapper pickled"
+    finally:
+        sys.path.remove(str(folder))
 
     plain_dir = tmp_path / "plain"
     plain_dir.mkdir()
@@ -120,3 +138,64 @@ def test_no_follow_migrates_only_the_entry(tmp_path):
     assert proc.returncode in (0, 1), proc.stderr
     assert (folder / "data.py").read_text() == (PROJECTS / "data_eval_modules" / "data.py").read_text()
     assert (folder / "train.py").read_text() != (PROJECTS / "data_eval_modules" / "train.py").read_text()
+
+
+def _outputs(run_dir: Path) -> dict:
+    """What the writers_everywhere program leaves behind, read as one process would."""
+    return {
+        "history": (run_dir / "history.txt").read_text().splitlines(),
+        "runs": (run_dir / "runs.csv").read_text().splitlines(),
+        "log": (run_dir / "train.log").read_text().splitlines(),
+        "params": json.loads((run_dir / "params.json").read_text()),
+        "eval": json.loads((run_dir / "eval.json").read_text()),
+        "cache": sorted(p.name for p in (run_dir / "cache").iterdir()),
+        "previews": sorted(p.name for p in run_dir.glob("preview_*.pt")),
+    }
+
+
+def test_every_file_is_written_once(tmp_path):
+    """A program whose files are written through helpers, a logger class, a log handler added in
+    a utils module, a history handle kept open, a first-run cache folder and an evaluation json
+    read back by every rank (fixtures/projects/writers_everywhere): after `torchmigrate ddp`,
+    under torchrun on 2 CPU ranks, rank 1 writes nothing, every file holds each line once, every
+    rank still reads what it needs; the report claims "rank 0 only" because it is true; and as
+    one process the program writes the same files."""
+    folder = tmp_path / "writers_everywhere"
+    shutil.copytree(PROJECTS / "writers_everywhere", folder)
+    proc = subprocess.run([sys.executable, "-m", "torchmigrate", "ddp", "train.py"], cwd=folder,
+                          capture_output=True, text=True, timeout=120)
+    report = proc.stdout + proc.stderr
+    assert proc.returncode in (0, 1), report
+    assert "done: writes, saves and logs on rank 0 only" in report and "written by every rank" not in report, report
+    for module in ("train.py", "io_utils.py", "recorder.py"):
+        assert (folder / module).read_text() != (PROJECTS / "writers_everywhere" / module).read_text(), module
+
+    out_dir = tmp_path / "ddp"
+    out_dir.mkdir()
+    run = subprocess.run([sys.executable, "-m", "torchmigrate", "verify", "--format", "json", "--steps", "0",
+                          "--epochs", "0", "--timeout", "240", "train.py"], cwd=folder, env=_env(out_dir),
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode in (0, 1) and run.stdout.startswith("{"), run.stdout[-2000:] + run.stderr[-3000:]
+    verdict = json.loads(run.stdout)
+    failed = [c for c in verdict["checks"] if c["status"] != "pass"]
+    assert not failed, json.dumps(failed, indent=1)
+    assert any("only rank 0 writes files" in json.dumps(c) for c in verdict["checks"]), verdict["checks"]
+    ranks = [r["output"] for r in verdict["ranks"]]
+    assert [r.count("final loss") for r in ranks] == [1, 0], ranks  # rank 1 read eval.json too (no crash)
+
+    got = _outputs(out_dir / "run")
+    assert [line.split()[0] for line in got["history"]] == ["0", "1", "2"]
+    assert got["runs"][0] == "epoch,loss" and [r.split(",")[0] for r in got["runs"][1:]] == ["0", "1", "2"]
+    assert got["log"] == [f"finished epoch {e}" for e in range(3)]
+    assert got["params"] == {"lr": 0.05, "batch_size": 10}
+    assert set(got["eval"]) == {"loss"}
+    assert got["cache"] == [f"part_{i}.npy" for i in range(4)]
+    assert got["previews"] == [f"preview_{e}.pt" for e in range(3)]
+
+    plain_dir = tmp_path / "plain"
+    plain_dir.mkdir()
+    plain = subprocess.run([sys.executable, "train.py"], cwd=folder, env=_env(plain_dir), capture_output=True,
+                           text=True, timeout=180)
+    assert plain.returncode == 0, plain.stdout[-2000:] + plain.stderr[-3000:]
+    alone = _outputs(plain_dir / "run")
+    assert {k: len(v) for k, v in alone.items()} == {k: len(v) for k, v in got.items()}

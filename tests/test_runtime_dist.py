@@ -323,6 +323,8 @@ def test_steps_through_submodules_are_averaged_and_plain_models_keep_ddp(nets):
     r0, r1 = nets["r"]
     assert r0["plain_mode"] == r1["plain_mode"] == "ddp"
     assert r0["plain"] == r1["plain"]
+    assert r0["routed"] == r1["routed"]  # tm.synced(model).encoder(x) runs through DDP's forward
+    assert r0["late_init"] == r1["late_init"]  # weights initialised after the wrap: rank 0's at the first step
 
 
 def test_a_module_level_cleanup_in_an_imported_module_does_not_end_the_group(nets):
@@ -332,6 +334,12 @@ def test_a_module_level_cleanup_in_an_imported_module_does_not_end_the_group(net
 def test_a_pickled_wrapper_is_the_plain_module(nets):
     for r in nets["r"]:
         assert r["pickled_type"] == r["deepcopy_type"] == "Plain"
+
+
+def test_the_wrapper_is_named_and_indexed_like_the_module(nets):
+    for r in nets["r"]:
+        assert r["type_name"] == "TwoHeads"
+        assert r["sequential"] == [3, "Linear", ["Linear", "ReLU", "Linear"]]
 
 
 def test_reduce_meter_leaves_a_read_only_avg_to_compute_itself(nets):
@@ -346,3 +354,47 @@ def test_the_runtime_names_a_file_every_rank_writes_and_drifting_parameters(nets
     assert "rank0.json" not in out and "rank1.json" not in out  # per-rank names are intended
     drift = [line for line in out.splitlines() if "differ across ranks" in line]
     assert len(drift) == 1 and "Linear" in drift[0]
+
+
+# ------------------------------------------------------------------ data no sampler shards
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    """tests/runtime_probe/shards.py under torchrun with 2 gloo processes."""
+    outdir = tmp_path_factory.mktemp("shards")
+    run = torchrun("--standalone", "--nproc-per-node=2", PROBES / "shards.py", outdir,
+                   env=clean_env(CUDA_VISIBLE_DEVICES=""), timeout=TIMEOUT, stale=[outdir / "*"])
+    assert run.returncode == 0, run.report()
+    return read_ranks(outdir, 2)
+
+
+def test_shard_range_and_indices_split_disjointly_with_equal_step_counts(shards):
+    r0, r1 = shards
+    assert (r0["range"], r1["range"]) == ([0, 4, 8], [2, 6, 0])
+    assert (r0["indices"], r1["indices"]) == ([0, 2, 4, 6], [1, 3, 5])
+    assert [a or b for a, b in zip(r0["mask"], r1["mask"])] == [True, False, True, True, False, True, True]
+    assert not any(a and b for a, b in zip(r0["mask"], r1["mask"]))
+
+
+def test_shard_batches_of_a_shuffling_generator_agrees_on_the_order_and_splits_it(shards):
+    r0, r1 = shards
+    for p in range(2):
+        a, b = r0["iterator_passes"][p], r1["iterator_passes"][p]
+        assert len(a) == len(b) == 3  # 5 batches: padded to 3 steps on each rank
+        assert sorted(i for batch in a[:3] + b[:2] for i in batch) == list(range(9))
+    assert r0["iterator_passes"][0] != r0["iterator_passes"][1]  # a new order each pass
+    assert r0["own_stream_kept"] and r1["own_stream_kept"]
+
+
+def test_shard_batches_of_a_plain_loader_splits_its_batches(shards):
+    r0, r1 = shards
+    assert len(r0["loader"]) == len(r1["loader"]) == 2
+    assert sorted(i for b in r0["loader"] + r1["loader"] for i in b) == list(range(10))
+
+
+def test_shard_mean_gives_the_one_process_loss_and_gradient_for_uneven_parts(shards):
+    for r in shards:
+        assert r["sharded_loss"] == pytest.approx(r["full_loss"], rel=1e-6)
+        assert r["sharded_grads"] == pytest.approx(r["full_grads"], rel=1e-5, abs=1e-7)
+        assert r["mask_loss"] == pytest.approx(r["full_loss"], rel=1e-6)
+        assert r["mask_grads"] == pytest.approx(r["full_grads"], rel=1e-5, abs=1e-7)

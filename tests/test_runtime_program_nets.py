@@ -92,8 +92,8 @@ def _shards(inner, world=2, passes=2):
 
     out = []
     with mock.patch.object(tm, "world_size", lambda: world), mock.patch.object(tm, "is_distributed", lambda: True):
-        for r in range(world):
-            with mock.patch.object(tm, "rank", lambda r=r: r):
+        for r in range(world):  # each rank a process of its own: its samplers counted from 0
+            with mock.patch.object(tm, "rank", lambda r=r: r), mock.patch.object(tm, "_SAMPLERS_MADE", 0):
                 s = tm.shard_sampler(inner)
                 out.append([list(s) for _ in range(passes)] + [len(s)])
     return out
@@ -125,3 +125,27 @@ def test_reduce_meter_leaves_a_meter_alone_in_one_process():
 
     m = Meter()
     assert tm.reduce_meter(m) is m and (m.sum, m.count, m.avg) == (6.0, 3, 2.0)
+
+
+def test_each_sampler_shuffles_with_its_own_seed_alike_on_every_rank():
+    """Two loaders that shuffled independently (unpaired A and B zipped) must not draw one order."""
+    from unittest import mock
+
+    seeds = []
+    with mock.patch.object(tm, "world_size", lambda: 2), mock.patch.object(tm, "is_distributed", lambda: True):
+        for r in range(2):
+            with mock.patch.object(tm, "rank", lambda r=r: r), mock.patch.object(tm, "_SAMPLERS_MADE", 0):
+                a, b = tm.sampler(range(16)), tm.sampler(range(16))
+                seeds.append((a.seed, b.seed))
+    assert seeds[0] == seeds[1] and seeds[0][0] != seeds[0][1]
+
+
+def test_shard_stream_leaves_loaders_and_iterators_alone():
+    from unittest import mock
+
+    loader = torch.utils.data.DataLoader(range(8))
+    with mock.patch.object(tm, "world_size", lambda: 2), mock.patch.object(tm, "rank", lambda: 1):
+        assert tm.shard_stream(loader) is loader
+        it = iter(range(4))
+        assert tm.shard_stream(it) is it
+        assert tm.shard_stream(list(range(10))) == [5, 6, 7, 8, 9]

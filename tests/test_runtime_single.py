@@ -228,6 +228,16 @@ def test_wrap_model_one_process_moves_without_wrapping():
     assert tm.wrap_model(frozen) is frozen
 
 
+def test_wrap_model_keeps_a_former_data_parallel_in_one_process():
+    """A program that used nn.DataParallel reads `.module` anywhere: in one process it keeps it."""
+    model = small_model()
+    wrapped = tm.wrap_model(model, data_parallel=True)
+    assert isinstance(wrapped, nn.DataParallel) and wrapped.module is model
+    assert tm.wrap_model(wrapped, data_parallel=True) is wrapped
+    out = wrapped(torch.randn(4, 3, device=tm.device()))
+    assert out.shape == (4, 2) and tm.unwrap(wrapped) is model
+
+
 def test_unwrap_nested_wrappers():
     inner = small_model()
     compiled = torch.compile(inner, backend="eager")  # OptimizedModule; never run here
@@ -728,3 +738,65 @@ def test_to_float32_casts_low_precision_outputs_in_any_container():
     assert pair.aux[1] == 3 and tm.to_float32(None) is None
     pair.logits.sum().backward()  # differentiable: a loss computed from it still trains
     assert half.grad is not None
+
+
+# ------------------------------------------------------------------ hand-made batches, full-batch indices
+
+def test_shard_helpers_return_their_input_in_one_process():
+    batches, idx, mask = range(0, 100, 32), torch.arange(10), torch.arange(10) < 4
+    gen = (b for b in [1, 2])
+    assert tm.shard_range(batches) is batches
+    assert tm.shard_indices(idx) is idx and tm.shard_indices(mask) is mask
+    assert tm.shard_batches(gen) is gen
+    loss = torch.tensor(2.5, requires_grad=True)
+    assert tm.shard_mean(loss, idx) is loss
+
+
+def test_shard_range_gives_rank_1_every_second_batch_padded_to_equal_counts(other_rank):
+    assert tm.shard_range(range(0, 128, 32)) == range(32, 128, 64)  # divides: stays a range
+    # 5 batches on 2 ranks: rank 0 gets 0, 2, 4 and rank 1 gets 1, 3 and the first batch again
+    assert list(tm.shard_range(range(0, 160, 32))) == [32, 96, 0]
+    assert tm.shard_range(["a", "b", "c"]) == ["b", "a"]
+    assert list(tm.shard_range(range(0))) == []
+
+
+def test_shard_indices_of_index_tensors_arrays_lists_and_masks(other_rank):
+    assert tm.shard_indices(torch.arange(5)).tolist() == [1, 3]
+    assert tm.shard_indices(np.arange(5)).tolist() == [1, 3]
+    assert tm.shard_indices([10, 11, 12]) == [11]
+    mask = torch.tensor([True, False, True, True, False, True])
+    part = tm.shard_indices(mask)
+    assert part.dtype == torch.bool and part.tolist() == [False, False, True, False, False, True]
+    assert tm.shard_indices(np.array([[True, True], [False, True]])).tolist() == [[False, True], [False, False]]
+
+
+def test_shard_batches_of_a_list_and_of_an_iterator(other_rank, monkeypatch):
+    monkeypatch.setitem(tm._PASSES, "count", 0)  # the first pass of the process
+    assert tm.shard_batches([1, 2, 3, 4, 5]) == [2, 4, 1]
+
+    def shuffled(n):
+        order = list(range(n))
+        random.shuffle(order)  # draws as it goes, from the global stream
+        yield from order
+
+    sharded = tm.shard_batches(shuffled(5), seed=7)
+    random.seed(123)
+    before = random.random()
+    got = list(sharded)
+    random.seed(123)
+    assert random.random() == before  # the program's own stream is untouched
+    # rank 0 of the same seed would see the same order: its items at even positions
+    order = list(range(5))
+    random.Random(7).shuffle(order)
+    assert got == [order[1], order[3], order[0]]
+
+
+def test_shard_batches_shards_an_unsharded_loader_in_place_and_keeps_a_sharded_one(other_rank):
+    loader = DataLoader(list(range(10)), batch_size=2)
+    assert tm.shard_batches(loader) is loader
+    assert [b.tolist() for b in loader] == [[2, 3], [6, 7], [0, 1]]  # batches 1, 3 and padding
+    assert len(loader) == 3
+    sharded = DataLoader(list(range(10)), batch_size=2, sampler=DistributedSampler(list(range(10)),
+                                                                                    num_replicas=2, rank=1))
+    assert tm.shard_batches(sharded) is sharded
+    assert tm.shard_batches(sharded).sampler.__class__ is DistributedSampler

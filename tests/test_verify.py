@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from conftest import FIXTURES
+from torchmigrate.cli import verify as verify_cli
 from torchmigrate.cli import verify_checks as checks
 from torchmigrate.cli.verify_checks import Run
 
@@ -69,11 +70,39 @@ def test_broken_program_fails_the_right_check(name, tmp_path):
 
 
 def test_a_program_that_never_stops_is_stopped_after_the_epochs(tmp_path):
+    """After the full epochs, the shortened ones run on to the last epoch verify allows; the
+    report then says plainly that the program's end (its final save) was not reached."""
     pytest.importorskip("torch")
     code, report, err = verify("--steps", 2, "--epochs", 2, BROKEN / "never_stops.py", cwd=tmp_path)
     assert code == 0 and report, err
     assert report["stopped_by_verify"] and [r["status"] for r in report["ranks"]] == ["stopped", "stopped"]
     assert by_name(report)["exit"]["message"] == "every rank was stopped by verify after the requested epochs"
+    assert "final save was NOT reached" in by_name(report)["prefixes"]["message"]
+    assert "stopped by verify at epoch 20" in err  # the progress line of that phase
+    text = verify_cli.render(report)
+    assert "the end of the program (a final save, a final evaluation) was NOT reached and NOT checked" in text
+
+
+def test_the_final_save_is_reached_and_looked_into_without_numpy(tmp_path):
+    """Defaults only, on the README's install (no numpy): the epochs after the first two are
+    shortened so the save after the training loop runs; `module.` keys inside the saved list
+    are found; one progress line per phase goes to stderr while the ranks run."""
+    pytest.importorskip("torch")
+    blocker = tmp_path / "no_numpy" / "numpy"
+    blocker.mkdir(parents=True)
+    (blocker / "__init__.py").write_text('raise ModuleNotFoundError("No module named numpy", name="numpy")\n')
+    code, report, err = verify(BROKEN / "prefix_in_final_list.py", cwd=tmp_path,
+                               env={"PYTHONPATH": str(blocker.parent)})
+    assert code == 1 and report, err
+    assert failed(report) == {"prefixes"}, json.dumps(report["checks"], indent=1)
+    assert "keys such as module.0.weight" in "\n".join(by_name(report)["prefixes"]["evidence"])
+    assert by_name(report)["prefixes"]["where"] == ["prefix_in_final_list.py:24"]
+    assert not report["stopped_by_verify"] and report["short_epochs"] == 3, report
+    assert by_name(report)["params"]["status"] == "pass"  # hashed with torch alone
+    progress = [line for line in err.splitlines() if line.startswith("verify [")]
+    assert any("running the script" in line for line in progress), err
+    assert any("running on to the program's end" in line for line in progress), err
+    assert "the ranks ended; checking (rank 0: epoch 5, " in progress[-1], err
 
 
 def test_a_program_that_never_stops_is_stopped_at_the_timeout(tmp_path):
@@ -160,3 +189,56 @@ def test_ranks_that_cannot_be_stopped_at_the_timeout_are_named_as_a_hang():
     stopped = checks.exits(Run([_record([[0, 2]]) | {"status": "terminated"}, None], ["", ""], timed_out=True,
                                timeout=40))
     assert "the ranks hang" not in stopped.message, stopped
+
+
+def test_a_failure_of_the_probe_is_the_tools_not_the_scripts():
+    """A rank whose probe failed, or that left no record and whose traceback ends in the probe,
+    is reported as torchmigrate's failure (its own check, first), never as the script's."""
+    failed_rank = _record([[0, 2]]) | {"status": "probe_failed", "exit_code": 1,
+                                        "error": {"where": None, "message": "TypeError: boom", "traceback": []},
+                                        "probe_errors": ["hashing the parameters: TypeError: boom"]}
+    run = Run([failed_rank, _record([[1, 3]])], ["", ""])
+    exit_check = checks.exits(run)
+    assert exit_check.status == "fail" and "verify's probe failed on rank 0 (a torchmigrate bug, not your script)" \
+        == exit_check.message, exit_check
+    probe = checks.probe(run)
+    assert probe.status == "fail" and "not your script" in probe.message and "TypeError: boom" in probe.evidence[0]
+    trace = ('Traceback (most recent call last):\n  File "/x/train.py", line 3, in <module>\n'
+             '  File "/site/torchmigrate/cli/verify_probe.py", line 9, in _dump\nRuntimeError: Numpy is not available\n')
+    silent = Run([None, _record([[1, 3]])], [trace, ""])
+    assert "verify's probe failed before it could write one" in checks.exits(silent).evidence[0]
+    assert checks.probe(silent) is not None
+    killed = Run([None, _record([[1, 3]])], ["epoch 0\n", ""])
+    assert "killed from outside" in checks.exits(killed).evidence[0] and checks.probe(killed) is None
+    assert checks.probe(Run([_record([[0, 2]]), _record([[1, 3]])], ["", ""])) is None
+
+
+def test_probe_looks_into_any_container_and_hashes_without_numpy(monkeypatch):
+    torch = pytest.importorskip("torch")
+    from torchmigrate.cli import verify_probe as probe
+
+    sd = {"module.w": torch.zeros(2), "b": torch.ones(1)}
+    for shape in ([sd], (sd, 1), {"a": {"b": [(sd,)]}}, ({"x": 1}, [[sd]])):
+        assert probe._prefixed(shape) == ["module.w"], shape
+    assert probe._prefixed([{"w": torch.zeros(1)}]) == []
+
+    def no_numpy(self):
+        raise RuntimeError("Numpy is not available")
+
+    monkeypatch.setattr(torch.Tensor, "numpy", no_numpy)
+    params = [torch.arange(6.0).reshape(2, 3).t(), torch.zeros(0), torch.ones(2, dtype=torch.bfloat16)]
+    assert probe._digest(params) == probe._digest([p.clone() for p in params])
+    assert probe._digest(params) != probe._digest([params[0] + 1, *params[1:]])
+
+
+def test_the_report_says_when_the_end_was_not_reached():
+    report = {"script": "t.py", "nproc": 2, "device": "cpu", "steps": 10, "epochs": 2, "last_epoch": 20,
+              "stopped_by_verify": True, "short_epochs": 18, "timed_out": False, "tool_failed": False,
+              "checks": [checks.Check("exit", "every rank exits cleanly", "pass", "ok").to_json()]}
+    text = verify_cli.render(report)
+    assert "stopped by verify at epoch 20" in text and "was NOT reached and NOT checked" in text
+    assert "All checks passed." not in text
+    done = verify_cli.render(report | {"stopped_by_verify": False, "short_epochs": 3})
+    assert done.endswith("All checks passed.") and "the 3 epoch(s) after the first 2 ran one optimizer step" in done
+    broken = verify_cli.render(report | {"stopped_by_verify": False, "tool_failed": True})
+    assert "torchmigrate verify itself failed (its probe, not your script)" in broken

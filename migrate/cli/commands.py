@@ -114,6 +114,11 @@ def _data_whole_where_unwrapped(outcomes: List[Outcome], inputs: Inputs, job: Jo
 
 
 def _echo_errors(outcomes: List[Outcome]) -> bool:
+    """The warnings (`warning: ...`, as Ruff's) then the input errors, on stderr; True if any
+    error."""
+    for outcome in outcomes:
+        for warning in outcome.warnings:
+            click.echo(f"warning: {warning}", err=True)
     lines = report.error_lines(outcomes)
     for line in lines:
         click.echo(line, err=True)
@@ -199,6 +204,27 @@ def _common(config, force_exclude, respect_gitignore, stdin_filename, follow):
                 stdin_filename=stdin_filename, follow=follow)
 
 
+show_settings_option = click.option(
+    "--show-settings", is_flag=True,
+    help="Print the settings that apply to each path given (settings file, rules enabled, amp, exclusion, "
+         "cache) and where each came from; process nothing.")
+
+
+def _show_settings(command: str, paths, select, extend_select, ignore, amp, common, cache=None) -> NoReturn:
+    """`--show-settings`: what a run with these options would use for each path, then exit 0."""
+    from torchmigrate.cli.show_settings import describe
+
+    if not paths:
+        _fail("--show-settings needs the paths to describe (e.g. `torchmigrate lint --show-settings src/train.py`)")
+    request = Request(command, tuple(paths), Selection(split(select), split(extend_select), split(ignore)), amp,
+                      **common)
+    try:
+        click.echo(describe(request, cache))
+    except ConfigError as exc:
+        _fail(str(exc))
+    sys.exit(0)
+
+
 @click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"]}, epilog=EXIT_CODES)
 @click.version_option(__version__, prog_name="torchmigrate")
 def main() -> None:
@@ -268,7 +294,7 @@ def _migrate(command: str, paths, dry_run: bool, check: bool, amp: Optional[str]
         sys.exit(2)
     if preview:
         sys.exit(1 if any(o.changed for o in outcomes) else 0)
-    if any(o.open_records for o in outcomes) or (whole and report.not_done(outcomes)):
+    if any(o.open_records for o in outcomes) or (whole and report.not_done(outcomes, program.unresolved if program else ())):
         sys.exit(1)
 
 
@@ -298,9 +324,10 @@ def _migration_options(func):
 @click.option("--vendor-runtime", is_flag=True,
               help=f"Write the runtime shim beside each script as {VENDORED_NAME} and import it from there.")
 @_common_options
+@show_settings_option
 @jobs_option
 def ddp(paths, dry_run, check, amp, report_file, follow, sync_bn, batch_policy, vendor_runtime, select, extend_select,
-        ignore, config, force_exclude, respect_gitignore, stdin_filename, jobs):
+        ignore, config, force_exclude, respect_gitignore, stdin_filename, show_settings, jobs):
     """Rewrite training scripts in place for torchrun + DDP (+ AMP).
 
     With --dry-run, print the unified diff (coloured on a terminal) and the report, write nothing.
@@ -309,9 +336,11 @@ def ddp(paths, dry_run, check, amp, report_file, follow, sync_bn, batch_policy, 
     stdin and prints the migrated script to stdout (the report goes to stderr; its imports are
     not followed).
     """
+    common = dict(_common(config, force_exclude, respect_gitignore, stdin_filename, follow), batch_policy=batch_policy)
+    if show_settings:
+        _show_settings("ddp", paths, select, extend_select, ignore, amp, common)
     _migrate("ddp", paths, dry_run, check, amp, sync_bn, report_file, vendor_runtime, jobs, select, extend_select,
-             ignore, dict(_common(config, force_exclude, respect_gitignore, stdin_filename, follow),
-                          batch_policy=batch_policy))
+             ignore, common)
 
 
 @main.command(epilog=EXIT_CODES)
@@ -320,16 +349,20 @@ def ddp(paths, dry_run, check, amp, report_file, follow, sync_bn, batch_policy, 
 @click.option("--vendor-runtime", is_flag=True,
               help=f"Write the runtime shim beside each script as {VENDORED_NAME} and import it from there.")
 @_common_options
+@show_settings_option
 @jobs_option
 def amp(paths, dry_run, check, amp, report_file, follow, vendor_runtime, select, extend_select, ignore,
-        config, force_exclude, respect_gitignore, stdin_filename, jobs):
+        config, force_exclude, respect_gitignore, stdin_filename, show_settings, jobs):
     """Add or modernise mixed precision only (no DDP).
 
     Code that keeps nn.DataParallel gets autocast inside the model's forward. `-` as the path
     reads a script from stdin and prints the new script to stdout (the report goes to stderr).
     """
+    common = _common(config, force_exclude, respect_gitignore, stdin_filename, follow)
+    if show_settings:
+        _show_settings("amp", paths, select, extend_select, ignore, amp, common)
     _migrate("amp", paths, dry_run, check, amp, False, report_file, vendor_runtime, jobs, select, extend_select,
-             ignore, _common(config, force_exclude, respect_gitignore, stdin_filename, follow))
+             ignore, common)
 
 
 # --- lint ------------------------------------------------------------------------------------
@@ -349,13 +382,14 @@ def amp(paths, dry_run, check, amp, report_file, follow, vendor_runtime, select,
 @click.option("--statistics", is_flag=True, help="Print a count per rule instead of each finding.")
 @follow_option
 @_common_options
+@show_settings_option
 @jobs_option
 @click.option("--cache-dir", type=click.Path(file_okay=False), metavar="DIR",
               help="Where to keep the results of unchanged files (default: $TORCHMIGRATE_CACHE_DIR, else "
                    ".torchmigrate_cache beside pyproject.toml or in the working directory).")
 @click.option("--no-cache", is_flag=True, help="Neither read nor write the cache.")
 def lint(paths, fix, unsafe_fixes, diff, show_fixes, fmt, exit_zero, statistics, follow, select, extend_select,
-         ignore, config, force_exclude, respect_gitignore, stdin_filename, jobs, cache_dir, no_cache):
+         ignore, config, force_exclude, respect_gitignore, stdin_filename, show_settings, jobs, cache_dir, no_cache):
     """Report rule findings (pre-commit hook / CI).
 
     Suppress one line with `# torchmigrate: ignore[TM201]`, a file with
@@ -366,6 +400,9 @@ def lint(paths, fix, unsafe_fixes, diff, show_fixes, fmt, exit_zero, statistics,
     from torchmigrate.cli import catalogue
     from torchmigrate.engine import cache as lint_cache
 
+    if show_settings:
+        _show_settings("lint", paths, select, extend_select, ignore, None, _common(
+            config, force_exclude, respect_gitignore, stdin_filename, follow), (cache_dir, no_cache))
     # json and sarif carry each fix's edits, which the cache does not keep: those runs compute
     cache = None if paths == ("-",) or stdin_filename or (fmt in ("json", "sarif") and not statistics) \
         else lint_cache.open_for_lint(

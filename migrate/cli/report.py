@@ -22,7 +22,8 @@ def _plural(n: int, word: str) -> str:
     return f"{n} {word}{'' if n == 1 else 's'}"
 
 
-def migration_summary(outcomes: Sequence[Outcome], dry_run: bool, ddp: bool = False) -> Dict:
+def migration_summary(outcomes: Sequence[Outcome], dry_run: bool, ddp: bool = False,
+                      unresolved: Sequence[str] = ()) -> Dict:
     changes = Counter(r.code for o in outcomes for r in o.records if r.applied)
     attention = [r for o in outcomes for r in o.open_records]
     changed_files = [o.path for o in outcomes if o.changed]
@@ -33,18 +34,19 @@ def migration_summary(outcomes: Sequence[Outcome], dry_run: bool, ddp: bool = Fa
         "changes": dict(sorted(changes.items())),
         "attention": [r.__dict__ for r in attention],
         "errors": error_lines(outcomes),
-        "not_done": not_done(outcomes) if ddp else [],
+        "not_done": not_done(outcomes, unresolved) if ddp else [],
         "advice": [r.__dict__ for o in outcomes for r in o.advice_records],
         "notes": [n for o in outcomes for n in o.notes],
     }
 
 
-def summary_line(outcomes: Sequence[Outcome], dry_run: bool, ddp: bool = False) -> str:
+def summary_line(outcomes: Sequence[Outcome], dry_run: bool, ddp: bool = False,
+                 unresolved: Sequence[str] = ()) -> str:
     """The last line of a migration report: `N files would be changed; M findings need attention.`
     (`changed` when written), or `Nothing to change (N files checked)[; M findings need attention].`"""
     n_files = sum(1 for o in outcomes if o.changed)
     attention = sum(len(o.open_records) for o in outcomes)
-    missing = len(not_done(outcomes)) if ddp else 0
+    missing = len(not_done(outcomes, unresolved)) if ddp else 0
     n_errors = sum(1 for o in outcomes if o.error)
     checked = len(outcomes) - n_errors
     need = f"{_plural(attention, 'finding')} {'needs' if attention == 1 else 'need'} attention"
@@ -70,7 +72,8 @@ def unresolved_lines(unresolved: Sequence[str]) -> List[str]:
     if not unresolved:
         return []
     return ["Not followed: imports of what looks like the project's own code, found nowhere from where the "
-            "program runs (set PYTHONPATH as the program's launch script does, or pass those files too); "
+            "program runs (set PYTHONPATH as the program's launch script does, or pass those files too), and "
+            "modules loaded by a name known only at run time that no configuration file of the project names; "
             "nothing in them was checked or migrated:"] + [f"  {u}" for u in unresolved]
 
 
@@ -88,13 +91,14 @@ def program_lines(outcomes: Sequence[Outcome], followed: Sequence[Path]) -> List
     return lines
 
 
+WRITES_DONE = "writes, saves and logs on rank 0 only"
 _DONE = (  # (what, rule codes whose applied changes show it[, words their message holds])
     ("models wrapped in DDP (gradients averaged)", ("TM301", "TM306", "TM407")),
     ("functional models kept in sync (tm.share_params, gradients averaged by tm.sync_grads)", ("TM309",)),
-    ("training loaders sharded", ("TM201",)),
+    ("training data sharded (loaders, token streams, hand-made batches)", ("TM201",)),
     ("evaluation loaders sharded (each sample once)", ("TM203",)),
     ("epoch loops reshuffling (set_epoch)", ("TM202",)),
-    ("writes, saves and logs on rank 0 only", ("TM501", "TM504", "TM601", "TM602")),
+    (WRITES_DONE, ("TM501", "TM504", "TM505", "TM601", "TM602")),
     ("metrics reduced across ranks", ("TM701", "TM703")),
     ("random configuration drawn once and shared by every rank", ("TM107",)),
     ("the original's global batch kept: each rank loads batch_size / world_size (batch policy global)",
@@ -105,11 +109,41 @@ _DONE = (  # (what, rule codes whose applied changes show it[, words their messa
 )
 
 
-def not_done(outcomes: Sequence[Outcome]) -> List[str]:
+def every_rank_writes(outcomes: Sequence[Outcome]) -> List[str]:
+    """`path:line (how path-expression)` of each place where the migrated program still writes a
+    file on every rank: read off the migrated sources' effects (`program.effects`), through the
+    calls between modules, so a write left in a helper, a class or a module the rules did not
+    change counts wherever it runs unguarded."""
+    from torchmigrate.program import effects  # only for a migration's report
+
+    summaries = [o.effects for o in outcomes if o.effects is not None]
+    if not summaries:
+        return []
+    shown = {os.path.realpath(o.path): o.path for o in outcomes}
+    out: Dict[str, str] = {}
+    for w in effects.unguarded_writes(effects.combine(summaries)):  # type: ignore[arg-type]
+        where = f"{shown.get(w.path, w.path)}:{w.line}"
+        if where not in out:
+            target = f" {w.target}" if w.target and len(w.target) <= 40 else ""
+            out[where] = f"{where} ({w.how}{target})"
+    return list(out.values())
+
+
+def not_done(outcomes: Sequence[Outcome], unresolved: Sequence[str] = ()) -> List[str]:
     """What the program still does wrong under torchrun, whatever the findings say: a program
-    that trains with no model wrapped in DDP, or builds loaders and shards none of them."""
+    that trains with no model wrapped in DDP, or builds loaders and shards none of them, or
+    writes files on every rank, or whose own modules were not all found (nothing in those was
+    migrated)."""
     have = {s for o in outcomes for s in o.signals}
     out = []
+    if unresolved:
+        out.append(f"{_plural(len(unresolved), 'import')} of the program's own code not followed (see \"Not "
+                   "followed\"): whatever those modules train, load, save or print is NOT migrated")
+    writes = every_rank_writes(outcomes)
+    if writes:
+        shown = ", ".join(writes[:6]) + (f", +{len(writes) - 6} more" if len(writes) > 6 else "")
+        out.append(f"files still written by every rank (each rank writes the same file: torn or duplicated "
+                   f"content; see the TM504/TM601 findings, or guard them with `if tm.is_main():`): {shown}")
     if "trains" in have and "wraps" not in have:
         out.append("no model is wrapped in DDP although the program trains: gradients are NOT synchronised, "
                    "every rank trains its own copy (see the TM301 findings)")
@@ -121,17 +155,22 @@ def not_done(outcomes: Sequence[Outcome]) -> List[str]:
     return out
 
 
-def torchrun_lines(outcomes: Sequence[Outcome]) -> List[str]:
+def torchrun_lines(outcomes: Sequence[Outcome], unresolved: Sequence[str] = ()) -> List[str]:
     """The program summary: what the program does under torchrun after this run, where, and
     prominently what it does not."""
     applied = [r for o in outcomes for r in o.records if r.applied]
     lines = []
+    missing = not_done(outcomes, unresolved)
+    partly = any(m.startswith("files still written by every rank") for m in missing)
     for what, codes, *words in _DONE:
         where = [r.location for r in applied if r.code in codes and all(w in r.message for w in words)]
         if where:
             shown = ", ".join(where[:3]) + (f", +{len(where) - 3} more" if len(where) > 3 else "")
-            lines.append(f"  done: {what}: {shown}")
-    missing = not_done(outcomes)
+            if what == WRITES_DONE and partly:  # never claim more than was done
+                lines.append(f"  partly done: some writes, saves and logs moved to rank 0 ({shown}), "
+                             f"NOT all (see below)")
+            else:
+                lines.append(f"  done: {what}: {shown}")
     lines += [f"  NOT DONE: {m}" for m in missing]
     return (["Under torchrun:"] + lines) if lines else []
 
@@ -141,7 +180,7 @@ def migration_text(outcomes: Sequence[Outcome], dry_run: bool, names: Dict[str, 
     """The report; with `ddp`, it opens with what the program does under torchrun."""
     data = migration_summary(outcomes, dry_run)
     lines: List[str] = program_lines(outcomes, followed) + unresolved_lines(unresolved) + (
-        torchrun_lines(outcomes) if ddp else [])
+        torchrun_lines(outcomes, unresolved) if ddp else [])
     if data["changes"]:
         lines.append("Changes:" if not dry_run else "Changes (not written):")
         for code, n in data["changes"].items():
@@ -157,13 +196,13 @@ def migration_text(outcomes: Sequence[Outcome], dry_run: bool, names: Dict[str, 
     if notes:
         lines.append("Notes:")
         lines += [f"  {n}" for n in notes]
-    lines.append(summary_line(outcomes, dry_run, ddp))
+    lines.append(summary_line(outcomes, dry_run, ddp, unresolved))
     return "\n".join(lines)
 
 
 def migration_json(outcomes: Sequence[Outcome], dry_run: bool, ddp: bool = False,
                    unresolved: Sequence[str] = ()) -> str:
-    data = migration_summary(outcomes, dry_run, ddp)
+    data = migration_summary(outcomes, dry_run, ddp, unresolved)
     data["unresolved_imports"] = list(unresolved)
     return json.dumps(data, indent=2)
 

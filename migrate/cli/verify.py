@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional, Sequence
@@ -28,6 +29,9 @@ from torchmigrate.cli.verify_checks import FAIL, Run
 # A known PyTorch teardown race: a gloo rank aborts at interpreter exit after everything ran; it is
 # not the script's fault, so such a launch is run once more (as the test suite's launcher does).
 GLOO_EXIT_ABORT = "terminate called without an active exception"
+# A program still training at this epoch is stopped there (after `--epochs` full epochs, the
+# probe shortens each epoch to one step, so most programs reach their end, a final save, first).
+LAST_EPOCH = 20
 _DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -51,6 +55,7 @@ class LaunchError(Exception):
 def _env(options: Options, records: str, extra: Optional[dict] = None) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in _DIST_ENV}
     env.update(TM_VERIFY_DIR=records, TM_VERIFY_STEPS=str(options.steps), TM_VERIFY_EPOCHS=str(options.epochs),
+               TM_VERIFY_LAST_EPOCH=str(LAST_EPOCH),
                TM_VERIFY_ROOT=str(options.script.resolve().parent), PYTHONUNBUFFERED="1")
     env.setdefault("OMP_NUM_THREADS", "1")
     if options.device == "cpu":  # CPU ranks with gloo, also on a machine with GPUs
@@ -59,21 +64,85 @@ def _env(options: Options, records: str, extra: Optional[dict] = None) -> dict:
     return env
 
 
-def _launch(options: Options, args: Sequence[str], extra_env: Optional[dict], folder: str) -> Run:
+class Watch:
+    """What the ranks are doing while they run, on stderr: a line when a phase begins (started,
+    each full epoch, the shortened epochs, the end), with each rank's epoch and optimizer steps,
+    and a line every `HEARTBEAT` seconds when nothing changes, so a slow run is never silent."""
+
+    HEARTBEAT = 15.0
+
+    def __init__(self, records: str, options: Options, echo) -> None:
+        self.records, self.options, self.echo = records, options, echo
+        self.start = self.changed = time.monotonic()
+        self.shown = None
+
+    def _states(self) -> List[Optional[dict]]:
+        return [_read(os.path.join(self.records, f"rank{r}.progress.json")) for r in range(self.options.nproc)]
+
+    def _phase(self, state: Optional[dict]):
+        if state is None:
+            return (0, "starting")
+        if state["phase"] == "started":
+            return (1, "started")
+        if state["phase"] == "training":
+            full = not self.options.epochs or state["epoch"] <= self.options.epochs
+            return (2, state["epoch"]) if full else (3, "short")
+        return (4, state["phase"])
+
+    def _describe(self, phase) -> str:
+        rank_phase = phase[1]
+        if phase[0] == 2:
+            limit = f" of {self.options.epochs}" if self.options.epochs else ""
+            return f"training epoch {rank_phase}{limit}"
+        if phase[0] == 3:
+            return (f"after {self.options.epochs} epoch(s), running on to the program's end with one optimizer "
+                    f"step per epoch (stopped at epoch {LAST_EPOCH} if it is still training)")
+        return {"starting": "starting the ranks", "started": "running the script (imports, data, model)",
+                "stopped": f"stopped by verify at epoch {LAST_EPOCH}", "finished": "the script ended",
+                "crashed": "a rank crashed", "exited": "a rank exited",
+                "probe_failed": "verify's probe failed"}.get(rank_phase, str(rank_phase))
+
+    def poll(self, final: bool = False) -> None:
+        states = self._states()
+        phases = [self._phase(st) for st in states]
+        ahead = max(phases, key=lambda ph: (ph[0], str(ph[1]).zfill(6)))
+        now = time.monotonic()
+        if ahead == self.shown and now - self.changed < self.HEARTBEAT and not final:
+            return
+        still = "still " if ahead == self.shown else ""
+        self.shown, self.changed = ahead, now
+        ranks = "; ".join(f"rank {r}: " + ("not started" if st is None else
+                                           f"epoch {st['epoch']}, {st['steps']} steps" if st["steps"] else st["phase"])
+                          for r, st in enumerate(states))
+        what = "the ranks ended; checking" if final else still + self._describe(ahead)
+        self.echo(f"verify [{now - self.start:5.1f}s] {what} ({ranks})")
+
+
+def _launch(options: Options, args: Sequence[str], extra_env: Optional[dict], folder: str, echo) -> Run:
     """One torchrun launch of the script under the probe; every rank's output goes to its own log."""
     records, logs = os.path.join(folder, "records"), os.path.join(folder, "logs")
     os.makedirs(records)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={options.nproc}",
            "--redirects", "3", "--log-dir", logs, "-m", "torchmigrate.cli.verify_probe", str(options.script),
            *args]
-    proc = subprocess.Popen(cmd, env=_env(options, records, extra_env), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    timed_out = False
-    try:
-        launcher, _ = proc.communicate(timeout=options.timeout)
-    except subprocess.TimeoutExpired:
-        timed_out = True
-        launcher = _stop(proc)
+    watch = Watch(records, options, echo)
+    echo(f"verify: running {options.script} on {options.nproc} {options.device.upper()} rank(s) under torchrun "
+         f"(--timeout {options.timeout:g}s)")
+    with open(os.path.join(folder, "launcher.log"), "w+") as out:
+        proc = subprocess.Popen(cmd, env=_env(options, records, extra_env), stdout=out, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True)
+        deadline, timed_out = time.monotonic() + options.timeout, False
+        while proc.poll() is None:
+            if time.monotonic() > deadline:
+                timed_out = True
+                echo(f"verify: the --timeout of {options.timeout:g}s is over: stopping the ranks")
+                _stop(proc)
+                break
+            watch.poll()
+            time.sleep(0.25)
+        out.seek(0)
+        launcher = out.read()
+    watch.poll(final=True)
     outputs = _rank_logs(logs, options.nproc)
     recs = [_read(os.path.join(records, f"rank{r}.json")) for r in range(options.nproc)]
     if all(rec is None for rec in recs) and not any(outputs) and proc.returncode and not timed_out:
@@ -81,7 +150,7 @@ def _launch(options: Options, args: Sequence[str], extra_env: Optional[dict], fo
     return Run(recs, outputs, timed_out, options.timeout)
 
 
-def _stop(proc: subprocess.Popen) -> str:
+def _stop(proc: subprocess.Popen) -> None:
     """SIGTERM the whole launch (each rank's probe records where it was), then SIGKILL it."""
     for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
         try:
@@ -89,10 +158,10 @@ def _stop(proc: subprocess.Popen) -> str:
         except ProcessLookupError:
             break
         try:
-            return proc.communicate(timeout=wait)[0]
+            proc.wait(timeout=wait)
+            return
         except subprocess.TimeoutExpired:
             continue
-    return ""
 
 
 def _read(path: str) -> Optional[dict]:
@@ -119,30 +188,41 @@ def _aborted(run: Run) -> bool:
     return any(GLOO_EXIT_ABORT in out for out in run.outputs) and verify_checks.exits(run).status == FAIL
 
 
-def launch(options: Options, args: Sequence[str], extra_env: Optional[dict] = None) -> Run:
+def launch(options: Options, args: Sequence[str], extra_env: Optional[dict] = None, echo=None) -> Run:
     """Launch; once more when the only failure is gloo's teardown abort."""
+    echo = echo or (lambda line: None)
     with tempfile.TemporaryDirectory(prefix="torchmigrate-verify-") as folder:
-        run = _launch(options, args, extra_env, os.path.join(folder, "1"))
+        run = _launch(options, args, extra_env, os.path.join(folder, "1"), echo)
         if _aborted(run):
-            run = _launch(options, args, extra_env, os.path.join(folder, "2"))
+            echo("verify: a rank aborted in gloo's teardown after the script ended (a known PyTorch race): "
+                 "running it once more")
+            run = _launch(options, args, extra_env, os.path.join(folder, "2"), echo)
         return run
 
 
-def verify(options: Options) -> dict:
-    """Run the script (and its resumption), judge both; the report as plain data."""
-    run = launch(options, options.args)
+def verify(options: Options, echo=None) -> dict:
+    """Run the script (and its resumption), judge both; the report as plain data. `echo` gets
+    the progress lines."""
+    run = launch(options, options.args, echo=echo)
     checks = verify_checks.all_checks(run)
     resumed = None
     if options.resume_args is not None or options.resume_env:
         args = options.args if options.resume_args is None else options.resume_args
-        resumed = launch(options, args, options.resume_env)
+        if echo:
+            echo("verify: the resume run")
+        resumed = launch(options, args, options.resume_env, echo)
         checks.append(verify_checks.resumed(run, resumed))
     stopped = [rec["status"] == "stopped" for rec in run.records if rec]
+    probe = verify_checks.probe(run, resumed)
+    if probe is not None:
+        checks.insert(0, probe)
     return {
         "script": str(options.script), "args": options.args, "nproc": options.nproc, "device": options.device,
-        "steps": options.steps, "epochs": options.epochs, "stopped_by_verify": bool(stopped) and all(stopped),
+        "steps": options.steps, "epochs": options.epochs, "last_epoch": LAST_EPOCH,
+        "stopped_by_verify": bool(stopped) and all(stopped),
+        "short_epochs": max((rec.get("short_epochs", 0) for rec in run.records if rec), default=0),
         "timed_out": run.timed_out, "passed": all(c.status != FAIL for c in checks),
-        "checks": [c.to_json() for c in checks],
+        "tool_failed": probe is not None, "checks": [c.to_json() for c in checks],
         "ranks": _ranks(run), "resume_ranks": _ranks(resumed) if resumed else None,
     }
 
@@ -152,15 +232,26 @@ def _ranks(run: Run) -> list:
              "output": out[-20000:]} for r, (rec, out) in enumerate(zip(run.records, run.outputs))]
 
 
+def _how(report: dict) -> str:
+    if report["stopped_by_verify"]:
+        return (f"stopped by verify at epoch {report['last_epoch']}: the code after the training loop "
+                "(a final save) did not run")
+    if report["timed_out"]:
+        return "timed out"
+    if report["checks"][0]["status"] == FAIL:
+        return "failed"
+    if report["short_epochs"]:
+        return (f"ran to its end; the {report['short_epochs']} epoch(s) after the first {report['epochs']} "
+                "ran one optimizer step each")
+    return "ran to its end"
+
+
 def render(report: dict) -> str:
     """The terminal table: one line per check, its evidence and `file:line` indented below."""
     limit = (f"at most {report['steps']} optimizer steps per epoch" if report["steps"] else "every batch") + \
-        (f", {report['epochs']} epoch(s)" if report["epochs"] else "")
-    how = ("stopped by verify before the next epoch: code after the training loop did not run"
-           if report["stopped_by_verify"] else "timed out" if report["timed_out"]
-           else "ran to its end" if report["checks"][0]["status"] != FAIL else "failed")
+        (f", {report['epochs']} full epoch(s)" if report["epochs"] else "")
     lines = [f"torchmigrate verify {report['script']}: {report['nproc']} ranks on {report['device']} "
-             f"({limit}; {how})", ""]
+             f"({limit}; {_how(report)})", ""]
     width = max(len(c["title"]) for c in report["checks"])
     for c in report["checks"]:
         lines.append(f"  {c['status'].upper():4}  {c['title']:<{width}}  {c['message']}")
@@ -168,7 +259,17 @@ def render(report: dict) -> str:
         if c["status"] == FAIL and c["where"]:
             lines.append(f"{'':{width + 10}}at {', '.join(c['where'])}")
     failed = [c for c in report["checks"] if c["status"] == FAIL]
-    lines += ["", f"{len(failed)} of {len(report['checks'])} checks failed." if failed else "All checks passed."]
+    lines.append("")
+    if report["tool_failed"]:
+        lines.append("torchmigrate verify itself failed (its probe, not your script): the checks above may be "
+                     "incomplete. Please report it with the output of --format json.")
+    elif failed:
+        lines.append(f"{len(failed)} of {len(report['checks'])} checks failed.")
+    else:
+        lines.append("All checks passed." if not report["stopped_by_verify"] else
+                     f"All checks passed, but only up to epoch {report['last_epoch']}: the end of the program (a "
+                     "final save, a final evaluation) was NOT reached and NOT checked. To check it, make the "
+                     "script train fewer epochs (its own option) and run verify again.")
     return "\n".join(lines)
 
 
@@ -196,9 +297,10 @@ def split_args(text: Optional[str]) -> Optional[List[str]]:
 @click.option("--steps", type=click.IntRange(0), default=10, show_default=True,
               help="End each training epoch after K optimizer steps (0: the whole epoch).")
 @click.option("--epochs", type=click.IntRange(0), default=2, show_default=True,
-              help="Stop the program, on every rank at the same point, before epoch E+1 (0: no limit). "
-                   "Code after the training loop (a final save) then does not run: to check it, "
-                   "shorten the run with the script's own options and pass 0.")
+              help=f"Run E epochs of up to --steps optimizer steps, then shorten every later epoch to one "
+                   f"step, so the program reaches its end (a final save) quickly; a program still training at "
+                   f"epoch {LAST_EPOCH} is stopped there and the report says its end was not reached. "
+                   "0: every epoch runs --steps steps, no stop.")
 @click.option("--timeout", type=click.FloatRange(min=1), default=300, show_default=True,
               help="Stop the run after S seconds and report where each rank was.")
 @click.option("--resume-args", metavar="ARGS", help="Run a second time with these script arguments "
@@ -222,14 +324,17 @@ def command(script, script_args, nproc, device, steps, epochs, timeout, resume_a
     rank 0 writes files, no module./_orig_mod. keys in saved state dicts, log lines printed once
     (and with --resume-args/--resume-env, that a second run resumes from the checkpoint).
 
-    Exit codes: 0 every check passed, 1 a check failed, 2 usage error or torchrun could not start.
+    Progress (one line per phase, with each rank's epoch and steps) goes to stderr.
+
+    Exit codes: 0 every check passed, 1 a check failed, 2 usage error, torchrun could not start,
+    or verify's own probe failed (a torchmigrate bug, reported as such).
     """
     try:
         options = Options(Path(script), list(script_args), nproc, device, steps, epochs, timeout,
                           split_args(resume_args), parse_env(resume_env))
-        report = verify(options)
+        report = verify(options, echo=lambda line: click.echo(line, err=True))
     except (ValueError, LaunchError) as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(2)
     click.echo(json.dumps(report, indent=2) if fmt == "json" else render(report))
-    sys.exit(0 if report["passed"] else 1)
+    sys.exit(2 if report["tool_failed"] else 0 if report["passed"] else 1)

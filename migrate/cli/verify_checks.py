@@ -58,14 +58,23 @@ def exits(run: Run) -> Check:
     only because another one died (a collective lost its peer) is named as a consequence."""
     title, world = "every rank exits cleanly", len(run.records)
     crashed = [r for r, rec in enumerate(run.records) if rec and rec["status"] == "crashed"]
+    tool = [r for r, (rec, out) in enumerate(zip(run.records, run.outputs))
+            if (rec and rec["status"] == "probe_failed") or (rec is None and _probe_traceback(out))]
     first = [r for r in crashed if not _PEER_GONE.search(run.records[r]["error"]["message"])] or crashed
     bad, evidence, where = [], [], []
     for rank, (rec, out) in enumerate(zip(run.records, run.outputs)):
         error = (rec or {}).get("error") or {}
         at = error.get("where") or "a line outside your files"
         if rec is None:
-            evidence.append(f"rank {rank} left no record (killed, or the probe never started); its last lines:")
+            evidence.append(f"rank {rank} left no record: " + (
+                "verify's probe failed before it could write one (a torchmigrate bug, not your script)"
+                if _probe_traceback(out) else
+                "it was killed from outside (out of memory?) before verify's probe could write one")
+                + "; its last lines:")
             evidence += ["    " + line for line in _tail(out)]
+        elif rec["status"] == "probe_failed":
+            evidence.append(f"rank {rank}: verify's probe failed (a torchmigrate bug, not your script): "
+                            f"{error.get('message', '?')}")
         elif rank in first:
             evidence.append(f"rank {rank} crashed at {at}: {error['message']}")
             evidence += ["    " + line for line in error["traceback"]]
@@ -90,6 +99,8 @@ def exits(run: Run) -> Check:
     if crashed:
         followed = sorted(set(bad) - set(first))
         message = f"{_ranks(first)} crashed" + (f"; then {_ranks(followed)} failed too" if followed else "")
+    elif tool:
+        message = f"verify's probe failed on {_ranks(tool)} (a torchmigrate bug, not your script)"
     elif run.timed_out and all(rec is None for rec in run.records):
         # The probe records where a rank is when it is stopped, unless the rank is blocked
         # inside a collective (C++ code, where Python's signal handlers never run).
@@ -101,6 +112,30 @@ def exits(run: Run) -> Check:
     else:
         message = f"{_ranks(bad)} did not exit cleanly"
     return Check("exit", title, FAIL, message, evidence, sorted(set(where)))
+
+
+def _probe_traceback(output: str) -> bool:
+    """A rank's output ends in a traceback raised inside verify's probe."""
+    tail = output[output.rfind("Traceback (most recent call last)"):] if "Traceback" in output else ""
+    frames = re.findall(r'File "([^"]+)", line \d+', tail)
+    return bool(frames) and os.path.basename(frames[-1]) == "verify_probe.py"
+
+
+def probe(run: Run, resumed: Optional[Run] = None) -> Optional[Check]:
+    """The probe's own failures (a torchmigrate bug): a check of their own, first in the table,
+    so they are never read as the script's fault. None when the probe worked."""
+    evidence = []
+    for label, launch in (("", run), ("resume run: ", resumed)):
+        for rank, (rec, out) in enumerate(zip(launch.records, launch.outputs) if launch else ()):
+            errors = (rec or {}).get("probe_errors") or []
+            if rec is None and _probe_traceback(out):
+                errors = ["failed before it could write its record: " + " | ".join(_tail(out, 3))]
+            evidence += [f"{label}rank {rank}: {e.splitlines()[-1] if e.splitlines() else e}" for e in errors]
+    if not evidence:
+        return None
+    return Check("probe", "verify's own probe worked", FAIL,
+                 "torchmigrate verify failed (its probe, not your script; please report it): the checks may be incomplete",
+                 evidence)
 
 
 def _training(run: Run) -> dict:
@@ -281,7 +316,9 @@ def unprefixed(run: Run) -> Check:
     title = "saved state dicts have plain keys"
     saves = [s for rec in run.records if rec for s in rec["saves"]]
     if not saves:
-        return Check("prefixes", title, SKIP, "nothing was saved with torch.save")
+        stopped = bool(run.records) and all(rec and rec["status"] == "stopped" for rec in run.records)
+        return Check("prefixes", title, SKIP, "nothing was saved with torch.save" + (
+            " before verify stopped the program: its final save was NOT reached" if stopped else ""))
     bad = [s for s in saves if s["prefixed"]]
     if not bad:
         return Check("prefixes", title, PASS, f"no module./_orig_mod. keys in {len(saves)} torch.save call(s)")

@@ -14,14 +14,21 @@ script ends, however it ends:
 - every `torch.load` path, and `ReduceLROnPlateau.step` arguments (the usual per-rank metric);
 - how the script ended, with the user's `file:line` where it stopped.
 
-It also stops the run symmetrically: a training loader ends after `$TM_VERIFY_STEPS` optimizer
-steps, and the `$TM_VERIFY_EPOCHS`+1-th read of a training loader raises `SystemExit(0)` on every
-rank at the same point of the program, so collectives stay matched.
+It also keeps the run short, symmetrically on every rank (so collectives stay matched): a
+training loader ends after `$TM_VERIFY_STEPS` optimizer steps for the first `$TM_VERIFY_EPOCHS`
+training epochs; later epochs are shortened to one optimizer step (and one batch of every other
+loader), so the program runs on to its end (its final save) quickly; a program still training
+at epoch `LAST_EPOCH` is stopped there (`SystemExit(0)` at the next read of its training loader).
+
+While the script runs, `rank<R>.progress.json` says how far the rank is (the CLI prints it). The
+probe's own failures are recorded as such (`probe_errors`, or status `probe_failed`), never raised
+into the user's program and never reported as the script's fault.
 """
 
 from __future__ import annotations
 
 import builtins
+import ctypes
 import hashlib
 import importlib.util
 import io
@@ -30,6 +37,7 @@ import os
 import runpy
 import signal
 import sys
+import time
 import traceback
 
 import torch
@@ -43,6 +51,7 @@ PREFIXES = ("module.", "_orig_mod.")
 OUT = os.environ.get("TM_VERIFY_DIR", ".")
 STEPS = int(os.environ.get("TM_VERIFY_STEPS", "0"))
 EPOCHS = int(os.environ.get("TM_VERIFY_EPOCHS", "0"))
+LAST_EPOCH = max(EPOCHS, int(os.environ.get("TM_VERIFY_LAST_EPOCH", "20")))  # then stopped (with EPOCHS)
 ROOT = os.path.abspath(os.environ.get("TM_VERIFY_ROOT", "."))
 _OWN = tuple(os.path.dirname(os.path.abspath(importlib.util.find_spec(name).origin)) + os.sep
              for name in ("torchmigrate", "torchmigrate.runtime"))  # the runtime is not user code
@@ -50,11 +59,39 @@ _open, _save, _load, _replace, _rename = builtins.open, torch.save, torch.load, 
 
 record: dict = {"rank": int(os.environ.get("RANK", "0")), "status": None, "exit_code": None,
                 "error": None, "steps": 0, "process_group": False, "loaders": {}, "optimizers": [], "ddp": [],
-                "writes": {}, "saves": [], "loads": [], "plateau": []}
+                "writes": {}, "saves": [], "loads": [], "plateau": [], "epochs": 0, "short_epochs": 0,
+                "probe_errors": []}
 _optimizers: list = []
 _ddp: list = []
 _active: dict = {}  # the loader iteration that yielded the latest batch
 _renamed: dict = {}  # temp file -> the path it was renamed to (an atomic save)
+_THIS_FILE = os.path.abspath(__file__)
+_shown = {"at": 0.0, "what": None}  # the last progress written
+
+
+def _probe_failed(what: str) -> None:
+    """One of the probe's own steps failed (a torchmigrate bug): kept for the report, and the
+    user's program goes on as if the probe were not there."""
+    if len(record["probe_errors"]) < 5:
+        record["probe_errors"].append(f"{what}: {traceback.format_exc(limit=-2).strip()}")
+
+
+def _progress(phase: str, force: bool = False) -> None:
+    """How far this rank is, for the CLI's progress lines: written at each change of phase or
+    epoch, and at most twice a second otherwise."""
+    what = (phase, record["epochs"])
+    now = time.monotonic()
+    if not force and what == _shown["what"] and now - _shown["at"] < 0.5:
+        return
+    _shown.update(at=now, what=what)
+    path = os.path.join(OUT, f"rank{record['rank']}.progress.json")
+    try:
+        with _open(path + ".tmp", "w") as handle:
+            json.dump({"phase": phase, "epoch": record["epochs"], "steps": record["steps"],
+                       "short": record["short_epochs"]}, handle)
+        _replace(path + ".tmp", path)
+    except Exception:
+        _probe_failed("writing the progress file")
 
 
 class Stopped(SystemExit):
@@ -121,19 +158,25 @@ def _len(dataset):
 
 
 def _batches(loader, source):
-    """Stand-in for a DataLoader iterator's sampler iterator: records the epoch's indices, ends a
-    training read after STEPS optimizer steps, and stops the program before a read beyond EPOCHS."""
+    """Stand-in for a DataLoader iterator's sampler iterator: records the epoch's indices; in the
+    first EPOCHS training epochs a training read ends after STEPS optimizer steps, later every
+    read is shortened to one step (a loader that never trained: one batch), and the program is
+    stopped before a training read beyond LAST_EPOCH."""
     entry = _loader(loader)
     trained = sum(1 for it in entry["iterations"] if it["steps"])
-    if EPOCHS and trained >= EPOCHS:
+    if EPOCHS and trained >= LAST_EPOCH:
         raise Stopped()
+    short = bool(EPOCHS) and record["epochs"] >= EPOCHS
+    steps_limit = 1 if short else STEPS
     mapped = loader._dataset_kind == _dl._DatasetKind.Map
     items = list(source) if mapped else None
     it = {"indices": _flat(items) if mapped else None, "steps": 0, "batches": 0,
-          "epoch": getattr(_sampler(loader), "epoch", None)}
+          "epoch": getattr(_sampler(loader), "epoch", None), "short": short}
     entry["iterations"].append(it)
     for batch in (items if mapped else source):
-        if STEPS and it["steps"] >= STEPS:
+        if steps_limit and it["steps"] >= steps_limit:
+            return
+        if short and not trained and it["batches"] >= 1:  # an evaluation loader
             return
         _active["it"] = it
         it["batches"] += 1
@@ -172,12 +215,20 @@ def _patch_training() -> None:
 
     def stepped(optimizer, args, kwargs):
         record["steps"] += 1
-        if "it" in _active:
-            _active["it"]["steps"] += 1
+        it = _active.get("it")
+        if it is not None:
+            it["steps"] += 1
+            if it["steps"] == 1:  # the first step of this read: a training epoch begins
+                record["epochs"] += 1
+                record["short_epochs"] += it["short"]
         record["process_group"] = record["process_group"] or (dist.is_available() and dist.is_initialized())
+        _progress("training")
 
     def plateau(self, metrics, *args, **kwargs):
-        record["plateau"].append({"where": _where(), "value": float(metrics)})
+        try:
+            record["plateau"].append({"where": _where(), "value": float(metrics)})
+        except Exception:
+            _probe_failed("recording ReduceLROnPlateau.step")
         return plateau_step(self, metrics, *args, **kwargs)
 
     torch.optim.Optimizer.__init__, DistributedDataParallel.__init__ = optimizer_init, ddp_module_init
@@ -186,18 +237,30 @@ def _patch_training() -> None:
 
 
 def _note_write(path, how: str) -> None:
-    path = os.path.abspath(os.fsdecode(path))
-    if not path.startswith((os.path.abspath(OUT), "/dev/", "/proc/")):
-        record["writes"].setdefault(path, {"path": path, "how": how, "where": _where()})
+    try:
+        path = os.path.abspath(os.fsdecode(path))
+        if not path.startswith((os.path.abspath(OUT), "/dev/", "/proc/")):
+            record["writes"].setdefault(path, {"path": path, "how": how, "where": _where()})
+    except Exception:
+        _probe_failed(f"recording a write ({how})")
 
 
 def _prefixed(obj, depth: int = 0) -> list:
-    """Keys of tensors in (nested) dicts that start with a wrapper's prefix."""
-    if depth > 4 or not isinstance(obj, dict):
+    """Keys of tensors that start with a wrapper's prefix, in dicts however nested in dicts,
+    lists, tuples (a named tuple, a list of state dicts) or sets."""
+    if depth > 8:
         return []
-    found = [k for k, v in obj.items() if isinstance(k, str) and k.startswith(PREFIXES) and torch.is_tensor(v)]
-    for v in obj.values():
+    if isinstance(obj, dict):
+        found = [k for k, v in obj.items() if isinstance(k, str) and k.startswith(PREFIXES) and torch.is_tensor(v)]
+        children = obj.values()
+    elif isinstance(obj, (list, tuple, set, frozenset)):
+        found, children = [], obj
+    else:
+        return []
+    for v in children:
         found += _prefixed(v, depth + 1)
+        if len(found) >= 5:
+            break
     return found
 
 
@@ -208,22 +271,26 @@ def _patch_files() -> None:
         return _open(file, mode, *args, **kwargs)
 
     def save(obj, f, *args, **kwargs):
-        path = os.path.abspath(os.fspath(f)) if isinstance(f, (str, os.PathLike)) else getattr(f, "name", None)
-        record["saves"].append({"path": path if isinstance(path, str) else repr(f), "where": _where(),
-                                "prefixed": _prefixed(obj)[:5]})
-        if isinstance(f, (str, os.PathLike)):
-            _note_write(f, "torch.save")
+        try:
+            path = os.path.abspath(os.fspath(f)) if isinstance(f, (str, os.PathLike)) else getattr(f, "name", None)
+            record["saves"].append({"path": path if isinstance(path, str) else repr(f), "where": _where(),
+                                    "prefixed": _prefixed(obj)[:5]})
+            if isinstance(f, (str, os.PathLike)):
+                _note_write(f, "torch.save")
+        except Exception:
+            _probe_failed("recording a torch.save")
         return _save(obj, f, *args, **kwargs)
 
     def load(f, *args, **kwargs):
         if isinstance(f, (str, os.PathLike)):
-            record["loads"].append(os.path.abspath(os.fspath(f)))
+            record["loads"].append(os.path.abspath(os.fsdecode(f)))
         return _load(f, *args, **kwargs)
 
     def moved(move):
         def rename(src, dst, *args, **kwargs):  # a temp file renamed into place writes dst
-            _note_write(dst, "rename")
-            _renamed[os.path.abspath(os.fsdecode(src))] = os.path.abspath(os.fsdecode(dst))
+            if isinstance(src, (str, bytes, os.PathLike)) and isinstance(dst, (str, bytes, os.PathLike)):
+                _note_write(dst, "rename")
+                _renamed[os.path.abspath(os.fsdecode(src))] = os.path.abspath(os.fsdecode(dst))
             return move(src, dst, *args, **kwargs)
         return rename
 
@@ -234,13 +301,15 @@ def _patch_files() -> None:
 
 
 def _digest(params) -> str:
+    """A hash of the tensors' values, with torch alone (numpy is not a dependency)."""
     digest = hashlib.sha256()
     for p in params:
-        digest.update(p.detach().cpu().contiguous().float().numpy().tobytes())
+        t = p.detach().cpu().float().contiguous()
+        digest.update(ctypes.string_at(t.data_ptr(), t.numel() * t.element_size()) if t.numel() else b"")
     return digest.hexdigest()
 
 
-def _dump() -> None:
+def _summarise() -> None:
     in_ddp = {id(p) for module, _ in _ddp for p in module.parameters()}
     for optimizer, where in _optimizers:
         params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -249,7 +318,16 @@ def _dump() -> None:
             "lrs": [float(group["lr"]) for group in optimizer.param_groups],
             "in_ddp": bool(params) and all(id(p) in in_ddp for p in params)})
     record["ddp"] = [{"where": where, "hash": _digest(module.parameters())} for module, where in _ddp]
-    record["writes"] = [w for path, w in record["writes"].items() if path not in _renamed]
+
+
+def _dump() -> None:
+    """Write the record, whatever happened: a failure to summarise is the probe's, recorded."""
+    try:
+        _summarise()
+    except Exception:
+        _probe_failed("hashing the parameters")
+    if isinstance(record["writes"], dict):
+        record["writes"] = [w for path, w in record["writes"].items() if path not in _renamed]
     for save in record["saves"]:
         save["path"] = _renamed.get(save["path"], save["path"])
     path = os.path.join(OUT, f"rank{record['rank']}.json")
@@ -271,19 +349,39 @@ def _terminated(signum, frame) -> None:
     os._exit(128 + signum)
 
 
-def main() -> None:
-    script, args = sys.argv[1], sys.argv[2:]
+def _raised_here(exc: BaseException) -> bool:
+    """The exception was raised by the probe's own code (its innermost frame is in this file),
+    not by the script, torch or a library the script called."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    return bool(frames) and os.path.abspath(frames[-1].filename) == _THIS_FILE and not isinstance(exc, Stopped)
+
+
+def _prepare(script: str, args: list) -> None:
     sys.argv = [script, *args]
     sys.path[0] = os.path.dirname(os.path.abspath(script))  # as `python SCRIPT` would have it
     _patch_loaders()
     _patch_training()
     _patch_files()
     signal.signal(signal.SIGTERM, _terminated)
+    _progress("started", force=True)
+
+
+def main() -> None:
+    script, args = sys.argv[1], sys.argv[2:]
+    try:
+        _prepare(script, args)
+    except Exception as exc:
+        _probe_failed("setting up")
+        record.update(status="probe_failed", exit_code=1, error={"where": None, "message": f"{type(exc).__name__}: {exc}",
+                                                                  "traceback": []})
+        _dump()
+        raise
     try:
         runpy.run_path(script, run_name="__main__")
         record.update(status="finished", exit_code=0)
     except Stopped:
         record.update(status="stopped", exit_code=0)
+        _progress("stopped", force=True)
         if dist.is_available() and dist.is_initialized():  # every rank stops at the same point
             dist.barrier()
             dist.destroy_process_group()
@@ -292,11 +390,14 @@ def main() -> None:
         record.update(status="exited", exit_code=code or 0)
         raise
     except BaseException as exc:
-        record.update(status="crashed", exit_code=1, error={
+        record.update(status="probe_failed" if _raised_here(exc) else "crashed", exit_code=1, error={
             "where": _where(tb=exc.__traceback__), "message": f"{type(exc).__name__}: {exc}",
             "traceback": _user_traceback(exc)})
+        if record["status"] == "probe_failed":
+            record["probe_errors"].append("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)[-3:]).strip())
         raise
     finally:
+        _progress(record["status"] or "ended", force=True)
         _dump()
 
 

@@ -207,6 +207,26 @@ def _import_statement(spec: Import) -> cst.SimpleStatementLine:
 
 
 def _prepend(stmts):
+    """The imports of a module that has none, set off from its code as a person would: one
+    blank line before the code, two before its first def or class."""
     def fn(module: cst.Module) -> cst.Module:
-        return module.with_changes(body=[*stmts, *module.body])
+        body = list(module.body)
+        for i, stmt in enumerate(body):
+            if isinstance(stmt, (cst.FunctionDef, cst.ClassDef)):
+                body[i] = _blank_lines_before(stmt, 2)
+                break
+        if body:
+            body[0] = _blank_lines_before(body[0], 1)
+        return module.with_changes(body=[*stmts, *body])
     return fn
+
+
+def _blank_lines_before(stmt, want: int):
+    blank = 0
+    for line in stmt.leading_lines:
+        if line.comment is not None:
+            break
+        blank += 1
+    if blank >= want:
+        return stmt
+    return stmt.with_changes(leading_lines=[cst.EmptyLine()] * (want - blank) + list(stmt.leading_lines))

@@ -40,12 +40,15 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from torchmigrate.engine.outcome import Outcome, Record
-from torchmigrate.program.fs import Realpaths, digest
+from torchmigrate.program.fs import CACHE_TAG, Realpaths, digest
 
-FORMAT = "1"  # the layout of entries; bump when it changes
+FORMAT = "2"  # the layout of entries; bump when it changes
 DIRNAME = ".torchmigrate_cache"
 ENV = "TORCHMIGRATE_CACHE_DIR"
 GITIGNORE = "# Created by torchmigrate: the lint cache, safe to delete.\n*\n"
+CACHEDIR_TAG = ("Signature: 8a477f597d28d172789f06886806bc55\n"
+                "# This file is a cache directory tag created by torchmigrate (the lint cache).\n"
+                "# For information about cache directory tags, see https://bford.info/cachedir/\n")
 KEEP = 4  # tool versions whose entries are kept
 
 _fingerprint: Optional[str] = None
@@ -220,6 +223,9 @@ class Store:
         ignore = self.root / ".gitignore"
         if not ignore.exists():
             _atomic_text(ignore, GITIGNORE)
+        tag = self.root / CACHE_TAG
+        if not tag.exists():  # backup tools, and the walk of a program build, skip the folder
+            _atomic_text(tag, CACHEDIR_TAG)
         if fresh and _read_text(ignore) == GITIGNORE:
             self._prune()
         self._made.add(folder)
@@ -262,12 +268,14 @@ def _atomic_text(path: Path, text: str) -> None:
 
 def _outcome_json(outcome: Outcome) -> dict:
     return {"records": [list(dataclasses.astuple(r)) for r in outcome.records], "changed": outcome.changed,
-            "uses_runtime": outcome.uses_runtime, "signals": list(outcome.signals)}
+            "uses_runtime": outcome.uses_runtime, "signals": list(outcome.signals), "diff": outcome.diff,
+            "warnings": list(outcome.warnings)}
 
 
 def _outcome(path: str, data: dict, file_digest: str) -> Outcome:
     return Outcome(path, records=[Record(*r) for r in data["records"]], changed=bool(data["changed"]),
-                   uses_runtime=bool(data["uses_runtime"]), signals=tuple(data["signals"]), digest=file_digest)
+                   uses_runtime=bool(data["uses_runtime"]), signals=tuple(data["signals"]), digest=file_digest,
+                   diff=str(data["diff"]), warnings=tuple(data["warnings"]))
 
 
 def _view_json(view) -> dict:
@@ -450,7 +458,9 @@ class LintCache:
                     hit = _outcome(str(path), data, file_digest)
                 except (KeyError, TypeError, ValueError):
                     hit = None
-            if hit is not None and not (job.write and hit.changed):  # --fix: a change must be made
+            # --fix: a change must be made; --diff: a result kept without its diff cannot show it
+            if hit is not None and not (job.write and hit.changed) and not (job.want_diff and hit.changed
+                                                                            and not hit.diff):
                 found[i] = hit
                 self.hits += 1
             else:

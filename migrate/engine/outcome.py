@@ -49,6 +49,11 @@ class Outcome:
     # what the report tells without asking for anything (`path:line: text`): a launch line
     # that stays valid, and how to scale it
     notes: Tuple[str, ...] = ()
+    # with `ddp`: the migrated module's effects (`program.effects.ModuleSummary`), so the report
+    # can tell which files the program still writes on every rank
+    effects: Optional[object] = None
+    # what is wrong with the file's suppression comments (stderr, as Ruff's `warning:` lines)
+    warnings: Tuple[str, ...] = ()
     digest: str = ""  # hash of the bytes processed (`program.fs.digest`): the lint cache's key
     output: Optional[bytes] = None  # with `Job.to_stdout`: the new source, encoded as the input
 

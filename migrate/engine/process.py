@@ -14,7 +14,7 @@ import tokenize
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Dict, FrozenSet, Iterator, List, Optional, Sequence, Tuple
 
 import libcst as cst
 
@@ -23,13 +23,15 @@ from torchmigrate.engine.suppress import Suppressions
 from torchmigrate.engine.textedits import TextEdit, text_edits
 from torchmigrate.errors import InputError
 from torchmigrate.finding import Edit, EditKind, Finding, Safety
+from torchmigrate.program import effects
 from torchmigrate.program.view import ModuleView
 from torchmigrate.rule import Context, Options, RuleType
 from torchmigrate.syntax.layout import statement_lines
 from torchmigrate.syntax.positions import positions_and_layout, regenerate
 from torchmigrate.syntax.walk import walk
 
-# Cheap prefilter: a file that never mentions these cannot need a change.
+# Cheap prefilter: a file alone that never mentions these cannot need a change. A module of a
+# torch program is always analysed (see `process_source`).
 PREFILTER = ("torch", "apex")
 
 
@@ -48,6 +50,8 @@ class SourceResult:
     source: str
     new_source: str
     findings: List[Finding] = field(default_factory=list)
+    # (line, code) of each code in a `# torchmigrate: ignore[...]` that names no rule
+    unknown_ignores: List[Tuple[int, str]] = field(default_factory=list)
 
     @property
     def changed(self) -> bool:
@@ -280,16 +284,23 @@ def process_source(source: str, path: str, options: Options, rules: Sequence[Rul
     """`program`: what the rest of the program says about this module (None: a file alone).
     With `fix_edits`, each finding whose fix was not applied gets it as text edits against
     the result's new source (`Finding.fix`)."""
-    # The entry of a program whose torch code lives in other modules (`Solver(cfg).train()`)
-    # still needs its process group, so the prefilter does not apply to it.
-    entry_of_torch_program = program is not None and program.followed and program.is_entry and program.program_torch
-    if not entry_of_torch_program and not any(word in source for word in PREFILTER):
-        return SourceResult(source, source)
+    # A module of a torch program matters even where it never mentions torch: the entry whose
+    # torch code lives in other modules (`Solver(cfg).train()`) needs its process group, and a
+    # helpers.py that pickles results, writes files and prints runs on every rank. The
+    # prefilter skips only files that are no part of one.
+    part_of_torch_program = program is not None and program.followed and program.program_torch
     suppressions = Suppressions.scan(source)
+    unknown = suppressions.unknown(known_codes())
     if suppressions.skip_file:
-        return SourceResult(source, source)
+        return SourceResult(source, source, unknown_ignores=unknown)
+    if not part_of_torch_program and not any(word in source for word in PREFILTER):
+        check_syntax(source)  # a syntax error is reported in every file, as Ruff does
+        return SourceResult(source, source, unknown_ignores=unknown)
+    if program is None:  # a file alone: the effects of its own code still count
+        program = ModuleView(**effects.of_module(source, path))
     with _deep_recursion():
         result = _process(source, path, options, rules, suppressions, program, fix_edits)
+        result.unknown_ignores = unknown
         if options.migrating or not result.changed:
             return result
         # `lint --fix`: one fix can enable another (removing DataParallel makes the file
@@ -300,11 +311,24 @@ def process_source(source: str, path: str, options: Options, rules: Sequence[Rul
             again = _process(result.new_source, path, options, rules, Suppressions.scan(result.new_source), program,
                              fix_edits)
             applied += [f for f in again.findings if f.applied]
-            result = SourceResult(source, again.new_source, again.findings)
+            result = SourceResult(source, again.new_source, again.findings, unknown)
             if not again.changed:
                 break
         result.findings = applied + [f for f in result.findings if not f.applied]
         return result
+
+
+_KNOWN_CODES: FrozenSet[str] = frozenset()
+
+
+def known_codes() -> FrozenSet[str]:
+    """Every rule's code, for checking the codes of suppression comments."""
+    global _KNOWN_CODES
+    if not _KNOWN_CODES:
+        from torchmigrate.rules import all_rules
+
+        _KNOWN_CODES = frozenset(r.code for r in all_rules())
+    return _KNOWN_CODES
 
 
 def _process(source: str, path: str, options: Options, rules: Sequence[RuleType],

@@ -14,11 +14,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO, Callable, Dict, List, Optional, Sequence, Tuple
 
-from torchmigrate.engine.textedits import unified_diff
+from torchmigrate.engine.textedits import line_map, unified_diff
 from torchmigrate.engine import files
 from torchmigrate.engine.outcome import Outcome, Record
 from torchmigrate.errors import InputError
 from torchmigrate.options import Options
+from torchmigrate.program import effects
 from torchmigrate.program.view import ModuleView
 
 VENDORED_NAME = "torchmigrate_runtime.py"
@@ -64,10 +65,17 @@ def process_file(path: str, job: Job, given: Optional[files.Decoded] = None) -> 
         decoded = given or files.read(Path(path))
         view = job.program.get(os.path.realpath(path)) if job.program else None
         result = process_source(decoded.text, path, options, rules, view, job.fix_edits)
+        # a migration's findings are found on the source as read; once it is written (or
+        # printed), they point into the file the user opens next
+        where = (line_map(result.source, result.new_source)
+                 if options.migrating and result.changed and (job.write or job.to_stdout) else None)
         records = [
-            Record(path, f.line, f.col, f.code, f.message, f.safety.value, f.applied, f.fix, f.advice)
+            Record(path, where(f.line) if where else f.line, f.col, f.code, f.message, f.safety.value, f.applied,
+                   f.fix, f.advice)
             for f in result.findings if not f.suppressed
         ]
+        outcome.warnings = tuple(f"Invalid rule code provided to `# torchmigrate: ignore` at {path}:{line}: {code}"
+                                 for line, code in result.unknown_ignores)
         if job.to_stdout:
             outcome.output = files.encode(result.new_source, decoded.encoding)
         new_bytes = files.encode(result.new_source, decoded.encoding) if result.changed and job.write else None
@@ -84,6 +92,9 @@ def process_file(path: str, job: Job, given: Optional[files.Decoded] = None) -> 
                 outcome.written = True
         uses_runtime = outcome.uses_runtime = options.runtime_module in result.new_source
         outcome.signals = signals(result.new_source)
+        if options.mode == "ddp":  # what the migrated module still writes on every rank: the report
+            outcome.effects = effects.summarize_source(result.new_source, os.path.realpath(path),
+                                                       view.bindings if view is not None else {})
         if job.vendor_runtime and job.write and uses_runtime and not job.together:
             outcome.vendored = vendor_runtime(Path(path).parent)
     except InputError as exc:
@@ -94,12 +105,15 @@ def process_file(path: str, job: Job, given: Optional[files.Decoded] = None) -> 
     return outcome
 
 
+# training data that no DataLoader carries, once sharded (hand-made batch loops, full-batch indices)
+_HAND_MADE = ("shard_range(", "shard_batches(", "shard_indices(")
 # signal -> any of these in a migrated source
 _SIGNALS = {
     "trains": (".backward(",),
     "wraps": ("wrap_model(", "DistributedDataParallel(", "DDP(", "sync_grads("),
-    "loaders": ("DataLoader(", "DataLoader as ", "shard_stream("),  # `from torch.utils.data import DataLoader as DL`
-    "shards": ("tm.sampler(", "eval_sampler(", "shard_sampler(", "DistributedSampler(", ".sampler(", "shard_stream("),
+    "loaders": ("DataLoader(", "DataLoader as ", "shard_stream(", *_HAND_MADE),  # `DataLoader as DL`
+    "shards": ("tm.sampler(", "eval_sampler(", "shard_sampler(", "DistributedSampler(", ".sampler(", "shard_stream(",
+               *_HAND_MADE),
 }
 
 

@@ -12,7 +12,7 @@ import io
 import re
 import tokenize
 from dataclasses import dataclass, field
-from typing import Dict, FrozenSet, Iterator, Optional, Tuple
+from typing import Dict, FrozenSet, Iterator, List, Optional, Tuple
 
 _IGNORE = re.compile(r"#\s*torchmigrate:\s*ignore(?:\[([A-Za-z0-9_,\s]+)\])?")
 _SKIP_FILE = re.compile(r"#\s*torchmigrate:\s*skip-file\b")
@@ -54,6 +54,13 @@ class Suppressions:
                     frozenset(c.strip() for c in codes.split(",") if c.strip()) if codes else ALL
                 )
         return result
+
+    def unknown(self, known: FrozenSet[str]) -> List[Tuple[int, str]]:
+        """(line, code) of each code given to an ignore comment that selects no rule of `known`
+        (a typo, a removed rule): it suppresses nothing, so the user is told (as Ruff warns of
+        an invalid rule code in a `# noqa`)."""
+        return [(line, code) for line, codes in sorted(self.lines.items()) if codes is not ALL
+                for code in sorted(codes) if not any(k.startswith(code) for k in known)]
 
     def covers(self, code: str, line: int) -> bool:
         codes: Optional[FrozenSet[str]] = self.lines.get(line)

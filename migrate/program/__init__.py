@@ -7,7 +7,11 @@ How a run goes, and where each step lives:
 2. program model (this package): facts, computed once and kept, never depending on which
    rules are enabled;
    - `graph`, `build`: entry scripts -> the project's own modules they import (never installed
-     packages); `facts`, `view`: the cross-module facts from CPython's `ast` (cheap,
+     packages), on the search path the program sets up (`search_path`: `sys.path` edits,
+     PYTHONPATH in launch files, `src/` layouts, packages installed in place) and through the
+     modules it loads by name (`dynamic_imports`: `importlib.import_module`, the module names
+     in its configuration files); `project`: one walk of the project's files for both, through
+     `fs`, whose answers the lint cache records; `facts`, `view`: the cross-module facts from CPython's `ast` (cheap,
      picklable), one `ModuleView` per module: which function parameters receive a wrapped
      model from another module, which modules are entry points, whether the program trains or
      builds a DataLoader at all, its DataLoader subclasses;
@@ -28,12 +32,24 @@ How a run goes, and where each step lives:
      around a node, or around the calls of its function); `collectives`: the calls and code
      that must run on every rank; `scopes`: per-module indexes of scopes, assignments and
      names;
+   - `classes`: what each class of the program is (module, optimizer, tensor, plain class)
+     through its bases across modules, the program's optimizer wrappers, the kind of value
+     every call passes a parameter; `types`: what an expression of one module holds (a tensor,
+     a module, an optimizer, a plain object of the program, or unknown), which the rules that
+     rewrite a call on an object check first (`.cuda()`, `GradScaler.step`, `scale`);
    - `checkpoints`: the saves and loads of one module, the file each one names (also through
-     `with open(path) as f`), buffers and file objects, what its checkpoints hold; `writes`:
+     `with open(path) as f`), buffers and file objects, what its checkpoints hold (pickled
+     objects used as loaded: `holds_objects`); `writes`:
      which calls write files, download them (or build a dataset's cache files), test whether a
      file exists, or run under `main_process_first` already; `metrics`: the loops over data
      loaders, the counts, lists and meters they fill, what happens to them after the loop, and
      which calls compute a metric that needs every sample;
+   - `effects`: what every function, method and class of the program does under torchrun
+     (writes files, with the path, prints, collectives, training steps, reads, random draws,
+     the clock, state), through calls, instances, subclasses and library sinks, computed once
+     per program from `ast` (`facts.program_effects`) and handed to each module's view
+     (`call_effects`, `call_writes`, `writer_classes`, `first_run_builders`); read again off
+     the migrated sources, it tells the report which files every rank still writes;
    - `models`: the model facts of one module (LibCST, on first use, kept on the context): the
      assignments that create each model and where it comes from (a class or function of the
      module, or a library), what it is made of (BatchNorm layers, submodules `forward()` uses

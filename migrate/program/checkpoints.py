@@ -256,3 +256,70 @@ def non_tensor_saved(ctx: Context) -> List[str]:
         for v in values_of(obj, scope_of(ctx, call)):
             check(v)
     return found
+
+
+# what a dict checkpoint is used with; any other method or attribute is an object's
+_DICT_USES = frozenset({"get", "keys", "items", "values", "pop", "setdefault", "update", "copy", "__getitem__",
+                        "__contains__"})
+
+
+def holds_objects(ctx: Context, call: cst.Call) -> bool:
+    """The load `call` returns pickled objects that are used as they are: a whole model or
+    optimizer (`model = torch.load(path)`, then `model.eval()`), or a checkpoint entry that is
+    one (`optimizer = ckpt["optimizer"]`, a key the program saves a whole object under, or one
+    whose value gets its methods called). Their tensors stay where `map_location` puts them,
+    unlike a state dict's, which `load_state_dict` copies onto the model's device. A loaded
+    object moved with `.to()`/`.cuda()` does not count."""
+    target: Optional[cst.Name] = None
+    for anc in ctx.ancestors(call):
+        if isinstance(anc, cst.Call) and isinstance(anc.func, cst.Attribute) and anc.func.attr.value in _MOVES:
+            return False
+        if isinstance(anc, cst.Assign):
+            if len(anc.targets) == 1 and isinstance(anc.targets[0].target, cst.Name):
+                target = anc.targets[0].target
+            break
+        if isinstance(anc, (cst.BaseSmallStatement, cst.BaseCompoundStatement)):
+            break
+    if target is None:
+        return False
+    scope = scope_of(ctx, call)
+    for use in _uses(ctx, target.value, scope):
+        parent = ctx.parent(use)
+        if isinstance(parent, cst.Attribute) and parent.value is use:
+            if parent.attr.value not in _DICT_USES:
+                return True  # `model.eval()`, `optimizer.step()`: the loaded value is an object
+            entry = ctx.parent(parent)
+            if parent.attr.value in ("get", "pop") and isinstance(entry, cst.Call) and entry.args \
+                    and _object_entry(ctx, entry, entry.args[0].value, scope):
+                return True
+        elif isinstance(parent, cst.SubscriptElement) or isinstance(parent, cst.Subscript) and parent.value is use:
+            sub = parent if isinstance(parent, cst.Subscript) else None
+            if sub is not None and len(sub.slice) == 1 and isinstance(sub.slice[0].slice, cst.Index) \
+                    and _object_entry(ctx, sub, sub.slice[0].slice.value, scope):
+                return True
+    return False
+
+
+def _uses(ctx: Context, name: str, scope: cst.CSTNode) -> List[cst.Name]:
+    return [n for n in ctx.named(name) if scope_of(ctx, n) is scope
+            and not isinstance(ctx.parent(n), (cst.AssignTarget, cst.Param))]
+
+
+def _object_entry(ctx: Context, entry: cst.BaseExpression, key: cst.BaseExpression, scope: cst.CSTNode) -> bool:
+    """`ckpt["optimizer"]` is a whole object: the program saves one under that key, or what it
+    is bound to gets methods called other than a dict's (`optimizer = ckpt["optimizer"]`,
+    then `optimizer.step()`)."""
+    if isinstance(key, cst.SimpleString) and key.evaluated_value in ctx.program.pickled_keys:
+        return True
+    parent = ctx.parent(entry)
+    if isinstance(parent, cst.Attribute) and parent.value is entry:
+        return parent.attr.value not in _DICT_USES and parent.attr.value not in _MOVES
+    if isinstance(parent, cst.Assign) and len(parent.targets) == 1 and isinstance(parent.targets[0].target, cst.Name):
+        for use in _uses(ctx, parent.targets[0].target.value, scope):
+            up = ctx.parent(use)
+            if isinstance(up, cst.Attribute) and up.value is use:
+                if up.attr.value in _MOVES:
+                    return False
+                if up.attr.value not in _DICT_USES:
+                    return True
+    return False

@@ -23,7 +23,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, FrozenSet, Iterable, List, Optional, Set, Tuple
 
-from torchmigrate.program.graph import Graph, dotted_name
+from torchmigrate.program import effects
+from torchmigrate.program.classes import OTHER, argument_kind, class_kinds, optimizer_wrapper
+from torchmigrate.program.graph import Graph
+from torchmigrate.program.search_path import dotted_name
 from torchmigrate.program.view import ModuleView
 
 # Optimizer classes by their last name (torch.optim and common ports). A call counts as an
@@ -181,8 +184,9 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
                     class_models.setdefault((s.module.path, s.klass), set()).add(name)
                 else:
                     s.models.add(name)
-        for a in s.assigns:  # model = tm.wrap_model(model) / DDP(model): the target too
-            if isinstance(a.value, ast.Call) and (dotted_name(a.value.func) or "").rsplit(".", 1)[-1] in WRAPPERS:
+        for a in s.assigns:  # model = tm.wrap_model(model) / DDP(model).cuda(): the target too
+            value = _strip_moves(a.value)
+            if isinstance(value, ast.Call) and (dotted_name(value.func) or "").rsplit(".", 1)[-1] in WRAPPERS:
                 for t in a.targets:
                     name = dotted_name(t)
                     if name and not name.startswith("self."):
@@ -267,7 +271,12 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
             break
 
     loader_classes = {(p, name) for p, m in modules.items() for name, c in m.classes.items() if _loader_subclass(c)}
-    cuda_classes = {(p, name) for p, m in modules.items() for name, c in m.classes.items() if _own_cuda(c)}
+    all_kinds = class_kinds(modules)
+    kinds = {key: kind for key, kind in all_kinds.items() if kind is not None}
+    params_known, params_classes = _param_kinds(modules, scopes, all_kinds)
+    pickled = frozenset(_pickled_keys(scopes))
+    wrappers = {key: w for key, kind in kinds.items() if kind == OTHER
+                and (w := optimizer_wrapper(modules[key[0]].classes[key[1]])) is not None}
     own_functions = {(p, name) for p, m in modules.items() for name in m.functions if "." not in name}
     own_classes = {(p, name) for p, m in modules.items() for name in m.classes}
     dp_classes = {(p, name): _dp_module_position(c) for p, m in modules.items() for name, c in m.classes.items()
@@ -275,7 +284,7 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
     heads = {(p, name): outs for p, m in modules.items() for name, c in m.classes.items()
              if len(outs := forward_outputs(c)) > 1}
     builders = _iterator_builders(modules)
-    torch_anywhere = any(_uses_torch(graph.statements.get(p, ())) for p in modules)
+    torch_programs = _torch_programs(graph, modules)
     loader_names = {"DataLoader"} | {name for _, name in loader_classes}
     builds_loaders = any((dotted_name(c.func) or "").rsplit(".", 1)[-1] in loader_names for s in scopes for c in s.calls)
     builds_dataloaders = builds_loaders
@@ -287,6 +296,10 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
     entry_set = {Path(e).resolve() for e in entries}
     overridden = _print_overridden(graph, modules, scopes, entry_set)
     called, unguarded = _calls_from_elsewhere(modules, scopes)
+    bindings = {path: effects.bindings_of(m.imports) for path, m in modules.items()}
+    program_effects = _effects(modules, bindings)
+    writer_classes = {(Path(p), name) for p, name in program_effects.writer_classes}
+    builders_first = effects.first_run_builders(program_effects)
     several = len(modules) > 1
     views: Dict[Path, ModuleView] = {}
     for path, m in modules.items():
@@ -296,7 +309,14 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
             wrapped_params={q: frozenset(p) for (mp, q), p in wrapped.items() if mp == path},
             wrapped_attrs={k: frozenset(a) for (mp, k), a in attrs.items() if mp == path},
             loader_classes=frozenset(_spellings(m, modules, loader_classes)),
-            cuda_classes=frozenset(_spellings(m, modules, cuda_classes)),
+            class_kinds={spelled: kinds[key] for key in kinds for spelled in _spellings(m, modules, {key})},
+            optimizer_wrappers={spelled: wrappers[key] for key in wrappers
+                                for spelled in _spellings(m, modules, {key})},
+            param_kinds={q: k for (mp, q), k in params_known.items() if mp == path},
+            pickled_keys=pickled,
+            param_wrappers={q: {p: wrappers[c] for p, c in found.items() if c in wrappers}
+                            for (mp, q), found in params_classes.items() if mp == path
+                            and any(c in wrappers for c in found.values())},
             own_functions=frozenset(_spellings(m, modules, {k for k in own_functions if k[0] != path})),
             own_classes=frozenset(_spellings(m, modules, {k for k in own_classes if k[0] != path})),
             dp_classes={spelled: dp_classes[key] for key in dp_classes
@@ -309,12 +329,115 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
             program_trains=trains,
             program_loaders=builds_loaders,
             program_dataloaders=builds_dataloaders,
-            program_torch=torch_anywhere,
+            program_torch=path in torch_programs,
             print_override=path in overridden,
             called_elsewhere=frozenset(q for p, q in called if p == path),
             guarded_elsewhere=frozenset(q for p, q in called - unguarded if p == path),
+            call_effects=effects.spelled_effects(program_effects, str(path)),
+            call_writes=effects.written_arguments(program_effects, str(path)),
+            first_run_builders=frozenset(q for p, q in builders_first if p == str(path)),
+            writer_classes=frozenset(_spellings(m, modules, writer_classes)),
+            bindings=bindings[path],
         )
     return views
+
+
+def program_effects(graph: Graph, trees: Dict[Path, ast.Module]) -> effects.ProgramEffects:
+    """The effects of every function, method and class of the program (`program.effects`),
+    with each module's imports bound to the program's modules as `compute` binds them."""
+    modules: Dict[Path, _Module] = {}
+    for path in graph.modules:
+        if trees.get(path) is not None:
+            modules[path] = _Module(path, trees[path])
+    for m in modules.values():
+        _bind_imports(m, graph, modules)
+    return _effects(modules, {path: effects.bindings_of(m.imports) for path, m in modules.items()})
+
+
+def _effects(modules: Dict[Path, _Module], bindings: Dict[Path, effects.Bindings]) -> effects.ProgramEffects:
+    return effects.combine(effects.summarize(m.tree, str(path), bindings[path]) for path, m in modules.items())
+
+
+def _param_kinds(modules: Dict[Path, _Module], scopes: List[_Scope], kinds: Dict[Tuple[Path, str], Optional[str]]
+                 ) -> Tuple[Dict[Tuple[Path, str], Dict[str, str]], Dict[Tuple[Path, str], Dict[str, Tuple[Path, str]]]]:
+    """(module, "f" / "Cls.__init__") -> the parameters that every call of it in the program
+    passes the same known kind (`DiceLoss(torch.ones(4))`: `weight` is a tensor), and those
+    every call passes an instance of the same class of the program (`opt = NoamOpt(...)`,
+    `LossCompute(gen, crit, opt)`)."""
+    module_assigns = {s.module.path: s.assigns for s in scopes if isinstance(s.node, ast.Module)}
+    seen: Dict[Tuple[Path, str], Dict[str, List[tuple]]] = {}
+    for s in scopes:
+        m = s.module
+        assigns = s.assigns + (module_assigns.get(m.path, []) if s.node is not m.tree else [])
+        for call in s.calls:
+            target = _callee(m, modules, call)
+            if target is None and isinstance(call.func, ast.Name):
+                if call.func.id in m.classes:
+                    target = (m.path, f"{call.func.id}.__init__", True)
+                elif call.func.id in m.functions:
+                    target = (m.path, call.func.id, False)
+            if target is None:
+                continue
+            path, qual, skip_self = target
+            func = modules[path].functions.get(qual)
+            if func is None:
+                continue
+            for param, value in _bind(func, call, skip_self):
+                seen.setdefault((path, qual), {}).setdefault(param, []).append(
+                    argument_kind(m, modules, kinds, value, assigns))
+    out_kinds: Dict[Tuple[Path, str], Dict[str, str]] = {}
+    out_classes: Dict[Tuple[Path, str], Dict[str, Tuple[Path, str]]] = {}
+    for key, params in seen.items():
+        for param, found in params.items():
+            if len(set(found)) != 1:
+                continue
+            kind, klass = found[0]
+            if kind is not None:
+                out_kinds.setdefault(key, {})[param] = kind
+            if klass is not None:
+                out_classes.setdefault(key, {})[param] = klass
+    return out_kinds, out_classes
+
+
+def _pickled_keys(scopes: List[_Scope]) -> Set[str]:
+    """Keys of the dicts the program builds (for its checkpoints) whose value is a whole model
+    or optimizer object rather than its state dict: `{"optimizer": optimizer, "model":
+    model.module}`. A load that reads one of them gets a pickled object back."""
+    found: Set[str] = set()
+    for s in scopes:
+        # optimizers, and the program's wrappers of one built over a model's parameters
+        objects = {dotted_name(t) for a in s.assigns if isinstance(a.value, ast.Call) and (
+                   _optimizer_models(a.value) or _over_parameters(a.value)) for t in a.targets} | s.models
+        objects.discard(None)
+        if not objects:
+            continue
+        body = s.node.body if not isinstance(s.node, ast.Module) else [
+            n for n in s.node.body if not isinstance(n, (*FUNC_TYPES, ast.ClassDef))]
+        stack = list(body)
+        while stack:
+            n = stack.pop()
+            if isinstance(n, (*FUNC_TYPES, ast.ClassDef, ast.Lambda)):
+                continue
+            pairs: List[Tuple[Optional[ast.AST], ast.AST]] = []
+            if isinstance(n, ast.Dict):
+                pairs = list(zip(n.keys, n.values))
+            elif isinstance(n, ast.Call) and dotted_name(n.func) == "dict":
+                pairs = [(ast.Constant(k.arg), k.value) for k in n.keywords if k.arg]
+            for key, value in pairs:
+                if isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.args:
+                    value = value.args[0]  # `get_module(model)`, `deepcopy(model)`: still the object
+                name = dotted_name(value)
+                if isinstance(key, ast.Constant) and isinstance(key.value, str) and name is not None \
+                        and (name in objects or name.split(".")[0] in objects):
+                    found.add(key.value)
+            stack.extend(ast.iter_child_nodes(n))
+    return found
+
+
+def _over_parameters(call: ast.Call) -> bool:
+    """`OptimWrapper(model.parameters(), lr=...)`: a call given a model's parameters."""
+    return any(isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "parameters"
+               for a in (*call.args, *(k.value for k in call.keywords)) for n in ast.walk(a))
 
 
 def _module_aliases(s: _Scope) -> Set[str]:
@@ -443,15 +566,6 @@ def _loader_subclass(klass: ast.ClassDef) -> bool:
     return True
 
 
-def _own_cuda(klass: ast.ClassDef) -> bool:
-    """A class with its own `cuda()` method whose bases do not look like an `nn.Module`: its
-    instances have no `.to()`."""
-    bases = " ".join(dotted_name(b) or "" for b in klass.bases)
-    if any(word in bases for word in ("Module", "nn.", "Tensor", "Loss")):
-        return False
-    return any(isinstance(item, FUNC_TYPES) and item.name == "cuda" for item in klass.body)
-
-
 def forward_outputs(klass: ast.ClassDef) -> Tuple[FrozenSet[str], ...]:
     """For a `forward()` whose last statement is `return a, b, ...`: the `self.<submodule>`s
     each returned element depends on, following the names forward assigns (in order, through
@@ -491,16 +605,18 @@ def forward_outputs(klass: ast.ClassDef) -> Tuple[FrozenSet[str], ...]:
     return tuple(frozenset(uses(e)) for e in returned)
 
 
-def _iterator_builders(modules: Dict[Path, _Module]) -> Dict[Tuple[Path, str], int]:
-    """The program's hand-made batch iterators and what builds them, with the position of the
-    data argument (-1: every positional argument, `minibatch(*tensors, batch_size=...)`):
+def _iterator_builders(modules: Dict[Path, _Module]) -> Dict[Tuple[Path, str], Tuple[int, ...]]:
+    """The program's hand-made batch iterators and what builds them, with the positions of the
+    data arguments ((-1,): every positional argument, `minibatch(*tensors, batch_size=...)`):
     - classes with `__next__`/`__iter__` that are not datasets, loaders or modules, taking the
       data first (`DatasetIterater(batches, batch_size, device)`, `LMOrderedIterator(data, bsz,
       bptt)`);
     - functions that return one built from a parameter (`build_iterator(dataset, config)`);
-    - generator functions slicing a parameter into batches (`def minibatch(*tensors,
-      batch_size)`, `def batch_iter(data, batch_size)`)."""
-    classes = {(p, name): 0 for p, m in modules.items() for name, c in m.classes.items() if _iterator_class(c)}
+    - generator functions slicing parameters into batches (`def minibatch(*tensors,
+      batch_size)`, `def batch_iter(data, batch_size)`, `def batches(X, y, bs)` reading `X[idx]`
+      and `y[idx]`: both, so the samples of the two stay paired once each is cut by rank)."""
+    classes = {(p, name): _class_data_positions(c) for p, m in modules.items() for name, c in m.classes.items()
+               if _iterator_class(c)}
     found = dict(classes)
     for p, m in modules.items():
         local = {name for (q, name) in classes if q == p} | _spellings(m, modules, set(classes))
@@ -535,10 +651,10 @@ def _optimizer_params(modules: Dict[Path, _Module]) -> Dict[Tuple[Path, str], Tu
     return found
 
 
-def iterator_builders_of(definitions: Iterable[ast.stmt]) -> Dict[str, int]:
+def iterator_builders_of(definitions: Iterable[ast.stmt]) -> Dict[str, Tuple[int, ...]]:
     """`ModuleView.iterator_builders` of one module alone, from its top-level definitions (a
     file processed without its program: stdin, a fixture)."""
-    classes = {d.name: 0 for d in definitions if isinstance(d, ast.ClassDef) and _iterator_class(d)}
+    classes = {d.name: _class_data_positions(d) for d in definitions if isinstance(d, ast.ClassDef) and _iterator_class(d)}
     found = dict(classes)
     for d in definitions:
         if isinstance(d, FUNC_TYPES) and (position := _builder_position(d, set(classes))) is not None:
@@ -556,12 +672,12 @@ def training_text(text: str) -> bool:
     return bool(_TRAINING.search(text)) and not _NOT_TRAINING.search(text)
 
 
-def _training_iterator(call: ast.Call, position: int, function: str) -> bool:
-    """`call` builds a hand-made batch iterator over training data: its data argument (at the
-    builder's `position`; every positional one for -1) says training, or it is built in a
+def _training_iterator(call: ast.Call, positions: Tuple[int, ...], function: str) -> bool:
+    """`call` builds a hand-made batch iterator over training data: a data argument (at the
+    builder's `positions`; every positional one for -1) says training, or it is built in a
     function whose name does (`BPR_train_original`). TM201 shards these (`tm.shard_stream`)."""
     args = [a for a in call.args if not isinstance(a, ast.Starred)]
-    args = args if position < 0 else args[position:position + 1]
+    args = args if -1 in positions else [args[p] for p in positions if p < len(args)]
     return bool(args) and (any(training_text(ast.unparse(a)) for a in args) or training_text(function))
 
 
@@ -574,17 +690,36 @@ def _iterator_class(klass: ast.ClassDef) -> bool:
     return ("__next__" in methods or "__iter__" in methods) and init is not None and len(_params(init)) > 1
 
 
-def _builder_position(func: ast.AST, iterator_classes: Set[str]) -> Optional[int]:
-    """Where the data goes in a function that builds a batch iterator (see `_iterator_builders`)."""
+def _class_data_positions(klass: ast.ClassDef) -> Tuple[int, ...]:
+    """The data arguments of an iterator class: the `__init__` parameters it keeps as attributes
+    (`self.X = X`) that a method subscripts (`self.X[idx]`, not `self.cfg["bs"]`), so that
+    `BatchIterator(X, y, bs)` gets both X and y cut by rank; the first one where none is found."""
+    init = next(f for f in klass.body if isinstance(f, FUNC_TYPES) and f.name == "__init__")
+    params = [p.arg for p in (*init.args.posonlyargs, *init.args.args)][1:]
+    pairs = [(t, n.value) for n in ast.walk(init) if isinstance(n, ast.Assign) for t in n.targets]
+    pairs += [p for t, v in pairs if isinstance(t, ast.Tuple) and isinstance(v, ast.Tuple)
+              and len(t.elts) == len(v.elts) for p in zip(t.elts, v.elts)]  # `self.X, self.y = X, y`
+    kept = {t.attr: v.id for t, v in pairs if isinstance(v, ast.Name) and v.id in params
+            and isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"}
+    read = {n.value.attr for n in ast.walk(klass) if isinstance(n, ast.Subscript) and not isinstance(n.slice, ast.Constant)
+            and isinstance(n.value, ast.Attribute) and isinstance(n.value.value, ast.Name) and n.value.value.id == "self"}
+    return tuple(sorted(params.index(kept[a]) for a in read if a in kept)) or (0,)
+
+
+def _builder_position(func: ast.AST, iterator_classes: Set[str]) -> Optional[Tuple[int, ...]]:
+    """Where the data goes in a function that builds a batch iterator (see `_iterator_builders`):
+    for a generator, every parameter it subscripts with something other than a literal key
+    (`X[idx]`, `data[i:i + bs]`, not `cfg["bs"]`)."""
     args = func.args  # type: ignore[attr-defined]
     params = [p.arg for p in (*args.posonlyargs, *args.args) if p.arg != "self"]
     vararg = args.vararg
     body = ast.Module(body=func.body, type_ignores=[])  # type: ignore[attr-defined]
     if any(isinstance(n, (ast.Yield, ast.YieldFrom)) for n in ast.walk(body)):
-        sliced = {dotted_name(n.value) for n in ast.walk(body) if isinstance(n, ast.Subscript)}
+        sliced = {dotted_name(n.value) for n in ast.walk(body)
+                  if isinstance(n, ast.Subscript) and not isinstance(n.slice, ast.Constant)}
         if vararg is not None and not params:
-            return -1 if any(isinstance(n, ast.Name) and n.id == vararg.arg for n in ast.walk(body)) else None
-        return next((i for i, name in enumerate(params) if name in sliced), None)
+            return (-1,) if any(isinstance(n, ast.Name) and n.id == vararg.arg for n in ast.walk(body)) else None
+        return tuple(i for i, name in enumerate(params) if name in sliced) or None
     built: Dict[str, int] = {}
     for node in ast.walk(body):
         call = node.value if isinstance(node, (ast.Assign, ast.Return)) else None
@@ -593,13 +728,13 @@ def _builder_position(func: ast.AST, iterator_classes: Set[str]) -> Optional[int
         data = dotted_name(call.args[0])
         if data in params:
             if isinstance(node, ast.Return):
-                return params.index(data)
+                return (params.index(data),)
             for t in node.targets:
                 if isinstance(t, ast.Name):
                     built[t.id] = params.index(data)
     for node in ast.walk(body):
         if isinstance(node, ast.Return) and isinstance(node.value, ast.Name) and node.value.id in built:
-            return built[node.value.id]
+            return (built[node.value.id],)
     return None
 
 
@@ -724,6 +859,26 @@ def _self_stores(init: ast.AST, param: str) -> List[str]:
             name = dotted_name(t)
             if name and name.startswith("self.") and name.count(".") == 1 and _ref(_strip_moves(v)) == param:
                 out.append(name[5:])
+    return out
+
+
+def _torch_programs(graph: Graph, modules: Dict[Path, "_Module"]) -> Set[Path]:
+    """The modules connected by imports (either direction) to a module that uses torch: the
+    parts of a torch program, also those that never mention torch (a helpers.py that pickles
+    results and prints), which the engine must therefore read."""
+    neighbours: Dict[Path, Set[Path]] = {p: set() for p in modules}
+    for path, deps in graph.imports.items():
+        for dep in deps:
+            if path in neighbours and dep in neighbours:
+                neighbours[path].add(dep)
+                neighbours[dep].add(path)
+    out: Set[Path] = set()
+    todo = [p for p in modules if _uses_torch(graph.statements.get(p, ()))]
+    while todo:
+        path = todo.pop()
+        if path not in out:
+            out.add(path)
+            todo.extend(neighbours[path] - out)
     return out
 
 

@@ -61,6 +61,41 @@ class FileSystem:
         except OSError:
             return None
 
+    def listing(self, folder: Path) -> str:
+        """The entries of `folder`, sorted, one a line, folders ending in `/` (empty if it cannot
+        be listed): what a walk of the project sees there."""
+        return list_folder(folder)
+
+
+# what a walk of the project reads (see `project`): modules, launch files (shell scripts, SLURM
+# files, Makefiles, documents with shell blocks), configuration and packaging files
+WALKED_SUFFIXES = (".py", ".sh", ".bash", ".sbatch", ".slurm", ".mk", ".md", ".markdown", ".rst",
+                   ".json", ".yaml", ".yml", ".toml", ".cfg")
+WALKED_NAMES = {"Makefile", "makefile", "GNUmakefile", "pyvenv.cfg"}
+# a folder tagged as a cache (https://bford.info/cachedir/), such as the lint cache: never walked
+CACHE_TAG = "CACHEDIR.TAG"
+
+
+def list_folder(folder: Union[str, Path]) -> str:
+    """What a walk of the project sees in `folder`: its subfolders (less version control,
+    caches, builds and folders tagged as caches) and the files it may read, so that outputs a
+    run writes (checkpoints, logs, the lint cache itself) do not change the answer."""
+    names = []
+    try:
+        with os.scandir(folder) as entries:
+            for entry in entries:
+                name = entry.name
+                if name.startswith(".") or name in SKIP_DIRS:
+                    continue
+                if entry.is_dir():
+                    if not name.endswith(".egg-info") and not os.path.exists(os.path.join(entry.path, CACHE_TAG)):
+                        names.append(name + "/")
+                elif name in WALKED_NAMES or name.lower().endswith(WALKED_SUFFIXES):
+                    names.append(name)
+    except OSError:
+        return ""
+    return "\n".join(sorted(names))
+
 
 PLAIN = FileSystem()
 
@@ -118,6 +153,11 @@ class Recorder(FileSystem):
     def realpath(self, path: Union[str, Path]) -> str:
         return self._ask("realpath", path, lambda: os.path.realpath(path))
 
+    def listing(self, folder: Path) -> str:
+        text = list_folder(folder)
+        self.answers[("listing", str(folder))] = digest(text.encode("utf-8", "surrogateescape"))  # kept short
+        return text
+
     def read(self, path: Path) -> Optional[bytes]:
         data = super().read(path)
         self.reads[str(path)] = None if data is None else digest(data)
@@ -138,6 +178,8 @@ def unchanged(answers: Iterable[Tuple[str, str, Answer]], reads: Dict[str, Optio
                 now = os.path.exists(path)
             elif kind in ("resolve", "realpath"):  # Path.resolve() is os.path.realpath()
                 now = realpath(path)
+            elif kind == "listing":
+                now = digest(list_folder(path).encode("utf-8", "surrogateescape"))
             else:
                 return False
         except OSError:

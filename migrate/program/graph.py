@@ -3,8 +3,12 @@
 Resolution follows what Python does for a script run as `python train.py`: `sys.path[0]` is the
 script's folder, so `import data` finds a sibling `data.py` (or a package `data/`), and packages
 under the project root resolve from there too. Relative imports resolve against the importing
-module's package. Anything that does not resolve to a file inside the project root (the standard
-library, installed packages, a virtualenv inside the project) is not part of the program.
+module's package. The folders the program itself puts on its path (`sys.path` edits, PYTHONPATH
+in its launch files, a `src/` layout, its packages installed in place: `search_path`) are
+searched too, and modules it loads by name (`importlib.import_module`, names in its
+configuration files: `dynamic_imports`) are followed like imports. Anything that does not
+resolve to a file inside the project root (the standard library, installed packages, a
+virtualenv inside the project) is not part of the program.
 """
 
 from __future__ import annotations
@@ -17,8 +21,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
+from torchmigrate.program import dynamic_imports, search_path
 from torchmigrate.program.fs import SKIP_DIRS
 from torchmigrate.program.fs import PLAIN, FileSystem
+from torchmigrate.program.project import Project, walk as project_walk
 
 _STDLIB = frozenset(getattr(sys, "stdlib_module_names", ())) | {"__future__"}  # Python >= 3.10
 
@@ -42,7 +48,8 @@ class Graph:
     imports: Dict[Path, List[Path]] = field(default_factory=dict)
     # every import statement of each module (one walk of its tree, shared with `facts`)
     statements: Dict[Path, List[ast.stmt]] = field(default_factory=dict)
-    # imports that look like the project's own but resolve nowhere: module -> (line, name)
+    # imports that look like the project's own but resolve nowhere, and modules loaded by a name
+    # that no text of the project gives: module -> (line, name or the call written out)
     unresolved: Dict[Path, List[Tuple[int, str]]] = field(default_factory=dict)
 
 
@@ -67,10 +74,12 @@ def _inside(path: Path, root: Path) -> bool:
 
 
 class _Resolver:
-    def __init__(self, root: Path, fs: FileSystem = PLAIN, extra: Sequence[Path] = ()) -> None:
+    def __init__(self, root: Path, fs: FileSystem = PLAIN, extra: Sequence[Path] = (),
+                 mapped: Optional[Dict[str, Path]] = None) -> None:
         self.root = root
         self.fs = fs
         self.extra = tuple(extra)  # PYTHONPATH and `sys.path` folders inside the project
+        self.mapped = mapped or {}  # packages installed in place from a folder of another name
 
     def module_file(self, base: Path, dotted: str) -> Optional[Path]:
         """`a.b.c` under folder `base`: `a/b/c.py` or `a/b/c/__init__.py`."""
@@ -81,15 +90,23 @@ class _Resolver:
                 return self.fs.resolve(candidate)
         return None
 
-    def absolute(self, importer: Path, dotted: str, entry_dir: Path) -> List[Path]:
+    def absolute(self, importer: Optional[Path], dotted: str, entry_dir: Path) -> List[Path]:
         """The file for `dotted` and every package `__init__` on the way (Python runs them),
-        looked up beside the importer, in the entry script's folder (`sys.path[0]`) and at the
-        project root."""
-        for base in dict.fromkeys((importer.parent, entry_dir, self.root, *self.extra)):
+        looked up beside the importer, in the entry script's folder (`sys.path[0]`), at the
+        project root and in the folders the program puts on its path; `importer` None: a name
+        that `importlib` looks up, never beside the module that asks."""
+        parts = dotted.split(".")
+        beside = () if importer is None else (importer.parent,)
+        for base in dict.fromkeys((*beside, entry_dir, self.root, *self.extra)):
             found = self.module_file(base, dotted)
             if found is not None:
-                parts = dotted.split(".")
                 inits = [self.module_file(base, ".".join(parts[:i])) for i in range(1, len(parts))]
+                return [p for p in inits if p is not None] + [found]
+        folder = self.mapped.get(parts[0])
+        if folder is not None:  # `package-dir = {"mypkg" = "lib"}`: mypkg.x is lib/x.py
+            found = self.module_file(folder, ".".join(parts[1:]))
+            if found is not None:
+                inits = [self.module_file(folder, ".".join(parts[1:i])) for i in range(1, len(parts))]
                 return [p for p in inits if p is not None] + [found]
         return []
 
@@ -146,29 +163,41 @@ def _submodules(resolver: _Resolver, package: Path, names: List[ast.alias]) -> L
     return [f for f in found if f is not None]
 
 
+MAX_ROUNDS = 4  # a build that learns of new search folders follows the imports again
+
+
 def build(entries: Iterable[Path], trees: Optional[Dict[Path, ast.Module]] = None, fs: FileSystem = PLAIN) -> Graph:
     """Follow the entries' imports into their project; `trees` caches parses by resolved path.
-    Every file-system question goes through `fs` (see `fs.Recorder`)."""
+    Every file-system question goes through `fs` (see `fs.Recorder`).
+
+    The search path grows as the build learns it (a module that edits `sys.path`, a launch file
+    that sets PYTHONPATH once an import of the project's code resolves nowhere): the imports are
+    then followed again with it, each module parsed once."""
     entries = [fs.resolve(Path(e)) for e in entries]
-    graph = Graph()
     trees = {} if trees is None else trees
-    seen: Set[Path] = set()
     roots: Dict[Path, Path] = {}  # folder -> its project root, looked up once per folder
-    queue: List[Tuple[Path, Path, Path]] = []
     for e in entries:
         if e.parent not in roots:
             try:
                 roots[e.parent] = project_root(e, fs)
             except OSError:  # a path the system refuses: the engine reports it
                 roots[e.parent] = e.parent
-        queue.append((e, roots[e.parent], e.parent))
-    names_of: Dict[Path, Set[str]] = {}  # project root -> the module names found under it
-    search_dirs: Dict[Path, List[Path]] = {}  # entry folder -> folders its entry adds to sys.path
-    for e in entries:
-        tree = trees.get(e) or _parse(e, fs)
-        if tree is not None:
-            trees[e] = tree
-            search_dirs.setdefault(e.parent, []).extend(sys_path_dirs(tree, e))
+    search = _Search(fs)
+    graph = Graph()
+    for _ in range(MAX_ROUNDS):
+        search.grew = False
+        graph = _follow(entries, roots, trees, fs, search)
+        search.grew = search.grew or search.stale()
+        if not search.grew:
+            break
+    return graph
+
+
+def _follow(entries: List[Path], roots: Dict[Path, Path], trees: Dict[Path, ast.Module], fs: FileSystem,
+            search: "_Search") -> Graph:
+    graph = Graph()
+    seen: Set[Path] = set()
+    queue: List[Tuple[Path, Path, Path]] = [(e, roots[e.parent], e.parent) for e in entries]
     while queue:
         path, root, entry_dir = queue.pop(0)
         if path in seen:
@@ -183,25 +212,190 @@ def build(entries: Iterable[Path], trees: Optional[Dict[Path, ast.Module]] = Non
                 continue
             trees[path] = tree
         scope = _path_scope(root, entry_dir)
-        resolver = _Resolver(root, fs, [d for d in (*_pythonpath(), *search_dirs.get(entry_dir, ()))
-                                        if _inside(d, scope)])
-        found = []
+        search.add_code(entry_dir, search_path.code_dirs(tree, path, entry_dir))
+        resolver = _Resolver(root, fs, [d for d in search.folders(entry_dir, scope) if _inside(d, scope)],
+                             search.mapped.get(scope))
         statements = graph.statements[path] = import_statements(tree)
         misses: List[Tuple[int, str]] = []
+        unknown: List[Tuple[int, str]] = []  # modules loaded by a name no text of the project gives
         try:
             imported = imported_files(statements, path, resolver, entry_dir, misses)
+            imported += _loaded_by_name(tree, path, resolver, entry_dir, scope, search, misses, unknown)
         except OSError:  # an import name the file system refuses (too long): not followed
             imported = []
-        local = [(line, name) for line, name in misses if name.startswith(".") or
-                 name.split(".")[0] in _project_names(scope, names_of)]
-        if local:
-            graph.unresolved[path] = local
+        local = [(line, name) for line, name in misses
+                 if name.startswith(".") or name.split(".")[0] in search.names(scope)]
+        if any(not name.startswith(".") for _, name in local):
+            search.look_further(scope)  # the project's own code, found nowhere yet
+        if local or unknown:
+            graph.unresolved[path] = sorted(local + unknown)
+        found = []
         for f in imported:
             if f != path and f not in found and (_inside(f, scope) or f.parent == entry_dir):
                 found.append(f)
         graph.imports[path] = found
         queue.extend((f, root, entry_dir) for f in found if f not in seen)
     return graph
+
+
+def _loaded_by_name(tree: ast.Module, importer: Path, resolver: _Resolver, entry_dir: Path, scope: Path,
+                    search: "_Search", misses: List[Tuple[int, str]], unknown: List[Tuple[int, str]]) -> List[Path]:
+    """Project files the module loads by name at run time (see `dynamic_imports`). A name
+    written in the code but found nowhere goes to `misses`, as an import's would; a call whose
+    module no text of the project names goes to `unknown`, written out."""
+    out: List[Path] = []
+    loads = dynamic_imports.scan(tree, importer, entry_dir)
+    search.add_names(entry_dir, loads.names)
+    for site in loads.sites:
+        found: List[Path] = []
+        if site.kind == "literal":
+            for name in site.names:
+                hit = _by_name(resolver, importer, name, entry_dir)
+                if not hit and name.split(".")[0] not in _STDLIB:
+                    misses.append((site.line, name))
+                found += hit
+            out += found
+            continue
+        if site.kind == "file":
+            if site.path is not None and resolver.fs.is_file(site.path):
+                found = [resolver.fs.resolve(site.path)]
+        elif site.kind == "prefix":
+            if site.names[0].split(".")[0] not in search.names(scope):
+                continue  # a module of an installed package (`torchvision.models.` + name)
+            found = _package_modules(resolver, site.names[0], entry_dir, search.config(scope))
+        else:
+            found = search.configured(scope, entry_dir, resolver)
+        if found:
+            out += found
+        else:
+            unknown.append((site.line, f"{site.text} (loads a module named at run time)"))
+    return out
+
+
+def _by_name(resolver: _Resolver, importer: Path, name: str, entry_dir: Path) -> List[Path]:
+    """The files of a module `importlib` loads by `name` (`a.b`, `a.b.Attribute` as
+    `pydoc.locate` takes it, `.b` relative to the importer's package)."""
+    if name.startswith("."):
+        level = len(name) - len(name.lstrip("."))
+        found = resolver.module_file(resolver.package_of(importer, level), name.lstrip("."))
+        return [found] if found is not None else []
+    for candidate in (name, name.rsplit(".", 1)[0]) if "." in name else (name,):
+        found = resolver.absolute(None, candidate, entry_dir)
+        if found:
+            return found
+    return []
+
+
+def _package_modules(resolver: _Resolver, package: str, entry_dir: Path, config) -> List[Path]:
+    """`import_module("models." + arch)`: the modules of package `models` that the project's
+    configuration names (`"arch": "resnet"`), else every module of it (the call can load only
+    these). A folder without `__init__.py` is a package too (a namespace package)."""
+    init = resolver.absolute(None, package, entry_dir)
+    if init and init[-1].name == "__init__.py":
+        folders = [init[-1].parent]
+    else:
+        init = []
+        bases = dict.fromkeys((entry_dir, resolver.root, *resolver.extra))
+        folders = [b.joinpath(*package.split(".")) for b in bases]
+    for folder in folders:
+        names = [n[:-3] for n in resolver.fs.listing(folder).split("\n")
+                 if n.endswith(".py") and n != "__init__.py" and n[:-3].isidentifier()]
+        if names:
+            chosen = [n for n in names if n in config.words] or names
+            return init + [resolver.fs.resolve(folder / f"{n}.py") for n in sorted(chosen)]
+    return []
+
+
+class _Search:
+    """Where the imports of each entry's program are looked for, learnt during one build."""
+
+    def __init__(self, fs: FileSystem) -> None:
+        self.fs = fs
+        self.code: Dict[Path, List[Path]] = {}  # entry folder -> folders its modules add to sys.path
+        self.further: Dict[Path, List[Path]] = {}  # scope -> launch files' PYTHONPATH, src/, installed
+        self.mapped: Dict[Path, Dict[str, Path]] = {}  # scope -> package installed from another folder
+        self._projects: Dict[Path, Project] = {}
+        self._names: Dict[Path, Set[str]] = {}
+        self._packaging: Dict[Path, Tuple[List[Path], Dict[str, Path]]] = {}
+        self._configs: Dict[Path, dynamic_imports.ConfigStrings] = {}
+        # (scope, entry folder) -> (texts of the code read, search folders, what they name)
+        self._configured: Dict[Tuple[Path, Path], Tuple[int, tuple, List[Path]]] = {}
+        self.code_names: Dict[Path, Set[str]] = {}  # entry folder -> dotted texts in its modules' code
+        self.grew = False  # a round learnt a folder: follow the imports again
+
+    def folders(self, entry_dir: Path, scope: Path) -> List[Path]:
+        return list(dict.fromkeys((*_pythonpath(), *self.code.get(entry_dir, ()), *self.further.get(scope, ()))))
+
+    def add_code(self, entry_dir: Path, folders: Sequence[Path]) -> None:
+        known = self.code.setdefault(entry_dir, [])
+        for folder in folders:
+            if folder not in known:
+                known.append(folder)
+                self.grew = True
+
+    def project(self, scope: Path) -> Project:
+        if scope not in self._projects:
+            self._projects[scope] = project_walk(scope, self.fs)
+        return self._projects[scope]
+
+    def names(self, scope: Path) -> Set[str]:
+        """Names of the modules and packages anywhere in the project (`models` for
+        `src/models/` or `lib/models.py`): an import of one of these that resolves nowhere is
+        the project's own module reached through a path the program sets up at run time, not
+        an installed package."""
+        if scope not in self._names:
+            self._names[scope] = self.project(scope).module_names() | set(self._installed(scope)[1])
+        return self._names[scope]
+
+    def _installed(self, scope: Path) -> Tuple[List[Path], Dict[str, Path]]:
+        if scope not in self._packaging:
+            self._packaging[scope] = search_path.installed_packages(self.project(scope).root, self.fs)
+        return self._packaging[scope]
+
+    def look_further(self, scope: Path) -> None:
+        """The folders the project's launch files, layout and packaging put on the path."""
+        if scope in self.further:
+            return
+        project = self.project(scope)
+        bases, mapped = self._installed(scope)
+        folders = [*search_path.launch_dirs(project, scope, self.fs), *search_path.src_layout(project), *bases]
+        self.further[scope] = [f for f in dict.fromkeys(folders) if _inside(f / "x.py", scope)]
+        self.mapped[scope] = {n: f for n, f in mapped.items() if _inside(f / "x.py", scope)}
+        self.grew = self.grew or bool(self.further[scope] or self.mapped[scope])
+
+    def config(self, scope: Path) -> "dynamic_imports.ConfigStrings":
+        if scope not in self._configs:
+            self._configs[scope] = dynamic_imports.config_strings(self.project(scope), self.fs)
+        return self._configs[scope]
+
+    def add_names(self, entry_dir: Path, names: Set[str]) -> None:
+        self.code_names.setdefault(entry_dir, set()).update(names)
+
+    def stale(self) -> bool:
+        """Whether a run-time name was resolved before the round had read every dotted text of
+        the program's code (one more round resolves it with all of them)."""
+        return any(used != len(self.code_names.get(entry_dir, ()))
+                   for (_, entry_dir), (used, _, _) in self._configured.items())
+
+    def configured(self, scope: Path, entry_dir: Path, resolver: _Resolver) -> List[Path]:
+        """The project's modules that its configuration files or its code's texts name
+        (`"module": "trainer.trainer"`, `_target_: models.net.Net`, `default="engines.sgd"`):
+        what a program that loads modules by run-time names may load."""
+        key = (scope, entry_dir)
+        texts = self.code_names.get(entry_dir, set())
+        if self._configured.get(key, (None, None))[:2] != (len(texts), resolver.extra):
+            names = self.names(scope)
+            found: List[Path] = []
+            for text in [*self.config(scope).dotted, *sorted(texts)]:
+                if text.split(".")[0] not in names:
+                    continue  # not the project's (torch.optim.Adam)
+                for candidate in (text, text.rsplit(".", 1)[0]):
+                    hit = resolver.absolute(None, candidate, entry_dir)
+                    if hit:
+                        found += [f for f in hit if f not in found]
+                        break
+            self._configured[key] = (len(texts), resolver.extra, found)
+        return self._configured[key][2]
 
 
 def _path_scope(root: Path, entry_dir: Path) -> Path:
@@ -215,77 +409,9 @@ def _path_scope(root: Path, entry_dir: Path) -> Path:
     return cwd if _inside(entry_dir / "x.py", cwd) else root
 
 
-def _project_names(root: Path, cache: Dict[Path, Set[str]], depth: int = 4) -> Set[str]:
-    """Names of the modules and packages anywhere in the project (`models` for `src/models/`
-    or `lib/models.py`, up to `depth` folders deep): an import of one of these that resolves
-    nowhere is the project's own module reached through a path the program sets up at run
-    time, not an installed package. Walked once per root, only when some import missed. For
-    the report only (not through `fs`: the lint cache does not keep these lines)."""
-    if root not in cache:
-        names: Set[str] = set()
-        for folder, dirs, files in os.walk(root):
-            level = len(Path(folder).relative_to(root).parts)
-            dirs[:] = [] if level >= depth else [d for d in dirs if d not in SKIP_DIRS and not d.startswith(".")]
-            names.update(d for d in dirs if d.isidentifier())
-            names.update(f[:-3] for f in files if f.endswith(".py"))
-        cache[root] = names
-    return cache[root]
-
-
 def _pythonpath() -> List[Path]:
     """The folders of `PYTHONPATH` (a recipe's `path.sh` puts the project's `src/` there)."""
     return [Path(p).resolve() for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-
-
-def sys_path_dirs(tree: ast.Module, entry: Path) -> List[Path]:
-    """Folders the entry script adds with `sys.path.append(...)`/`insert(i, ...)`, where the path
-    is a literal or built from `__file__` with `os.path.dirname/abspath/join` or `Path(...).parent`
-    (a relative literal is taken from the script's folder)."""
-    out = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
-                and node.func.attr in ("append", "insert") and dotted_name(node.func.value) == "sys.path" \
-                and node.args:
-            folder = _path_value(node.args[-1], entry)
-            if folder is not None:
-                out.append(folder.resolve())
-    return out
-
-
-def dotted_name(node: ast.AST) -> Optional[str]:
-    """`a.b.c` for a chain of attributes on a name, else None."""
-    parts = []
-    while isinstance(node, ast.Attribute):
-        parts.append(node.attr)
-        node = node.value
-    if isinstance(node, ast.Name):
-        return ".".join([node.id, *reversed(parts)])
-    return None
-
-
-def _path_value(node: ast.AST, entry: Path) -> Optional[Path]:
-    if isinstance(node, ast.Constant) and isinstance(node.value, str):
-        return entry.parent / node.value
-    if isinstance(node, ast.Name) and node.id == "__file__":
-        return entry
-    if isinstance(node, ast.Attribute) and node.attr == "parent":
-        inner = _path_value(node.value, entry)
-        return inner.parent if inner is not None else None
-    if not isinstance(node, ast.Call) or not node.args:
-        return None
-    name = (dotted_name(node.func) or "").rsplit(".", 1)[-1]
-    values = [_path_value(a, entry) for a in node.args]
-    if any(v is None for v in values):
-        return None
-    if name == "dirname":
-        return values[0].parent
-    if name in ("abspath", "realpath", "normpath", "Path", "str", "resolve"):
-        return values[0]
-    if name == "join":
-        first, *rest = values
-        return first.joinpath(*[Path(os.path.relpath(v, entry.parent)) if v.is_absolute() else v for v in rest]) \
-            if rest else first
-    return None
 
 
 def has_main_guard(tree: ast.Module) -> bool:

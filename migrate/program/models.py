@@ -47,7 +47,7 @@ from torchmigrate.syntax.positions import code_for
 
 DDP_CLASSES = {"torch.nn.parallel.DistributedDataParallel", "torch.nn.parallel.distributed.DistributedDataParallel"}
 _APEX_DDP = {"apex.parallel.DistributedDataParallel", "apex.parallel.distributed.DistributedDataParallel"}
-_DP = {"torch.nn.DataParallel", "torch.nn.parallel.DataParallel", "torch.nn.parallel.data_parallel.DataParallel"}
+DP_CLASSES = {"torch.nn.DataParallel", "torch.nn.parallel.DataParallel", "torch.nn.parallel.data_parallel.DataParallel"}
 _TM_WRAP = "torchmigrate.runtime.wrap_model"
 # Wrappers of other libraries (FSDP, DeepSpeed, ...): the model they take is not DDP's to wrap.
 _OTHER_WRAPS = (
@@ -273,7 +273,7 @@ class ModelFacts:
         if not isinstance(inner, cst.Call):
             return False
         name = self.ctx.resolve(inner.func)
-        return bool(name and (name in DDP_CLASSES or name in _APEX_DDP or name in _DP or name == _TM_WRAP))
+        return bool(name and (name in DDP_CLASSES or name in _APEX_DDP or name in DP_CLASSES or name == _TM_WRAP))
 
     def origin(self, name: str, scope: cst.CSTNode, klass: Optional[cst.ClassDef], before: Optional[int],
                value: Optional[cst.BaseExpression] = None) -> Optional[Origin]:
@@ -432,7 +432,7 @@ class ModelFacts:
                 return "apex"
             if name == _TM_WRAP:
                 return "tm"
-            if name in _DP:
+            if name in DP_CLASSES:
                 return "dp"
             if name.startswith(_OTHER_WRAPS):
                 return "other"

@@ -319,3 +319,14 @@ def last_name(node: cst.BaseExpression) -> Optional[str]:
     if isinstance(node, cst.Attribute):
         return node.attr.value
     return None
+
+
+def unconditional(ctx: Context, line: cst.CSTNode, scope: cst.CSTNode) -> bool:
+    """`line` runs whenever its function does (only `for`/`with` blocks around it): a barrier
+    there is reached by every rank. Under `if acc > best:` ranks may disagree and hang."""
+    for anc in ctx.ancestors(line):
+        if anc is scope:
+            return True
+        if isinstance(anc, (cst.If, cst.While, cst.Try, cst.TryStar, cst.ExceptHandler, cst.Match)):
+            return False
+    return True

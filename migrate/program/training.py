@@ -339,7 +339,9 @@ class TrainingFacts:
         inline_call = False
         for n in subnodes(loss):
             if isinstance(n, cst.Call):
-                if not (isinstance(n.func, cst.Attribute) and root_name(n.func.value)):
+                # `loss.mean()` is a method of a value; `criterion(...)`, `F.cross_entropy(...)`,
+                # `torch.nn.functional.mse_loss(...)` compute the loss right there
+                if not (isinstance(n.func, cst.Attribute) and root_name(n.func.value)) or ctx.resolve(n.func):
                     inline_call = True
             if isinstance(n, (cst.Name, cst.Attribute)):
                 d = dotted(n)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, FrozenSet, Tuple
+from typing import Dict, FrozenSet, Optional, Tuple
+
+from torchmigrate.program.classes import OptimizerWrapper
 
 
 @dataclass(frozen=True)
@@ -22,9 +24,20 @@ class ModuleView:
     # the program's `nn.DataParallel` subclasses as this module spells them -> the position of
     # the module among their positional arguments (`BalancedDataParallel(gpu0_bsz, model)`: 1)
     dp_classes: Dict[str, int] = field(default_factory=dict)
-    # the program's classes that are not modules but have a `cuda()` method of their own (a
-    # loss or metric object), as this module spells them: `x.cuda()` on one is their method
-    cuda_classes: FrozenSet[str] = frozenset()
+    # the program's classes as this module spells them -> what they are (`classes.MODULE`,
+    # `OPTIMIZER`, `TENSOR`, `OTHER`); a class whose bases the program cannot see is absent
+    class_kinds: Dict[str, str] = field(default_factory=dict)
+    # the program's plain classes stepped like an optimizer (`ScheduledOptim`), as this module
+    # spells them -> the attribute holding the torch optimizer they step
+    optimizer_wrappers: Dict[str, OptimizerWrapper] = field(default_factory=dict)
+    # functions and methods of this module ("f", "Cls.__init__") -> the parameters every call
+    # in the program passes a value of one known kind (`DiceLoss(torch.ones(4))`: a tensor)
+    param_kinds: Dict[str, Dict[str, str]] = field(default_factory=dict)
+    # ... and those every call passes an instance of one optimizer wrapper of the program
+    param_wrappers: Dict[str, Dict[str, OptimizerWrapper]] = field(default_factory=dict)
+    # keys of the program's checkpoint dicts that hold a whole model or optimizer object
+    # (`{"optimizer": optimizer}`), not a state dict: loading one unpickles the object
+    pickled_keys: FrozenSet[str] = frozenset()
     # the module-level functions and the classes that other modules of the program define, as
     # this module spells them (`focal_loss`, `losses.FocalLoss`): the project's code, not a library's
     own_functions: FrozenSet[str] = frozenset()
@@ -33,8 +46,8 @@ class ModuleView:
     # the `self.` submodules each returned element depends on (an unused head: TM303)
     forward_outputs: Dict[str, Tuple[FrozenSet[str], ...]] = field(default_factory=dict)
     # the program's hand-made batch iterators and the functions that build them, as this module
-    # spells them -> the position of the data argument (-1: every positional argument)
-    iterator_builders: Dict[str, int] = field(default_factory=dict)
+    # spells them -> the positions of the data arguments ((-1,): every positional argument)
+    iterator_builders: Dict[str, Tuple[int, ...]] = field(default_factory=dict)
     # functions of other modules that build an optimizer over a model parameter, as this module
     # spells them -> (position, name) of that parameter: their callers here wrap the model
     optimizer_builders: Dict[str, Tuple[int, str]] = field(default_factory=dict)
@@ -45,7 +58,9 @@ class ModuleView:
     # some module of the program builds a DataLoader (or subclass), whose batch size TM305 can
     # divide among the ranks (a hand-made iterator or a library's loader it cannot)
     program_dataloaders: bool = False
-    program_torch: bool = False  # some module of the program uses torch
+    # some module connected to this one by imports uses torch: this module is part of a torch
+    # program, and is analysed even if it never mentions torch
+    program_torch: bool = False
     # the program replaces `builtins.print` (DeiT/DETR's `setup_for_distributed`, MoCo's
     # `print_pass`) on a path this module runs in: its prints are already rank-aware
     print_override: bool = False
@@ -54,3 +69,18 @@ class ModuleView:
     # utils.save_checkpoint(...)`)
     called_elsewhere: FrozenSet[str] = frozenset()
     guarded_elsewhere: FrozenSet[str] = frozenset()
+    # the effects of the program's code each call of this module reaches (`program.effects`):
+    # "<scope>|<callee as spelled>" ("main|utils.save_params", "Trainer.fit|self.log") -> kinds
+    call_effects: Dict[str, FrozenSet[str]] = field(default_factory=dict)
+    # the same keys -> (positions, keywords) of the call's arguments that name a file the code
+    # it reaches writes (`write_results(results, path)`: ({1}, {"path"}))
+    call_writes: Dict[str, Tuple[FrozenSet[int], FrozenSet[str]]] = field(default_factory=dict)
+    # functions of this module that write files and that the program calls only when a file
+    # or folder is missing (first-run builders, `program.effects.first_run_builders`)
+    first_run_builders: FrozenSet[str] = frozenset()
+    # the program's classes built on a library writer (a `SummaryWriter` subclass), as this
+    # module spells them: building one writes files
+    writer_classes: FrozenSet[str] = frozenset()
+    # local name -> (module path, symbol or None): the program's modules and symbols this
+    # module's imports bind, so the migrated source's effects can be read again (the report)
+    bindings: Dict[str, Tuple[str, Optional[str]]] = field(default_factory=dict)

@@ -14,7 +14,11 @@ writes go under `tm.is_main()`. Checkpoint saves and loads are in `program.check
 - `existence_if` / `early_return_check`: the `if` that asks whether a file exists around a
   statement, or returns early before it; `asks_exists`;
 - `under_main_process_first`: inside `with <anything>.main_process_first():` already;
-- `inside_def`, `in_loop`, `in_body`: where a statement runs.
+- `inside_def`, `in_loop`, `in_body`: where a statement runs;
+- `call_kinds`: the effects (`program.effects`) of the program's code a call reaches;
+  `writer_class`: a call that builds a TensorBoard-style writer (a `SummaryWriter` through any
+  receiver, a subclass of the program's); `handle_uses_write_only`: every use of a file handle
+  writes into it (so the handle may be a null object on the other ranks).
 
 Name resolution uses the import table (`ctx.resolve`), never across modules.
 """
@@ -26,6 +30,7 @@ from typing import TYPE_CHECKING, Optional, Set
 import libcst as cst
 
 from torchmigrate import analysis
+from torchmigrate.program.effects import MODULE_SCOPE
 from torchmigrate.program.syntax import body_of, index_in, iter_nodes
 from torchmigrate.syntax.imports import dotted
 
@@ -197,3 +202,86 @@ def _root_name(node: cst.BaseExpression) -> Optional[str]:
     while isinstance(node, (cst.Subscript, cst.Attribute)):
         node = node.value
     return node.value if isinstance(node, cst.Name) else None
+
+
+def scope_qual(ctx: Context, node: cst.CSTNode) -> str:
+    """How `program.effects` names the scope of `node`: "f", "Cls.m" or "<module>" (a nested
+    function belongs to the top-level function or method around it)."""
+    outer = None
+    for anc in ctx.ancestors(node):
+        if isinstance(anc, cst.FunctionDef):
+            outer = anc
+    if outer is None:
+        return MODULE_SCOPE
+    klass = ctx.parent(ctx.parent(outer))
+    if isinstance(klass, cst.ClassDef) and isinstance(ctx.parent(klass), cst.Module):
+        return f"{klass.name.value}.{outer.name.value}"
+    return outer.name.value
+
+
+def call_kinds(ctx: Context, call: cst.Call) -> Optional[frozenset]:
+    """The effects of the program's own code that `call` reaches (a function, a method, a class
+    built, in any module), or None when it reaches none (a library call, an unknown receiver)."""
+    spelled = dotted(call.func)
+    if spelled is None:
+        return None
+    return ctx.program.call_effects.get(f"{scope_qual(ctx, call)}|{spelled}")
+
+
+_WRITER_NAMES = frozenset({"SummaryWriter", "FileWriter"})
+_WRITER_CLASSES = frozenset({"tensorboard_logger.Logger", "tensorboard_logger.logger.Logger"})
+
+
+def writer_class(ctx: Context, call: cst.Call, name: Optional[str]) -> bool:
+    """`call` builds an object that writes event or log files wherever it is used: a
+    `SummaryWriter` however reached (`importlib.import_module(m).SummaryWriter(...)`,
+    `tbx.SummaryWriter`), tensorboard_logger's `Logger`, or a class of the program derived from
+    one (`class Logger(SummaryWriter)` in another module)."""
+    func = call.func
+    last = func.attr.value if isinstance(func, cst.Attribute) else func.value if isinstance(func, cst.Name) else None
+    return (last in _WRITER_NAMES and (isinstance(func, cst.Attribute) or "." in (name or ""))) \
+        or name in _WRITER_CLASSES or (dotted(func) or "") in ctx.program.writer_classes
+
+
+# What may be done with a file opened for writing when it is a null object on the other ranks:
+# methods that write into it, and library calls that only write into a file they are given.
+_HANDLE_METHODS = frozenset({"write", "writelines", "flush", "close"})
+_HANDLE_SINKS = frozenset({"print", "json.dump", "pickle.dump", "yaml.dump", "yaml.safe_dump", "csv.writer",
+                           "csv.DictWriter", "numpy.savetxt", "joblib.dump", "pprint.pprint"})
+
+
+def handle_uses_write_only(ctx: Context, name: str, scope: cst.CSTNode, skip: cst.CSTNode) -> bool:
+    """Every use of the file handle `name` (a plain name, or `self.x` across the class) in
+    `scope` writes into it: `f.write(...)`, `f.close()`, `print(..., file=f)`, `json.dump(obj, f)`,
+    `csv.writer(f)`, `with f:`. Then on the other ranks it may be `tm.main_only`'s null object,
+    which absorbs all of these. `skip`: the binding itself."""
+    last = name.rsplit(".", 1)[-1]
+    for n in ctx.within(scope, cst.Name):
+        if n.value != last or any(a is skip for a in ctx.ancestors(n)):
+            continue
+        use: cst.CSTNode = n
+        if "." in name:
+            use = ctx.parent(n)
+            if not (isinstance(use, cst.Attribute) and use.attr is n and dotted(use) == name):
+                continue
+        elif isinstance(ctx.parent(n), cst.Attribute) and ctx.parent(n).attr is n:
+            continue  # `x.f`: another name
+        parent = ctx.parent(use)
+        if isinstance(parent, cst.Attribute) and parent.value is use:
+            call = ctx.parent(parent)
+            if parent.attr.value in _HANDLE_METHODS and isinstance(call, cst.Call) and call.func is parent \
+                    and isinstance(ctx.parent(call), cst.Expr):
+                continue
+            return False
+        if isinstance(parent, cst.Arg):
+            call = ctx.parent(parent)
+            if isinstance(call, cst.Call) and (ctx.resolve(call.func) or dotted(call.func)) in _HANDLE_SINKS:
+                continue
+            return False
+        if isinstance(parent, cst.WithItem) and parent.item is use:
+            continue
+        if isinstance(parent, (cst.Assign, cst.AssignTarget)) and (
+                isinstance(parent, cst.AssignTarget) or parent.value is not use):
+            continue  # the binding (or another one)
+        return False
+    return True

@@ -92,9 +92,11 @@ def emit_scaler(rule: Rule, p: Plan) -> None:
         rule.report(call, f"scale the loss: `{s.text}.scale({code(receiver(call))}).backward()`",
                     edits=[replace(call, fix)])
     for step in p.step_calls:
-        opt = code(step.optimizer)
-        rule.report(step.call, f"step through the scaler: `{s.text}.step({opt})`",
-                    edits=[replace(step.call, lambda c, o=step.optimizer, t=s.text: cst.Call(
+        opt = p.optimizer_text(step)
+        through = "" if opt == code(step.optimizer) else (
+            f" (`{code(step.optimizer)}.step()` only steps `{opt}`, the torch optimizer the scaler needs)")
+        rule.report(step.call, f"step through the scaler: `{s.text}.step({opt})`{through}",
+                    edits=[replace(step.call, lambda c, o=_stepped_node(step.optimizer, opt), t=s.text: cst.Call(
                         func=dotted_node(f"{t}.step"), args=[cst.Arg(o)]))])
     for anchor, _ in p.updates:
         update = f"{s.text}.update()"
@@ -103,6 +105,14 @@ def emit_scaler(rule: Rule, p: Plan) -> None:
         else:
             edit = insert_after(anchor, [call_stmt(call_node(f"{s.text}.update"))])
         rule.report(anchor, f"update the loss scale once per iteration: `{update}`", edits=[edit])
+
+
+def _stepped_node(optimizer: cst.BaseExpression, text: str) -> cst.BaseExpression:
+    """The optimizer expression itself, or `optimizer.<inner>` when the plan steps the torch
+    optimizer a wrapper of the program holds (`Plan.stepped`)."""
+    if text == code(optimizer):
+        return optimizer
+    return cst.Attribute(value=optimizer, attr=cst.Name(text.rsplit(".", 1)[1]))
 
 
 def name_refs(ctx: Context, values: Iterable[str]) -> List[cst.Name]:

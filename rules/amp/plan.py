@@ -40,6 +40,7 @@ from torchmigrate.program.syntax import (binds, block_of, calls_in, class_of, is
                                          owner_statement, reads, receiver, root_name, scope_of, statements,
                                          target_names)
 from torchmigrate.program.training import Site, Step, TrainingFacts, training_facts
+from torchmigrate.program.types import OTHER, TENSOR, kind_of, made_by, optimizer_wrapper_of
 from torchmigrate.rule import Context
 from torchmigrate.rules.amp.edits import dtype_arg, runtime_call, runtime_kwargs
 
@@ -122,6 +123,15 @@ class Plan:
     backward_inside: List[cst.CSTNode] = field(default_factory=list)
     existing_scalers: List[Tuple[str, cst.Call]] = field(default_factory=list)
     autocast_withs: List[cst.With] = field(default_factory=list)
+    # id() of a step whose receiver is the program's optimizer wrapper that only steps the torch
+    # optimizer it holds -> that optimizer's expression (`opt.optimizer`), what the scaler steps
+    stepped: Dict[int, str] = field(default_factory=dict)
+
+    def optimizer_text(self, step: Step) -> Optional[str]:
+        """What the scaler steps (and unscales) for `step`."""
+        if step.optimizer is None:
+            return None
+        return self.stepped.get(id(step)) or code(step.optimizer)
 
 
 def plan(ctx: Context) -> Plan:
@@ -187,10 +197,48 @@ class _Planner:
         if any(s.kind == "apex" for s in p.sites) and not apex_o1(ctx):
             level, init = apex_level(ctx)
             p.blockers.append(("TM407", init or p.sites[0].statement, f"apex opt_level {level}"))
+        self.type_blockers()
         for call in self.training.half_models():
             p.blockers.append(("TM402", call,
                                "`.half()` trains in pure fp16 (no fp32 master weights): remove it and "
                                "let autocast + GradScaler handle precision"))
+
+    def type_blockers(self) -> None:
+        """A GradScaler scales a loss tensor and steps a torch optimizer (it reads
+        `param_groups`): a step of the program's own optimizer wrapper (`ScheduledOptim`,
+        `NoamOpt`) goes through the torch optimizer it holds when its `step()` does nothing
+        else; otherwise, like the backward of an object that is not a tensor, no scaler (and
+        no autocast) is added here and a TODO says why."""
+        ctx, p = self.ctx, self.p
+        for step in p.steps:
+            if step.kind != "plain" or step.optimizer is None or step.scope not in self.training.sites_by_scope:
+                continue
+            wrapper = optimizer_wrapper_of(ctx, step.optimizer)
+            kind = kind_of(ctx, step.optimizer)
+            if wrapper is None and kind not in (OTHER, TENSOR):
+                continue  # a torch optimizer, or nothing known against it
+            text = code(step.optimizer)
+            if wrapper is not None and wrapper.delegates:
+                p.stepped[id(step)] = f"{text}.{wrapper.inner}"
+                continue
+            made = made_by(ctx, step.optimizer)
+            what = f"an instance of the program's `{made}`" if made else (
+                "the program's optimizer wrapper" if wrapper is not None else "an object of the program")
+            inner = f" (`{text}.{wrapper.inner}`)" if wrapper is not None and wrapper.inner else ""
+            p.blockers.append(("TM402", step.call,
+                               f"`{text}` is {what}, not a torch optimizer (no `param_groups`), and its `step()` "
+                               f"does more than step one: a GradScaler cannot step it, so mixed precision is not "
+                               f"added here. To use it, step the torch optimizer it holds{inner} through a "
+                               f"`tm.GradScaler()` inside that `step()` and scale the loss "
+                               f"(`scaler.scale(loss).backward()`)"))
+        for site in p.sites:
+            if site.kind != "plain" or site.loss is None or kind_of(ctx, site.loss) != OTHER:
+                continue
+            p.blockers.append(("TM402", site.call,
+                               f"`{code(site.loss)}` is not a tensor (an object of the program with its own "
+                               f"`backward()`): a GradScaler scales loss tensors only, so mixed precision is not "
+                               f"added here. To use it, scale the loss tensor where it is computed "
+                               f"(`scaler.scale(loss).backward()`)"))
 
     # -- scaler ---------------------------------------------------------------------------
     def choose_scaler(self, from_apex: bool) -> None:
@@ -590,6 +638,8 @@ class _Planner:
             if last is None or self.training.covered(last) or last in self.training.autocast_set:
                 continue
             span = self.training.forward_span(last)
+            if self.calls_own_autocast(span):
+                continue  # `outputs = self._predict(x)` whose body enters autocast (behind the program's own flag)
             first, last = span[0], self.before_own_loss(span)
             block, body = block_of(ctx, first)
             body = list(body)
@@ -614,6 +664,26 @@ class _Planner:
                     continue
                 p.regions.append(region)
                 self.region_sites.update(id(site) for site in sites)
+
+    def calls_own_autocast(self, span: List[cst.CSTNode]) -> bool:
+        """A statement of the forward span calls a function or method of this file that enters
+        autocast itself (often behind the program's own `use_amp` flag): the program decides
+        its precision there, and a second autocast around the call would force it on."""
+        ctx = self.ctx
+        key = "amp.autocast_functions"
+        names = ctx.facts.get(key)
+        if names is None:
+            names = ctx.facts[key] = {f.name.value for f in (ctx.enclosing(w, cst.FunctionDef)
+                                                             for w in self.training.autocast_withs) if f is not None}
+        if not names:
+            return False
+        for statement in span:
+            for call in ctx.within(statement, cst.Call):
+                func = call.func
+                name = func.attr.value if isinstance(func, cst.Attribute) else func.value if isinstance(func, cst.Name) else None
+                if name in names:
+                    return True
+        return False
 
     def before_own_loss(self, span: List[cst.CSTNode]) -> Optional[cst.CSTNode]:
         """Where the autocast block over the forward-to-loss `span` ends: before the statement
@@ -771,7 +841,7 @@ class _Planner:
                      and pos < self.training.position(st.call, scope) < horizon]
             names: List[str] = []
             for st in sorted(steps, key=lambda st: self.training.position(st.call, scope)):
-                opt = code(st.optimizer) if st.optimizer is not None else None
+                opt = p.optimizer_text(st)
                 if opt and opt not in names:
                     names.append(opt)
             if not names:

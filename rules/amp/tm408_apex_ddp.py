@@ -35,7 +35,8 @@ class ApexParallel(ApexRule):
     ## What it does
     Replaces the rest of apex with torch: `apex.parallel.DistributedDataParallel(model, ...)`
     becomes `tm.wrap_model(model)` (DDP on the process's device, plain model in one process),
-    `convert_syncbn_model(model)` becomes `torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)`,
+    `convert_syncbn_model(model)` becomes `tm.sync_batchnorm(model)` (torch's SyncBatchNorm where
+    it can run, distributed on CUDA; the model unchanged on CPU ranks and in one process),
     `apex.parallel.SyncBatchNorm` becomes `torch.nn.SyncBatchNorm`, `FusedAdam`/`FusedSGD`/
     `FusedAdagrad` become `torch.optim.AdamW`/`SGD`/`Adagrad` (`FusedAdam(adam_w_mode=False)`
     becomes `Adam`), `FusedLayerNorm`/`FusedRMSNorm` become `torch.nn.LayerNorm`/`RMSNorm`.
@@ -68,7 +69,7 @@ class ApexParallel(ApexRule):
             after="""
             import torch
             import torchmigrate.runtime as tm
-            model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+            model = tm.sync_batchnorm(model)
             model = tm.wrap_model(model)
             """,
             mode="ddp",
@@ -98,10 +99,15 @@ def _decide_parallel(self: Collector) -> None:
                 a for a in call.args if a.keyword and a.keyword.value in ("process_group",)]
             dropped = [a.keyword.value for a in call.args if a.keyword and a.keyword.value != "process_group"]
             note = f" (dropped apex options: {', '.join(dropped)})" if dropped else ""
-            self.report(call, f"apex `convert_syncbn_model` -> `torch.nn.SyncBatchNorm.convert_sync_batchnorm`{note}",
+            kept = kept[:1]  # tm.sync_batchnorm takes the model only (its process group is the default one)
+            if any(a.keyword and a.keyword.value == "process_group" for a in call.args):
+                dropped.append("process_group")
+            note = f" (dropped apex options: {', '.join(dropped)})" if dropped else ""
+            self.report(call, f"apex `convert_syncbn_model` -> `{ctx.tm}.sync_batchnorm` (SyncBatchNorm where it runs: "
+                              f"distributed on CUDA; the model as it is on CPU ranks and in one process){note}",
                         edits=[replace(call, lambda c, k=kept: with_args(
-                            c.with_changes(func=expr("torch.nn.SyncBatchNorm.convert_sync_batchnorm")), k))],
-                        imports=[Import("torch")])
+                            c.with_changes(func=expr(f"{ctx.tm}.sync_batchnorm")), k))],
+                        imports=[ctx.runtime_import()])
         elif name in _APEX_CLASSES or name in _APEX_SYNCBN:
             target, drop = _APEX_CLASSES.get(name) or _APEX_CLASSES["apex.parallel.SyncBatchNorm"]
             if name == "apex.optimizers.FusedAdam":

@@ -17,14 +17,19 @@ import libcst as cst
 
 from torchmigrate import analysis
 from torchmigrate.syntax.imports import dotted
-from torchmigrate.program.writes import (early_return_check, existence_if, fetches, in_body, in_loop, inside_def,
-                                         under_main_process_first, writes_file)
+from torchmigrate.program import effects
+from torchmigrate.program.writes import (call_kinds, early_return_check, existence_if, fetches, in_body, in_loop,
+                                         inside_def, scope_qual, under_main_process_first, writes_file)
 from torchmigrate.rule import Context
 from torchmigrate.program.collectives import is_collective
 from torchmigrate.program.rank_guards import rank_guard_of
 from torchmigrate.program.ranks import rank_dependent
 from torchmigrate.program.syntax import body_of, index_in, iter_nodes, local_calls
 from torchmigrate.rules._active import active
+
+
+# effects of a helper that must run on every rank: such a helper is not a cache builder
+_EVERY_RANK = frozenset({effects.COLLECTIVE, effects.TRAIN, effects.CALLS})
 
 
 @dataclass
@@ -42,12 +47,17 @@ class Plan:
     spans: List[Span] = field(default_factory=list)
     manual: List[Tuple[cst.CSTNode, str]] = field(default_factory=list)  # (node, why no fix)
     wrapped: Set[cst.CSTNode] = field(default_factory=set)  # every statement of every span
+    # this module's first-run builders (`ModuleView.first_run_builders`), when TM505 runs: every
+    # call of them goes under `main_process_first` with its existence test, wherever it is
+    builders: frozenset = frozenset()
 
     def orders(self, ctx: Context, node: cst.CSTNode) -> bool:
         """Whether `node` runs in a block that makes the other ranks wait for the main process:
-        one already in the code, or one this run adds (when TM505 runs)."""
+        one already in the code, or one this run adds (when TM505 runs), here or around every
+        call of the first-run builder that holds it."""
         return under_main_process_first(ctx, node) or node in self.wrapped \
-            or any(a in self.wrapped for a in ctx.ancestors(node))
+            or any(a in self.wrapped for a in ctx.ancestors(node)) \
+            or bool(self.builders) and scope_qual(ctx, node) in self.builders
 
 
 def plan(ctx: Context) -> Plan:
@@ -64,7 +74,7 @@ class _Planner:
     def plan(self) -> Plan:
         ctx = self.ctx
         spans: Dict[cst.CSTNode, Span] = {}
-        result = Plan()
+        result = Plan(builders=ctx.program.first_run_builders)
         for call, name in analysis.facts(ctx).calls:
             kind = ("download" if fetches(ctx, call, name) else None) or self._cache_write(call, name)
             if kind is None or inside_def(ctx, call, ctx.statement_of(call)):
@@ -100,11 +110,18 @@ class _Planner:
         """A file write under (or after the early return of) an `if` that tests whether a file
         exists: a cache built once. Not a checkpoint: a state dict in the call, or a test in a
         loop (saved again and again)."""
-        if not writes_file(call, name) or any(isinstance(n, cst.Name) and n.value == "state_dict"
-                                               for n in iter_nodes(call)):
+        if not (writes_file(call, name) or self._helper_writes(call)) or any(
+                isinstance(n, cst.Name) and n.value == "state_dict" for n in iter_nodes(call)):
             return None
         check = existence_if(self.ctx, call) or early_return_check(self.ctx, call)
         return None if check is None or in_loop(self.ctx, check) else "cache"
+
+    def _helper_writes(self, call: cst.Call) -> bool:
+        """`call` reaches the program's own code (in any module) that writes files and does
+        nothing that must run on every rank (no collective, training step or code handed in):
+        `if not os.path.isdir(out): preprocess(raw, out)` builds an output folder on first run."""
+        kinds = call_kinds(self.ctx, call)
+        return bool(kinds) and effects.WRITE in kinds and not kinds & _EVERY_RANK
 
     # --- where the block goes -------------------------------------------------------------
 
@@ -177,6 +194,7 @@ class _Planner:
         train alone while the others wait, and its first DDP step would wait for them: a hang
         (found on LeeJunHyun/Image_Segmentation)."""
         return any(analysis.is_backward(call) or local is not None and analysis.runs_backward(self.ctx, local)
+                   or effects.TRAIN in (call_kinds(self.ctx, call) or ())
                    for call, local in self._span_calls(span))
 
     def _communicates(self, span: Span) -> bool:
@@ -184,6 +202,7 @@ class _Planner:
         ctx = self.ctx
         return any(is_collective(ctx.resolve(call.func)) or local is not None and any(
             isinstance(m, cst.Call) and is_collective(ctx.resolve(m.func)) for m in iter_nodes(local.body))
+            or effects.COLLECTIVE in (call_kinds(ctx, call) or ())
             for call, local in self._span_calls(span))
 
     def _span_calls(self, span: Span):

@@ -24,9 +24,9 @@ from torchmigrate.program.collectives import runs_user_code
 from torchmigrate.program.rank_guards import caller_guards, collective_guard, under_rank_guard
 from torchmigrate.program.ranks import rank_word
 from torchmigrate.program.scopes import scope_of
-from torchmigrate.program.syntax import body_of, index_in, iter_nodes
+from torchmigrate.program.syntax import body_of, index_in, iter_nodes, unconditional
 from torchmigrate.rules._active import active
-from torchmigrate.rules._guards import guard_edit, guardable_line, sibling_runs
+from torchmigrate.rules._guards import guard_edit, guardable_line, orphaned, sibling_runs
 
 _IMAGE_WRITERS = {"torchvision.utils.save_image"}
 # File operations that, after `tm.save`, would run on ranks where the file was never written.
@@ -311,7 +311,7 @@ class SaveMainUnwrapped(Rule):
         """`with open(p, "wb") as f: torch.save(obj, f)`: every rank would truncate the file."""
         ctx = self.ctx
         if handle is None or not isinstance(ctx.parent(handle), (cst.IndentedBlock, cst.Module)) \
-                or runs_user_code(ctx, handle):
+                or runs_user_code(ctx, handle) or orphaned(ctx, [handle]):
             self.report(call, f"torch.save into a file opened on every rank: open and write it under "
                               f"`if {ctx.tm}.is_main():`")
             return
@@ -395,7 +395,7 @@ class SaveMainUnwrapped(Rule):
             if collective_guard(ctx, call) is not None \
                     or not isinstance(line, (cst.SimpleStatementLine, cst.With)) \
                     or not isinstance(ctx.parent(line), (cst.IndentedBlock, cst.Module)) \
-                    or not _unconditional(ctx, line, scope):
+                    or not unconditional(ctx, line, scope):
                 continue
             self.report(call, "every rank loads this file after training, but only the main process wrote it: "
                               "wait until it is complete",
@@ -419,7 +419,7 @@ class SaveMainUnwrapped(Rule):
             line = ctx.statement_of(call)
             if start is None or i < start or not isinstance(line, cst.SimpleStatementLine) \
                     or not isinstance(ctx.parent(line), (cst.IndentedBlock, cst.Module)) \
-                    or not _unconditional(ctx, line, caller) or collective_guard(ctx, call) is not None:
+                    or not unconditional(ctx, line, caller) or collective_guard(ctx, call) is not None:
                 continue
             if any(n and n.endswith(".barrier") and scope_of(ctx, c) is caller for c, n in calls[start:i]):
                 continue
@@ -452,7 +452,7 @@ class SaveMainUnwrapped(Rule):
                     line = ctx.statement_of(save)
                     if automatic and collective_guard(ctx, save) is None and isinstance(line, cst.SimpleStatementLine) \
                             and isinstance(ctx.parent(line), (cst.IndentedBlock, cst.Module)) \
-                            and _unconditional(ctx, line, scope):
+                            and unconditional(ctx, line, scope):
                         self.report(call, "this file is loaded again after the save, which only the main process "
                                           "does: wait for it on every rank",
                                     edits=[insert_after(line, [cached_stmt(f"{ctx.tm}.barrier()")])],
@@ -461,14 +461,3 @@ class SaveMainUnwrapped(Rule):
                         self.report(call, f"this file was just saved by the main process only: call "
                                           f"`{ctx.tm}.barrier()` after the save (on every rank) before loading it")
                     return
-
-
-def _unconditional(ctx: Context, line: cst.CSTNode, scope: cst.CSTNode) -> bool:
-    """`line` runs whenever its function does (only `for`/`with` blocks around it): a barrier
-    there is reached by every rank. Under `if acc > best:` ranks may disagree and hang."""
-    for anc in ctx.ancestors(line):
-        if anc is scope:
-            return True
-        if isinstance(anc, (cst.If, cst.While, cst.Try, cst.TryStar, cst.ExceptHandler, cst.Match)):
-            return False
-    return True

@@ -16,7 +16,7 @@ from torchmigrate.syntax.imports import dotted
 from torchmigrate.syntax.nodes import arg, set_kwarg
 from torchmigrate.syntax.nodes import expr as cached_expr
 from torchmigrate.options import RUNTIME_MODULE as RUNTIME
-from torchmigrate.program.checkpoints import LOADS, feeds_state_dict, non_tensor_saved
+from torchmigrate.program.checkpoints import LOADS, feeds_state_dict, holds_objects, non_tensor_saved
 from torchmigrate.rule import Example, Rule
 from torchmigrate.rules._active import active
 from torchmigrate.rules.model.plan import wrapped_models
@@ -27,8 +27,11 @@ class LoadMapLocation(Rule):
     ## What it does
     - `torch.load(path)` without `map_location` gets `map_location="cpu"` when what it loads
       goes into `load_state_dict(...)` or is moved with `.to(...)`/`.cuda()` (a positional or
-      keyword `map_location` is kept). For other loads (tensors or whole objects used as
-      loaded) the same fix is offered as unsafe: the tensors end up on the CPU.
+      keyword `map_location` is kept). A checkpoint that holds whole objects used as loaded
+      (`optimizer = ckpt["optimizer"]`, `model = torch.load(path)` then `model.eval()`; keys
+      the program saves a model or optimizer object under) gets `map_location=tm.device()`:
+      an optimizer's state must be on the device of its parameters. For other loads (tensors
+      used as loaded) the `"cpu"` fix is offered as unsafe: the tensors end up on the CPU.
     - `model.load_state_dict(sd)` for a trained (DDP-wrapped) model loads
       `tm.strip_prefix(sd)`, which drops `module.` / `_orig_mod.` key prefixes written by
       `nn.DataParallel`, DDP or `torch.compile` models (TM302 turns `model.load_state_dict`
@@ -90,10 +93,19 @@ class LoadMapLocation(Rule):
             if any(a.star == "**" for a in call.args):
                 continue
             feeds = feeds_state_dict(ctx, call, lsd)
+            objects = ctx.options.migrating and holds_objects(ctx, call)
             if arg(call, "map_location", 1) is None and arg(call, "f", 0) is not None \
                     and not self._placed_in_other_branch(call, loads):
                 fix = replace(call, lambda c: set_kwarg(c, "map_location", cached_expr('"cpu"')))
-                if feeds:
+                if objects:
+                    self.report(call, "this checkpoint holds whole objects used as loaded (a pickled optimizer or "
+                                      "model), whose tensors stay where they are loaded: onto this rank's own device, "
+                                      "where the model is (map_location=tm.device()); \"cpu\" would leave an "
+                                      "optimizer's state on the CPU and fail at its first step",
+                                edits=[replace(call, lambda c: set_kwarg(c, "map_location",
+                                                                         cached_expr(f"{ctx.tm}.device()")))],
+                                imports=[ctx.runtime_import()])
+                elif feeds:
                     self.report(call, "torch.load without map_location loads GPU-saved tensors onto the device "
                                       "they were saved from (cuda:0) on every rank; load to the CPU",
                                 edits=[fix])
@@ -102,7 +114,7 @@ class LoadMapLocation(Rule):
                                       "cuda:0. Add map_location=\"cpu\" (then move what you use to tm.device()) "
                                       "or map_location=tm.device()",
                                 edits=[fix], safety=Safety.UNSAFE)
-            if feeds and arg(call, "weights_only") is None:
+            if (feeds or objects) and arg(call, "weights_only") is None:
                 if non_tensor is None:
                     non_tensor = non_tensor_saved(ctx)
                 if non_tensor:

@@ -2,22 +2,25 @@
 
 from __future__ import annotations
 
-from typing import List
+from typing import List, Optional, Tuple
 
 import libcst as cst
 
 from torchmigrate import analysis
-from torchmigrate.finding import Safety, replace
+from torchmigrate.finding import Safety, insert_before, replace
 from torchmigrate.syntax.imports import dotted
-from torchmigrate.syntax.nodes import set_kwarg
+from torchmigrate.syntax.nodes import code, set_kwarg, stmt
 from torchmigrate.program.checkpoints import follows_save
-from torchmigrate.program.writes import is_pil_image
+from torchmigrate.program.syntax import body_of, unconditional
+from torchmigrate.program import effects
+from torchmigrate.program.writes import (call_kinds, handle_uses_write_only, in_body, is_pil_image, scope_qual,
+                                         writes_file)
 from torchmigrate.rule import Example, Rule
 from torchmigrate.rules.checkpoint.plan import plan
 from torchmigrate.program.collectives import runs_user_code
-from torchmigrate.program.rank_guards import under_rank_guard
+from torchmigrate.program.rank_guards import collective_guard, under_rank_guard
 from torchmigrate.rules._active import active
-from torchmigrate.rules._guards import guard_edit, sibling_runs
+from torchmigrate.rules._guards import guard_edit, main_only_call, orphaned, sibling_runs
 
 # Copies into the experiment folder (`create_exp_dir` copying the scripts); right after a
 # checkpoint save they are TM501's.
@@ -26,6 +29,9 @@ _COPIES = frozenset({"shutil.copy", "shutil.copyfile", "shutil.copy2", "shutil.c
 # second rank to remove it fails with FileNotFoundError (`ddp` only: distributed code may remove
 # files of its own rank).
 _REMOVALS = frozenset({"os.remove", "os.unlink", "shutil.rmtree"})
+
+# effects of program code that must run on every rank
+_EVERY_RANK = frozenset({effects.COLLECTIVE, effects.TRAIN, effects.CALLS})
 
 _FILE_HANDLERS = ("logging.FileHandler", "logging.handlers.RotatingFileHandler",
                   "logging.handlers.TimedRotatingFileHandler")
@@ -47,10 +53,26 @@ class MainOnlyWrites(Rule):
       `ddp` `os.remove(path)`, `logging.basicConfig(filename=...)`, ...) goes under
       `if tm.is_main():` (the other ranks' INFO records are off anyway, see `tm.setup`)
       on the same terms; adjacent ones share one guard.
+    - A file kept open across statements, `f = open(path, "a")` ... `f.write(...)` ...
+      `f.close()` (also `self.file = open(...)` in a logger class), becomes
+      `f = tm.main_only(open, path, "a")` when every use of `f` writes into it (`f.write`,
+      `print(..., file=f)`, `json.dump(obj, f)`, `csv.writer(f)`, `f.close()`): the file is
+      opened on the main process, a null object absorbs the writes elsewhere, and no name is
+      left unbound. Other uses (`f.name`, a `+` mode) are reported.
+    - A `with open(...)` block is never guarded when names it binds are read after it
+      (NameError on the other ranks) or when it runs a forward pass or a collective: its file is
+      opened through `tm.main_only(open, ...)` instead when the block writes only through it,
+      else the block is reported.
+    - A file every rank reads back after the main process alone wrote it (an evaluation json,
+      also one written by a helper of any module, from the program's effects) gets
+      `tm.barrier()` before the read, where every rank reaches it.
+    - Writes inside a first-run builder (a function of the program called only when its output
+      is missing, whose calls TM505 puts under `main_process_first` whole) are not guarded.
     - `logging.FileHandler(path)` (and the rotating ones) becomes
       `(logging.FileHandler(path) if tm.is_main() else logging.NullHandler())`: one log file,
       written by the main process.
-    - `os.makedirs(d)` without `exist_ok` gets `exist_ok=True`, and `os.mkdir(d)` under
+    - `os.makedirs(d)` and `pathlib`'s `path.mkdir(parents=True)` without `exist_ok=True`
+      (missing, `False` or an expression) get `exist_ok=True`, and `os.mkdir(d)` under
       `if not os.path.isdir(d):` / `os.path.exists(d)` becomes `os.makedirs(d, exist_ok=True)`.
 
     ## Why is this bad?
@@ -97,9 +119,10 @@ class MainOnlyWrites(Rule):
         ctx = self.ctx
         if not active(ctx):
             return
-        withs: List[cst.With] = []
+        withs: List[cst.CSTNode] = []  # `with open(...)` blocks and statements that write
+        handles: List[Tuple[cst.Call, cst.Assign]] = []  # `f = open(path, "a")`
         for call, name in analysis.facts(ctx).calls:
-            if name == _MAKEDIRS and not any(a.keyword and a.keyword.value == "exist_ok" for a in call.args):
+            if (name == _MAKEDIRS or _path_mkdir(call, name)) and not _exist_ok(call):
                 self.report(call, "every rank creates this folder: a rank that comes second fails with "
                                   "FileExistsError; pass exist_ok=True",
                             edits=[replace(call, lambda c: set_kwarg(c, "exist_ok", cst.Name("True")))])
@@ -111,9 +134,7 @@ class MainOnlyWrites(Rule):
                                     (dotted(c.func) or "os.mkdir").rsplit(".", 1)[0] + ".makedirs")),
                                 "exist_ok", cst.Name("True")))])
             elif (dotted(call.func) or "") == "open" and analysis.opens_for_writing(call):
-                handle = ctx.parent(ctx.parent(call))
-                if isinstance(handle, cst.With) and handle.items[0].item is call:
-                    withs.append(handle)
+                self._open(call, withs, handles)
             elif name in _FILE_HANDLERS:
                 self._handler(call)
             elif self._writer(call, name):
@@ -133,14 +154,172 @@ class MainOnlyWrites(Rule):
             if ordered.orders(ctx, handle):
                 continue  # a cache written under main_process_first: only the first rank finds it missing
             if runs_user_code(ctx, handle) or self._calls_a_parameter(handle):
+                if self._null_handle(handle):
+                    continue  # the block runs on every rank, writing into a stand-in on the others
                 self.report(handle, f"every rank writes this file; the {'block' if isinstance(handle, cst.With) else 'call'}"
                                     f" also runs code that must run on every rank, so write the file under "
                                     f"`if {ctx.tm}.is_main():` yourself")
                 continue
             lines.append(handle)
         for run in sibling_runs(ctx, lines):
+            names = orphaned(ctx, run)
+            if names:
+                if len(run) == 1 and self._null_handle(run[0]):
+                    continue
+                self.report(run[0], f"every rank writes this file, but `if {ctx.tm}.is_main():` around it would "
+                                    f"leave {', '.join(f'`{n}`' for n in names)} unbound on the other ranks (used "
+                                    f"after it): write the file on the main process only yourself, keeping those "
+                                    f"names on every rank")
+                continue
             self.report(run[0], "every rank writes this file; write it on the main process only",
                         edits=[guard_edit(ctx, run)], imports=[ctx.runtime_import()])
+            self._wait_for_reread(run)
+        for call, assign in handles:
+            self._handle(call, assign)
+        for call, name in analysis.facts(ctx).calls:
+            self._helper_reread(call)
+
+    def _open(self, call: cst.Call, withs: List[cst.CSTNode], handles: List[Tuple[cst.Call, cst.Assign]]) -> None:
+        """Where a file is opened for writing: a `with` block, a handle kept in a name
+        (`f = open(p, "a")` ... `f.close()`), or inside a statement that writes through it at
+        once (`json.dump(results, open(p, "w"))`, `open(p, "w").write(text)`)."""
+        ctx = self.ctx
+        parent = ctx.parent(call)
+        handle = ctx.parent(parent)
+        if isinstance(handle, cst.With):
+            if handle.items[0].item is call:
+                withs.append(handle)
+            return
+        if isinstance(parent, cst.Assign) and parent.value is call and len(parent.targets) == 1 \
+                and isinstance(parent.targets[0].target, (cst.Name, cst.Attribute)):
+            handles.append((call, parent))
+            return
+        line = ctx.statement_of(call)
+        if isinstance(line, cst.SimpleStatementLine) and len(line.body) == 1 and isinstance(line.body[0], cst.Expr):
+            withs.append(line)
+
+    def _handle(self, call: cst.Call, assign: cst.Assign) -> None:
+        """`f = open(path, "a")` kept open across statements (`f.write(...)` in a loop, then
+        `f.close()`): guarding the statements one by one would leave `f` unbound on the other
+        ranks, so the file is opened on the main process only and `f` is `tm.main_only`'s null
+        object elsewhere, which absorbs every write. Only when every use of `f` writes into it."""
+        ctx = self.ctx
+        if under_rank_guard(ctx, call) or plan(ctx).orders(ctx, call):
+            return
+        name = dotted(assign.targets[0].target) or ""
+        if "+" in (self._mode(call) or "+"):
+            self.report(call, f"every rank opens this file to write and read it: write it on the main process only "
+                              f"(`if {ctx.tm}.is_main():`), then `{ctx.tm}.barrier()` before any rank reads it")
+            return
+        scope = (ctx.enclosing(assign, cst.ClassDef) if name.startswith("self.") else None) \
+            or ctx.enclosing(assign, cst.FunctionDef) or ctx.module
+        if not handle_uses_write_only(ctx, name, scope, assign):
+            self.report(call, f"every rank opens this file for writing, and `{name}` is used in ways a stand-in "
+                              f"cannot take: open it on the main process only (`{ctx.tm}.main_only(open, ...)` "
+                              f"or `if {ctx.tm}.is_main():`) and keep those uses off the other ranks")
+            return
+        self.report(call, f"every rank opens this file for writing and writes through `{name}`; open it on the "
+                          f"main process only (`{name}` absorbs every write on the other ranks)",
+                    edits=[replace(call, main_only_call(ctx.tm))], imports=[ctx.runtime_import()])
+
+    def _null_handle(self, statement: cst.CSTNode) -> bool:
+        """`with open(p, "w") as f:` whose block must run on every rank (it binds names used
+        after it, or runs a forward or collective) but writes only through `f`: the file is
+        opened on the main process only (`tm.main_only(open, ...)`) and the block runs
+        everywhere, writing into a stand-in on the other ranks."""
+        ctx = self.ctx
+        if not isinstance(statement, cst.With) or len(statement.items) != 1 or statement.items[0].asname is None:
+            return False
+        call = statement.items[0].item
+        name = dotted(statement.items[0].asname.name)
+        if not isinstance(call, cst.Call) or name is None or "." in name or "+" in (self._mode(call) or "+"):
+            return False
+        if not handle_uses_write_only(ctx, name, ctx.enclosing(statement, cst.FunctionDef) or ctx.module,
+                                      statement.items[0]):
+            return False
+        if any(writes_file(c, n) and not (dotted(c.func) == "open") and not self._into(c, name)
+               for c, n in self._calls_in(statement.body)):
+            return False  # another file written in the block would still be written by every rank
+        self.report(statement, "every rank writes this file, and the block must run on every rank: open the file "
+                               "on the main process only (the other ranks write into a stand-in)",
+                    edits=[replace(call, main_only_call(ctx.tm))], imports=[ctx.runtime_import()])
+        return True
+
+    def _calls_in(self, node: cst.CSTNode):
+        for c in self.ctx.within(node, cst.Call, skip_defs=True):
+            yield c, self.ctx.resolve(c.func)
+
+    @staticmethod
+    def _into(call: cst.Call, handle: str) -> bool:
+        """`json.dump(obj, f)`: a write into the file `handle`."""
+        return any(isinstance(a.value, cst.Name) and a.value.value == handle for a in call.args)
+
+    @staticmethod
+    def _mode(call: cst.Call) -> Optional[str]:
+        mode = call.args[1].value if len(call.args) >= 2 and call.args[1].keyword is None else None
+        for a in call.args:
+            if a.keyword is not None and a.keyword.value == "mode":
+                mode = a.value
+        return mode.evaluated_value if isinstance(mode, cst.SimpleString) and isinstance(
+            mode.evaluated_value, str) else None
+
+    def _helper_reread(self, call: cst.Call) -> None:
+        """`write_results(results, path)` (the program's own code, in any module, that writes
+        files and guards them on the main process: see the effects) followed by every rank
+        reading `path`: the same wait as for a write of this file."""
+        ctx = self.ctx
+        kinds = call_kinds(ctx, call)
+        line = ctx.statement_of(call)
+        if not kinds or effects.WRITE not in kinds or kinds & _EVERY_RANK or under_rank_guard(ctx, call) \
+                or not isinstance(line, cst.SimpleStatementLine) or not in_body(ctx, line) \
+                or plan(ctx).orders(ctx, call):
+            return
+        positions, keywords = ctx.program.call_writes.get(f"{scope_qual(ctx, call)}|{dotted(call.func)}", ((), ()))
+        paths = {code(a.value) for i, a in enumerate(call.args)
+                 if (a.keyword is None and not a.star and i in positions) or (a.keyword is not None and a.keyword.value in keywords)}
+        self._wait_for_reread([line], paths)
+
+    def _wait_for_reread(self, run, written: Optional[set] = None) -> None:
+        """A file the main process now writes alone and every rank reads back later in the same
+        function (an evaluation json, a results file): the others must wait until it is
+        complete, so a `tm.barrier()` goes before the read, where every rank reaches it.
+        `written`: the path texts the run may write (else its first `open` for writing)."""
+        ctx = self.ctx
+        if written is None:
+            path = self._written_path(run)
+            written = {path} if path is not None else set()
+        if not written:
+            return
+        scope = ctx.enclosing(run[0], cst.FunctionDef) or ctx.module
+        end = ctx.last_position(run[-1])
+        for call, name in analysis.facts(ctx).calls:
+            position = ctx.position(call)
+            if position is None or position <= end or (ctx.enclosing(call, cst.FunctionDef) or ctx.module) is not scope:
+                continue
+            if name and name.endswith(".barrier"):
+                return
+            first = call.args[0].value if call.args and call.args[0].keyword is None else None
+            if first is None or code(first) not in written or writes_file(call, name):
+                continue
+            body = body_of(ctx.parent(run[0])) or ()
+            reading = next((a for a in (call, *ctx.ancestors(call)) if any(a is b for b in body)), None)
+            if reading is None or collective_guard(ctx, run[0]) is not None \
+                    or not unconditional(ctx, run[-1], scope) or under_rank_guard(ctx, call):
+                self.report(call, f"every rank reads this file, which only the main process writes now: call "
+                                  f"`{ctx.tm}.barrier()` on every rank between the write and this read")
+                return
+            self.report(call, "every rank reads back this file, which only the main process writes now: wait "
+                              "until it is complete",
+                        edits=[insert_before(reading, [stmt(f"{ctx.tm}.barrier()")])], imports=[ctx.runtime_import()])
+            return
+
+    def _written_path(self, run) -> Optional[str]:
+        """The path text of the file a guarded run writes (the first `open` for writing)."""
+        for statement in run:
+            for call, _name in self._calls_in(statement):
+                if dotted(call.func) == "open" and analysis.opens_for_writing(call) and call.args:
+                    return code(call.args[0].value)
+        return None
 
     def _writer(self, call: cst.Call, name) -> bool:
         if name == "logging.basicConfig":  # with a log file: every rank would append to it
@@ -197,3 +376,18 @@ class MainOnlyWrites(Rule):
             if isinstance(anc, (cst.FunctionDef, cst.ClassDef)):
                 return False
         return False
+
+
+def _exist_ok(call: cst.Call) -> bool:
+    """`exist_ok=True` is passed: a folder that exists is fine."""
+    return any(a.keyword is not None and a.keyword.value == "exist_ok" and isinstance(a.value, cst.Name)
+               and a.value.value == "True" for a in call.args)
+
+
+def _path_mkdir(call: cst.Call, name) -> bool:
+    """`p.mkdir(...)` of a `pathlib.Path`: a method `mkdir` (not `os.mkdir`) given nothing but
+    pathlib's keywords (`mode`, `parents`, `exist_ok`)."""
+    func = call.func
+    if not (isinstance(func, cst.Attribute) and func.attr.value == "mkdir") or (name or "").startswith("os."):
+        return False
+    return all(a.keyword is not None and a.keyword.value in ("mode", "parents", "exist_ok") for a in call.args)

@@ -29,7 +29,11 @@ class MainProcessFirst(Rule):
       (`os.path.exists`, `Path(...).exists()`, ...) and downloads or writes it (a preprocessed
       dataset, a vocabulary saved with `torch.save`, `pickle.dump`, `.save(...)`), with the
       statements after it when the `if` returns the cached copy early: the test and the write
-      together, so the others test again after the main process wrote the file, and load it.
+      together, so the others test again after the main process wrote the file, and load it;
+    - first-run builders: an `if` that tests whether a file or folder exists and calls the
+      program's own code that writes files (`if not os.path.isdir(out): preprocess(raw, out)`,
+      in any module, from the program's effects) goes under the block whole, never with guards
+      inside it: a half-written output folder would break every later run.
 
     Adjacent statements share one block. Already ordered code is left alone: under
     `main_process_first` (the runtime's, Accelerate's or Transformers'), under a rank guard, or

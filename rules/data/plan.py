@@ -19,19 +19,29 @@ A training loader gets the status ``"whole"`` (no sampler, every rank iterates a
 the program trains but wraps no model in DDP (`Options.shard_training`): shards would train a
 different model on each rank.
 
+Training data that no DataLoader carries (`program.batches`) gets a `BatchPlan` each
+(`DataPlan.batches`): ``"shard"`` (TM201 shares it out by rank), ``"whole"`` (kept whole: no model
+is wrapped), ``"manual"`` (``reason`` says what to do by hand) or ``"skip"`` (sharded elsewhere:
+a DataLoader, a token stream, a batch iterator sharded where it is built).
+
 Computed once per module (`data_plan(ctx)`), on the facts alone: which data rules are enabled
 does not change it, so TM202 knows what TM201 gives a loader even when TM201 runs elsewhere.
 """
 
 from __future__ import annotations
 
+import ast
 import re
 from dataclasses import dataclass
-from typing import Dict, Optional, Set, Tuple
+from typing import Dict, List, Optional, Set, Tuple
 
 import libcst as cst
 
+from torchmigrate import analysis
+from torchmigrate.syntax.imports import dotted
 from torchmigrate.syntax.nodes import code
+from torchmigrate.program.batches import BatchFacts, BatchLoop, FullBatchLoss, batch_facts
+from torchmigrate.program.facts import iterator_builders_of, training_text
 from torchmigrate.program.loaders import Loader, LoaderFacts, is_literal, is_pure, loader_facts
 
 _COMPREHENSIONS = (cst.ListComp, cst.SetComp, cst.DictComp, cst.GeneratorExp)
@@ -50,6 +60,15 @@ class LoaderPlan:
     sampler: Optional[str] = None
     needs_epoch: bool = False
     eval_with_grad: bool = False  # an evaluation loop over it runs with gradients enabled
+
+
+@dataclass(eq=False)
+class BatchPlan:
+    """What this run does with a hand-made batch loop or a full-batch loss (see the module
+    docstring)."""
+
+    status: str
+    reason: str = ""
 
 
 class DataPlan:
@@ -74,6 +93,81 @@ class DataPlan:
 
     def of(self, loader: Loader) -> LoaderPlan:
         return self._plans[loader.index]
+
+    # --- data no DataLoader carries ----------------------------------------------------------
+    @property
+    def batches(self) -> BatchFacts:
+        return batch_facts(self.ctx)
+
+    def batch(self, found) -> BatchPlan:
+        """The plan of a `BatchLoop` or a `FullBatchLoss` of `batches` (one not yet sharded)."""
+        ctx = self.ctx
+        facts = self.facts
+        if not ctx.options.migrating or facts.distributed or facts.skip_file:
+            return BatchPlan("skip")
+        if isinstance(found, FullBatchLoss):
+            if ctx.program.program_loaders or facts.loaders:
+                return BatchPlan("skip")  # mini-batches come from a loader: a mask there is per batch
+            return BatchPlan("shard") if ctx.options.shard_training else BatchPlan("whole", UNWRAPPED)
+        if found.kind == "iterable" and (found.loader or ctx.program.program_loaders or facts.loaders
+                                         or self.builds_training_iterators):
+            return BatchPlan("skip")  # a loader (or a built iterator) is sharded where it is built
+        if found.kind == "range" and self._streams(found.sliced):
+            return BatchPlan("skip")  # a token stream: each rank already has its own part
+        if found.carried:
+            return BatchPlan("manual", (
+                f"this loop carries `{found.carried}` from one batch to the next (a recurrent state over "
+                "consecutive chunks), so giving each rank every other batch would break it, and every rank "
+                "trains on the same batches: cut the data into one contiguous part per rank before it is "
+                f"batched (`{ctx.tm}.shard_stream(data)`)"))
+        if found.kind == "range":
+            if found.unknown_order:
+                return BatchPlan("manual", (
+                    f"the order of {', '.join(f'`{n}`' for n in found.sliced)} comes from {found.unknown_order}, "
+                    "which each rank draws for itself, so every rank trains on the same batches: draw it once "
+                    f"for all ranks (`{ctx.tm}.broadcast_object(...)`) and take every "
+                    f"`{ctx.tm}.world_size()`-th batch (`{ctx.tm}.shard_range(range(...))`)"))
+        return BatchPlan("shard") if ctx.options.shard_training else BatchPlan("whole", UNWRAPPED)
+
+    def _streams(self, names: Tuple[str, ...]) -> bool:
+        """Some of `names` holds a token stream (`batchify(...)`, `tm.shard_stream(...)`)."""
+        for assign in analysis.facts(self.ctx).assigns:
+            if not {dotted(t.target) for t in assign.targets} & set(names):
+                continue
+            for call in self.ctx.within(assign.value, cst.Call):
+                last = (dotted(call.func) or "").rsplit(".", 1)[-1].lower()
+                if "batchify" in last or last == "shard_stream":
+                    return True
+        return False
+
+    @property
+    def iterator_builders(self) -> Dict[str, Tuple[int, ...]]:
+        """The program's hand-made batch iterators and their builders, as this module spells
+        them (`ModuleView.iterator_builders`; of this file alone when it has no program)."""
+        found = self.ctx.program.iterator_builders
+        if found or self.ctx.program.followed:
+            return found
+        defs = [s for s in self.ctx.module.body if isinstance(s, (cst.ClassDef, cst.FunctionDef))]
+        text = code(cst.Module(body=defs))
+        return iterator_builders_of(ast.parse(text).body) if _MAY_ITERATE.search(text) else {}
+
+    @property
+    def builds_training_iterators(self) -> bool:
+        """This module builds a hand-made batch iterator over training data, which TM201 shards
+        where it is built (`tm.shard_stream` on its data)."""
+        builders = self.iterator_builders
+        if not builders:
+            return False
+        for call, _name in analysis.facts(self.ctx).calls:
+            positions = builders.get(dotted(call.func) or "")
+            if positions is None:
+                continue
+            args = training_args(call, positions)
+            function = self.ctx.enclosing(call, cst.FunctionDef)
+            if args and (any(training_text(code(a.value)) for a in args)
+                         or (function is not None and training_text(function.name.value))):
+                return True
+        return False
 
     def _plan(self, loader: Loader) -> LoaderPlan:
         plan = LoaderPlan(loader.status, _reason(loader, self.ctx.tm))
@@ -222,6 +316,15 @@ def _reason(loader: Loader, tm: str) -> str:
     if loader.unknown == "kwargs-shuffle":
         return "DataLoader gets `shuffle` from a dict and elsewhere: set the sampler by hand"
     return ""
+
+
+_MAY_ITERATE = re.compile(r"__next__|__iter__|\byield\b")
+
+
+def training_args(call: cst.Call, positions: Tuple[int, ...]) -> List[cst.Arg]:
+    """The data arguments of a call of an iterator builder (at `positions`; -1: every positional one)."""
+    positional = [a for a in call.args if a.keyword is None and not a.star]
+    return positional if -1 in positions else [positional[p] for p in positions if p < len(positional)]
 
 
 def _within(node: cst.CSTNode, container: cst.CSTNode, ctx) -> bool:

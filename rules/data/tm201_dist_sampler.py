@@ -1,22 +1,22 @@
-"""TM201: every training DataLoader gets a distributed sampler (and token streams a shard)."""
+"""TM201: every training DataLoader gets a distributed sampler, and training data no DataLoader
+carries (token streams, hand-made batches, full-batch indices) its share by rank."""
 
 from __future__ import annotations
 
-import ast
-import re
-from typing import Dict
+from typing import Set
 
 import libcst as cst
 
 from torchmigrate import analysis
-from torchmigrate.finding import Safety, replace
+from torchmigrate.finding import Safety, insert_after, replace
 from torchmigrate.syntax.imports import dotted
 from torchmigrate.syntax.nodes import code, expr
-from torchmigrate.program.facts import iterator_builders_of, training_text
+from torchmigrate.program.batches import BatchLoop, FullBatchLoss
+from torchmigrate.program.facts import training_text
 from torchmigrate.program.loaders import Loader
 from torchmigrate.rule import Example
 from torchmigrate.rules.data.base import DataRule
-from torchmigrate.rules.data.plan import UNWRAPPED
+from torchmigrate.rules.data.plan import UNWRAPPED, BatchPlan, training_args
 
 
 class DistSampler(DataRule):
@@ -48,15 +48,31 @@ class DistSampler(DataRule):
     `tm.shard_sampler(...)`: the same draw on every rank (same seed, a new one each epoch), each
     rank taking every W-th item, padded to equal step counts; a sampler built with the rank or
     world size already shards and is left alone. An `IterableDataset`, or arguments hidden in
-    `*args`/`**kwargs` the tool cannot see, is reported for a manual change instead, and so is a
-    training step in a program that builds no DataLoader at all (full-batch tensors, a
-    hand-made loop over indices): every rank would train on the same batches. Token streams
-    (`batchify(corpus.train, bsz)`) and the program's hand-made batch iterators over training
-    data (a class with `__next__` such as `DatasetIterater(train_data, ...)`, a function that
-    builds one, a generator slicing its arguments, `minibatch(users, items)` in a training
-    function) are sharded instead: each rank reads its own contiguous part of the data,
-    `tm.shard_stream(train_data)`, parts of equal length so every rank runs the same number
-    of steps; evaluation data stays whole. In a program that trains but wraps no model in DDP
+    `*args`/`**kwargs` the tool cannot see, is reported for a manual change instead.
+
+    Training data that no DataLoader carries is sharded too, always with equal step counts:
+    - token streams (`batchify(corpus.train, bsz)`) and the program's hand-made batch iterators
+      over training data (a class with `__next__` such as `DatasetIterater(train_data, ...)`, a
+      function that builds one, a generator indexing its arguments, `minibatch(users, items)` in
+      a training function): each rank reads its own contiguous part of every data argument,
+      `tm.shard_stream(train_data)`, parts of equal length;
+    - a hand-made loop over batch starts whose body is a training step
+      (`for i in range(0, len(X), bs): xb = X[perm[i:i + bs]]`, also under `enumerate`/`tqdm`):
+      `tm.shard_range(range(...))`, rank r taking batches r, r+W, ...; the permutation the loop
+      slices (`perm = torch.randperm(n)`, `np.random.shuffle(idx)`) is drawn by rank 0 and shared
+      (`tm.broadcast_object`), so the ranks' batches are disjoint;
+    - in a program with no DataLoader, a training loop over any other iterable of batches (a
+      generator, a `BatchIterator`, a bucket iterator, a list of batches): `tm.shard_batches(...)`,
+      each rank keeping every W-th batch of a sequence drawn alike on every rank;
+    - full-batch training (`loss = F.nll_loss(out[idx_train], labels[idx_train])`, a node or edge
+      mask of a graph): each rank scores its part of the training indices (`tm.shard_indices`)
+      and `tm.shard_mean` weights the parts, so the averaged gradient and the loss are exactly
+      those of one process.
+    A loop that carries a state from one batch to the next (`output, hidden = model(x, hidden)`),
+    an order drawn by a call the tool cannot share (`X, y = shuffle(X, y)`), a summed or weighted
+    full-batch loss, or a training step over data the tool cannot see stays whole with a TODO
+    that says so: every rank would train on the same batches. Evaluation data stays whole.
+    In a program that trains but wraps no model in DDP
     (TM301 could not: the optimizer is built where the model cannot be wrapped, the training
     step runs a method other than `forward`), training data is kept whole with a TODO: shards
     would train a different model on each rank, worse than the original. Loaders
@@ -72,7 +88,7 @@ class DistSampler(DataRule):
 
     code = "TM201"
     name = "dist-sampler"
-    summary = "Shard training DataLoaders across ranks with a distributed sampler"
+    summary = "Shard training data across ranks: DataLoaders, token streams, hand-made batches, full-batch indices"
     safety = Safety.SAFE
     examples = (
         Example(
@@ -105,8 +121,9 @@ class DistSampler(DataRule):
 
     def leave_Module(self, node: cst.Module) -> None:
         streams, iterators = self._shard_streams(), self._shard_iterators()
+        covered = self._shard_batch_data()
         if not (streams or iterators):
-            self._no_loader_anywhere()
+            self._no_loader_anywhere(covered)
         if not self.active():
             return
         facts, plan = self.facts, self.plan
@@ -172,17 +189,16 @@ class DistSampler(DataRule):
         ctx = self.ctx
         if not ctx.options.migrating or self.facts.distributed or self.facts.skip_file:
             return False
-        builders = ctx.program.iterator_builders or self._own_builders()
+        builders = self.plan.iterator_builders
         if not builders:
             return False
         tm = ctx.tm
         sharded = False
         for call, _name in analysis.facts(ctx).calls:
-            position = builders.get(dotted(call.func) or "")
-            if position is None:
+            positions = builders.get(dotted(call.func) or "")
+            if positions is None:
                 continue
-            positional = [a for a in call.args if a.keyword is None and not a.star]
-            args = positional if position < 0 else positional[position:position + 1]
+            args = training_args(call, positions)
             if not args:
                 continue
             if any(_is_shard(a.value) for a in args):
@@ -205,13 +221,77 @@ class DistSampler(DataRule):
             sharded = True
         return sharded
 
-    def _own_builders(self) -> Dict[str, int]:
-        """The iterator builders of this file, when it is processed without its program."""
-        if self.ctx.program.followed:
-            return {}
-        defs = [s for s in self.ctx.module.body if isinstance(s, (cst.ClassDef, cst.FunctionDef))]
-        text = code(cst.Module(body=defs))
-        return iterator_builders_of(ast.parse(text).body) if _MAY_ITERATE.search(text) else {}
+    def _shard_batch_data(self) -> Set[cst.CSTNode]:
+        """Training data that no DataLoader carries, shared out by rank where the plan says so
+        (`DataPlan.batch`): a hand-made loop over batch starts (`for i in range(0, len(X), bs)`)
+        takes every W-th batch (`tm.shard_range`), and the permutation its batches come from is
+        drawn once for all ranks (`tm.broadcast_object`); a loop over an iterable of batches (a
+        generator, a `BatchIterator`, a bucket iterator) keeps every W-th batch
+        (`tm.shard_batches`); a full-batch loss over training indices (`out[idx_train]`) takes
+        this rank's part of them (`tm.shard_indices`), weighted so that the averaged gradient
+        and the loss are one process's (`tm.shard_mean`). Returns the loops and functions whose
+        training steps now read this rank's part (or say why not), for `_no_loader_anywhere`."""
+        ctx, plan = self.ctx, self.plan
+        covered: Set[cst.CSTNode] = set()
+        batches = plan.batches
+        for found in batches.loops:
+            decided = BatchPlan("done") if found.sharded else plan.batch(found)
+            if decided.status != "skip":
+                covered.add(found.loop)
+            if decided.status == "shard":
+                self._shard_loop(found)
+            elif decided.status == "manual":
+                self.report(found.loop.iter, decided.reason)
+            elif decided.status == "whole":
+                self.report(found.loop.iter, f"`{code(found.wrapped)}` (hand-made batches) {decided.reason}")
+        for loss in batches.losses:
+            decided = BatchPlan("done") if loss.sharded else plan.batch(loss)
+            if decided.status != "skip":
+                covered.add(ctx.enclosing(loss.call, cst.FunctionDef) or ctx.module)
+            if decided.status == "shard":
+                self._shard_loss(loss)
+            elif decided.status == "whole":
+                self.report(loss.call, f"`{loss.index}`, full-batch training data, {decided.reason}")
+        return covered
+
+    def _shard_loop(self, found: BatchLoop) -> None:
+        ctx = self.ctx
+        tm = ctx.tm
+        helper = "shard_range" if found.kind == "range" else "shard_batches"
+        edits = [replace(found.wrapped, lambda w: cst.Call(func=expr(f"{tm}.{helper}"), args=[cst.Arg(w)]))]
+        if found.kind == "range":
+            data = ", ".join(f"`{n}`" for n in found.sliced)
+            message = (f"this loop gives every rank every batch of {data}: each rank takes every "
+                       f"`{tm}.world_size()`-th batch (`{tm}.shard_range`, the same number of steps on every rank)")
+        else:
+            message = (f"every rank would train on every batch of `{code(found.wrapped)}`: each rank keeps every "
+                       f"`{tm}.world_size()`-th batch, drawn in the same order on every rank (`{tm}.shard_batches`, "
+                       "the same number of steps on every rank)")
+        orders = [o for o in found.orders if not o.shared]
+        for order in orders:
+            if order.kind == "draw":
+                edits.append(replace(order.node, lambda c: cst.Call(func=expr(f"{tm}.broadcast_object"),
+                                                                    args=[cst.Arg(c)])))
+            else:
+                edits.append(insert_after(order.node, [cst.parse_statement(
+                    f"{order.name}[:] = {tm}.broadcast_object({order.name})")]))
+        if orders:
+            message += (f"; the order {', '.join(sorted({f'`{o.name}`' for o in orders}))} is drawn by rank 0 and "
+                        f"shared (`{tm}.broadcast_object`), so the ranks' batches are disjoint")
+        self.report(found.loop.iter, message, edits=edits, imports=[ctx.runtime_import()])
+
+    def _shard_loss(self, loss: FullBatchLoss) -> None:
+        ctx = self.ctx
+        tm = ctx.tm
+        index = loss.index
+        edits = [replace(i, lambda v: cst.Call(func=expr(f"{tm}.shard_indices"), args=[cst.Arg(v)]))
+                 for i in loss.indices]
+        edits.append(replace(loss.call, lambda c: cst.Call(func=expr(f"{tm}.shard_mean"),
+                                                           args=[cst.Arg(c), cst.Arg(expr(index))])))
+        self.report(loss.call, f"full-batch training: every rank would score all of `{index}`; each rank takes its "
+                               f"part (`{tm}.shard_indices`), and `{tm}.shard_mean` weights the parts so that the "
+                               "averaged gradient and the loss are those of one process",
+                    edits=edits, imports=[ctx.runtime_import()])
 
     def _read_where_trained(self, name: str) -> bool:
         """`name` is read in a function or loop that runs a backward pass."""
@@ -225,16 +305,23 @@ class DistSampler(DataRule):
                     break
         return False
 
-    def _no_loader_anywhere(self) -> None:
+    def _no_loader_anywhere(self, covered: Set[cst.CSTNode]) -> None:
         """A training step in a program that builds no DataLoader: its batches come from
         tensors (full-batch training), a token stream (`batchify`/`get_batch`) or a hand-made
-        iterator, which no sampler shards. Said plainly, once, at the first backward."""
+        iterator, which no sampler shards. Said plainly, once, at the first backward that no
+        sharded loop or loss (`covered`, see `_shard_batch_data`) runs."""
         ctx, facts = self.ctx, self.facts
         if not ctx.options.migrating or facts.loaders or facts.distributed or facts.skip_file \
                 or ctx.program.program_loaders:
             return
+        steps = {name for node in covered if isinstance(node, cst.For)
+                 for name in self._functions_called(node.body)}
         for call, _name in analysis.facts(ctx).calls:
             func = call.func
+            function = ctx.enclosing(call, cst.FunctionDef)
+            if (function or ctx.module) in covered or (function is not None and function.name.value in steps) \
+                    or any(anc in covered for anc in ctx.ancestors(call)):
+                continue
             if isinstance(func, cst.Attribute) and func.attr.value == "backward" and not call.args:
                 tm = ctx.tm
                 self.report(call, "no DataLoader in this program: every rank trains on the same batches (full-batch "
@@ -243,6 +330,9 @@ class DistSampler(DataRule):
                                   "identical data on purpose (full-batch training)",
                             statement=ctx.statement_of(call))
                 return
+
+    def _functions_called(self, block: cst.CSTNode) -> Set[str]:
+        return {(dotted(c.func) or "").rsplit(".", 1)[-1] for c in self.ctx.within(block, cst.Call, skip_defs=True)}
 
     def _shard_custom(self, loader: Loader) -> None:
         """`sampler=WeightedRandomSampler(...)` -> `sampler=tm.shard_sampler(WeightedRandomSampler(...))`."""
@@ -253,10 +343,6 @@ class DistSampler(DataRule):
                                f"`{tm}.shard_sampler` shares it out by rank (same seed on every rank)",
                     edits=[replace(arg.value, lambda v: cst.Call(func=expr(f"{tm}.shard_sampler"), args=[cst.Arg(v)]))],
                     imports=[self.ctx.runtime_import()])
-
-
-
-_MAY_ITERATE = re.compile(r"__next__|__iter__|\byield\b")
 
 
 def _is_shard(node: cst.BaseExpression) -> bool:

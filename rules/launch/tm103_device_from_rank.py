@@ -13,6 +13,7 @@ from torchmigrate.syntax.imports import dotted
 from torchmigrate.syntax.nodes import arg, code, expr, kwarg, stmt, with_args
 from torchmigrate.options import RUNTIME_MODULE as RUNTIME
 from torchmigrate.program.ranks import rank_dependent
+from torchmigrate.program.types import MODULE, TENSOR, kind_of, result_kind
 from torchmigrate.rule import Context, Example, Rule
 from torchmigrate.rules.launch.base import INIT_PG
 from torchmigrate.rules.launch.plan import legacy_launch, setup_plan
@@ -97,8 +98,13 @@ class DeviceFromRank(Rule):
       become `tm.device()`; with another condition (`use_cuda`, `not args.no_cuda and ...`) the
       condition is kept: `tm.device() if use_cuda else torch.device("cpu")`.
     - `x.cuda()`, `x.cuda(0)`, `x.cuda(args.gpu)`, `x.cuda(non_blocking=True)` become
-      `x.to(tm.device())` (keeping `non_blocking=`/`memory_format=`); `.to("cuda:0")` and
-      `device="cuda"` keywords of torch factories become `tm.device()`.
+      `x.to(tm.device())` (keeping `non_blocking=`/`memory_format=`) where `x` is known to be a
+      tensor or a module (`program.types`: made by torch or `nn`, a model class of the program,
+      a batch of a data loader, ...). Anything else keeps its own `cuda()` (a loss object of the
+      program with a `cuda()` but no `.to()`, a container, an unannotated parameter): after
+      `tm.setup()` the current GPU is the process's own, and a GPU index becomes
+      `tm.local_rank()`. `.to("cuda:0")` and `device="cuda"` keywords of torch factories become
+      `tm.device()`.
     - `device = "cuda"` / `"cuda:0"` string variables become `tm.device()` when every use
       treats them as a device (`.to(device)`, `device=device`); when the script also compares
       or formats the string (`device == "cuda"`, `autocast(device_type=device)`), a
@@ -145,12 +151,14 @@ class DeviceFromRank(Rule):
     ## Example
     ```python
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model = Net().cuda()
+    model = Net().cuda()  # class Net(nn.Module) of the program
+    criterion = DiceLoss().cuda()  # a plain class of the program with its own cuda()
     ```
     becomes
     ```python
     device = tm.device()
     model = Net().to(tm.device())
+    criterion = DiceLoss().cuda()
     ```
     """
 
@@ -163,16 +171,20 @@ class DeviceFromRank(Rule):
         Example(
             before="""
             import torch
+            from torch import nn
             device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-            model = Net().cuda()
-            x = x.cuda(non_blocking=True)
+            model = nn.Linear(4, 2).cuda()
+            x = torch.randn(8, 4).cuda(non_blocking=True)
+            criterion = MyLoss().cuda()
             """,
             after="""
             import torch
+            from torch import nn
             import torchmigrate.runtime as tm
             device = tm.device()
-            model = Net().to(tm.device())
-            x = x.to(tm.device(), non_blocking=True)
+            model = nn.Linear(4, 2).to(tm.device())
+            x = torch.randn(8, 4).to(tm.device(), non_blocking=True)
+            criterion = MyLoss().cuda()
             """,
         ),
         Example(
@@ -437,8 +449,6 @@ class DeviceFromRank(Rule):
     def _dot_cuda(self, call: cst.Call) -> None:
         if self.ctx.resolve(call.func) is not None or any(a.star for a in call.args):
             return
-        if self._own_cuda_method(call.func.value):
-            return  # the program's own `cuda()` (its tensors are moved inside, in its module)
         device = arg(call, "device", 0)
         if self._in_map_location(call):
             if device is not None and self.converting and gpu_index(device.value) is not None:
@@ -454,6 +464,9 @@ class DeviceFromRank(Rule):
             kind = EXPR
         if not self._wrong(kind):
             return
+        if (kind_of(self.ctx, call.func.value) or result_kind(self.ctx, call)) not in (TENSOR, MODULE):
+            self._foreign_cuda(call, kind, device)
+            return
 
         def fix(c: cst.Call) -> cst.Call:
             positional = [a for a in c.args if a.keyword is None]
@@ -466,19 +479,26 @@ class DeviceFromRank(Rule):
         self._fix(call, f"{what}, the same on every rank unless set per process; use .to(tm.device())",
                   replace(call, fix))
 
-    def _own_cuda_method(self, receiver: cst.BaseExpression) -> bool:
-        """`receiver` is an instance of a program class with a `cuda()` method of its own and no
-        `.to()` (`ModuleView.cuda_classes`): `Cls(...)`, or a name bound to one in this file."""
-        classes = self.ctx.program.cuda_classes
-        if not classes:
-            return False
-        if isinstance(receiver, cst.Call):
-            return (dotted(receiver.func) or "") in classes
-        name = dotted(receiver)
-        return name is not None and any(
-            isinstance(a.value, cst.Call) and (dotted(a.value.func) or "") in classes
-            and any(dotted(t.target) == name for t in a.targets)
-            for a in analysis.facts(self.ctx).assigns)
+    def _foreign_cuda(self, call: cst.Call, kind: str, device: Optional[cst.Arg]) -> None:
+        """`x.cuda()` on what is not known to be a tensor or a module (a loss object of the
+        program with a `cuda()` of its own, a container, a parameter): the call stays, it may
+        have no `.to()`. After tm.setup() the current GPU is the process's own, so a bare
+        `.cuda()` is right as it is; a GPU index becomes the process's own, `tm.local_rank()`."""
+        receiver = code(call.func.value)
+        if kind == BARE:
+            if not self.converting:  # lint: a file that never pins its GPU
+                self.report(call, f"`{receiver}.cuda()` uses the current GPU, which this file never sets per process "
+                                  "(torch.cuda.set_device(local_rank)): every rank would use GPU 0")
+            return
+        if device is None or self._is_local_rank(device.value):
+            return
+        self._fix(device.value, f"`.cuda({code(device.value)})` names a fixed GPU, the same on every rank; "
+                                f"`{receiver}` is not known to be a tensor or a module, so its own cuda() is kept "
+                                f"with the process's own GPU index, tm.local_rank()",
+                  replace_with(device.value, expr(f"{self.ctx.tm}.local_rank()")))
+
+    def _is_local_rank(self, node: cst.BaseExpression) -> bool:
+        return isinstance(node, cst.Call) and not node.args and self.ctx.resolve(node.func) == RUNTIME + ".local_rank"
 
     def _dot_to(self, call: cst.Call) -> None:
         if self.ctx.resolve(call.func) is not None:

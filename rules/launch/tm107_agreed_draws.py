@@ -11,6 +11,7 @@ from torchmigrate.finding import Safety, insert_after, replace
 from torchmigrate.syntax.imports import dotted
 from torchmigrate.syntax.nodes import set_kwarg
 from torchmigrate.rule import Example, Rule
+from torchmigrate.program.batches import batch_facts
 from torchmigrate.program.rank_guards import collective_guard
 from torchmigrate.rules._active import active
 from torchmigrate.rules.launch.base import SEEDERS
@@ -26,6 +27,20 @@ _NOT_DRAWS = frozenset({"random.seed", "random.Random", "random.SystemRandom", "
 _TORCH_DRAWS = frozenset({"torch.randperm"})
 _SHUFFLES = frozenset({"random.shuffle", "numpy.random.shuffle"})
 _SPLIT = "torch.utils.data.random_split"
+# Reads of the clock, and other values that differ per process, that programs turn into names:
+# a run folder `runs/1127_153108`, a log file with the process id. Every rank reads its own,
+# so the ranks disagree (in different seconds, or always for a pid or a uuid).
+_PER_PROCESS = frozenset({"datetime.datetime.now", "datetime.datetime.today", "datetime.datetime.utcnow",
+                          "datetime.date.today", "time.time", "time.strftime", "time.localtime",
+                          "time.gmtime", "time.ctime", "time.asctime", "uuid.uuid1", "uuid.uuid4",
+                          "os.getpid"})
+# Values that are only ever names.
+_IDENTIFIERS = frozenset({"uuid.uuid1", "uuid.uuid4", "os.getpid"})
+# What turns such a value into a name: string formatting, or paths built from it.
+_NAMING_METHODS = frozenset({"strftime", "isoformat", "format", "hex", "join", "replace"})
+_PATH_CALLS = frozenset({"os.path.join", "pathlib.Path", "pathlib.PurePath", "os.makedirs", "os.mkdir", "open"})
+_NAMING_CALLS = frozenset({"str", "os.path.join", "pathlib.Path", "pathlib.PurePath", "os.makedirs", "open",
+                           "os.mkdir", "time.strftime", "time.ctime", "time.asctime"})
 # Functions that belong to the data pipeline or the model: their randomness is per sample
 # (augmentation, dropout, noise), and differing across ranks is what the user wants.
 _PER_SAMPLE_METHODS = frozenset({"__getitem__", "__iter__", "__next__", "__call__", "forward", "__len__"})
@@ -46,6 +61,10 @@ class AgreedDraws(Rule):
       `files[:] = tm.broadcast_object(files)`.
     - `random_split(dataset, lengths)` without a generator gets
       `generator=tm.shared_generator()`, seeded alike on every rank.
+    - `run_id = datetime.now().strftime("%m%d_%H%M%S")` (a read of the clock, a process id or
+      a uuid that the program turns into a name: formatted, or part of a path), in any module of
+      the program, becomes `run_id = tm.broadcast_object(datetime.now().strftime(...))`: every
+      rank names the same run folder. Reads of the clock for timing are left alone.
 
     ## Why is this bad?
     Each process has its own random stream (unseeded, it starts from the OS; seeded per rank, it
@@ -105,6 +124,11 @@ class AgreedDraws(Rule):
                 if assign is not None and assign not in done:
                     done.add(assign)
                     self._draw(assign)
+            elif name in _PER_PROCESS:
+                assign = self._assignment(call)
+                if assign is not None and assign not in done:
+                    done.add(assign)
+                    self._name(assign, call)
 
     # --- what qualifies -------------------------------------------------------------------
 
@@ -177,7 +201,7 @@ class AgreedDraws(Rule):
 
     def _draw(self, assign: cst.Assign) -> None:
         ctx = self.ctx
-        if len(assign.targets) != 1 or not self._agreed_place(assign):
+        if len(assign.targets) != 1 or not self._agreed_place(assign) or self._batch_order(assign):
             return
         target = dotted(assign.targets[0].target)
         if target is None:
@@ -196,13 +220,70 @@ class AgreedDraws(Rule):
                         func=cst.parse_expression(f"{ctx.tm}.broadcast_object"), args=[cst.Arg(v)]))],
                     imports=[ctx.runtime_import()])
 
+    def _name(self, assign: cst.Assign, read: cst.Call) -> None:
+        """`run_id = datetime.now().strftime(...)` (a clock read, a pid or a uuid turned into a
+        name): rank 0's value on every rank, so every rank names the same run folder and files.
+        Only where every rank runs the assignment in step (not per sample, not in a loop, not
+        under a rank guard), in any module of the program."""
+        ctx = self.ctx
+        if len(assign.targets) != 1 or self._loops_between(assign):
+            return
+        target = dotted(assign.targets[0].target)
+        always_a_name = (self.ctx.resolve(read.func) or "") in _IDENTIFIERS
+        if target is None or not (always_a_name or self._names(assign.value)
+                                  or any(self._names_use(u) for u in self._uses_after(assign, target))):
+            return
+        func = ctx.enclosing(assign, cst.FunctionDef)
+        if func is not None and (self._per_sample(func) or (ctx.program.is_entry and not self._called_in_step(func))):
+            return
+        if collective_guard(ctx, assign) is not None:
+            return
+        what = dotted(read.func) or "the clock"
+        self.report(assign, f"`{target}` is made from `{what}(...)`, which each rank reads for itself, and names "
+                            "something (a run folder, a file): ranks would disagree on it. Rank 0's value is "
+                            "shared with every rank",
+                    edits=[replace(assign.value, lambda v: cst.Call(
+                        func=cst.parse_expression(f"{ctx.tm}.broadcast_object"), args=[cst.Arg(v)]))],
+                    imports=[ctx.runtime_import()])
+
+    def _names(self, value: cst.CSTNode) -> bool:
+        """`value` formats a string (`.strftime(...)`, `str(...)`, an f-string, `"%s" % x`) or
+        builds a path."""
+        if any(True for _ in self.ctx.within(value, cst.FormattedString)):
+            return True
+        for call in self.ctx.within(value, cst.Call):
+            func = call.func
+            if isinstance(func, cst.Attribute) and func.attr.value in _NAMING_METHODS:
+                return True
+            if (self.ctx.resolve(func) or dotted(func) or "") in _NAMING_CALLS:
+                return True
+        for op in self.ctx.within(value, cst.BinaryOperation):
+            if isinstance(op.operator, (cst.Modulo, cst.Add)) and isinstance(op.left, (cst.SimpleString, cst.FormattedString)):
+                return True
+        return False
+
+    def _names_use(self, use: cst.CSTNode) -> bool:
+        """A read of the value in a path: `os.path.join(root, run_id)`, `Path(root) / run_id`,
+        `open(...)`, `os.makedirs(...)`. (A timing value printed in an f-string is no name.)"""
+        for anc in self.ctx.ancestors(use):
+            if isinstance(anc, cst.BinaryOperation) and isinstance(anc.operator, cst.Divide):
+                return True
+            if isinstance(anc, cst.Call):
+                func = anc.func
+                name = self.ctx.resolve(func) or dotted(func) or ""
+                if name in _PATH_CALLS or (isinstance(func, cst.Attribute) and func.attr.value == "joinpath"):
+                    return True
+            if isinstance(anc, (cst.BaseStatement, cst.BaseSmallStatement)):
+                return False
+        return False
+
     def _shuffle(self, call: cst.Call) -> None:
         ctx = self.ctx
         statement = ctx.parent(ctx.parent(call))
         if not (isinstance(ctx.parent(call), cst.Expr) and isinstance(statement, cst.SimpleStatementLine)
                 and len(statement.body) == 1 and len(call.args) == 1 and not call.args[0].star):
             return
-        if not self._agreed_place(call) or self._loops_between(call):
+        if not self._agreed_place(call) or self._loops_between(call) or self._batch_order(statement):
             return
         if self._next_is_broadcast(statement):
             return
@@ -231,6 +312,14 @@ class AgreedDraws(Rule):
                     imports=[ctx.runtime_import()])
 
     # --- helpers --------------------------------------------------------------------------
+
+    def _batch_order(self, node: cst.CSTNode) -> bool:
+        """`node` draws the order of a hand-made batch loop (`perm = torch.randperm(n)` sliced
+        by `for i in range(0, n, bs)`): the data family shares it where it shards the loop, and
+        leaves it alone where it does not, since rank 0's order alone would make every rank
+        train on the same batches."""
+        draws = batch_facts(self.ctx).order_draws
+        return id(node) in draws or any(id(c) in draws for c in self.ctx.within(node, cst.Call))
 
     def _next_is_broadcast(self, statement: cst.CSTNode) -> bool:
         block = self.ctx.parent(statement)

@@ -15,9 +15,10 @@ from torchmigrate.options import RUNTIME_MODULE as RUNTIME
 from torchmigrate.program.collectives import runs_user_code
 from torchmigrate.program.rank_guards import caller_guards, under_rank_guard
 from torchmigrate.program.ranks import rank_dependent
+from torchmigrate.program.writes import writer_class
 from torchmigrate.rule import Context, Example, Rule
 from torchmigrate.rules._active import active
-from torchmigrate.rules._guards import guard_edit, guardable_line, sibling_runs
+from torchmigrate.rules._guards import guard_edit, guardable_line, main_only_call, sibling_runs
 from torchmigrate.rules.logging.base import NEEDS_PARENS, add_kwarg
 
 SUMMARY_WRITERS = {
@@ -26,7 +27,7 @@ SUMMARY_WRITERS = {
     "tensorboardX.SummaryWriter",
     "tensorboardX.writer.SummaryWriter",
 }
-_TRACKER_ROOTS = ("wandb.", "mlflow.")
+_TRACKER_ROOTS = ("wandb.", "mlflow.", "tensorboard_logger.")
 _TRACKER_FACTORIES = {"mlflow.start_run"}
 
 
@@ -77,19 +78,6 @@ def _attributes_read(ctx: Context, call: cst.Call) -> List[str]:
     return read
 
 
-def _main_only_fix(tm: str):
-    def fix(call: cst.Call) -> cst.Call:
-        if not call.args:
-            return call.with_changes(func=expr(f"{tm}.main_only"), args=[cst.Arg(value=call.func)])
-        # `SummaryWriter(\n    log_dir=...)` -> `tm.main_only(SummaryWriter,\n    log_dir=...)`
-        ws = call.whitespace_before_args
-        after = ws if isinstance(ws, cst.ParenthesizedWhitespace) else cst.SimpleWhitespace(" ")
-        first = cst.Arg(value=call.func, comma=cst.Comma(whitespace_after=after))
-        return call.with_changes(func=expr(f"{tm}.main_only"), whitespace_before_args=cst.SimpleWhitespace(""),
-                                 args=[first, *call.args])
-    return fix
-
-
 def _base(target: cst.BaseExpression) -> cst.BaseExpression:
     while isinstance(target, cst.Subscript):
         target = target.value
@@ -115,15 +103,19 @@ class MainPrint(Rule):
       move with them.
     - `SummaryWriter(...)` (torch.utils.tensorboard, tensorboardX) becomes
       `tm.main_only(SummaryWriter, ...)`: the real writer on rank 0, a null object that absorbs
-      every call elsewhere, so `writer.add_scalar(...)` / `writer.close()` need no guard. A
+      every call elsewhere, so `writer.add_scalar(...)` / `writer.close()` need no guard. The
+      same for a writer reached any other way: through any receiver
+      (`importlib.import_module(m).SummaryWriter(...)`), tensorboard_logger's `Logger`, or a
+      class of the program derived from one in any module (`class TBLogger(SummaryWriter)`,
+      from the program's effects). A
       writer whose attributes the file reads as values (`os.path.join(writer.log_dir, ...)`)
       is reported instead: the stand-in has no `log_dir` to give.
     - `wandb.init(...)` gets `mode=None if tm.is_main() else "disabled"` (an existing `mode=m`
       becomes `m if tm.is_main() else "disabled"`): on the other ranks every wandb call is then a
       no-op and `wandb.config` still holds the values given to init, so `wandb.log(...)` needs no
       guard. (Where this file logs to wandb without initialising it, the statements are guarded.)
-    - `mlflow.*(...)` statements (`mlflow.log_metric`, `mlflow.log_params`, ...) go under
-      `if tm.is_main():`; `with mlflow.start_run():` becomes `with tm.main_only(mlflow.start_run):`.
+    - `mlflow.*(...)` and `tensorboard_logger.*(...)` statements (`mlflow.log_metric`,
+      `configure(logdir)`, `log_value(...)`, ...) go under `if tm.is_main():`; `with mlflow.start_run():` becomes `with tm.main_only(mlflow.start_run):`.
 
     `logging` needs nothing: `tm.setup()` disables INFO and DEBUG records on the other ranks, so
     `logger.info(...)` prints once while warnings and errors still show on every rank.
@@ -215,7 +207,7 @@ class MainPrint(Rule):
                     edits.append(replace(call, align))
                 self.report(call, "print runs on every rank; tm.print prints once, on the main process",
                             edits=edits, imports=imports)
-            elif name in SUMMARY_WRITERS:
+            elif name in SUMMARY_WRITERS or writer_class(ctx, call, name):
                 if caller_guards(ctx, call) is not None or _is_main_only_arg(ctx, call):
                     continue
                 read = _attributes_read(ctx, call)
@@ -227,7 +219,7 @@ class MainPrint(Rule):
                     continue
                 self.report(call, "every rank would write its own TensorBoard event files; create the "
                                   "writer on the main process only (tm.main_only)",
-                            edits=[replace(call, _main_only_fix(tm))], imports=imports)
+                            edits=[replace(call, main_only_call(tm))], imports=imports)
             elif name == "wandb.init" and not any(a.star == "**" for a in call.args):
                 self._wandb_init(call)
             elif name and name.startswith(_TRACKER_ROOTS) and not name.rsplit(".", 1)[1][:1].isupper():
@@ -304,4 +296,4 @@ class MainPrint(Rule):
         elif name in _TRACKER_FACTORIES:
             self.report(call, f"{name}(...) starts a run on every rank; start it on the main process only "
                               f"(tm.main_only returns a null object elsewhere)",
-                        edits=[replace(call, _main_only_fix(ctx.tm))], imports=[ctx.runtime_import()])
+                        edits=[replace(call, main_only_call(ctx.tm))], imports=[ctx.runtime_import()])

@@ -33,7 +33,8 @@ from typing import Dict, Iterable, List, Optional, Set, Tuple
 
 import libcst as cst
 
-from torchmigrate.analysis import Optimizer, _call_arg_for, calls_to, facts, is_distributed, model_root, optimizers
+from torchmigrate.analysis import (Optimizer, _call_arg_for, calls_to, facts, is_distributed, is_variable, model_root,
+                                   optimizers)
 from torchmigrate.finding import insert_before, replace
 from torchmigrate.syntax.imports import dotted
 from torchmigrate.syntax.nodes import arg as call_arg
@@ -50,12 +51,15 @@ _SAVES = {"torch.save", "torchmigrate.runtime.save"}
 _DP_FUNCTIONAL = {"torch.nn.parallel.data_parallel", "torch.nn.parallel.data_parallel.data_parallel"}
 _SYNC_BN = ("torch.nn.SyncBatchNorm.convert_sync_batchnorm", "apex.parallel.convert_syncbn_model")
 
-# nn.Module / DDP API that works the same on the DDP wrapper: never rewritten by TM302.
+# nn.Module / DDP API that works the same on the DDP wrapper: never rewritten by TM302. (Not
+# here: the structure a wrapper changes: `named_parameters()` and `named_modules()` gain a
+# `module.` prefix, so an optimizer group chosen by name comes out empty; `children()` is the
+# wrapped module alone, `list(model.children())[-1]` the whole model; `add_module` adds to the
+# wrapper. Those go through `tm.unwrap`.)
 _MODULE_API = {
-    "forward", "parameters", "named_parameters", "buffers", "named_buffers", "children",
-    "named_children", "modules", "named_modules", "train", "eval", "to", "to_empty", "cuda", "cpu",
+    "forward", "parameters", "buffers", "train", "eval", "to", "to_empty", "cuda", "cpu",
     "xpu", "ipu", "mtia", "zero_grad", "requires_grad_", "apply", "half", "float", "double",
-    "bfloat16", "type", "share_memory", "add_module", "extra_repr", "training", "compile",
+    "bfloat16", "type", "share_memory", "extra_repr", "training", "compile",
     "dump_patches", "call_super_init",
     # DistributedDataParallel's own API
     "no_sync", "join", "join_hook", "join_device", "join_process_group", "register_comm_hook",
@@ -645,6 +649,9 @@ class Plan:
         ctx, tm = self.ctx, self.tm
         if m in ("self", "cls"):
             return None
+        if not is_variable(m):  # never suggest `True = tm.wrap_model(True)`
+            return (f"cannot tell which model this optimizer trains: wrap that model with "
+                    f"`model = {tm}.wrap_model(model)` before creating the optimizer")
         if m in _CONFIGISH:
             return (f"the optimizer trains parameters reached through `{m}`: wrap that model with "
                     f"`{tm}.wrap_model(...)` before creating the optimizer")
@@ -841,6 +848,11 @@ class Plan:
         for site in self.dp_sites:
             if not self.active["TM306"]:
                 continue
+            if self._rewraps_wrapped(site.outer):
+                # `if isinstance(m, DataParallel): m = MyDP(convert(m.module)); return m` (a
+                # helper that converts a model and wraps it again only if it came wrapped): once
+                # the program has no DataParallel left the branch never runs, so it stays as it is
+                continue
             w = site.wrap
             root = w.name.split(".")[0] if not w.name.startswith(("self.", "cls.")) else ".".join(w.name.split(".")[:2])
             if self.key(root, w.call) in self.covered_not_dp or self.key(w.name, w.call) in self.covered_not_dp:
@@ -925,7 +937,7 @@ class Plan:
                 site.action, site.target = "replace-if", owner
                 site.note_stmt = owner
                 boundary = owner
-            elif in_if and assign and w.name == w.arg:
+            elif in_if and assign and w.name == w.arg and not _exits_after(block, container):
                 outer_if = owner
                 while isinstance(self.ctx.parent(outer_if), cst.If):
                     outer_if = self.ctx.parent(outer_if)
@@ -939,7 +951,34 @@ class Plan:
                 boundary = line
                 if in_if and assign and w.name and "." not in w.name:
                     site.ensure_after = self._widest_binding_if(owner, w.name)
+                    if site.ensure_after is None and w.name == w.arg and _exits_after(block, container):
+                        # `if n_gpu > 1: model = DataParallel(model); return model`: the path
+                        # past the `if` is wrapped too (wrapping twice returns the same DDP)
+                        site.ensure_after = owner
             w.boundary, w.inclusive = boundary, False
+
+    def _rewraps_wrapped(self, node: cst.CSTNode) -> bool:
+        """`node` runs only when a model is already a DataParallel: inside the body of an `if`
+        whose test is `isinstance(x, <DataParallel or a subclass>)` or `hasattr(x, "module")`."""
+        dp_names = {"DataParallel", *(c.rsplit(".", 1)[-1] for c in self.ctx.program.dp_classes)}
+        child = node
+        for anc in self.ctx.ancestors(node):
+            if isinstance(anc, (cst.FunctionDef, cst.ClassDef)):
+                return False
+            if isinstance(anc, cst.If) and child is anc.body:
+                for call in self.ctx.within(anc.test, cst.Call):
+                    fn = dotted(call.func)
+                    if fn == "isinstance" and len(call.args) == 2:
+                        classes = {(dotted(n) or "").rsplit(".", 1)[-1]
+                                   for n in self.ctx.within(call.args[1].value, cst.Name, cst.Attribute)}
+                        if classes & dp_names:
+                            return True
+                    if fn == "hasattr" and len(call.args) == 2 and \
+                            isinstance(call.args[1].value, cst.SimpleString) and \
+                            call.args[1].value.evaluated_value == "module":
+                        return True
+            child = anc
+        return False
 
     def _widest_binding_if(self, node: cst.If, name: str) -> Optional[cst.If]:
         """The outermost `if` around `node` (through `elif`, `else` and nested branches, not
@@ -1236,18 +1275,17 @@ class Plan:
                         f"SyncBatchNorm (`sync_bn=True`)", [replace(call, lambda c: set_kwarg(c, "sync_bn", expr("True")))]))
             elif lint:
                 # user-written DDP: an unsafe fix converting the layers right before the wrap
-                nn = self.ctx.imports.alias_for("torch.nn") or (
-                    f"{self.ctx.imports.alias_for('torch')}.nn" if self.ctx.imports.alias_for("torch") else None)
                 message = self._bn_message(w.name, True)
-                if nn and w.arg and isinstance(w.statement, cst.SimpleStatementLine):
-                    fix = stmt(f"{w.arg} = {nn}.SyncBatchNorm.convert_sync_batchnorm({w.arg})")
+                if w.arg and w.arg.isidentifier() and isinstance(w.statement, cst.SimpleStatementLine):
+                    fix = stmt(f"{w.arg} = {self.tm}.sync_batchnorm({w.arg})")
                     self.sync_bn_fixes.append((call, message, [insert_before(w.statement, [fix])]))
                 else:
                     self.advice.add(call)
                     self.notes["TM304"].append((call, message, note_stmt))
 
     def _bn_message(self, name: str, plain_ddp: bool = False) -> str:
-        how = (f"convert with `nn.SyncBatchNorm.convert_sync_batchnorm({name})` before DDP"
+        how = (f"convert with `{name} = {self.tm}.sync_batchnorm({name})` before DDP (SyncBatchNorm where it runs: "
+               f"distributed on CUDA)"
                if plain_ddp else f"pass `sync_bn=True` to `{self.tm}.wrap_model` (`torchmigrate ddp --sync-bn`)")
         return (f"`{name}` contains BatchNorm layers, which now normalise over each rank's own batch; "
                 f"if per-rank batches are small, {how}")
@@ -1576,3 +1614,16 @@ class Plan:
                 if bs is not None and self._scaled(bs.value):
                     return True
         return False
+
+
+def _exits_after(block: cst.CSTNode, line: cst.CSTNode) -> bool:
+    """A statement after `line` in `block` leaves it (`return`, `raise`, `break`, `continue`):
+    a wrap moved after the enclosing `if` would never run on that path."""
+    body = list(getattr(block, "body", ()))
+    if line not in body:
+        return False
+    for statement in body[body.index(line):]:
+        smalls = statement.body if isinstance(statement, cst.SimpleStatementLine) else ()
+        if any(isinstance(s, (cst.Return, cst.Raise, cst.Break, cst.Continue)) for s in smalls):
+            return True
+    return False

@@ -21,7 +21,8 @@ class SyncBN(ModelRule):
     statistics are the documented difference from one process, not a defect: no TODO, not
     counted as needing attention). `lint` reports
     user-written `DistributedDataParallel(model)` with an unsafe fix that inserts
-    `model = nn.SyncBatchNorm.convert_sync_batchnorm(model)` before it (`--unsafe-fixes`); a
+    `model = tm.sync_batchnorm(model)` before it (`--unsafe-fixes`: SyncBatchNorm where it can
+    run, distributed on CUDA, so the script still runs on CPU ranks and as one process); a
     DDP the user wrote is otherwise left alone by `ddp`, and `tm.wrap_model` by `lint`.
 
     ## Why is this bad?
@@ -76,5 +77,6 @@ class SyncBN(ModelRule):
                 self.report(node_, f"`{name}` contains BatchNorm layers: convert them to SyncBatchNorm when wrapping "
                                    "(`sync_bn=True`)", edits=[replace(anchor, lambda n: n)], safety=safety)
         for call, message, edits in p.sync_bn_fixes:
-            self.report(call, message, edits=edits, safety=safety)
+            imports = [self.ctx.runtime_import()] if any(e.kind != "replace" for e in edits) else []
+            self.report(call, message, edits=edits, safety=safety, imports=imports)
         self.notes(self.code)

@@ -6,11 +6,13 @@ from typing import Dict, List, Set, Tuple
 
 import libcst as cst
 
-from torchmigrate.finding import Safety, insert_after, remove, replace
-from torchmigrate.syntax.nodes import expr
+from torchmigrate import analysis
+from torchmigrate.finding import Import, Safety, insert_after, remove, replace
+from torchmigrate.syntax.imports import dotted
+from torchmigrate.syntax.nodes import code, expr
 from torchmigrate.rule import Example
 from torchmigrate.rules.model.base import ModelRule, report_rewrites, wrap_call
-from torchmigrate.program.models import strip_moves
+from torchmigrate.program.models import DDP_CLASSES, DP_CLASSES, strip_moves
 from torchmigrate.rules.model.batch import policy_applied
 from torchmigrate.rules.model.plan import DPSite
 
@@ -156,10 +158,93 @@ class DataParallelToDDP(ModelRule):
             self.report(w.call, message, edits=edits, imports=[self.ctx.runtime_import()])
             if noted.get(p.models.scope(w.call)) is site:
                 self.report(w.call, note, statement=site.note_stmt)
+        if self.ctx.options.mode == "ddp" and self.ctx.options.migrating and not analysis.is_distributed(self.ctx):
+            self._dp_checks()
         for call in p.dp_functional:
             self.report(call, "nn.parallel.data_parallel() replicates the module on every call: wrap the model once "
                               f"with `{tm}.wrap_model(model)` and call it directly")
         report_rewrites(self, p, "TM306")
+
+
+    # --- code that tests for a DataParallel -------------------------------------------------
+    def _dp_checks(self) -> None:
+        """`isinstance(model, nn.DataParallel)` tests whether the model is wrapped for several
+        GPUs. After the migration it is a DistributedDataParallel under torchrun and the plain
+        module in one process: a test also accepts DDP (`if isinstance(net, DP): net =
+        net.module` keeps unwrapping), and an `assert` that the model is a DataParallel, which
+        held on every run before and would now fail on every one, goes (`tm.unwrap(model)`
+        reaches the module either way)."""
+        ctx = self.ctx
+        replaced_here = any(site.action != "keep" for site in self.plan().dp_sites)
+        for call, name in analysis.facts(ctx).calls:
+            if name != "isinstance" and not (isinstance(call.func, cst.Name) and call.func.value == "isinstance"):
+                continue
+            if len(call.args) != 2 or any(a.keyword or a.star for a in call.args):
+                continue
+            if not (replaced_here or self._receives_wrapped(call.args[0].value)):
+                continue
+            classes = call.args[1].value
+            elements = [e.value for e in classes.elements] if isinstance(classes, cst.Tuple) else [classes]
+            resolved = [ctx.resolve(e) for e in elements]
+            if not any(r in DP_CLASSES for r in resolved) or any(r in DDP_CLASSES for r in resolved):
+                continue
+            if self._ddp_tested_beside(call):
+                continue
+            statement = ctx.statement_of(call)
+            small = statement.body[0] if isinstance(statement, cst.SimpleStatementLine) and len(statement.body) == 1 \
+                else None
+            if isinstance(small, cst.Assert) and small.test is call:
+                self.report(call, f"`assert {code(call)}` held for the DataParallel this program used; now the model "
+                                  f"is a DistributedDataParallel under torchrun and the plain module in one process, "
+                                  f"so it would fail on every run: removed (`{ctx.tm}.unwrap(model)` gives the module "
+                                  f"either way)", edits=[remove(statement)])
+                continue
+            ddp, imports = self._ddp_spelling()
+            self.report(call, "the model is a DistributedDataParallel now, not a DataParallel: the test also "
+                              "accepts DDP, so the code for a wrapped model still runs for it",
+                        edits=[replace(call.args[1], lambda a, e=elements, d=ddp: a.with_changes(
+                            value=cst.Tuple([*(cst.Element(x) for x in e), cst.Element(expr(d))])))],
+                        imports=imports)
+
+    def _receives_wrapped(self, value: cst.BaseExpression) -> bool:
+        """`value` is a parameter (or `self.` attribute) that the program hands a model it wraps
+        (`ModuleView.wrapped_params`, `wrapped_attrs`)."""
+        ctx = self.ctx
+        name = dotted(value)
+        func = ctx.enclosing(value, cst.FunctionDef)
+        if name is None or func is None:
+            return False
+        klass = ctx.enclosing(func, cst.ClassDef)
+        if name.startswith("self.") and klass is not None:
+            return name[len("self."):] in ctx.program.wrapped_attrs.get(klass.name.value, ())
+        qual = f"{klass.name.value}.{func.name.value}" if klass is not None else func.name.value
+        return name in ctx.program.wrapped_params.get(qual, ())
+
+    def _ddp_tested_beside(self, call: cst.Call) -> bool:
+        """`isinstance(m, DataParallel) or isinstance(m, DistributedDataParallel)`: DDP is
+        tested already in the same condition."""
+        ctx = self.ctx
+        for anc in ctx.ancestors(call):
+            if isinstance(anc, cst.BaseStatement):
+                return False
+            if isinstance(anc, cst.BooleanOperation):
+                return any(ctx.resolve(n) in DDP_CLASSES for n in ctx.within(anc, cst.Name, cst.Attribute))
+        return False
+
+    def _ddp_spelling(self):
+        """How this module names DistributedDataParallel, and the import that needs."""
+        imports = self.ctx.imports
+        for qualified in sorted(DDP_CLASSES):
+            local = imports.alias_for(qualified)
+            if local:
+                return local, []
+        for module, rest in (("torch.nn.parallel", "DistributedDataParallel"),
+                             ("torch.nn", "parallel.DistributedDataParallel"),
+                             ("torch", "nn.parallel.DistributedDataParallel")):
+            local = imports.alias_for(module)
+            if local:
+                return f"{local}.{rest}", []
+        return "torch.nn.parallel.DistributedDataParallel", [Import("torch")]
 
 
 def _else_body(node: cst.If, extra: List[cst.BaseStatement]):

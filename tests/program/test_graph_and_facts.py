@@ -168,49 +168,49 @@ def test_models_reach_methods_of_instances_of_the_programs_classes(tmp_path):
 
 
 def test_modules_found_through_sys_path_and_pythonpath(tmp_path, monkeypatch):
-    """A recipe that runs `src/bin/train.py` with `src/` on the path (appended by the script, or
+    """A recipe that runs `code/bin/train.py` with `code/` on the path (appended by the script, or
     through PYTHONPATH set by its path.sh): its `solver` and `utils` packages are the program's."""
     write(tmp_path, {
         "pyproject.toml": "",
-        "src/bin/train.py": "import os, sys\nsys.path.append(os.path.join(os.path.dirname(__file__), '..'))\n"
+        "code/bin/train.py": "import os, sys\nsys.path.append(os.path.join(os.path.dirname(__file__), '..'))\n"
                             "from solver.solver import Solver\n",
-        "src/bin/plain.py": "from utils.helpers import build\n",
-        "src/solver/__init__.py": "",
-        "src/solver/solver.py": "import torch\n",
-        "src/utils/__init__.py": "",
-        "src/utils/helpers.py": "def build(): pass\n",
+        "code/bin/plain.py": "from utils.helpers import build\n",
+        "code/solver/__init__.py": "",
+        "code/solver/solver.py": "import torch\n",
+        "code/utils/__init__.py": "",
+        "code/utils/helpers.py": "def build(): pass\n",
     })
     monkeypatch.delenv("PYTHONPATH", raising=False)
-    assert names(graph.build([tmp_path / "src/bin/train.py"]).modules, tmp_path) == [
-        "src/bin/train.py", "src/solver/__init__.py", "src/solver/solver.py"]
-    assert names(graph.build([tmp_path / "src/bin/plain.py"]).modules, tmp_path) == ["src/bin/plain.py"]
-    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "src"))
-    assert names(graph.build([tmp_path / "src/bin/plain.py"]).modules, tmp_path) == [
-        "src/bin/plain.py", "src/utils/__init__.py", "src/utils/helpers.py"]
+    assert names(graph.build([tmp_path / "code/bin/train.py"]).modules, tmp_path) == [
+        "code/bin/train.py", "code/solver/__init__.py", "code/solver/solver.py"]
+    assert names(graph.build([tmp_path / "code/bin/plain.py"]).modules, tmp_path) == ["code/bin/plain.py"]
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "code"))
+    assert names(graph.build([tmp_path / "code/bin/plain.py"]).modules, tmp_path) == [
+        "code/bin/plain.py", "code/utils/__init__.py", "code/utils/helpers.py"]
 
 
 def test_imports_of_project_code_found_nowhere_are_listed(tmp_path, monkeypatch, run_cli):
-    """`from models.net import Net` in src/bin/train.py needs PYTHONPATH=src (a recipe's path.sh):
+    """`from models.net import Net` in code/bin/train.py needs PYTHONPATH=code (a recipe's path.sh):
     without it the module is not followed, and the report must say so; installed or missing
     third-party packages (numpy, wandb) and the standard library are not listed."""
     write(tmp_path, {
         ".git": "",
-        "src/models/__init__.py": "",
-        "src/models/net.py": "import torch\nclass Net(torch.nn.Module):\n    pass\n",
-        "src/bin/train.py": "import os\nimport numpy\nimport wandb\nfrom models.net import Net\nfrom .helpers import x\n",
+        "code/models/__init__.py": "",
+        "code/models/net.py": "import torch\nclass Net(torch.nn.Module):\n    pass\n",
+        "code/bin/train.py": "import os\nimport numpy\nimport wandb\nfrom models.net import Net\nfrom .helpers import x\n",
     })
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("PYTHONPATH", raising=False)
-    program = build([Path("src/bin/train.py")], [Path("src/bin/train.py")])
-    assert program.unresolved == ["src/bin/train.py:4: models.net", "src/bin/train.py:5: .helpers"]
+    program = build([Path("code/bin/train.py")], [Path("code/bin/train.py")])
+    assert program.unresolved == ["code/bin/train.py:4: models.net", "code/bin/train.py:5: .helpers"]
     report = tmp_path / "report.json"
-    result = run_cli("ddp", "--dry-run", "--report", report, "src/bin/train.py")
-    assert "Not followed" in result.output and "src/bin/train.py:4: models.net" in result.output
+    result = run_cli("ddp", "--dry-run", "--report", report, "code/bin/train.py")
+    assert "Not followed" in result.output and "code/bin/train.py:4: models.net" in result.output
     assert json.loads(report.read_text())["unresolved_imports"] == program.unresolved
-    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "src"))
-    program = build([Path("src/bin/train.py")], [Path("src/bin/train.py")])
-    assert program.unresolved == ["src/bin/train.py:5: .helpers"]
-    assert tmp_path / "src/models/net.py" in program.followed
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "code"))
+    program = build([Path("code/bin/train.py")], [Path("code/bin/train.py")])
+    assert program.unresolved == ["code/bin/train.py:5: .helpers"]
+    assert tmp_path / "code/models/net.py" in program.followed
 
 
 def test_hand_made_batch_iterators_and_their_builders(tmp_path):
@@ -239,17 +239,28 @@ def test_hand_made_batch_iterators_and_their_builders(tmp_path):
             def batch_iter(config, data, size):
                 for i in range(0, len(data), size):
                     yield data[i:i + size]
+            class Pairs:
+                def __init__(self, X, y, size):
+                    self.X, self.y, self.size = X, y, size
+                def __iter__(self):
+                    for i in range(0, len(self.X), self.size):
+                        yield self.X[i:i + self.size], self.y[i:i + self.size]
+            def paired(X, y, size, opts):
+                perm = torch.randperm(len(X))
+                for i in range(0, len(X), opts["size"]):
+                    idx = perm[i:i + size]
+                    yield X[idx], y[idx]
             def helper(x):
                 return x + 1
         """),
     })
     program = build([tmp_path / "train.py"], [tmp_path / "train.py"])
     views = {Path(k).name: v for k, v in program.views.items()}
-    assert views["utils.py"].iterator_builders == {"DatasetIterater": 0, "build_iterator": 0, "minibatch": -1,
-                                                   "batch_iter": 1}
+    assert views["utils.py"].iterator_builders == {"DatasetIterater": (0,), "build_iterator": (0,), "minibatch": (-1,),
+                                                   "batch_iter": (1,), "paired": (0, 1), "Pairs": (0, 1)}
     assert views["train.py"].iterator_builders == {
-        "utils.DatasetIterater": 0, "utils.build_iterator": 0, "utils.minibatch": -1, "utils.batch_iter": 1,
-        "build_iterator": 0, "minibatch": -1}
+        "utils.DatasetIterater": (0,), "utils.build_iterator": (0,), "utils.minibatch": (-1,),
+        "utils.batch_iter": (1,), "utils.paired": (0, 1), "utils.Pairs": (0, 1), "build_iterator": (0,), "minibatch": (-1,)}
 
 
 def test_pythonpath_of_a_copy_without_project_markers(tmp_path, monkeypatch):

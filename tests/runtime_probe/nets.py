@@ -60,6 +60,9 @@ def main(outdir):
         loss.backward()
         opt.step()
     res["heads_mode"] = heads._tm_mode
+    res["type_name"] = type(heads).__name__  # "TwoHeads", as in one process
+    seq = tm.wrap_model(nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 1)))
+    res["sequential"] = [len(seq), type(seq[-1]).__name__, [type(m).__name__ for m in seq]]
     res["heads"] = flat(heads.module)
 
     plain = tm.wrap_model(Plain())
@@ -73,6 +76,27 @@ def main(outdir):
         opt.step()
     res["plain_mode"] = plain._tm_mode
     res["plain"] = flat(plain.module)
+
+    routed = tm.wrap_model(Plain())  # a step written as submodule calls, the first through tm.synced
+    opt = torch.optim.SGD(routed.parameters(), lr=0.1)
+    for _ in range(3):
+        h = torch.relu(tm.synced(routed).encoder(torch.randn(6, 4, generator=g)))
+        opt.zero_grad()
+        tm.unwrap(routed).decoder(h).pow(2).mean().backward()
+        opt.step()
+    res["routed"] = flat(routed.module)
+
+    late = tm.wrap_model(Plain())
+    torch.manual_seed(1000 + tm.rank())  # initialised after the wrap, on ranks seeded apart
+    for m in tm.unwrap(late).modules():
+        if isinstance(m, nn.Linear):
+            m.reset_parameters()
+    opt = torch.optim.SGD(late.parameters(), lr=0.1)
+    for _ in range(2):
+        opt.zero_grad()
+        late(torch.randn(6, 4, generator=g)).pow(2).mean().backward()
+        opt.step()
+    res["late_init"] = flat(late.module)
 
     buffer = io.BytesIO()
     torch.save(plain, buffer)  # the wrapper pickles as the plain module

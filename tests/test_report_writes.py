@@ -1,0 +1,94 @@
+"""The report's claim about files ("done: writes, saves and logs on rank 0 only") is computed from
+the effects of the migrated program (`program.effects`), never from which rules fired: a write
+left to every rank anywhere in the program, in a module the rules did not change or behind a
+helper, turns it into a NOT DONE line naming `file:line`."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+TRAIN = """
+    import os
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+    import notes
+
+    def main(out):
+        model = torch.nn.Linear(2, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        loader = DataLoader(TensorDataset(torch.randn(8, 2), torch.randn(8, 1)), batch_size=4, shuffle=True)
+        for epoch in range(2):
+            for x, y in loader:
+                loss = torch.nn.functional.mse_loss(model(x), y)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+            with open(os.path.join(out, "history.txt"), "a") as f:
+                f.write(f"{epoch} {loss.item()}\\n")
+            notes.remember(out, epoch)
+
+    if __name__ == "__main__":
+        main(".")
+"""
+
+
+def write(root: Path, files: dict) -> None:
+    for name, text in files.items():
+        (root / name).write_text(textwrap.dedent(text).lstrip("\n"))
+
+
+def test_a_write_left_in_a_module_the_rules_did_not_change_is_named(tmp_path, run_cli):
+    # notes.py never mentions torch, so the rules leave it as it is: its write still runs on every rank
+    write(tmp_path, {"train.py": TRAIN, "notes.py": """
+        import os
+        def remember(out, epoch):
+            with open(os.path.join(out, "notes.txt"), "a") as f:
+                f.write(str(epoch))
+        """})
+    result = run_cli("ddp", "--dry-run", tmp_path / "train.py")
+    out = result.output
+    assert "done: writes, saves and logs on rank 0 only" not in out, out
+    assert "partly done: some writes, saves and logs moved to rank 0" in out, out
+    assert "NOT DONE: files still written by every rank" in out and "notes.py:3 (open" in out, out
+    assert "NOT DONE under torchrun" in out.splitlines()[-1]
+    assert result.exit_code == 1
+
+
+def test_the_claim_holds_when_every_write_runs_on_rank_0(tmp_path, run_cli):
+    write(tmp_path, {"train.py": TRAIN, "notes.py": """
+        import os
+        import torch
+        def remember(out, epoch):
+            with open(os.path.join(out, "notes.txt"), "a") as f:
+                f.write(str(epoch))
+        """})
+    out = run_cli("ddp", "--dry-run", tmp_path / "train.py").output
+    assert "done: writes, saves and logs on rank 0 only: " in out, out
+    assert "written by every rank" not in out and "NOT DONE" not in out, out
+
+
+def test_writes_guarded_by_the_user_at_the_call_count_as_rank_0(tmp_path, run_cli):
+    train = TRAIN.replace("            notes.remember(out, epoch)",
+                          "            if torch.distributed.is_initialized() and torch.distributed.get_rank() == 0:\n"
+                          "                notes.remember(out, epoch)")
+    write(tmp_path, {"train.py": train, "notes.py": """
+        def remember(out, epoch):
+            with open(out + "/notes.txt", "a") as f:
+                f.write(str(epoch))
+        """})
+    out = run_cli("ddp", "--dry-run", tmp_path / "train.py").output
+    assert "written by every rank" not in out and "done: writes, saves and logs on rank 0 only" in out, out
+
+
+def test_the_json_report_lists_the_writes_left(tmp_path, run_cli):
+    write(tmp_path, {"train.py": TRAIN, "notes.py": """
+        import json
+        def remember(out, epoch):
+            json.dump({"epoch": epoch}, open(out + "/notes.json", "w"))
+        """})
+    report = tmp_path / "report.json"
+    run_cli("ddp", "--dry-run", "--report", report, tmp_path / "train.py")
+    data = json.loads(report.read_text())
+    assert any("files still written by every rank" in line and "notes.py:3 (open out + '/notes.json')" in line for line in data["not_done"])
