@@ -601,6 +601,7 @@ def test_seed_per_rank_keeps_samplers_agreeing(other_rank, monkeypatch):
     orders = []
     for diverge in (False, True):
         tm.seed_everything(5)
+        monkeypatch.setattr(tm, "_SAMPLERS_MADE", 0)  # the same sampler both times (see `_own_seed`)
         if diverge:
             tm.seed_per_rank()
         orders.append((list(tm.sampler(range(10), shuffle=True)), list(tm.shard_sampler(weighted))))
