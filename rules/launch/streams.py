@@ -15,7 +15,8 @@ calls, or that iterates a training DataLoader):
 - nowhere when the outermost training loop draws a permutation or a shuffle (`torch.randperm`,
   `np.random.permutation`, `random.shuffle`, `random.sample`) outside a `tm.broadcast_object`:
   hand-made batches cut from it, or a split taken from it, must agree on every rank. TM105 then
-  says why (`Blocked`).
+  says why (`Blocked`). The order of a hand-made batch loop that TM201 shards is drawn by rank 0
+  and shared, so it does not block.
 
 Samplers need nothing: `tm.sampler` (DistributedSampler) shuffles with its own seed and epoch,
 and `tm.shard_sampler` draws under a seed of its own.
@@ -31,6 +32,7 @@ import libcst as cst
 from torchmigrate import analysis
 from torchmigrate.program.loaders import _iteration_site, loader_facts
 from torchmigrate.rule import Context
+from torchmigrate.rules.data.plan import data_plan
 from torchmigrate.rules.launch.base import SEEDERS
 
 # Draws whose result must be the same on every rank where they cut or split the data.
@@ -72,6 +74,7 @@ class _Streams:
         # another module (`for batch in train_loader: trainer.step(batch)`)
         self.over_training_data = {_iteration_site(node, ctx) for node, _ref in
                                    loader_facts(ctx).uses(lambda loader: loader.kind == "train")} - {None}
+        self.shared_by_data = self._shared_by_data()
 
     def plan(self) -> List[object]:
         out: List[object] = []
@@ -176,7 +179,19 @@ class _Streams:
                     return call
         return None
 
+    def _shared_by_data(self) -> Set[cst.CSTNode]:
+        """The draws and shuffles that set the order of a hand-made batch loop which TM201 shards
+        in this run: rank 0 draws them and every rank uses its result (`tm.broadcast_object`)."""
+        ctx = self.ctx
+        if "TM201" not in ctx.enabled:
+            return set()
+        plan = data_plan(ctx)
+        return {o.node for found in plan.batches.loops if not found.sharded and plan.batch(found).status == "shard"
+                for o in found.orders if not o.shared}
+
     def _shared(self, call: cst.Call) -> bool:
+        if call in self.shared_by_data or self.ctx.statement_of(call) in self.shared_by_data:
+            return True
         for anc in self.ctx.ancestors(call):
             if isinstance(anc, cst.Call) and (self.ctx.resolve(anc.func) or "").endswith(".broadcast_object"):
                 return True
