@@ -18,8 +18,10 @@ calls, or that iterates a training DataLoader):
   says why (`Blocked`). The order of a hand-made batch loop that TM201 shards is drawn by rank 0
   and shared, so it does not block.
 
-Samplers need nothing: `tm.sampler` (DistributedSampler) shuffles with its own seed and epoch,
-and `tm.shard_sampler` draws under a seed of its own.
+Full-batch training whose training indices TM201 shares out (`tm.shard_mean`) gets nothing: every
+rank runs the one forward pass whose loss the ranks split, so its dropout must draw alike, as in
+one process. Samplers need nothing: `tm.sampler` (DistributedSampler) shuffles with its own seed
+and epoch, and `tm.shard_sampler` draws under a seed of its own.
 """
 
 from __future__ import annotations
@@ -75,10 +77,13 @@ class _Streams:
         self.over_training_data = {_iteration_site(node, ctx) for node, _ref in
                                    loader_facts(ctx).uses(lambda loader: loader.kind == "train")} - {None}
         self.shared_by_data = self._shared_by_data()
+        self.full_batch = self._full_batch_losses()
 
     def plan(self) -> List[object]:
         out: List[object] = []
         for loop in self._outermost_training_loops():
+            if self._holds_full_batch_loss(loop):
+                continue  # every rank runs the one forward whose loss they share: its draws must agree
             draw = self._agreed_draw(loop)
             if draw is not None:
                 out.append(Blocked(loop, draw))
@@ -188,6 +193,27 @@ class _Streams:
         plan = data_plan(ctx)
         return {o.node for found in plan.batches.loops if not found.sharded and plan.batch(found).status == "shard"
                 for o in found.orders if not o.shared}
+
+    def _full_batch_losses(self) -> List[cst.Call]:
+        """Full-batch losses whose training indices the ranks share out (`tm.shard_mean`, now or
+        by TM201 in this run): each rank runs the whole forward and scores its part of it, so the
+        forward's dropout must draw alike on every rank, as in one process."""
+        ctx = self.ctx
+        losses = [c for c in analysis.calls_to(ctx, ctx.options.runtime_module + ".shard_mean")]
+        if "TM201" in ctx.enabled:
+            plan = data_plan(ctx)
+            losses += [loss.call for loss in plan.batches.losses if plan.batch(loss).status == "shard"]
+        return losses
+
+    def _holds_full_batch_loss(self, loop: cst.CSTNode) -> bool:
+        ctx = self.ctx
+        if not self.full_batch:
+            return False
+        direct = ctx.within(loop, cst.Call, skip_defs=True)
+        inside = set(direct)
+        for callee in filter(None, map(self._callee, direct)):
+            inside.update(ctx.within(callee, cst.Call, skip_defs=True))
+        return any(loss in inside for loss in self.full_batch)
 
     def _shared(self, call: cst.Call) -> bool:
         if call in self.shared_by_data or self.ctx.statement_of(call) in self.shared_by_data:
