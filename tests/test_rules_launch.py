@@ -316,8 +316,8 @@ def test_tm105_one_finding_per_seed_and_scope():
     rewrites every one of them."""
     source = DISTRIBUTED + (FIXTURES / "TM105" / "cuda_seed_in_branch.in.py").read_text()
     assert found(run(source, "TM105", mode="lint")) == [("TM105", 9), ("TM105", 16)]
-    assert run(source, "TM105").new_source.count("TODO(torchmigrate): TM105") == 2  # user-written DDP
-    assert found(run(source[len(DISTRIBUTED):], "TM105")) == []  # made distributed by the migration
+    # a migration keeps the seeding (no training loop here: nothing to place), DDP or not
+    assert found(run(source, "TM105")) == found(run(source[len(DISTRIBUTED):], "TM105")) == []
     between = run(DISTRIBUTED + (FIXTURES / "TM105" / "import_between_seeds.in.py").read_text(), "TM105",
                   mode="lint")
     assert found(between) == [("TM105", 7)]

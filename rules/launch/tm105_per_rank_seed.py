@@ -44,7 +44,7 @@ class PerRankSeed(Rule):
     whose result must agree on every rank (batches or a split cut from it), nothing is
     inserted and the report says why (a TODO where the module seeds, else a note).
 
-    In `lint` (and for files that use torch.distributed themselves), suggests replacing a
+    In `lint` (files that use torch.distributed or the runtime already), suggests replacing a
     group of global seeding statements (`torch.manual_seed(s)`, `torch.cuda.manual_seed_all(s)`,
     `random.seed(s)`, `np.random.seed(s)`, adjacent in one block, also across imports) with one
     `tm.seed_everything(s, per_rank=True)` call, which seeds `random`, numpy and torch with
@@ -136,8 +136,9 @@ class PerRankSeed(Rule):
         ctx = self.ctx
         if not (ctx.options.mode == "ddp" or analysis.is_distributed(ctx)):
             return
-        own_ddp = analysis.calls_to(ctx, *(m for m in analysis.DISTRIBUTED_MARKERS if not m.startswith(RUNTIME)))
-        if ctx.options.mode == "ddp" and not own_ddp:  # a program this migration makes distributed
+        if ctx.options.mode == "ddp":
+            # the same decision whether the file sets up torch.distributed itself or not: the
+            # migration moves such code onto the runtime, and a second run must change nothing
             self._streams_part_at_training()
             return
         seeds = analysis.calls_to(ctx, *SEEDERS)
