@@ -97,13 +97,14 @@ class Finding:
     applied: bool = False
     suppressed: bool = False
     todo: bool = True  # leave an inline TODO when a migration cannot fix it
-    # a note: what the migration chose and why, with nothing left to do (no TODO; the report
-    # lists it under "Notes", not under what needs attention)
-    note: bool = False
     # A statement that carries the inline TODO when a migration cannot fix this finding.
     statement: Optional[cst.CSTNode] = field(default=None, repr=False)
     # The fix, not applied by this run, as text edits (`process_source(..., fix_edits=True)`).
     fix: Optional[tuple] = None
+    # Advice, not a defect: the program is correct either way (a performance hint, a note on
+    # numerics, what the migration chose and what it costs). Listed as a note; never a TODO,
+    # never counted as needing attention, never changes the exit status (SARIF's level "note").
+    advice: bool = False
 
     @property
     def fixable(self) -> bool:

@@ -8,6 +8,10 @@ from dataclasses import dataclass
 
 RUNTIME_MODULE = "torchmigrate.runtime"
 COMMANDS = ("ddp", "amp", "lint")
+# How a migration sizes each rank's batch (TM305): "global" keeps the original's global batch
+# (each rank loads batch_size / world_size), "per-gpu" keeps each rank's batch and scales the
+# learning rate with the number of processes.
+BATCH_POLICIES = ("global", "per-gpu")
 
 
 class Safety(str, enum.Enum):
@@ -34,6 +38,7 @@ class Options:
     # `--shard-eval` / `shard-eval = true`: shard evaluation loaders even where the program model
     # cannot prove that every value computed from them is reduced (a TODO says what is not)
     shard_eval: bool = False
+    batch_policy: str = "global"  # see BATCH_POLICIES
 
     @property
     def migrating(self) -> bool:

@@ -69,8 +69,9 @@ class Context:
         self.walked = False  # the walk has met every node (set before any `leave_Module`)
         self._index: Optional[_NodeIndex] = None
         self.findings: List[Finding] = []
-        # The codes of the rules running on this file: a family's plan may ask which of another
-        # family's rules will act (the facts never depend on it).
+        # The codes of the rules that run together on this module (set by the engine): a rule
+        # whose decision depends on another's edit (TM305 divides the batch of the loaders TM201
+        # shards) asks here.
         self.enabled: FrozenSet[str] = frozenset()
         # Free-form facts one rule publishes for others, e.g. names of wrapped models.
         self.facts: Dict[str, object] = {}
@@ -317,9 +318,10 @@ class Rule:
         imports: Sequence[Import] = (),
         safety: Optional[Safety] = None,
         statement: Optional[cst.CSTNode] = None,
-        note: bool = False,
+        advice: bool = False,
     ) -> Finding:
-        """Report a finding; `note`: one that asks for nothing (see `Finding.note`)."""
+        """`advice`: the finding changes nothing about correctness (a performance hint): the
+        report lists it as a note, and it neither needs attention nor fails the run."""
         finding = Finding(
             code=self.code,
             message=message,
@@ -328,8 +330,7 @@ class Rule:
             edits=tuple(edits),
             imports=tuple(imports),
             statement=statement,
-            todo=not note,
-            note=note,
+            advice=advice,
         )
         self.ctx.findings.append(finding)
         return finding

@@ -61,7 +61,7 @@ __all__ = [
     "is_distributed", "wrap_model", "unwrap", "sampler", "eval_sampler", "sharded", "set_epoch", "no_sync",
     "amp_dtype", "autocast", "GradScaler", "print", "barrier", "all_reduce", "gather_for_metrics", "gather_list", "broadcast_object", "shared_generator", "grad", "any_rank", "share_params", "sync_grads", "shard_stream",
     "shard_sampler", "reduce_meter", "per_rank_batch", "sync_batchnorm", "synced", "to_float32",
-    "save", "load", "strip_prefix", "load_state_dict", "seed_everything", "main_only", "main_process_first",
+    "save", "load", "strip_prefix", "load_state_dict", "seed_everything", "seed_per_rank", "main_only", "main_process_first",
     "shard_range", "shard_indices", "shard_mean", "shard_batches",
 ]
 
@@ -1597,7 +1597,11 @@ def shared_generator(seed: int | None = None) -> torch.Generator:
     """A CPU ``torch.Generator`` seeded alike on every rank, for ``random_split(...,
     generator=tm.shared_generator())``: every rank makes the same split. The seed is ``seed``, or
     rank 0's ``torch.initial_seed()``: fixed when the program seeds torch, new each run when it
-    does not, as the split was before. A collective: call it on every rank."""
+    does not, as the split was before. One process without ``seed``: torch's default generator,
+    so the split (and every draw after it) is exactly the original program's. A collective: call
+    it on every rank."""
+    if seed is None and world_size() <= 1:
+        return torch.default_generator
     generator = torch.Generator()
     generator.manual_seed(int(broadcast_object(torch.initial_seed() if seed is None else seed)))
     return generator
@@ -1755,6 +1759,34 @@ def load_state_dict(model, state_dict, strict: bool = True, **kwargs):
     """Load ``strip_prefix(state_dict)`` into ``unwrap(model)``; returns torch's
     ``(missing_keys, unexpected_keys)`` result. Works whatever wrapped the saving model."""
     return unwrap(model).load_state_dict(strip_prefix(state_dict), strict=strict, **kwargs)
+
+
+def seed_per_rank() -> None:
+    """From here on, every rank draws its own random numbers: dropout masks, augmentations,
+    noise, and the seeds of DataLoader workers (drawn from torch's generator when a loader
+    starts an epoch). Migrated programs call it once training starts, after the model is built
+    and wrapped and the data is split, so everything drawn before (initial weights, a random
+    split, a generated validation set) stays identical on every rank, as in the original.
+
+    Rank r > 0 reseeds ``random``, numpy (if installed) and torch (CPU and every GPU) from a
+    draw of its own torch stream mixed with r: reproducible when the program seeds, different
+    on every rank, and different each call. Rank 0 and a single process keep their streams
+    untouched, so ``python train.py`` draws exactly what the original program drew. Samplers
+    are not affected: ``sampler``/``DistributedSampler`` shuffle with their own seed and epoch,
+    ``shard_sampler`` draws under a seed of its own, so ranks still agree on the permutation."""
+    me = rank()
+    if me == 0 or world_size() <= 1:
+        return
+    base = int(torch.randint(0, 2 ** 62, (1,)).item())
+    seed = (base ^ (me * 0x9E3779B97F4A7C15)) % 2 ** 63  # a different seed for every rank
+    random.seed(seed)
+    try:
+        import numpy as np
+    except ImportError:
+        pass
+    else:
+        np.random.seed(seed % 2 ** 32)
+    torch.manual_seed(seed)  # also seeds every CUDA device (lazily)
 
 
 def seed_everything(seed: int, per_rank: bool = False) -> int:

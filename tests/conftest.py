@@ -24,10 +24,11 @@ _HEADER = re.compile(r"#\s*fixture:\s*(.*)")
 
 def fixture_settings(source: str, code: str):
     """Mode and rules for a fixture: the rule alone in its first command, unless the first
-    line says otherwise, e.g. `# fixture: mode=amp select=TM401,TM402 amp=bf16`."""
+    line says otherwise, e.g. `# fixture: mode=amp select=TM401,TM402 amp=bf16` (`batch=per-gpu`:
+    the batch policy of `ddp --batch-policy`)."""
     rule = get_rule(code)
     mode = next(m for m in ("ddp", "amp", "lint") if m in rule.commands)
-    settings = {"mode": mode, "select": code, "amp": "auto", "sync_bn": "0", "unsafe": "0", "shard_eval": "0"}
+    settings = {"mode": mode, "select": code, "amp": "auto", "sync_bn": "0", "unsafe": "0", "shard_eval": "0", "batch": "global"}
     first = source.splitlines()[0] if source else ""
     match = _HEADER.match(first)
     if match:
@@ -36,7 +37,7 @@ def fixture_settings(source: str, code: str):
             settings[key] = value
     options = Options(mode=settings["mode"], amp=settings["amp"], sync_bn=settings["sync_bn"] == "1",
                       fix=settings["mode"] == "lint", unsafe_fixes=settings["unsafe"] == "1",
-                      shard_eval=settings["shard_eval"] == "1")
+                      shard_eval=settings["shard_eval"] == "1", batch_policy=settings["batch"])
     if settings["select"] == "all":
         rules = select(command=settings["mode"])
     else:

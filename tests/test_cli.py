@@ -253,3 +253,69 @@ def test_positions_after_an_in_place_migration_point_into_the_written_file(tmp_p
     for (line, col, code), (new_line, new_col, _) in zip(before, after):
         assert new_col == col
         assert original[int(line) - 1].strip() == written[int(new_line) - 1].strip(), (code, line, new_line)
+
+
+# --- decisions instead of questions: the batch policy and advice ----------------------------
+
+TRAIN_WITH_ITEM = """\
+import torch
+from torch.utils.data import DataLoader
+
+torch.manual_seed(0)
+loader = DataLoader(train_set, batch_size=args.batch_size, shuffle=True)
+model = Net()
+optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
+for epoch in range(3):
+    for x, y in loader:
+        optimizer.zero_grad()
+        loss = criterion(model(x), y)
+        loss.backward()
+        optimizer.step()
+        total += loss.item()
+"""
+
+
+def test_ddp_decides_the_batch_and_the_streams(tmp_path, run_cli):
+    """Default policy: the global batch is kept and the ranks' streams part at the loop; the
+    `.item()` every step is a note, so nothing needs attention and the run exits 0."""
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN_WITH_ITEM)
+    result = run_cli("ddp", script)
+    out = script.read_text()
+    assert "batch_size=tm.per_rank_batch(args.batch_size)" in out and "lr=args.lr)" in out
+    assert "tm.seed_per_rank()\nfor epoch" in out and "TODO" not in out
+    assert "done: the original's global batch kept" in result.output
+    assert "Notes:" in result.output and "TM604" in result.output.split("Notes:")[1]
+    assert "0 findings need attention. 1 note of advice" in result.output
+    assert result.exit_code == 0, result.output
+
+
+def test_ddp_batch_policy_per_gpu_option_and_setting(tmp_path, run_cli):
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN_WITH_ITEM)
+    run_cli("ddp", "--batch-policy", "per-gpu", script)
+    out = script.read_text()
+    assert "batch_size=args.batch_size," in out and "lr=args.lr * tm.world_size())" in out
+    script.write_text(TRAIN_WITH_ITEM)
+    (tmp_path / "torchmigrate.toml").write_text('batch-policy = "per-gpu"\n')
+    run_cli("ddp", script)
+    assert "lr=args.lr * tm.world_size())" in script.read_text()
+    script.write_text(TRAIN_WITH_ITEM)
+    run_cli("ddp", "--batch-policy", "global", script)  # the command line over the settings
+    assert "tm.per_rank_batch(args.batch_size)" in script.read_text()
+    (tmp_path / "torchmigrate.toml").write_text('batch-policy = "twice"\n')
+    bad = run_cli("ddp", script)
+    assert bad.exit_code == 2 and "batch-policy must be one of global, per-gpu" in bad.output
+
+
+def test_lint_advice_is_a_note_in_every_format(tmp_path, run_cli):
+    script = tmp_path / "dist.py"
+    script.write_text("import torch.distributed as dist\ndist.init_process_group('gloo')\n" + TRAIN_WITH_ITEM)
+    text = run_cli("lint", "--select", "TM604", script)
+    assert text.exit_code == 0 and "TM604 note: `loss.item()`" in text.output and "All checks passed!" in text.output
+    github = run_cli("lint", "--select", "TM604", "--format", "github", script)
+    assert github.exit_code == 0 and github.output.startswith("::notice ")
+    sarif = json.loads(run_cli("lint", "--select", "TM604", "--format", "sarif", script).output)
+    assert [r["level"] for r in sarif["runs"][0]["results"]] == ["note"]
+    records = json.loads(run_cli("lint", "--select", "TM604", "--format", "json", script).output)
+    assert [(r["code"], r["level"]) for r in records] == [("TM604", "note")]

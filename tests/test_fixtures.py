@@ -27,9 +27,10 @@ def test_fixture(case):
     assert migrate(out, options, rules) == out, "second run must be a no-op"
 
 
-# Findings that change no text (a manual rule in `lint` mode): `<case>.findings` beside
-# `<case>.in.py` lists the findings of the rule(s) on the input, one `LINE:COL CODE` a line
-# (an empty file: none), so a false positive that leaves no trace in the output still fails.
+# Findings that change no text (a manual rule in `lint` mode, advice): `<case>.findings` beside
+# `<case>.in.py` lists the findings of the rule(s) on the input, one `LINE:COL CODE` a line, with
+# ` note` after advice (an empty file: none), so a false positive that leaves no trace in the
+# output still fails.
 FINDING_CASES = sorted(p for p in FIXTURES.glob("TM*/*.findings"))
 
 
@@ -38,7 +39,8 @@ def test_fixture_findings(case):
     source = case.with_name(case.stem + ".in.py").read_text(encoding="utf-8")
     options, rules = fixture_settings(source, case.parent.name)
     found = process_source(source, "fixture.py", options, rules).findings
-    assert [f"{f.line}:{f.col} {f.code}" for f in found] == case.read_text(encoding="utf-8").split("\n")[:-1]
+    assert [f"{f.line}:{f.col} {f.code}{' note' if f.advice else ''}" for f in found] \
+        == case.read_text(encoding="utf-8").split("\n")[:-1]
 
 
 # Launch files (TM801): `fixtures/TM801/<case>.in.<ext>` with `<case>.out.<ext>` (none: unchanged),

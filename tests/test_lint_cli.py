@@ -139,7 +139,7 @@ def test_json_format(amp_file, run_cli):
     assert result.exit_code == 1
     data = json.loads(result.stdout)
     assert [(d["line"], d["column"]) for d in data] == AMP_LINES
-    assert set(data[0]) == {"path", "line", "column", "code", "name", "message", "safety", "fixed", "fix"}
+    assert set(data[0]) == {"path", "line", "column", "code", "name", "message", "safety", "fixed", "fix", "level"}
     assert data[0]["path"] == str(amp_file) and data[0]["name"] == "torch-cuda-amp"
     assert all(d["safety"] == "safe" and d["fixed"] is False for d in data)
     fixed = json.loads(run_cli("lint", "--format", "json", "--fix", "--select", "TM406", amp_file).stdout)

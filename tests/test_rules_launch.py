@@ -306,15 +306,21 @@ def test_tm105_is_unsafe_and_only_applied_with_unsafe_fixes():
     assert unsafe.changed and unsafe.new_source.count("tm.seed_everything(") == 2
 
 
+DISTRIBUTED = "import torch.distributed as dist\ndist.init_process_group('gloo')\n"
+
+
 def test_tm105_one_finding_per_seed_and_scope():
-    """Seeding lines of one scope with the same seed are one finding (one TODO), even when an
-    import or an `if cuda:` separates them; the unsafe fix still rewrites every one of them."""
-    source = (FIXTURES / "TM105" / "cuda_seed_in_branch.in.py").read_text()
-    result = run(source, "TM105")
-    assert found(result) == [("TM105", 7), ("TM105", 14)]
-    assert result.new_source.count("TODO(torchmigrate): TM105") == 2
-    between = run((FIXTURES / "TM105" / "import_between_seeds.in.py").read_text(), "TM105")
-    assert found(between) == [("TM105", 5)]
+    """Seeding lines of one scope with the same seed are one finding, even when an import or an
+    `if cuda:` separates them (in a program that is distributed already; a migration keeps the
+    seeding and gives each rank its streams where training starts); the unsafe fix still
+    rewrites every one of them."""
+    source = DISTRIBUTED + (FIXTURES / "TM105" / "cuda_seed_in_branch.in.py").read_text()
+    assert found(run(source, "TM105", mode="lint")) == [("TM105", 9), ("TM105", 16)]
+    # a migration keeps the seeding (no training loop here: nothing to place), DDP or not
+    assert found(run(source, "TM105")) == found(run(source[len(DISTRIBUTED):], "TM105")) == []
+    between = run(DISTRIBUTED + (FIXTURES / "TM105" / "import_between_seeds.in.py").read_text(), "TM105",
+                  mode="lint")
+    assert found(between) == [("TM105", 7)]
     lint = run((FIXTURES / "TM105" / "cuda_seed_in_branch_lint.in.py").read_text(), "TM105", mode="lint",
                unsafe=True)
     assert lint.new_source.count("tm.seed_everything(7, per_rank=True)") == 2
@@ -323,7 +329,36 @@ def test_tm105_one_finding_per_seed_and_scope():
 
 def test_tm105_lint_needs_a_distributed_file():
     assert found(run("import torch\ntorch.manual_seed(0)\n", "TM105", mode="lint")) == []
-    assert found(run("import torch\ntorch.manual_seed(0)\n", "TM105")) == [("TM105", 2)]
+    assert found(run(DISTRIBUTED + "import torch\ntorch.manual_seed(0)\n", "TM105", mode="lint")) == [("TM105", 4)]
+
+
+def test_tm105_places_the_streams_once_per_training_loop():
+    """A migration inserts `tm.seed_per_rank()` before the outermost training loop, whatever
+    its spelling (for over a loader, while over steps, a trainer method), and never twice."""
+    source = """
+        import torch
+        def fit(model, loader, steps):
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            step = 0
+            while step < steps:
+                for batch in loader:
+                    opt.zero_grad()
+                    model(batch).sum().backward()
+                    opt.step()
+                    step += 1
+        def pretrain(model, data):
+            opt = torch.optim.Adam(model.parameters())
+            for x in data:
+                opt.zero_grad()
+                model(x).mean().backward()
+                opt.step()
+        """
+    result = run(source, "TM105")
+    assert result.new_source.count("tm.seed_per_rank()") == 2
+    assert [f.safety for f in result.findings] == [Safety.SAFE, Safety.SAFE]
+    lines = result.new_source.splitlines()
+    assert lines[lines.index("    while step < steps:") - 1] == "    tm.seed_per_rank()"
+    assert run(result.new_source, "TM105").new_source == result.new_source
 
 
 # --- together --------------------------------------------------------------------------------
@@ -350,7 +385,7 @@ def test_rules_compose_on_a_guarded_script():
     assert "tm.setup()" in out and "tm.cleanup()" in out
     assert "set_device" not in out and ".to(tm.device())" in out
     assert '"--local-rank", "--local_rank"' in out and "import os" in out
-    assert "# TODO(torchmigrate): TM105" in out
+    assert "TM105" not in out and "random.seed(0)" in out  # no training loop here: the seeding stays as it is
     assert run(out).new_source == out
 
 

@@ -565,6 +565,77 @@ def test_seed_everything_reproducible(other_rank):
     assert draw() == second
 
 
+def test_seed_per_rank_leaves_one_process_alone():
+    """One process (and rank 0) keeps its stream: the migrated program draws what the original did."""
+    def draw():
+        return random.random(), float(np.random.rand()), torch.rand(3).tolist()
+
+    tm.seed_everything(3)
+    expected = draw()
+    tm.seed_everything(3)
+    tm.seed_per_rank()
+    assert draw() == expected
+
+
+def test_seed_per_rank_other_rank(other_rank):
+    """Rank 1 gets a stream of its own, reproducible from the program's seed."""
+    def draw():
+        return random.random(), float(np.random.rand()), torch.rand(3).tolist()
+
+    tm.seed_everything(3)
+    rank0 = draw()
+    tm.seed_everything(3)
+    tm.seed_per_rank()
+    rank1 = draw()
+    assert all(a != b for a, b in zip(rank0, rank1))
+    tm.seed_everything(3)
+    tm.seed_per_rank()
+    assert draw() == rank1
+
+
+def test_seed_per_rank_keeps_samplers_agreeing(other_rank, monkeypatch):
+    """The training samplers' permutations do not come from the streams seed_per_rank moves:
+    a rank that diverged still takes the samples it would have taken."""
+    monkeypatch.setattr(tm, "is_distributed", lambda: True)  # samplers as under torchrun (no group needed)
+    weighted = torch.utils.data.WeightedRandomSampler([1.0] * 10, 10)
+    orders = []
+    for diverge in (False, True):
+        tm.seed_everything(5)
+        monkeypatch.setattr(tm, "_SAMPLERS_MADE", 0)  # the same sampler both times (see `_own_seed`)
+        if diverge:
+            tm.seed_per_rank()
+        orders.append((list(tm.sampler(range(10), shuffle=True)), list(tm.shard_sampler(weighted))))
+    assert orders[0] == orders[1]
+
+
+@pytest.mark.parametrize("size,world,expected", [(64, 1, 64), (64, 2, 32), (96, 4, 24), (None, 2, None)])
+def test_per_rank_batch(monkeypatch, size, world, expected):
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.setenv("RANK", "0")
+    assert tm.per_rank_batch(size) == expected
+
+
+def test_shared_generator_in_one_process_is_the_default_stream():
+    """A migrated `random_split(..., generator=tm.shared_generator())` run as one process splits,
+    and leaves the global stream, exactly as the original split did."""
+    data = list(range(10))
+    torch.manual_seed(4)
+    original = [list(part) for part in torch.utils.data.random_split(data, [7, 3])], torch.rand(2).tolist()
+    torch.manual_seed(4)
+    migrated = [list(part) for part in torch.utils.data.random_split(data, [7, 3], generator=tm.shared_generator())]
+    assert (migrated, torch.rand(2).tolist()) == original
+    assert tm.shared_generator(3) is not torch.default_generator
+
+
+def test_per_rank_batch_names_the_nearest_sizes(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(ValueError, match="use a batch size of 8 or 12"):
+        tm.per_rank_batch(10)
+    with pytest.raises(ValueError, match="use a batch size of 4,"):
+        tm.per_rank_batch(3)
+
+
 def test_main_only(other_rank, monkeypatch):
     made = []
 

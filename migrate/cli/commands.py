@@ -25,7 +25,7 @@ from torchmigrate.cli.inputs import Inputs, Request, gather
 from torchmigrate.cli.settings import Selection, split
 from torchmigrate.engine.runner import (AUTO_JOBS_MIN_FILES, VENDORED_NAME, Job, Outcome, Progress, auto_jobs,
                                         process_file, run, write_together)
-from torchmigrate.options import RUNTIME_MODULE, Options
+from torchmigrate.options import BATCH_POLICIES, RUNTIME_MODULE, Options
 
 AMP_CHOICES = ("auto", "bf16", "fp16", "off")
 
@@ -251,6 +251,7 @@ def _migrate(command: str, paths, dry_run: bool, check: bool, amp: Optional[str]
         _fail("--vendor-runtime writes the runtime beside the script: it needs a file, not stdin")
     preview = dry_run or check
     options = Options(mode=command, amp=amp or "auto", sync_bn=sync_bn, shard_eval=bool(common.get("shard_eval")),
+                      batch_policy=inputs.batch_policy,
                       runtime_module="torchmigrate_runtime" if vendor else RUNTIME_MODULE)
     write = not preview and not inputs.reads_stdin
     # the program summary judges DDP only when the rules that make it are on for every file
@@ -316,6 +317,11 @@ def _migration_options(func):
 @paths_argument
 @_migration_options
 @click.option("--sync-bn", is_flag=True, help="Convert BatchNorm layers to SyncBatchNorm (TM304).")
+@click.option("--batch-policy", type=click.Choice(BATCH_POLICIES), default=None,
+              help="global (default): each rank loads batch_size / world_size samples, so the global batch, the "
+                   "steps per epoch and the learning rate stay the original's. per-gpu: each rank loads the whole "
+                   "batch_size and the learning rate is scaled by the world size (TM305). Replaces `batch-policy` "
+                   "of the settings.")
 @click.option("--shard-eval/--no-shard-eval", "shard_eval", default=None,
               help="Shard evaluation loaders even where the tool cannot prove that every value computed from them "
                    "is reduced across ranks (a TODO names what is not). By default such a loader is kept whole: "
@@ -325,7 +331,7 @@ def _migration_options(func):
 @_common_options
 @show_settings_option
 @jobs_option
-def ddp(paths, dry_run, check, amp, report_file, follow, sync_bn, shard_eval, vendor_runtime, select, extend_select,
+def ddp(paths, dry_run, check, amp, report_file, follow, sync_bn, batch_policy, shard_eval, vendor_runtime, select, extend_select,
         ignore, config, force_exclude, respect_gitignore, stdin_filename, show_settings, jobs):
     """Rewrite training scripts in place for torchrun + DDP (+ AMP).
 
@@ -335,7 +341,7 @@ def ddp(paths, dry_run, check, amp, report_file, follow, sync_bn, shard_eval, ve
     stdin and prints the migrated script to stdout (the report goes to stderr; its imports are
     not followed).
     """
-    common = _common(config, force_exclude, respect_gitignore, stdin_filename, follow)
+    common = dict(_common(config, force_exclude, respect_gitignore, stdin_filename, follow), batch_policy=batch_policy)
     if show_settings:
         _show_settings("ddp", paths, select, extend_select, ignore, amp, common)
     _migrate("ddp", paths, dry_run, check, amp, sync_bn, report_file, vendor_runtime, jobs, select, extend_select,

@@ -10,7 +10,8 @@ patterns are then relative to the working directory (Ruff does the same).
 Keys: `select`, `extend-select`, `ignore` (rule codes, prefixes or names), `exclude`,
 `extend-exclude` (gitignore-style patterns relative to the settings file's folder), `amp` and
 `shard-eval` (also spelled `shard_eval`: shard evaluation loaders even where the reduction of
-what is computed from them is not proven, see `--shard-eval`).
+what is computed from them is not proven, see `--shard-eval`) and
+`batch-policy` (`ddp`: "global" or "per-gpu"; the settings of the program's first file decide).
 """
 
 from __future__ import annotations
@@ -21,7 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Optional, Tuple
 
-KEYS = {"select", "extend-select", "ignore", "exclude", "extend-exclude", "amp", "shard-eval", "shard_eval"}
+from torchmigrate.options import BATCH_POLICIES
+
+KEYS = {"select", "extend-select", "ignore", "exclude", "extend-exclude", "amp", "shard-eval", "shard_eval",
+        "batch-policy"}
 _BOOLEANS = ("shard-eval", "shard_eval")
 AMP_VALUES = ("auto", "bf16", "fp16", "off")
 # In one folder, the first of these that holds torchmigrate settings is used.
@@ -40,6 +44,7 @@ class Config:
     exclude: Tuple[str, ...] = ()  # gitignore-style patterns, relative to `root`
     amp: Optional[str] = None
     shard_eval: Optional[bool] = None  # None: not set here
+    batch_policy: Optional[str] = None  # `ddp`: "global" or "per-gpu" (see `Options.batch_policy`)
     path: Optional[Path] = None  # the settings file; None: the defaults
     root: Optional[Path] = None  # the folder `exclude` is relative to (None: nothing to exclude)
 
@@ -90,10 +95,14 @@ def parse(path: Path, root: Optional[Path] = None) -> Optional[Config]:
         if key in section and not isinstance(section[key], bool):
             raise ConfigError(f"{where}: {key} must be true or false")
     shard_eval = section.get("shard-eval", section.get("shard_eval"))
-    strings = {key: _strings(section.get(key, []), key, where) for key in KEYS - {"amp", *_BOOLEANS}}
+    policy = section.get("batch-policy")
+    if policy is not None and policy not in BATCH_POLICIES:
+        raise ConfigError(f"{where}: batch-policy must be one of {', '.join(BATCH_POLICIES)}")
+    strings = {key: _strings(section.get(key, []), key, where) for key in KEYS - {"amp", "batch-policy", *_BOOLEANS}}
     return Config(
         select=strings["select"], extend_select=strings["extend-select"], ignore=strings["ignore"],
-        exclude=strings["exclude"] + strings["extend-exclude"], amp=amp, shard_eval=shard_eval, path=path,
+        exclude=strings["exclude"] + strings["extend-exclude"], amp=amp, shard_eval=shard_eval,
+        batch_policy=policy, path=path,
         root=root or path.parent,
     )
 

@@ -53,6 +53,8 @@ def text(outcomes: Sequence[Outcome], fix: bool = False, unsafe_fixes: bool = Fa
     """Ruff's shape: one `path:line:col: CODE message` line per finding, then a summary."""
     remaining = _remaining(outcomes)
     lines = [f"{r.location}: {r.code} {r.message}" for r in remaining]
+    advice = [r for o in outcomes for r in o.advice_records]
+    lines += [f"{r.location}: {r.code} note: {r.message}" for r in advice]
     fixed = _fixed(outcomes)
     safe = sum(1 for r in remaining if r.safety == "safe")
     unsafe = sum(1 for r in remaining if r.safety == "unsafe")
@@ -76,6 +78,8 @@ def text(outcomes: Sequence[Outcome], fix: bool = False, unsafe_fixes: bool = Fa
                      + f"{_plural(errors, 'file')} could not be checked (see the errors).")
     elif not remaining and not fixed:
         lines.append("All checks passed!")
+    if advice:
+        lines.append(f"{_plural(len(advice), 'note')} of advice: correct either way, not counted as findings.")
     return "\n".join(lines)
 
 
@@ -121,7 +125,8 @@ def _json_fix(record: Record) -> Optional[Dict]:
 def json_records(outcomes: Sequence[Outcome], names: Dict[str, str]) -> List[Dict]:
     return [
         {"path": r.path, "line": r.line, "column": r.col + 1, "code": r.code, "name": names.get(r.code, ""),
-         "message": r.message, "safety": r.safety, "fixed": r.applied, "fix": _json_fix(r)}
+         "message": r.message, "safety": r.safety, "fixed": r.applied, "fix": _json_fix(r),
+         "level": "note" if r.advice else "error"}
         for o in outcomes for r in o.records
     ]
 
@@ -144,11 +149,11 @@ def escape_property(value: str) -> str:
     return escape_data(value).replace(":", "%3A").replace(",", "%2C")
 
 
-def _command(path: str, line: int, col: int, title: str, message: str) -> str:
-    """An `::error` annotation; line 0: on the file as a whole."""
+def _command(path: str, line: int, col: int, title: str, message: str, kind: str = "error") -> str:
+    """An `::error` annotation (`::notice` for advice); line 0: on the file as a whole."""
     where = (("file", path), ("line", line), ("col", col)) if line else (("file", path),)
     props = ",".join(f"{k}={escape_property(str(v))}" for k, v in (*where, ("title", title)))
-    return f"::error {props}::{escape_data(message)}"
+    return f"::{kind} {props}::{escape_data(message)}"
 
 
 def _workspace_path(path: str) -> str:
@@ -172,6 +177,8 @@ def github(outcomes: Sequence[Outcome]) -> str:
             lines.append(_command(_workspace_path(o.path), o.error[0], o.error[1] + 1, "torchmigrate", o.error[2]))
         for r in o.open_records:
             lines.append(_command(_workspace_path(r.path), r.line, r.col + 1, r.code, r.message))
+        for r in o.advice_records:
+            lines.append(_command(_workspace_path(r.path), r.line, r.col + 1, r.code, r.message, "notice"))
     return "\n".join(lines)
 
 
@@ -246,10 +253,10 @@ def sarif_log(outcomes: Sequence[Outcome], rules: RuleTypes, cwd: Optional[str] 
     index = {r.code: i for i, r in enumerate(rules)}
     results = []
     for o in outcomes:
-        for r in o.open_records:
+        for r in o.open_records + o.advice_records:
             result = {
                 "ruleId": r.code,
-                "level": "error",
+                "level": "note" if r.advice else "error",
                 "message": {"text": r.message},
                 "locations": [{"physicalLocation": {
                     "artifactLocation": _artifact_location(r.path),

@@ -39,6 +39,7 @@ class Inputs:
     stdin: Optional[Decoded] = None  # that source (None if it could not be decoded: see `errors`)
     stdin_name: str = STDIN
     excluded: int = 0  # paths given by name that --force-exclude left out (stdin included)
+    batch_policy: str = "global"  # see `Options.batch_policy`
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,7 @@ class Request:
     selection: Selection = Selection()
     amp: Optional[str] = None
     shard_eval: Optional[bool] = None  # --shard-eval / --no-shard-eval (None: the settings decide)
+    batch_policy: Optional[str] = None
     config: Optional[str] = None
     stdin_filename: Optional[str] = None
     force_exclude: bool = False
@@ -67,7 +69,8 @@ def gather(request: Request, cache=None) -> Inputs:
     if request.stdin_filename and paths != (STDIN,):
         raise ConfigError("--stdin-filename names the source read from stdin: give `-` as the only path")
     configs = Configs(request.config)
-    settings = Settings(request.command, request.selection, request.amp, configs, request.shard_eval)
+    settings = Settings(request.command, request.selection, request.amp, configs, request.shard_eval,
+                        request.batch_policy)
     discovery = Discovery(configs, request.respect_gitignore, request.force_exclude)
     inputs = Inputs()
     if paths == (STDIN,):
@@ -80,6 +83,8 @@ def gather(request: Request, cache=None) -> Inputs:
             inputs.per_file[str(file)] = settings.for_file(file)
     inputs.codes = tuple(sorted({c for s in inputs.per_file.values() for c in s.codes})) \
         or settings.for_file(Path.cwd() / "stdin.py").codes
+    first = inputs.files[0] if inputs.files else Path(request.stdin_filename or Path.cwd() / "stdin.py")
+    inputs.batch_policy = settings.batch_policy_for(first)
     return inputs
 
 

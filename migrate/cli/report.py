@@ -35,6 +35,7 @@ def migration_summary(outcomes: Sequence[Outcome], dry_run: bool, ddp: bool = Fa
         "attention": [r.__dict__ for r in attention],
         "errors": error_lines(outcomes),
         "not_done": not_done(outcomes, unresolved) if ddp else [],
+        "advice": [r.__dict__ for o in outcomes for r in o.advice_records],
         "notes": [n for o in outcomes for n in o.notes],
     }
 
@@ -55,6 +56,9 @@ def summary_line(outcomes: Sequence[Outcome], dry_run: bool, ddp: bool = False,
     else:
         verb = "would be changed" if dry_run else "changed"
         line = f"{n_files} file{'' if n_files == 1 else 's'} {verb}; {need}."
+    advice = sum(len(o.advice_records) for o in outcomes)
+    if advice:
+        line += f" {_plural(advice, 'note')} of advice (see Notes)."
     if missing:
         line += f" NOT DONE under torchrun: {missing} (see above)."
     if n_errors:
@@ -88,7 +92,7 @@ def program_lines(outcomes: Sequence[Outcome], followed: Sequence[Path]) -> List
 
 
 WRITES_DONE = "writes, saves and logs on rank 0 only"
-_DONE = (  # (what, rule codes whose applied changes show it)
+_DONE = (  # (what, rule codes whose applied changes show it[, words their message holds])
     ("models wrapped in DDP (gradients averaged)", ("TM301", "TM306", "TM407")),
     ("functional models kept in sync (tm.share_params, gradients averaged by tm.sync_grads)", ("TM309",)),
     ("training data sharded (loaders, token streams, hand-made batches)", ("TM201",)),
@@ -97,6 +101,10 @@ _DONE = (  # (what, rule codes whose applied changes show it)
     (WRITES_DONE, ("TM501", "TM504", "TM505", "TM601", "TM602")),
     ("metrics reduced across ranks", ("TM701", "TM703")),
     ("random configuration drawn once and shared by every rank", ("TM107",)),
+    ("the original's global batch kept: each rank loads batch_size / world_size (batch policy global)",
+     ("TM305",), "per_rank_batch"),
+    ("learning rates scaled with the world size (batch policy per-gpu)", ("TM305",), "is scaled with it"),
+    ("each rank draws its own random numbers once training starts (tm.seed_per_rank)", ("TM105",)),
     ("steps skipped by all ranks together", ("TM108",)),
 )
 
@@ -154,8 +162,8 @@ def torchrun_lines(outcomes: Sequence[Outcome], unresolved: Sequence[str] = ()) 
     lines = []
     missing = not_done(outcomes, unresolved)
     partly = any(m.startswith("files still written by every rank") for m in missing)
-    for what, codes in _DONE:
-        where = [r.location for r in applied if r.code in codes]
+    for what, codes, *words in _DONE:
+        where = [r.location for r in applied if r.code in codes and all(w in r.message for w in words)]
         if where:
             shown = ", ".join(where[:3]) + (f", +{len(where) - 3} more" if len(where) > 3 else "")
             if what == WRITES_DONE and partly:  # never claim more than was done
@@ -182,7 +190,9 @@ def migration_text(outcomes: Sequence[Outcome], dry_run: bool, names: Dict[str, 
         lines.append("Needs attention:")
         for r in attention:
             lines.append(f"  {r.location}: {r.code} {r.message}")
-    notes = [n for o in outcomes for n in o.notes]
+    # advice (correct either way) and what the launch files tell, apart from what needs a person
+    notes = [f"{r.location}: {r.code} {r.message}" for o in outcomes for r in o.advice_records]
+    notes += [n for o in outcomes for n in o.notes]
     if notes:
         lines.append("Notes:")
         lines += [f"  {n}" for n in notes]

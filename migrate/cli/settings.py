@@ -4,7 +4,8 @@ file that governs the file (see `config.py`).
 As in Ruff, the settings file and then the command line each make one layer of selection:
 a layer's `select` replaces what the layers before it enabled, its `extend-select` adds to that
 and its `ignore` takes away (so `--select TM406` enables TM406 even where the file's settings
-ignore it). `--amp` replaces the file's `amp`, `--shard-eval`/`--no-shard-eval` its `shard-eval`. A selector that selects no
+ignore it). `--amp` replaces the file's `amp`, `--shard-eval`/`--no-shard-eval` its `shard-eval`,
+`--batch-policy` the `batch-policy` of the settings of the first file. A selector that selects no
 rule at all (a typo such as TM210) is an error wherever it is written, so a run never reports
 a clean result for rules it did not run; on the command line, a `--select` that selects no rule
 of the command at hand (`ddp --select TM405`, an `amp`-only rule) is one too.
@@ -89,7 +90,7 @@ class Settings:
     from the command line and its settings."""
 
     def __init__(self, command: str, cli: Selection, amp: Optional[str], configs: Configs,
-                 shard_eval: Optional[bool] = None) -> None:
+                 shard_eval: Optional[bool] = None, batch_policy: Optional[str] = None) -> None:
         _check(cli.select, "--select", command)
         _check(cli.extend_select, "--extend-select", command)
         _check(cli.ignore, "--ignore")
@@ -97,6 +98,7 @@ class Settings:
         self.cli = cli
         self.amp = amp
         self.shard_eval = shard_eval
+        self.batch_policy = batch_policy
         self.configs = configs
         self._codes: Dict[Optional[Path], Tuple[str, ...]] = {}
 
@@ -117,3 +119,9 @@ class Settings:
         config = self.configs.for_file(path)
         shard_eval = self.shard_eval if self.shard_eval is not None else bool(config.shard_eval)
         return FileSettings(self.codes(config), self.amp or config.amp or "auto", shard_eval)
+
+    def batch_policy_for(self, path: Path) -> str:
+        """The batch policy of a program whose first file is `path`: `--batch-policy`, else its
+        settings' `batch-policy`, else "global". One value per run, since the global batch is the
+        program's, not a file's."""
+        return self.batch_policy or self.configs.for_file(path).batch_policy or "global"

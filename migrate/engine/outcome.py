@@ -21,6 +21,7 @@ class Record:
     safety: str
     applied: bool
     fix: Optional[Tuple[TextEdit, ...]] = None  # a fix this run did not apply (with `Job.fix_edits`)
+    advice: bool = False  # a note: correct either way (see `Finding.advice`)
 
     @property
     def location(self) -> str:
@@ -58,5 +59,10 @@ class Outcome:
 
     @property
     def open_records(self) -> List[Record]:
-        """Findings still needing attention after this run."""
-        return [r for r in self.records if not r.applied]
+        """Findings still needing attention after this run (advice is not among them)."""
+        return [r for r in self.records if not r.applied and not r.advice]
+
+    @property
+    def advice_records(self) -> List[Record]:
+        """Notes: advice that changes nothing about correctness (see `Finding.advice`)."""
+        return [r for r in self.records if r.advice and not r.applied]

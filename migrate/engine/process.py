@@ -352,7 +352,8 @@ def _process(source: str, path: str, options: Options, rules: Sequence[RuleType]
             finding.applied = True
             edits.extend(_normalise(ctx, finding.edits))
             imports.extend(finding.imports)
-        elif options.migrating and finding.todo and not finding.suppressed and finding.safety is not Safety.SAFE:
+        elif options.migrating and finding.todo and not finding.suppressed and not finding.advice \
+                and finding.safety is not Safety.SAFE:
             stmt = finding.statement or ctx.statement_of(finding.node)
             if stmt is not None:
                 edits.append(Edit(EditKind.TODO, stmt, text=" ".join(f"{finding.code} {finding.message}".split())))

@@ -73,13 +73,11 @@ def process_file(path: str, job: Job, given: Optional[files.Decoded] = None) -> 
                  if options.migrating and result.changed and (job.write or job.to_stdout) else None)
         records = [
             Record(path, where(f.line) if where else f.line, f.col, f.code, f.message, f.safety.value, f.applied,
-                   f.fix)
-            for f in result.findings if not f.suppressed and not f.note
+                   f.fix, f.advice)
+            for f in result.findings if not f.suppressed
         ]
         outcome.warnings = tuple(f"Invalid rule code provided to `# torchmigrate: ignore` at {path}:{line}: {code}"
                                  for line, code in result.unknown_ignores)
-        outcome.notes = tuple(f"{path}:{where(f.line) if where else f.line}: {f.code} {f.message}"
-                              for f in result.findings if f.note and not f.suppressed)
         if job.to_stdout:
             outcome.output = files.encode(result.new_source, decoded.encoding)
         new_bytes = files.encode(result.new_source, decoded.encoding) if result.changed and job.write else None

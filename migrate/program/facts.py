@@ -291,6 +291,7 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
     torch_programs = _torch_programs(graph, modules)
     loader_names = {"DataLoader"} | {name for _, name in loader_classes}
     builds_loaders = any((dotted_name(c.func) or "").rsplit(".", 1)[-1] in loader_names for s in scopes for c in s.calls)
+    builds_dataloaders = builds_loaders
     spelled_builders = {m.path: {spelled: builders[key] for key in builders for spelled in _spellings(m, modules, {key})}
                         for m in modules.values()}
     builds_loaders = builds_loaders or any(
@@ -337,6 +338,7 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
             program_loaders=builds_loaders,
             program_distributed=distributed,
             opaque_loaders=opaque_loaders,
+            program_dataloaders=builds_dataloaders,
             program_torch=path in torch_programs,
             print_override=path in overridden,
             called_elsewhere=frozenset(q for p, q in called if p == path),

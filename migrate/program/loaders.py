@@ -139,6 +139,10 @@ class Loader:
     # is a shape (`out.view(opt.batch_size, -1)`, `torch.ones(opt.batch_size, 1)`): a partial
     # last batch would not fit it
     sized_by: Optional[str] = None
+    # the batch size expression read as a value inside a loop over the loader (a shape, a count;
+    # a log line does not count), whatever `drop_last` says: the loop assumes that a batch holds
+    # that many samples
+    batch_read: Optional[str] = None
 
     @property
     def eval(self) -> Optional[bool]:
@@ -875,14 +879,16 @@ class LoaderFacts:
             args = bind_args(loader.call) or {}
             size = args.get("batch_size")
             text = code(size.value) if size is not None and isinstance(size.value, (cst.Name, cst.Attribute)) else None
-            if text is None or "drop_last" in args:
+            if text is None:
                 continue
             for node, _ref in self.uses(lambda x: x is loader):
                 site = _iteration_site(node, ctx)
                 body = getattr(site, "body", None) if isinstance(site, cst.For) else None
-                if body is not None and any(code(n) == text and not _name_part(ctx, n)
+                if body is not None and any(code(n) == text and not _name_part(ctx, n) and not _logged(ctx, n)
                                             for n in ctx.within(body, type(size.value))):
-                    loader.sized_by = text
+                    loader.batch_read = text
+                    if "drop_last" not in args:
+                        loader.sized_by = text
                     break
 
     def _ref_around(self, name: cst.Name) -> Tuple[cst.CSTNode, List[Ref]]:
@@ -1123,6 +1129,21 @@ def _bound_here(ctx, node: cst.CSTNode) -> bool:
     if type(parent) in (cst.AnnAssign, cst.AugAssign, cst.For, cst.CompFor) and parent.target is node:
         return True
     return type(parent) is cst.AsName
+
+
+_LOGGING = re.compile(r"(^|\.)(print|info|debug|warning|log|write|add_scalars?|set_postfix|set_description|format)$")
+
+
+def _logged(ctx, node: cst.CSTNode) -> bool:
+    """`node` is only shown: in an f-string or the arguments of a print or logging call."""
+    for anc in ctx.ancestors(node):
+        if isinstance(anc, cst.FormattedStringExpression):
+            return True
+        if isinstance(anc, cst.Call) and _LOGGING.search(code(anc.func)):
+            return True
+        if isinstance(anc, cst.BaseStatement):
+            return False
+    return False
 
 
 def _iteration_site(node: cst.CSTNode, ctx) -> Optional[cst.CSTNode]:

@@ -64,6 +64,9 @@ class ModuleView:
     # the program has DataLoader subclasses whose calls cannot take a `sampler=` (their
     # `__init__` passes DataLoader its own arguments): their loaders are sharded where iterated
     opaque_loaders: bool = False
+    # some module of the program builds a DataLoader (or subclass), whose batch size TM305 can
+    # divide among the ranks (a hand-made iterator or a library's loader it cannot)
+    program_dataloaders: bool = False
     # some module connected to this one by imports uses torch: this module is part of a torch
     # program, and is analysed even if it never mentions torch
     program_torch: bool = False

@@ -117,7 +117,7 @@ class DataRule(Rule):
         self.report(loader.call, f"{what}{half} kept whole: every rank evaluates the whole set, as the original "
                                  "did, so its numbers agree across ranks (the cost: each rank does the whole "
                                  f"evaluation's work). Not sharded because {self.plan.of(loader).unproven}; "
-                                 "`--shard-eval` shards it anyway", note=True)
+                                 "`--shard-eval` shards it anyway", advice=True)
 
     def sharded_unproven(self, loader: Loader) -> None:
         """An evaluation loader sharded by `--shard-eval` although the program model cannot prove

@@ -1,5 +1,5 @@
-"""TM105 per-rank-seed: seed each rank differently (`tm.seed_everything(s, per_rank=True)`), so
-ranks draw different random augmentations."""
+"""TM105 per-rank-seed: each rank draws its own random numbers once training starts (dropout,
+augmentation), while everything drawn before (initial weights, data splits) stays the same."""
 
 from __future__ import annotations
 
@@ -8,12 +8,13 @@ from typing import Dict, List, Optional, Set, Tuple
 import libcst as cst
 
 from torchmigrate import analysis
-from torchmigrate.finding import Safety, remove, replace
+from torchmigrate.finding import Safety, insert_before, remove, replace
 from torchmigrate.syntax.imports import dotted
 from torchmigrate.syntax.nodes import arg, code, expr, kwarg, with_args
 from torchmigrate.options import RUNTIME_MODULE as RUNTIME
 from torchmigrate.rule import Context, Example, Rule
 from torchmigrate.rules.launch.base import SEEDERS
+from torchmigrate.rules.launch.streams import Placement, stream_plan
 
 
 def _dotted_names(node: cst.CSTNode) -> List[str]:
@@ -30,59 +31,99 @@ def _dotted_names(node: cst.CSTNode) -> List[str]:
 class PerRankSeed(Rule):
     """
     ## What it does
-    Suggests replacing a group of global seeding statements (`torch.manual_seed(s)`,
-    `torch.cuda.manual_seed_all(s)`, `random.seed(s)`, `np.random.seed(s)`, adjacent in one
-    block, also across imports) with one `tm.seed_everything(s, per_rank=True)` call, which
-    seeds `random`, numpy and torch with `s + rank`. The groups of one function (or of the
-    module) that use the same seed, e.g. `torch.manual_seed(s)` and a later
-    `if cuda: torch.cuda.manual_seed_all(s)`, are one finding with one TODO; the fix rewrites
-    each of them. The fix is unsafe (it changes the random streams), so it is
-    applied only by `lint --unsafe-fixes`; a migration reports it with a TODO. Seeds that
-    already depend on the rank (`args.seed + rank`) are left alone. Fires in distributed
-    files, and on every file in `ddp`.
+    In a migration (`ddp`), keeps the program's own seeding and inserts `tm.seed_per_rank()`
+    right before each training loop (a loop that runs a backward, itself or through a function
+    of the module): from there on rank r > 0 draws from streams of its own (random, numpy,
+    torch), so dropout masks, augmentations, noise and DataLoader worker seeds differ per rank,
+    while the initial weights, random splits and anything else drawn before training stay
+    identical on every rank, as in the original. Rank 0 and a one-process run keep their
+    streams untouched: `python train.py` draws exactly what the original did. A loop that
+    builds an optimizer, a DataLoader or a model wrap (cross-validation folds) is set-up, so
+    the call goes before the training loop inside it. Where the training loop draws a
+    permutation or a shuffle from the global streams (`torch.randperm`, `random.shuffle`),
+    whose result must agree on every rank (batches or a split cut from it), nothing is
+    inserted and the report says why (a TODO where the module seeds, else a note).
+
+    In `lint` (files that use torch.distributed or the runtime already), suggests replacing a
+    group of global seeding statements (`torch.manual_seed(s)`, `torch.cuda.manual_seed_all(s)`,
+    `random.seed(s)`, `np.random.seed(s)`, adjacent in one block, also across imports) with one
+    `tm.seed_everything(s, per_rank=True)` call, which seeds `random`, numpy and torch with
+    `s + rank`. The groups of one function (or of the module) that use the same seed are one
+    finding; the fix is unsafe (it changes the random streams, and splits drawn after it
+    differ per rank), so `lint --unsafe-fixes` applies it. Seeds that already depend on the
+    rank (`args.seed + rank`) are left alone.
 
     ## Why is this bad?
-    With the same seed every rank draws the same random augmentations, dropout masks and
-    noise, so N ranks see N copies of one random stream instead of N independent ones. Model
-    weights do not need a shared seed: DDP broadcasts rank 0's parameters when it wraps the
-    model, and `DistributedSampler` shuffles with its own seed.
+    With the same seed (or none: torch's default seed is the same in every process) every rank
+    draws the same dropout masks, augmentations and noise, so N ranks see N copies of one
+    random stream instead of N independent ones. Seeding each rank differently from the start
+    is wrong too: a `random_split` or a generated validation set drawn after it differs per
+    rank, so one rank's validation samples are another's training samples.
 
     ## Example
     ```python
     torch.manual_seed(args.seed)
-    random.seed(args.seed)
+    model = Net()
+    for epoch in range(args.epochs):
+        train(model, train_loader)
     ```
-    becomes (with `--unsafe-fixes`)
+    becomes
     ```python
-    tm.seed_everything(args.seed, per_rank=True)
+    torch.manual_seed(args.seed)
+    model = Net()
+    tm.seed_per_rank()
+    for epoch in range(args.epochs):
+        train(model, train_loader)
     ```
 
     ## Limitations
-    Code that relies on identical global random draws on every rank (a `random_split` of the
-    dataset, a randomly generated validation set, modules created after seeding but never
-    wrapped in DDP) must use an explicit `torch.Generator` before taking the fix.
+    Streams the program keeps in objects of its own (`np.random.default_rng(seed)`, a
+    `torch.Generator` passed to a transform) are not touched. A training loop in another module
+    than the function that calls it gets the call inside that module, before its own loop.
     """
 
     code = "TM105"
     name = "per-rank-seed"
-    summary = "Seed each rank differently so ranks draw different random augmentations"
+    summary = "Give each rank its own random streams once training starts (dropout, augmentation)"
     safety = Safety.UNSAFE
     commands = frozenset({"ddp", "lint"})
     examples = (
         Example(
             before="""
-            import random
             import torch
             torch.manual_seed(args.seed)
-            random.seed(args.seed)
+            model = Net()
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            for epoch in range(args.epochs):
+                for x, y in loader:
+                    optimizer.zero_grad()
+                    criterion(model(x), y).backward()
+                    optimizer.step()
             """,
             after="""
+            import torch
+            import torchmigrate.runtime as tm
+            torch.manual_seed(args.seed)
+            model = Net()
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            tm.seed_per_rank()
+            for epoch in range(args.epochs):
+                for x, y in loader:
+                    optimizer.zero_grad()
+                    criterion(model(x), y).backward()
+                    optimizer.step()
+            """,
+        ),
+        Example(
+            before="""
             import random
             import torch
-            # TODO(torchmigrate): TM105 every rank uses the same seed (identical augmentations/dropout on all ranks): use `tm.seed_everything(args.seed, per_rank=True)` (unsafe: changes the random streams; keep dataset splits on an explicit generator)
+            import torch.distributed as dist
+            dist.init_process_group("nccl")
             torch.manual_seed(args.seed)
             random.seed(args.seed)
             """,
+            mode="lint",  # reported, with an unsafe fix: `tm.seed_everything(args.seed, per_rank=True)`
         ),
     )
 
@@ -94,6 +135,11 @@ class PerRankSeed(Rule):
     def leave_Module(self, node: cst.Module) -> None:
         ctx = self.ctx
         if not (ctx.options.mode == "ddp" or analysis.is_distributed(ctx)):
+            return
+        if ctx.options.mode == "ddp":
+            # the same decision whether the file sets up torch.distributed itself or not: the
+            # migration moves such code onto the runtime, and a second run must change nothing
+            self._streams_part_at_training()
             return
         seeds = analysis.calls_to(ctx, *SEEDERS)
         seen: Set[cst.CSTNode] = set()
@@ -119,6 +165,32 @@ class PerRankSeed(Rule):
                 self.report(call, "tm.seed_everything without per_rank: every rank draws the same random numbers; "
                                   "pass per_rank=True (unsafe: changes the random streams)",
                             edits=[replace(call, lambda c: with_args(c, [*c.args, kwarg("per_rank", expr("True"))]))])
+
+    def _streams_part_at_training(self) -> None:
+        """A migration keeps the program's seeding (identical initial weights and splits on
+        every rank) and gives each rank its own streams where training starts (see
+        `rules/launch/streams.py`); where a draw in the training loop must agree, it says why."""
+        ctx = self.ctx
+        if not ctx.options.shard_training or analysis.calls_to(ctx, ctx.options.runtime_module + ".seed_per_rank"):
+            return
+        tm = ctx.tm
+        seeds = bool(analysis.calls_to(ctx, *SEEDERS, RUNTIME + ".seed_everything"))
+        for item in stream_plan(ctx):
+            if isinstance(item, Placement):
+                self.report(item.loop, f"ranks draw their own random numbers from here on (`{tm}.seed_per_rank()`: "
+                                       "dropout, augmentation, noise, DataLoader workers), while the initial weights "
+                                       "and data splits drawn before stay identical on every rank; one process draws "
+                                       "exactly what the original did",
+                            edits=[insert_before(item.loop, [cst.parse_statement(f"{tm}.seed_per_rank()\n")])],
+                            imports=[ctx.runtime_import()], safety=Safety.SAFE)
+                continue
+            draw = code(item.draw)
+            self.report(item.loop, f"every rank draws the same random numbers during training (dropout, augmentation): "
+                                   f"`{tm}.seed_per_rank()` cannot go before this loop, because `{draw}` in it must "
+                                   "give the same result on every rank (batches or a split cut from it); draw it "
+                                   f"with a generator seeded alike on every rank (`{tm}.shared_generator()`), then "
+                                   f"call `{tm}.seed_per_rank()` before the loop",
+                        statement=item.loop, advice=not seeds)
 
     def _is_seed_line(self, line: cst.CSTNode) -> bool:
         if not isinstance(line, cst.SimpleStatementLine):

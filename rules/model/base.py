@@ -30,8 +30,9 @@ class ModelRule(Rule):
         return plan(self.ctx)
 
     def notes(self, code_: str) -> None:
-        for node, message, statement in self.plan().notes[code_]:
-            self.report(node, message, statement=statement)
+        p = self.plan()
+        for node, message, statement in p.notes[code_]:
+            self.report(node, message, statement=statement, advice=node in p.advice)
 
 
 def wrap_call(tm: str, module: cst.BaseExpression, find_unused: bool, sync_bn: bool) -> cst.Call:

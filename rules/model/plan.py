@@ -215,6 +215,12 @@ class Plan:
         self.dp_functional: List[cst.Call] = []
         self.rewrites: List[AttrRewrite] = []
         self.notes: Dict[str, List[Tuple[cst.CSTNode, str, Optional[cst.CSTNode]]]] = {c: [] for c in CODES}
+        # TM305: optimizers of the models wrapped (`ddp`: by this run) whose learning rate does
+        # not scale with the world size, with their `lr` argument (None: the default)
+        self.lr_sites: List[Tuple[Optimizer, Optional[cst.Arg]]] = []
+        # notes that are advice (correct either way: BatchNorm statistics per rank, a needless
+        # find_unused_parameters), listed in the report's notes rather than as TODOs
+        self.advice: Set[cst.CSTNode] = set()
         self.sync_bn_fixes: List[Tuple[cst.CSTNode, str, list]] = []
         self.sync_bn_applies = (ctx.options.mode == "ddp" and ctx.options.sync_bn) or (
             ctx.options.mode == "lint" and ctx.options.unsafe_fixes)
@@ -250,6 +256,7 @@ class Plan:
         self.wraps, self.new, self.dp_sites, self.dp_functional, self.rewrites = [], [], [], [], []
         self.sync_bn_fixes, self.manual301 = [], []
         self.notes = {c: [] for c in CODES}
+        self.lr_sites, self.advice = [], set()
         self._final = []
         self.manual301.append((self.ctx.module.body[0] if self.ctx.module.body else self.ctx.module,
                                f"could not analyse the models of this file ({error}): wrap each trained model "
@@ -1239,9 +1246,9 @@ class Plan:
                 owner.bn = bn
                 owner.sync_bn = bn and self.active["TM304"] and self.sync_bn_applies
                 if bn and self.active["TM304"] and not owner.sync_bn and not dup:
-                    self.notes["TM304"].append((
-                        owner.opt.call if isinstance(owner, NewWrap) else owner.outer,
-                        self._bn_message(w.name), note_stmt))
+                    node = owner.opt.call if isinstance(owner, NewWrap) else owner.outer
+                    self.advice.add(node)
+                    self.notes["TM304"].append((node, self._bn_message(w.name), note_stmt))
                 continue
             # an existing wrap call: in `ddp`, only bugs are reported (nothing else changes in a
             # script that is already distributed); `lint` also gives advice
@@ -1254,6 +1261,7 @@ class Plan:
                     f"reduction in the prior iteration\"; pass find_unused_parameters=True to the wrap "
                     f"(or make every parameter take part in each step)", w.statement))
             elif fu_true and not reason and lint and klass is not None and self.models.uses_every_submodule(klass):
+                self.advice.add(call)
                 self.notes["TM303"].append((call, f"find_unused_parameters=True costs an extra autograd graph "
                     f"traversal every step, and {klass.name.value}.forward() uses all its submodules "
                     f"unconditionally: drop it (or pass static_graph=True if the set of used parameters never "
@@ -1272,6 +1280,7 @@ class Plan:
                     fix = stmt(f"{w.arg} = {self.tm}.sync_batchnorm({w.arg})")
                     self.sync_bn_fixes.append((call, message, [insert_before(w.statement, [fix])]))
                 else:
+                    self.advice.add(call)
                     self.notes["TM304"].append((call, message, note_stmt))
 
     def _bn_message(self, name: str, plain_ddp: bool = False) -> str:
@@ -1576,9 +1585,7 @@ class Plan:
             if lr is not None and self._scaled(lr.value):
                 continue
             seen.add(o.statement)
-            self.notes["TM305"].append((o.call, "each rank now loads a full batch (global batch = "
-                f"{self.tm}.world_size() x batch_size) but the learning rate is unchanged: scale it (e.g. "
-                f"`lr * {self.tm}.world_size()`) or divide the per-rank batch size", o.statement))
+            self.lr_sites.append((o, lr))
 
     def _loads_batches(self) -> bool:
         """The file, or its program, builds a DataLoader: only then does the global batch grow

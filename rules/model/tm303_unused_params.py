@@ -27,7 +27,8 @@ class UnusedParams(ModelRule):
     - parameters are unfrozen after the wrap (DDP never synchronises them);
     - `find_unused_parameters=True` on a model whose `forward()` is straight-line code using every
       submodule (`lint` only: a migration changes nothing in a script that is already
-      distributed unless it is broken).
+      distributed unless it is broken). This one is a note: it costs speed, not correctness, so
+      it never fails the run.
 
     ## Why is this bad?
     A parameter that gets no gradient in a step makes DDP fail with "Expected to have finished

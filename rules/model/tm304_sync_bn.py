@@ -17,7 +17,9 @@ class SyncBN(ModelRule):
     `nn.BatchNorm*d`, directly or through its building blocks, or a torchvision ResNet-style
     model), `torchmigrate ddp --sync-bn` makes the wrap `tm.wrap_model(model, sync_bn=True)`,
     which converts the layers to `nn.SyncBatchNorm` before DDP (on CUDA; a no-op on CPU).
-    Without `--sync-bn` the migration reports the models it wraps. `lint` reports
+    Without `--sync-bn` the migration lists the models it wraps as notes (per-rank BatchNorm
+    statistics are the documented difference from one process, not a defect: no TODO, not
+    counted as needing attention). `lint` reports
     user-written `DistributedDataParallel(model)` with an unsafe fix that inserts
     `model = tm.sync_batchnorm(model)` before it (`--unsafe-fixes`: SyncBatchNorm where it can
     run, distributed on CUDA, so the script still runs on CPU ranks and as one process); a

@@ -1,40 +1,80 @@
-"""TM305: learning rates not scaled for the global batch, which grows with the number of ranks."""
+"""TM305: the global batch and the learning rate once the program runs on N ranks."""
 
 from __future__ import annotations
 
+from typing import Optional
+
 import libcst as cst
 
-from torchmigrate.finding import Safety
+from torchmigrate import analysis
+from torchmigrate.analysis import Optimizer
+from torchmigrate.finding import Safety, replace
 from torchmigrate.rule import Example
 from torchmigrate.rules.model.base import ModelRule
+from torchmigrate.rules.model.batch import batch_sites, divide_fix, loaders_carry_batch
+
+# Schedulers that set the learning rate from arguments of their own, not from the optimizer's.
+_OWN_LR_SCHEDULERS = ("torch.optim.lr_scheduler.OneCycleLR", "torch.optim.lr_scheduler.CyclicLR")
+# Expressions that `x * y` may take as its left operand without parentheses.
+_TIGHT = (cst.Name, cst.Attribute, cst.Integer, cst.Float, cst.Call, cst.Subscript)
 
 
 class LrWorldSize(ModelRule):
     """
     ## What it does
-    Reports, once per optimizer, that the learning rate is not scaled with the number of
-    processes, unless the learning rate or the DataLoader batch size already involves the world
-    size (`lr * world_size`, `batch_size // dist.get_world_size()`). `ddp` reports the
-    optimizers of the models it wraps (a TODO comment); `lint` those of user-written DDP models.
+    Keeps the optimisation of the original program when it runs on N ranks. DDP averages the
+    gradients of the ranks, so a step trains on the batches of all ranks together. By default
+    (`ddp --batch-policy global`, or `batch-policy = "global"` in the settings) every training
+    `DataLoader` that TM201 shards loads `batch_size / world_size` samples per rank,
+    `batch_size=tm.per_rank_batch(args.batch_size)`: a step still sees the original's global
+    batch, so the number of steps per epoch, step-based schedules, warm-up and the learning rate
+    keep their meaning. The report says so at each loader, in one line. Gradient accumulation
+    still sums the same number of samples per optimizer step. A `nn.DataParallel` program's
+    batch was already the global batch (DataParallel split it across the GPUs); it is now split
+    across the ranks the same way. `tm.per_rank_batch` stops with an error that names the
+    nearest sizes when the batch size does not divide by the number of processes.
+
+    `--batch-policy per-gpu` keeps each rank's batch instead (a global batch N times larger,
+    for users who want to use more GPUs to train faster) and scales the learning rate of the
+    optimizers of the wrapped models linearly, `lr=args.lr * tm.world_size()` (Goyal et al.,
+    2017); the report adds a note that large world sizes usually want a gradual warm-up, and a
+    TODO where a scheduler sets the learning rate itself (`OneCycleLR(max_lr=...)`).
+
+    Where the batch size cannot be found or divided safely, the loader keeps its batch and gets
+    a TODO: a `batch_sampler=`, a batch size in `**kwargs` or left at one sample, a training
+    loop that reads the batch size as a value (`torch.ones(args.batch_size, 1)`). A program whose
+    training batches come from no DataLoader (a hand-made iterator, a loader a library builds)
+    gets the TODO at its optimizer. Evaluation loaders keep their batch size.
+
+    In `lint`, the rule reports the optimizers of user-written DDP models whose learning rate
+    and batch size do not involve the world size.
 
     ## Why is this bad?
-    Every rank now loads `batch_size` samples and DDP averages the gradients, so N ranks train
-    with a global batch of N × `batch_size` at the old learning rate. Whether to scale the
-    learning rate (linear scaling rule) or to shrink the per-rank batch is a modelling choice
-    (Lightning-AI/pytorch-lightning#3706, facebookresearch/detectron2#934); the tool does not
-    make it silently.
+    Without a decision, every rank loads a full `batch_size`, so N ranks train with a global
+    batch of N × `batch_size` at the old learning rate, in N times fewer steps per epoch: the
+    migrated program trains a different model, and schedules counted in steps end early.
+    Whether to keep the batch or to scale the learning rate is a modelling choice
+    (Lightning-AI/pytorch-lightning#3706, facebookresearch/detectron2#934); keeping the
+    original's is the one that changes nothing, so it is the default.
 
     ## Example
     ```python
+    train_loader = DataLoader(train_set, batch_size=args.batch_size, shuffle=True)
     model = tm.wrap_model(model)
-    optimizer = SGD(model.parameters(), lr=args.lr)   # global batch is now N x larger
+    optimizer = SGD(model.parameters(), lr=args.lr)
     ```
+    becomes
+    ```python
+    train_loader = DataLoader(train_set, batch_size=tm.per_rank_batch(args.batch_size),
+                              sampler=tm.sampler(train_set, shuffle=True))
+    ```
+    or, with `--batch-policy per-gpu`, `SGD(model.parameters(), lr=args.lr * tm.world_size())`.
     """
 
     code = "TM305"
     name = "lr-world-size"
-    summary = "Report learning rates not scaled for the larger global batch"
-    safety = Safety.MANUAL
+    summary = "Keep the original's global batch (batch_size / world_size per rank), or scale the learning rate"
+    safety = Safety.SAFE
     examples = (
         Example(
             before="""
@@ -45,7 +85,7 @@ class LrWorldSize(ModelRule):
             model = DDP(Net().cuda(), device_ids=[local_rank])
             optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
             """,
-            mode="lint",  # reported (in `ddp`, for the models the migration wraps: a TODO comment)
+            mode="lint",  # reported: an existing DDP program whose learning rate ignores the world size
         ),
         Example(
             before="""
@@ -61,5 +101,79 @@ class LrWorldSize(ModelRule):
     )
 
     def leave_Module(self, node: cst.Module) -> None:
-        if self.plan().active[self.code]:
-            self.notes(self.code)
+        p = self.plan()
+        if not p.active[self.code]:
+            return
+        ctx = self.ctx
+        for site in batch_sites(ctx):
+            self._batch(site)
+        if ctx.options.mode == "ddp" and ctx.options.batch_policy == "per-gpu":
+            for optimizer, lr in p.lr_sites:
+                self._scale(optimizer, lr)
+            self._own_lr_schedulers()
+        elif not (ctx.options.mode == "ddp" and loaders_carry_batch(ctx)):
+            tm = ctx.tm
+            for optimizer, _lr in p.lr_sites:
+                self.report(optimizer.call, f"each rank now loads a full batch (global batch = {tm}.world_size() x "
+                                            f"batch_size) but the learning rate is unchanged: scale it (e.g. "
+                                            f"`lr * {tm}.world_size()`) or divide the per-rank batch size",
+                            statement=optimizer.statement)
+
+    def _batch(self, site) -> None:
+        """A training loader TM201 shards: its batch divided among the ranks, or a TODO."""
+        tm = self.ctx.tm
+        loader = site.loader
+        what = f"`{loader.target}`" if loader.target else "this DataLoader"
+        if site.kept:
+            self.report(loader.call, f"{what} keeps its batch size on every rank ({site.kept}), so the global batch "
+                                     f"is {tm}.world_size() times the original's while the learning rate is "
+                                     f"unchanged: divide the batch (`{tm}.per_rank_batch(batch_size)`) or scale the "
+                                     f"learning rate (`lr * {tm}.world_size()`)", statement=loader.statement)
+            return
+        self.report(site.size.value, f"{what} loads batch_size / world_size samples on each rank "
+                                     f"(`{tm}.per_rank_batch`): every step still averages the gradients of the "
+                                     "original's global batch, so steps per epoch, schedules and the learning rate "
+                                     "keep their meaning (batch policy `global`; `--batch-policy per-gpu` keeps each "
+                                     "rank's batch and scales the learning rate instead)",
+                    edits=[replace(site.size.value, divide_fix(self.ctx, site))], imports=[self.ctx.runtime_import()])
+
+    def _scale(self, optimizer: Optimizer, lr: Optional[cst.Arg]) -> None:
+        """Batch policy per-gpu: the learning rate grows with the global batch (linear scaling)."""
+        tm = self.ctx.tm
+        if lr is None:
+            self.report(optimizer.call, f"batch policy `per-gpu`: each rank loads a full batch, so the global batch is "
+                                        f"{tm}.world_size() x batch_size, but this optimizer uses its default learning "
+                                        f"rate: pass `lr=<default> * {tm}.world_size()`",
+                        statement=optimizer.statement)
+            return
+        groups = " (the parameter groups' own `lr` values are not scaled: scale them too)" \
+            if _groups_with_lr(optimizer.call) else ""
+        self.report(lr.value, f"batch policy `per-gpu`: each rank loads a full batch, so the global batch is "
+                              f"{tm}.world_size() x batch_size and the learning rate is scaled with it "
+                              f"(`lr * {tm}.world_size()`, the linear scaling rule){groups}",
+                    edits=[replace(lr.value, lambda v: _times_world(v, tm))], imports=[self.ctx.runtime_import()])
+        self.report(lr.value, "the learning rate is now world_size times larger from the first step: large world sizes "
+                              "usually train better with a gradual warm-up over the first epochs (Goyal et al., 2017)",
+                    advice=True)
+
+    def _own_lr_schedulers(self) -> None:
+        tm = self.ctx.tm
+        for call in analysis.calls_to(self.ctx, *_OWN_LR_SCHEDULERS):
+            self.report(call, f"batch policy `per-gpu`: this scheduler sets the learning rate from its own arguments "
+                              f"(`max_lr`, `base_lr`), which are not scaled: multiply them by `{tm}.world_size()` too")
+
+
+def _groups_with_lr(call: cst.Call) -> bool:
+    """`SGD([{"params": ..., "lr": 0.01}, ...], lr=0.1)`: groups that set their own rate."""
+    first = call.args[0].value if call.args and call.args[0].keyword is None else None
+    return isinstance(first, (cst.List, cst.Tuple)) and any(
+        isinstance(e.value, cst.Dict) and any(isinstance(el, cst.DictElement) and isinstance(el.key, cst.SimpleString)
+                                              and el.key.raw_value == "lr" for el in e.value.elements)
+        for e in first.elements)
+
+
+def _times_world(value: cst.BaseExpression, tm: str) -> cst.BaseExpression:
+    left = value if isinstance(value, _TIGHT) or value.lpar or (
+        isinstance(value, cst.BinaryOperation) and isinstance(value.operator, (cst.Multiply, cst.Divide))) \
+        else value.with_changes(lpar=[cst.LeftParen()], rpar=[cst.RightParen()])
+    return cst.BinaryOperation(left=left, operator=cst.Multiply(), right=cst.parse_expression(f"{tm}.world_size()"))

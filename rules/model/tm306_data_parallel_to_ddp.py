@@ -13,6 +13,7 @@ from torchmigrate.syntax.nodes import code, expr
 from torchmigrate.rule import Example
 from torchmigrate.rules.model.base import ModelRule, report_rewrites, wrap_call
 from torchmigrate.program.models import DDP_CLASSES, DP_CLASSES, strip_moves
+from torchmigrate.rules.model.batch import policy_applied
 from torchmigrate.rules.model.plan import DPSite
 
 
@@ -23,14 +24,16 @@ class DataParallelToDDP(ModelRule):
     optimizer, `model = nn.DataParallel(model, device_ids=...)` is removed (with its
     `if torch.cuda.device_count() > 1:` guard when that is all the `if` holds); otherwise it
     becomes `tm.wrap_model(model)` in place (after the guard, never inside it). `model.module` becomes
-    `tm.unwrap(model)`. Reports that the batch size changes meaning. In `lint` it fires on any
-    file; `torchmigrate amp` keeps DataParallel (TM405 moves autocast into `forward`).
+    `tm.unwrap(model)`. DataParallel's batch was the global batch: where TM305 decides the
+    batch policy (by default each rank loads `batch_size / world_size`, so the global batch stays
+    the one DataParallel split), nothing more is said; otherwise the rule reports that the batch
+    size changes meaning. In `lint` it fires on any file; `torchmigrate amp` keeps DataParallel (TM405 moves autocast into `forward`).
 
     ## Why is this bad?
     DataParallel is single-process multi-threaded replication: slower than DDP even on one
     node, and the PyTorch docs recommend DDP instead. DataParallel split each batch across the
     GPUs, while under DDP every rank loads a full `batch_size`, so the global batch becomes
-    world_size × larger (use `batch_size // tm.world_size()` to keep it).
+    world_size × larger unless each rank loads its share (`tm.per_rank_batch`, TM305).
 
     ## Example
     ```python
@@ -83,9 +86,10 @@ class DataParallelToDDP(ModelRule):
         note = (f"DataParallel split each batch across the GPUs; under DDP each rank loads a full batch, so the "
                 f"global batch is {tm}.world_size() times larger: use `batch_size // {tm}.world_size()` per rank to "
                 f"keep it (or scale the learning rate)")
-        # one batch-size note per function, not one per DataParallel: at the first site's statement
+        # one batch-size note per function, not one per DataParallel: at the first site's statement;
+        # none where TM305 decides the global batch (each rank loads its share of DataParallel's batch)
         noted: Dict[cst.CSTNode, DPSite] = {}
-        for site in p.dp_sites:
+        for site in p.dp_sites if not policy_applied(self.ctx) else ():
             if site.action != "keep":
                 scope = p.models.scope(site.wrap.call)
                 first = noted.get(scope)

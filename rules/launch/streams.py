@@ -1,0 +1,230 @@
+"""Where the ranks' random streams part (TM105): once training starts, never before.
+
+Everything drawn before training must agree on every rank: the initial weights (DDP broadcasts
+rank 0's anyway, but a model that is never wrapped does not get them), a random split of the
+data, a generated validation set. Everything drawn during training should differ: dropout
+masks, augmentations, noise, the seeds of DataLoader workers. So the program keeps its own
+seeding, and `tm.seed_per_rank()` goes right before each training loop of the module (a `for`
+or `while` that runs a backward, directly or through a function or method of this module it
+calls, or that iterates a training DataLoader):
+
+- before the outermost such loop whose body builds nothing the ranks must share (an
+  optimizer, a DataLoader, a `tm.wrap_model`, a seeding call, a `random_split`): a loop over
+  cross-validation folds that builds a model in each fold keeps its draws agreed, and the
+  call goes before the epoch loop inside it;
+- nowhere when the outermost training loop draws a permutation or a shuffle (`torch.randperm`,
+  `np.random.permutation`, `random.shuffle`, `random.sample`) outside a `tm.broadcast_object`:
+  hand-made batches cut from it, or a split taken from it, must agree on every rank. TM105 then
+  says why (`Blocked`). The order of a hand-made batch loop that TM201 shards is drawn by rank 0
+  and shared, so it does not block.
+
+Full-batch training whose training indices TM201 shares out (`tm.shard_mean`) gets nothing: every
+rank runs the one forward pass whose loss the ranks split, so its dropout must draw alike, as in
+one process. Samplers need nothing: `tm.sampler` (DistributedSampler) shuffles with its own seed
+and epoch, and `tm.shard_sampler` draws under a seed of its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Set
+
+import libcst as cst
+
+from torchmigrate import analysis
+from torchmigrate.program.loaders import _iteration_site, loader_facts
+from torchmigrate.rule import Context
+from torchmigrate.rules.data.plan import data_plan
+from torchmigrate.rules.launch.base import SEEDERS
+
+# Draws whose result must be the same on every rank where they cut or split the data.
+AGREED = frozenset({"torch.randperm", "numpy.random.permutation", "random.shuffle", "numpy.random.shuffle",
+                    "random.sample"})
+# Built once for all ranks before training: a training loop that builds one is a setup loop
+# (with the runtime's `wrap_model` and `seed_everything`).
+_SETUP = frozenset({"torch.utils.data.random_split"}) | frozenset(SEEDERS)
+_LOOPS = (cst.For, cst.While)
+
+
+@dataclass(frozen=True)
+class Placement:
+    loop: cst.CSTNode  # the statement `tm.seed_per_rank()` goes before
+
+
+@dataclass(frozen=True)
+class Blocked:
+    loop: cst.CSTNode  # the outermost training loop
+    draw: cst.Call  # the draw in it that must agree on every rank
+
+
+def stream_plan(ctx: Context) -> List[object]:
+    """The placements (and the loops where none can go) of this module, in source order."""
+    found = ctx.facts.get("launch.streams")
+    if found is None:
+        found = ctx.facts["launch.streams"] = _Streams(ctx).plan()
+    return found  # type: ignore[return-value]
+
+
+class _Streams:
+    def __init__(self, ctx: Context) -> None:
+        self.ctx = ctx
+        self.functions: Dict[str, cst.FunctionDef] = {
+            s.name.value: s for s in ctx.module.body if isinstance(s, cst.FunctionDef)}
+        self.setup_statements = self._setup_statements()
+        self._runs: Dict[cst.CSTNode, bool] = {}
+        # loops over a training DataLoader: training loops even where the step they run lives in
+        # another module (`for batch in train_loader: trainer.step(batch)`)
+        self.over_training_data = {_iteration_site(node, ctx) for node, _ref in
+                                   loader_facts(ctx).uses(lambda loader: loader.kind == "train")} - {None}
+        self.shared_by_data = self._shared_by_data()
+        self.full_batch = self._full_batch_losses()
+
+    def plan(self) -> List[object]:
+        out: List[object] = []
+        for loop in self._outermost_training_loops():
+            if self._holds_full_batch_loss(loop):
+                continue  # every rank runs the one forward whose loss they share: its draws must agree
+            draw = self._agreed_draw(loop)
+            if draw is not None:
+                out.append(Blocked(loop, draw))
+                continue
+            place = self._placement(loop)
+            if place is not None:
+                out.append(Placement(place))
+        return out
+
+    # --- facts ----------------------------------------------------------------------------
+    def _setup_statements(self) -> Set[cst.CSTNode]:
+        ctx = self.ctx
+        nodes: List[cst.CSTNode] = [o.call for o in analysis.optimizers(ctx)]
+        nodes += [loader.call for loader in loader_facts(ctx).loaders]
+        runtime = ctx.options.runtime_module
+        nodes += analysis.calls_to(ctx, *_SETUP, runtime + ".wrap_model", runtime + ".seed_everything")
+        return {ctx.statement_of(n) for n in nodes if ctx.statement_of(n) is not None}
+
+    def _runs_backward(self, node: cst.CSTNode, depth: int = 0) -> bool:
+        """`node` runs a backward, itself or through a function of this module it calls, or a
+        method of its own class (two levels: `for epoch: train_epoch()` -> `for batch: step()`)."""
+        known = self._runs.get(node)
+        if known is not None:
+            return known
+        ctx = self.ctx
+        runs = node in self.over_training_data or analysis.runs_backward(ctx, node)
+        if not runs and depth < 2:
+            for call in ctx.within(node, cst.Call, skip_defs=True):
+                callee = self._callee(call)
+                if callee is not None and callee is not node and self._runs_backward(callee, depth + 1):
+                    runs = True
+                    break
+        self._runs[node] = runs
+        return runs
+
+    def _callee(self, call: cst.Call) -> Optional[cst.FunctionDef]:
+        """The function of this module (`train(...)`) or the method of the caller's class
+        (`self.train_epoch(...)`) that `call` runs."""
+        func = call.func
+        if isinstance(func, cst.Name):
+            return self.functions.get(func.value)
+        if isinstance(func, cst.Attribute) and isinstance(func.value, cst.Name) and func.value.value == "self":
+            klass = self.ctx.enclosing(call, cst.ClassDef)
+            if klass is not None:
+                return next((s for s in klass.body.body if isinstance(s, cst.FunctionDef)
+                             and s.name.value == func.attr.value), None)
+        return None
+
+    def _outermost_training_loops(self) -> List[cst.CSTNode]:
+        """The outermost loops of their function that hold a training loop (an epoch loop around
+        the batch loop), leaving out those a call makes part of another: the batch loop of
+        `train_one_epoch` that an epoch loop of this module calls belongs to that loop."""
+        ctx = self.ctx
+        loops = []
+        for loop in ctx.within(ctx.module, *_LOOPS):
+            if self._runs_backward(loop):
+                top = loop
+                for anc in ctx.ancestors(loop):
+                    if isinstance(anc, (cst.FunctionDef, cst.ClassDef, cst.Lambda)):
+                        break
+                    if isinstance(anc, _LOOPS):
+                        top = anc
+                if top not in loops:
+                    loops.append(top)
+        reached: Set[cst.CSTNode] = set()
+        todo = [f for loop in loops for f in map(self._callee, ctx.within(loop, cst.Call, skip_defs=True)) if f]
+        while todo:
+            function = todo.pop()
+            if function not in reached:
+                reached.add(function)
+                todo += [f for f in map(self._callee, ctx.within(function, cst.Call, skip_defs=True)) if f]
+        return [n for n in loops if not any(a in reached for a in ctx.ancestors(n))]
+
+    def _placement(self, loop: cst.CSTNode) -> Optional[cst.CSTNode]:
+        """`loop` itself when it builds nothing shared, else the first training loop inside it
+        that does not (None: none)."""
+        ctx = self.ctx
+        if not any(s in self.setup_statements for s in ctx.within(loop, cst.SimpleStatementLine, skip_defs=True)):
+            return loop
+        for inner in ctx.within(loop, *_LOOPS, skip_defs=True):
+            if inner is not loop and self._holds_training(inner):
+                place = self._placement(inner)
+                if place is not None:
+                    return place
+        return None
+
+    def _holds_training(self, loop: cst.CSTNode) -> bool:
+        return any(self._runs_backward(inner) for inner in self.ctx.within(loop, *_LOOPS, skip_defs=True))
+
+    def _agreed_draw(self, loop: cst.CSTNode) -> Optional[cst.Call]:
+        """A permutation or shuffle drawn in the loop (or in a function of this module it calls)
+        from the global streams, that is not shared from rank 0."""
+        ctx = self.ctx
+        bodies = [loop] + [f for f in map(self._callee, ctx.within(loop, cst.Call, skip_defs=True)) if f is not None]
+        for body in bodies:
+            for call in ctx.within(body, cst.Call, skip_defs=True):
+                if ctx.resolve(call.func) in AGREED and not _explicit_generator(call) and not self._shared(call):
+                    return call
+        return None
+
+    def _shared_by_data(self) -> Set[cst.CSTNode]:
+        """The draws and shuffles that set the order of a hand-made batch loop which TM201 shards
+        in this run: rank 0 draws them and every rank uses its result (`tm.broadcast_object`)."""
+        ctx = self.ctx
+        if "TM201" not in ctx.enabled:
+            return set()
+        plan = data_plan(ctx)
+        return {o.node for found in plan.batches.loops if not found.sharded and plan.batch(found).status == "shard"
+                for o in found.orders if not o.shared}
+
+    def _full_batch_losses(self) -> List[cst.Call]:
+        """Full-batch losses whose training indices the ranks share out (`tm.shard_mean`, now or
+        by TM201 in this run): each rank runs the whole forward and scores its part of it, so the
+        forward's dropout must draw alike on every rank, as in one process."""
+        ctx = self.ctx
+        losses = [c for c in analysis.calls_to(ctx, ctx.options.runtime_module + ".shard_mean")]
+        if "TM201" in ctx.enabled:
+            plan = data_plan(ctx)
+            losses += [loss.call for loss in plan.batches.losses if plan.batch(loss).status == "shard"]
+        return losses
+
+    def _holds_full_batch_loss(self, loop: cst.CSTNode) -> bool:
+        ctx = self.ctx
+        if not self.full_batch:
+            return False
+        direct = ctx.within(loop, cst.Call, skip_defs=True)
+        inside = set(direct)
+        for callee in filter(None, map(self._callee, direct)):
+            inside.update(ctx.within(callee, cst.Call, skip_defs=True))
+        return any(loss in inside for loss in self.full_batch)
+
+    def _shared(self, call: cst.Call) -> bool:
+        if call in self.shared_by_data or self.ctx.statement_of(call) in self.shared_by_data:
+            return True
+        for anc in self.ctx.ancestors(call):
+            if isinstance(anc, cst.Call) and (self.ctx.resolve(anc.func) or "").endswith(".broadcast_object"):
+                return True
+            if isinstance(anc, cst.BaseStatement):
+                return False
+        return False
+
+
+def _explicit_generator(call: cst.Call) -> bool:
+    return any(a.keyword is not None and a.keyword.value in ("generator", "random_state") for a in call.args)

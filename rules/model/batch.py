@@ -1,0 +1,133 @@
+"""TM305's decisions: how big each rank's batch is once the program runs on N ranks.
+
+DDP averages the gradients of the ranks, so a step trains on the batches of every rank together.
+Under the batch policy "global" (the default, `Options.batch_policy`) the migrated program keeps
+the original's global batch: each training DataLoader that TM201 shards in this run loads
+`tm.per_rank_batch(batch_size)` samples (batch_size / world_size, an error naming the nearest
+sizes when it does not divide). The steps per epoch, step-based schedules, warm-up and the
+learning rate then keep their meaning, gradient accumulation still sums the same number of
+samples per optimizer step, and a DataParallel program's batch, which DataParallel split across
+its GPUs, is split across the ranks the same way. Under "per-gpu" every rank keeps the whole
+batch and TM305 scales the learning rate instead (`model/plan.py` finds the optimizers).
+
+A loader whose batch size cannot be found or divided safely keeps its batch and gets a TODO:
+a batch sampler (or a `batch_sampler=` that TM201 shards whole), batch sizes hidden in
+`**kwargs` or left at the default of one sample, and a training loop that reads the batch size
+as a value (`torch.ones(args.batch_size, 1)`), which would no longer match the batches.
+Evaluation loaders are never touched: their batch size changes nothing about training.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional
+
+import libcst as cst
+
+from torchmigrate.program.loaders import Loader, bind_args, loader_facts
+from torchmigrate.rule import Context
+from torchmigrate.rules.data.plan import data_plan
+from torchmigrate.syntax.nodes import code
+
+DIVIDED = "per_rank_batch"
+
+
+@dataclass(eq=False)
+class BatchSite:
+    """A training loader this run shards, and what happens to its batch size."""
+
+    loader: Loader
+    size: Optional[cst.Arg]  # the `batch_size` argument (positional or keyword)
+    kept: str = ""  # why the batch stays per rank (a TODO); "" when it is divided
+
+
+def divides_batches(ctx: Context) -> bool:
+    """This run keeps the original's global batch by dividing the training loaders' batch size:
+    `ddp` with the global policy, TM305 and TM201 (which shards the loaders) both enabled, and
+    a model wrapped in DDP (else training data stays whole, see `Options.shard_training`)."""
+    options = ctx.options
+    return (options.mode == "ddp" and options.batch_policy == "global" and options.shard_training
+            and {"TM201", "TM305"} <= ctx.enabled)
+
+
+def loaders_carry_batch(ctx: Context) -> bool:
+    """The program's global batch is decided at its DataLoaders (divided there, or a TODO there
+    that says why not), so its optimizers need no word about the learning rate."""
+    if not divides_batches(ctx):
+        return False
+    return ctx.program.program_dataloaders or (not ctx.program.followed and bool(loader_facts(ctx).loaders))
+
+
+def batch_sites(ctx: Context) -> List[BatchSite]:
+    """The training loaders of this module that TM201 shards in this run, with their decision
+    (computed once per module)."""
+    found = ctx.facts.get("model.batch_sites")
+    if found is None:
+        found = ctx.facts["model.batch_sites"] = _decide(ctx) if divides_batches(ctx) else []
+    return found  # type: ignore[return-value]
+
+
+def _decide(ctx: Context) -> List[BatchSite]:
+    facts = loader_facts(ctx)
+    if facts.distributed or facts.skip_file:
+        return []
+    plan = data_plan(ctx)
+    sites = []
+    for loader in facts.loaders:
+        decided = plan.of(loader)
+        if loader.kind == "eval" or not _sharded_here(loader, decided):
+            continue
+        args = bind_args(loader.call) or {}
+        size = args.get("batch_size")
+        if size is not None and DIVIDED in code(size.value):
+            continue  # migrated already
+        sites.append(BatchSite(loader, size, _kept(loader, size, args)))
+    return sites
+
+
+def _sharded_here(loader: Loader, decided) -> bool:
+    """TM201 gives the loader a distributed sampler in this run (`tm.sampler`, or its own
+    sampler wrapped in `tm.shard_sampler`), so each rank loads its share of every epoch."""
+    if decided.status == "plain":
+        return decided.sampler in ("distributed", "mixed") and not loader.ordered
+    return decided.status == "custom" and decided.sampler == "distributed"
+
+
+def _kept(loader: Loader, size: Optional[cst.Arg], args) -> str:
+    """Why the loader's batch size cannot be divided here ("" when it can)."""
+    if loader.custom_param == "batch_sampler":
+        return "its `batch_sampler=` makes the batches, and each rank now takes whole batches of it"
+    if size is None and loader.kwargs_arg is not None:
+        return f"its batch size may come from `**{code(loader.kwargs_arg)}`"
+    if size is None or "batch_sampler" in args:
+        return "it loads one sample per batch (no `batch_size`), which cannot be split among the ranks"
+    if isinstance(size.value, cst.Integer) and int(size.value.evaluated_value) == 1:
+        return "a batch of one sample cannot be split among the ranks"
+    if loader.batch_read:
+        return f"the loop over it reads `{loader.batch_read}` as a shape or a count, which a smaller batch would not match"
+    return ""
+
+
+def policy_applied(ctx: Context) -> bool:
+    """TM305 decides the program's batch in this run: it divides the loaders' batch size (see
+    `loaders_carry_batch`) or, under "per-gpu", scales the learning rates. Other rules then
+    say nothing about the global batch (TM306's DataParallel note)."""
+    if ctx.options.mode != "ddp" or "TM305" not in ctx.enabled:
+        return False
+    return ctx.options.batch_policy == "per-gpu" or loaders_carry_batch(ctx)
+
+
+def divide_fix(ctx: Context, site: BatchSite):
+    """The edit of the batch size: `tm.per_rank_batch(size)`; for a loader that trains or
+    evaluates by a condition (`shuffle=is_train`), `tm.per_rank_batch(size) if is_train else
+    size`, so the evaluation batch stays as it was."""
+    tm = ctx.tm
+    condition = site.loader.condition if site.loader.kind == "mixed" else None
+
+    def fix(value: cst.BaseExpression) -> cst.BaseExpression:
+        call = cst.Call(func=cst.parse_expression(f"{tm}.{DIVIDED}"),
+                        args=[cst.Arg(value.with_changes(lpar=[], rpar=[]))])
+        if condition is None:
+            return call
+        return cst.IfExp(test=cst.parse_expression(condition), body=call, orelse=value.deep_clone())
+    return fix
