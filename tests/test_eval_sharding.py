@@ -122,7 +122,7 @@ def run(body: str, **options):
 @pytest.mark.parametrize("style,body,proven,reason", STYLES, ids=[s[0] for s in STYLES])
 def test_evaluation_is_sharded_only_where_every_value_is_proven_reduced(style, body, proven, reason):
     result = run(body)
-    notes = [f for f in result.findings if f.note]
+    notes = [f for f in result.findings if f.advice]
     assert ("eval_sampler(" in result.new_source) == proven, result.new_source
     if proven:
         assert not notes and "tm.all_reduce(" in result.new_source

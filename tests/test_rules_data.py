@@ -216,7 +216,7 @@ def test_ddp_migrates_single_gpu_file():
     assert "sampler=tm.sampler(train_ds, shuffle=True)" in result.new_source
     # no loop over `val_loader` here proves what it computes reduced: every rank evaluates it all
     assert "val_loader = DataLoader(val_ds, batch_size=32)\n" in result.new_source
-    assert [f.note for f in result.findings if f.code == "TM203"] == [True]
+    assert [f.advice for f in result.findings if f.code == "TM203"] == [True]
     assert "    tm.set_epoch(train_loader, epoch)\n" in result.new_source
 
 
@@ -362,7 +362,7 @@ def test_scripts_data_rules_compile_and_are_idempotent(script):
     if "DataLoader" in source and "DistributedSampler" not in source:
         assert "tm.sampler(" in result.new_source
         assert "tm.set_epoch(" in result.new_source
-    assert not [f for f in result.findings if f.safety.value == "manual" and not f.note]
+    assert not [f for f in result.findings if f.safety.value == "manual" and not f.advice]
 
 
 # --- under torchrun ----------------------------------------------------------------------------

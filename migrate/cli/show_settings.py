@@ -90,7 +90,7 @@ def describe(request: Request, cache: Optional[Tuple[Optional[str], bool]] = Non
     for name in request.paths:
         path = Path(request.stdin_filename or "stdin.py") if name == "-" else Path(name)
         config = configs.for_file(path)
-        codes, _ = settings.for_file(path)
+        codes = settings.for_file(path).codes
         lines = [f"Settings for {request.stdin_filename or name} (torchmigrate {request.command}):",
                  f"  {'settings file':<16}{_origin(config, configs.forced is not None)}"]
         lines += _selection_lines(config, request)
