@@ -120,10 +120,12 @@ def test_cst_programs_importing_torch(source):
             assert run(result.new_source, mode).new_source == result.new_source
 
 
-def test_prefilter_skips_files_without_torch():
-    source = "import numpy as np\nx = np.zeros(3)\nprint x\n"  # not even valid: never parsed
+def test_prefilter_leaves_files_without_torch_unchanged_but_checks_their_syntax():
+    source = "import numpy as np\nx = np.zeros(3)\nprint(x)\n"
     for mode in MODES:
         assert run(source, mode).new_source == source
+        with pytest.raises(InputError):  # a syntax error is reported in every file, as Ruff does
+            run(source.replace("print(x)", "print x"), mode)
 
 
 # --- torch programs assembled from fixture fragments ---------------------------------------------

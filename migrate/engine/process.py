@@ -279,6 +279,16 @@ def _deep_recursion() -> Iterator[None]:
             sys.setrecursionlimit(old)
 
 
+def _own_view(source: str, path: str) -> ModuleView:
+    """The view of a file processed alone, with the effects of its own code; a file that CPython
+    cannot parse (too deeply nested, a syntax error) gets the empty view, and the parse that
+    follows reports what is wrong with it."""
+    try:
+        return ModuleView(**effects.of_module(source, path))
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return ModuleView()
+
+
 def process_source(source: str, path: str, options: Options, rules: Sequence[RuleType],
                    program: Optional[ModuleView] = None, fix_edits: bool = False) -> SourceResult:
     """`program`: what the rest of the program says about this module (None: a file alone).
@@ -296,9 +306,9 @@ def process_source(source: str, path: str, options: Options, rules: Sequence[Rul
     if not part_of_torch_program and not any(word in source for word in PREFILTER):
         check_syntax(source)  # a syntax error is reported in every file, as Ruff does
         return SourceResult(source, source, unknown_ignores=unknown)
-    if program is None:  # a file alone: the effects of its own code still count
-        program = ModuleView(**effects.of_module(source, path))
     with _deep_recursion():
+        if program is None:  # a file alone: the effects of its own code still count
+            program = _own_view(source, path)
         result = _process(source, path, options, rules, suppressions, program, fix_edits)
         result.unknown_ignores = unknown
         if options.migrating or not result.changed:

@@ -720,7 +720,9 @@ class _Planner:
             self.ctx.resolve(line.value.func) == "torchmigrate.runtime.to_float32"
 
     def covered_site(self, site: Site) -> bool:
-        last, _ = self.training.loss_definition(site)
+        last, inline = self.training.loss_definition(site)
+        if inline:
+            return False  # `scaler.scale(criterion(model(x), y)).backward()`: its forward has no autocast
         return last is None or self.training.covered(last) or last in self.training.autocast_set
 
     def region_statements(self, region: Region) -> List[cst.CSTNode]:
