@@ -1251,12 +1251,17 @@ class _Streams:
                 numpy.random.set_state(kept[2])
 
 
+_BATCH_WARNED: set = set()
+
+
 def per_rank_batch(batch_size: int) -> int:
     """This rank's share of a global batch of ``batch_size`` samples: ``batch_size // world_size()``,
     so the migrated program keeps the original's batch, steps per epoch, schedules and learning
     rate (each optimizer step still averages the gradients of ``batch_size`` samples). 1 process:
-    ``batch_size``. A size that does not divide by the number of processes is an error that names
-    the nearest sizes that do (a silent rounding would change the optimisation)."""
+    ``batch_size``. A size that does not divide by the number of processes (a batch of 1 on 2
+    ranks, 50 on 8) gets the next size up, ``ceil(batch_size / world_size())`` on every rank (each
+    rank must run as many steps as the others), and rank 0 warns once, naming the nearest sizes
+    that keep the original's global batch exactly."""
     world = world_size()
     if batch_size is None or world <= 1:
         return batch_size
@@ -1264,11 +1269,12 @@ def per_rank_batch(batch_size: int) -> int:
     if size % world:
         low, high = size - size % world, size + world - size % world
         nearest = f"{low} or {high}" if low else f"{high}"
-        raise ValueError(
-            f"torchmigrate.runtime: the batch size {size} does not divide among {world} processes "
-            f"(each rank loads batch_size / world_size samples, so that a step sees the same global "
-            f"batch as the original program): use a batch size of {nearest}, or launch a number of "
-            f"processes that divides {size}")
+        if size not in _BATCH_WARNED and is_main():
+            _BATCH_WARNED.add(size)
+            _warn(f"the batch size {size} does not divide among {world} processes: each rank loads "
+                  f"{-(-size // world)} samples, a global batch of {-(-size // world) * world} instead of {size}. "
+                  f"A batch size of {nearest} keeps the original's global batch exactly.")
+        return -(-size // world)
     return size // world
 
 

@@ -627,13 +627,18 @@ def test_shared_generator_in_one_process_is_the_default_stream():
     assert tm.shared_generator(3) is not torch.default_generator
 
 
-def test_per_rank_batch_names_the_nearest_sizes(monkeypatch):
+def test_per_rank_batch_rounds_up_and_names_the_nearest_sizes(monkeypatch, capsys):
+    """A size that does not divide must not stop the program (a GAN's batch of 1 on 2 ranks):
+    every rank loads the next size up, and rank 0 says which sizes keep the global batch."""
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("RANK", "0")
-    with pytest.raises(ValueError, match="use a batch size of 8 or 12"):
-        tm.per_rank_batch(10)
-    with pytest.raises(ValueError, match="use a batch size of 4,"):
-        tm.per_rank_batch(3)
+    monkeypatch.setattr(tm, "_BATCH_WARNED", set())
+    assert tm.per_rank_batch(10) == 3 and tm.per_rank_batch(10) == 3
+    assert tm.per_rank_batch(3) == 1
+    err = capsys.readouterr().err
+    assert err.count("the batch size 10 does not divide among 4 processes") == 1
+    assert "a global batch of 12 instead of 10" in err and "A batch size of 8 or 12" in err
+    assert "A batch size of 4 keeps" in err
 
 
 def test_main_only(other_rank, monkeypatch):

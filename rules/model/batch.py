@@ -3,8 +3,8 @@
 DDP averages the gradients of the ranks, so a step trains on the batches of every rank together.
 Under the batch policy "global" (the default, `Options.batch_policy`) the migrated program keeps
 the original's global batch: each training DataLoader that TM201 shards in this run loads
-`tm.per_rank_batch(batch_size)` samples (batch_size / world_size, an error naming the nearest
-sizes when it does not divide). The steps per epoch, step-based schedules, warm-up and the
+`tm.per_rank_batch(batch_size)` samples (batch_size / world_size; the next size up, with a
+warning naming the nearest sizes that divide, when it does not). The steps per epoch, step-based schedules, warm-up and the
 learning rate then keep their meaning, gradient accumulation still sums the same number of
 samples per optimizer step, and a DataParallel program's batch, which DataParallel split across
 its GPUs, is split across the ranks the same way. Under "per-gpu" every rank keeps the whole

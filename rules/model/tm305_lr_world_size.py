@@ -31,8 +31,9 @@ class LrWorldSize(ModelRule):
     keep their meaning. The report says so at each loader, in one line. Gradient accumulation
     still sums the same number of samples per optimizer step. A `nn.DataParallel` program's
     batch was already the global batch (DataParallel split it across the GPUs); it is now split
-    across the ranks the same way. `tm.per_rank_batch` stops with an error that names the
-    nearest sizes when the batch size does not divide by the number of processes.
+    across the ranks the same way. Where the batch size does not divide by the number of
+    processes, `tm.per_rank_batch` gives every rank the next size up and warns once, naming the
+    nearest sizes that keep the global batch exactly.
 
     `--batch-policy per-gpu` keeps each rank's batch instead (a global batch N times larger,
     for users who want to use more GPUs to train faster) and scales the learning rate of the
