@@ -35,14 +35,19 @@ class ModelRule(Rule):
             self.report(node, message, statement=statement, advice=node in p.advice)
 
 
-def wrap_call(tm: str, module: cst.BaseExpression, find_unused: bool, sync_bn: bool) -> cst.Call:
+def wrap_call(tm: str, module: cst.BaseExpression, find_unused: bool, sync_bn: bool,
+              data_parallel: bool = False) -> cst.Call:
     """`tm.wrap_model(module, ...)` with the keywords the plan chose (TM303, TM304): the one wrap
-    statement TM301 inserts or TM306 writes in place of DataParallel."""
+    statement TM301 inserts or TM306 writes in place of DataParallel. `data_parallel`: the wrap
+    replaces an `nn.DataParallel`, which the model keeps in one process (code anywhere that reads
+    `model.module` keeps working; `python train.py` still uses every GPU)."""
     args = [cst.Arg(module)]
     if find_unused:
         args.append(kwarg("find_unused_parameters", expr("True")))
     if sync_bn:
         args.append(kwarg("sync_bn", expr("True")))
+    if data_parallel:
+        args.append(kwarg("data_parallel", expr("True")))
     return with_args(cst.Call(func=expr(f"{tm}.wrap_model")), args)
 
 

@@ -119,7 +119,7 @@ class WrapDDP(ModelRule):
             return
         tm = self.ctx.tm
         for nw in p.new:
-            call = wrap_call(tm, expr(nw.name), bool(nw.find_unused), nw.sync_bn)
+            call = wrap_call(tm, expr(nw.name), bool(nw.find_unused), nw.sync_bn, data_parallel=nw.dp is not None)
             statement = cst.SimpleStatementLine([cst.Assign([cst.AssignTarget(expr(nw.name))], call)])
             edit = (insert_after if nw.after else insert_before)(nw.anchor, [statement])
             extra = f" (find_unused_parameters=True: {nw.find_unused})" if nw.find_unused else ""

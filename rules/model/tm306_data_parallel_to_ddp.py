@@ -45,9 +45,11 @@ class DataParallelToDDP(ModelRule):
     becomes
     ```python
     model = Net()
-    model = tm.wrap_model(model)
+    model = tm.wrap_model(model, data_parallel=True)
     model.to(device)
     ```
+    (`data_parallel=True`: in one process the model stays in `nn.DataParallel`, as the original
+    ran, so code anywhere that reads `model.module` keeps working; under torchrun it is DDP.)
     """
 
     code = "TM306"
@@ -71,7 +73,7 @@ class DataParallelToDDP(ModelRule):
             import torchmigrate.runtime as tm
             model = Net()
             # TODO(torchmigrate): TM306 DataParallel split each batch across the GPUs; under DDP each rank loads a full batch, so the global batch is tm.world_size() times larger: use `batch_size // tm.world_size()` per rank to keep it (or scale the learning rate)
-            model = tm.wrap_model(model)
+            model = tm.wrap_model(model, data_parallel=True)
             model.to(device)
             torch.save(tm.unwrap(model).state_dict(), "model.pt")
             """,
@@ -124,7 +126,7 @@ class DataParallelToDDP(ModelRule):
                     inner = strip_moves(node) if isinstance(node, cst.Call) else node
                     a = p.models.wrapped_arg(inner) if isinstance(inner, cst.Call) else None
                     module = a.value if a is not None else inner
-                    return wrap_call(tm, module, fu, sb)
+                    return wrap_call(tm, module, fu, sb, data_parallel=True)
 
                 if site.action == "inplace":
                     outer = site.outer
@@ -133,7 +135,7 @@ class DataParallelToDDP(ModelRule):
                 else:
                     argx = p.models.wrapped_arg(w.call)
                     new = cst.SimpleStatementLine([cst.Assign([cst.AssignTarget(expr(w.name))],
-                                                              wrap_call(tm, argx.value, fu, sb))])
+                                                              wrap_call(tm, argx.value, fu, sb, data_parallel=True))])
                     if site.action == "collapse":
                         edits.append(replace(site.target, lambda n, new=new: _else_body(n, [new])))
                     elif site.action == "replace-if":
@@ -147,7 +149,7 @@ class DataParallelToDDP(ModelRule):
                     if key not in ensured:
                         ensured.add(key)
                         edits.append(insert_after(site.ensure_after, [cst.parse_statement(
-                            f"{w.name} = {tm}.wrap_model({w.name})")]))
+                            f"{w.name} = {tm}.wrap_model({w.name}, data_parallel=True)")]))
                     extra = (f" (it was in one branch: `{w.name}` is also wrapped after the `if`, so every branch "
                              "trains in DDP)")
                 elif site.conditional:
