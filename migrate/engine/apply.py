@@ -121,11 +121,14 @@ class _Rebuilder:
                 nodes = list(new.nodes)
             else:
                 nodes = [new]
-            before = sum(len(e.statements) for e in self.edits.get(child, ()) if e.kind is EditKind.INSERT_BEFORE)
-            entries.append(({child}, nodes, min(before, len(nodes))))
+            edits = self.edits.get(child, ())
+            before = sum(len(e.statements) for e in edits if e.kind is EditKind.INSERT_BEFORE)
+            after = sum(len(e.statements) for e in edits if e.kind is EditKind.INSERT_AFTER)
+            before = min(before, len(nodes))
+            entries.append(({child}, nodes, before, min(after, len(nodes) - before)))
         if parent in self.wraps and name == "body":
             entries = _apply_wraps(entries, self.wraps[parent], values)
-        out = [n for _, nodes, _ in entries for n in nodes]
+        out = [n for _, nodes, _, _ in entries for n in nodes]
         if values and out and hasattr(values[-1], "comma") and values[-1].comma is cst.MaybeSentinel.DEFAULT:
             if out[-1].comma is not cst.MaybeSentinel.DEFAULT:
                 out[-1] = out[-1].with_changes(comma=cst.MaybeSentinel.DEFAULT)
@@ -142,21 +145,24 @@ class _Rebuilder:
 def _apply_wraps(entries, wraps: List[Edit], values):
     """Merge each wrapped run of entries into one statement, shortest runs first. Statements
     other rules insert before the run's first statement (moving its inputs to the device) stay
-    before the new block, not inside it."""
+    before the new block, and those inserted after its last statement (`tm.cleanup()` at the end
+    of a script, a barrier after a save) after it: a wrap takes the statements it was given, not
+    what others add around them."""
     index = {child: i for i, child in enumerate(values)}
     ordered = sorted(
         (w for w in wraps if w.target in index and (w.end or w.target) in index),
         key=lambda w: index[w.end or w.target] - index[w.target],
     )
     for w in ordered:
-        first = next(i for i, (orig, _, _) in enumerate(entries) if w.target in orig)
-        last = next(i for i, (orig, _, _) in enumerate(entries) if (w.end or w.target) in orig)
+        first = next(i for i, (orig, _, _, _) in enumerate(entries) if w.target in orig)
+        last = next(i for i, (orig, _, _, _) in enumerate(entries) if (w.end or w.target) in orig)
         if last < first:
             continue
-        covered = set().union(*(orig for orig, _, _ in entries[first:last + 1]))
-        body = [n for _, nodes, _ in entries[first:last + 1] for n in nodes]
-        kept = entries[first][2]
+        covered = set().union(*(orig for orig, _, _, _ in entries[first:last + 1]))
+        body = [n for _, nodes, _, _ in entries[first:last + 1] for n in nodes]
+        kept, trailing = entries[first][2], entries[last][3]
         outside, body = body[:kept], body[kept:]
+        after, body = (body[len(body) - trailing:], body[:len(body) - trailing]) if trailing else ([], body)
         if not body:
             continue
         lead = getattr(body[0], "leading_lines", ())
@@ -166,7 +172,7 @@ def _apply_wraps(entries, wraps: List[Edit], values):
         nodes = list(wrapped.nodes) if isinstance(wrapped, cst.FlattenSentinel) else [wrapped]
         if lead and hasattr(nodes[0], "leading_lines"):
             nodes[0] = nodes[0].with_changes(leading_lines=[*lead, *nodes[0].leading_lines])
-        entries[first:last + 1] = [(covered, outside + nodes, len(outside))]
+        entries[first:last + 1] = [(covered, outside + nodes + after, len(outside), len(after))]
     return entries
 
 
