@@ -628,7 +628,8 @@ def _on_grad(ref, index: int, _param) -> None:
     ddp = ref()
     if ddp is None or not ddp.require_backward_grad_sync:
         return  # released, or inside no_sync(): gradients accumulate locally
-    ddp._tm_touched.add(index)
+    if ddp._tm_mode == "probe":
+        ddp._tm_touched.add(index)
     if not ddp._tm_queued:
         ddp._tm_queued = True
         torch.autograd.Variable._execution_engine.queue_callback(ddp._tm_after_backward)
