@@ -187,18 +187,17 @@ def _bindings(ctx: Context, use: cst.Name) -> List[tuple]:
 
 
 def _scope_bindings(ctx: Context, name: str, scope: cst.CSTNode) -> List[tuple]:
-    key = (name, scope)
-    cache: Dict[tuple, List[tuple]] = ctx.facts.setdefault("tm_bindings", {})  # type: ignore[assignment]
-    hit = cache.get(key)
-    if hit is not None:
-        return hit
-    found: List[tuple] = []
-    for n in ctx.named(name):
-        binding = _binding(ctx, n)
-        if binding is not None and ctx.scope_of(n) is scope:
-            found.append(binding)
-    cache[key] = found
-    return found
+    """The bindings of `name` in `scope`. Every binding of the name is read once, by scope (a
+    common name such as `x` is bound in hundreds of functions of a long file)."""
+    cache: Dict[str, Dict[int, List[tuple]]] = ctx.facts.setdefault("tm_bindings", {})  # type: ignore[assignment]
+    by_scope = cache.get(name)
+    if by_scope is None:
+        by_scope = cache[name] = {}
+        for n in ctx.named(name):
+            binding = _binding(ctx, n)
+            if binding is not None:
+                by_scope.setdefault(id(ctx.scope_of(n)), []).append(binding)
+    return by_scope.get(id(scope), [])
 
 
 def _binding(ctx: Context, n: cst.CSTNode) -> Optional[tuple]:

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import ast
 import re
+from functools import cached_property
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Set, Tuple
 
@@ -164,7 +165,7 @@ class DataPlan:
                     return True
         return False
 
-    @property
+    @cached_property
     def iterator_builders(self) -> Dict[str, Tuple[int, ...]]:
         """The program's hand-made batch iterators and their builders, as this module spells
         them (`ModuleView.iterator_builders`; of this file alone when it has no program)."""
@@ -175,7 +176,7 @@ class DataPlan:
         text = code(cst.Module(body=defs))
         return iterator_builders_of(ast.parse(text).body) if _MAY_ITERATE.search(text) else {}
 
-    @property
+    @cached_property
     def builds_training_iterators(self) -> bool:
         """This module builds a hand-made batch iterator over training data, which TM201 shards
         where it is built (`tm.shard_stream` on its data)."""
