@@ -508,6 +508,7 @@ class _DDP(DistributedDataParallel):
         self._tm_queued = False  # the end-of-backward callback is queued
         self._tm_touched: set = set()
         self._tm_steps = 0
+        self._tm_same_inputs = 0  # drift checks at which every rank had the same inputs
         self._tm_params = [p for p in self.module.parameters() if p.requires_grad]
         ref = weakref.ref(self)
         self._tm_hooks = [] if plain else [
@@ -519,7 +520,7 @@ class _DDP(DistributedDataParallel):
             return super().forward(*inputs, **kwargs)
         self._tm_steps += 1
         if self._tm_steps in _DRIFT_CHECKS or self._tm_steps % 1000 == 0:
-            _check_drift(self, f"after {self._tm_steps - 1} training steps")
+            _check_drift(self, f"after {self._tm_steps - 1} training steps", (inputs, kwargs))
         self._tm_armed = True
         if self._tm_mode == "ddp":
             return super().forward(*inputs, **kwargs)
@@ -789,23 +790,61 @@ def _watch_writes() -> None:
         torch.save = save
 
 
-def _check_drift(ddp: DistributedDataParallel, when: str) -> None:
+def _fingerprint(value, depth: int = 0):
+    """A number that tells two batches apart: a weighted sum of up to 256 evenly spaced elements
+    of the first tensor in `value` (through tuples, lists and dicts), plus its size."""
+    if isinstance(value, torch.Tensor):
+        if not value.numel():
+            return None
+        flat = value.detach().reshape(-1)
+        sample = flat[::max(1, flat.numel() // 256)][:256].double()
+        weights = torch.arange(1, sample.numel() + 1, dtype=torch.float64, device=sample.device)
+        return float((sample * weights).sum()) + flat.numel()
+    if depth < 3 and isinstance(value, (list, tuple)):
+        items = value
+    elif depth < 3 and isinstance(value, dict):
+        items = list(value.values())
+    else:
+        return None
+    for item in items:
+        found = _fingerprint(item, depth + 1)
+        if found is not None:
+            return found
+    return None
+
+
+_SHARED_INPUTS = False  # tm.shard_indices/shard_mean: ranks share the inputs and split the loss
+
+
+def _check_drift(ddp: DistributedDataParallel, when: str, inputs=None) -> None:
     """Warn once (rank 0) when the wrapped model's parameters differ across ranks: two sums
     over every parameter, compared with one all-reduce of max and one of min. DDP keeps the
     parameters identical, so a difference means something trained outside it (an optimizer
     over another copy, a learning rate that differs per rank, a step only some ranks take).
-    Off with ``TORCHMIGRATE_CHECKS=0``. A collective: called at points every rank reaches (the
-    wrapper's training forwards, and cleanup)."""
+    The same all-reduce compares the step's inputs (`_fingerprint`): identical on every rank at
+    two checks, every rank trains on the same batches (data not shared out by rank), which is
+    said once too. Off with ``TORCHMIGRATE_CHECKS=0``. A collective: called at points every rank
+    reaches (the wrapper's training forwards, and cleanup)."""
     if not _checks_on() or id(ddp) in _DRIFT_WARNED:
         return
     with torch.no_grad():
-        total = torch.zeros(3, dtype=torch.float64)
+        total = torch.zeros(4, dtype=torch.float64)
         for i, p in enumerate(ddp.module.parameters()):
             v = p.detach().double()
             total[0] += v.sum().cpu()
             total[1] += (v.abs().sum() * (1 + (i % 7))).cpu()
         total[2] = _SAMPLERS_MADE
+        seen = _fingerprint(inputs) if inputs is not None else None
+        total[3] = float("nan") if seen is None else seen
     high, low = all_reduce(total, op="max"), all_reduce(total, op="min")
+    if inputs is not None and not _SHARED_INPUTS and bool(high[3] == low[3]):
+        ddp._tm_same_inputs += 1
+        if ddp._tm_same_inputs == 2 and is_main():
+            _warn(f"{type(ddp.module).__name__} got the same inputs on every rank at two training steps ({when}): "
+                  "if they come from the training data, every rank trains on the same samples (the data is not "
+                  "shared out by rank: give its loader `sampler=tm.sampler(dataset)`, or see the TM201 "
+                  "findings); if they are random draws, every rank draws the same ones (seed the ranks apart "
+                  "where training starts with `tm.seed_per_rank()`).")
     if high[2] != low[2] and "samplers" not in _DRIFT_WARNED:
         _DRIFT_WARNED.add("samplers")
         if is_main():
@@ -1089,9 +1128,11 @@ def shard_indices(idx):
     (``loss = F.nll_loss(out[idx_train], labels[idx_train])`` on a whole graph): each rank scores
     its part of the training nodes, and ``shard_mean`` weights the parts so that DDP's averaged
     gradient is the one-process gradient. Parts differ in size by at most one. 1 process: ``idx``."""
+    global _SHARED_INPUTS
     world = world_size()
     if world <= 1:
         return idx
+    _SHARED_INPUTS = True  # every rank runs the forward on the same inputs and scores its part
     me = rank()
     if _is_mask(idx):
         positions = idx.reshape(-1).nonzero()

@@ -368,6 +368,8 @@ def test_the_runtime_names_a_file_every_rank_writes_and_drifting_parameters(nets
     assert "rank0.json" not in out and "rank1.json" not in out  # per-rank names are intended
     drift = [line for line in out.splitlines() if "differ across ranks" in line]
     assert len(drift) == 1 and "Linear" in drift[0]
+    same = [line for line in out.splitlines() if "got the same inputs on every rank" in line]
+    assert len(same) == 1 and "Linear" in same[0]  # the models trained on each rank's own batches: none
 
 
 # ------------------------------------------------------------------ data no sampler shards

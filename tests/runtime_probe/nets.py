@@ -112,6 +112,14 @@ def main(outdir):
 
     nets_helpers.write_summary(os.path.join(outdir, "summary.txt"), "done")
 
+    same = tm.wrap_model(nn.Linear(4, 1))  # every rank trains on the same batches
+    opt = torch.optim.SGD(same.parameters(), lr=0.1)
+    shared = torch.Generator().manual_seed(7)
+    for _ in range(12):
+        same(torch.randn(5, 4, generator=shared)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
     drifting = tm.wrap_model(nn.Linear(3, 1))
     opt = torch.optim.SGD(drifting.parameters(), lr=0.1 * (tm.rank() + 1))  # per-rank lr
     for _ in range(12):
