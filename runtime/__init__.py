@@ -421,7 +421,7 @@ def wrap_model(model: nn.Module, *, find_unused_parameters: bool = False, sync_b
     dev = device()
     model = model.to(dev)
     if not is_distributed():
-        return nn.DataParallel(model) if data_parallel and not isinstance(model, nn.DataParallel) else model
+        return _DataParallel(model) if data_parallel and not isinstance(model, nn.DataParallel) else model
     if not any(p.requires_grad for p in model.parameters()):
         return model
     _require_pg()
@@ -431,6 +431,36 @@ def wrap_model(model: nn.Module, *, find_unused_parameters: bool = False, sync_b
                                       find_unused_parameters=find_unused_parameters, **ddp_kwargs)
     _DDP_WRAPPERS.append(weakref.ref(ddp))  # cleanup() releases it before destroying the group
     return ddp
+
+
+class _DataParallel(nn.DataParallel):
+    """The ``nn.DataParallel`` that ``wrap_model(..., data_parallel=True)`` keeps in one process:
+    ``model.module`` works as in the original (every visible GPU is used; on the CPU it calls the
+    module), and the rest behaves like the plain model, as the DDP wrapper does: its
+    ``state_dict()`` has no ``module.`` prefix, ``load_state_dict`` takes both forms, an attribute
+    of the user's class (``model.n_classes``) is found on the module, pickling it pickles the
+    module. A program that used DataParallel only behind a flag then loads the same checkpoints
+    whether the flag was on or off."""
+
+    def state_dict(self, *args, **kwargs):
+        if args or kwargs.get("prefix") or kwargs.get("destination") is not None:
+            return super().state_dict(*args, **kwargs)
+        return self.module.state_dict(**kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True, *args, **kwargs):
+        return self.module.load_state_dict(strip_prefix(state_dict), strict, *args, **kwargs)
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            inner = self.__dict__.get("_modules", {}).get("module")
+            if inner is None or name.startswith("__"):
+                raise
+        return getattr(inner, name)
+
+    def __reduce_ex__(self, protocol):
+        return operator.getitem, ((self.module,), 0)
 
 
 def _live_wrappers() -> list:

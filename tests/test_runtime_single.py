@@ -236,6 +236,13 @@ def test_wrap_model_keeps_a_former_data_parallel_in_one_process():
     assert tm.wrap_model(wrapped, data_parallel=True) is wrapped
     out = wrapped(torch.randn(4, 3, device=tm.device()))
     assert out.shape == (4, 2) and tm.unwrap(wrapped) is model
+    # behind a flag in the original, the plain model: its checkpoints keep working either way
+    plain = small_model().state_dict()
+    assert list(wrapped.state_dict()) == list(plain)
+    wrapped.load_state_dict(plain)
+    wrapped.load_state_dict({"module." + k: v for k, v in plain.items()})
+    model.n_classes = 2
+    assert wrapped.n_classes == 2
 
 
 def test_unwrap_nested_wrappers():
