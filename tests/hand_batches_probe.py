@@ -2,7 +2,9 @@
 `__main__`, in this process, and records what it trained on: every training forward of its `Net`
 (each input row, as text, padding zeros stripped), the optimizer steps, the parts of the index
 sets `tm.shard_indices` handed out, and the final parameters of the `Net`. Writes
-<outdir>/rank<RANK>.json. Used by tests/test_hand_batches_e2e.py, under torchrun or alone."""
+<outdir>/rank<RANK>.json. With PROBE_SEED=s, rank r first seeds random, numpy and torch with s + r, so
+rank 0 draws what one process draws and the other ranks draw differently (unless the migration
+makes them agree). Used by tests/test_hand_batches_e2e.py, under torchrun or alone."""
 import json
 import os
 import runpy
@@ -52,6 +54,14 @@ def recording(shard_indices):
 nn.modules.module.register_module_forward_pre_hook(record_forward)
 register_optimizer_step_post_hook(count_step)
 tm.shard_indices = recording(tm.shard_indices)
+if os.environ.get("PROBE_SEED"):  # rank r seeds base + r: what rank 0 draws is what one process draws
+    import random
+
+    import numpy as np
+    seed = int(os.environ["PROBE_SEED"]) + int(os.environ.get("RANK", "0"))
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
 sys.argv = [script]
 runpy.run_path(script, run_name="__main__")
 seen["params"] = [v for p in nets[0].parameters() for v in p.detach().reshape(-1).tolist()]

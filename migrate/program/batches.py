@@ -220,10 +220,23 @@ class BatchFacts:
             value = node.value
             if value is not None and isinstance(node, cst.Assign):
                 for name in names - assigned:
-                    if any(name in _names(c) for c in ctx.within(value, cst.Call)):
+                    if any(name in _names(c) for c in ctx.within(value, cst.Call)) and self._starts_before(loop, name):
                         return name
             assigned |= names
         return None
+
+    def _starts_before(self, loop: cst.For, name: str) -> bool:
+        """`name` gets a value before the loop in its scope (`hidden = model.init_hidden(bsz)`):
+        a state the loop carries from batch to batch starts somewhere. (A name first bound in a
+        branch of the body, `loss = loss.mean()` after `loss = criterion(...)` in another, is no
+        such state.)"""
+        ctx = self.ctx
+        scope, start = ctx.scope_of(loop), ctx.position(loop) or 0
+        for assign in self.facts.assigns:
+            if ctx.scope_of(assign) is scope and (ctx.position(assign) or 0) < start \
+                    and name in {n for t in assign.targets for n in _target_names(t.target)}:
+                return True
+        return name.startswith("self.")
 
     def _orders(self, loop: cst.For, name: str, found: BatchLoop) -> None:
         """The draws in the loop's scope, before it, that reorder `name` (see `BatchLoop`)."""

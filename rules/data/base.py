@@ -8,7 +8,8 @@ from typing import List
 import libcst as cst
 
 from torchmigrate.finding import Edit, replace
-from torchmigrate.syntax.nodes import code, expr
+from torchmigrate.syntax.nodes import code, expr, set_kwarg
+from torchmigrate.program.rank_guards import collective_guard
 from torchmigrate.program.loaders import Loader, LoaderFacts, loader_facts
 from torchmigrate.rule import Rule
 from torchmigrate.rules.data.plan import DataPlan, data_plan
@@ -118,6 +119,15 @@ class DataRule(Rule):
                                  "did, so its numbers agree across ranks (the cost: each rank does the whole "
                                  f"evaluation's work). Not sharded because {self.plan.of(loader).unproven}; "
                                  "`--shard-eval` shards it anyway", advice=True)
+        if loader.kind != "mixed" and _shuffles_by_itself(loader.call) and collective_guard(self.ctx, loader.call) is None:
+            tm = self.ctx.tm
+            self.report(loader.call, f"{what} shuffles with each rank's own random stream, which differs per rank once "
+                                     f"training starts (`{tm}.seed_per_rank()`), so the ranks would see its batches in "
+                                     "different orders and compute different numbers from the same set: its order "
+                                     f"comes from a generator seeded alike on every rank (`{tm}.shared_generator()`)",
+                        edits=[replace(loader.call, lambda c: set_kwarg(
+                            c, "generator", cst.parse_expression(f"{tm}.shared_generator()")))],
+                        imports=[self.ctx.runtime_import()])
 
     def sharded_unproven(self, loader: Loader) -> None:
         """An evaluation loader sharded by `--shard-eval` although the program model cannot prove
@@ -137,3 +147,15 @@ class DataRule(Rule):
         self.report(loader.call, f"{what} kept unsharded: the code pairs its batches with `{loader.ordered}` in "
                                  "dataset order (a feature bank and its labels), which a sharded loader would break; "
                                  "every rank runs it over the whole dataset, so the results agree across ranks")
+
+
+def _shuffles_by_itself(call: cst.Call) -> bool:
+    """`DataLoader(ds, shuffle=<not False>)` with no sampler and no generator of its own: its
+    order comes from the process's global random stream."""
+    given = {a.keyword.value: a.value for a in call.args if a.keyword is not None}
+    if any(a.star for a in call.args) or {"sampler", "batch_sampler", "generator"} & set(given):
+        return False
+    shuffle = given.get("shuffle")
+    if shuffle is None and len([a for a in call.args if a.keyword is None]) >= 3:
+        shuffle = [a for a in call.args if a.keyword is None][2].value  # DataLoader(ds, bs, shuffle)
+    return shuffle is not None and not (isinstance(shuffle, cst.Name) and shuffle.value in ("False", "None"))

@@ -3,7 +3,7 @@ carries (token streams, hand-made batches, full-batch indices) its share by rank
 
 from __future__ import annotations
 
-from typing import Set
+from typing import List, Optional, Set
 
 import libcst as cst
 
@@ -17,6 +17,7 @@ from torchmigrate.program.loaders import Loader
 from torchmigrate.rule import Example
 from torchmigrate.rules.data.base import DataRule
 from torchmigrate.rules.data.plan import UNWRAPPED, BatchPlan, training_args
+from torchmigrate.rules.model.batch import DIVIDED, divides_batches
 
 
 class DistSampler(DataRule):
@@ -266,11 +267,31 @@ class DistSampler(DataRule):
         ctx = self.ctx
         tm = ctx.tm
         helper = "shard_range" if found.kind == "range" else "shard_batches"
-        edits = [replace(found.wrapped, lambda w: cst.Call(func=expr(f"{tm}.{helper}"), args=[cst.Arg(w)]))]
+        divided = divided_range(ctx, found) if found.kind == "range" else None
+        wrapped = found.wrapped
+
+        def shard(w):
+            if divided is not None:  # the step of `range(0, n, bs)`: each rank's share of a batch
+                args = list(w.args)
+                args[2] = args[2].with_changes(value=_per_rank(tm, args[2].value))
+                w = w.with_changes(args=args)
+            return cst.Call(func=expr(f"{tm}.{helper}"), args=[cst.Arg(w)])
+
+        edits = [replace(wrapped, shard)]
         if found.kind == "range":
             data = ", ".join(f"`{n}`" for n in found.sliced)
             message = (f"this loop gives every rank every batch of {data}: each rank takes every "
                        f"`{tm}.world_size()`-th batch (`{tm}.shard_range`, the same number of steps on every rank)")
+            if divided is not None:
+                edits += [replace(node, lambda n: _per_rank(tm, n)) for node in divided]
+                message += (f"; each batch is `{tm}.per_rank_batch(...)` of the original's, so a step still trains on "
+                            "the original's global batch (the same samples, split among the ranks)")
+            elif divides_batches(ctx):
+                self.report(found.loop.iter, f"each rank takes whole batches of this loop, so a step trains on "
+                                             f"`{tm}.world_size()` of the original's batches (a larger global batch, "
+                                             "fewer steps per epoch): its batch size is read elsewhere in the loop "
+                                             "too, so it is not divided here; divide it by "
+                                             f"`{tm}.world_size()` where it is set, or scale the learning rate")
         else:
             message = (f"every rank would train on every batch of `{code(found.wrapped)}`: each rank keeps every "
                        f"`{tm}.world_size()`-th batch, drawn in the same order on every rank (`{tm}.shard_batches`, "
@@ -356,3 +377,53 @@ class DistSampler(DataRule):
 def _is_shard(node: cst.BaseExpression) -> bool:
     """`tm.shard_stream(...)`: sharded by an earlier run."""
     return isinstance(node, cst.Call) and (dotted(node.func) or "").endswith("shard_stream")
+
+
+def _per_rank(tm: str, value: cst.BaseExpression) -> cst.Call:
+    return cst.Call(func=expr(f"{tm}.{DIVIDED}"), args=[cst.Arg(value.with_changes(lpar=[], rpar=[]))])
+
+
+def divided_range(ctx, found: BatchLoop) -> Optional[List[cst.CSTNode]]:
+    """Under the global batch policy, where the batch of a loop over batch starts
+    (`for i in range(0, n, bs)`) can be divided among the ranks: the occurrences of `bs` in the
+    slice bounds `X[i:i + bs]` (also `min(i + bs, n)`), which become `tm.per_rank_batch(bs)` with
+    the range's step. Rank r then takes per-rank batches r, r+W, ..., whose union at each step is
+    the original's batch. None when it cannot: no step, `bs` read elsewhere in the loop (a
+    shape, a count), or the global policy is not in force."""
+    if not divides_batches(ctx):
+        return None
+    call = found.wrapped
+    if not isinstance(call, cst.Call) or len(call.args) != 3 or any(a.keyword or a.star for a in call.args):
+        return None
+    step = call.args[2].value
+    if DIVIDED in code(step) or isinstance(step, cst.Integer) and step.evaluated_value == "1":
+        return None
+    text = code(step)
+    target = found.loop.target
+    var = target.value if isinstance(target, cst.Name) else None
+    if var is None or not isinstance(step, (cst.Name, cst.Attribute, cst.Integer)):
+        return None
+    bounds, elsewhere = [], 0
+    for node in ctx.within(found.loop.body, type(step)):
+        if code(node) != text:
+            continue
+        parent = ctx.parent(node)
+        if isinstance(parent, cst.BinaryOperation) and isinstance(parent.operator, cst.Add) \
+                and {code(parent.left), code(parent.right)} == {var, text} and _in_upper_bound(ctx, parent, var):
+            bounds.append(node)
+        else:
+            elsewhere += 1
+    return bounds if bounds and not elsewhere else None
+
+
+def _in_upper_bound(ctx, node: cst.CSTNode, var: str) -> bool:
+    """`node` is (inside) the upper bound of a slice whose lower bound is `var`: `X[i:i + bs]`,
+    `X[i:min(i + bs, n)]`."""
+    child = node
+    for anc in ctx.ancestors(node):
+        if isinstance(anc, cst.Slice):
+            return anc.upper is child and anc.lower is not None and code(anc.lower) == var
+        if isinstance(anc, (cst.BaseStatement, cst.SubscriptElement)):
+            return False
+        child = anc
+    return False
