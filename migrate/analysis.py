@@ -37,16 +37,44 @@ FILE_WRITER_METHODS = frozenset({"savefig", "to_csv", "to_parquet", "to_pickle",
 
 def opens_for_writing(call: cst.Call) -> bool:
     """`open(path, mode)` with a literal mode that writes."""
-    mode = None
-    if len(call.args) >= 2 and call.args[1].keyword is None:
-        mode = call.args[1].value
+    text = open_mode(call)
+    return text is not None and any(c in text for c in "wax+")
+
+
+def open_mode(call: cst.Call) -> Optional[str]:
+    """The literal mode of an `open`-like call: the second argument of `open(path, mode)` (also
+    `gzip.open`, `io.open`, ...), the first of a path's `p.open(mode)`, or `mode=`."""
+    mode = call.args[1].value if len(call.args) >= 2 and call.args[1].keyword is None else None
+    if isinstance(call.func, cst.Attribute) and call.func.attr.value == "open" and call.args \
+            and call.args[0].keyword is None and isinstance(call.args[0].value, cst.SimpleString):
+        first = call.args[0].value.evaluated_value
+        if isinstance(first, str) and len(first) <= 3:  # `Path(p).open("wb")`, not `gzip.open("a.gz")`
+            mode = call.args[0].value
     for a in call.args:
         if a.keyword is not None and a.keyword.value == "mode":
             mode = a.value
     if not isinstance(mode, cst.SimpleString):
+        return None
+    return mode.evaluated_value if isinstance(mode.evaluated_value, str) else None
+
+
+def opened_path(call: cst.Call) -> Optional[cst.BaseExpression]:
+    """The path an `open`-like call opens: `p` of `p.open("w")`, else the first argument."""
+    if isinstance(call.func, cst.Attribute) and call.func.attr.value == "open" and call.args \
+            and call.args[0].keyword is None and isinstance(call.args[0].value, cst.SimpleString):
+        first = call.args[0].value.evaluated_value
+        if isinstance(first, str) and len(first) <= 3:
+            return call.func.value
+    return call.args[0].value if call.args and call.args[0].keyword is None else None
+
+
+def opens_file_for_writing(call: cst.Call, name: Optional[str]) -> bool:
+    """A file opened for writing: `open(path, "w")`, `gzip.open(path, "wb")` (any module's
+    `open`), or a path's own `p.open("wb")` (`pathlib`), not `PIL.Image.open`."""
+    func = dotted(call.func) or ""
+    if not (func == "open" or func.endswith(".open")) or (name or "") == "PIL.Image.open":
         return False
-    text = mode.evaluated_value if isinstance(mode.evaluated_value, str) else ""
-    return any(c in text for c in "wax+")
+    return opens_for_writing(call)
 
 
 # Optimizer constructors: anything under these modules except schedulers and helpers.

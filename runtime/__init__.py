@@ -59,7 +59,7 @@ from torch.utils.data import DistributedSampler, RandomSampler, Sampler, Sequent
 __all__ = [
     "Ctx", "setup", "cleanup", "device", "rank", "local_rank", "world_size", "is_main",
     "is_distributed", "wrap_model", "unwrap", "sampler", "eval_sampler", "sharded", "set_epoch", "no_sync",
-    "amp_dtype", "autocast", "GradScaler", "print", "barrier", "all_reduce", "gather_for_metrics", "gather_list", "broadcast_object", "shared_generator", "grad", "any_rank", "share_params", "sync_grads", "shard_stream",
+    "amp_dtype", "autocast", "GradScaler", "print", "input", "barrier", "all_reduce", "gather_for_metrics", "gather_list", "broadcast_object", "shared_generator", "grad", "any_rank", "share_params", "sync_grads", "shard_stream",
     "shard_sampler", "reduce_meter", "per_rank_batch", "sync_batchnorm", "synced", "to_float32",
     "save", "load", "strip_prefix", "load_state_dict", "seed_everything", "seed_per_rank", "main_only", "main_process_first",
     "shard_range", "shard_indices", "shard_mean", "shard_batches",
@@ -1661,6 +1661,27 @@ def broadcast_object(value, src: int = 0):
     if isinstance(value, torch.Tensor):
         return box[0].to(value.device)
     return box[0]
+
+
+def input(prompt: str = "") -> str:  # noqa: A001 - the builtin's stand-in, called as tm.input
+    """The builtin ``input(prompt)``, asked once: the main process reads the answer (the
+    terminal and stdin are its) and every rank gets the same string. Under torchrun every rank
+    inherits stdin, so plain ``input()`` makes the ranks compete for lines (different answers
+    per rank, or EOFError on all but one). An error on the main process (EOFError, Ctrl-C) is
+    raised on every rank, so none waits for an answer that never comes. A collective: call it on
+    every rank; sets up the process group first if needed. 1 process: ``input(prompt)``."""
+    if world_size() <= 1 or (not _pg() and _in_worker_process()):
+        return builtins.input(prompt)
+    answer, error = None, None
+    if rank() == 0:
+        try:
+            answer = builtins.input(prompt)
+        except BaseException as exc:  # every rank raises it, instead of waiting for an answer
+            error = exc
+    answer, error = broadcast_object((answer, error))
+    if error is not None:
+        raise error
+    return answer
 
 
 def _in_worker_process() -> bool:

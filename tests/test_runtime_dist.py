@@ -130,6 +130,12 @@ def test_broadcast_object_and_shared_generator_agree_across_ranks(collectives):
     assert sorted(r0["split"][0] + r0["split"][1]) == list(range(12))
 
 
+def test_input_is_asked_on_the_main_process_and_answered_on_every_rank(collectives):
+    r0, r1 = collectives["r"]
+    assert r0["input"] == r1["input"] == "answer of rank 0"
+    assert r0["input_error"] == r1["input_error"] == "no stdin"  # no rank waits for an answer
+
+
 def test_share_params_and_sync_grads_do_what_ddp_does(collectives):
     r0, r1 = collectives["r"]
     assert r0["shared_params"] == r1["shared_params"]

@@ -822,3 +822,8 @@ def test_over_a_loader_in_one_process_nothing_is_sharded_and_values_pass_through
     assert tm.sharded(loader) is False
     assert tm.all_reduce(3, 2.5, over=loader) == (3, 2.5)
     assert tm.gather_for_metrics(torch.arange(5.0), 3, over=loader).tolist() == [0.0, 1.0, 2.0]
+
+
+def test_input_in_one_process_is_the_builtin(monkeypatch):
+    monkeypatch.setattr("builtins.input", lambda prompt="": f"typed after {prompt!r}")
+    assert tm.input("dataset? ") == "typed after 'dataset? '"

@@ -74,7 +74,7 @@ def writes_file(call: cst.Call, name: Optional[str]) -> bool:
     writing, a writer method (`df.to_csv(p)`) or `.save(...)` / `.save_to_disk(...)` with arguments."""
     func = call.func
     return name in analysis.FILE_WRITERS or name == "torch.save" or (
-        (dotted(func) or "") == "open" and analysis.opens_for_writing(call)) or (
+        analysis.opens_file_for_writing(call, name)) or (
         isinstance(func, cst.Attribute) and bool(call.args)
         and (func.attr.value in analysis.FILE_WRITER_METHODS or func.attr.value in ("save", "save_to_disk")))
 

@@ -133,14 +133,18 @@ class MainOnlyWrites(Rule):
                                 c.with_changes(func=cst.parse_expression(
                                     (dotted(c.func) or "os.mkdir").rsplit(".", 1)[0] + ".makedirs")),
                                 "exist_ok", cst.Name("True")))])
-            elif (dotted(call.func) or "") == "open" and analysis.opens_for_writing(call):
+            elif analysis.opens_file_for_writing(call, name):
                 self._open(call, withs, handles)
             elif name in _FILE_HANDLERS:
                 self._handler(call)
             elif self._writer(call, name):
+                opened = self._opened_by_with(call)
                 statement = ctx.parent(ctx.parent(call))
                 expr_stmt = ctx.parent(call)
-                if isinstance(expr_stmt, cst.Expr) and isinstance(statement, cst.SimpleStatementLine) \
+                if opened is not None:
+                    if opened not in withs:
+                        withs.append(opened)
+                elif isinstance(expr_stmt, cst.Expr) and isinstance(statement, cst.SimpleStatementLine) \
                         and len(statement.body) == 1:
                     withs.append(statement)
         lines = []
@@ -161,23 +165,43 @@ class MainOnlyWrites(Rule):
                                     f"`if {ctx.tm}.is_main():` yourself")
                 continue
             lines.append(handle)
-        for run in sibling_runs(ctx, lines):
-            names = orphaned(ctx, run)
-            if names:
-                if len(run) == 1 and self._null_handle(run[0]):
+        for whole in sibling_runs(ctx, lines):
+            for run, names in self._guardable(whole):
+                if names:
+                    if len(run) == 1 and self._null_handle(run[0]):
+                        continue
+                    self.report(run[0], f"every rank writes this file, but `if {ctx.tm}.is_main():` around it would "
+                                        f"leave {', '.join(f'`{n}`' for n in names)} unbound on the other ranks (used "
+                                        f"after it): write the file on the main process only yourself, keeping those "
+                                        f"names on every rank")
                     continue
-                self.report(run[0], f"every rank writes this file, but `if {ctx.tm}.is_main():` around it would "
-                                    f"leave {', '.join(f'`{n}`' for n in names)} unbound on the other ranks (used "
-                                    f"after it): write the file on the main process only yourself, keeping those "
-                                    f"names on every rank")
-                continue
-            self.report(run[0], "every rank writes this file; write it on the main process only",
-                        edits=[guard_edit(ctx, run)], imports=[ctx.runtime_import()])
-            self._wait_for_reread(run)
+                self.report(run[0], "every rank writes this file; write it on the main process only",
+                            edits=[guard_edit(ctx, run)], imports=[ctx.runtime_import()])
+                self._wait_for_reread(run)
         for call, assign in handles:
             self._handle(call, assign)
         for call, name in analysis.facts(ctx).calls:
             self._helper_reread(call)
+
+    def _guardable(self, run: List[cst.CSTNode]) -> List[Tuple[List[cst.CSTNode], List[str]]]:
+        """`run` split into the longest stretches that one guard can take without leaving a name
+        unbound after it (names empty), and the single statements that cannot (with those names):
+        a block that keeps `n = f.tell()` for later does not stop the json written beside it."""
+        ctx = self.ctx
+        names = orphaned(ctx, run)
+        if not names:
+            return [(run, [])]
+        parts: List[Tuple[List[cst.CSTNode], List[str]]] = []
+        i = 0
+        while i < len(run):
+            end = next((j for j in range(len(run), i, -1) if not orphaned(ctx, run[i:j])), None)
+            if end is None:
+                parts.append(([run[i]], orphaned(ctx, [run[i]])))
+                i += 1
+            else:
+                parts.append((run[i:end], []))
+                i = end
+        return parts
 
     def _open(self, call: cst.Call, withs: List[cst.CSTNode], handles: List[Tuple[cst.Call, cst.Assign]]) -> None:
         """Where a file is opened for writing: a `with` block, a handle kept in a name
@@ -237,13 +261,30 @@ class MainOnlyWrites(Rule):
         if not handle_uses_write_only(ctx, name, ctx.enclosing(statement, cst.FunctionDef) or ctx.module,
                                       statement.items[0]):
             return False
-        if any(writes_file(c, n) and not (dotted(c.func) == "open") and not self._into(c, name)
+        if any(writes_file(c, n) and not analysis.opens_file_for_writing(c, n) and not self._into(c, name)
                for c, n in self._calls_in(statement.body)):
             return False  # another file written in the block would still be written by every rank
         self.report(statement, "every rank writes this file, and the block must run on every rank: open the file "
                                "on the main process only (the other ranks write into a stand-in)",
                     edits=[replace(call, main_only_call(ctx.tm))], imports=[ctx.runtime_import()])
         return True
+
+    def _opened_by_with(self, call: cst.Call) -> Optional[cst.With]:
+        """The `with <opener> as f:` around `pickle.dump(obj, f)` that opened the file `call`
+        writes into, whatever the opener (`gzip.open`, `fs.open`, a project helper): the file is
+        created or truncated where it is opened, so a guard must take the whole `with`, never
+        only the write inside it (the other ranks would still empty the file)."""
+        ctx = self.ctx
+        handles = {a.value.value for a in call.args if isinstance(a.value, cst.Name)}
+        for anc in ctx.ancestors(call):
+            if isinstance(anc, (cst.FunctionDef, cst.ClassDef, cst.Lambda)):
+                return None
+            if isinstance(anc, cst.With) and any(
+                    isinstance(item.item, cst.Call) and item.asname is not None
+                    and isinstance(item.asname.name, cst.Name) and item.asname.name.value in handles
+                    for item in anc.items):
+                return anc
+        return None
 
     def _calls_in(self, node: cst.CSTNode):
         for c in self.ctx.within(node, cst.Call, skip_defs=True):
@@ -256,12 +297,7 @@ class MainOnlyWrites(Rule):
 
     @staticmethod
     def _mode(call: cst.Call) -> Optional[str]:
-        mode = call.args[1].value if len(call.args) >= 2 and call.args[1].keyword is None else None
-        for a in call.args:
-            if a.keyword is not None and a.keyword.value == "mode":
-                mode = a.value
-        return mode.evaluated_value if isinstance(mode, cst.SimpleString) and isinstance(
-            mode.evaluated_value, str) else None
+        return analysis.open_mode(call)
 
     def _helper_reread(self, call: cst.Call) -> None:
         """`write_results(results, path)` (the program's own code, in any module, that writes
@@ -316,9 +352,10 @@ class MainOnlyWrites(Rule):
     def _written_path(self, run) -> Optional[str]:
         """The path text of the file a guarded run writes (the first `open` for writing)."""
         for statement in run:
-            for call, _name in self._calls_in(statement):
-                if dotted(call.func) == "open" and analysis.opens_for_writing(call) and call.args:
-                    return code(call.args[0].value)
+            for call, name in self._calls_in(statement):
+                path = analysis.opened_path(call) if analysis.opens_file_for_writing(call, name) else None
+                if path is not None:
+                    return code(path)
         return None
 
     def _writer(self, call: cst.Call, name) -> bool:

@@ -65,6 +65,9 @@ class AgreedDraws(Rule):
       a uuid that the program turns into a name: formatted, or part of a path), in any module of
       the program, becomes `run_id = tm.broadcast_object(datetime.now().strftime(...))`: every
       rank names the same run folder. Reads of the clock for timing are left alone.
+    - `answer = input("dataset? ")`, in any module (also at import time), becomes
+      `tm.input("dataset? ")`: the main process asks, every rank gets its answer (under
+      torchrun every rank reads the same stdin, and they would compete for its lines).
 
     ## Why is this bad?
     Each process has its own random stream (unseeded, it starts from the OS; seeded per rank, it
@@ -112,6 +115,9 @@ class AgreedDraws(Rule):
             return
         done: Set[cst.CSTNode] = set()
         for call, name in analysis.facts(ctx).calls:
+            if name is None and isinstance(call.func, cst.Name) and call.func.value == "input":
+                self._input(call)
+                continue
             if not name:
                 continue
             if name == _SPLIT:
@@ -276,6 +282,25 @@ class AgreedDraws(Rule):
             if isinstance(anc, (cst.BaseStatement, cst.BaseSmallStatement)):
                 return False
         return False
+
+    def _input(self, call: cst.Call) -> None:
+        """`input(prompt)`, in any module (at import time too): every rank inherits stdin, so
+        the ranks compete for the lines (different answers, or EOFError on all but one).
+        `tm.input` asks on the main process and gives every rank its answer. Left alone under a
+        rank guard (the user already asks once) and where `input` is not the builtin."""
+        ctx = self.ctx
+        f = analysis.facts(ctx)
+        if "input" in ctx.imports.names or "input" in f.functions or any(
+                isinstance(t.target, cst.Name) and t.target.value == "input" for a in f.assigns for t in a.targets):
+            return
+        func = ctx.enclosing(call, cst.FunctionDef)
+        if (func is not None and self._per_sample(func)) or collective_guard(ctx, call) is not None:
+            return
+        self.report(call, "every rank asks this question, and under torchrun every rank reads the same stdin: the "
+                          "ranks compete for the answer (different answers, or EOFError on all but one). The main "
+                          "process asks and every rank gets its answer",
+                    edits=[replace(call.func, lambda _f: cst.parse_expression(f"{ctx.tm}.input"))],
+                    imports=[ctx.runtime_import()])
 
     def _shuffle(self, call: cst.Call) -> None:
         ctx = self.ctx

@@ -97,6 +97,19 @@ def main(outdir):
     split = torch.utils.data.random_split(list(range(12)), [8, 4], generator=tm.shared_generator())
     res["split"] = [list(split[0].indices), list(split[1].indices)]
 
+    # input: the main process asks, every rank gets its answer; its EOFError is raised everywhere
+    import builtins
+    asked = builtins.input
+    builtins.input = lambda prompt="": f"answer of rank {r}"
+    res["input"] = tm.input("dataset? ")
+    builtins.input = (lambda prompt="": (_ for _ in ()).throw(EOFError("no stdin"))) if r == 0 else builtins.input
+    try:
+        tm.input("again? ")
+        res["input_error"] = None
+    except EOFError as exc:
+        res["input_error"] = str(exc)
+    builtins.input = asked
+
     # share_params / sync_grads: DDP's two jobs, by hand, for a model that cannot be wrapped
     torch.manual_seed(10 + r)
     functional = nn.Linear(3, 2)
