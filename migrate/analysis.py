@@ -35,6 +35,26 @@ FILE_WRITER_METHODS = frozenset({"savefig", "to_csv", "to_parquet", "to_pickle",
                                  "write_text", "write_bytes"})
 
 
+def leading_text(node: cst.BaseExpression) -> Optional[str]:
+    """The literal text an expression's string starts with: a string, the first part of an
+    f-string or of a `+` chain, the first item of a list of words (`["cp", src, dst]`)."""
+    while True:
+        if isinstance(node, cst.SimpleString):
+            value = node.evaluated_value
+            return value if isinstance(value, str) else None
+        if isinstance(node, cst.FormattedString):
+            first = node.parts[0] if node.parts else None
+            return first.value if isinstance(first, cst.FormattedStringText) else None
+        if isinstance(node, cst.ConcatenatedString):
+            node = node.left
+        elif isinstance(node, cst.BinaryOperation) and isinstance(node.operator, (cst.Add, cst.Modulo)):
+            node = node.left
+        elif isinstance(node, (cst.List, cst.Tuple)) and node.elements:
+            node = node.elements[0].value
+        else:
+            return None
+
+
 def opens_for_writing(call: cst.Call) -> bool:
     """`open(path, mode)` with a literal mode that writes."""
     text = open_mode(call)

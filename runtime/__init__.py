@@ -59,7 +59,7 @@ from torch.utils.data import DistributedSampler, RandomSampler, Sampler, Sequent
 __all__ = [
     "Ctx", "setup", "cleanup", "device", "rank", "local_rank", "world_size", "is_main",
     "is_distributed", "wrap_model", "unwrap", "sampler", "eval_sampler", "sharded", "set_epoch", "no_sync",
-    "amp_dtype", "autocast", "GradScaler", "print", "input", "barrier", "all_reduce", "gather_for_metrics", "gather_list", "broadcast_object", "shared_generator", "grad", "any_rank", "share_params", "sync_grads", "shard_stream",
+    "amp_dtype", "autocast", "GradScaler", "print", "input", "bar_stream", "barrier", "all_reduce", "gather_for_metrics", "gather_list", "broadcast_object", "shared_generator", "grad", "any_rank", "share_params", "sync_grads", "shard_stream",
     "shard_sampler", "reduce_meter", "per_rank_batch", "sync_batchnorm", "synced", "to_float32",
     "save", "load", "strip_prefix", "load_state_dict", "seed_everything", "seed_per_rank", "main_only", "main_process_first",
     "shard_range", "shard_indices", "shard_mean", "shard_batches",
@@ -256,6 +256,7 @@ def setup(backend: str | None = None, timeout=None) -> Ctx:
         _LOG_DISABLED = True
     if _CTX.world_size > 1:
         _watch_writes()
+        _wait_for_saves()
     return _CTX
 
 
@@ -1035,8 +1036,9 @@ def shard_sampler(sampler, seed: int | None = None):
     a bucketing batch sampler of the project), shared out by rank. 1 process: ``sampler`` itself.
 
     Distributed: each pass draws the sampler's whole sequence under the same seed on every rank
-    (``seed + epoch``: its ``generator`` if it has one, else torch's and Python's global RNGs,
-    restored afterwards), so the ranks agree on it, and rank r keeps items r, r+W, r+2W, ... of
+    (``seed + epoch``: its ``generator`` if it has one, and torch's, Python's and numpy's global
+    streams, private to the pass and carried through it, so draws made as it goes agree too; the
+    program's own streams are restored after each draw), so the ranks agree on it, and rank r keeps items r, r+W, r+2W, ... of
     it, padded from its start to a multiple of W so every rank runs the same number of steps.
     The epoch advances on each pass, or follows ``set_epoch`` once called (forwarded to the
     sampler too). Like Accelerate's sharded samplers, it works whatever the sampler does."""
@@ -1061,43 +1063,40 @@ class _ShardedSampler(Sampler):
     def __len__(self) -> int:
         return -(-len(self.inner) // world_size())
 
-    def _start(self):
+    def _start(self, draws: "_SharedDraws"):
         """The sampler's iterator, and its first item, drawn under ``seed + epoch``: its own
-        ``generator`` if it has one, else torch's and Python's global RNGs (restored after). Samplers
-        fix their order when they start (torch's draw a seed, bucketing samplers shuffle first),
-        so the ranks agree on the whole sequence."""
+        ``generator`` if it has one, else the pass's shared random streams (``_SharedDraws``).
+        Samplers fix their order when they start (torch's draw a seed, bucketing samplers
+        shuffle first), so the ranks agree on the whole sequence."""
         seed = self.seed + self.epoch
-        if hasattr(self.inner, "generator"):
-            kept = self.inner.generator
-            self.inner.generator = torch.Generator().manual_seed(seed)
-            try:
-                it = iter(self.inner)
-                return it, next(it, _END)
-            finally:
-                self.inner.generator = kept
-        state = random.getstate()
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            random.seed(seed)
-            try:
-                it = iter(self.inner)
-                return it, next(it, _END)
-            finally:
-                random.setstate(state)
+        with draws:
+            if hasattr(self.inner, "generator"):
+                kept = self.inner.generator
+                self.inner.generator = torch.Generator().manual_seed(seed)
+                try:
+                    it = iter(self.inner)
+                    return it, next(it, _END)
+                finally:
+                    self.inner.generator = kept
+            it = iter(self.inner)
+            return it, next(it, _END)
 
     def __iter__(self):
-        """Streams (a sampler may be huge: ``RandomSampler(num_samples=10**10)``): rank r keeps
-        items r, r+W, ...; if the sequence does not fill W equal shares, its first items pad it, as
-        ``DistributedSampler`` pads."""
+        """Streams (a sampler may be huge: ``RandomSampler(num_samples=10**10)``, or endless): rank
+        r keeps items r, r+W, ...; if the sequence does not fill W equal shares, its first items
+        pad it, as ``DistributedSampler`` pads. Items are drawn a chunk at a time under the pass's
+        shared random streams, so a sampler that draws as it goes (a new permutation after each
+        round of an endless sampler) draws alike on every rank."""
         if not self._explicit:
             self.epoch = self._passes
             self._passes += 1
         world, me, share = world_size(), rank(), len(self)
-        it, first = self._start()
+        draws = _SharedDraws(self.seed + self.epoch)
+        it, first = self._start(draws)
         if first is _END:
             return
         head, kept, total = [], 0, 0
-        for item in itertools.chain((first,), it):
+        for item in itertools.chain((first,), _chunked(it, draws, world * 64)):
             if total < world:
                 head.append(item)
             if total % world == me:
@@ -1109,6 +1108,61 @@ class _ShardedSampler(Sampler):
         for j in range(total, share * world):  # padding
             if j % world == me:
                 yield head[(j - total) % len(head)]
+
+
+def _chunked(it, draws: "_SharedDraws", size: int):
+    """The items of `it`, drawn `size` at a time inside `draws`."""
+    while True:
+        with draws:
+            chunk = list(itertools.islice(it, size))
+        yield from chunk
+        if len(chunk) < size:
+            return
+
+
+class _SharedDraws:
+    """Random streams private to one pass of a sampler, alike on every rank: while the sampler
+    draws (``with draws:``), torch's CPU generator, ``random`` and numpy's global state are its
+    own, seeded from ``seed``, and carried on from one chunk to the next; the program's streams
+    are put back after. A sampler that reseeds numpy from the OS (``np.random.seed()``, as the
+    widely copied endless samplers do after each round) gets a seed from the shared stream."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed, self.mine, self.kept = int(seed), None, None
+        try:
+            import numpy
+        except ImportError:
+            numpy = None
+        self.np = numpy
+
+    def __enter__(self) -> "_SharedDraws":
+        np = self.np
+        self.kept = (torch.random.default_generator.get_state(), random.getstate(),
+                     np.random.get_state() if np else None, np.random.seed if np else None)
+        if self.mine is None:
+            torch.random.default_generator.manual_seed(self.seed)
+            random.seed(self.seed)
+            if np:
+                np.random.seed(self.seed % 2 ** 32)
+        else:
+            torch.random.default_generator.set_state(self.mine[0])
+            random.setstate(self.mine[1])
+            if np:
+                np.random.set_state(self.mine[2])
+        if np:
+            reseed = self.kept[3]
+            np.random.seed = lambda seed=None: reseed(random.getrandbits(32) if seed is None else seed)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        np = self.np
+        self.mine = (torch.random.default_generator.get_state(), random.getstate(),
+                     np.random.get_state() if np else None)
+        torch.random.default_generator.set_state(self.kept[0])
+        random.setstate(self.kept[1])
+        if np:
+            np.random.set_state(self.kept[2])
+            np.random.seed = self.kept[3]
 
 
 _END = object()
@@ -1663,6 +1717,23 @@ def broadcast_object(value, src: int = 0):
     return box[0]
 
 
+_NULL_STREAM = None
+
+
+def bar_stream(file=None):
+    """Where a progress bar draws: ``file`` (``None``: tqdm's default) on the main process, a
+    stream that discards everything on the other ranks. For ``tqdm(..., file=tm.bar_stream())``
+    where the program reads the bar's count (``-loss / pbar.n``): a bar disabled on the other
+    ranks would stop counting there (``pbar.n`` stays 0), this one counts on every rank and is
+    drawn once."""
+    global _NULL_STREAM
+    if is_main():
+        return file
+    if _NULL_STREAM is None:
+        _NULL_STREAM = open(os.devnull, "w")  # noqa: SIM115 - lives as long as the process
+    return _NULL_STREAM
+
+
 def input(prompt: str = "") -> str:  # noqa: A001 - the builtin's stand-in, called as tm.input
     """The builtin ``input(prompt)``, asked once: the main process reads the answer (the
     terminal and stdin are its) and every rank gets the same string. Under torchrun every rank
@@ -1790,16 +1861,87 @@ def _to_cpu(value):
     return value
 
 
+# tm.save calls per file on this rank: {absolute path: count}. Rank 0 says in the store when its
+# n-th save of a path is complete; another rank that called tm.save(path) n times and then loads
+# path waits for that, so it never reads the previous checkpoint (or none) while rank 0 writes.
+_SAVES: dict = {}
+_SAVED_KEY = "torchmigrate/saved/"
+_LOAD_WAITING = False
+_SAVE_WAIT_WARNED: set = set()
+
+
+def _count_save(path) -> str | None:
+    if not isinstance(path, (str, os.PathLike)):
+        return None
+    key = os.path.abspath(os.fspath(path))
+    _SAVES[key] = _SAVES.get(key, 0) + 1
+    return f"{_SAVED_KEY}{key}/{_SAVES[key]}"
+
+
+def _save_wait_s() -> float:
+    return float(os.environ.get("TORCHMIGRATE_SAVE_WAIT", "300"))
+
+
+def _wait_for_saves() -> None:
+    """On ranks other than 0, ``torch.load`` of a path this rank passed to ``tm.save`` first waits
+    until rank 0 has written it as often (the n-th save): a checkpoint saved by rank 0 only and
+    loaded by every rank (the best model reloaded for testing, in another function or module)
+    is the one rank 0 just wrote, not the previous one or a missing file. No barrier, so ranks
+    that load at different times never hang; after ``TORCHMIGRATE_SAVE_WAIT`` seconds (300) the
+    load goes on with a warning that the ranks disagree on when to save."""
+    global _LOAD_WAITING
+    if _LOAD_WAITING or is_main():
+        return
+    _LOAD_WAITING = True
+    if getattr(torch.load, "_torchmigrate_waits", False):
+        return
+    original = torch.load
+
+    @functools.wraps(original)
+    def load(f, *args, **kwargs):
+        if _SAVES and isinstance(f, (str, os.PathLike)) and _pg():
+            key = os.path.abspath(os.fspath(f))
+            if key in _SAVES:
+                _await_save(key, f)
+        return original(f, *args, **kwargs)
+
+    load._torchmigrate_waits = True
+    torch.load = load
+
+
+def _await_save(key: str, shown) -> None:
+    wait = _save_wait_s()
+    try:
+        dist.distributed_c10d._get_default_store().wait(
+            [f"{_SAVED_KEY}{key}/{_SAVES[key]}"], datetime.timedelta(seconds=wait))
+    except Exception:  # noqa: BLE001 - a store that cannot answer must not stop the load
+        if key in _SAVE_WAIT_WARNED:
+            return
+        _SAVE_WAIT_WARNED.add(key)
+        _warn(f"rank {rank()} loads {os.fspath(shown)} after its tm.save number {_SAVES[key]}, which rank 0 "
+              f"had not written after {wait:.0f} s: the ranks disagree on when to save (a decision taken "
+              "from per-rank values?), so this rank may load an older file")
+
+
 def save(obj, path) -> None:
     """``torch.save`` on global rank 0 only; other ranks return at once (no collective, so it is
     safe inside ``if tm.is_main():``). Paths are written atomically: a temp file in the same
     folder, then ``os.replace``, so a crash never leaves a half-written checkpoint. File-like
-    objects are passed to ``torch.save`` as is (on rank 0)."""
+    objects are passed to ``torch.save`` as is (on rank 0). A rank that then loads the path with
+    ``torch.load`` waits until rank 0's save is complete (no barrier needed)."""
+    done = _count_save(path) if world_size() > 1 else None
     if not is_main():
         return
     if not isinstance(path, (str, os.PathLike)):
         torch.save(obj, path)
         return
+    _write_atomically(obj, path)
+    if done is not None and _pg():
+        with contextlib.suppress(Exception):
+            dist.distributed_c10d._get_default_store().set(done, "1")
+
+
+def _write_atomically(obj, path) -> None:
     path = os.fspath(path)
     folder, name = os.path.split(os.path.abspath(path))
     tmp = os.path.join(folder, f".{name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")

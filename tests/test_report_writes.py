@@ -92,3 +92,49 @@ def test_the_json_report_lists_the_writes_left(tmp_path, run_cli):
     run_cli("ddp", "--dry-run", "--report", report, tmp_path / "train.py")
     data = json.loads(report.read_text())
     assert any("files still written by every rank" in line and "notes.py:3 (open out + '/notes.json')" in line for line in data["not_done"])
+
+
+def test_an_evaluation_loader_kept_whole_is_not_reported_as_sharded(tmp_path, run_cli):
+    # the kept-whole loader gets a shared generator (an edit of TM203), which shards nothing
+    write(tmp_path, {"train.py": """
+        import torch
+        from torch.utils.data import DataLoader, TensorDataset
+
+        def main():
+            model = torch.nn.Linear(2, 1)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            data = TensorDataset(torch.randn(8, 2), torch.randn(8, 1))
+            loader = DataLoader(data, batch_size=4, shuffle=True)
+            val_loader = DataLoader(data, batch_size=4, shuffle=True)
+            best = None
+            for epoch in range(2):
+                for x, y in loader:
+                    loss = torch.nn.functional.mse_loss(model(x), y)
+                    opt.zero_grad()
+                    loss.backward()
+                    opt.step()
+                outs = []
+                with torch.no_grad():
+                    for x, y in val_loader:
+                        outs.append(model(x))
+                score = float(torch.cat(outs).mean())
+                if best is None or score < best:
+                    best = score
+
+        if __name__ == "__main__":
+            main()
+        """})
+    out = run_cli("ddp", "--dry-run", tmp_path / "train.py").output
+    assert "val_loader = DataLoader(data, batch_size=4, shuffle=True, generator=tm.shared_generator())" in out, out
+    assert "evaluation loaders sharded" not in out, out
+    assert "done: training data sharded" in out, out
+
+
+def test_a_shell_command_that_copies_files_counts_as_a_write(tmp_path, run_cli):
+    write(tmp_path, {"train.py": TRAIN, "notes.py": """
+        import os
+        def remember(out, epoch):
+            os.system("cp train.py " + out + "/train.py.backup")  # torchmigrate: ignore[TM504]
+        """})
+    out = run_cli("ddp", "--dry-run", tmp_path / "train.py").output
+    assert "NOT DONE: files still written by every rank" in out and "notes.py:3 (os.system" in out, out

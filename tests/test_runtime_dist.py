@@ -136,6 +136,17 @@ def test_input_is_asked_on_the_main_process_and_answered_on_every_rank(collectiv
     assert r0["input_error"] == r1["input_error"] == "no stdin"  # no rank waits for an answer
 
 
+def test_a_rank_loading_what_rank_0_saves_waits_for_that_save(collectives):
+    r0, r1 = collectives["r"]
+    assert r0["loaded_after_save"] == r1["loaded_after_save"] == 2
+
+
+def test_bar_stream_counts_on_every_rank_and_draws_on_the_main_one(collectives):
+    r0, r1 = collectives["r"]
+    assert r0["bar_n"] == r1["bar_n"] == 3
+    assert (r0["bar_stream"], r1["bar_stream"]) == ("default", "null")
+
+
 def test_share_params_and_sync_grads_do_what_ddp_does(collectives):
     r0, r1 = collectives["r"]
     assert r0["shared_params"] == r1["shared_params"]

@@ -149,3 +149,47 @@ def test_shard_stream_leaves_loaders_and_iterators_alone():
         it = iter(range(4))
         assert tm.shard_stream(it) is it
         assert tm.shard_stream(list(range(10))) == [5, 6, 7, 8, 9]
+
+
+class _Endless(torch.utils.data.Sampler):
+    """The endless sampler widely copied from style-transfer code: a numpy permutation, and after
+    each round numpy reseeded from the OS (`np.random.seed()`) for the next one."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __iter__(self):
+        import numpy as np
+        order, i = np.random.permutation(self.n), 0
+        while True:
+            yield int(order[i])
+            i += 1
+            if i >= self.n:
+                np.random.seed()
+                order, i = np.random.permutation(self.n), 0
+
+    def __len__(self):
+        return 2 ** 31
+
+
+def test_shard_sampler_agrees_across_ranks_on_draws_made_as_it_goes():
+    import itertools
+    from unittest import mock
+
+    import numpy as np
+
+    n, rounds = 10, 3
+    reseed = np.random.seed
+    drawn, after = [], []
+    with mock.patch.object(tm, "world_size", lambda: 2), mock.patch.object(tm, "is_distributed", lambda: True):
+        for r in range(2):
+            np.random.seed(100 + r)  # each rank's own numpy stream, as after tm.seed_per_rank()
+            with mock.patch.object(tm, "rank", lambda r=r: r), mock.patch.object(tm, "_SAMPLERS_MADE", 0):
+                drawn.append(list(itertools.islice(iter(tm.shard_sampler(_Endless(n))), rounds * n // 2)))
+            after.append(np.random.random())
+    for k in range(rounds):  # each round of the shared sequence is split between the ranks
+        mine = [set(d[k * n // 2:(k + 1) * n // 2]) for d in drawn]
+        assert not mine[0] & mine[1] and mine[0] | mine[1] == set(range(n)), f"round {k}"
+    # the program's own numpy stream is untouched by the sampler's draws, and numpy's seed is its own again
+    assert after == [np.random.RandomState(100 + r).random_sample() for r in range(2)]
+    assert np.random.seed is reseed

@@ -827,3 +827,8 @@ def test_over_a_loader_in_one_process_nothing_is_sharded_and_values_pass_through
 def test_input_in_one_process_is_the_builtin(monkeypatch):
     monkeypatch.setattr("builtins.input", lambda prompt="": f"typed after {prompt!r}")
     assert tm.input("dataset? ") == "typed after 'dataset? '"
+
+
+def test_bar_stream_in_one_process_is_the_given_file():
+    assert tm.bar_stream() is None
+    assert tm.bar_stream(sys.stderr) is sys.stderr

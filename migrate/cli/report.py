@@ -96,7 +96,7 @@ _DONE = (  # (what, rule codes whose applied changes show it[, words their messa
     ("models wrapped in DDP (gradients averaged)", ("TM301", "TM306", "TM407")),
     ("functional models kept in sync (tm.share_params, gradients averaged by tm.sync_grads)", ("TM309",)),
     ("training data sharded (loaders, token streams, hand-made batches)", ("TM201",)),
-    ("evaluation loaders sharded (each sample once)", ("TM203",)),
+    ("evaluation loaders sharded (each sample once)", ("TM203",), "shard it"),  # not a kept-whole loader's order
     ("epoch loops reshuffling (set_epoch)", ("TM202",)),
     (WRITES_DONE, ("TM501", "TM504", "TM505", "TM601", "TM602")),
     ("metrics reduced across ranks", ("TM701", "TM703")),

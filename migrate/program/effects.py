@@ -237,6 +237,39 @@ def _aliases(tree: ast.Module) -> Dict[str, str]:
     return found
 
 
+# Shell commands that write or move files, run through `os.system("cp main.py out/backup")` and the
+# like: every rank would run them (the first word of the command decides).
+SHELL_RUNNERS = frozenset({"os.system", "os.popen", "subprocess.run", "subprocess.call", "subprocess.check_call",
+                           "subprocess.check_output", "subprocess.Popen"})
+SHELL_WRITERS = frozenset({"cp", "mv", "mkdir", "rm", "touch", "tar", "zip", "unzip", "gzip", "wget", "curl", "ln",
+                           "rsync", "echo"})
+
+
+def shell_command_writes(text: Optional[str]) -> bool:
+    """The start of a shell command (`"cp main.py "`, `["mv", ...]`'s first word) is a command
+    that writes, moves or removes files (`echo` only with a redirection)."""
+    words = (text or "").split()
+    if not words or words[0] not in SHELL_WRITERS:
+        return False
+    return words[0] != "echo" or ">" in (text or "")
+
+
+def _leading_text(node: ast.AST) -> Optional[str]:
+    """The literal text a string expression starts with (see `analysis.leading_text`)."""
+    while True:
+        if isinstance(node, ast.Constant):
+            return node.value if isinstance(node.value, str) else None
+        if isinstance(node, ast.JoinedStr):
+            first = node.values[0] if node.values else None
+            return first.value if isinstance(first, ast.Constant) and isinstance(first.value, str) else None
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mod)):
+            node = node.left
+        elif isinstance(node, (ast.List, ast.Tuple)) and node.elts:
+            node = node.elts[0]
+        else:
+            return None
+
+
 def _dotted(node: ast.AST) -> Optional[str]:
     parts = []
     while isinstance(node, ast.Attribute):
@@ -543,6 +576,9 @@ class _Reader:
             self._write(call, name, guarded, ordered, _arg(call, where, "filename" if name == "logging.basicConfig" else None))
             if name == "logging.basicConfig":
                 kinds.add(OUTPUT)
+            return False
+        if name in SHELL_RUNNERS and call.args and shell_command_writes(_leading_text(call.args[0])):
+            self._write(call, name, guarded, ordered, None)  # `os.system("cp main.py " + out)`
             return False
         if self._writer_class(func, name):
             self._write(call, last, guarded, ordered, _arg(call, 0, "log_dir"))

@@ -25,10 +25,12 @@ from torchmigrate.rules._guards import guard_edit, main_only_call, orphaned, sib
 # Copies into the experiment folder (`create_exp_dir` copying the scripts); right after a
 # checkpoint save they are TM501's.
 _COPIES = frozenset({"shutil.copy", "shutil.copyfile", "shutil.copy2", "shutil.copytree", "shutil.move"})
-# Removals: in a single-process program every removed file is shared, so under torchrun the
-# second rank to remove it fails with FileNotFoundError (`ddp` only: distributed code may remove
+# Removals and renames: in a single-process program every removed or renamed file is shared, so
+# under torchrun the second rank to remove or rename it fails with FileNotFoundError (`ddp` only: distributed code may remove
 # files of its own rank).
-_REMOVALS = frozenset({"os.remove", "os.unlink", "shutil.rmtree"})
+_REMOVALS = frozenset({"os.remove", "os.unlink", "shutil.rmtree",
+                       # renames too: the second rank finds the source gone
+                       "os.rename", "os.replace", "os.renames"})
 
 # effects of program code that must run on every rank
 _EVERY_RANK = frozenset({effects.COLLECTIVE, effects.TRAIN, effects.CALLS})
@@ -50,7 +52,7 @@ class MainOnlyWrites(Rule):
     - A statement that writes a file by itself (`np.save(path, a)`, `plt.savefig(path)`,
       `fig.savefig(path)`, `df.to_csv(path)`, `Path(p).write_text(s)`, `cv2.imwrite(...)`,
       `pickle.dump(obj, f)`, a PIL image's `im.save(path)`, `shutil.copyfile(src, dst)`, and in
-      `ddp` `os.remove(path)`, `logging.basicConfig(filename=...)`, ...) goes under
+      `ddp` `os.remove(path)`, `os.rename(src, dst)`, `logging.basicConfig(filename=...)`, ...) goes under
       `if tm.is_main():` (the other ranks' INFO records are off anyway, see `tm.setup`)
       on the same terms; adjacent ones share one guard.
     - A file kept open across statements, `f = open(path, "a")` ... `f.write(...)` ...
@@ -365,6 +367,9 @@ class MainOnlyWrites(Rule):
             return self.ctx.options.mode == "ddp" and not follows_save(self.ctx, call)
         if name in _COPIES:
             return not follows_save(self.ctx, call)
+        if name in effects.SHELL_RUNNERS:  # `os.system("cp main.py " + out)`: every rank copies
+            return self.ctx.options.mode == "ddp" and bool(call.args) and effects.shell_command_writes(
+                analysis.leading_text(call.args[0].value))
         if name in analysis.FILE_WRITERS:
             return True
         func = call.func

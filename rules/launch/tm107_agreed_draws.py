@@ -171,7 +171,7 @@ class AgreedDraws(Rule):
         if ctx.parent(func) is not ctx.module:
             return True
         for name in ctx.named(func.name.value):
-            if name is func.name:
+            if name is func.name or not _reads_function(ctx, name):
                 continue
             call = ctx.parent(name)
             if not (isinstance(call, cst.Call) and call.func is name):
@@ -403,6 +403,17 @@ def _is_draw(name: str) -> bool:
     if name in _TORCH_DRAWS:
         return True
     return name.startswith(_RANDOM) and name not in _NOT_DRAWS and name not in _SHUFFLES
+
+
+def _reads_function(ctx, name: cst.Name) -> bool:
+    """`name` may refer to the module's function: not another module's name in an import
+    (`from linear_eval import main as linear_eval`), an attribute (`x.main`) or a keyword."""
+    parent = ctx.parent(name)
+    if isinstance(parent, (cst.ImportAlias, cst.AsName, cst.ImportFrom)):
+        return False
+    if isinstance(parent, cst.Attribute) and parent.attr is name:
+        return False
+    return not (isinstance(parent, cst.Arg) and parent.keyword is name)
 
 
 def _inside(ctx, node: cst.CSTNode, container: cst.CSTNode) -> bool:

@@ -6,6 +6,7 @@ import libcst as cst
 
 from torchmigrate import analysis
 from torchmigrate.finding import Safety, replace
+from torchmigrate.syntax.imports import dotted
 from torchmigrate.syntax.nodes import expr, set_kwarg
 from torchmigrate.program.loaders import TQDM_CALLS
 from torchmigrate.program.rank_guards import under_rank_guard
@@ -33,6 +34,22 @@ def _disable_fix(tm: str):
     return fix
 
 
+# what a bar has counted: attributes a disabled bar leaves at their start
+_COUNTS = frozenset({"n", "last_print_n", "format_dict"})
+
+
+def _stream_fix(tm: str):
+    """`file=tm.bar_stream(<file>)`: drawn on the main process, counting everywhere."""
+    def fix(call: cst.Call) -> cst.Call:
+        given = next((a.value for a in call.args if a.keyword is not None and a.keyword.value == "file"), None)
+        stream = expr(f"{tm}.bar_stream()")
+        if given is not None:
+            stream = stream.with_changes(args=[cst.Arg(given)])
+            return set_kwarg(call, "file", stream)
+        return add_kwarg(call, "file", stream)
+    return fix
+
+
 class TqdmMain(Rule):
     """
     ## What it does
@@ -40,7 +57,9 @@ class TqdmMain(Rule):
     spelling: `tqdm.tqdm`, `tqdm.auto`, `tqdm.notebook`, aliases). An existing `disable=expr`
     becomes `disable=expr or not tm.is_main()` (`disable=expr if tm.is_main() else True` when
     `expr` may be `None`, tqdm's "off when not a terminal"); a `disable=` that already depends
-    on the rank is kept, and so are bars under a rank guard.
+    on the rank is kept, and so are bars under a rank guard. A bar whose count the program
+    reads (`val_loss / pbar.n`) gets `file=tm.bar_stream()` instead: a disabled bar stops
+    counting, this one counts on every rank and draws on the main process only.
 
     ## Why is this bad?
     Every rank draws its own bar on the same terminal: with 8 processes the output is 8
@@ -101,7 +120,32 @@ class TqdmMain(Rule):
             disable = next((a for a in call.args if a.keyword is not None and a.keyword.value == "disable"), None)
             if disable is not None and rank_dependent(ctx, disable.value):
                 continue
+            stream = next((a.value for a in call.args if a.keyword is not None and a.keyword.value == "file"), None)
+            if isinstance(stream, cst.Call) and (dotted(stream.func) or "").endswith(".bar_stream"):
+                continue
             if under_rank_guard(ctx, call):
+                continue
+            if self._counted(call):
+                self.report(call, "progress bar drawn by every rank, and the program reads its count (a disabled bar "
+                                  "stops counting): draw it on the main process only, counting on every rank",
+                            edits=[replace(call, _stream_fix(ctx.tm))], imports=[ctx.runtime_import()])
                 continue
             self.report(call, "progress bar drawn by every rank; show it on the main process only",
                         edits=[replace(call, _disable_fix(ctx.tm))], imports=[ctx.runtime_import()])
+
+    def _counted(self, call: cst.Call) -> bool:
+        """The bar is kept in a name (`pbar = tqdm(...)`, `with tqdm(...) as pbar:`) whose count
+        the function reads (`pbar.n`, `pbar.format_dict`): a disabled bar never counts."""
+        ctx = self.ctx
+        parent = ctx.parent(call)
+        target = None
+        if isinstance(parent, cst.Assign) and len(parent.targets) == 1:
+            target = parent.targets[0].target
+        elif isinstance(parent, cst.WithItem) and parent.asname is not None:
+            target = parent.asname.name
+        name = dotted(target) if target is not None else None
+        if name is None:
+            return False
+        scope = ctx.enclosing(call, cst.FunctionDef) or ctx.module
+        return any(isinstance(a, cst.Attribute) and a.attr.value in _COUNTS and dotted(a.value) == name
+                   for a in ctx.within(scope, cst.Attribute))

@@ -110,6 +110,23 @@ def main(outdir):
         res["input_error"] = str(exc)
     builtins.input = asked
 
+    # save then load on every rank: rank 1 loads what rank 0 has just saved, not the older file
+    ckpt = os.path.join(outdir, "saved_then_loaded.pt")
+    tm.save({"v": 1}, ckpt)
+    tm.barrier()
+    if r == 0:
+        time.sleep(1.5)  # rank 0 is late to its second save
+    tm.save({"v": 2}, ckpt)
+    res["loaded_after_save"] = torch.load(ckpt)["v"]
+
+    # bar_stream: a bar counts on every rank, drawn by the main process only
+    from tqdm import tqdm
+    bar = tqdm(total=5, file=tm.bar_stream())
+    bar.update(3)
+    res["bar_n"] = bar.n
+    bar.close()
+    res["bar_stream"] = "default" if tm.bar_stream() is None else "null"
+
     # share_params / sync_grads: DDP's two jobs, by hand, for a model that cannot be wrapped
     torch.manual_seed(10 + r)
     functional = nn.Linear(3, 2)
