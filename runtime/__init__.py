@@ -41,6 +41,7 @@ import logging
 import numbers
 import operator
 import os
+import pickle
 import random
 import re
 import sys
@@ -214,7 +215,9 @@ def setup(backend: str | None = None, timeout=None) -> Ctx:
     DEBUG records so ``logging.info`` prints once; warnings and errors still show on every rank.
     With a process group, an uncaught exception on one rank is named on every rank (see
     ``_install_failure_hook``), and a torchrun restart gets a rendezvous of its own (see
-    ``_restart_store``); a ``MASTER_PORT`` already in use is an error that says so.
+    ``_restart_store``); a ``MASTER_PORT`` already in use is an error that says so. The first
+    process group it creates gives every rank rank 0's random streams (``_share_random_streams``),
+    so what the program draws before training starts agrees across ranks, as in the original.
     """
     global _CTX, _OWN_PG, _LOG_DISABLED, _GROUPS_MADE, _AT_EXIT
     if _CTX is not None and (_pg() or not _CTX.world_size > 1):
@@ -247,6 +250,8 @@ def setup(backend: str | None = None, timeout=None) -> Ctx:
         _OWN_PG = True
         _GROUPS_MADE += 1
         _install_failure_hook(rank())
+        if _GROUPS_MADE == 1:
+            _share_random_streams()
         if not _AT_EXIT:
             atexit.register(_cleanup_at_exit)
             _AT_EXIT = True
@@ -258,6 +263,53 @@ def setup(backend: str | None = None, timeout=None) -> Ctx:
         _watch_writes()
         _wait_for_saves()
     return _CTX
+
+
+_PER_RANK_STREAMS = False  # seed_per_rank() or seed_everything(per_rank=True) set the ranks apart
+
+
+def _share_random_streams() -> None:
+    """At the first set-up, every rank takes rank 0's random streams (``random``, numpy, torch's
+    CPU generator and, where CUDA is up, its GPU's): whatever the program draws before training
+    starts (a dataset generated at random, an unseeded shuffle or split, a noise batch drawn
+    once, weights) is then the same on every rank, as in the one process of the original,
+    seeded or not. ``tm.seed_per_rank()`` sets the ranks apart once training starts. Not after
+    per-rank seeding, and not in a process group the program made itself."""
+    if _PER_RANK_STREAMS or not _pg():
+        return
+    try:
+        import numpy as np
+    except ImportError:
+        np = None
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    mine = (random.getstate(), np.random.get_state() if np else None, torch.random.default_generator.get_state(),
+            torch.cuda.get_rng_state() if cuda else None)
+    shared = _broadcast_small(mine)
+    if rank() == 0:
+        return
+    py, numpy_state, cpu, gpu = shared
+    random.setstate(py)
+    if np is not None and numpy_state is not None:
+        np.random.set_state(numpy_state)
+    torch.random.default_generator.set_state(cpu)
+    if cuda and gpu is not None:
+        torch.cuda.set_rng_state(gpu)
+
+
+def _broadcast_small(value):
+    """Rank 0's ``value`` (a few KiB, picklable) on every rank, through tensors: unlike
+    ``broadcast_object_list``, which reads its bytes back through numpy, it works on the
+    runtime's minimal install (torch only)."""
+    dev = device() if "nccl" in str(dist.get_backend()) else torch.device("cpu")
+    data = pickle.dumps(value) if rank() == 0 else b""
+    size = torch.tensor([len(data)], dtype=torch.long, device=dev)
+    dist.broadcast(size, 0)
+    if rank() == 0:
+        dist.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8).to(dev), 0)
+        return value
+    buf = torch.empty(int(size.item()), dtype=torch.uint8, device=dev)
+    dist.broadcast(buf, 0)
+    return pickle.loads(bytes(buf.cpu().tolist()))
 
 
 _FAILED_KEY = "torchmigrate/failed_rank"
@@ -2015,7 +2067,10 @@ def seed_per_rank() -> None:
     untouched, so ``python train.py`` draws exactly what the original program drew. Samplers
     are not affected: ``sampler``/``DistributedSampler`` shuffle with their own seed and epoch,
     ``shard_sampler`` draws under a seed of its own, so ranks still agree on the permutation."""
+    global _PER_RANK_STREAMS
     me = rank()
+    if world_size() > 1:
+        _PER_RANK_STREAMS = True
     if me == 0 or world_size() <= 1:
         return
     base = int(torch.randint(0, 2 ** 62, (1,)).item())
@@ -2034,7 +2089,10 @@ def seed_everything(seed: int, per_rank: bool = False) -> int:
     """Seed ``random``, numpy (if installed) and torch (CPU and all GPUs); returns the seed used.
     ``per_rank`` adds ``rank()`` so ranks draw different augmentations/dropout masks; leave it
     off where ranks must agree (model init before DDP broadcasts anyway)."""
+    global _PER_RANK_STREAMS
     seed = int(seed) + (rank() if per_rank else 0)
+    if per_rank and world_size() > 1:
+        _PER_RANK_STREAMS = True
     random.seed(seed)
     try:
         import numpy as np

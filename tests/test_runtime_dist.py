@@ -130,6 +130,12 @@ def test_broadcast_object_and_shared_generator_agree_across_ranks(collectives):
     assert sorted(r0["split"][0] + r0["split"][1]) == list(range(12))
 
 
+def test_every_rank_starts_from_rank_0s_random_streams_until_training_sets_them_apart(collectives):
+    r0, r1 = collectives["r"]
+    assert r0["first_draws"] == r1["first_draws"]
+    assert all(a != b for a, b in zip(r0["draws_after_seed_per_rank"], r1["draws_after_seed_per_rank"]))
+
+
 def test_input_is_asked_on_the_main_process_and_answered_on_every_rank(collectives):
     r0, r1 = collectives["r"]
     assert r0["input"] == r1["input"] == "answer of rank 0"

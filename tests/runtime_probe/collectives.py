@@ -61,12 +61,23 @@ class Writer:
 
 def main(outdir):
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout, force=True)
+    # each process's own unseeded streams, as a program that never seeds has them
+    import numpy as np
+    random.seed(os.getpid())
+    np.random.seed(os.getpid() % 2 ** 32)
+    torch.manual_seed(os.getpid())
     ctx = tm.setup(timeout=60)
     r, dev = ctx.rank, tm.device()
+    # after set-up every rank draws what rank 0 draws (a dataset generated at random agrees)
+    first_draws = [random.random(), float(np.random.random()), torch.rand(1).item()]
     res = {"ctx": {"rank": ctx.rank, "local_rank": ctx.local_rank, "world_size": ctx.world_size,
                    "device": str(ctx.device), "is_main": ctx.is_main},
            "same_ctx": tm.setup() is ctx, "backend": str(dist.get_backend()),
            "pg_world": dist.get_world_size(), "is_distributed": tm.is_distributed()}
+
+    res["first_draws"] = first_draws
+    tm.seed_per_rank()
+    res["draws_after_seed_per_rank"] = [random.random(), float(np.random.random()), torch.rand(1).item()]
 
     tm.print(f"PRINT-MARKER from rank {r}")
     logging.info("INFO-MARKER from rank %d", r)
