@@ -282,8 +282,9 @@ def _share_random_streams() -> None:
     except ImportError:
         np = None
     cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-    mine = (random.getstate(), np.random.get_state() if np else None, torch.random.default_generator.get_state(),
-            torch.cuda.get_rng_state() if cuda else None)
+    # torch's states as lists of bytes: a pickled tensor would go through torch.save
+    mine = (random.getstate(), np.random.get_state() if np else None,
+            torch.random.default_generator.get_state().tolist(), torch.cuda.get_rng_state().tolist() if cuda else None)
     shared = _broadcast_small(mine)
     if rank() == 0:
         return
@@ -291,9 +292,9 @@ def _share_random_streams() -> None:
     random.setstate(py)
     if np is not None and numpy_state is not None:
         np.random.set_state(numpy_state)
-    torch.random.default_generator.set_state(cpu)
+    torch.random.default_generator.set_state(torch.tensor(cpu, dtype=torch.uint8))
     if cuda and gpu is not None:
-        torch.cuda.set_rng_state(gpu)
+        torch.cuda.set_rng_state(torch.tensor(gpu, dtype=torch.uint8))
 
 
 def _broadcast_small(value):
@@ -601,18 +602,40 @@ class _DDP(DistributedDataParallel):
     def forward(self, *inputs, **kwargs):
         if not (torch.is_grad_enabled() and self.require_backward_grad_sync and self._tm_hooks):
             return super().forward(*inputs, **kwargs)
-        self._tm_steps += 1
-        if self._tm_steps in _DRIFT_CHECKS or self._tm_steps % 1000 == 0:
-            _check_drift(self, f"after {self._tm_steps - 1} training steps", (inputs, kwargs))
+        # Only the first forward of a step takes rank 0's buffers: a model called twice before one
+        # backward (a GAN's discriminator on real and fake batches) would otherwise have its
+        # BatchNorm statistics overwritten in place while the first call's graph still needs them
+        # ("modified by an inplace operation" at the backward, with DDP's own broadcast).
+        first = not self._tm_armed
+        if first:
+            self._tm_steps += 1
+            if self._tm_steps in _DRIFT_CHECKS or self._tm_steps % 1000 == 0:
+                _check_drift(self, f"after {self._tm_steps - 1} training steps", (inputs, kwargs))
         self._tm_armed = True
         if self._tm_mode == "ddp":
-            return super().forward(*inputs, **kwargs)
-        if self._tm_steps == 1:
+            if first:
+                return super().forward(*inputs, **kwargs)
+            return self._tm_forward_keeping_buffers(*inputs, **kwargs)
+        if self._tm_steps == 1 and first:
             # weights (re)initialised after the wrap, on ranks seeded apart: rank 0's, as DDP
             # copied them when it was built (no optimizer has stepped yet)
             _broadcast_tensors([p for p in self.module.parameters()])
-        _sync_buffers(self)
+        if first:
+            _sync_buffers(self)
         return self.module(*inputs, **kwargs)
+
+    def _tm_forward_keeping_buffers(self, *inputs, **kwargs):
+        """DDP's forward without its broadcast of rank 0's buffers (``forward_sync_buffers``, or
+        ``broadcast_buffers`` on older torch)."""
+        flag = "forward_sync_buffers" if "forward_sync_buffers" in self.__dict__ else "broadcast_buffers"
+        kept = self.__dict__.get(flag)
+        if not kept:
+            return super().forward(*inputs, **kwargs)
+        self.__dict__[flag] = False
+        try:
+            return super().forward(*inputs, **kwargs)
+        finally:
+            self.__dict__[flag] = kept
 
     def _tm_after_backward(self) -> None:
         """End of a backward that reached this model's parameters (queued by ``_on_grad``)."""
@@ -1786,25 +1809,51 @@ def bar_stream(file=None):
     return _NULL_STREAM
 
 
+_INPUTS = 0  # tm.input calls on this rank: the n-th answer is the store's key n
+
+
 def input(prompt: str = "") -> str:  # noqa: A001 - the builtin's stand-in, called as tm.input
     """The builtin ``input(prompt)``, asked once: the main process reads the answer (the
     terminal and stdin are its) and every rank gets the same string. Under torchrun every rank
     inherits stdin, so plain ``input()`` makes the ranks compete for lines (different answers
-    per rank, or EOFError on all but one). An error on the main process (EOFError, Ctrl-C) is
-    raised on every rank, so none waits for an answer that never comes. A collective: call it on
-    every rank; sets up the process group first if needed. 1 process: ``input(prompt)``."""
+    per rank, or EOFError on all but one). The answer goes through the process group's store,
+    not a collective: rank 0 never waits for the others, and a rank asking a question rank 0
+    did not ask (one that depends on a folder rank 0 just made) stops after
+    ``TORCHMIGRATE_INPUT_WAIT`` seconds (600) with an error that says so, instead of hanging.
+    An EOFError or Ctrl-C on the main process is raised on every rank that asks. Sets up the
+    process group first if needed. 1 process: ``input(prompt)``."""
+    global _INPUTS
     if world_size() <= 1 or (not _pg() and _in_worker_process()):
         return builtins.input(prompt)
-    answer, error = None, None
+    _require_pg()
+    _INPUTS += 1
+    key = f"torchmigrate/input/{_INPUTS}"
+    store = dist.distributed_c10d._get_default_store()
     if rank() == 0:
         try:
             answer = builtins.input(prompt)
-        except BaseException as exc:  # every rank raises it, instead of waiting for an answer
-            error = exc
-    answer, error = broadcast_object((answer, error))
-    if error is not None:
-        raise error
-    return answer
+        except BaseException as exc:
+            store.set(key, "e" + type(exc).__name__ + "\t" + str(exc))
+            raise
+        store.set(key, "a" + answer)
+        return answer
+    wait = float(os.environ.get("TORCHMIGRATE_INPUT_WAIT", "600"))
+    try:
+        store.wait([key], datetime.timedelta(seconds=wait))
+    except Exception:  # noqa: BLE001 - the store's timeout
+        raise RuntimeError(
+            f"torchmigrate.runtime: rank {rank()} asks {prompt!r}, which rank 0 did not ask within {wait:.0f} s: "
+            "the question depends on something that differs by rank (a folder rank 0 just created, a value of "
+            "this rank's own); ask it on every rank alike, or give the answer as an option") from None
+    value = store.get(key).decode("utf-8")
+    if value.startswith("a"):
+        return value[1:]
+    name, _, message = value[1:].partition("\t")
+    if name == "EOFError":
+        raise EOFError(message)
+    if name == "KeyboardInterrupt":
+        raise KeyboardInterrupt(message)
+    raise RuntimeError(f"torchmigrate.runtime: rank 0 could not read the answer to {prompt!r} ({name}: {message})")
 
 
 def _in_worker_process() -> bool:

@@ -140,6 +140,7 @@ def test_input_is_asked_on_the_main_process_and_answered_on_every_rank(collectiv
     r0, r1 = collectives["r"]
     assert r0["input"] == r1["input"] == "answer of rank 0"
     assert r0["input_error"] == r1["input_error"] == "no stdin"  # no rank waits for an answer
+    assert r0["input_alone"] is None and r1["input_alone"] is True  # asked by rank 1 alone: an error, no hang
 
 
 def test_a_rank_loading_what_rank_0_saves_waits_for_that_save(collectives):
@@ -362,6 +363,12 @@ def test_steps_through_submodules_are_averaged_and_plain_models_keep_ddp(nets):
     assert r0["plain"] == r1["plain"]
     assert r0["routed"] == r1["routed"]  # tm.synced(model).encoder(x) runs through DDP's forward
     assert r0["late_init"] == r1["late_init"]  # weights initialised after the wrap: rank 0's at the first step
+
+
+def test_a_model_called_twice_before_one_backward_trains_in_step(nets):
+    r0, r1 = nets["r"]
+    assert r0["critic_mode"] == r1["critic_mode"] == "ddp"  # DDP's own reducer, after the probe step
+    assert r0["critic"] == pytest.approx(r1["critic"], rel=1e-6, abs=1e-7)
 
 
 def test_a_module_level_cleanup_in_an_imported_module_does_not_end_the_group(nets):

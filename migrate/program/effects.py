@@ -241,17 +241,28 @@ def _aliases(tree: ast.Module) -> Dict[str, str]:
 # like: every rank would run them (the first word of the command decides).
 SHELL_RUNNERS = frozenset({"os.system", "os.popen", "subprocess.run", "subprocess.call", "subprocess.check_call",
                            "subprocess.check_output", "subprocess.Popen"})
-SHELL_WRITERS = frozenset({"cp", "mv", "mkdir", "rm", "touch", "tar", "zip", "unzip", "gzip", "wget", "curl", "ln",
-                           "rsync", "echo"})
+SHELL_WRITERS = frozenset({"cp", "mv", "mkdir", "rm", "touch", "ln", "rsync", "echo", "zip", "gzip", "tar"})
+# ... and shell commands that fetch or unpack what every rank then reads (a dataset): those go
+# under `main_process_first` (TM505), never under a guard that leaves the other ranks without it.
+SHELL_FETCHERS = frozenset({"wget", "curl", "unzip", "gunzip", "7z"})
 
 
 def shell_command_writes(text: Optional[str]) -> bool:
     """The start of a shell command (`"cp main.py "`, `["mv", ...]`'s first word) is a command
-    that writes, moves or removes files (`echo` only with a redirection)."""
+    that writes, moves or removes files (`echo` only with a redirection), or fetches them."""
     words = (text or "").split()
-    if not words or words[0] not in SHELL_WRITERS:
+    if not words or words[0] not in SHELL_WRITERS | SHELL_FETCHERS:
         return False
     return words[0] != "echo" or ">" in (text or "")
+
+
+def shell_command_fetches(text: Optional[str]) -> bool:
+    """The start of a shell command downloads or unpacks files (`wget`, `curl`, `unzip`,
+    `tar xf`)."""
+    words = (text or "").split()
+    if not words:
+        return False
+    return words[0] in SHELL_FETCHERS or words[0] == "tar" and len(words) > 1 and "x" in words[1]
 
 
 def _leading_text(node: ast.AST) -> Optional[str]:

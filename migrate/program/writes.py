@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Optional, Set
 import libcst as cst
 
 from torchmigrate import analysis
+from torchmigrate.program import effects
 from torchmigrate.program.effects import MODULE_SCOPE
 from torchmigrate.program.syntax import body_of, index_in, iter_nodes
 from torchmigrate.syntax.imports import dotted
@@ -64,6 +65,9 @@ def fetches(ctx: Context, call: cst.Call, name: Optional[str]) -> bool:
     if name is not None and (name in _DOWNLOADS or name.startswith(_ALWAYS_FETCH)
                              or name.startswith(_DATASET_PACKAGES) and _asks_download(call)):
         return True
+    if name in effects.SHELL_RUNNERS and call.args \
+            and effects.shell_command_fetches(analysis.leading_text(call.args[0].value)):
+        return True  # `os.system("wget %s; unzip %s" % (url, name))`
     func = call.func
     return isinstance(func, cst.Attribute) and func.attr.value in _HF_CACHING \
         and _root_name(func.value) in hf_datasets(ctx, call)

@@ -368,8 +368,10 @@ class MainOnlyWrites(Rule):
         if name in _COPIES:
             return not follows_save(self.ctx, call)
         if name in effects.SHELL_RUNNERS:  # `os.system("cp main.py " + out)`: every rank copies
-            return self.ctx.options.mode == "ddp" and bool(call.args) and effects.shell_command_writes(
-                analysis.leading_text(call.args[0].value))
+            text = analysis.leading_text(call.args[0].value) if call.args else None
+            # (a download or unpacking is TM505's: every rank reads what it fetched)
+            return self.ctx.options.mode == "ddp" and effects.shell_command_writes(text) \
+                and not effects.shell_command_fetches(text)
         if name in analysis.FILE_WRITERS:
             return True
         func = call.func

@@ -119,6 +119,14 @@ def main(outdir):
         res["input_error"] = None
     except EOFError as exc:
         res["input_error"] = str(exc)
+    # a question only rank 1 asks (it found a folder rank 0 had just made): an error, not a hang
+    os.environ["TORCHMIGRATE_INPUT_WAIT"] = "2"
+    res["input_alone"] = None
+    if r == 1:
+        try:
+            tm.input("remove the folder? ")
+        except RuntimeError as exc:
+            res["input_alone"] = "rank 0 did not ask" in str(exc)
     builtins.input = asked
 
     # save then load on every rank: rank 1 loads what rank 0 has just saved, not the older file

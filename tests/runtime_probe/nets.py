@@ -86,6 +86,18 @@ def main(outdir):
         opt.step()
     res["routed"] = flat(routed.module)
 
+    # a discriminator with BatchNorm called on two batches before one backward (a GAN's step),
+    # for 3 steps: the second call must not overwrite the statistics the first call's graph needs
+    critic = tm.wrap_model(nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 1)))
+    opt = torch.optim.SGD(critic.parameters(), lr=0.1)
+    for _ in range(3):
+        real, fake = torch.randn(6, 4, generator=g), torch.randn(6, 4, generator=g)
+        opt.zero_grad()
+        (critic(real).mean() - critic(fake).mean()).backward()
+        opt.step()
+    res["critic_mode"] = critic._tm_mode
+    res["critic"] = flat(critic.module)
+
     late = tm.wrap_model(Plain())
     torch.manual_seed(1000 + tm.rank())  # initialised after the wrap, on ranks seeded apart
     for m in tm.unwrap(late).modules():
