@@ -225,6 +225,38 @@ def is_pure(node: cst.CSTNode) -> bool:
     return False
 
 
+def _without_gradients(ctx, node: cst.CSTNode) -> bool:
+    """`node` is read in a comprehension, or under `torch.no_grad()` / `torch.inference_mode()`:
+    nothing trained there."""
+    for anc in ctx.ancestors(node):
+        if isinstance(anc, (cst.ListComp, cst.SetComp, cst.GeneratorExp, cst.DictComp)):
+            return True
+        if isinstance(anc, cst.With) and any(
+                isinstance(item.item, cst.Call) and (ctx.resolve(item.item.func) or "") in _NO_GRAD
+                for item in anc.items):
+            return True
+        if isinstance(anc, (cst.FunctionDef, cst.Lambda)):
+            return False
+    return False
+
+
+_NO_GRAD = frozenset({"torch.no_grad", "torch.inference_mode", "torch.autograd.no_grad",
+                      "torch.autograd.grad_mode.no_grad"})
+
+
+def _iterated(ctx, node: cst.CSTNode) -> bool:
+    """`node` is what a loop or comprehension iterates: `for b in node`, `[f(b) for b in node]`,
+    also through `enumerate(node)` or a progress bar `tqdm(node)`."""
+    parent = ctx.parent(node)
+    if isinstance(parent, cst.Arg):
+        wrapper = ctx.parent(parent)
+        if not (isinstance(wrapper, cst.Call) and wrapper.args and wrapper.args[0] is parent
+                and (dotted(wrapper.func) or "").rsplit(".", 1)[-1] in ("enumerate", "tqdm", "iter", "trange")):
+            return False
+        node, parent = wrapper, ctx.parent(wrapper)
+    return isinstance(parent, (cst.For, cst.CompFor)) and parent.iter is node
+
+
 def is_literal(node: Optional[cst.CSTNode], *values: str) -> bool:
     return isinstance(node, cst.Name) and node.value in values
 
@@ -578,6 +610,8 @@ class LoaderFacts:
                 return "train", None
             cond = f"{var} == {train[0]}" if len(train) == 1 else f"{var} in ({', '.join(train)})"
             return "mixed", cond
+        if self._read_through_here(call, loader):
+            return "eval", None
         sources: List[List[str]] = []
         if loader.target:
             sources.append(splits.words(loader.target.split(".")[-1]))
@@ -596,6 +630,32 @@ class LoaderFacts:
                 loader.condition_is_shuffle = True
                 return "mixed", _parenthesize(code(shuffle), shuffle)
         return "train", None
+
+    def _read_through_here(self, call: cst.Call, loader: Loader) -> bool:
+        """The loader is built and read through in the same function, in a comprehension or under
+        `torch.no_grad()`, and that function trains nothing (no backward there, nor in a function
+        of the program it calls) and does not let it leave (not returned, not kept on an object): a pass over the data to compute something from all of
+        it (a dataset's mean and std for `Normalize`, the scores of every window), whatever the
+        dataset is called. Sharded, each rank would compute it from its part only."""
+        ctx = self.ctx
+        fn = self.function_of(call)
+        if not isinstance(fn, cst.FunctionDef) or (loader.target and "." in loader.target) \
+                or loader.shuffle is not None and not is_literal(loader.shuffle, "False", "None"):
+            return False
+        if loader.target:
+            uses = [n for n in ctx.named(loader.target) if ctx.enclosing(n, cst.FunctionDef) is fn
+                    and not isinstance(ctx.parent(n), cst.AssignTarget)]
+            read = [n for n in uses if _iterated(ctx, n)]
+            if not read or len(read) != len(uses) or not all(_without_gradients(ctx, n) for n in read):
+                return False  # returned, passed on, stored (it leaves here), or read where it may train
+        elif not (_iterated(ctx, call) and _without_gradients(ctx, call)):
+            return False
+        if analysis.runs_backward(ctx, fn):
+            return False
+        from torchmigrate.program import effects
+        from torchmigrate.program.writes import call_kinds
+        return not any(effects.TRAIN in (call_kinds(ctx, c) or ()) or effects.CALLS in (call_kinds(ctx, c) or ())
+                       for c in ctx.within(fn, cst.Call, skip_defs=True))
 
     def _dataset_words(self, loader: Loader) -> List[str]:
         """Words of the dataset expression and of up to three assignments to it, which both
