@@ -72,8 +72,8 @@ def _int(node: cst.CSTNode) -> bool:
 
 
 # Names that hold a GPU index (`args.gpu`, `gpu_id`, `opt.device_id`); never rank-derived ones.
-_GPU_NAME = re.compile(r"^(gpu|gpu_?id|gpu_?idx|gpu_?index|gpu_?num|gpu_?no|cuda_?id|cuda_?device|device_?id|dev_?id)$",
-                       re.IGNORECASE)
+_GPU_NAME = re.compile(r"^(gpu|gpu_?id|gpu_?idx|gpu_?index|gpu_?num|gpu_?no|cuda_?id|cuda_?idx|cuda_?index|cuda_?device"
+                       r"|device_?id|device_?idx|device_?index|device_?num|dev_?id)$", re.IGNORECASE)
 
 
 def gpu_index(node: cst.CSTNode) -> Optional[str]:
@@ -320,13 +320,14 @@ class DeviceFromRank(Rule):
             return LITERAL if _int(index.value) else EXPR
         return kind
 
-    def _split(self, node: cst.IfExp, string: bool):
-        """(cuda branch kind, cuda branch is body) for `cuda-ish if C else cpu-ish`, else None."""
+    def _split(self, node: cst.IfExp, string: bool, index: bool = False):
+        """(cuda branch kind, cuda branch is body) for `cuda-ish if C else cpu-ish`, else None;
+        with `index`, a GPU index is cuda-ish too (`torch.device(args.gpu if cuda else "cpu")`)."""
         for cuda_branch, other, is_body in ((node.body, node.orelse, True), (node.orelse, node.body, False)):
             if not self._is_cpu(other):
                 continue
             if string:
-                kind = cuda_string(cuda_branch)
+                kind = cuda_string(cuda_branch) or (gpu_index(cuda_branch) if index else None)
             elif isinstance(cuda_branch, cst.Call) and self.ctx.resolve(cuda_branch.func) == "torch.device":
                 kind = self._device_call_kind(cuda_branch)
             else:
@@ -421,7 +422,7 @@ class DeviceFromRank(Rule):
                    "(cuda:LOCAL_RANK, or cpu without CUDA)")
         if isinstance(first.value, cst.IfExp):
             ifexp = first.value
-            split = self._split(ifexp, string=True)
+            split = self._split(ifexp, string=True, index=True)
             if split is None or not self._wrong(split[0]) or arg(call, "index", 1) is not None:
                 return
             kind, is_body = split
