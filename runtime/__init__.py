@@ -487,22 +487,18 @@ def wrap_model(model: nn.Module, *, find_unused_parameters: bool = False, sync_b
     return ddp
 
 
-class _DataParallel(nn.DataParallel):
-    """The ``nn.DataParallel`` that ``wrap_model(..., data_parallel=True)`` keeps in one process:
-    ``model.module`` works as in the original (every visible GPU is used; on the CPU it calls the
-    module), and the rest behaves like the plain model, as the DDP wrapper does: its
-    ``state_dict()`` has no ``module.`` prefix, ``load_state_dict`` takes both forms, an attribute
-    of the user's class (``model.n_classes``) is found on the module, pickling it pickles the
-    module. A program that used DataParallel only behind a flag then loads the same checkpoints
-    whether the flag was on or off."""
+class _ModuleFace:
+    """What both of ``wrap_model``'s wrappers share with the plain model they wrap: ``state_dict()``
+    without the ``module.`` prefix (as the submodule of another module, the usual prefixed keys are
+    kept, so the parent's own checkpoints stay consistent), an attribute the wrapper lacks looked
+    up on the module (``_tm_from_module``), and pickling as the module, through a function of the
+    standard library (``operator.getitem((module,), 0)``), so the file loads where torchmigrate is
+    not installed. Comes before the torch wrapper class in the bases."""
 
     def state_dict(self, *args, **kwargs):
         if args or kwargs.get("prefix") or kwargs.get("destination") is not None:
             return super().state_dict(*args, **kwargs)
         return self.module.state_dict(**kwargs)
-
-    def load_state_dict(self, state_dict, strict: bool = True, *args, **kwargs):
-        return self.module.load_state_dict(strip_prefix(state_dict), strict, *args, **kwargs)
 
     def __getattr__(self, name):
         try:
@@ -511,10 +507,26 @@ class _DataParallel(nn.DataParallel):
             inner = self.__dict__.get("_modules", {}).get("module")
             if inner is None or name.startswith("__"):
                 raise
+        return self._tm_from_module(inner, name)
+
+    def _tm_from_module(self, inner: nn.Module, name: str):
         return getattr(inner, name)
 
     def __reduce_ex__(self, protocol):
         return operator.getitem, ((self.module,), 0)
+
+
+class _DataParallel(_ModuleFace, nn.DataParallel):
+    """The ``nn.DataParallel`` that ``wrap_model(..., data_parallel=True)`` keeps in one process:
+    ``model.module`` works as in the original (every visible GPU is used; on the CPU it calls the
+    module), and the rest behaves like the plain model, as the DDP wrapper does (``_ModuleFace``):
+    its ``state_dict()`` has no ``module.`` prefix, ``load_state_dict`` takes both forms, an
+    attribute of the user's class (``model.n_classes``) is found on the module, pickling it
+    pickles the module. A program that used DataParallel only behind a flag then loads the same
+    checkpoints whether the flag was on or off."""
+
+    def load_state_dict(self, state_dict, strict: bool = True, *args, **kwargs):
+        return self.module.load_state_dict(strip_prefix(state_dict), strict, *args, **kwargs)
 
 
 def _live_wrappers() -> list:
@@ -545,7 +557,7 @@ def _unnest(model: nn.Module) -> None:
 _MODULE_API = frozenset(dir(nn.Module))
 
 
-class _DDP(DistributedDataParallel):
+class _DDP(_ModuleFace, DistributedDataParallel):
     """The ``DistributedDataParallel`` that ``wrap_model`` returns: a program that worked as one
     process keeps working, and its gradients are averaged whatever shape its training step has.
 
@@ -607,20 +619,18 @@ class _DDP(DistributedDataParallel):
         # BatchNorm statistics overwritten in place while the first call's graph still needs them
         # ("modified by an inplace operation" at the backward, with DDP's own broadcast).
         first = not self._tm_armed
+        self._tm_armed = True
         if first:
             self._tm_steps += 1
             if self._tm_steps in _DRIFT_CHECKS or self._tm_steps % 1000 == 0:
                 _check_drift(self, f"after {self._tm_steps - 1} training steps", (inputs, kwargs))
-        self._tm_armed = True
         if self._tm_mode == "ddp":
-            if first:
-                return super().forward(*inputs, **kwargs)
-            return self._tm_forward_keeping_buffers(*inputs, **kwargs)
-        if self._tm_steps == 1 and first:
-            # weights (re)initialised after the wrap, on ranks seeded apart: rank 0's, as DDP
-            # copied them when it was built (no optimizer has stepped yet)
-            _broadcast_tensors([p for p in self.module.parameters()])
+            return super().forward(*inputs, **kwargs) if first else self._tm_forward_keeping_buffers(*inputs, **kwargs)
         if first:
+            if self._tm_steps == 1:
+                # weights (re)initialised after the wrap, on ranks seeded apart: rank 0's, as DDP
+                # copied them when it was built (no optimizer has stepped yet)
+                _broadcast_tensors([p for p in self.module.parameters()])
             _sync_buffers(self)
         return self.module(*inputs, **kwargs)
 
@@ -669,18 +679,7 @@ class _DDP(DistributedDataParallel):
                   "overlap of communication and backward). If they are used only in some steps, "
                   "tm.wrap_model(model, find_unused_parameters=True) uses DDP's own handling.")
 
-    def state_dict(self, *args, **kwargs):
-        if args or kwargs.get("prefix") or kwargs.get("destination") is not None:
-            return super().state_dict(*args, **kwargs)
-        return self.module.state_dict(**kwargs)
-
-    def __getattr__(self, name):
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            inner = self.__dict__.get("_modules", {}).get("module")
-            if inner is None or name.startswith("__"):
-                raise
+    def _tm_from_module(self, inner: nn.Module, name: str):
         value = getattr(inner, name)
         if torch.is_grad_enabled() and (isinstance(value, nn.Module) or getattr(value, "__self__", None) is inner) \
                 and name not in _MODULE_API:
@@ -692,11 +691,6 @@ class _DDP(DistributedDataParallel):
         if keys and not any(k.startswith("module.") for k in keys):
             return self.module.load_state_dict(strip_prefix(state_dict), strict, *args, **kwargs)
         return super().load_state_dict(state_dict, strict, *args, **kwargs)
-
-    def __reduce_ex__(self, protocol):
-        # operator.getitem((module,), 0): the plain module, through a function of the standard
-        # library, so the file loads where torchmigrate is not installed.
-        return operator.getitem, ((self.module,), 0)
 
 
 _WRAPPER_CLASSES: dict = {}
@@ -1138,13 +1132,13 @@ class _ShardedSampler(Sampler):
     def __len__(self) -> int:
         return -(-len(self.inner) // world_size())
 
-    def _start(self, draws: "_SharedDraws"):
+    def _start(self, streams: "_Streams"):
         """The sampler's iterator, and its first item, drawn under ``seed + epoch``: its own
-        ``generator`` if it has one, else the pass's shared random streams (``_SharedDraws``).
-        Samplers fix their order when they start (torch's draw a seed, bucketing samplers
-        shuffle first), so the ranks agree on the whole sequence."""
+        ``generator`` if it has one, and the pass's own random streams (``_Streams``). Samplers
+        fix their order when they start (torch's draw a seed, bucketing samplers shuffle first),
+        so the ranks agree on the whole sequence."""
         seed = self.seed + self.epoch
-        with draws:
+        with streams:
             if hasattr(self.inner, "generator"):
                 kept = self.inner.generator
                 self.inner.generator = torch.Generator().manual_seed(seed)
@@ -1158,86 +1152,52 @@ class _ShardedSampler(Sampler):
 
     def __iter__(self):
         """Streams (a sampler may be huge: ``RandomSampler(num_samples=10**10)``, or endless): rank
-        r keeps items r, r+W, ...; if the sequence does not fill W equal shares, its first items
-        pad it, as ``DistributedSampler`` pads. Items are drawn a chunk at a time under the pass's
-        shared random streams, so a sampler that draws as it goes (a new permutation after each
-        round of an endless sampler) draws alike on every rank."""
+        r keeps its items (``_deal``). Items are drawn a chunk at a time under the pass's own
+        random streams, so a sampler that draws as it goes (a new permutation after each round of
+        an endless sampler) draws alike on every rank."""
         if not self._explicit:
             self.epoch = self._passes
             self._passes += 1
-        world, me, share = world_size(), rank(), len(self)
-        draws = _SharedDraws(self.seed + self.epoch)
-        it, first = self._start(draws)
+        share = len(self)
+        streams = _Streams(self.seed + self.epoch)
+        it, first = self._start(streams)
         if first is _END:
             return
-        head, kept, total = [], 0, 0
-        for item in itertools.chain((first,), _chunked(it, draws, world * 64)):
-            if total < world:
-                head.append(item)
-            if total % world == me:
-                yield item
-                kept += 1
-                if kept == share:
-                    return
-            total += 1
-        for j in range(total, share * world):  # padding
-            if j % world == me:
-                yield head[(j - total) % len(head)]
+        yield from _deal(itertools.chain((first,), _chunked(it, streams, world_size() * 64)), share)
 
 
-def _chunked(it, draws: "_SharedDraws", size: int):
-    """The items of `it`, drawn `size` at a time inside `draws`."""
+def _deal(items, share: int | None = None):
+    """This rank's part of ``items``: rank r keeps items r, r+W, r+2W, ... (at most ``share`` of
+    them); where they do not fill W equal shares (``share`` each, else as many as the items
+    need), the first items pad the last round, as ``DistributedSampler`` pads, so every rank runs
+    the same number of steps."""
+    world, me = world_size(), rank()
+    head, kept, total = [], 0, 0
+    for item in items:
+        if total < world:
+            head.append(item)
+        if total % world == me:
+            yield item
+            kept += 1
+            if kept == share:
+                return
+        total += 1
+    if not head:
+        return
+    share = -(-total // world) if share is None else share
+    for j in range(total, share * world):  # padding
+        if j % world == me:
+            yield head[(j - total) % len(head)]
+
+
+def _chunked(it, streams: "_Streams", size: int):
+    """The items of `it`, drawn `size` at a time inside `streams`."""
     while True:
-        with draws:
+        with streams:
             chunk = list(itertools.islice(it, size))
         yield from chunk
         if len(chunk) < size:
             return
-
-
-class _SharedDraws:
-    """Random streams private to one pass of a sampler, alike on every rank: while the sampler
-    draws (``with draws:``), torch's CPU generator, ``random`` and numpy's global state are its
-    own, seeded from ``seed``, and carried on from one chunk to the next; the program's streams
-    are put back after. A sampler that reseeds numpy from the OS (``np.random.seed()``, as the
-    widely copied endless samplers do after each round) gets a seed from the shared stream."""
-
-    def __init__(self, seed: int) -> None:
-        self.seed, self.mine, self.kept = int(seed), None, None
-        try:
-            import numpy
-        except ImportError:
-            numpy = None
-        self.np = numpy
-
-    def __enter__(self) -> "_SharedDraws":
-        np = self.np
-        self.kept = (torch.random.default_generator.get_state(), random.getstate(),
-                     np.random.get_state() if np else None, np.random.seed if np else None)
-        if self.mine is None:
-            torch.random.default_generator.manual_seed(self.seed)
-            random.seed(self.seed)
-            if np:
-                np.random.seed(self.seed % 2 ** 32)
-        else:
-            torch.random.default_generator.set_state(self.mine[0])
-            random.setstate(self.mine[1])
-            if np:
-                np.random.set_state(self.mine[2])
-        if np:
-            reseed = self.kept[3]
-            np.random.seed = lambda seed=None: reseed(random.getrandbits(32) if seed is None else seed)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        np = self.np
-        self.mine = (torch.random.default_generator.get_state(), random.getstate(),
-                     np.random.get_state() if np else None)
-        torch.random.default_generator.set_state(self.kept[0])
-        random.setstate(self.kept[1])
-        if np:
-            np.random.set_state(self.kept[2])
-            np.random.seed = self.kept[3]
 
 
 _END = object()
@@ -1398,58 +1358,57 @@ class _ShardedBatches:
             if _PASSES["seed"] is None:
                 _PASSES["seed"] = int(broadcast_object(torch.initial_seed()))
             self.seed = _PASSES["seed"]
-        world, me = world_size(), rank()
         streams = _Streams(self.seed + _PASSES["count"])
         _PASSES["count"] += 1
-        it = streams.run(iter, self.inner)
-        head, total = [], 0
-        while True:
-            item = streams.run(next, it, _END)
-            if item is _END:
-                break
-            if total < world:
-                head.append(item)
-            if total % world == me:
-                yield item
-            total += 1
-        share = -(-total // world)
-        for j in range(total, share * world):  # padding from the first batches
-            if j % world == me:
-                yield head[(j - total) % len(head)]
+        with streams:
+            it = iter(self.inner)
+        yield from _deal(_chunked(it, streams, 1))
 
 
 _PASSES = {"seed": None, "count": 0}  # rank 0's initial seed, shared once; passes so far
 
 
 class _Streams:
-    """Global random generators of their own (torch's CPU one, Python's, numpy's when loaded),
-    seeded with ``seed``: ``run`` calls a function under them and puts the program's back."""
+    """Global random generators of their own (torch's CPU one, Python's, numpy's), seeded with
+    ``seed``, so alike on every rank given the same seed: inside ``with streams:`` the program's
+    draws come from them, the state they reach carries on to the next ``with``, and the
+    program's own generators are put back after. A ``np.random.seed()`` without a seed inside
+    (as the widely copied endless samplers call after each round, to reseed from the OS) takes
+    its seed from these streams, so it stays alike on every rank too."""
 
     def __init__(self, seed: int) -> None:
+        self.seed = int(seed)
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
+            torch.manual_seed(self.seed)
             self.torch_state = torch.get_rng_state()
-        self.random_state = random.Random(seed).getstate()
-        numpy = sys.modules.get("numpy")
-        self.numpy_state = numpy.random.RandomState(seed % 2**32).get_state() if numpy is not None else None
+        self.random_state = random.Random(self.seed).getstate()
+        self.numpy_state = None  # made at the first `with` that finds numpy loaded
+        self.kept = None
 
-    def run(self, fn, *args):
+    def __enter__(self) -> "_Streams":
         numpy = sys.modules.get("numpy")
-        kept = (torch.get_rng_state(), random.getstate(),
-                numpy.random.get_state() if numpy is not None and self.numpy_state is not None else None)
+        self.kept = (torch.get_rng_state(), random.getstate(),
+                     numpy.random.get_state() if numpy is not None else None,
+                     numpy.random.seed if numpy is not None else None)
         torch.set_rng_state(self.torch_state)
         random.setstate(self.random_state)
-        if kept[2] is not None:
+        if numpy is not None:
+            if self.numpy_state is None:
+                self.numpy_state = numpy.random.RandomState(self.seed % 2 ** 32).get_state()
             numpy.random.set_state(self.numpy_state)
-        try:
-            return fn(*args)
-        finally:
-            self.torch_state, self.random_state = torch.get_rng_state(), random.getstate()
-            torch.set_rng_state(kept[0])
-            random.setstate(kept[1])
-            if kept[2] is not None:
-                self.numpy_state = numpy.random.get_state()
-                numpy.random.set_state(kept[2])
+            reseed = self.kept[3]
+            numpy.random.seed = lambda seed=None: reseed(random.getrandbits(32) if seed is None else seed)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.torch_state, self.random_state = torch.get_rng_state(), random.getstate()
+        torch.set_rng_state(self.kept[0])
+        random.setstate(self.kept[1])
+        if self.kept[2] is not None:
+            numpy = sys.modules["numpy"]
+            self.numpy_state = numpy.random.get_state()
+            numpy.random.set_state(self.kept[2])
+            numpy.random.seed = self.kept[3]
 
 
 _BATCH_WARNED: set = set()
@@ -1971,10 +1930,15 @@ _LOAD_WAITING = False
 _SAVE_WAIT_WARNED: set = set()
 
 
+def _save_key(path) -> str | None:
+    """The absolute path a save or load names (`_SAVES`' key); None for a file object."""
+    return os.path.abspath(os.fspath(path)) if isinstance(path, (str, os.PathLike)) else None
+
+
 def _count_save(path) -> str | None:
-    if not isinstance(path, (str, os.PathLike)):
+    key = _save_key(path)
+    if key is None:
         return None
-    key = os.path.abspath(os.fspath(path))
     _SAVES[key] = _SAVES.get(key, 0) + 1
     return f"{_SAVED_KEY}{key}/{_SAVES[key]}"
 
@@ -2000,8 +1964,8 @@ def _wait_for_saves() -> None:
 
     @functools.wraps(original)
     def load(f, *args, **kwargs):
-        if _SAVES and isinstance(f, (str, os.PathLike)) and _pg():
-            key = os.path.abspath(os.fspath(f))
+        if _SAVES and _pg():
+            key = _save_key(f)
             if key in _SAVES:
                 _await_save(key, f)
         return original(f, *args, **kwargs)
