@@ -61,15 +61,22 @@ def opens_for_writing(call: cst.Call) -> bool:
     return text is not None and any(c in text for c in "wax+")
 
 
+def _own_open_mode(call: cst.Call) -> Optional[cst.SimpleString]:
+    """The mode of a path's own `p.open("wb")` (its first argument, a short literal), else None:
+    `gzip.open("a.gz")` names a file, not a mode."""
+    if not (isinstance(call.func, cst.Attribute) and call.func.attr.value == "open" and call.args
+            and call.args[0].keyword is None and isinstance(call.args[0].value, cst.SimpleString)):
+        return None
+    first = call.args[0].value.evaluated_value
+    return call.args[0].value if isinstance(first, str) and len(first) <= 3 else None
+
+
 def open_mode(call: cst.Call) -> Optional[str]:
     """The literal mode of an `open`-like call: the second argument of `open(path, mode)` (also
     `gzip.open`, `io.open`, ...), the first of a path's `p.open(mode)`, or `mode=`."""
-    mode = call.args[1].value if len(call.args) >= 2 and call.args[1].keyword is None else None
-    if isinstance(call.func, cst.Attribute) and call.func.attr.value == "open" and call.args \
-            and call.args[0].keyword is None and isinstance(call.args[0].value, cst.SimpleString):
-        first = call.args[0].value.evaluated_value
-        if isinstance(first, str) and len(first) <= 3:  # `Path(p).open("wb")`, not `gzip.open("a.gz")`
-            mode = call.args[0].value
+    mode = _own_open_mode(call)
+    if mode is None and len(call.args) >= 2 and call.args[1].keyword is None:
+        mode = call.args[1].value
     for a in call.args:
         if a.keyword is not None and a.keyword.value == "mode":
             mode = a.value
@@ -80,11 +87,8 @@ def open_mode(call: cst.Call) -> Optional[str]:
 
 def opened_path(call: cst.Call) -> Optional[cst.BaseExpression]:
     """The path an `open`-like call opens: `p` of `p.open("w")`, else the first argument."""
-    if isinstance(call.func, cst.Attribute) and call.func.attr.value == "open" and call.args \
-            and call.args[0].keyword is None and isinstance(call.args[0].value, cst.SimpleString):
-        first = call.args[0].value.evaluated_value
-        if isinstance(first, str) and len(first) <= 3:
-            return call.func.value
+    if _own_open_mode(call) is not None:
+        return call.func.value  # type: ignore[attr-defined]
     return call.args[0].value if call.args and call.args[0].keyword is None else None
 
 

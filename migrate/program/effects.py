@@ -245,13 +245,14 @@ SHELL_WRITERS = frozenset({"cp", "mv", "mkdir", "rm", "touch", "ln", "rsync", "e
 # ... and shell commands that fetch or unpack what every rank then reads (a dataset): those go
 # under `main_process_first` (TM505), never under a guard that leaves the other ranks without it.
 SHELL_FETCHERS = frozenset({"wget", "curl", "unzip", "gunzip", "7z"})
+_SHELL_COMMANDS = SHELL_WRITERS | SHELL_FETCHERS
 
 
 def shell_command_writes(text: Optional[str]) -> bool:
     """The start of a shell command (`"cp main.py "`, `["mv", ...]`'s first word) is a command
     that writes, moves or removes files (`echo` only with a redirection), or fetches them."""
     words = (text or "").split()
-    if not words or words[0] not in SHELL_WRITERS | SHELL_FETCHERS:
+    if not words or words[0] not in _SHELL_COMMANDS:
         return False
     return words[0] != "echo" or ">" in (text or "")
 

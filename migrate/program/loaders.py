@@ -43,7 +43,8 @@ from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 import libcst as cst
 
 from torchmigrate import analysis
-from torchmigrate.program import splits
+from torchmigrate.program import effects, splits
+from torchmigrate.program.writes import call_kinds
 from torchmigrate.syntax.imports import dotted
 from torchmigrate.syntax.nodes import code
 from torchmigrate.syntax.walk import child_nodes
@@ -223,38 +224,6 @@ def is_pure(node: cst.CSTNode) -> bool:
                 return False
         return True
     return False
-
-
-def _without_gradients(ctx, node: cst.CSTNode) -> bool:
-    """`node` is read in a comprehension, or under `torch.no_grad()` / `torch.inference_mode()`:
-    nothing trained there."""
-    for anc in ctx.ancestors(node):
-        if isinstance(anc, (cst.ListComp, cst.SetComp, cst.GeneratorExp, cst.DictComp)):
-            return True
-        if isinstance(anc, cst.With) and any(
-                isinstance(item.item, cst.Call) and (ctx.resolve(item.item.func) or "") in _NO_GRAD
-                for item in anc.items):
-            return True
-        if isinstance(anc, (cst.FunctionDef, cst.Lambda)):
-            return False
-    return False
-
-
-_NO_GRAD = frozenset({"torch.no_grad", "torch.inference_mode", "torch.autograd.no_grad",
-                      "torch.autograd.grad_mode.no_grad"})
-
-
-def _iterated(ctx, node: cst.CSTNode) -> bool:
-    """`node` is what a loop or comprehension iterates: `for b in node`, `[f(b) for b in node]`,
-    also through `enumerate(node)` or a progress bar `tqdm(node)`."""
-    parent = ctx.parent(node)
-    if isinstance(parent, cst.Arg):
-        wrapper = ctx.parent(parent)
-        if not (isinstance(wrapper, cst.Call) and wrapper.args and wrapper.args[0] is parent
-                and (dotted(wrapper.func) or "").rsplit(".", 1)[-1] in ("enumerate", "tqdm", "iter", "trange")):
-            return False
-        node, parent = wrapper, ctx.parent(wrapper)
-    return isinstance(parent, (cst.For, cst.CompFor)) and parent.iter is node
 
 
 def is_literal(node: Optional[cst.CSTNode], *values: str) -> bool:
@@ -634,9 +603,10 @@ class LoaderFacts:
     def _read_through_here(self, call: cst.Call, loader: Loader) -> bool:
         """The loader is built and read through in the same function, in a comprehension or under
         `torch.no_grad()`, and that function trains nothing (no backward there, nor in a function
-        of the program it calls) and does not let it leave (not returned, not kept on an object): a pass over the data to compute something from all of
-        it (a dataset's mean and std for `Normalize`, the scores of every window), whatever the
-        dataset is called. Sharded, each rank would compute it from its part only."""
+        of the program it calls) and does not let it leave (not returned, not kept on an object):
+        a pass over the data to compute something from all of it (a dataset's mean and std for
+        `Normalize`, the scores of every window), whatever the dataset is called. Sharded, each
+        rank would compute it from its part only."""
         ctx = self.ctx
         fn = self.function_of(call)
         if not isinstance(fn, cst.FunctionDef) or (loader.target and "." in loader.target) \
@@ -645,17 +615,33 @@ class LoaderFacts:
         if loader.target:
             uses = [n for n in ctx.named(loader.target) if ctx.enclosing(n, cst.FunctionDef) is fn
                     and not isinstance(ctx.parent(n), cst.AssignTarget)]
-            read = [n for n in uses if _iterated(ctx, n)]
-            if not read or len(read) != len(uses) or not all(_without_gradients(ctx, n) for n in read):
+            read = [n for n in uses if self._iterated(n)]
+            if not read or len(read) != len(uses) or not all(self._without_gradients(n) for n in read):
                 return False  # returned, passed on, stored (it leaves here), or read where it may train
-        elif not (_iterated(ctx, call) and _without_gradients(ctx, call)):
+        elif not (self._iterated(call) and self._without_gradients(call)):
             return False
         if analysis.runs_backward(ctx, fn):
             return False
-        from torchmigrate.program import effects
-        from torchmigrate.program.writes import call_kinds
-        return not any(effects.TRAIN in (call_kinds(ctx, c) or ()) or effects.CALLS in (call_kinds(ctx, c) or ())
-                       for c in ctx.within(fn, cst.Call, skip_defs=True))
+        trains = {effects.TRAIN, effects.CALLS}
+        return not any(trains & set(call_kinds(ctx, c) or ()) for c in ctx.within(fn, cst.Call, skip_defs=True))
+
+    def _iterated(self, node: cst.CSTNode) -> bool:
+        """`node` is what a loop or comprehension iterates (`for b in node`, `[f(b) for b in
+        node]`), also through `enumerate(...)` or a progress bar (`loader_expr`)."""
+        site = _iteration_site(node, self.ctx)
+        return site is not None and loader_expr(self.ctx, site.iter) is node
+
+    def _without_gradients(self, node: cst.CSTNode) -> bool:
+        """`node` is read in a comprehension, or in a `with` that turns gradients off
+        (`_no_grad`), in its function: nothing trained there."""
+        for anc in self.ctx.ancestors(node):
+            if isinstance(anc, (cst.ListComp, cst.SetComp, cst.GeneratorExp, cst.DictComp)):
+                return True
+            if isinstance(anc, cst.With) and any(self._no_grad(item.item) for item in anc.items):
+                return True
+            if isinstance(anc, (cst.FunctionDef, cst.Lambda)):
+                return False
+        return False
 
     def _dataset_words(self, loader: Loader) -> List[str]:
         """Words of the dataset expression and of up to three assignments to it, which both

@@ -12,6 +12,7 @@ from torchmigrate.syntax.imports import dotted
 from torchmigrate.syntax.nodes import set_kwarg
 from torchmigrate.rule import Example, Rule
 from torchmigrate.program.batches import batch_facts
+from torchmigrate.program.metrics import is_load
 from torchmigrate.program.rank_guards import collective_guard
 from torchmigrate.rules._active import active
 from torchmigrate.rules.launch.base import SEEDERS
@@ -406,14 +407,10 @@ def _is_draw(name: str) -> bool:
 
 
 def _reads_function(ctx, name: cst.Name) -> bool:
-    """`name` may refer to the module's function: not another module's name in an import
-    (`from linear_eval import main as linear_eval`), an attribute (`x.main`) or a keyword."""
-    parent = ctx.parent(name)
-    if isinstance(parent, (cst.ImportAlias, cst.AsName, cst.ImportFrom)):
-        return False
-    if isinstance(parent, cst.Attribute) and parent.attr is name:
-        return False
-    return not (isinstance(parent, cst.Arg) and parent.keyword is name)
+    """`name` may refer to the module's function: a read (`is_load`: not an attribute's or a
+    keyword's name), and not another module's name in an import (`from linear_eval import main
+    as linear_eval`)."""
+    return not isinstance(ctx.parent(name), (cst.ImportAlias, cst.AsName, cst.ImportFrom)) and is_load(ctx, name)
 
 
 def _inside(ctx, node: cst.CSTNode, container: cst.CSTNode) -> bool:

@@ -7,7 +7,7 @@ import libcst as cst
 from torchmigrate import analysis
 from torchmigrate.finding import Safety, replace
 from torchmigrate.syntax.imports import dotted
-from torchmigrate.syntax.nodes import expr, set_kwarg
+from torchmigrate.syntax.nodes import arg, expr, set_kwarg
 from torchmigrate.program.loaders import TQDM_CALLS
 from torchmigrate.program.rank_guards import under_rank_guard
 from torchmigrate.program.ranks import rank_dependent
@@ -41,11 +41,10 @@ _COUNTS = frozenset({"n", "last_print_n", "format_dict"})
 def _stream_fix(tm: str):
     """`file=tm.bar_stream(<file>)`: drawn on the main process, counting everywhere."""
     def fix(call: cst.Call) -> cst.Call:
-        given = next((a.value for a in call.args if a.keyword is not None and a.keyword.value == "file"), None)
+        given = arg(call, "file")
         stream = expr(f"{tm}.bar_stream()")
         if given is not None:
-            stream = stream.with_changes(args=[cst.Arg(given)])
-            return set_kwarg(call, "file", stream)
+            return set_kwarg(call, "file", stream.with_changes(args=[cst.Arg(given.value)]))
         return add_kwarg(call, "file", stream)
     return fix
 
@@ -120,8 +119,9 @@ class TqdmMain(Rule):
             disable = next((a for a in call.args if a.keyword is not None and a.keyword.value == "disable"), None)
             if disable is not None and rank_dependent(ctx, disable.value):
                 continue
-            stream = next((a.value for a in call.args if a.keyword is not None and a.keyword.value == "file"), None)
-            if isinstance(stream, cst.Call) and (dotted(stream.func) or "").endswith(".bar_stream"):
+            stream = arg(call, "file")
+            if stream is not None and isinstance(stream.value, cst.Call) \
+                    and (dotted(stream.value.func) or "").endswith(".bar_stream"):
                 continue
             if under_rank_guard(ctx, call):
                 continue
