@@ -466,8 +466,13 @@ def wrap_model(model: nn.Module, *, find_unused_parameters: bool = False, sync_b
     first training step finds out whether every parameter gets one, and where some do not
     (a head the loss never reads, a layer behind a flag that is off) gradients are averaged
     after each backward instead of by DDP's reducer, with one warning naming them.
+
+    Anything that is not a module (``None`` on a path where the program builds no such model,
+    a project object with its own ``.parameters()``) is returned unchanged: the migration wraps
+    names where the analysis cannot prove which value they hold, and the program's own checks
+    (``if generator is not None``) must keep seeing what they saw.
     """
-    if isinstance(model, DistributedDataParallel):
+    if isinstance(model, DistributedDataParallel) or not isinstance(model, nn.Module):
         return model
     if isinstance(model, nn.DataParallel) and is_distributed():
         model = model.module  # a model the program wrapped itself: DDP replaces it

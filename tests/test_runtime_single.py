@@ -228,6 +228,14 @@ def test_wrap_model_one_process_moves_without_wrapping():
     assert tm.wrap_model(frozen) is frozen
 
 
+def test_wrap_model_returns_what_is_not_a_module_unchanged():
+    """`else: generator = None` then the migration's `generator = tm.wrap_model(generator)`: the
+    program's own `if generator is not None` must keep seeing None."""
+    assert tm.wrap_model(None) is None
+    holder = argparse.Namespace(parameters=lambda: iter(()))
+    assert tm.wrap_model(holder) is holder
+
+
 def test_wrap_model_keeps_a_former_data_parallel_in_one_process():
     """A program that used nn.DataParallel reads `.module` anywhere: in one process it keeps it."""
     model = small_model()

@@ -39,6 +39,7 @@ from torchmigrate.finding import insert_before, replace
 from torchmigrate.syntax.imports import dotted
 from torchmigrate.syntax.nodes import arg as call_arg
 from torchmigrate.syntax.nodes import code, expr, set_kwarg, stmt
+from torchmigrate.program.metrics import binding_of, is_load, source_index
 from torchmigrate.program.models import assign_targets, functional_model, mentions, model_facts, strip_moves
 from torchmigrate.program.training import training_facts
 from torchmigrate.rule import Context
@@ -100,6 +101,12 @@ def _binds_on_every_path(node: cst.If, name: str) -> bool:
             return False
         branch = branch.orelse
     return isinstance(branch, cst.Else) and block_binds(branch.body)
+
+
+def _no_model(value: Optional[cst.BaseExpression]) -> bool:
+    """`value` is surely not a module: `None` or another literal."""
+    return isinstance(value, (cst.Name,)) and value.value in ("None", "False", "True") or isinstance(
+        value, (cst.BaseNumber, cst.BaseString, cst.Dict, cst.List, cst.Tuple))
 
 
 @dataclass
@@ -474,14 +481,17 @@ class Plan:
                 continue
             k = (nw.name, nw.klass if nw.name.startswith(("self.", "cls.")) else nw.scope)
             seen: Set[int] = set()
-            for d, _ in self.models.definitions(nw.name, nw.scope, nw.klass):
-                if self.models.scope(d) is not nw.scope:
-                    continue
+            for d, value in self.models.definitions(nw.name, nw.scope, nw.klass):
+                if self.models.scope(d) is not nw.scope or _no_model(value):
+                    continue  # `else: generator = None`: nothing to wrap on that path
                 ds = self.ctx.statement_of(d)
-                branch = self._sibling_branch(nw.anchor, ds, nw.scope)
-                if branch is None or id(branch) in seen:
+                sibling = self._sibling_branch(nw.anchor, ds, nw.scope)
+                if sibling is None or id(sibling[0]) in seen:
                     continue
+                branch, split = sibling
                 seen.add(id(branch))
+                if not self._read_after(nw.name, split, nw.scope):
+                    continue  # `else: model = ckpt["model"]; evaluate(model)`: the path ends unwrapped, as it should
                 inside = [c for c in cands.get(k, ()) if c is not nw and not c.after and c.extra_of is None
                           and any(a is branch for a in self.ctx.ancestors(c.anchor))]
                 if inside:
@@ -489,8 +499,9 @@ class Plan:
                     c.extra_of = nw
                     extra.append(c)
                     continue
-                body = getattr(branch, "body", None)
-                last = body[-1] if isinstance(branch, cst.IndentedBlock) and body else None
+                block = self._bound_block(ds, branch, nw.name)
+                body = getattr(block, "body", None)
+                last = body[-1] if isinstance(block, cst.IndentedBlock) and body else None
                 # (not in an `except` block: a collective there hangs when only some ranks raise, TM104)
                 if last is None or self._exits(last) or isinstance(self.ctx.parent(branch), cst.ExceptHandler):
                     self.manual301.append((d, f"`{nw.name}` is also bound here, in another branch than the one that "
@@ -507,9 +518,49 @@ class Plan:
         return isinstance(statement, cst.SimpleStatementLine) and isinstance(
             statement.body[-1], (cst.Return, cst.Raise, cst.Continue, cst.Break))
 
-    def _sibling_branch(self, a: cst.CSTNode, b: cst.CSTNode, scope: cst.CSTNode) -> Optional[cst.CSTNode]:
+    def _read_after(self, name: str, split: cst.CSTNode, scope: cst.CSTNode) -> bool:
+        """`name` may be read once the `if`/`try` statement `split` is over: it is read after it
+        in `scope`, or `split` sits in a loop (the next round reads it), or it is an attribute
+        (`self.model`, which other methods read)."""
+        if "." in name:
+            return True
+        if any(isinstance(a, (cst.For, cst.While)) for a in self._ancestors_to(split, scope)):
+            return True
+        end = self.ctx.last_position(split)
+        return any(order > end and self.ctx.scope_of(n) is scope and is_load(self.ctx, n)
+                   and binding_of(self.ctx, n) is None for order, n in source_index(self.ctx).names(name))
+
+    def _ancestors_to(self, node: cst.CSTNode, scope: cst.CSTNode) -> List[cst.CSTNode]:
+        out = []
+        for anc in self.ctx.ancestors(node):
+            if anc is scope:
+                break
+            out.append(anc)
+        return out
+
+    def _bound_block(self, statement: cst.CSTNode, branch: cst.CSTNode, name: str) -> cst.CSTNode:
+        """The block whose end a wrap for the binding `statement` goes to: the outermost block
+        from `statement`'s own up to `branch` at whose end `name` is bound on every path (not
+        after an inner `if` that binds it in one branch only: UnboundLocalError on the other)."""
+        block = self.ctx.parent(statement)
+        while block is not branch:
+            compound = self.ctx.parent(block)
+            while isinstance(compound, (cst.Else, cst.If)) and isinstance(self.ctx.parent(compound), cst.If) \
+                    and self.ctx.parent(compound).orelse is compound:
+                compound = self.ctx.parent(compound)  # `elif`/`else` belong to their `if`
+            if not (isinstance(compound, cst.If) and _binds_on_every_path(compound, name)):
+                break
+            outer = self.ctx.parent(compound)
+            if not isinstance(outer, cst.IndentedBlock):
+                break
+            block = outer
+        return block
+
+    def _sibling_branch(self, a: cst.CSTNode, b: cst.CSTNode,
+                        scope: cst.CSTNode) -> Optional[Tuple[cst.CSTNode, cst.CSTNode]]:
         """When statements `a` and `b` sit in mutually exclusive branches of one `if`/`elif`/`else`
-        (or `try` body / `except` handlers): the outermost block of `b`'s branch."""
+        (or `try` body / `except` handlers): the outermost block of `b`'s branch, and that
+        `if`/`try` statement."""
         up: Dict[int, cst.CSTNode] = {}  # id(ancestor of a) -> its child on a's path
         node: Optional[cst.CSTNode] = a
         while node is not None and node is not scope:
@@ -535,7 +586,12 @@ class Plan:
         else:
             return None
         blocks = [n for n in path[:-1] if isinstance(n, (cst.IndentedBlock, cst.SimpleStatementSuite))]
-        return blocks[-1] if blocks else None
+        if not blocks:
+            return None
+        split = lca
+        while isinstance(self.ctx.parent(split), cst.If) and self.ctx.parent(split).orelse is split:
+            split = self.ctx.parent(split)  # an `elif` is part of its `if`
+        return blocks[-1], split
 
     def _leave_own_group_alone(self) -> None:
         """A script that creates its own process group (`init_process_group`, often behind a
