@@ -910,6 +910,10 @@ class Plan:
                 # the program has no DataParallel left the branch never runs, so it stays as it is
                 continue
             w = site.wrap
+            if self._never_built(w):
+                # `if self.parallel: self.encoder = DataParallel(self.encoder)` in a class that
+                # never builds `self.encoder`: the branch cannot run, so it stays as written
+                continue
             root = w.name.split(".")[0] if not w.name.startswith(("self.", "cls.")) else ".".join(w.name.split(".")[:2])
             if self.key(root, w.call) in self.covered_not_dp or self.key(w.name, w.call) in self.covered_not_dp:
                 # the script wraps this model in DDP itself on another path (ImageNet example):
@@ -1012,6 +1016,19 @@ class Plan:
                         # past the `if` is wrapped too (wrapping twice returns the same DDP)
                         site.ensure_after = owner
             w.boundary, w.inclusive = boundary, False
+
+    def _never_built(self, w: Wrap) -> bool:
+        """The DataParallel wraps `self.x` of a class (deriving only from nn.Module) that assigns
+        `self.x` nowhere else: dead code, which a wrap made unconditional would bring to life."""
+        name = w.arg or w.name
+        klass = self.models.class_of(w.call)
+        if not name.startswith("self.") or name.count(".") != 1 or klass is None:
+            return False
+        if any((dotted(b.value) or "").rsplit(".", 1)[-1] not in ("Module", "object") for b in klass.bases):
+            return False
+        own = self.ctx.statement_of(w.call)
+        return not any(self.ctx.statement_of(a) is not own and self.models.class_of(a) is klass
+                       for a, _ in self.models.assignments(name))
 
     def _rewraps_wrapped(self, node: cst.CSTNode) -> bool:
         """`node` runs only when a model is already a DataParallel: inside the body of an `if`
