@@ -743,17 +743,28 @@ def _on_grad(ref, index: int, _param) -> None:
 
 def _average_grads(params) -> None:
     """Average ``.grad`` across ranks in place for the parameters that have one on any rank (a
-    missing one counts as zero there); one collective for the flags, one per dtype."""
-    have = all_reduce(torch.tensor([p.grad is not None for p in params], dtype=torch.int32), op="max")
-    chosen = [p for p, h in zip(params, have.tolist()) if h]
-    for p in chosen:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
+    missing one counts as zero there); one collective for the flags, one per dtype. A sparse
+    gradient (``nn.Embedding(sparse=True)``, trained by SparseAdam) is averaged densely and
+    stays sparse, as its optimizer requires."""
+    kinds = [0 if p.grad is None else 2 if p.grad.is_sparse else 1 for p in params]
+    have = all_reduce(torch.tensor(kinds, dtype=torch.int32), op="max").tolist()
+    chosen = [(p, h == 2) for p, h in zip(params, have) if h]
     if not chosen:
         return
-    averaged = all_reduce(*(p.grad for p in chosen), op="mean")
-    for p, g in zip(chosen, averaged if len(chosen) > 1 else (averaged,)):
-        p.grad.copy_(g)
+    values = []
+    for p, sparse in chosen:
+        if p.grad is None:
+            values.append(torch.zeros_like(p))
+        else:
+            values.append(p.grad.to_dense() if sparse else p.grad)
+    averaged = all_reduce(*values, op="mean")
+    for (p, sparse), g in zip(chosen, averaged if len(chosen) > 1 else (averaged,)):
+        if sparse:
+            p.grad = g.to_sparse(p.grad.sparse_dim() if p.grad is not None else 1)
+        elif p.grad is None:
+            p.grad = g.clone()
+        else:
+            p.grad.copy_(g)
 
 
 def _sync_buffers(ddp: DistributedDataParallel) -> None:

@@ -353,7 +353,7 @@ def test_a_head_the_loss_never_reads_trains_identically_with_one_warning(nets):
     r0, r1 = nets["r"]
     assert r0["heads_mode"] == r1["heads_mode"] == "manual"
     assert r0["heads"] == r1["heads"]  # a parameter used outside forward is averaged too
-    warnings_ = [line for line in nets["output"].splitlines() if "got no gradient" in line]
+    warnings_ = [line for line in nets["output"].splitlines() if "got no gradient" in line and "TwoHeads" in line]
     assert len(warnings_) == 1 and "aux.weight, aux.bias" in warnings_[0]
 
 
@@ -369,6 +369,14 @@ def test_a_model_called_twice_before_one_backward_trains_in_step(nets):
     r0, r1 = nets["r"]
     assert r0["critic_mode"] == r1["critic_mode"] == "ddp"  # DDP's own reducer, after the probe step
     assert r0["critic"] == pytest.approx(r1["critic"], rel=1e-6, abs=1e-7)
+
+
+def test_sparse_embedding_gradients_are_averaged_and_stay_sparse(nets):
+    r0, r1 = nets["r"]
+    assert r0["sparse_mode"] == r1["sparse_mode"] == "ddp"  # DDP's reducer after the probe step
+    assert r0["sparse_manual_mode"] == r1["sparse_manual_mode"] == "manual"
+    for key in ("sparse", "sparse_manual"):
+        assert r0[key] == pytest.approx(r1[key], rel=1e-6, abs=1e-7)
 
 
 def test_a_module_level_cleanup_in_an_imported_module_does_not_end_the_group(nets):

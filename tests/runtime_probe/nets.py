@@ -41,6 +41,17 @@ class Plain(nn.Module):
         return self.decoder(torch.relu(self.encoder(x)))
 
 
+class SkipGram(nn.Module):
+    def __init__(self, unused):
+        super().__init__()
+        self.u = nn.Embedding(20, 4, sparse=True)
+        self.v = nn.Embedding(20, 4, sparse=True)
+        self.aux = nn.Linear(4, 1) if unused else None
+
+    def forward(self, a, b):
+        return -torch.nn.functional.logsigmoid((self.u(a) * self.v(b)).sum(1)).mean()
+
+
 def flat(module):
     return torch.cat([p.detach().reshape(-1) for p in module.parameters()]).tolist()
 
@@ -109,6 +120,21 @@ def main(outdir):
         late(torch.randn(6, 4, generator=g)).pow(2).mean().backward()
         opt.step()
     res["late_init"] = flat(late.module)
+
+    # word2vec: sparse embedding gradients trained by SparseAdam, with and without a head the
+    # loss never reads (the second averages by hand every step, the first only the probe step)
+    for name, unused in (("sparse", False), ("sparse_manual", True)):
+        torch.manual_seed(3)
+        skipgram = tm.wrap_model(SkipGram(unused))
+        sparse_opt = torch.optim.SparseAdam([*tm.unwrap(skipgram).u.parameters(),
+                                             *tm.unwrap(skipgram).v.parameters()], lr=0.1)
+        for _ in range(3):
+            a, b = torch.randint(0, 20, (8,), generator=g), torch.randint(0, 20, (8,), generator=g)
+            sparse_opt.zero_grad()
+            skipgram(a, b).backward()
+            sparse_opt.step()
+        res[name] = flat(tm.unwrap(skipgram))
+        res[name + "_mode"] = skipgram._tm_mode
 
     buffer = io.BytesIO()
     torch.save(plain, buffer)  # the wrapper pickles as the plain module
