@@ -1139,6 +1139,11 @@ class _ShardedSampler(Sampler):
         self.inner, self.seed = inner, int(seed)
         self.epoch, self._explicit, self._passes = 0, False, 0
 
+    def __getattr__(self, name):
+        if name == "inner":  # not set yet (a copy being unpickled): no recursion
+            raise AttributeError(name)
+        return getattr(self.inner, name)  # `loader.sampler.indices`, `.weights`, `.num_samples`
+
     def set_epoch(self, epoch: int) -> None:
         self._explicit, self.epoch = True, epoch
         inner_set = getattr(self.inner, "set_epoch", None)

@@ -112,6 +112,22 @@ def test_shard_sampler_shares_any_sampler_out_by_rank():
     assert m0 == m1 == 3
 
 
+def test_shard_sampler_reads_like_the_sampler_it_wraps():
+    """`len(loader.sampler.indices)` (a SubsetRandomSampler's split) after the migration."""
+    import copy
+    import pickle
+    from unittest import mock
+    from torch.utils.data import SubsetRandomSampler
+
+    with mock.patch.object(tm, "world_size", lambda: 2), mock.patch.object(tm, "is_distributed", lambda: True):
+        s = tm.shard_sampler(SubsetRandomSampler([3, 5, 7]))
+        assert list(s.indices) == [3, 5, 7] and len(s) == 2
+        assert list(pickle.loads(pickle.dumps(s)).indices) == [3, 5, 7]
+        assert copy.copy(s).inner is s.inner
+        with pytest.raises(AttributeError):
+            s.no_such_attribute
+
+
 def test_shard_sampler_is_the_sampler_itself_in_one_process():
     from torch.utils.data import RandomSampler
 
