@@ -110,6 +110,10 @@ class DeviceFromRank(Rule):
       or formats the string (`device == "cuda"`, `autocast(device_type=device)`), a
       `"cuda"` string is kept (after `tm.setup()` it already means the process's own GPU) and a
       `"cuda:N"` string becomes `str(tm.device())`.
+    - In `ddp`, a `"cuda:N"` (or `f"cuda:{i}"`) string in a slot no assignment shows: a
+      parameter's default (`def sample(model, device="cuda:1")`), a config entry
+      (`{"device": "cuda:0"}`, `dict(device="cuda:0")`) or a keyword of the program's own or a
+      library's call becomes `str(tm.device())` (the wrap moved the model to this process's GPU).
     - `torch.cuda.set_device(...)` is removed in files that get `tm.setup()` (which pins the
       GPU before anything is allocated) and otherwise gets `tm.device()` as its argument.
     - `os.environ["CUDA_VISIBLE_DEVICES"] = ...` writes and `torch.cuda.device(N)` blocks are
@@ -392,6 +396,8 @@ class DeviceFromRank(Rule):
                 self._other_device_kwarg(call)
         for assign in analysis.facts(self.ctx).assigns:
             self._string_assign(assign)
+        if self.converting:
+            self._string_slots()
         if self.converting and self.ctx.options.mode == "ddp":
             self._batch_moves()
         for write in self.env_writes:
@@ -599,6 +605,45 @@ class DeviceFromRank(Rule):
             self._fix(value, message, replace(value, lambda v: self._conditional(v, split[1], new)))
         else:
             self._fix(value, message, replace_with(value, new))
+
+    def _string_slots(self) -> None:
+        """A GPU named by a string where no assignment or torch call shows it: a parameter's
+        default (`def train(model, device="cuda:1")`), a config entry (`{"device": "cuda:0"}`),
+        a keyword of the program's own or a library's call (`Trainer(device="cuda:0")`). The
+        wrap moved the model to cuda:LOCAL_RANK, so every rank but one would compute across two
+        GPUs: the slot becomes `str(tm.device())` (a string still, for code that formats or
+        compares it). Keywords of torch's own calls are `_device_kwarg`'s."""
+        for _, node in self.ctx.positioned(cst.Param, cst.DictElement, cst.Arg):
+            if isinstance(node, cst.Param):
+                value = node.default
+                where = f"the default of `{node.name.value}`"
+            elif isinstance(node, cst.DictElement):
+                value = node.value
+                where = f"the entry {code(node.key)}"
+            else:
+                call = self.ctx.parent(node)
+                if node.keyword is None or not isinstance(call, cst.Call):
+                    continue
+                name = self.ctx.resolve(call.func) or ""
+                if name.startswith(("torch.", RUNTIME)) or name == "str" or (
+                        isinstance(call.func, cst.Attribute) and call.func.attr.value == "add_argument"):
+                    continue  # torch's: _device_kwarg; add_argument: _argparse_default
+                value = node.value
+                where = f"`{node.keyword.value}=` of {(dotted(call.func) or 'a call').rsplit('.', 1)[-1]}(...)"
+            if value is None:
+                continue
+            split = self._split(value, string=True) if type(value) is cst.IfExp else None
+            kind = split[0] if split else cuda_string(value)
+            if kind not in (LITERAL, EXPR):
+                continue
+            new = expr(f"str({self.ctx.tm}.device())")
+            message = (f"{where} names a fixed GPU ({code(value)}) while the model is moved to this process's: "
+                       f"every rank would use that GPU; use {code(new)}")
+            if split:
+                self._fix(value, message, replace(value, lambda v, split=split, new=new: self._conditional(
+                    v, split[1], new)))
+            else:
+                self._fix(value, message, replace_with(value, new))
 
     # --- batches --------------------------------------------------------------------------------
     def _batch_moves(self) -> None:
