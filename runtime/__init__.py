@@ -582,6 +582,10 @@ class _DDP(_ModuleFace, DistributedDataParallel):
       called, but its submodules or methods were reached through it (``model.encoder(x)``,
       ``model.compute_loss(batch)``), is averaged the same way. A backward through
       ``tm.unwrap(model)`` alone is left alone, as DDP would (it may run on one rank only).
+    - a module with no ``forward`` of its own (an ``nn.ModuleList``/``nn.ModuleDict`` of what
+      the optimizer trains, a holder class) is never called: the program calls its members
+      through other references (``module_list[0](x)`` where ``trainable_list`` was wrapped).
+      Every backward that reaches its parameters is averaged by hand, from the first.
     Averaging is skipped under ``no_sync()`` (gradient accumulation) and, like DDP's, needs every
     rank to run the backward. An explicit ``find_unused_parameters=True`` or ``static_graph``
     keeps DDP's own handling from the start. ``TORCHMIGRATE_DDP=plain`` turns all of this off.
@@ -603,7 +607,9 @@ class _DDP(_ModuleFace, DistributedDataParallel):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         plain = os.environ.get("TORCHMIGRATE_DDP", "").lower() == "plain"
-        self._tm_mode = "ddp" if plain or self.find_unused_parameters or self.static_graph else "probe"
+        self._tm_container = type(self.module).forward is nn.Module.forward
+        self._tm_mode = "ddp" if plain or self.find_unused_parameters or self.static_graph else (
+            "manual" if self._tm_container else "probe")
         self._tm_armed = False  # the wrapper's forward ran (with gradients) since the last backward
         self._tm_outside = False  # a submodule or method was reached through the wrapper since then
         self._tm_queued = False  # the end-of-backward callback is queued
@@ -656,7 +662,7 @@ class _DDP(_ModuleFace, DistributedDataParallel):
         """End of a backward that reached this model's parameters (queued by ``_on_grad``)."""
         touched, self._tm_touched, self._tm_queued = self._tm_touched, set(), False
         armed, outside, self._tm_armed, self._tm_outside = self._tm_armed, self._tm_outside, False, False
-        if not (armed or outside):
+        if not (armed or outside or self._tm_container):
             return  # the wrapper took no part (``tm.unwrap(model)(x)``): as with DDP, nothing is averaged
         if self._tm_mode == "ddp" and armed:
             return  # DDP's reducer averaged this backward

@@ -379,6 +379,12 @@ def test_sparse_embedding_gradients_are_averaged_and_stay_sparse(nets):
         assert r0[key] == pytest.approx(r1[key], rel=1e-6, abs=1e-7)
 
 
+def test_a_wrapped_container_averages_what_its_members_are_trained_with(nets):
+    r0, r1 = nets["r"]
+    assert r0["container_mode"] == r1["container_mode"] == "manual"
+    assert r0["container"] == pytest.approx(r1["container"], rel=1e-6, abs=1e-7)
+
+
 def test_a_module_level_cleanup_in_an_imported_module_does_not_end_the_group(nets):
     assert [r["rank"] for r in nets["r"]] == [0, 1]  # set up lazily by wrap_model, kept
 

@@ -136,6 +136,21 @@ def main(outdir):
         res[name] = flat(tm.unwrap(skipgram))
         res[name + "_mode"] = skipgram._tm_mode
 
+    # distillation: the optimizer trains a ModuleList (the student and an embedding), wrapped;
+    # training calls the student through another list, never through the wrapped one
+    torch.manual_seed(5)
+    student, embed = nn.Linear(4, 3), nn.Linear(3, 2)
+    module_list = nn.ModuleList([student, embed, nn.Linear(4, 3).requires_grad_(False)])
+    trainable = tm.wrap_model(nn.ModuleList([student, embed]))
+    opt = torch.optim.SGD(trainable.parameters(), lr=0.1)
+    for _ in range(3):
+        opt.zero_grad()
+        x = torch.randn(6, 4, generator=g)
+        (module_list[1](module_list[0](x)).pow(2).mean() + module_list[2](x).sum()).backward()
+        opt.step()
+    res["container_mode"] = trainable._tm_mode
+    res["container"] = flat(tm.unwrap(trainable))
+
     buffer = io.BytesIO()
     torch.save(plain, buffer)  # the wrapper pickles as the plain module
     buffer.seek(0)
