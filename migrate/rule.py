@@ -64,6 +64,9 @@ class Context:
         # What the rest of the program says about this module (one file alone: its own entry).
         self.program = program if program is not None else ModuleView()
         self.imports = ImportTable.from_module(module)
+        for local, full in self.program.reexports.items():  # `from dataloader import *`
+            if full != RUNTIME_MODULE:
+                self.imports.names[local] = full
         self.parents: Dict[cst.CSTNode, cst.CSTNode] = {}
         self.preorder: List[cst.CSTNode] = []  # every node, in the order the walk met it
         self.walked = False  # the walk has met every node (set before any `leave_Module`)

@@ -101,6 +101,90 @@ def _bind_imports(module: _Module, graph: Graph, modules: Dict[Path, "_Module"])
                     module.imports[alias.asname or alias.name] = (hit[0], None)
 
 
+def _reexports(path: Path, graph: Graph, modules: Dict[Path, "_Module"], depth: int = 0) -> Dict[str, str]:
+    """Library names that `path` imports through a project module: `from dataloader import *`
+    or `from dataloader import DataLoader` where dataloader.py itself imports `DataLoader` from
+    torch (local name -> `torch.utils.data.DataLoader`). A star import brings what the module
+    imports at its top level from outside the project (following its own star imports), only
+    the names its `__all__` lists when it has one, none starting with `_`, and none `path`
+    imports itself by name."""
+    out: Dict[str, str] = {}
+    if depth > 3:
+        return out
+    own = set(graph.imports.get(path, ()))
+    explicit: Set[str] = set()
+    stars: List[Path] = []
+    for node in graph.statements.get(path, ()):
+        if isinstance(node, ast.Import):
+            explicit.update((a.asname or a.name).split(".")[0] for a in node.names)
+            continue
+        if not (isinstance(node, ast.ImportFrom) and node.level == 0):
+            continue
+        last = (node.module or "").rsplit(".", 1)[-1]
+        targets = [t for t in own if t in modules and (
+            t.stem == last or t.name == "__init__.py" and t.parent.name == last)]
+        for alias in node.names:
+            if alias.name == "*":
+                stars.extend(targets)
+                continue
+            explicit.add(alias.asname or alias.name)
+            for target in targets:
+                m = modules[target]
+                if alias.name in m.classes or alias.name in m.functions:
+                    continue
+                full = _library_imports(target, m.tree, graph).get(alias.name)
+                if full is not None:
+                    out[alias.asname or alias.name] = full
+    for target in stars:
+        exported = _all_names(modules[target].tree)
+        found = {**_library_imports(target, modules[target].tree, graph),
+                 **_reexports(target, graph, modules, depth + 1)}
+        for local, full in found.items():
+            if not local.startswith("_") and local not in explicit and (exported is None or local in exported):
+                out.setdefault(local, full)
+    return out
+
+
+def _library_imports(path: Path, tree: ast.Module, graph: Graph) -> Dict[str, str]:
+    """`local name -> qualified name` for the module-level imports of `path` (in `try`/`if`
+    blocks too) from outside the project."""
+    own_stems = {p.stem for p in graph.imports.get(path, ())} | {p.parent.name for p in graph.imports.get(path, ())
+                                                               if p.name == "__init__.py"}
+    out: Dict[str, str] = {}
+    top: List[ast.stmt] = []
+    stack = list(tree.body)
+    while stack:
+        node = stack.pop(0)
+        top.append(node)
+        if isinstance(node, (ast.Try, ast.If)):
+            stack.extend([*node.body, *node.orelse, *getattr(node, "finalbody", ()),
+                          *(s for h in getattr(node, "handlers", ()) for s in h.body)])
+    for node in top:
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] in own_stems or alias.name.rsplit(".", 1)[-1] in own_stems:
+                    continue
+                if alias.asname:
+                    out[alias.asname] = alias.name
+                else:
+                    out[alias.name.split(".")[0]] = alias.name.split(".")[0]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            if node.module.split(".")[0] in own_stems or node.module.rsplit(".", 1)[-1] in own_stems:
+                continue
+            for alias in node.names:
+                if alias.name != "*":
+                    out[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+    return out
+
+
+def _all_names(tree: ast.Module) -> Optional[Set[str]]:
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
+            if isinstance(node.value, (ast.List, ast.Tuple)):
+                return {e.value for e in node.value.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)}
+    return None
+
+
 def _star(module: _Module, tree: ast.Module, target: Path) -> None:
     """`from target import *` binds the target's public top-level functions and classes."""
     for node in tree.body:
@@ -325,6 +409,7 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
             param_wrappers={q: {p: wrappers[c] for p, c in found.items() if c in wrappers}
                             for (mp, q), found in params_classes.items() if mp == path
                             and any(c in wrappers for c in found.values())},
+            reexports=_reexports(path, graph, modules),
             own_functions=frozenset(_spellings(m, modules, {k for k in own_functions if k[0] != path})),
             own_classes=frozenset(_spellings(m, modules, {k for k in own_classes if k[0] != path})),
             dp_classes={spelled: dp_classes[key] for key in dp_classes

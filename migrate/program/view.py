@@ -93,3 +93,7 @@ class ModuleView:
     # local name -> (module path, symbol or None): the program's modules and symbols this
     # module's imports bind, so the migrated source's effects can be read again (the report)
     bindings: Dict[str, Tuple[str, Optional[str]]] = field(default_factory=dict)
+    # library names this module imports through a project module (`from dataloader import *`
+    # or `import DataLoader` from it, where dataloader.py imports it from torch), with what they
+    # are (`torch.utils.data.DataLoader`): the rules resolve them as if imported from the library
+    reexports: Dict[str, str] = field(default_factory=dict)
