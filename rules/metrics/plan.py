@@ -121,4 +121,12 @@ def exact_lens(ctx: Context, loop: cst.For) -> ExactDenominators:
             out.dataset.add(code(loaders[0].dataset))
     elif kinds == {"distributed"}:
         out.batches.add(text)
+        if analysis.runs_backward(ctx, loop):
+            # a training loop's loss summed over the samples, logged per sample: the padded
+            # sampler repeats at most world_size - 1 samples of the whole set, which moves a
+            # logged mean by less than (W - 1) / len(dataset) of the loss; a report would ask
+            # for what the reduction already does
+            out.dataset.add(f"{text}.dataset")
+            if len(loaders) == 1 and isinstance(loaders[0].dataset, (cst.Name, cst.Attribute)):
+                out.dataset.add(code(loaders[0].dataset))
     return out

@@ -44,8 +44,13 @@ class ReduceCounts(Rule):
       `DistributedSampler`): every rank runs the same number of batches, so the sum is averaged
       over the ranks instead, `running = tm.all_reduce(running, op="mean")`.
 
-    Any other denominator (`len(loader.dataset)` of a padded training loader, `len(loader)` of an
-    unpadded one, a loop index, a count from elsewhere) is reported instead, with the line to add.
+    - `len(loader.dataset)` of a padded training loader, in a loop that trains (a training
+      loss summed per sample and logged as a mean): the padding repeats at most
+      world_size - 1 samples, a negligible change to a logged mean, so the sums are reduced.
+
+    Any other denominator (`len(loader.dataset)` of a padded loader in a loop that does not
+    train, `len(loader)` of an unpadded one, a loop index, a count from elsewhere) is reported
+    instead, with the line to add.
 
     Only loops over a sharded loader need it. A loader every rank iterates in full (an
     evaluation loader TM203 keeps whole, or one the program's other modules hand this function
