@@ -8,7 +8,10 @@ import libcst as cst
 
 from torchmigrate.analysis import is_backward
 from torchmigrate.finding import Safety, replace
+from torchmigrate.options import RUNTIME_MODULE as RUNTIME
 from torchmigrate.rule import Example, Rule
+from torchmigrate.syntax.imports import dotted
+from torchmigrate.syntax.nodes import code
 from torchmigrate.program.rank_guards import collective_guard
 from torchmigrate.program.ranks import rank_polarity
 from torchmigrate.rules._active import active
@@ -24,6 +27,12 @@ class RankSkips(Rule):
       any rank skips the step (or leaves the loop), every rank does.
     - A `try:` around the forward/backward whose `except` skips the step (`continue`, the
       classic out-of-memory handler) is reported: one rank skipping leaves the others waiting.
+    - `scheduler.step(val_loss)` of a `ReduceLROnPlateau` (built in this file, or a receiver
+      named like one) becomes `scheduler.step(tm.all_reduce(val_loss, op="mean"))`: every
+      rank's scheduler sees the same metric, so the learning rates stay equal. A metric of the
+      whole data is the same on every rank and the mean leaves it as it is; one of a shard, or
+      of a model that draws random numbers per rank (dropout, sampling), becomes the ranks'
+      mean. A call under a rank guard is reported (the mean is a collective).
 
     ## Why is this bad?
     The backward pass of a DDP model is a collective: every rank's gradients are averaged as
@@ -31,6 +40,9 @@ class RankSkips(Rule):
     a caught error) never joins that all-reduce, so the other ranks wait for it until the
     process-group timeout, or the ranks silently average gradients of different steps.
     Tests on the loop's index or epoch are the same on every rank and are left alone.
+    A plateau scheduler stepped with a per-rank metric lowers the learning rate on some ranks
+    and not others: the ranks then take different steps from the same averaged gradients, and
+    their parameters drift apart with no error.
     """
 
     code = "TM108"
@@ -78,6 +90,38 @@ class RankSkips(Rule):
             for attempt in ctx.within(loop, cst.Try, skip_defs=True):
                 if self._loop_of(attempt) is loop and any(is_backward(c) for c in ctx.within(attempt.body, cst.Call)):
                     self._skip_except(attempt)
+        if ctx.options.mode == "ddp":
+            self._plateau_steps()
+
+    def _plateau_steps(self) -> None:
+        ctx = self.ctx
+        plateaus = {dotted(t.target) for a in ctx.nodes(cst.Assign) if isinstance(a.value, cst.Call)
+                    and (ctx.resolve(a.value.func) or dotted(a.value.func) or "").endswith("ReduceLROnPlateau")
+                    for t in a.targets}
+        for call in ctx.nodes(cst.Call):
+            func = call.func
+            if not (isinstance(func, cst.Attribute) and func.attr.value == "step" and len(call.args) == 1):
+                continue
+            receiver = dotted(func.value) or ""
+            if receiver not in plateaus and "plateau" not in receiver.lower():
+                continue
+            a = call.args[0]
+            if a.star or (a.keyword is not None and a.keyword.value != "metrics"):
+                continue
+            value = a.value
+            if isinstance(value, (cst.Integer, cst.Float)) or (
+                    isinstance(value, cst.Call) and (ctx.resolve(value.func) or "").startswith(RUNTIME)):
+                continue
+            if collective_guard(ctx, call) is not None:
+                self.report(call, f"`{code(call)}` steps the plateau scheduler with this rank's metric under a rank "
+                                  f"guard: step it on every rank with `{ctx.tm}.all_reduce({code(value)}, op=\"mean\")`, "
+                                  "so the learning rates stay equal")
+                continue
+            self.report(call, f"`{code(call)}`: each rank's metric can differ (a shard, a model that samples), and a "
+                              "plateau scheduler given different metrics sets different learning rates: step it with "
+                              "the ranks' mean",
+                        edits=[replace(value, lambda v: _mean_of(ctx.tm, v))],
+                        imports=[ctx.runtime_import()])
 
     def _loop_of(self, node: cst.CSTNode):
         for anc in self.ctx.ancestors(node):
@@ -157,6 +201,13 @@ class RankSkips(Rule):
                                      "others wait in the gradient all-reduce: let the error end the run, or agree on "
                                      f"skipping with `{self.ctx.tm}.any_rank(failed)` after the `try` on every rank")
                 return
+
+
+def _mean_of(tm: str, value: cst.BaseExpression) -> cst.Call:
+    """`tm.all_reduce(<value>, op="mean")`."""
+    template = cst.parse_expression(f'{tm}.all_reduce(_, op="mean")')
+    return template.with_changes(args=[cst.Arg(value.with_changes(lpar=[], rpar=[]) if isinstance(
+        value, cst.BaseExpression) else value, comma=template.args[0].comma), template.args[1]])
 
 
 # Collectives after which every rank holds the same value in their first argument.
