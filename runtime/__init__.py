@@ -445,7 +445,7 @@ def _finish(clean: bool) -> None:
 
 
 def wrap_model(model: nn.Module, *, find_unused_parameters: bool = False, sync_bn: bool = False,
-               data_parallel: bool = False, **ddp_kwargs) -> nn.Module:
+               data_parallel: bool = False, loss_reduction: str = "mean", **ddp_kwargs) -> nn.Module:
     """Move ``model`` to ``device()`` and wrap it in DistributedDataParallel when distributed.
 
     1 process, or a model without trainable parameters (frozen teacher, EMA copy): returned
@@ -467,11 +467,18 @@ def wrap_model(model: nn.Module, *, find_unused_parameters: bool = False, sync_b
     (a head the loss never reads, a layer behind a flag that is off) gradients are averaged
     after each backward instead of by DDP's reducer, with one warning naming them.
 
+    ``loss_reduction="sum"`` (what ``torchmigrate ddp`` passes where the program's loss sums over
+    its batch, ``reduction="sum"``, and each rank loads its share of the original batch): the
+    ranks' gradients are summed instead of averaged, so a step is the original's sum over the
+    whole global batch (averaged, it would be 1/world_size of it: a smaller learning rate).
+
     Anything that is not a module (``None`` on a path where the program builds no such model,
     a project object with its own ``.parameters()``) is returned unchanged: the migration wraps
     names where the analysis cannot prove which value they hold, and the program's own checks
     (``if generator is not None``) must keep seeing what they saw.
     """
+    if loss_reduction not in ("mean", "sum"):
+        raise ValueError(f"wrap_model: loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
     if isinstance(model, DistributedDataParallel) or not isinstance(model, nn.Module):
         return model
     if isinstance(model, nn.DataParallel) and is_distributed():
@@ -489,7 +496,15 @@ def wrap_model(model: nn.Module, *, find_unused_parameters: bool = False, sync_b
     ddp = _wrapper_class(type(model))(model, device_ids=[dev.index] if dev.type == "cuda" else None,
                                       find_unused_parameters=find_unused_parameters, **ddp_kwargs)
     _DDP_WRAPPERS.append(weakref.ref(ddp))  # cleanup() releases it before destroying the group
+    if loss_reduction == "sum" and isinstance(ddp, _DDP):
+        ddp._tm_op = "sum"
+        ddp.register_comm_hook(None, _sum_hook)
     return ddp
+
+
+def _sum_hook(_state, bucket):
+    """DDP communication hook: the bucket's gradients summed across ranks (DDP's own divides)."""
+    return dist.all_reduce(bucket.buffer(), async_op=True).get_future().then(lambda fut: fut.value()[0])
 
 
 class _ModuleFace:
@@ -608,6 +623,7 @@ class _DDP(_ModuleFace, DistributedDataParallel):
         super().__init__(*args, **kwargs)
         plain = os.environ.get("TORCHMIGRATE_DDP", "").lower() == "plain"
         self._tm_container = type(self.module).forward is nn.Module.forward
+        self._tm_op = "mean"  # how gradients averaged by hand are combined ("sum": see wrap_model)
         self._tm_mode = "ddp" if plain or self.find_unused_parameters or self.static_graph else (
             "manual" if self._tm_container else "probe")
         self._tm_armed = False  # the wrapper's forward ran (with gradients) since the last backward
@@ -668,7 +684,7 @@ class _DDP(_ModuleFace, DistributedDataParallel):
             return  # DDP's reducer averaged this backward
         if self._tm_mode == "probe":
             self._tm_decide(touched)
-        _average_grads(self._tm_params)
+        _average_grads(self._tm_params, op=self._tm_op)
 
     def _tm_decide(self, touched: set) -> None:
         """After the first training backward: DDP's reducer if every parameter got a gradient
@@ -747,7 +763,7 @@ def _on_grad(ref, index: int, _param) -> None:
         torch.autograd.Variable._execution_engine.queue_callback(ddp._tm_after_backward)
 
 
-def _average_grads(params) -> None:
+def _average_grads(params, op: str = "mean") -> None:
     """Average ``.grad`` across ranks in place for the parameters that have one on any rank (a
     missing one counts as zero there); one collective for the flags, one per dtype. A sparse
     gradient (``nn.Embedding(sparse=True)``, trained by SparseAdam) is averaged densely and
@@ -763,7 +779,7 @@ def _average_grads(params) -> None:
             values.append(torch.zeros_like(p))
         else:
             values.append(p.grad.to_dense() if sparse else p.grad)
-    averaged = all_reduce(*values, op="mean")
+    averaged = all_reduce(*values, op=op)
     for (p, sparse), g in zip(chosen, averaged if len(chosen) > 1 else (averaged,)):
         if sparse:
             p.grad = g.to_sparse(p.grad.sparse_dim() if p.grad is not None else 1)

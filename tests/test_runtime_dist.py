@@ -385,6 +385,12 @@ def test_a_wrapped_container_averages_what_its_members_are_trained_with(nets):
     assert r0["container"] == pytest.approx(r1["container"], rel=1e-6, abs=1e-7)
 
 
+def test_a_summed_loss_sums_gradients_to_the_one_process_step(nets):
+    for r in nets["r"]:
+        assert r["summed_mode"] == "ddp"  # the probe step by hand, then DDP with the summing hook
+        assert r["summed"] == pytest.approx(r["summed_reference"], rel=1e-5, abs=1e-6)
+
+
 def test_a_module_level_cleanup_in_an_imported_module_does_not_end_the_group(nets):
     assert [r["rank"] for r in nets["r"]] == [0, 1]  # set up lazily by wrap_model, kept
 

@@ -236,6 +236,13 @@ def test_wrap_model_returns_what_is_not_a_module_unchanged():
     assert tm.wrap_model(holder) is holder
 
 
+def test_wrap_model_takes_a_mean_or_a_summed_loss_only():
+    model = nn.Linear(2, 2)
+    assert tm.wrap_model(model, loss_reduction="sum") is model  # one process: nothing to combine
+    with pytest.raises(ValueError, match="loss_reduction"):
+        tm.wrap_model(model, loss_reduction="total")
+
+
 def test_wrap_model_keeps_a_former_data_parallel_in_one_process():
     """A program that used nn.DataParallel reads `.module` anywhere: in one process it keeps it."""
     model = small_model()

@@ -151,6 +151,24 @@ def main(outdir):
     res["container_mode"] = trainable._tm_mode
     res["container"] = flat(tm.unwrap(trainable))
 
+    # a loss summed over the batch (reduction="sum"), each rank half of the original batch:
+    # summed gradients make the step one process takes on the whole batch
+    torch.manual_seed(9)
+    reference = nn.Linear(4, 1)
+    summed = tm.wrap_model(copy.deepcopy(reference), loss_reduction="sum")
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.01) for m in (summed, reference))
+    shared = torch.Generator().manual_seed(11)
+    for _ in range(3):
+        x, y = torch.randn(8, 4, generator=shared), torch.randn(8, 1, generator=shared)
+        mine = slice(4 * tm.rank(), 4 * tm.rank() + 4)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(summed(x[mine]), y[mine], reduction="sum").backward()
+        opt.step()
+        ref_opt.zero_grad()
+        torch.nn.functional.mse_loss(reference(x), y, reduction="sum").backward()
+        ref_opt.step()
+    res["summed"], res["summed_reference"], res["summed_mode"] = flat(tm.unwrap(summed)), flat(reference), summed._tm_mode
+
     buffer = io.BytesIO()
     torch.save(plain, buffer)  # the wrapper pickles as the plain module
     buffer.seek(0)
