@@ -36,11 +36,12 @@ class ModelRule(Rule):
 
 
 def wrap_call(tm: str, module: cst.BaseExpression, find_unused: bool, sync_bn: bool,
-              data_parallel: bool = False) -> cst.Call:
+              data_parallel: bool = False, summed: bool = False) -> cst.Call:
     """`tm.wrap_model(module, ...)` with the keywords the plan chose (TM303, TM304): the one wrap
     statement TM301 inserts or TM306 writes in place of DataParallel. `data_parallel`: the wrap
     replaces an `nn.DataParallel`, which the model keeps in one process (code anywhere that reads
-    `model.module` keeps working; `python train.py` still uses every GPU)."""
+    `model.module` keeps working; `python train.py` still uses every GPU). `summed`: the
+    program's losses sum over the batch (`Plan.sums_losses`), so the ranks' gradients are summed."""
     args = [cst.Arg(module)]
     if find_unused:
         args.append(kwarg("find_unused_parameters", expr("True")))
@@ -48,6 +49,8 @@ def wrap_call(tm: str, module: cst.BaseExpression, find_unused: bool, sync_bn: b
         args.append(kwarg("sync_bn", expr("True")))
     if data_parallel:
         args.append(kwarg("data_parallel", expr("True")))
+    if summed:
+        args.append(kwarg("loss_reduction", expr('"sum"')))
     return with_args(cst.Call(func=expr(f"{tm}.wrap_model")), args)
 
 

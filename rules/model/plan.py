@@ -39,7 +39,8 @@ from torchmigrate.finding import insert_before, replace
 from torchmigrate.syntax.imports import dotted
 from torchmigrate.syntax.nodes import arg as call_arg
 from torchmigrate.syntax.nodes import code, expr, set_kwarg, stmt
-from torchmigrate.program.metrics import binding_of, is_load, source_index
+from torchmigrate.program.losses import backward_loss, summed_loss
+from torchmigrate.program.metrics import binding_of, is_load, loader_loop, source_index
 from torchmigrate.program.models import assign_targets, functional_model, mentions, model_facts, strip_moves
 from torchmigrate.program.training import training_facts
 from torchmigrate.rule import Context
@@ -782,6 +783,30 @@ class Plan:
         if not m.startswith(("self.", "cls.")) and deferred is not None:
             placed.dp = deferred
         return placed
+
+    def sums_losses(self) -> bool:
+        """Every backward pass of this file takes a loss summed over its batch (`program.losses`)
+        in a loop over a training loader the migration shards, with the original's global batch
+        kept (each rank loads its share): the wraps then sum the ranks' gradients
+        (`loss_reduction="sum"`), as one process summed over the whole batch."""
+        key = ("sums-losses",)
+        if key not in self._memo:
+            from torchmigrate.rules.metrics.plan import loop_sharding  # (the metrics plan imports this family)
+
+            ctx = self.ctx
+            ok = ctx.options.mode == "ddp" and ctx.options.batch_policy == "global"
+            found = False
+            for call in ctx.nodes(cst.Call) if ok else ():
+                loss = backward_loss(call)
+                if loss is None:
+                    continue
+                loop = loader_loop(ctx, call)
+                if loop is None or loop_sharding(ctx, loop) != "sharded" or not summed_loss(ctx, loss):
+                    ok = False
+                    break
+                found = True
+            self._memo[key] = ok and found
+        return self._memo[key]  # type: ignore[return-value]
 
     def _wraps_itself(self) -> bool:
         """`lint` of a file that wraps its models in DDP itself: an optimizer whose model the

@@ -38,6 +38,13 @@ class WrapDDP(ModelRule):
     when they receive a model's parameters. When parameters are frozen after the wrap or `forward()` uses a submodule only
     in some branches, the wrap passes `find_unused_parameters=True` (see TM303).
 
+    When every backward pass of the file takes a loss summed over its batch (`reduction="sum"`,
+    `size_average=False`, `x.sum()`, the VAE tutorial's `BCE + KLD`; `program.losses`) in a loop
+    over a training loader the migration shards, with the original's global batch kept, the wrap
+    passes `loss_reduction="sum"`: the ranks' gradients are summed, which is the original's
+    step over the whole batch (averaged, it would be 1/world_size of it). A loss divided by the
+    batch size is a mean and keeps DDP's averaging.
+
     In a legacy `torch.distributed.launch` script that `ddp` moves onto the runtime (see
     TM101), the script's own `DDP(model, device_ids=[args.local_rank], output_device=...)`
     becomes `tm.wrap_model(model, ...)`, keeping its other options (`find_unused_parameters=`,
@@ -118,11 +125,16 @@ class WrapDDP(ModelRule):
         if not p.active[self.code]:
             return
         tm = self.ctx.tm
+        summed = p.sums_losses()
         for nw in p.new:
-            call = wrap_call(tm, expr(nw.name), bool(nw.find_unused), nw.sync_bn, data_parallel=nw.dp is not None)
+            call = wrap_call(tm, expr(nw.name), bool(nw.find_unused), nw.sync_bn, data_parallel=nw.dp is not None,
+                             summed=summed)
             statement = cst.SimpleStatementLine([cst.Assign([cst.AssignTarget(expr(nw.name))], call)])
             edit = (insert_after if nw.after else insert_before)(nw.anchor, [statement])
             extra = f" (find_unused_parameters=True: {nw.find_unused})" if nw.find_unused else ""
+            if summed:
+                extra += (f"; loss_reduction=\"sum\": the training loss sums over its batch, so the ranks' "
+                          f"gradients summed make the original's step over the whole global batch")
             if nw.bound is not None:
                 self.report(nw.bound, f"`{nw.name}` is also bound in this branch, which does not build its "
                                       f"optimizer: wrap it at the end of the branch too: `{nw.name} = "

@@ -126,7 +126,7 @@ class DataParallelToDDP(ModelRule):
                     inner = strip_moves(node) if isinstance(node, cst.Call) else node
                     a = p.models.wrapped_arg(inner) if isinstance(inner, cst.Call) else None
                     module = a.value if a is not None else inner
-                    return wrap_call(tm, module, fu, sb, data_parallel=True)
+                    return wrap_call(tm, module, fu, sb, data_parallel=True, summed=p.sums_losses())
 
                 if site.action == "inplace":
                     outer = site.outer
@@ -135,7 +135,8 @@ class DataParallelToDDP(ModelRule):
                 else:
                     argx = p.models.wrapped_arg(w.call)
                     new = cst.SimpleStatementLine([cst.Assign([cst.AssignTarget(expr(w.name))],
-                                                              wrap_call(tm, argx.value, fu, sb, data_parallel=True))])
+                                                              wrap_call(tm, argx.value, fu, sb, data_parallel=True,
+                                                                        summed=p.sums_losses()))])
                     if site.action == "collapse":
                         edits.append(replace(site.target, lambda n, new=new: _else_body(n, [new])))
                     elif site.action == "replace-if":
