@@ -18,6 +18,7 @@ import ast
 from typing import TYPE_CHECKING, Dict, NamedTuple, Optional, Sequence, Tuple
 
 from torchmigrate.program.search_path import dotted_name
+from torchmigrate.program.astwalk import walk
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -162,7 +163,7 @@ def optimizer_wrapper(klass: ast.ClassDef) -> Optional[OptimizerWrapper]:
     if step is None:
         return None
     inner = ""
-    for node in ast.walk(step):
+    for node in walk(step):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "step":
             owner = dotted_name(node.func.value) or ""
             if owner.startswith("self.") and owner.count(".") == 1:

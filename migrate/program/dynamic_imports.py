@@ -29,6 +29,7 @@ from typing import Dict, List, Optional, Set
 from torchmigrate.program.fs import FileSystem
 from torchmigrate.program.project import MAX_CONFIG_BYTES, Project
 from torchmigrate.program.search_path import Paths, dotted_name
+from torchmigrate.program.astwalk import walk
 
 # qualified callees whose first argument names a module (or `module.attribute`) to load
 BY_NAME = frozenset({"importlib.import_module", "__import__", "pydoc.locate", "importlib.__import__"})
@@ -76,7 +77,7 @@ def scan(tree: ast.Module, module: Path, cwd: Path) -> Loads:
     out: List[Site] = []
     names: Set[str] = set()
     literals: Optional[_Literals] = None
-    for node in ast.walk(tree):
+    for node in walk(tree):
         if isinstance(node, ast.Constant) and isinstance(node.value, str) and _names_a_module(node.value):
             names.add(node.value)
         if not isinstance(node, ast.Call):
@@ -121,7 +122,7 @@ def _shorten(text: str, limit: int = 90) -> str:
 def _aliases(tree: ast.Module) -> Dict[str, str]:
     """Local name -> qualified name, for the modules this file imports."""
     out: Dict[str, str] = {}
-    for node in ast.walk(tree):
+    for node in walk(tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
                 out[alias.asname or alias.name.split(".")[0]] = alias.name if alias.asname else alias.name.split(".")[0]
@@ -183,7 +184,7 @@ class _Literals:
 
     def __init__(self, tree: ast.Module) -> None:
         self.values: Dict[str, List[Optional[tuple]]] = {}
-        for node in ast.walk(tree):
+        for node in walk(tree):
             if isinstance(node, ast.Assign):
                 for target in node.targets:
                     if isinstance(target, ast.Name):

@@ -37,6 +37,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, FrozenSet, Iterable, List, Optional, Set, Tuple
 
+from torchmigrate.program.astwalk import walk
+
 WRITE, MKDIR, OUTPUT, COLLECTIVE, TRAIN, CALLS, READ, RANDOM, CLOCK, STATE = (
     "write", "mkdir", "output", "collective", "train", "calls", "read", "random", "clock", "state")
 # effects that leave nothing behind on a rank that skips them: a call whose effects are these
@@ -223,7 +225,7 @@ class _Names:
 def _aliases(tree: ast.Module) -> Dict[str, str]:
     """Local name -> dotted library name, from every import of the module."""
     found: Dict[str, str] = {}
-    for node in ast.walk(tree):
+    for node in walk(tree):
         if isinstance(node, ast.Import):
             for a in node.names:
                 if a.asname:
@@ -353,7 +355,7 @@ class _Reader:
 
     # names first, so a use before its binding in source order still resolves
     def _bind(self, body: List[ast.stmt]) -> None:
-        for node in (n for s in body for n in ast.walk(s)):
+        for node in (n for s in body for n in walk(s)):
             if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
                 targets = node.targets if isinstance(node, ast.Assign) else [node.target]
                 names = [_dotted(t) for t in targets]
@@ -377,7 +379,7 @@ class _Reader:
                         if self._value_kind(item.context_expr) == "handle":
                             self.names.handles.add(name)
             elif isinstance(node, (ast.For, ast.comprehension)):
-                self.locals |= {n.id for n in ast.walk(node.target) if isinstance(n, ast.Name)}
+                self.locals |= {n.id for n in walk(node.target) if isinstance(n, ast.Name)}
             elif isinstance(node, _FUNCS):
                 self.locals.add(node.name)
 
@@ -489,7 +491,7 @@ class _Reader:
         """The test asks whether a file or folder exists (`os.path.isdir(out)`, `p.exists()`)."""
         return any(isinstance(n, ast.Call) and (self._resolve(n.func) in _EXISTS or (
             isinstance(n.func, ast.Attribute) and n.func.attr in ("exists", "is_file", "is_dir") and not n.args))
-            for n in ast.walk(test))
+            for n in walk(test))
 
     def _outliving(self, target: ast.AST) -> bool:
         """An assignment target that outlives the call: `self.x`, `param.x`, `param[i]`, a
@@ -531,7 +533,7 @@ class _Reader:
                 isinstance(target, ast.Call) and self._resolve(target.func) == "open"):
             return  # `json.dump(x, f)`, `json.dump(x, open(p, "w"))`: the site is where the file is opened
         if target is not None:
-            self.scope.written |= {n.id for n in ast.walk(target) if isinstance(n, ast.Name) and n.id in self.params}
+            self.scope.written |= {n.id for n in walk(target) if isinstance(n, ast.Name) and n.id in self.params}
         text = None
         if target is not None:
             try:

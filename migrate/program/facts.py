@@ -28,6 +28,7 @@ from torchmigrate.program.classes import OTHER, argument_kind, class_kinds, opti
 from torchmigrate.program.graph import Graph
 from torchmigrate.program.search_path import dotted_name
 from torchmigrate.program.view import ModuleView
+from torchmigrate.program.astwalk import walk
 
 # Optimizer classes by their last name (torch.optim and common ports). A call counts as an
 # optimizer when its name is one of these or it is reached through an `optim` module.
@@ -224,7 +225,7 @@ def _optimizer_models(call: ast.Call) -> List[str]:
         return []
     out = []
     for arg in (*call.args, *(k.value for k in call.keywords)):
-        for n in ast.walk(arg):
+        for n in walk(arg):
             if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in (
                     "parameters", "named_parameters"):
                 owner = dotted_name(_strip_moves(n.func.value))
@@ -535,7 +536,7 @@ def _pickled_keys(scopes: List[_Scope]) -> Set[str]:
 def _over_parameters(call: ast.Call) -> bool:
     """`OptimWrapper(model.parameters(), lr=...)`: a call given a model's parameters."""
     return any(isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "parameters"
-               for a in (*call.args, *(k.value for k in call.keywords)) for n in ast.walk(a))
+               for a in (*call.args, *(k.value for k in call.keywords)) for n in walk(a))
 
 
 def _loader_params(modules: Dict[Path, _Module], scopes: List[_Scope]) -> Dict[Tuple[Path, str], Dict[str, Set[str]]]:
@@ -632,7 +633,7 @@ def _assigns_builtin_print(node: ast.AST) -> bool:
     """`builtins.print = ...` (or `__builtin__.print`, Python 2's spelling) in `node`."""
     return any(isinstance(n, ast.Assign) and any(
         isinstance(t, ast.Attribute) and t.attr == "print" and isinstance(t.value, ast.Name)
-        and t.value.id in ("builtins", "__builtin__") for t in n.targets) for n in ast.walk(node))
+        and t.value.id in ("builtins", "__builtin__") for t in n.targets) for n in walk(node))
 
 
 def _print_overridden(graph: Graph, modules: Dict[Path, _Module], scopes: List[_Scope],
@@ -710,7 +711,7 @@ def _guarded_calls(body: List[ast.stmt], guarded: bool = False, out: Optional[Se
             heads = [stmt]
         if guarded:
             for head in heads:
-                for node in ast.walk(head) if not isinstance(head, list) else (n for h in head for n in ast.walk(h)):
+                for node in walk(head) if not isinstance(head, list) else (n for h in head for n in walk(h)):
                     if isinstance(node, ast.Call):
                         out.add(id(node))
     return out
@@ -721,7 +722,7 @@ def _rank_test(test: ast.AST) -> bool:
     `dist.get_rank() == 0`, `args.local_rank in [-1, 0]`) or a main-process predicate
     (`is_main_process()`, `utils.is_master(args)`). The ast twin of the rules' rank_dependent,
     kept to names that hold a rank, not settings about ranks."""
-    for node in ast.walk(test):
+    for node in walk(test):
         name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else ""
         parts = name.lower().split("_")
         if "main" in parts or "master" in parts or "rank0" in parts or (
@@ -759,7 +760,7 @@ def forward_outputs(klass: ast.ClassDef) -> Tuple[FrozenSet[str], ...]:
 
     def uses(expr: ast.AST) -> Set[str]:
         found: Set[str] = set()
-        for node in ast.walk(expr):
+        for node in walk(expr):
             if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
                 found.add(node.attr)
             elif isinstance(node, ast.Name):
@@ -771,7 +772,7 @@ def forward_outputs(klass: ast.ClassDef) -> Tuple[FrozenSet[str], ...]:
             if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)) and node.value is not None:
                 got = uses(node.value)
                 targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-                for name in (n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)):
+                for name in (n.id for t in targets for n in walk(t) if isinstance(n, ast.Name)):
                     deps[name] = deps.get(name, set()) | got
             for block in ("body", "orelse", "finalbody"):
                 assign(getattr(node, block, []))
@@ -823,7 +824,7 @@ def _optimizer_params(modules: Dict[Path, _Module]) -> Dict[Tuple[Path, str], Tu
             params = [a.arg for a in (*func.args.posonlyargs, *func.args.args)]  # type: ignore[attr-defined]
             if "." in name:
                 name, params = name.split(".")[0], params[1:]  # `Trainer(model, ...)`: `self` is not passed
-            calls = [n for n in ast.walk(func) if isinstance(n, ast.Call)]
+            calls = [n for n in walk(func) if isinstance(n, ast.Call)]
             wrapped = {dotted_name(_strip_moves(c.args[0])) for c in calls if c.args and
                        (dotted_name(c.func) or "").rsplit(".", 1)[-1] in WRAPPERS}
             trained = [x for c in calls for x in _optimizer_models(c) if x in params and x not in wrapped]
@@ -877,12 +878,12 @@ def _class_data_positions(klass: ast.ClassDef) -> Tuple[int, ...]:
     `BatchIterator(X, y, bs)` gets both X and y cut by rank; the first one where none is found."""
     init = next(f for f in klass.body if isinstance(f, FUNC_TYPES) and f.name == "__init__")
     params = [p.arg for p in (*init.args.posonlyargs, *init.args.args)][1:]
-    pairs = [(t, n.value) for n in ast.walk(init) if isinstance(n, ast.Assign) for t in n.targets]
+    pairs = [(t, n.value) for n in walk(init) if isinstance(n, ast.Assign) for t in n.targets]
     pairs += [p for t, v in pairs if isinstance(t, ast.Tuple) and isinstance(v, ast.Tuple)
               and len(t.elts) == len(v.elts) for p in zip(t.elts, v.elts)]  # `self.X, self.y = X, y`
     kept = {t.attr: v.id for t, v in pairs if isinstance(v, ast.Name) and v.id in params
             and isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"}
-    read = {n.value.attr for n in ast.walk(klass) if isinstance(n, ast.Subscript) and not isinstance(n.slice, ast.Constant)
+    read = {n.value.attr for n in walk(klass) if isinstance(n, ast.Subscript) and not isinstance(n.slice, ast.Constant)
             and isinstance(n.value, ast.Attribute) and isinstance(n.value.value, ast.Name) and n.value.value.id == "self"}
     return tuple(sorted(params.index(kept[a]) for a in read if a in kept)) or (0,)
 
@@ -895,14 +896,14 @@ def _builder_position(func: ast.AST, iterator_classes: Set[str]) -> Optional[Tup
     params = [p.arg for p in (*args.posonlyargs, *args.args) if p.arg != "self"]
     vararg = args.vararg
     body = ast.Module(body=func.body, type_ignores=[])  # type: ignore[attr-defined]
-    if any(isinstance(n, (ast.Yield, ast.YieldFrom)) for n in ast.walk(body)):
-        sliced = {dotted_name(n.value) for n in ast.walk(body)
+    if any(isinstance(n, (ast.Yield, ast.YieldFrom)) for n in walk(body)):
+        sliced = {dotted_name(n.value) for n in walk(body)
                   if isinstance(n, ast.Subscript) and not isinstance(n.slice, ast.Constant)}
         if vararg is not None and not params:
-            return (-1,) if any(isinstance(n, ast.Name) and n.id == vararg.arg for n in ast.walk(body)) else None
+            return (-1,) if any(isinstance(n, ast.Name) and n.id == vararg.arg for n in walk(body)) else None
         return tuple(i for i, name in enumerate(params) if name in sliced) or None
     built: Dict[str, int] = {}
-    for node in ast.walk(body):
+    for node in walk(body):
         call = node.value if isinstance(node, (ast.Assign, ast.Return)) else None
         if not (isinstance(call, ast.Call) and (dotted_name(call.func) or "") in iterator_classes and call.args):
             continue
@@ -913,7 +914,7 @@ def _builder_position(func: ast.AST, iterator_classes: Set[str]) -> Optional[Tup
             for t in node.targets:
                 if isinstance(t, ast.Name):
                     built[t.id] = params.index(data)
-    for node in ast.walk(body):
+    for node in walk(body):
         if isinstance(node, ast.Return) and isinstance(node.value, ast.Name) and node.value.id in built:
             return (built[node.value.id],)
     return None
@@ -1027,7 +1028,7 @@ def _ref(node: ast.AST) -> Optional[str]:
 def _self_stores(init: ast.AST, param: str) -> List[str]:
     """`self.x = param` (or `param.to(dev)`, a tuple target) in `__init__`: the attributes."""
     out = []
-    for n in ast.walk(init):
+    for n in walk(init):
         if not isinstance(n, ast.Assign):
             continue
         pairs = []

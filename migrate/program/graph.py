@@ -25,6 +25,7 @@ from torchmigrate.program import dynamic_imports, search_path
 from torchmigrate.program.fs import SKIP_DIRS
 from torchmigrate.program.fs import PLAIN, FileSystem
 from torchmigrate.program.project import Project, walk as project_walk
+from torchmigrate.program.astwalk import walk
 
 _STDLIB = frozenset(getattr(sys, "stdlib_module_names", ())) | {"__future__"}  # Python >= 3.10
 
@@ -119,7 +120,7 @@ class _Resolver:
 
 def import_statements(tree: ast.Module) -> List[ast.stmt]:
     """Every `import`/`from ... import` of the module, also inside functions and blocks."""
-    return [node for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))]
+    return [node for node in walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))]
 
 
 def imported_files(statements: List[ast.stmt], importer: Path, resolver: _Resolver, entry_dir: Path,

@@ -28,6 +28,7 @@ from typing import Dict, List, Optional, Tuple
 
 from torchmigrate.program.fs import FileSystem
 from torchmigrate.program.project import Project
+from torchmigrate.program.astwalk import walk
 
 
 def dotted_name(node: ast.AST) -> Optional[str]:
@@ -51,7 +52,7 @@ def code_dirs(tree: ast.Module, module: Path, cwd: Path) -> List[Path]:
     program runs from (the entry script's)."""
     values: Optional[Paths] = None  # built only for a module that edits the path
     out: List[Path] = []
-    for node in ast.walk(tree):
+    for node in walk(tree):
         args: List[ast.AST] = []
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.args:
             owner = dotted_name(node.func.value)
@@ -83,7 +84,7 @@ class Paths:
         self.cwd = cwd
         self.names: Dict[str, ast.AST] = {}  # module-level names assigned exactly once
         counts: Dict[str, int] = {}
-        for node in ast.walk(tree):
+        for node in walk(tree):
             if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
                 targets = node.targets if isinstance(node, ast.Assign) else [node.target]
                 for target in targets:
@@ -275,7 +276,7 @@ def _from_setup_py(data: bytes, bases: List[str], named: Dict[str, str]) -> None
         tree = ast.parse(data)
     except (SyntaxError, ValueError, RecursionError, MemoryError):
         return
-    for node in ast.walk(tree):
+    for node in walk(tree):
         if not isinstance(node, ast.Call):
             continue
         name = (dotted_name(node.func) or "").rsplit(".", 1)[-1]
