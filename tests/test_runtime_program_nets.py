@@ -119,7 +119,8 @@ def test_shard_sampler_reads_like_the_sampler_it_wraps():
     from unittest import mock
     from torch.utils.data import SubsetRandomSampler
 
-    with mock.patch.object(tm, "world_size", lambda: 2), mock.patch.object(tm, "is_distributed", lambda: True):
+    with mock.patch.object(tm, "world_size", lambda: 2), mock.patch.object(tm, "is_distributed", lambda: True), \
+            mock.patch.object(tm, "_SAMPLERS_MADE", 0):  # (the count other tests' samplers start from)
         s = tm.shard_sampler(SubsetRandomSampler([3, 5, 7]))
         assert list(s.indices) == [3, 5, 7] and len(s) == 2
         assert list(pickle.loads(pickle.dumps(s)).indices) == [3, 5, 7]
