@@ -666,10 +666,14 @@ class _Planner:
                 self.region_sites.update(id(site) for site in sites)
 
     def calls_own_autocast(self, span: List[cst.CSTNode]) -> bool:
-        """A statement of the forward span calls a function or method of this file that enters
-        autocast itself (often behind the program's own `use_amp` flag): the program decides
-        its precision there, and a second autocast around the call would force it on."""
+        """A statement of the forward span enters autocast itself (`if use_amp: with autocast():
+        <forward> else: <forward>`) or calls a function or method of this file that does (often
+        behind the program's own `use_amp` flag): the program decides its precision there, and
+        a second autocast around it would force it on, also on the path without a scaler."""
         ctx = self.ctx
+        own = {id(w) for w in self.training.autocast_withs}
+        if own and any(id(w) in own for statement in span for w in ctx.within(statement, cst.With)):
+            return True
         key = "amp.autocast_functions"
         names = ctx.facts.get(key)
         if names is None:
