@@ -215,6 +215,8 @@ class Plan:
         self._delegated: Optional[Set[cst.CSTNode]] = None
         self._final: Optional[List[Wrap]] = None
         self.wraps: List[Wrap] = []
+        # functions and methods of the file that return a wrapped model (name -> kind of wrap)
+        self.returning_wrap: Dict[str, str] = {}
         self.covered: Set[Tuple[str, cst.CSTNode]] = set()  # wrapped by anything
         self.covered_not_dp: Set[Tuple[str, cst.CSTNode]] = set()  # ... by anything but DataParallel
         self.new: List[NewWrap] = []
@@ -284,7 +286,7 @@ class Plan:
         return "tm" if kind == "ddp" and legacy_launch(self.ctx) else kind
 
     def _existing(self) -> None:
-        returning: Dict[str, str] = {}
+        returning = self.returning_wrap
         for call, name in self.f.calls:
             kind = self._kind(call, name)
             if name in _DP_FUNCTIONAL:
@@ -731,6 +733,16 @@ class Plan:
                 return None
             defs = self.models.definitions(m, scope, klass)
             if not defs:
+                inherited = [code(b.value) for b in klass.bases
+                             if (dotted(b.value) or "").rsplit(".", 1)[-1] not in ("Module", "object")]
+                if inherited and any(isinstance(f, cst.FunctionDef) and f.name.value in self.returning_wrap
+                                     for f in klass.body.body):
+                    # `Exp_Basic.__init__`: `self.model = self._build_model()`, which this class
+                    # overrides to return the model wrapped (template method): it is wrapped there
+                    return None
+                if inherited:
+                    return (f"`{m}` is assigned outside class {klass.name.value} (in {', '.join(inherited)}?): wrap "
+                            f"the model with `{tm}.wrap_model(...)` where it is built, before its optimizer")
                 return (f"`{m}` is not assigned in class {klass.name.value}: wrap it with "
                         f"`{m} = {tm}.wrap_model({m})` where it is created, before its optimizer")
             local = [d for d, _ in defs if self.models.scope(d) is scope
