@@ -8,12 +8,13 @@ from typing import Dict, List, Optional, Set
 import libcst as cst
 
 from torchmigrate import analysis
-from torchmigrate.finding import Safety, insert_after
+from torchmigrate.finding import Safety, insert_after, replace
 from torchmigrate.syntax.imports import dotted
 from torchmigrate.syntax.nodes import code
 from torchmigrate.program.loaders import is_pure
 from torchmigrate.program.metrics import (initial_value, is_load, leaves_early, loader_expr, loader_loop, means_only,
                                           reassigned_in, source_index, starts_empty_list)
+from torchmigrate.options import RUNTIME_MODULE as RUNTIME
 from torchmigrate.rule import Context, Example, Rule
 from torchmigrate.program.rank_guards import collective_guard
 from torchmigrate.program.scopes import scope_of
@@ -37,6 +38,12 @@ class GatherListMean(Rule):
         losses = tm.gather_list(losses)
 
     which concatenates the lists of all ranks (rank order; identity in one process).
+
+    In `ddp`, a list that records one number per training step (`G_losses.append(errG.item())`,
+    `history["loss"].append(float(loss))`: a loss history printed, plotted or saved) in a loop
+    over a sharded training loader records the ranks' mean instead,
+    `G_losses.append(tm.all_reduce(errG.item(), op="mean"))`: only appends every rank makes in
+    every step (in the loop's body, not under an `if`), in a loop no rank leaves early.
 
     A meter object built before the loop (`meter = AverageMeter()`, any class named like a
     meter, average or tracker) and updated in it (`meter.update(loss.item(), x.size(0))`) gets
@@ -105,16 +112,55 @@ class GatherListMean(Rule):
         for loop, names in meters.items():
             if not leaves_early(ctx, loop) and loop_sharding(ctx, loop) != "whole":
                 self._meters(loop, names)
+        gathered: Set[str] = set()
         for loop, names in loops.items():
             lists = [n for n in names if starts_empty_list(ctx, loop, n) and not reassigned_in(ctx, loop, n)
                      and means_only(ctx, loop, n)]
             if not lists or leaves_early(ctx, loop) or loop_sharding(ctx, loop) == "whole":
                 continue  # (a loader every rank iterates in full: its means are the whole data's)
+            gathered.update(lists)
             listed = ", ".join(f"`{n}`" for n in lists)
             self._after_loop(loop, [f"{n} = {ctx.tm}.gather_list({n})" for n in lists],
                              f"{listed} {'holds' if len(lists) == 1 else 'hold'} this rank's values only, but this "
                              "loop runs under a rank guard, where a gather would hang the other ranks",
                              f"the mean of {listed} covers this rank's batches only; gather every rank's values first")
+        if ctx.options.mode == "ddp":
+            self._step_histories(gathered)
+
+    def _step_histories(self, gathered: Set[str]) -> None:
+        """`G_losses.append(errG.item())`, `results["loss"].append(loss.item())` once per step
+        of a training loop over a sharded loader (the DCGAN tutorial's loss history, plotted or
+        saved at the end): each recorded value becomes the ranks' mean as it is appended. Only
+        appends every rank makes in every step (in the loop's body, not under an `if`), of a
+        number (`.item()`, `float(...)`), in a loop no rank leaves early and no rank guard holds."""
+        ctx = self.ctx
+        gathered_later = {code(c.args[0].value) for c in analysis.calls_to(ctx, RUNTIME + ".gather_list") if c.args}
+        for call, _name in analysis.facts(ctx).calls:
+            func = call.func
+            if not (type(func) is cst.Attribute and func.attr.value == "append" and len(call.args) == 1):
+                continue
+            owner = code(func.value)
+            if owner in gathered or call.args[0].keyword is not None or call.args[0].star:
+                continue
+            value = call.args[0].value
+            if not _number_of_step(ctx, value):
+                continue
+            loop = loader_loop(ctx, call)
+            if loop is None or not analysis.runs_backward(ctx, loop) or leaves_early(ctx, loop) \
+                    or loop_sharding(ctx, loop) != "sharded" or collective_guard(ctx, loop) is not None:
+                continue
+            if isinstance(func.value, cst.Name) and (starts_empty_list(ctx, loop, owner) or owner in gathered_later):
+                continue  # a list of this pass (its mean: above) or one gathered after the loop
+            statement = ctx.statement_of(call)
+            if not (isinstance(statement, cst.SimpleStatementLine) and len(statement.body) == 1
+                    and isinstance(statement.body[0], cst.Expr) and statement.body[0].value is call):
+                continue
+            if any(isinstance(a, (cst.If, cst.Try, cst.For, cst.While)) for a in _between(ctx, statement, loop)):
+                continue
+            tm = ctx.tm
+            self.report(call, f"`{owner}` records this rank's value each training step (a history that is "
+                              f"printed, plotted or saved): record the ranks' mean",
+                        edits=[replace(value, lambda v: _mean(tm, v))], imports=[ctx.runtime_import()])
 
     def _after_loop(self, loop: cst.For, lines: List[str], guarded: str, message: str) -> None:
         """Insert `lines` (collectives) right after `loop`, or, where a rank guard would keep some
@@ -177,6 +223,30 @@ class GatherListMean(Rule):
         """`tm.reduce_meter(meter)` already follows the loop (a second run)."""
         nxt = _next_sibling(self.ctx, loop)
         return nxt is not None and "reduce_meter(" in code(nxt) and any(n in code(nxt) for n in names)
+
+
+def _number_of_step(ctx: Context, value: cst.BaseExpression) -> bool:
+    """`loss.item()`, `errD.mean().item()`, `float(loss)`: one number of this step."""
+    if not isinstance(value, cst.Call):
+        return False
+    func = value.func
+    if isinstance(func, cst.Attribute) and func.attr.value == "item" and not value.args:
+        return True
+    return isinstance(func, cst.Name) and func.value == "float" and len(value.args) == 1
+
+
+def _between(ctx: Context, statement: cst.CSTNode, loop: cst.CSTNode) -> List[cst.CSTNode]:
+    out = []
+    for anc in ctx.ancestors(statement):
+        if anc is loop:
+            break
+        out.append(anc)
+    return out
+
+
+def _mean(tm: str, value: cst.BaseExpression) -> cst.Call:
+    template = cst.parse_expression(f'{tm}.all_reduce(_, op="mean")')
+    return template.with_changes(args=[cst.Arg(value, comma=template.args[0].comma), template.args[1]])
 
 
 def _next_sibling(ctx: Context, statement: cst.CSTNode) -> Optional[cst.CSTNode]:
