@@ -624,6 +624,7 @@ class _DDP(_ModuleFace, DistributedDataParallel):
         plain = os.environ.get("TORCHMIGRATE_DDP", "").lower() == "plain"
         self._tm_container = type(self.module).forward is nn.Module.forward
         self._tm_op = "mean"  # how gradients averaged by hand are combined ("sum": see wrap_model)
+        self._tm_bypassed = False  # warned that a backward went around the wrapper
         self._tm_mode = "ddp" if plain or self.find_unused_parameters or self.static_graph else (
             "manual" if self._tm_container else "probe")
         self._tm_armed = False  # the wrapper's forward ran (with gradients) since the last backward
@@ -679,12 +680,33 @@ class _DDP(_ModuleFace, DistributedDataParallel):
         touched, self._tm_touched, self._tm_queued = self._tm_touched, set(), False
         armed, outside, self._tm_armed, self._tm_outside = self._tm_armed, self._tm_outside, False, False
         if not (armed or outside or self._tm_container):
+            if self._tm_steps == 0 and not self._tm_bypassed:
+                self._tm_bypassed = True
+                self._tm_warn_bypass()
             return  # the wrapper took no part (``tm.unwrap(model)(x)``): as with DDP, nothing is averaged
         if self._tm_mode == "ddp" and armed:
             return  # DDP's reducer averaged this backward
         if self._tm_mode == "probe":
             self._tm_decide(touched)
         _average_grads(self._tm_params, op=self._tm_op)
+
+    def _tm_warn_bypass(self) -> None:
+        """The first backward to reach the parameters came before any training forward through
+        the wrapper: the program trains the model through another reference (a list that holds
+        the plain module, an alias the wrap did not rebind, a method calling ``self(x)``), which
+        DDP never sees. Said once, on rank 0, where it happens; nothing collective (the backward
+        may run on one rank only, as a saliency map or an attack on ``tm.unwrap(model)`` does)."""
+        global _LIBRARY_DIRS
+        if not is_main():
+            return
+        _LIBRARY_DIRS = _LIBRARY_DIRS or _library_dirs()
+        frame = _user_frame(sys._getframe(2))
+        where = f" at {frame.f_code.co_filename}:{frame.f_lineno}" if frame is not None else ""
+        _warn(f"a backward{where} gave gradients to {type(self.module).__name__}'s parameters before any training "
+              "forward through its DDP wrapper (the program calls the model through another reference: a list "
+              "or attribute holding the plain module, a method calling self(...)); those gradients are NOT "
+              "averaged across ranks. Call the object tm.wrap_model returned in the training step, or "
+              "tm.synced(model) for a method of the model.")
 
     def _tm_decide(self, touched: set) -> None:
         """After the first training backward: DDP's reducer if every parameter got a gradient

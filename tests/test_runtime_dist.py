@@ -391,6 +391,13 @@ def test_a_summed_loss_sums_gradients_to_the_one_process_step(nets):
         assert r["summed"] == pytest.approx(r["summed_reference"], rel=1e-5, abs=1e-6)
 
 
+def test_a_model_trained_around_its_wrapper_is_named_once(nets):
+    lines = [line for line in nets["output"].splitlines() if "before any training forward" in line]
+    assert len(lines) == 1 and "Bypassed" in lines[0] and "nets.py:" in lines[0]
+    # models trained through their wrapper (every other model of the probe) are not named
+    assert not any("TwoHeads" in line or "Plain" in line for line in lines)
+
+
 def test_a_module_level_cleanup_in_an_imported_module_does_not_end_the_group(nets):
     assert [r["rank"] for r in nets["r"]] == [0, 1]  # set up lazily by wrap_model, kept
 
@@ -416,8 +423,10 @@ def test_the_runtime_names_a_file_every_rank_writes_and_drifting_parameters(nets
     writes = [line for line in out.splitlines() if "writes" in line and "summary.txt" in line]
     assert len(writes) == 1 and "rank 1" in writes[0] and "nets_helpers.py:9" in writes[0]
     assert "rank0.json" not in out and "rank1.json" not in out  # per-rank names are intended
-    drift = [line for line in out.splitlines() if "differ across ranks" in line]
+    drift = [line for line in out.splitlines() if "differ across ranks" in line and "Bypassed" not in line]
     assert len(drift) == 1 and "Linear" in drift[0]
+    # the model trained around its wrapper drifts too, and the end-of-run check says so
+    assert any("Bypassed" in line and "differ across ranks" in line for line in out.splitlines())
     same = [line for line in out.splitlines() if "got the same inputs on every rank" in line]
     assert len(same) == 1 and "Linear" in same[0]  # the models trained on each rank's own batches: none
 

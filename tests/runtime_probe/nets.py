@@ -52,6 +52,10 @@ class SkipGram(nn.Module):
         return -torch.nn.functional.logsigmoid((self.u(a) * self.v(b)).sum(1)).mean()
 
 
+class Bypassed(nn.Linear):
+    """A model the probe trains around its wrapper."""
+
+
 def flat(module):
     return torch.cat([p.detach().reshape(-1) for p in module.parameters()]).tolist()
 
@@ -168,6 +172,15 @@ def main(outdir):
         torch.nn.functional.mse_loss(reference(x), y, reduction="sum").backward()
         ref_opt.step()
     res["summed"], res["summed_reference"], res["summed_mode"] = flat(tm.unwrap(summed)), flat(reference), summed._tm_mode
+
+    # trained through another reference (an alias the wrap did not rebind): said once, on rank 0
+    bypassed_plain = Bypassed(4, 1)
+    kept = tm.wrap_model(bypassed_plain)  # noqa: F841 (bound, as the alias of the program was)
+    opt = torch.optim.SGD(bypassed_plain.parameters(), lr=0.1)
+    for _ in range(2):
+        opt.zero_grad()
+        bypassed_plain(torch.randn(3, 4, generator=g)).sum().backward()
+        opt.step()
 
     buffer = io.BytesIO()
     torch.save(plain, buffer)  # the wrapper pickles as the plain module
