@@ -144,6 +144,8 @@ class Loader:
     # a log line does not count), whatever `drop_last` says: the loop assumes that a batch holds
     # that many samples
     batch_read: Optional[str] = None
+    # where those loops read it (`torch.randn(args.batch_size, nz)`, `x.view(args.batch_size, -1)`)
+    batch_uses: List[cst.CSTNode] = field(default_factory=list)
 
     @property
     def eval(self) -> Optional[bool]:
@@ -930,12 +932,14 @@ class LoaderFacts:
             for node, _ref in self.uses(lambda x: x is loader):
                 site = _iteration_site(node, ctx)
                 body = getattr(site, "body", None) if isinstance(site, cst.For) else None
-                if body is not None and any(code(n) == text and not _name_part(ctx, n) and not _logged(ctx, n)
-                                            for n in ctx.within(body, type(size.value))):
+                uses = [n for n in ctx.within(body, type(size.value)) if code(n) == text and not _name_part(ctx, n)
+                        and not _logged(ctx, n)] if body is not None else []
+                if uses:
                     loader.batch_read = text
+                    known = {id(u) for u in loader.batch_uses}
+                    loader.batch_uses.extend(u for u in uses if id(u) not in known)
                     if "drop_last" not in args:
                         loader.sized_by = text
-                    break
 
     def _ref_around(self, name: cst.Name) -> Tuple[cst.CSTNode, List[Ref]]:
         """The expression starting at `name` that denotes loaders (`name`, `self.loaders[k]`,

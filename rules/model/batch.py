@@ -13,13 +13,15 @@ batch and TM305 scales the learning rate instead (`model/plan.py` finds the opti
 A loader whose batch size cannot be found or divided safely keeps its batch and gets a TODO:
 a batch sampler (or a `batch_sampler=` that TM201 shards whole), batch sizes hidden in
 `**kwargs` or left at the default of one sample, and a training loop that reads the batch size
-as a value (`torch.ones(args.batch_size, 1)`), which would no longer match the batches.
+as a count (`seen += args.batch_size`), which would no longer match the batches. A loop that
+reads it only as a tensor's shape (GAN noise `torch.randn(args.batch_size, nz)`, labels
+`torch.ones(args.batch_size, 1)`, `out.view(args.batch_size, -1)`) has those shapes divided too.
 Evaluation loaders are never touched: their batch size changes nothing about training.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import List, Optional
 
 import libcst as cst
@@ -39,6 +41,9 @@ class BatchSite:
     loader: Loader
     size: Optional[cst.Arg]  # the `batch_size` argument (positional or keyword)
     kept: str = ""  # why the batch stays per rank (a TODO); "" when it is divided
+    # the loop's reads of the batch size as a tensor's shape, divided with it
+    # (`torch.randn(args.batch_size, nz)` -> `torch.randn(tm.per_rank_batch(args.batch_size), nz)`)
+    shapes: List[cst.CSTNode] = field(default_factory=list)
 
 
 def divides_batches(ctx: Context) -> bool:
@@ -81,8 +86,43 @@ def _decide(ctx: Context) -> List[BatchSite]:
         size = args.get("batch_size")
         if size is not None and DIVIDED in code(size.value):
             continue  # migrated already
-        sites.append(BatchSite(loader, size, _kept(loader, size, args)))
+        shapes = [u for u in loader.batch_uses if _shape_of_batch(ctx, u)]
+        if loader.batch_uses and len(shapes) == len(loader.batch_uses) and _kept(loader, size, args, True) == "":
+            sites.append(BatchSite(loader, size, "", shapes))
+        else:
+            sites.append(BatchSite(loader, size, _kept(loader, size, args)))
     return sites
+
+
+# Calls whose positional arguments (or `size=`) give a tensor's shape: the batch size there is
+# the number of rows of this rank's batch (`torch.ones(args.batch_size, 1)` labels, GAN noise,
+# `out.view(args.batch_size, -1)`, `torch.arange(args.batch_size)` contrastive targets).
+_SHAPE_FUNCS = frozenset({"view", "reshape", "expand", "randn", "rand", "zeros", "ones", "empty", "full",
+                          "new_zeros", "new_ones", "new_empty", "new_full", "randint", "normal", "arange",
+                          "randperm", "eye", "FloatTensor", "LongTensor", "Tensor"})
+
+
+def _shape_of_batch(ctx: Context, use: cst.CSTNode) -> bool:
+    """`use` (the batch size expression) is a dimension of a tensor made or reshaped here."""
+    node = use
+    parent = ctx.parent(node)
+    while isinstance(parent, (cst.Element, cst.Tuple, cst.List)):  # `torch.zeros((bs, 1))`
+        node, parent = parent, ctx.parent(parent)
+    if not isinstance(parent, cst.Arg) or parent.star or (parent.keyword is not None and parent.keyword.value != "size"):
+        return False
+    call = ctx.parent(parent)
+    if not isinstance(call, cst.Call):
+        return False
+    func = call.func
+    name = func.attr.value if isinstance(func, cst.Attribute) else func.value if isinstance(func, cst.Name) else ""
+    if name not in _SHAPE_FUNCS:
+        return False
+    if name == "randint" and parent.keyword is None:
+        positional = [a for a in call.args if a.keyword is None]
+        return len(positional) >= 2 and parent is positional[-1]  # randint(low, high, size)
+    if name == "normal":
+        return parent.keyword is not None  # normal(mean, std, size=...)
+    return True
 
 
 def _sharded_here(loader: Loader, decided) -> bool:
@@ -93,8 +133,9 @@ def _sharded_here(loader: Loader, decided) -> bool:
     return decided.status == "custom" and decided.sampler == "distributed"
 
 
-def _kept(loader: Loader, size: Optional[cst.Arg], args) -> str:
-    """Why the loader's batch size cannot be divided here ("" when it can)."""
+def _kept(loader: Loader, size: Optional[cst.Arg], args, shapes_divided: bool = False) -> str:
+    """Why the loader's batch size cannot be divided here ("" when it can; `shapes_divided`:
+    the loop's reads of it are shapes, divided with it)."""
     if loader.custom_param == "batch_sampler":
         return "its `batch_sampler=` makes the batches, and each rank now takes whole batches of it"
     if size is None and loader.kwargs_arg is not None:
@@ -103,7 +144,7 @@ def _kept(loader: Loader, size: Optional[cst.Arg], args) -> str:
         return "it loads one sample per batch (no `batch_size`), which cannot be split among the ranks"
     if isinstance(size.value, cst.Integer) and int(size.value.evaluated_value) == 1:
         return "a batch of one sample cannot be split among the ranks"
-    if loader.batch_read:
+    if loader.batch_read and not shapes_divided:
         return f"the loop over it reads `{loader.batch_read}` as a shape or a count, which a smaller batch would not match"
     return ""
 

@@ -11,7 +11,8 @@ from torchmigrate.analysis import Optimizer
 from torchmigrate.finding import Safety, replace
 from torchmigrate.rule import Example
 from torchmigrate.rules.model.base import ModelRule
-from torchmigrate.rules.model.batch import batch_sites, divide_fix, loaders_carry_batch
+from torchmigrate.rules.model.batch import DIVIDED, batch_sites, divide_fix, loaders_carry_batch
+from torchmigrate.syntax.nodes import code
 
 # Schedulers that set the learning rate from arguments of their own, not from the optimizer's.
 _OWN_LR_SCHEDULERS = ("torch.optim.lr_scheduler.OneCycleLR", "torch.optim.lr_scheduler.CyclicLR")
@@ -43,7 +44,10 @@ class LrWorldSize(ModelRule):
 
     Where the batch size cannot be found or divided safely, the loader keeps its batch and gets
     a TODO: a `batch_sampler=`, a batch size in `**kwargs` or left at one sample, a training
-    loop that reads the batch size as a value (`torch.ones(args.batch_size, 1)`). A program whose
+    loop that reads the batch size as a count (`seen += args.batch_size`). A loop that reads it
+    only as a tensor's shape (GAN noise `torch.randn(args.batch_size, nz)`, labels
+    `torch.ones(args.batch_size, 1)`, `out.view(args.batch_size, -1)`) gets
+    `tm.per_rank_batch(args.batch_size)` there too: those tensors are this rank's batch. A program whose
     training batches come from no DataLoader (a hand-made iterator, a loader a library builds)
     gets the TODO at its optimizer. Evaluation loaders keep their batch size.
 
@@ -131,12 +135,20 @@ class LrWorldSize(ModelRule):
                                      f"unchanged: divide the batch (`{tm}.per_rank_batch(batch_size)`) or scale the "
                                      f"learning rate (`lr * {tm}.world_size()`)", statement=loader.statement)
             return
+        edits = [replace(site.size.value, divide_fix(self.ctx, site))]
+        shapes = ""
+        if site.shapes:
+            edits += [replace(use, lambda v: cst.Call(func=cst.parse_expression(f"{tm}.{DIVIDED}"),
+                                                      args=[cst.Arg(v.with_changes(lpar=[], rpar=[]))]))
+                      for use in site.shapes]
+            shapes = (f"; the loop's shapes made from `{code(site.shapes[0])}` (noise, labels, views) are this "
+                      f"rank's batch too")
         self.report(site.size.value, f"{what} loads batch_size / world_size samples on each rank "
                                      f"(`{tm}.per_rank_batch`): every step still averages the gradients of the "
                                      "original's global batch, so steps per epoch, schedules and the learning rate "
                                      "keep their meaning (batch policy `global`; `--batch-policy per-gpu` keeps each "
-                                     "rank's batch and scales the learning rate instead)",
-                    edits=[replace(site.size.value, divide_fix(self.ctx, site))], imports=[self.ctx.runtime_import()])
+                                     f"rank's batch and scales the learning rate instead){shapes}",
+                    edits=edits, imports=[self.ctx.runtime_import()])
 
     def _scale(self, optimizer: Optimizer, lr: Optional[cst.Arg]) -> None:
         """Batch policy per-gpu: the learning rate grows with the global batch (linear scaling)."""
