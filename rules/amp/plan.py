@@ -36,9 +36,9 @@ from torchmigrate.syntax.nodes import code
 from torchmigrate.program.forward_outputs import OutputFacts, output_facts
 from torchmigrate.program.precision import BCE_CLASSES, BCE_FUNCS, DATA_PARALLEL, apex_level, apex_o1, caller_dtype, \
     wrappable_forward
-from torchmigrate.program.syntax import (binds, block_of, calls_in, class_of, is_visible, line_of, method_name,
-                                         owner_statement, reads, receiver, root_name, scope_of, statements,
-                                         target_names)
+from torchmigrate.program.syntax import (binds, block_of, calls_by_method, calls_in, class_of, is_visible, line_of,
+                                         method_name, owner_statement, reads, receiver, root_name, scope_of,
+                                         statements, target_names)
 from torchmigrate.program.training import Site, Step, TrainingFacts, training_facts
 from torchmigrate.program.types import OTHER, TENSOR, kind_of, made_by, optimizer_wrapper_of
 from torchmigrate.rule import Context
@@ -66,6 +66,8 @@ class Region:
     last: cst.CSTNode
     kind: str  # "train" or "eval"
     float_after: List[str] = field(default_factory=list)  # forward outputs read after the block
+    # outputs bound in the block that reach numpy after it (bf16 has no numpy dtype)
+    to_numpy: List[str] = field(default_factory=list)
 
 
 @dataclass
@@ -739,11 +741,30 @@ class _Planner:
         if self.training.computes_bce(stmts):
             return BCE_BLOCKED
         escaped = self.outputs.numpy_escape(stmts)
+        if escaped and region.kind == "train" and self.numpy_after(region, stmts, escaped):
+            region.to_numpy.append(escaped)  # `escaped = tm.to_float32(escaped)` after the block
+            escaped = None
         if escaped:
             return (f"`{escaped}` leaves autocast as a bf16/fp16 tensor and is converted to numpy later "
                     "(bf16 has no numpy dtype): add `.float()` before `.numpy()`, then put the forward "
                     "under `with tm.autocast():`")
         return None
+
+    def numpy_after(self, region: Region, stmts: List[cst.CSTNode], name: str) -> bool:
+        """`name` is bound in the training block itself and reaches numpy only after it
+        (`results.append(recon_loss.cpu().detach().numpy())` a few lines down): converted to
+        float32 right after the block, it needs no TODO (evaluation forwards whose outputs reach
+        numpy stay in float32, see `eval_regions`). Not a list filled inside the block (`preds.append(out)`),
+        nor a conversion inside the block."""
+        ctx = self.ctx
+        if not any(name in binds(ctx, s) for s in stmts):
+            return False
+        start, end = ctx.position(region.first) or 0, ctx.last_position(region.last)
+        for call, _ in calls_by_method(ctx).get("numpy", ()):
+            at = ctx.position(call) or 0
+            if start <= at <= end:
+                return False
+        return True
 
     def eval_regions(self) -> None:
         ctx, p = self.ctx, self.p
@@ -783,12 +804,13 @@ class _Planner:
         ctx = self.ctx
         outputs = self.outputs.bound_in(self.region_statements(region))
         if not outputs:
-            return []
+            return list(region.to_numpy)
         _, body = block_of(ctx, region.last)
         body = list(body)
         autocast = {s for r in self.p.regions if r is not region for s in self.region_statements(r)}
         later = [s for s in body[body.index(region.last) + 1:] if s not in autocast and not self.training.covered(s)]
-        return [name for name in outputs if any(self.outputs.precise_use(name, s) for s in later)]
+        found = [name for name in outputs if any(self.outputs.precise_use(name, s) for s in later)]
+        return found + [name for name in region.to_numpy if name not in found]
 
     def bce_checks(self) -> None:
         p = self.p
