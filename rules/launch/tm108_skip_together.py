@@ -13,6 +13,7 @@ from torchmigrate.rule import Example, Rule
 from torchmigrate.syntax.imports import dotted
 from torchmigrate.syntax.nodes import code
 from torchmigrate.program.rank_guards import collective_guard
+from torchmigrate.program.loop_ranks import names_in, per_rank_names
 from torchmigrate.program.ranks import rank_polarity
 from torchmigrate.rules._active import active
 
@@ -83,7 +84,7 @@ class RankSkips(Rule):
             if not backwards:
                 continue
             last = max(ctx.position(c) or 0 for c in backwards)
-            data = self._data_names(loop)
+            data = per_rank_names(ctx, loop)
             for test_if in ctx.within(loop, cst.If, skip_defs=True):
                 if self._loop_of(test_if) is loop:
                     self._skip_if(test_if, data, before=(ctx.position(test_if) or 0) < last)
@@ -129,46 +130,6 @@ class RankSkips(Rule):
                 return anc
         return None
 
-    def _data_names(self, loop: cst.CSTNode) -> Set[str]:
-        """Names that differ per rank in the loop: what it assigns, and what a `for` binds from
-        its batches (not the index of an `enumerate`)."""
-        names: Set[str] = set()
-        for assign in self.ctx.within(loop, cst.Assign, skip_defs=True):
-            for t in assign.targets:
-                names |= _names(t.target)
-        for assign in self.ctx.within(loop, cst.AugAssign, skip_defs=True):
-            names |= _names(assign.target)
-        names.discard("self")  # `self.step = ...` does not make every `self.x` per rank
-        names -= self._agreed_names(loop)
-        if isinstance(loop, cst.For):
-            target = loop.target
-            if isinstance(loop.iter, cst.Call) and isinstance(loop.iter.func, cst.Name) \
-                    and loop.iter.func.value == "enumerate" and isinstance(target, cst.Tuple) and target.elements:
-                target = cst.Tuple(elements=target.elements[1:])
-            names |= _names(target)
-        return names
-
-    def _agreed_names(self, loop: cst.CSTNode) -> Set[str]:
-        """Names the loop gives the same value on every rank: counters it only steps by a
-        constant (nanoGPT's `iter_num += 1`, tested by `if iter_num > max_iters: break`), what
-        it broadcasts or all-reduces (yolov5's `dist.broadcast_object_list(broadcast_list, 0)`),
-        and names it reads back from those alone (`stop = broadcast_list[0]`)."""
-        ctx = self.ctx
-        stepped: Set[str] = set()
-        for aug in ctx.within(loop, cst.AugAssign, skip_defs=True):
-            if isinstance(aug.target, cst.Name) and isinstance(aug.value, (cst.Integer, cst.Float)):
-                stepped.add(aug.target.value)
-        assigns = ctx.within(loop, cst.Assign, skip_defs=True)
-        agreed = stepped - {n for a in assigns for t in a.targets for n in _names(t.target)}
-        for call in ctx.within(loop, cst.Call, skip_defs=True):
-            name = cst.helpers.get_full_name_for_node(call.func) or ""
-            if name.rsplit(".", 1)[-1] in _AGREEING and call.args and isinstance(call.args[0].value, cst.Name):
-                agreed.add(call.args[0].value.value)
-        for a in assigns:
-            if _names(a.value) and _names(a.value) <= agreed:
-                agreed |= {n for t in a.targets for n in _names(t.target)}
-        return agreed
-
     def _skip_if(self, test_if: cst.If, data: Set[str], before: bool) -> None:
         """`if <per-rank test>: continue` before the backward, or `break` anywhere in the loop
         (the other ranks' next backward would wait for this rank)."""
@@ -181,7 +142,7 @@ class RankSkips(Rule):
         if isinstance(smalls[0], cst.Continue) and not before:
             return  # after this step's backward: the step was taken on every rank
         test = test_if.test
-        if rank_polarity(test) is not None or not (_names(test) & data) or collective_guard(ctx, test_if) is not None:
+        if rank_polarity(test) is not None or not (names_in(test) & data) or collective_guard(ctx, test_if) is not None:
             return
         if isinstance(test, cst.Call) and (cst.helpers.get_full_name_for_node(test.func) or "").endswith("any_rank"):
             return
@@ -210,19 +171,3 @@ def _mean_of(tm: str, value: cst.BaseExpression) -> cst.Call:
         value, cst.BaseExpression) else value, comma=template.args[0].comma), template.args[1]])
 
 
-# Collectives after which every rank holds the same value in their first argument.
-_AGREEING = {"broadcast_object_list", "broadcast", "all_reduce"}
-
-
-def _names(node: cst.CSTNode) -> Set[str]:
-    out: Set[str] = set()
-    stack: List[cst.CSTNode] = [node]
-    while stack:
-        n = stack.pop()
-        if isinstance(n, cst.Name):
-            out.add(n.value)
-        elif isinstance(n, cst.Attribute):
-            stack.append(n.value)  # `self.x`: the object's name
-        else:
-            stack.extend(n.children)
-    return out

@@ -12,6 +12,7 @@ from torchmigrate.finding import Safety, insert_after, replace
 from torchmigrate.syntax.imports import dotted
 from torchmigrate.syntax.nodes import code
 from torchmigrate.program.loaders import is_pure
+from torchmigrate.program.loop_ranks import names_in, per_rank_names
 from torchmigrate.program.metrics import (initial_value, is_load, leaves_early, loader_expr, loader_loop, means_only,
                                           reassigned_in, source_index, starts_empty_list)
 from torchmigrate.options import RUNTIME_MODULE as RUNTIME
@@ -44,6 +45,12 @@ class GatherListMean(Rule):
     over a sharded training loader records the ranks' mean instead,
     `G_losses.append(tm.all_reduce(errG.item(), op="mean"))`: only appends every rank makes in
     every step (in the loop's body, not under an `if`), in a loop no rank leaves early.
+
+    In `ddp`, a print or log call of a training loop over a sharded loader that shows the step's
+    loss or batch metric (`print(f"step {i} loss {loss.item():.4f}")`, `logger.info("loss %.3f",
+    loss.item())`) shows the ranks' mean, `tm.all_reduce(loss.item(), op="mean")`: only numbers
+    named like a loss or an averaged metric, only where every rank prints in the same steps (under
+    tests of the loop's index, counters and settings, not of its data).
 
     A meter object built before the loop (`meter = AverageMeter()`, any class named like a
     meter, average or tracker) and updated in it (`meter.update(loss.item(), x.size(0))`) gets
@@ -126,6 +133,7 @@ class GatherListMean(Rule):
                              f"the mean of {listed} covers this rank's batches only; gather every rank's values first")
         if ctx.options.mode == "ddp":
             self._step_histories(gathered)
+            self._step_prints()
 
     def _step_histories(self, gathered: Set[str]) -> None:
         """`G_losses.append(errG.item())`, `results["loss"].append(loss.item())` once per step
@@ -161,6 +169,42 @@ class GatherListMean(Rule):
             self.report(call, f"`{owner}` records this rank's value each training step (a history that is "
                               f"printed, plotted or saved): record the ranks' mean",
                         edits=[replace(value, lambda v: _mean(tm, v))], imports=[ctx.runtime_import()])
+
+    def _step_prints(self) -> None:
+        """`print(f"step {i} loss {loss.item():.4f}")` every N steps of a training loop over a
+        sharded loader: rank 0 would print its own shard's loss; the printed number becomes the
+        ranks' mean, `tm.all_reduce(loss.item(), op="mean")`. Only numbers named like a loss or
+        a metric averaged over the batch (`loss`, `errD`, `acc`, `psnr`), only prints every rank
+        reaches in the same steps (under `if` tests of the loop's index, counters and settings,
+        not of its data), in a loop no rank leaves early and no rank guard holds."""
+        ctx = self.ctx
+        for call, name in analysis.facts(ctx).calls:
+            builtin = name is None and isinstance(call.func, cst.Name) and call.func.value == "print"
+            if not (builtin or name in _PRINTS or (name is None and isinstance(call.func, cst.Attribute)
+                                                   and call.func.attr.value in ("info", "log")
+                                                   and "log" in (dotted(call.func.value) or "").lower())):
+                continue
+            loop = loader_loop(ctx, call)
+            if loop is None or not analysis.runs_backward(ctx, loop) or leaves_early(ctx, loop) \
+                    or loop_sharding(ctx, loop) != "sharded" or collective_guard(ctx, call) is not None:
+                continue
+            data = per_rank_names(ctx, loop)
+            between = _between(ctx, call, loop)
+            if any(isinstance(a, (cst.For, cst.While, cst.Try, cst.Lambda, cst.FunctionDef)) for a in between):
+                continue
+            if any(isinstance(a, cst.If) and names_in(a.test) & data for a in between) or any(
+                    isinstance(a, cst.IfExp) for a in between):
+                continue  # a test of this rank's data: some ranks may not print in this step
+            values = [c for c in ctx.within(call, cst.Call) if _number_of_step(ctx, c)
+                      and _METRIC_NAME.search(code(c.func.value if isinstance(c.func, cst.Attribute)
+                                                   else c.args[0].value))
+                      and names_in(c) & data and not _reduced(ctx, c)]
+            if not values:
+                continue
+            tm = ctx.tm
+            self.report(call, "this prints this rank's value of the step (its shard's batch): print the ranks' mean",
+                        edits=[replace(v, lambda n, q=_quote_inside(ctx, v): _mean(tm, n, q)) for v in values],
+                        imports=[ctx.runtime_import()])
 
     def _after_loop(self, loop: cst.For, lines: List[str], guarded: str, message: str) -> None:
         """Insert `lines` (collectives) right after `loop`, or, where a rank guard would keep some
@@ -225,6 +269,10 @@ class GatherListMean(Rule):
         return nxt is not None and "reduce_meter(" in code(nxt) and any(n in code(nxt) for n in names)
 
 
+_PRINTS = frozenset({"print", RUNTIME + ".print", "logging.info", "logging.log"})
+_METRIC_NAME = re.compile(r"(?i)(loss|err|nll|kld?\b|bpd|psnr|ssim|ppl|perplex|mse|mae|acc)")
+
+
 def _number_of_step(ctx: Context, value: cst.BaseExpression) -> bool:
     """`loss.item()`, `errD.mean().item()`, `float(loss)`: one number of this step."""
     if not isinstance(value, cst.Call):
@@ -244,8 +292,26 @@ def _between(ctx: Context, statement: cst.CSTNode, loop: cst.CSTNode) -> List[cs
     return out
 
 
-def _mean(tm: str, value: cst.BaseExpression) -> cst.Call:
-    template = cst.parse_expression(f'{tm}.all_reduce(_, op="mean")')
+def _reduced(ctx: Context, value: cst.CSTNode) -> bool:
+    """`value` is already an argument of `tm.all_reduce(...)` (a second run)."""
+    parent = ctx.parent(value)
+    call = ctx.parent(parent) if isinstance(parent, cst.Arg) else None
+    return isinstance(call, cst.Call) and ctx.resolve(call.func) == RUNTIME + ".all_reduce"
+
+
+def _quote_inside(ctx: Context, node: cst.CSTNode) -> str:
+    """The quote a string literal at `node` can use: not the one of an f-string around it
+    (before Python 3.12 an f-string's expressions cannot reuse its quote)."""
+    for anc in ctx.ancestors(node):
+        if isinstance(anc, cst.FormattedString):
+            return "'" if '"' in anc.start else '"'
+        if isinstance(anc, cst.BaseStatement):
+            break
+    return '"'
+
+
+def _mean(tm: str, value: cst.BaseExpression, quote: str = '"') -> cst.Call:
+    template = cst.parse_expression(f'{tm}.all_reduce(_, op={quote}mean{quote})')
     return template.with_changes(args=[cst.Arg(value, comma=template.args[0].comma), template.args[1]])
 
 
