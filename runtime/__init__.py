@@ -427,7 +427,7 @@ def _finish(clean: bool) -> None:
         sys.excepthook, _PREVIOUS_HOOK = _PREVIOUS_HOOK, None
     if _OWN_PG and _pg():
         if clean:
-            for ddp in _live_wrappers():
+            for ddp in _wrappers_alive_everywhere():
                 _check_drift(ddp, "at the end of the run")
             try:
                 barrier()
@@ -550,8 +550,22 @@ class _DataParallel(_ModuleFace, nn.DataParallel):
 
 
 def _live_wrappers() -> list:
-    """wrap_model's DDPs still alive, oldest first (the same order on every rank)."""
+    """wrap_model's DDPs still alive on this rank, oldest first."""
     return [d for d in (ref() for ref in _DDP_WRAPPERS) if d is not None]
+
+
+def _wrappers_alive_everywhere() -> list:
+    """wrap_model's DDPs alive on every rank, oldest first: the ones a collective may be run
+    for. A wrapper the program dropped lives on until the garbage collector frees it, which
+    happens at different moments on different ranks (a reference cycle, allocations that
+    differ): a check run for every wrapper alive here would then wait forever on a rank where
+    it is gone. Nothing when the ranks wrapped different numbers of models. A collective."""
+    held = [ref() for ref in _DDP_WRAPPERS]  # strong references while the ranks agree
+    counts = all_reduce(torch.tensor([len(held), -len(held)], dtype=torch.int64), op="max")
+    if int(counts[0]) != -int(counts[1]) or not held:
+        return []
+    alive = all_reduce(torch.tensor([d is not None for d in held], dtype=torch.int32), op="min")
+    return [d for d, ok in zip(held, alive.tolist()) if ok]
 
 
 def sync_batchnorm(model: nn.Module) -> nn.Module:
@@ -657,8 +671,12 @@ class _DDP(_ModuleFace, DistributedDataParallel):
         if first:
             if self._tm_steps == 1:
                 # weights (re)initialised after the wrap, on ranks seeded apart: rank 0's, as DDP
-                # copied them when it was built (no optimizer has stepped yet)
-                _broadcast_tensors([p for p in self.module.parameters()])
+                # copied them when it was built (no optimizer has stepped yet). Only where they
+                # differ: an in-place copy would invalidate a graph that already used some of
+                # them this step (embeddings computed before the wrapper's forward is called)
+                params = [p for p in self.module.parameters()]
+                if _differ_across_ranks(params):
+                    _broadcast_tensors(params)
             _sync_buffers(self)
         return self.module(*inputs, **kwargs)
 
@@ -818,6 +836,17 @@ def _sync_buffers(ddp: DistributedDataParallel) -> None:
     buffers = [b for b in ddp.module.buffers() if b.numel()]
     if buffers:
         _broadcast_tensors(buffers)
+
+
+def _differ_across_ranks(tensors) -> bool:
+    """The tensors are not the same on every rank (a fingerprint compared; one collective)."""
+    with torch.no_grad():
+        total = torch.zeros(2, dtype=torch.float64)
+        for i, t in enumerate(tensors):
+            v = t.detach().double()
+            total[0] += v.sum().cpu()
+            total[1] += (v.abs().sum() * (1 + (i % 7))).cpu()
+    return not torch.equal(all_reduce(total, op="max"), all_reduce(total, op="min"))
 
 
 def _broadcast_tensors(tensors) -> None:
@@ -985,7 +1014,7 @@ def _check_drift(ddp: DistributedDataParallel, when: str, inputs=None) -> None:
     two checks, every rank trains on the same batches (data not shared out by rank), which is
     said once too. Off with ``TORCHMIGRATE_CHECKS=0``. A collective: called at points every rank
     reaches (the wrapper's training forwards, and cleanup)."""
-    if not _checks_on() or id(ddp) in _DRIFT_WARNED:
+    if not _checks_on() or getattr(ddp, "_tm_drifted", False):
         return
     with torch.no_grad():
         total = torch.zeros(4, dtype=torch.float64)
@@ -1013,7 +1042,7 @@ def _check_drift(ddp: DistributedDataParallel, when: str, inputs=None) -> None:
                   "Build every training loader on every rank.")
     if torch.equal(high[:2], low[:2]):
         return
-    _DRIFT_WARNED.add(id(ddp))
+    ddp._tm_drifted = True  # (on the object: an id can be reused by another wrapper on one rank only)
     if is_main():
         _warn(f"the parameters of {type(ddp.module).__name__} differ across ranks {when}: something "
               "updates them outside DistributedDataParallel (an optimizer over another copy of the "

@@ -398,6 +398,11 @@ def test_a_model_trained_around_its_wrapper_is_named_once(nets):
     assert not any("TwoHeads" in line or "Plain" in line for line in lines)
 
 
+def test_weights_used_before_the_wrappers_first_forward_are_not_written_in_place(nets):
+    r0, r1 = nets["r"]  # (the probe's backward would fail: "modified by an inplace operation")
+    assert r0["tabular"] == pytest.approx(r1["tabular"], rel=1e-6, abs=1e-7)
+
+
 def test_a_module_level_cleanup_in_an_imported_module_does_not_end_the_group(nets):
     assert [r["rank"] for r in nets["r"]] == [0, 1]  # set up lazily by wrap_model, kept
 

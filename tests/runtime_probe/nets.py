@@ -6,6 +6,7 @@ written as submodule calls) still train identically on every rank; a file writte
 through a helper is named; parameters that drift apart are named; a pickled wrapper is the plain
 module. Writes <outdir>/rank<R>.json."""
 import copy
+import gc
 import io
 import json
 import os
@@ -50,6 +51,17 @@ class SkipGram(nn.Module):
 
     def forward(self, a, b):
         return -torch.nn.functional.logsigmoid((self.u(a) * self.v(b)).sum(1)).mean()
+
+
+class Tabular(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embeds = nn.Embedding(10, 4)
+        self.transformer = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.head(self.transformer(x))
 
 
 class Bypassed(nn.Linear):
@@ -155,6 +167,18 @@ def main(outdir):
     res["container_mode"] = trainable._tm_mode
     res["container"] = flat(tm.unwrap(trainable))
 
+    # SAINT's step: embeddings computed through tm.unwrap before the first call through the
+    # wrapper (tm.synced): the first step's check of the weights must not write them in place
+    torch.manual_seed(4)
+    tabular = tm.wrap_model(Tabular())
+    opt = torch.optim.SGD(tabular.parameters(), lr=0.1)
+    for _ in range(2):
+        e = tm.unwrap(tabular).embeds(torch.randint(0, 10, (6,), generator=g))
+        opt.zero_grad()
+        tm.unwrap(tabular).head(tm.synced(tabular).transformer(e)).pow(2).mean().backward()
+        opt.step()
+    res["tabular"] = flat(tm.unwrap(tabular))
+
     # a loss summed over the batch (reduction="sum"), each rank half of the original batch:
     # summed gradients make the step one process takes on the whole batch
     torch.manual_seed(9)
@@ -211,9 +235,19 @@ def main(outdir):
         opt.step()
         opt.zero_grad()
 
+    # a wrapper the program dropped inside a reference cycle, freed by the collector on rank 0
+    # only: cleanup's last comparison of the wrapped models must not wait for it on rank 1
+    gc.disable()
+    dropped = [tm.wrap_model(nn.Linear(2, 2))]
+    dropped.append(dropped)
+    del dropped
+    if tm.rank() == 0:
+        gc.collect()
+
     with open(os.path.join(outdir, f"rank{tm.rank()}.json"), "w") as f:
         json.dump(res, f)
     tm.cleanup()
+    gc.enable()
 
 
 if __name__ == "__main__":
