@@ -636,7 +636,7 @@ class _DDP(_ModuleFace, DistributedDataParallel):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         plain = os.environ.get("TORCHMIGRATE_DDP", "").lower() == "plain"
-        self._tm_container = type(self.module).forward is nn.Module.forward
+        self._tm_container = _no_forward(self.module)
         self._tm_op = "mean"  # how gradients averaged by hand are combined ("sum": see wrap_model)
         self._tm_bypassed = False  # warned that a backward went around the wrapper
         self._tm_mode = "ddp" if plain or self.find_unused_parameters or self.static_graph else (
@@ -758,6 +758,13 @@ class _DDP(_ModuleFace, DistributedDataParallel):
         if keys and not any(k.startswith("module.") for k in keys):
             return self.module.load_state_dict(strip_prefix(state_dict), strict, *args, **kwargs)
         return super().load_state_dict(state_dict, strict, *args, **kwargs)
+
+
+def _no_forward(module: nn.Module) -> bool:
+    """No class of the module's defines ``forward`` (an ``nn.ModuleList``, a holder class).
+    Read from the classes' own dictionaries: a scripted module's ``forward`` is a descriptor
+    that fails when asked for on the class (``torch.jit.script(model)``)."""
+    return not any("forward" in vars(c) for c in type(module).__mro__ if c is not nn.Module and c is not object)
 
 
 _WRAPPER_CLASSES: dict = {}

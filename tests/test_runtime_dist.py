@@ -403,6 +403,11 @@ def test_weights_used_before_the_wrappers_first_forward_are_not_written_in_place
     assert r0["tabular"] == pytest.approx(r1["tabular"], rel=1e-6, abs=1e-7)
 
 
+def test_a_scripted_model_is_wrapped_and_trains_in_step(nets):
+    r0, r1 = nets["r"]
+    assert r0["scripted"] == pytest.approx(r1["scripted"], rel=1e-6, abs=1e-7)
+
+
 def test_a_module_level_cleanup_in_an_imported_module_does_not_end_the_group(nets):
     assert [r["rank"] for r in nets["r"]] == [0, 1]  # set up lazily by wrap_model, kept
 

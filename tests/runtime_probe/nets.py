@@ -179,6 +179,16 @@ def main(outdir):
         opt.step()
     res["tabular"] = flat(tm.unwrap(tabular))
 
+    # a TorchScript model (dvector's `torch.jit.script(model)` before the wrap)
+    torch.manual_seed(6)
+    scripted = tm.wrap_model(torch.jit.script(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))))
+    opt = torch.optim.SGD(scripted.parameters(), lr=0.1)
+    for _ in range(2):
+        opt.zero_grad()
+        scripted(torch.randn(6, 4, generator=g)).pow(2).mean().backward()
+        opt.step()
+    res["scripted"] = flat(tm.unwrap(scripted))
+
     # a loss summed over the batch (reduction="sum"), each rank half of the original batch:
     # summed gradients make the step one process takes on the whole batch
     torch.manual_seed(9)
