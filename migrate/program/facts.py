@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Dict, FrozenSet, Iterable, List, Optional, Set, Tuple
 
 from torchmigrate.program import effects, splits
-from torchmigrate.program.classes import OTHER, argument_kind, class_kinds, optimizer_wrapper
+from torchmigrate.program.classes import MODULE, OTHER, argument_kind, class_kinds, optimizer_wrapper
 from torchmigrate.program.graph import Graph
 from torchmigrate.program.search_path import dotted_name
 from torchmigrate.program.view import ModuleView
@@ -143,6 +143,37 @@ def _reexports(path: Path, graph: Graph, modules: Dict[Path, "_Module"], depth: 
         for local, full in found.items():
             if not local.startswith("_") and local not in explicit and (exported is None or local in exported):
                 out.setdefault(local, full)
+    return out
+
+
+_HIDDEN_STATE = frozenset({"init_hidden", "init_hidden_state", "begin_state", "init_states", "init_state"})
+
+
+def _batch_consumers(modules: Dict[Path, "_Module"], kinds) -> Dict[str, str]:
+    """Batch-size names the program hands to a model or loss class of its own that it builds
+    (`NTXentLoss(device, config.batch_size, ...)`, `GRU4REC(..., batch_size=batch_size)`) or to
+    `init_hidden(batch_size)`: the last part of the name -> `file:line Callee(...)`."""
+    out: Dict[str, str] = {}
+    for path, m in modules.items():
+        for node in walk(m.tree):
+            if not isinstance(node, ast.Call):
+                continue
+            func = node.func
+            target = None
+            if isinstance(func, ast.Name) and func.id in m.classes:
+                target = (path, func.id)
+            else:
+                callee = _callee(m, modules, node)
+                if callee is not None and callee[1].endswith(".__init__"):
+                    target = (callee[0], callee[1][: -len(".__init__")])
+            hidden = isinstance(func, ast.Attribute) and func.attr in _HIDDEN_STATE
+            if not hidden and (target is None or kinds.get(target) != MODULE):
+                continue
+            for a in [*node.args, *(k.value for k in node.keywords)]:
+                leaf = a.attr if isinstance(a, ast.Attribute) else a.id if isinstance(a, ast.Name) else None
+                if leaf and "batch_size" in leaf.lower():
+                    shown = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "call")
+                    out.setdefault(leaf, f"{path.name}:{node.lineno} {shown}(...)")
     return out
 
 
@@ -393,6 +424,7 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
     builders_first = effects.first_run_builders(program_effects)
     several = len(modules) > 1
     views: Dict[Path, ModuleView] = {}
+    consumers = _batch_consumers(modules, kinds)
     for path, m in modules.items():
         views[path] = ModuleView(
             is_entry=path in entry_set or not several,
@@ -411,6 +443,7 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
                             for (mp, q), found in params_classes.items() if mp == path
                             and any(c in wrappers for c in found.values())},
             reexports=_reexports(path, graph, modules),
+            batch_consumers=consumers,
             own_functions=frozenset(_spellings(m, modules, {k for k in own_functions if k[0] != path})),
             own_classes=frozenset(_spellings(m, modules, {k for k in own_classes if k[0] != path})),
             dp_classes={spelled: dp_classes[key] for key in dp_classes

@@ -97,3 +97,8 @@ class ModuleView:
     # or `import DataLoader` from it, where dataloader.py imports it from torch), with what they
     # are (`torch.utils.data.DataLoader`): the rules resolve them as if imported from the library
     reexports: Dict[str, str] = field(default_factory=dict)
+    # batch-size names (`batch_size`, `train_batch_size`: the last part of `config.batch_size`)
+    # that the program passes to a model or loss class it builds, or to `init_hidden(...)`, ->
+    # where (`trainer.py:88 NTXentLoss(...)`): something sized by the configured batch, which a
+    # rank's share of the batch would not match
+    batch_consumers: Dict[str, str] = field(default_factory=dict)

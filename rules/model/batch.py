@@ -13,7 +13,9 @@ batch and TM305 scales the learning rate instead (`model/plan.py` finds the opti
 A loader whose batch size cannot be found or divided safely keeps its batch and gets a TODO:
 a batch sampler (or a `batch_sampler=` that TM201 shards whole), batch sizes hidden in
 `**kwargs` or left at the default of one sample, and a training loop that reads the batch size
-as a count (`seen += args.batch_size`), which would no longer match the batches. A loop that
+as a count (`seen += args.batch_size`), or a program that builds a model or loss of its own
+from the batch size (`NTXentLoss(device, config.batch_size)`, `init_hidden(batch_size)`,
+`ModuleView.batch_consumers`), which would no longer match the batches. A loop that
 reads it only as a tensor's shape (GAN noise `torch.randn(args.batch_size, nz)`, labels
 `torch.ones(args.batch_size, 1)`, `out.view(args.batch_size, -1)`) has those shapes divided too.
 Evaluation loaders are never touched: their batch size changes nothing about training.
@@ -86,8 +88,11 @@ def _decide(ctx: Context) -> List[BatchSite]:
         size = args.get("batch_size")
         if size is not None and DIVIDED in code(size.value):
             continue  # migrated already
+        consumer = _sized_elsewhere(ctx, size)
         shapes = [u for u in loader.batch_uses if _shape_of_batch(ctx, u)]
-        if loader.batch_uses and len(shapes) == len(loader.batch_uses) and _kept(loader, size, args, True) == "":
+        if consumer:
+            sites.append(BatchSite(loader, size, consumer))
+        elif loader.batch_uses and len(shapes) == len(loader.batch_uses) and _kept(loader, size, args, True) == "":
             sites.append(BatchSite(loader, size, "", shapes))
         else:
             sites.append(BatchSite(loader, size, _kept(loader, size, args)))
@@ -100,6 +105,17 @@ def _decide(ctx: Context) -> List[BatchSite]:
 _SHAPE_FUNCS = frozenset({"view", "reshape", "expand", "randn", "rand", "zeros", "ones", "empty", "full",
                           "new_zeros", "new_ones", "new_empty", "new_full", "randint", "normal", "arange",
                           "randperm", "eye", "FloatTensor", "LongTensor", "Tensor"})
+
+
+def _sized_elsewhere(ctx: Context, size: Optional[cst.Arg]) -> str:
+    """The program builds a model or loss of its own from this batch size (`NTXentLoss(device,
+    config.batch_size)`, `init_hidden(batch_size)`): it expects the configured batch, which a
+    rank's share would not match, so the batch stays (the reason, or "")."""
+    value = size.value if size is not None else None
+    leaf = value.attr.value if isinstance(value, cst.Attribute) else value.value if isinstance(value, cst.Name) else None
+    where = ctx.program.batch_consumers.get(leaf) if leaf else None
+    return (f"the program also builds something sized by `{leaf}` ({where}), which a rank's share of the batch "
+            "would not match") if where else ""
 
 
 def _shape_of_batch(ctx: Context, use: cst.CSTNode) -> bool:
