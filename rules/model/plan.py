@@ -655,7 +655,19 @@ class Plan:
         return out
 
     def _no_optimizer(self) -> None:
-        """A training script that updates its parameters by hand (`p.data.add_(...)`): nothing to wrap."""
+        """A training script that updates its parameters by hand (`p.data.add_(...)`): nothing to wrap.
+        Not a module whose training step steps an optimizer it was handed (`def train_one_epoch(model,
+        optimizer, ...)`: `optimizer.step()`, `scaler.step(optimizer)`): the optimizer, and the model's
+        wrap, are made by its caller."""
+        for call, _ in self.f.calls:
+            f = call.func
+            if not (isinstance(f, cst.Attribute) and f.attr.value == "step"):
+                continue
+            scope = self.models.scope(call)
+            params = self.models.params(scope) if isinstance(scope, cst.FunctionDef) else ()
+            stepped = [dotted(f.value) or "", *(dotted(a.value) or "" for a in call.args)]
+            if any("optim" in n.lower() and n.split(".")[0] in params for n in stepped):
+                return
         for call, _ in self.f.calls:
             f = call.func
             if not (isinstance(f, cst.Attribute) and f.attr.value == "backward"):
