@@ -103,6 +103,15 @@ class Context:
             yield node
             node = self.parents.get(node)
 
+    def ancestors_until(self, node: cst.CSTNode, stop: cst.CSTNode) -> List[cst.CSTNode]:
+        """The ancestors of `node` below `stop` (a loop, a function), innermost first."""
+        out = []
+        for anc in self.ancestors(node):
+            if anc is stop:
+                break
+            out.append(anc)
+        return out
+
     def enclosing(self, node: cst.CSTNode, *types: type) -> Optional[cst.CSTNode]:
         # Hot path (rules ask it for most names they see): the type test is cached per node
         # type (isinstance against LibCST's ABCs is slow) and answers are memoised for every

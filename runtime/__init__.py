@@ -714,10 +714,8 @@ class _DDP(_ModuleFace, DistributedDataParallel):
         the plain module, an alias the wrap did not rebind, a method calling ``self(x)``), which
         DDP never sees. Said once, on rank 0, where it happens; nothing collective (the backward
         may run on one rank only, as a saliency map or an attack on ``tm.unwrap(model)`` does)."""
-        global _LIBRARY_DIRS
         if not is_main():
             return
-        _LIBRARY_DIRS = _LIBRARY_DIRS or _library_dirs()
         frame = _user_frame(sys._getframe(2))
         where = f" at {frame.f_code.co_filename}:{frame.f_lineno}" if frame is not None else ""
         _warn(f"a backward{where} gave gradients to {type(self.module).__name__}'s parameters before any training "
@@ -845,14 +843,21 @@ def _sync_buffers(ddp: DistributedDataParallel) -> None:
         _broadcast_tensors(buffers)
 
 
-def _differ_across_ranks(tensors) -> bool:
-    """The tensors are not the same on every rank (a fingerprint compared; one collective)."""
+def _weights_fingerprint(tensors) -> torch.Tensor:
+    """Two float64 numbers that change with any of the tensors' values (their sum, and a sum of
+    magnitudes weighted by position): what the ranks compare to tell whether they agree."""
+    total = torch.zeros(2, dtype=torch.float64)
     with torch.no_grad():
-        total = torch.zeros(2, dtype=torch.float64)
         for i, t in enumerate(tensors):
             v = t.detach().double()
             total[0] += v.sum().cpu()
             total[1] += (v.abs().sum() * (1 + (i % 7))).cpu()
+    return total
+
+
+def _differ_across_ranks(tensors) -> bool:
+    """The tensors are not the same on every rank (their fingerprints compared; collectives)."""
+    total = _weights_fingerprint(tensors)
     return not torch.equal(all_reduce(total, op="max"), all_reduce(total, op="min"))
 
 
@@ -907,6 +912,9 @@ def _user_frame(frame):
     """The innermost frame in the program's own code (not the standard library, an installed
     package or this runtime); None for a temporary file or a write made while importing (a
     library's cache), which are nobody's defect."""
+    global _LIBRARY_DIRS
+    if not _LIBRARY_DIRS:
+        _LIBRARY_DIRS = _library_dirs()
     while frame is not None:
         name = frame.f_code.co_filename
         if name.endswith(_NOT_THE_PROGRAMS):
@@ -971,7 +979,7 @@ def _watch_writes() -> None:
     global _WATCHING, _LIBRARY_DIRS
     if _WATCHING or is_main() or not _checks_on():
         return
-    _LIBRARY_DIRS = _library_dirs()
+    _LIBRARY_DIRS = _library_dirs()  # now, not inside the hook (where asking would open files)
     _WATCHING = True
     if not getattr(sys, "_torchmigrate_audit", False):
         sys.addaudithook(_audit)  # cannot be removed: _WATCHING switches it off
@@ -1025,10 +1033,7 @@ def _check_drift(ddp: DistributedDataParallel, when: str, inputs=None) -> None:
         return
     with torch.no_grad():
         total = torch.zeros(4, dtype=torch.float64)
-        for i, p in enumerate(ddp.module.parameters()):
-            v = p.detach().double()
-            total[0] += v.sum().cpu()
-            total[1] += (v.abs().sum() * (1 + (i % 7))).cpu()
+        total[:2] = _weights_fingerprint(ddp.module.parameters())
         total[2] = _SAMPLERS_MADE
         seen = _fingerprint(inputs) if inputs is not None else None
         total[3] = float("nan") if seen is None else seen

@@ -75,13 +75,18 @@ def _index(module: _Module) -> None:
                     module.functions[f"{node.name}.{item.name}"] = item
 
 
+def _files_named(own, name: str) -> List[Path]:
+    """The files among `own` (the project files a module imports) that the module name `name`
+    (its last part) denotes: `name.py`, or a package's `name/__init__.py`."""
+    return [p for p in own if p.stem == name or (p.name == "__init__.py" and p.parent.name == name)]
+
+
 def _bind_imports(module: _Module, graph: Graph, modules: Dict[Path, "_Module"]) -> None:
     """Local names bound to another module of the program (or a symbol of one)."""
     own = set(graph.imports.get(module.path, ()))
     for node in graph.statements.get(module.path, ()):
         if isinstance(node, ast.ImportFrom):
-            targets = [p for p in own if p.stem == (node.module or "").rsplit(".", 1)[-1]
-                       or (p.name == "__init__.py" and p.parent.name == (node.module or "").rsplit(".", 1)[-1])]
+            targets = _files_named(own, (node.module or "").rsplit(".", 1)[-1])
             for alias in node.names:
                 if alias.name == "*":  # every public function and class of the module
                     for target in targets:
@@ -96,13 +101,13 @@ def _bind_imports(module: _Module, graph: Graph, modules: Dict[Path, "_Module"])
                     module.imports[local] = (targets[0], alias.name)
         elif isinstance(node, ast.Import):
             for alias in node.names:
-                last = alias.name.rsplit(".", 1)[-1]
-                hit = [p for p in own if p.stem == last or (p.name == "__init__.py" and p.parent.name == last)]
+                hit = _files_named(own, alias.name.rsplit(".", 1)[-1])
                 if hit:
                     module.imports[alias.asname or alias.name] = (hit[0], None)
 
 
-def _reexports(path: Path, graph: Graph, modules: Dict[Path, "_Module"], depth: int = 0) -> Dict[str, str]:
+def _reexports(path: Path, graph: Graph, modules: Dict[Path, "_Module"], library: Dict[Path, Dict[str, str]],
+               depth: int = 0) -> Dict[str, str]:
     """Library names that `path` imports through a project module: `from dataloader import *`
     or `from dataloader import DataLoader` where dataloader.py itself imports `DataLoader` from
     torch (local name -> `torch.utils.data.DataLoader`). A star import brings what the module
@@ -121,9 +126,7 @@ def _reexports(path: Path, graph: Graph, modules: Dict[Path, "_Module"], depth: 
             continue
         if not (isinstance(node, ast.ImportFrom) and node.level == 0):
             continue
-        last = (node.module or "").rsplit(".", 1)[-1]
-        targets = [t for t in own if t in modules and (
-            t.stem == last or t.name == "__init__.py" and t.parent.name == last)]
+        targets = [t for t in _files_named(own, (node.module or "").rsplit(".", 1)[-1]) if t in modules]
         for alias in node.names:
             if alias.name == "*":
                 stars.extend(targets)
@@ -133,13 +136,13 @@ def _reexports(path: Path, graph: Graph, modules: Dict[Path, "_Module"], depth: 
                 m = modules[target]
                 if alias.name in m.classes or alias.name in m.functions:
                     continue
-                full = _library_imports(target, m.tree, graph).get(alias.name)
+                full = _library_of(target, modules, graph, library).get(alias.name)
                 if full is not None:
                     out[alias.asname or alias.name] = full
     for target in stars:
         exported = _all_names(modules[target].tree)
-        found = {**_library_imports(target, modules[target].tree, graph),
-                 **_reexports(target, graph, modules, depth + 1)}
+        found = {**_library_of(target, modules, graph, library),
+                 **_reexports(target, graph, modules, library, depth + 1)}
         for local, full in found.items():
             if not local.startswith("_") and local not in explicit and (exported is None or local in exported):
                 out.setdefault(local, full)
@@ -175,6 +178,15 @@ def _batch_consumers(modules: Dict[Path, "_Module"], kinds) -> Dict[str, str]:
                     shown = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "call")
                     out.setdefault(leaf, f"{path.name}:{node.lineno} {shown}(...)")
     return out
+
+
+def _library_of(path: Path, modules: Dict[Path, "_Module"], graph: Graph,
+                library: Dict[Path, Dict[str, str]]) -> Dict[str, str]:
+    """`_library_imports` of a module, computed once per program build (`library` keeps them)."""
+    found = library.get(path)
+    if found is None:
+        found = library[path] = _library_imports(path, modules[path].tree, graph)
+    return found
 
 
 def _library_imports(path: Path, tree: ast.Module, graph: Graph) -> Dict[str, str]:
@@ -425,6 +437,7 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
     several = len(modules) > 1
     views: Dict[Path, ModuleView] = {}
     consumers = _batch_consumers(modules, kinds)
+    library: Dict[Path, Dict[str, str]] = {}  # each module's library imports, for `_reexports`
     for path, m in modules.items():
         views[path] = ModuleView(
             is_entry=path in entry_set or not several,
@@ -442,7 +455,7 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
             param_wrappers={q: {p: wrappers[c] for p, c in found.items() if c in wrappers}
                             for (mp, q), found in params_classes.items() if mp == path
                             and any(c in wrappers for c in found.values())},
-            reexports=_reexports(path, graph, modules),
+            reexports=_reexports(path, graph, modules, library),
             batch_consumers=consumers,
             own_functions=frozenset(_spellings(m, modules, {k for k in own_functions if k[0] != path})),
             own_classes=frozenset(_spellings(m, modules, {k for k in own_classes if k[0] != path})),

@@ -20,6 +20,7 @@ from typing import List, Optional
 
 import libcst as cst
 
+from torchmigrate.program.metrics import is_number
 from torchmigrate.syntax.imports import dotted
 from torchmigrate.syntax.nodes import arg
 from torchmigrate.rule import Context
@@ -50,10 +51,10 @@ def summed_loss(ctx: Context, node: cst.BaseExpression, depth: int = 0) -> bool:
         if isinstance(op, (cst.Add, cst.Subtract)):
             return summed_loss(ctx, node.left, depth) and summed_loss(ctx, node.right, depth)
         if isinstance(op, cst.Multiply):
-            return (_number(node.left) and summed_loss(ctx, node.right, depth)) or (
-                _number(node.right) and summed_loss(ctx, node.left, depth))
+            return (is_number(node.left) and summed_loss(ctx, node.right, depth)) or (
+                is_number(node.right) and summed_loss(ctx, node.left, depth))
         if isinstance(op, cst.Divide):
-            return _number(node.right) and summed_loss(ctx, node.left, depth)
+            return is_number(node.right) and summed_loss(ctx, node.left, depth)
         return False
     if isinstance(node, cst.Name):
         value = _last_value(ctx, node)
@@ -136,12 +137,6 @@ def _last_value(ctx: Context, name: cst.Name) -> Optional[cst.BaseExpression]:
                 isinstance(assign.targets[0].target, cst.Name) and assign.targets[0].target.value == name.value:
             best, best_at = assign.value, at
     return best
-
-
-def _number(node: cst.BaseExpression) -> bool:
-    if isinstance(node, (cst.Integer, cst.Float)):
-        return True
-    return isinstance(node, cst.UnaryOperation) and isinstance(node.expression, (cst.Integer, cst.Float))
 
 
 def _false(node: cst.BaseExpression) -> bool:

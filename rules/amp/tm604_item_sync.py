@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Dict, Iterator, Set
+from typing import Dict, Set
 
 import libcst as cst
 
@@ -76,15 +76,8 @@ class ItemSync(AmpRule):
             loop = ctx.enclosing(call, cst.For, cst.While, cst.FunctionDef)
             if loop not in losses or loop in loops_done or owner not in losses[loop]:
                 continue
-            if any(isinstance(a, (cst.If, cst.IfExp)) for a in _between(ctx, call, loop)):
+            if any(isinstance(a, (cst.If, cst.IfExp)) for a in ctx.ancestors_until(call, loop)):
                 continue  # only at log steps
             loops_done.add(loop)
             self.report(call, f"`{code(call)}` every step synchronises with the GPU: accumulate "
                               f"`{owner}.detach()` and call `.item()` only when logging", advice=True)
-
-
-def _between(ctx: Context, node: cst.CSTNode, stop: cst.CSTNode) -> Iterator[cst.CSTNode]:
-    for anc in ctx.ancestors(node):
-        if anc is stop:
-            return
-        yield anc

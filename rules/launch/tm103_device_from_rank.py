@@ -301,6 +301,14 @@ class DeviceFromRank(Rule):
     def _fix(self, node: cst.CSTNode, message: str, edit) -> None:
         self.report(node, message, edits=[edit], imports=[self.ctx.runtime_import()])
 
+    def _fix_string(self, value: cst.BaseExpression, split, new: cst.BaseExpression, message: str) -> None:
+        """`value` (a CUDA device string, or the CUDA branch of a conditional, `split` as
+        `_split` gives it) becomes `new`."""
+        if split:
+            self._fix(value, message, replace(value, lambda v: self._conditional(v, split[1], new)))
+        else:
+            self._fix(value, message, replace_with(value, new))
+
     def _is_available(self, test: cst.BaseExpression) -> bool:
         return isinstance(test, cst.Call) and not test.args and self.ctx.resolve(test.func) == IS_AVAILABLE
 
@@ -601,10 +609,7 @@ class DeviceFromRank(Rule):
             return
         new = expr(f"str({self.ctx.tm}.device())")
         message = "command-line default names a fixed GPU: every rank would use it; default to str(tm.device())"
-        if split:
-            self._fix(value, message, replace(value, lambda v: self._conditional(v, split[1], new)))
-        else:
-            self._fix(value, message, replace_with(value, new))
+        self._fix_string(value, split, new, message)
 
     def _string_slots(self) -> None:
         """A GPU named by a string where no assignment or torch call shows it: a parameter's
@@ -639,11 +644,7 @@ class DeviceFromRank(Rule):
             new = expr(f"str({self.ctx.tm}.device())")
             message = (f"{where} names a fixed GPU ({code(value)}) while the model is moved to this process's: "
                        f"every rank would use that GPU; use {code(new)}")
-            if split:
-                self._fix(value, message, replace(value, lambda v, split=split, new=new: self._conditional(
-                    v, split[1], new)))
-            else:
-                self._fix(value, message, replace_with(value, new))
+            self._fix_string(value, split, new, message)
 
     # --- batches --------------------------------------------------------------------------------
     def _batch_moves(self) -> None:
@@ -706,10 +707,7 @@ class DeviceFromRank(Rule):
             new = expr(f"str({self.ctx.tm}.device())")
         message = (f"`{target}` names a hard-coded CUDA device: every rank would use the same GPU; use "
                    f"{code(new)}")
-        if split:
-            self._fix(value, message, replace(value, lambda v: self._conditional(v, split[1], new)))
-        else:
-            self._fix(value, message, replace_with(value, new))
+        self._fix_string(value, split, new, message)
 
     def _device_uses_only(self, target: str, assign: cst.Assign) -> bool:
         """Every use of the variable (anywhere in the module, by name) accepts a torch.device."""

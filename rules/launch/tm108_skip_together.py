@@ -16,6 +16,7 @@ from torchmigrate.program.rank_guards import collective_guard
 from torchmigrate.program.loop_ranks import names_in, per_rank_names
 from torchmigrate.program.ranks import rank_polarity
 from torchmigrate.rules._active import active
+from torchmigrate.rules.metrics.plan import ranks_mean
 
 _LOOP_EXITS = (cst.Continue, cst.Break)
 
@@ -121,7 +122,7 @@ class RankSkips(Rule):
             self.report(call, f"`{code(call)}`: each rank's metric can differ (a shard, a model that samples), and a "
                               "plateau scheduler given different metrics sets different learning rates: step it with "
                               "the ranks' mean",
-                        edits=[replace(value, lambda v: _mean_of(ctx.tm, v))],
+                        edits=[ranks_mean(ctx, value)],
                         imports=[ctx.runtime_import()])
 
     def _loop_of(self, node: cst.CSTNode):
@@ -162,12 +163,3 @@ class RankSkips(Rule):
                                      "others wait in the gradient all-reduce: let the error end the run, or agree on "
                                      f"skipping with `{self.ctx.tm}.any_rank(failed)` after the `try` on every rank")
                 return
-
-
-def _mean_of(tm: str, value: cst.BaseExpression) -> cst.Call:
-    """`tm.all_reduce(<value>, op="mean")`."""
-    template = cst.parse_expression(f'{tm}.all_reduce(_, op="mean")')
-    return template.with_changes(args=[cst.Arg(value.with_changes(lpar=[], rpar=[]) if isinstance(
-        value, cst.BaseExpression) else value, comma=template.args[0].comma), template.args[1]])
-
-

@@ -21,6 +21,7 @@ from typing import Optional, Set
 import libcst as cst
 
 from torchmigrate import analysis
+from torchmigrate.finding import Edit, replace
 from torchmigrate.syntax.nodes import code
 from torchmigrate.program.loaders import DIST_SAMPLERS, refs_at
 from torchmigrate.program.metrics import ExactDenominators, loader_expr
@@ -130,3 +131,22 @@ def exact_lens(ctx: Context, loop: cst.For) -> ExactDenominators:
             if len(loaders) == 1 and isinstance(loaders[0].dataset, (cst.Name, cst.Attribute)):
                 out.dataset.add(code(loaders[0].dataset))
     return out
+
+
+def ranks_mean(ctx: Context, node: cst.BaseExpression) -> Edit:
+    """The edit that makes `node` the ranks' mean, `tm.all_reduce(<node>, op="mean")` (its outer
+    parentheses dropped; inside an f-string the other quote, which before Python 3.12 its
+    expressions cannot reuse). A collective: for values every rank computes at that point."""
+    quote = '"'
+    for anc in ctx.ancestors(node):
+        if isinstance(anc, cst.FormattedString):
+            quote = "'" if '"' in anc.start else '"'
+            break
+        if isinstance(anc, cst.BaseStatement):
+            break
+    template = cst.parse_expression(f"{ctx.tm}.all_reduce(_, op={quote}mean{quote})")
+
+    def fix(value: cst.BaseExpression) -> cst.Call:
+        return template.with_changes(args=[cst.Arg(value.with_changes(lpar=[], rpar=[]), comma=template.args[0].comma),
+                                           template.args[1]])
+    return replace(node, fix)

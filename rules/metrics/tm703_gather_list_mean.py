@@ -8,7 +8,7 @@ from typing import Dict, List, Optional, Set
 import libcst as cst
 
 from torchmigrate import analysis
-from torchmigrate.finding import Safety, insert_after, replace
+from torchmigrate.finding import Safety, insert_after
 from torchmigrate.syntax.imports import dotted
 from torchmigrate.syntax.nodes import code
 from torchmigrate.program.loaders import is_pure
@@ -21,7 +21,7 @@ from torchmigrate.program.rank_guards import collective_guard
 from torchmigrate.program.scopes import scope_of
 from torchmigrate.program.syntax import body_of, index_in
 from torchmigrate.rules._active import active
-from torchmigrate.rules.metrics.plan import loop_sharding
+from torchmigrate.rules.metrics.plan import loop_sharding, ranks_mean
 
 
 # `AverageMeter()`, `RunningAverage()`, `LossTracker()`: objects that keep a running sum and count
@@ -153,9 +153,8 @@ class GatherListMean(Rule):
             value = call.args[0].value
             if not _number_of_step(ctx, value):
                 continue
-            loop = loader_loop(ctx, call)
-            if loop is None or not analysis.runs_backward(ctx, loop) or leaves_early(ctx, loop) \
-                    or loop_sharding(ctx, loop) != "sharded" or collective_guard(ctx, loop) is not None:
+            loop = _training_step_loop(ctx, call)
+            if loop is None or collective_guard(ctx, loop) is not None:
                 continue
             if isinstance(func.value, cst.Name) and (starts_empty_list(ctx, loop, owner) or owner in gathered_later):
                 continue  # a list of this pass (its mean: above) or one gathered after the loop
@@ -163,12 +162,11 @@ class GatherListMean(Rule):
             if not (isinstance(statement, cst.SimpleStatementLine) and len(statement.body) == 1
                     and isinstance(statement.body[0], cst.Expr) and statement.body[0].value is call):
                 continue
-            if any(isinstance(a, (cst.If, cst.Try, cst.For, cst.While)) for a in _between(ctx, statement, loop)):
+            if any(isinstance(a, (cst.If, cst.Try, cst.For, cst.While)) for a in ctx.ancestors_until(statement, loop)):
                 continue
-            tm = ctx.tm
             self.report(call, f"`{owner}` records this rank's value each training step (a history that is "
                               f"printed, plotted or saved): record the ranks' mean",
-                        edits=[replace(value, lambda v: _mean(tm, v))], imports=[ctx.runtime_import()])
+                        edits=[ranks_mean(ctx, value)], imports=[ctx.runtime_import()])
 
     def _step_prints(self) -> None:
         """`print(f"step {i} loss {loss.item():.4f}")` every N steps of a training loop over a
@@ -184,12 +182,11 @@ class GatherListMean(Rule):
                                                    and call.func.attr.value in ("info", "log")
                                                    and "log" in (dotted(call.func.value) or "").lower())):
                 continue
-            loop = loader_loop(ctx, call)
-            if loop is None or not analysis.runs_backward(ctx, loop) or leaves_early(ctx, loop) \
-                    or loop_sharding(ctx, loop) != "sharded" or collective_guard(ctx, call) is not None:
+            loop = _training_step_loop(ctx, call)
+            if loop is None or collective_guard(ctx, call) is not None:
                 continue
             data = per_rank_names(ctx, loop)
-            between = _between(ctx, call, loop)
+            between = ctx.ancestors_until(call, loop)
             if any(isinstance(a, (cst.For, cst.While, cst.Try, cst.Lambda, cst.FunctionDef)) for a in between):
                 continue
             if any(isinstance(a, cst.If) and names_in(a.test) & data for a in between) or any(
@@ -201,10 +198,8 @@ class GatherListMean(Rule):
                       and names_in(c) & data and not _reduced(ctx, c)]
             if not values:
                 continue
-            tm = ctx.tm
             self.report(call, "this prints this rank's value of the step (its shard's batch): print the ranks' mean",
-                        edits=[replace(v, lambda n, q=_quote_inside(ctx, v): _mean(tm, n, q)) for v in values],
-                        imports=[ctx.runtime_import()])
+                        edits=[ranks_mean(ctx, v) for v in values], imports=[ctx.runtime_import()])
 
     def _after_loop(self, loop: cst.For, lines: List[str], guarded: str, message: str) -> None:
         """Insert `lines` (collectives) right after `loop`, or, where a rank guard would keep some
@@ -273,6 +268,16 @@ _PRINTS = frozenset({"print", RUNTIME + ".print", "logging.info", "logging.log"}
 _METRIC_NAME = re.compile(r"(?i)(loss|err|nll|kld?\b|bpd|psnr|ssim|ppl|perplex|mse|mae|acc)")
 
 
+def _training_step_loop(ctx: Context, node: cst.CSTNode) -> Optional[cst.For]:
+    """The loop over a sharded training loader that runs `node` once per step, which no rank
+    leaves early (a collective there is reached by every rank in every step), or None."""
+    loop = loader_loop(ctx, node)
+    if loop is None or not analysis.runs_backward(ctx, loop) or leaves_early(ctx, loop) \
+            or loop_sharding(ctx, loop) != "sharded":
+        return None
+    return loop
+
+
 def _number_of_step(ctx: Context, value: cst.BaseExpression) -> bool:
     """`loss.item()`, `errD.mean().item()`, `float(loss)`: one number of this step."""
     if not isinstance(value, cst.Call):
@@ -283,36 +288,11 @@ def _number_of_step(ctx: Context, value: cst.BaseExpression) -> bool:
     return isinstance(func, cst.Name) and func.value == "float" and len(value.args) == 1
 
 
-def _between(ctx: Context, statement: cst.CSTNode, loop: cst.CSTNode) -> List[cst.CSTNode]:
-    out = []
-    for anc in ctx.ancestors(statement):
-        if anc is loop:
-            break
-        out.append(anc)
-    return out
-
-
 def _reduced(ctx: Context, value: cst.CSTNode) -> bool:
     """`value` is already an argument of `tm.all_reduce(...)` (a second run)."""
     parent = ctx.parent(value)
     call = ctx.parent(parent) if isinstance(parent, cst.Arg) else None
     return isinstance(call, cst.Call) and ctx.resolve(call.func) == RUNTIME + ".all_reduce"
-
-
-def _quote_inside(ctx: Context, node: cst.CSTNode) -> str:
-    """The quote a string literal at `node` can use: not the one of an f-string around it
-    (before Python 3.12 an f-string's expressions cannot reuse its quote)."""
-    for anc in ctx.ancestors(node):
-        if isinstance(anc, cst.FormattedString):
-            return "'" if '"' in anc.start else '"'
-        if isinstance(anc, cst.BaseStatement):
-            break
-    return '"'
-
-
-def _mean(tm: str, value: cst.BaseExpression, quote: str = '"') -> cst.Call:
-    template = cst.parse_expression(f'{tm}.all_reduce(_, op={quote}mean{quote})')
-    return template.with_changes(args=[cst.Arg(value, comma=template.args[0].comma), template.args[1]])
 
 
 def _next_sibling(ctx: Context, statement: cst.CSTNode) -> Optional[cst.CSTNode]:

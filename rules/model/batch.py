@@ -88,14 +88,10 @@ def _decide(ctx: Context) -> List[BatchSite]:
         size = args.get("batch_size")
         if size is not None and DIVIDED in code(size.value):
             continue  # migrated already
-        consumer = _sized_elsewhere(ctx, size)
         shapes = [u for u in loader.batch_uses if _shape_of_batch(ctx, u)]
-        if consumer:
-            sites.append(BatchSite(loader, size, consumer))
-        elif loader.batch_uses and len(shapes) == len(loader.batch_uses) and _kept(loader, size, args, True) == "":
-            sites.append(BatchSite(loader, size, "", shapes))
-        else:
-            sites.append(BatchSite(loader, size, _kept(loader, size, args)))
+        divided = bool(shapes) and len(shapes) == len(loader.batch_uses)  # every read a shape
+        kept = _sized_elsewhere(ctx, size) or _kept(loader, size, args, shapes_divided=divided)
+        sites.append(BatchSite(loader, size, kept, [] if kept else shapes))
     return sites
 
 
@@ -174,6 +170,11 @@ def policy_applied(ctx: Context) -> bool:
     return ctx.options.batch_policy == "per-gpu" or loaders_carry_batch(ctx)
 
 
+def per_rank(tm: str, value: cst.BaseExpression) -> cst.Call:
+    """`tm.per_rank_batch(<value>)`: this rank's share of the batch size `value`."""
+    return cst.Call(func=cst.parse_expression(f"{tm}.{DIVIDED}"), args=[cst.Arg(value.with_changes(lpar=[], rpar=[]))])
+
+
 def divide_fix(ctx: Context, site: BatchSite):
     """The edit of the batch size: `tm.per_rank_batch(size)`; for a loader that trains or
     evaluates by a condition (`shuffle=is_train`), `tm.per_rank_batch(size) if is_train else
@@ -182,8 +183,7 @@ def divide_fix(ctx: Context, site: BatchSite):
     condition = site.loader.condition if site.loader.kind == "mixed" else None
 
     def fix(value: cst.BaseExpression) -> cst.BaseExpression:
-        call = cst.Call(func=cst.parse_expression(f"{tm}.{DIVIDED}"),
-                        args=[cst.Arg(value.with_changes(lpar=[], rpar=[]))])
+        call = per_rank(tm, value)
         if condition is None:
             return call
         return cst.IfExp(test=cst.parse_expression(condition), body=call, orelse=value.deep_clone())

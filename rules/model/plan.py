@@ -104,6 +104,12 @@ def _binds_on_every_path(node: cst.If, name: str) -> bool:
     return isinstance(branch, cst.Else) and block_binds(branch.body)
 
 
+def _project_bases(klass: cst.ClassDef) -> List[str]:
+    """The class's bases other than `nn.Module` and `object`, as written: where its attributes
+    may also be assigned."""
+    return [code(b.value) for b in klass.bases if (dotted(b.value) or "").rsplit(".", 1)[-1] not in ("Module", "object")]
+
+
 def _no_model(value: Optional[cst.BaseExpression]) -> bool:
     """`value` is surely not a module: `None` or another literal."""
     return isinstance(value, (cst.Name,)) and value.value in ("None", "False", "True") or isinstance(
@@ -527,19 +533,11 @@ class Plan:
         (`self.model`, which other methods read)."""
         if "." in name:
             return True
-        if any(isinstance(a, (cst.For, cst.While)) for a in self._ancestors_to(split, scope)):
+        if any(isinstance(a, (cst.For, cst.While)) for a in self.ctx.ancestors_until(split, scope)):
             return True
         end = self.ctx.last_position(split)
         return any(order > end and self.ctx.scope_of(n) is scope and is_load(self.ctx, n)
                    and binding_of(self.ctx, n) is None for order, n in source_index(self.ctx).names(name))
-
-    def _ancestors_to(self, node: cst.CSTNode, scope: cst.CSTNode) -> List[cst.CSTNode]:
-        out = []
-        for anc in self.ctx.ancestors(node):
-            if anc is scope:
-                break
-            out.append(anc)
-        return out
 
     def _bound_block(self, statement: cst.CSTNode, branch: cst.CSTNode, name: str) -> cst.CSTNode:
         """The block whose end a wrap for the binding `statement` goes to: the outermost block
@@ -547,10 +545,7 @@ class Plan:
         after an inner `if` that binds it in one branch only: UnboundLocalError on the other)."""
         block = self.ctx.parent(statement)
         while block is not branch:
-            compound = self.ctx.parent(block)
-            while isinstance(compound, (cst.Else, cst.If)) and isinstance(self.ctx.parent(compound), cst.If) \
-                    and self.ctx.parent(compound).orelse is compound:
-                compound = self.ctx.parent(compound)  # `elif`/`else` belong to their `if`
+            compound = self._whole_if(self.ctx.parent(block))
             if not (isinstance(compound, cst.If) and _binds_on_every_path(compound, name)):
                 break
             outer = self.ctx.parent(compound)
@@ -591,10 +586,13 @@ class Plan:
         blocks = [n for n in path[:-1] if isinstance(n, (cst.IndentedBlock, cst.SimpleStatementSuite))]
         if not blocks:
             return None
-        split = lca
-        while isinstance(self.ctx.parent(split), cst.If) and self.ctx.parent(split).orelse is split:
-            split = self.ctx.parent(split)  # an `elif` is part of its `if`
-        return blocks[-1], split
+        return blocks[-1], self._whole_if(lca)
+
+    def _whole_if(self, node: cst.CSTNode) -> cst.CSTNode:
+        """The `if` statement an `elif` (or `else`) belongs to; any other node itself."""
+        while isinstance(self.ctx.parent(node), cst.If) and self.ctx.parent(node).orelse is node:
+            node = self.ctx.parent(node)
+        return node
 
     def _leave_own_group_alone(self) -> None:
         """A script that creates its own process group (`init_process_group`, often behind a
@@ -745,8 +743,7 @@ class Plan:
                 return None
             defs = self.models.definitions(m, scope, klass)
             if not defs:
-                inherited = [code(b.value) for b in klass.bases
-                             if (dotted(b.value) or "").rsplit(".", 1)[-1] not in ("Module", "object")]
+                inherited = _project_bases(klass)
                 if inherited and any(isinstance(f, cst.FunctionDef) and f.name.value in self.returning_wrap
                                      for f in klass.body.body):
                     # `Exp_Basic.__init__`: `self.model = self._build_model()`, which this class
@@ -1073,7 +1070,7 @@ class Plan:
         klass = self.models.class_of(w.call)
         if not name.startswith("self.") or name.count(".") != 1 or klass is None:
             return False
-        if any((dotted(b.value) or "").rsplit(".", 1)[-1] not in ("Module", "object") for b in klass.bases):
+        if _project_bases(klass):
             return False
         own = self.ctx.statement_of(w.call)
         return not any(self.ctx.statement_of(a) is not own and self.models.class_of(a) is klass

@@ -11,7 +11,7 @@ from torchmigrate.analysis import Optimizer
 from torchmigrate.finding import Safety, replace
 from torchmigrate.rule import Example
 from torchmigrate.rules.model.base import ModelRule
-from torchmigrate.rules.model.batch import DIVIDED, batch_sites, divide_fix, loaders_carry_batch
+from torchmigrate.rules.model.batch import batch_sites, divide_fix, loaders_carry_batch, per_rank
 from torchmigrate.syntax.nodes import code
 
 # Schedulers that set the learning rate from arguments of their own, not from the optimizer's.
@@ -138,9 +138,7 @@ class LrWorldSize(ModelRule):
         edits = [replace(site.size.value, divide_fix(self.ctx, site))]
         shapes = ""
         if site.shapes:
-            edits += [replace(use, lambda v: cst.Call(func=cst.parse_expression(f"{tm}.{DIVIDED}"),
-                                                      args=[cst.Arg(v.with_changes(lpar=[], rpar=[]))]))
-                      for use in site.shapes]
+            edits += [replace(use, lambda v: per_rank(tm, v)) for use in site.shapes]
             shapes = (f"; the loop's shapes made from `{code(site.shapes[0])}` (noise, labels, views) are this "
                       f"rank's batch too")
         self.report(site.size.value, f"{what} loads batch_size / world_size samples on each rank "
