@@ -756,7 +756,7 @@ class TrainingFacts:
             scope = scope_of(ctx, call)
             if scope not in self.sites_by_scope:
                 continue
-            s = line_of(ctx, call) or ctx.statement_of(call)
+            s = self.outside_gradient_loops(line_of(ctx, call) or ctx.statement_of(call), scope)
             if s is None or s in seen_stmt:
                 continue
             seen_stmt.add(s)
@@ -766,12 +766,28 @@ class TrainingFacts:
             scope = scope_of(ctx, node)
             if scope not in self.sites_by_scope:
                 continue
-            s = line_of(ctx, node) or ctx.statement_of(node)
+            s = self.outside_gradient_loops(line_of(ctx, node) or ctx.statement_of(node), scope)
             if s is None or s in seen_stmt:
                 continue
             seen_stmt.add(s)
             consumers.append((s, scope, False))
         return consumers
+
+    def outside_gradient_loops(self, s: Optional[cst.CSTNode], scope: cst.CSTNode) -> Optional[cst.CSTNode]:
+        """The statement an unscale_ for `s` goes before: `s` itself, or the outermost loop
+        around it that holds no backward or step (`for p in params: clip_grad_norm_(p, c)`
+        runs the clip once per parameter, and `unscale_` may run only once per step)."""
+        if s is None:
+            return None
+        chosen = s
+        for anc in self.ctx.ancestors(s):
+            if anc is scope:
+                break
+            if isinstance(anc, (cst.For, cst.While)):
+                if anc in self.contains:
+                    break
+                chosen = anc
+        return chosen
 
 
 _RUNTIME_VIEWS = frozenset({"torchmigrate.runtime.unwrap", "torchmigrate.runtime.synced"})
