@@ -102,3 +102,8 @@ class ModuleView:
     # where (`trainer.py:88 NTXentLoss(...)`): something sized by the configured batch, which a
     # rank's share of the batch would not match
     batch_consumers: Dict[str, str] = field(default_factory=dict)
+    # why the program's numbers change meaning under autocast, wherever the code sits
+    # (`program.amp_hazards`: a BCE loss built in another module, a table keyed by float32/float64
+    # read by a tensor's dtype, an adaptive ODE solver): its training gets no autocast; each as
+    # (whether the program must change to get mixed precision, reason)
+    amp_hazards: Tuple[Tuple[bool, str], ...] = ()

@@ -116,6 +116,7 @@ class Plan:
     regions: List[Region] = field(default_factory=list)
     region_manual: List[Tuple[cst.CSTNode, str]] = field(default_factory=list)
     bce: List[Tuple[cst.CSTNode, str]] = field(default_factory=list)  # TM409 findings
+    hazards: List[Tuple[cst.CSTNode, str, bool]] = field(default_factory=list)  # TM409: (node, why, a note)
     scale_calls: List[cst.Call] = field(default_factory=list)  # backward calls to scale
     step_calls: List[Step] = field(default_factory=list)  # steps to route through the scaler
     updates: List[Tuple[cst.CSTNode, cst.CSTNode]] = field(default_factory=list)  # (after, anchor)
@@ -200,10 +201,26 @@ class _Planner:
             level, init = apex_level(ctx)
             p.blockers.append(("TM407", init or p.sites[0].statement, f"apex opt_level {level}"))
         self.type_blockers()
+        self.hazard_blockers()
         for call in self.training.half_models():
             p.blockers.append(("TM402", call,
                                "`.half()` trains in pure fp16 (no fp32 master weights): remove it and "
                                "let autocast + GradScaler handle precision"))
+
+    def hazard_blockers(self) -> None:
+        """Code elsewhere in the program whose numbers change meaning under autocast
+        (`ModuleView.amp_hazards`): no autocast and no scaler here, and TM409 says why at the first
+        training backward, as a TODO when a change would allow it (a BCE loss), else as a note."""
+        ctx, p = self.ctx, self.p
+        found = ctx.program.amp_hazards
+        if not (p.adding and p.sites and found):
+            return
+        first = min(p.sites, key=lambda s: self.training.position(s.statement, s.scope)).statement
+        reasons = "; ".join(reason for _, reason in found[:3])
+        more = f" (and {len(found) - 3} more)" if len(found) > 3 else ""
+        message = f"mixed precision is not added: {reasons}{more}"
+        p.blockers.append(("TM409", first, message))
+        p.hazards.append((first, message, not any(change for change, _ in found)))
 
     def type_blockers(self) -> None:
         """A GradScaler scales a loss tensor and steps a torch optimizer (it reads

@@ -23,6 +23,12 @@ class AmpUnsafeOp(AmpRule):
     "torch.nn.functional.binary_cross_entropy and torch.nn.BCELoss are unsafe to autocast":
     after a sigmoid in fp16 the log underflows. `BCEWithLogitsLoss` fuses the sigmoid and is
     numerically safe (the model must then return logits, without the final sigmoid).
+
+    The same holds for code elsewhere in the program (`program.amp_hazards`): a BCE loss built
+    in another module, a table keyed by float32/float64 that the program reads by a tensor's
+    dtype (`self.eps[x.dtype]`, KeyError under bf16), an adaptive ODE solver (`odeint`) whose
+    tolerances lie below half-precision resolution. Then no autocast and no GradScaler are
+    added anywhere, and this rule says why at the first training backward.
     """
 
     code = "TM409"
@@ -49,3 +55,5 @@ class AmpUnsafeOp(AmpRule):
             return
         for node_, message in p.bce:
             self.report(node_, message)
+        for node_, message, note in p.hazards:
+            self.report(node_, message, advice=note)

@@ -29,7 +29,9 @@ class AmpGradPenalty(Rule):
     the discriminator (or the inner step stops learning). An overflow in the scaled gradient
     gives inf, which reaches the loss, so the scaler skips that step as it should.
 
-    Calls whose outputs the code already scales (`scaler.scale(out)`) are left alone.
+    Calls whose outputs the code already scales (`scaler.scale(out)`) are left alone, and so is a
+    program that gets no mixed precision (`--amp off`, or code TM409 finds unsafe under autocast,
+    such as the adaptive ODE solver whose divergence estimator calls `autograd.grad`).
     """
 
     code = "TM411"
@@ -63,8 +65,8 @@ class AmpGradPenalty(Rule):
         if not grads:
             return
         if ctx.options.migrating:
-            if ctx.options.amp == "off":
-                return
+            if ctx.options.amp == "off" or ctx.program.amp_hazards:
+                return  # no mixed precision in this program (TM409 says why)
         elif not analysis.calls_to(ctx, *_SCALERS, RUNTIME_MODULE + ".GradScaler"):
             return  # lint: only files that scale their loss
         for call in grads:

@@ -1,0 +1,121 @@
+"""Code of the program whose numbers change meaning under autocast, wherever it sits: a fact of
+the whole program, because the forward that reaches it (a model's layers, a loss class, an ODE
+solver called from a model) is usually in another module than the training step that would get
+`with tm.autocast():`.
+
+Kinds (`Hazard.kind`):
+- `BCE`: `nn.BCELoss` / `F.binary_cross_entropy` (built or called): autocast refuses it on CUDA
+  ("unsafe to autocast"); the training module sees it only when it is in its own file;
+- `DTYPE_TABLE`: a table keyed by floating dtypes without the half ones
+  (`{torch.float32: 4e-3, torch.float64: 1e-5}`), read by a tensor's dtype (`eps[x.dtype]`): under
+  bf16 autocast the lookup raises KeyError (the hyperbolic-manifold style);
+- `SOLVER`: an adaptive ODE/SDE solver (`torchdiffeq.odeint`, `torchsde.sdeint`): its error
+  control compares steps against tolerances (1e-5) far below bf16's resolution, so it takes many
+  more steps or never meets them.
+
+The AMP plan adds no autocast (and no GradScaler) to a program with one of them, and says where.
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Dict, Iterable, List, Optional, Tuple
+
+from torchmigrate.program.astwalk import walk
+
+BCE, DTYPE_TABLE, SOLVER = "bce", "dtype-table", "solver"
+
+_BCE_NAMES = frozenset({"torch.nn.BCELoss", "torch.nn.modules.loss.BCELoss", "torch.nn.functional.binary_cross_entropy"})
+_SOLVER_PACKAGES = ("torchdiffeq", "torchsde")
+_FULL = frozenset({"float32", "float64", "float", "double"})
+_HALF = frozenset({"float16", "bfloat16", "half"})
+
+
+@dataclass(frozen=True)
+class Hazard:
+    path: Path
+    line: int
+    kind: str
+    what: str  # as the code spells it: `nn.BCELoss`, `odeint`, the table's first keys
+
+    @property
+    def location(self) -> str:
+        return f"{self.path.name}:{self.line}"
+
+    def reason(self) -> str:
+        where = f"{self.location} `{self.what}`"
+        if self.kind == BCE:
+            return (f"{where} computes a BCE loss, which raises under CUDA autocast (unsafe in fp16): use "
+                    "`BCEWithLogitsLoss` on the logits, then add `with tm.autocast():` and `tm.GradScaler()`")
+        if self.kind == DTYPE_TABLE:
+            return (f"{where} is a table keyed by float32/float64 that the program reads by a tensor's dtype: "
+                    "under bf16/fp16 autocast that lookup raises KeyError, so the program trains in float32")
+        return (f"{where} is an adaptive ODE/SDE solver: its error control works at tolerances far below "
+                "bf16/fp16 resolution, so the program trains in float32")
+
+
+def _dotted(node: ast.AST) -> Optional[str]:
+    parts: List[str] = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name):
+        parts.append(node.id)
+        return ".".join(reversed(parts))
+    return None
+
+
+def _qualified(spelled: Optional[str], library: Dict[str, str]) -> Optional[str]:
+    """`nn.BCELoss` -> `torch.nn.BCELoss` through the module's library imports."""
+    if not spelled:
+        return None
+    head, _, rest = spelled.partition(".")
+    full = library.get(head)
+    if full is None:
+        return None
+    return f"{full}.{rest}" if rest else full
+
+
+def _float_key(node: ast.AST, library: Dict[str, str]) -> Optional[str]:
+    """`torch.float32` (or `th.float64`, `float32` imported from torch) -> its last name."""
+    full = _qualified(_dotted(node), library)
+    if full and full.startswith("torch.") and full.count(".") == 1:
+        return full.split(".")[1]
+    return None
+
+
+def _reads_by_dtype(tree: ast.Module) -> bool:
+    return any(isinstance(n, ast.Subscript) and isinstance(n.slice, ast.Attribute) and n.slice.attr == "dtype"
+               for n in walk(tree))
+
+
+def hazards(trees: Dict[Path, ast.Module], library_of: Callable[[Path], Dict[str, str]]) -> List[Hazard]:
+    """Every hazard of the program, in file and line order (dtype tables only where some module
+    reads a table by a tensor's dtype)."""
+    found: List[Hazard] = []
+    by_dtype = any(_reads_by_dtype(t) for t in trees.values())
+    for path in sorted(trees):
+        library = library_of(path)
+        for node in walk(trees[path]):
+            if isinstance(node, ast.Call):
+                spelled = _dotted(node.func)
+                full = _qualified(spelled, library) or ""
+                if full in _BCE_NAMES:
+                    found.append(Hazard(path, node.lineno, BCE, spelled or full))
+                elif full.split(".")[0] in _SOLVER_PACKAGES and full.rsplit(".", 1)[-1].startswith(("odeint", "sdeint")):
+                    found.append(Hazard(path, node.lineno, SOLVER, spelled or full))
+            elif by_dtype and isinstance(node, ast.Dict):
+                keys = [k for k in (_float_key(k, library) for k in node.keys if k is not None) if k]
+                if keys and set(keys) <= _FULL | _HALF and not set(keys) & _HALF:
+                    found.append(Hazard(path, node.lineno, DTYPE_TABLE, "{" + ", ".join(f"torch.{k}: ..." for k in keys) + "}"))
+    return found
+
+
+def for_module(path: Path, found: Iterable[Hazard]) -> Tuple[Tuple[bool, str], ...]:
+    """The hazards the AMP plan of `path` must heed, as (whether the program must change to get
+    mixed precision, reason): all but the BCE losses of the module itself, which its own training
+    facts see and TM409 reports where they are. A BCE loss asks for a change (BCEWithLogitsLoss);
+    a dtype table or a solver is a decision (the program trains in float32), not a TODO."""
+    return tuple((h.kind == BCE, h.reason()) for h in found if not (h.kind == BCE and h.path == path))
