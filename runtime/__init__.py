@@ -1310,10 +1310,22 @@ _END = object()
 
 
 def shard_stream(data):
-    """This rank's contiguous part of a token stream (a 1-D tensor or any sequence, cut on its
-    first dimension): ``world_size()`` parts of equal length, the remainder dropped, so every
-    rank runs the same number of steps. For language-model training that ``batchify``s one long
-    stream into columns; 1 process: ``data`` itself."""
+    """This rank's part of the data a hand-made training iterator reads, cut on its first
+    dimension, equal in length on every rank (DDP's backward is a collective: every rank must run
+    the same number of steps). 1 process: ``data`` itself.
+
+    - a tensor, an array or a list of numbers or characters (a token stream that language-model
+      code ``batchify``s into columns, the arrays of a hand-made minibatch function): a contiguous
+      part, the remainder dropped, so the text of each rank's part stays continuous;
+    - a Python list or tuple of samples (graphs, sentences, (x, y) pairs): dealt out at random,
+      the same deal on every rank (seeded by the length), rank r taking every W-th sample of the
+      deal and the last round padded with the deal's first samples, so a list saved in class or
+      length order does not give each rank one kind of sample, and no sample is left out. The
+      deal is made once per run: the program's own iterator reshuffles within each rank's part.
+
+    Data of one length are always cut the same way (the first call for a length decides), so the
+    lists and arrays handed to one iterator (``minibatch(users, pos, neg)``, ``GraphData(graphs,
+    labels)``) stay aligned."""
     world = world_size()
     if world <= 1:
         return data
@@ -1321,8 +1333,35 @@ def shard_stream(data):
         # a loader (sharded by its sampler, or not: the runtime's checks say so) or an iterator
         # cannot be cut by offsets: left as it is
         return data
-    n = len(data) // world
-    return data[rank() * n:(rank() + 1) * n]
+    n, me = len(data), rank()
+    part = _STREAM_PARTS.get((n, world, me))
+    if part is None:
+        samples = isinstance(data, (list, tuple)) and n > 0 and not isinstance(data[0], (numbers.Number, str, bytes))
+        part = _STREAM_PARTS[(n, world, me)] = _stream_deal(n, world, me) if samples else ()
+    if not part:
+        share = n // world
+        return data[me * share:(me + 1) * share]
+    if type(data) is tuple:
+        return tuple(data[i] for i in part)
+    if isinstance(data, torch.Tensor):
+        return data[torch.as_tensor(part, device=data.device)]
+    if type(data).__module__.startswith("numpy"):
+        return data[list(part)]
+    return [data[i] for i in part]
+
+
+_STREAM_PARTS: dict = {}  # (length, world, rank) -> this rank's indices (empty: a contiguous part), see shard_stream
+
+
+def _stream_deal(n: int, world: int, me: int) -> tuple:
+    """Rank `me`'s indices of a random deal of `n` samples to `world` ranks: the same deal on every
+    rank (seeded by `n`), every W-th sample, the last round padded with the deal's first ones."""
+    if n == 0:
+        return ()
+    order = list(range(n))
+    random.Random(n).shuffle(order)
+    share = -(-n // world)
+    return tuple(order[(me + k * world) % n] for k in range(share))
 
 
 def shard_range(batches):

@@ -173,6 +173,8 @@ def test_synced_runs_a_loss_method_through_ddp_so_its_gradients_are_averaged(col
 def test_shard_stream_and_any_rank(collectives):
     r0, r1 = collectives["r"]
     assert (r0["stream"], r1["stream"]) == ([0, 1, 2, 3, 4], [5, 6, 7, 8, 9])
+    assert len(r0["dealt"]) == len(r1["dealt"]) == 7 and set(r0["dealt"]) | set(r1["dealt"]) == set(range(13))
+    assert r0["dealt"] != list(range(7))  # dealt, not cut
     assert r0["any_rank"] == r1["any_rank"] == [True, False]
 
 

@@ -165,7 +165,33 @@ def test_shard_stream_leaves_loaders_and_iterators_alone():
         assert tm.shard_stream(loader) is loader
         it = iter(range(4))
         assert tm.shard_stream(it) is it
-        assert tm.shard_stream(list(range(10))) == [5, 6, 7, 8, 9]
+        assert tm.shard_stream(torch.arange(10)).tolist() == [5, 6, 7, 8, 9]  # a token stream: contiguous
+        assert tm.shard_stream(list(range(12))) == [6, 7, 8, 9, 10, 11]  # token ids in a list, too
+        assert tm.shard_stream("abcdefgh") == "efgh"  # characters
+
+
+def test_shard_stream_deals_lists_of_samples_at_random_and_keeps_lengths_aligned():
+    """A list of samples saved in class order is dealt out at random (the same deal on every
+    rank), every sample in some rank's part, equal lengths; a tensor of the same length handed to
+    the same iterator is cut the same way."""
+    from unittest import mock
+
+    graphs = [("class0", i) for i in range(9)] + [("class1", i) for i in range(8)]  # 17, in class order
+    labels = torch.tensor([0] * 9 + [1] * 8)
+    parts, label_parts = [], []
+    with mock.patch.object(tm, "world_size", lambda: 2), mock.patch.object(tm, "_STREAM_PARTS", {}):
+        for r in range(2):
+            with mock.patch.object(tm, "rank", lambda r=r: r):
+                parts.append(tm.shard_stream(graphs))
+                label_parts.append(tm.shard_stream(labels))
+                assert tm.shard_stream(tuple(graphs)) == tuple(parts[-1])
+    assert len(parts[0]) == len(parts[1]) == 9  # padded: the same number of steps on both ranks
+    assert set(parts[0]) | set(parts[1]) == set(graphs)  # no sample left out
+    assert len(set(parts[0]) & set(parts[1])) == 1  # the one padded sample
+    for part in parts:
+        assert {c for c, _ in part} == {"class0", "class1"}  # not one class per rank
+    for part, lab in zip(parts, label_parts):
+        assert [0 if c == "class0" else 1 for c, _ in part] == lab.tolist()  # aligned with its list
 
 
 class _Endless(torch.utils.data.Sampler):

@@ -192,9 +192,10 @@ class DistSampler(DataRule):
         """A hand-made batch iterator of the program (a class with `__next__`, a function that
         builds one, a generator that slices its data: `ModuleView.iterator_builders`) built over
         training data (`build_iterator(train_data, config)`, `LMOrderedIterator(self.train, ...)`,
-        `minibatch(users, pos, neg)` in `BPR_train`): each rank builds it over its own contiguous
-        part of the data (`tm.shard_stream`, equal lengths, so every rank runs the same number of
-        steps). Evaluation data stays whole (every rank scores all of it). True when one was."""
+        `minibatch(users, pos, neg)` in `BPR_train`): each rank builds it over its own part of the
+        data (`tm.shard_stream`, equal lengths, so every rank runs the same number of steps: a
+        list of samples dealt out at random, so a list saved in class order is not cut into one
+        class per rank, and a tensor or array cut contiguously, as a token stream must be). Evaluation data stays whole (every rank scores all of it). True when one was."""
         ctx = self.ctx
         if not ctx.options.migrating or self.facts.distributed or self.facts.skip_file:
             return False
@@ -222,8 +223,9 @@ class DistSampler(DataRule):
                 self.report(call, f"{shown} (a hand-made batch iterator's data) {UNWRAPPED}")
                 continue
             self.report(call, f"{shown} feed{'s' if len(args) == 1 else ''} a hand-made batch iterator that every "
-                              f"rank would read in full: each rank reads its own contiguous part "
-                              f"(`{tm}.shard_stream`, equal lengths)",
+                              f"rank would read in full: each rank reads its own part "
+                              f"(`{tm}.shard_stream`, equal lengths: a list of samples dealt out at random once "
+                              f"per run, the iterator reshuffling within it; a tensor or array a contiguous part)",
                         edits=[replace(a.value, lambda v: cst.Call(func=expr(f"{tm}.shard_stream"), args=[cst.Arg(v)]))
                                for a in args],
                         imports=[ctx.runtime_import()])

@@ -180,7 +180,8 @@ def main(outdir):
     res["forward_after_synced"] = type(with_loss.module).forward is WithLoss.forward and \
         "forward" not in vars(with_loss.module)
 
-    res["stream"] = tm.shard_stream(list(range(11)))  # equal parts, the remainder dropped
+    res["stream"] = tm.shard_stream(torch.arange(11)).tolist()  # equal parts, the remainder dropped
+    res["dealt"] = [i for i, _ in tm.shard_stream([(i, "sample") for i in range(13)])]  # dealt at random, padded
     res["any_rank"] = [tm.any_rank(r == 1), tm.any_rank(False)]
 
     shuffled_eval = tm.eval_sampler(list(range(9)), shuffle=True)
