@@ -63,7 +63,7 @@ __all__ = [
     "amp_dtype", "autocast", "GradScaler", "print", "input", "bar_stream", "barrier", "all_reduce", "gather_for_metrics", "gather_list", "broadcast_object", "shared_generator", "grad", "any_rank", "share_params", "sync_grads", "shard_stream",
     "shard_sampler", "reduce_meter", "per_rank_batch", "sync_batchnorm", "synced", "to_float32",
     "save", "load", "strip_prefix", "load_state_dict", "seed_everything", "seed_per_rank", "main_only", "main_process_first",
-    "shard_range", "shard_indices", "shard_mean", "shard_batches",
+    "shard_range", "shard_indices", "shard_mean", "shard_batches", "to_device",
 ]
 
 
@@ -1696,6 +1696,18 @@ def to_float32(value):
     if isinstance(value, (list, tuple)):
         return type(value)(to_float32(v) for v in value)
     return value
+
+
+def to_device(*values):
+    """The items of a training loop's batch on ``device()``: tensors, and objects with their own
+    ``.to(device)`` (a graph batch, a model), are moved; anything else (a count, a list of
+    lengths, strings, ids) is returned as it is. Migrated code moves a batch with it
+    (``inputs, labels = tm.to_device(inputs, labels)``) where it cannot know that every item is a
+    tensor (``for n, x, y in batches`` with ``loss * n``). One value: that value; several: a tuple."""
+    target = device()
+    moved = tuple(v.to(target) if isinstance(v, torch.Tensor) or (
+        not isinstance(v, (str, bytes, type)) and callable(getattr(v, "to", None))) else v for v in values)
+    return moved[0] if len(moved) == 1 else moved
 
 
 def GradScaler(enabled=None, dtype=None, **kwargs) -> torch.amp.GradScaler:

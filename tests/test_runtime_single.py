@@ -847,3 +847,13 @@ def test_input_in_one_process_is_the_builtin(monkeypatch):
 def test_bar_stream_in_one_process_is_the_given_file():
     assert tm.bar_stream() is None
     assert tm.bar_stream(sys.stderr) is sys.stderr
+
+
+def test_to_device_moves_tensors_and_keeps_everything_else():
+    """A batch `(count, x, lengths, ids)`: the tensor moves, a count, a list and strings stay."""
+    x, lengths = torch.randn(2, 3), [3, 1]
+    n, moved, kept, name = tm.to_device(2, x, lengths, "a")
+    assert n == 2 and kept is lengths and name == "a"
+    assert torch.equal(moved, x) and moved.device == tm.device()
+    assert tm.to_device(x).device == tm.device()  # one value: that value, not a tuple
+    assert tm.to_device(5) == 5

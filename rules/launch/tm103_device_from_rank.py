@@ -128,8 +128,8 @@ class DeviceFromRank(Rule):
       `storage.cuda(args.gpu)` in a `map_location=` lambda is reported, not edited.
     - In a file that never moves anything to a device (no `.to(device)`, `.cuda()`, `device=`)
       but whose model `tm.wrap_model` (TM301) moves to `tm.device()`, the loops that feed the
-      model move their batch first: `inputs, labels = inputs.to(tm.device()),
-      labels.to(tm.device())` for `for inputs, labels in loader:`, `for i, (inputs, labels) in
+      model move their batch first: `inputs, labels = tm.to_device(inputs, labels)` (tensors
+      moved, a count or a list of lengths kept as it is) for `for inputs, labels in loader:`, `for i, (inputs, labels) in
       enumerate(loader):` and `for data in loader: inputs, labels = data`. Moved are the names
       the model reads and those used with its outputs (`criterion(outputs, labels)`,
       `predicted == labels`); other loop shapes, batches that may not be tensors (custom
@@ -1071,8 +1071,8 @@ def _names(node: cst.CSTNode) -> Set[str]:
 class _BatchMoves:
     """In a file that never moves anything to a device, `tm.wrap_model` (TM301) puts the model
     on `tm.device()` while the batches stay on the CPU. Loops that feed the model get the
-    batch moved as their first statement: `inputs, labels = inputs.to(tm.device()),
-    labels.to(tm.device())`, for `for a, b in loader`, `for i, (a, b) in enumerate(loader)`
+    batch moved as their first statement: `inputs, labels = tm.to_device(inputs, labels)` (tensors
+    moved, anything else such as a count or a list of lengths kept), for `for a, b in loader`, `for i, (a, b) in enumerate(loader)`
     and `for batch in loader:` (optionally unpacked by the first statement, `a, b = batch`).
     Moved are the names the model reads and those used together with its outputs (`labels` in
     `criterion(outputs, labels)` or `predicted == labels`). Other shapes, batches that may not
@@ -1146,7 +1146,7 @@ class _BatchMoves:
             self._todo(loop, f"this loop's batch (`{', '.join(move)}`)")
             return True
         tm = self.tm
-        line = stmt(f"{', '.join(move)} = {', '.join(f'{n}.to({tm}.device())' for n in move)}")
+        line = stmt(f"{', '.join(move)} = {tm}.to_device({', '.join(move)})")
         edit = insert_after(anchor, [line]) if anchor is not None else insert_before(loop.body.body[0], [line])
         self.rule.report(loop, f"the model now lives on {tm}.device() ({tm}.wrap_model moves it) but the batches of "
                                f"this loop stay on the CPU: move them first (`{code(line.body[0])}`)",
