@@ -21,7 +21,7 @@ from __future__ import annotations
 import ast
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Callable, Dict, Iterable, List, Optional
 
 from torchmigrate.program.astwalk import walk
 
@@ -113,9 +113,9 @@ def hazards(trees: Dict[Path, ast.Module], library_of: Callable[[Path], Dict[str
     return found
 
 
-def for_module(path: Path, found: Iterable[Hazard]) -> Tuple[Tuple[bool, str], ...]:
-    """The hazards the AMP plan of `path` must heed, as (whether the program must change to get
-    mixed precision, reason): all but the BCE losses of the module itself, which its own training
+def for_module(path: Path, found: Iterable[Hazard]) -> Dict[str, bool]:
+    """The hazards the AMP plan of `path` must heed, as reason -> whether the program must change
+    to get mixed precision: all but the BCE losses of the module itself, which its own training
     facts see and TM409 reports where they are. A BCE loss asks for a change (BCEWithLogitsLoss);
     a dtype table or a solver is a decision (the program trains in float32), not a TODO."""
-    return tuple((h.kind == BCE, h.reason()) for h in found if not (h.kind == BCE and h.path == path))
+    return {h.reason(): h.kind == BCE for h in found if not (h.kind == BCE and h.path == path)}

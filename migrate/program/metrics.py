@@ -93,14 +93,26 @@ def iterates_loader(ctx: Context, node: cst.BaseExpression, known: Optional[Set[
     return name in names or (known is None and bool(refs_at(ctx, expression)))
 
 
-def loader_loop(ctx: Context, node: cst.CSTNode) -> Optional[cst.For]:
-    """The nearest enclosing `for` over a data loader, within the same function."""
+def loader_loop(ctx: Context, node: cst.CSTNode, hand_made: bool = True) -> Optional[cst.For]:
+    """The nearest enclosing `for` over a data loader, within the same function: a loop over a
+    loader, or (`hand_made`) the loop that runs a training step itself (`for n, x, y in batches:
+    ... loss.backward()`: a hand-made iterator, batch starts, a generator; the data rules share
+    out what it iterates by rank), not an epoch loop around it."""
     for anc in ctx.ancestors(node):
         if isinstance(anc, (cst.FunctionDef, cst.ClassDef, cst.Lambda)):
             return None
-        if isinstance(anc, cst.For) and iterates_loader(ctx, anc.iter):
+        if isinstance(anc, cst.For) and (iterates_loader(ctx, anc.iter) or (hand_made and trains_itself(ctx, anc))):
             return anc
     return None
+
+
+def trains_itself(ctx: Context, loop: cst.For) -> bool:
+    """A backward pass of `loop`'s body whose nearest enclosing loop is `loop` (not a loop nested
+    in it: an epoch loop around a batch loop does not train itself)."""
+    for call in ctx.within(loop.body, cst.Call, skip_defs=True):
+        if analysis.is_backward(call) and ctx.enclosing(call, cst.For, cst.While, cst.FunctionDef) is loop:
+            return True
+    return False
 
 
 def is_number(node: cst.BaseExpression) -> bool:

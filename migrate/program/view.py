@@ -104,6 +104,6 @@ class ModuleView:
     batch_consumers: Dict[str, str] = field(default_factory=dict)
     # why the program's numbers change meaning under autocast, wherever the code sits
     # (`program.amp_hazards`: a BCE loss built in another module, a table keyed by float32/float64
-    # read by a tensor's dtype, an adaptive ODE solver): its training gets no autocast; each as
-    # (whether the program must change to get mixed precision, reason)
-    amp_hazards: Tuple[Tuple[bool, str], ...] = ()
+    # read by a tensor's dtype, an adaptive ODE solver): its training gets no autocast; reason ->
+    # whether the program must change to get mixed precision
+    amp_hazards: Dict[str, bool] = field(default_factory=dict)

@@ -216,11 +216,11 @@ class _Planner:
         if not (p.adding and p.sites and found):
             return
         first = min(p.sites, key=lambda s: self.training.position(s.statement, s.scope)).statement
-        reasons = "; ".join(reason for _, reason in found[:3])
-        more = f" (and {len(found) - 3} more)" if len(found) > 3 else ""
-        message = f"mixed precision is not added: {reasons}{more}"
+        reasons = sorted(found)
+        more = f" (and {len(reasons) - 3} more)" if len(reasons) > 3 else ""
+        message = f"mixed precision is not added: {'; '.join(reasons[:3])}{more}"
         p.blockers.append(("TM409", first, message))
-        p.hazards.append((first, message, not any(change for change, _ in found)))
+        p.hazards.append((first, message, not any(found.values())))
 
     def type_blockers(self) -> None:
         """A GradScaler scales a loss tensor and steps a torch optimizer (it reads

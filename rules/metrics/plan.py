@@ -24,7 +24,7 @@ from torchmigrate import analysis
 from torchmigrate.finding import Edit, replace
 from torchmigrate.syntax.nodes import code
 from torchmigrate.program.loaders import DIST_SAMPLERS, refs_at
-from torchmigrate.program.metrics import ExactDenominators, loader_expr
+from torchmigrate.program.metrics import ExactDenominators, loader_expr, trains_itself
 from torchmigrate.rule import Context
 from torchmigrate.rules.data.plan import data_plan
 from torchmigrate.options import RUNTIME_MODULE as RUNTIME
@@ -104,6 +104,20 @@ def loop_sharding(ctx: Context, loop: cst.For) -> str:
     return "sharded"
 
 
+def _range_over_len(node: cst.BaseExpression) -> Optional[str]:
+    """`X` of `range(0, len(X), bs)` / `range(len(X) // bs)` / `range(len(X))`, as text."""
+    if not (isinstance(node, cst.Call) and isinstance(node.func, cst.Name) and node.func.value == "range"):
+        return None
+    for a in node.args:
+        value = a.value
+        while isinstance(value, cst.BinaryOperation):
+            value = value.left
+        if isinstance(value, cst.Call) and isinstance(value.func, cst.Name) and value.func.value == "len" \
+                and len(value.args) == 1:
+            return code(value.args[0].value).replace(" ", "")
+    return None
+
+
 def exact_lens(ctx: Context, loop: cst.For) -> ExactDenominators:
     """The `len(...)` denominators that stay exact once the sums of `loop` are reduced."""
     out = ExactDenominators()
@@ -113,6 +127,12 @@ def exact_lens(ctx: Context, loop: cst.For) -> ExactDenominators:
     except Exception:  # noqa: BLE001 - an optional refinement; without it denominators are reported
         return out
     if not loaders:
+        counted = _range_over_len(loop.iter)
+        if counted and ctx.options.shard_training and trains_itself(ctx, loop):
+            # a hand-made training loop over batch starts, `for i in range(0, len(X), bs)`, which
+            # TM201 shares out by rank (`tm.shard_range`, padded like a training sampler): `len(X)`
+            # is the whole set, as `len(loader.dataset)` of a padded training loader is
+            out.dataset.add(counted)
         return out
     kinds = {_sharding(ctx, l) for l in loaders}
     text = code(node).replace(" ", "")

@@ -216,8 +216,16 @@ class ReduceCounts(Rule):
         bad_names = [n for n in names if n in foreign]
         if bad_names:
             first = foreign[bad_names[0]]
-            self.report(first, _manual_message(tm, bad_names, _denominator(first), padded=bool(exact.batches),
-                                               over=over))
+            den = _denominator(first)
+            if isinstance(first, cst.BinaryOperation) and den in bad_names:
+                # the count is the denominator of something the loop does not add up in a number
+                # (`sum(losses) / n_samples`, a list of tensors)
+                self.report(first, f"`{code(first)}` is this rank's value only: `{den}` counts this rank's "
+                                   f"shard and `{code(first.left)}` is not a number the loop adds to; report the "
+                                   f"ranks' mean (`{tm}.all_reduce(value, op=\"mean\")`) or sum both parts "
+                                   f"across ranks before dividing")
+            else:
+                self.report(first, _manual_message(tm, bad_names, den, padded=bool(exact.batches), over=over))
 
 
 def _reduce_line(tm: str, names: List[str], extra: str) -> str:

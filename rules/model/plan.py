@@ -821,7 +821,7 @@ class Plan:
                 loss = backward_loss(call)
                 if loss is None:
                     continue
-                loop = loader_loop(ctx, call)
+                loop = loader_loop(ctx, call, hand_made=False)
                 if loop is None or loop_sharding(ctx, loop) != "sharded" or not summed_loss(ctx, loss):
                     ok = False
                     break
