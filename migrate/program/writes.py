@@ -102,14 +102,23 @@ def hf_datasets(ctx: Context, at: cst.CSTNode) -> Set[str]:
     return found
 
 
+# torchvision's conversions to a PIL image (`ToPILImage()(grid)`, `to_pil_image(x)`)
+_TO_PIL = frozenset({"torchvision.transforms.ToPILImage", "torchvision.transforms.transforms.ToPILImage",
+                     "torchvision.transforms.functional.to_pil_image", "torchvision.transforms.v2.ToPILImage",
+                     "torchvision.transforms.v2.functional.to_pil_image"})
+
+
 def is_pil_image(ctx: Context, node: cst.BaseExpression, at: cst.CSTNode,
                  seen: Optional[Set[cst.CSTNode]] = None) -> bool:
-    """A PIL image: `Image.fromarray(a)` (also `.convert(...)` of one), or a name the
+    """A PIL image: `Image.fromarray(a)` (also `.convert(...)` of one), torchvision's
+    `ToPILImage()(grid)` / `to_pil_image(x)`, or a name the
     enclosing function binds to one (`im = Image.fromarray(a); im.save(path)`). `seen`: the
     assignments followed so far (`img = f(img)` binds a name to a call of itself)."""
     seen = set() if seen is None else seen
     while isinstance(node, cst.Call):
-        if (ctx.resolve(node.func) or "").startswith("PIL.Image."):
+        made_by = node.func.func if isinstance(node.func, cst.Call) else node.func  # `ToPILImage()(grid)`
+        resolved = ctx.resolve(made_by) or ""
+        if resolved.startswith("PIL.Image.") or resolved in _TO_PIL:
             return True
         node = node.func.value if isinstance(node.func, cst.Attribute) else None
     if not isinstance(node, cst.Name):
