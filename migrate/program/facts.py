@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, FrozenSet, Iterable, List, Optional, Set, Tuple
 
-from torchmigrate.program import amp_hazards, effects, splits
+from torchmigrate.program import amp_hazards, batch_coupling, effects, splits
 from torchmigrate.program.classes import MODULE, OTHER, argument_kind, class_kinds, optimizer_wrapper
 from torchmigrate.program.graph import Graph
 from torchmigrate.program.search_path import dotted_name
@@ -438,6 +438,7 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
     views: Dict[Path, ModuleView] = {}
     consumers = _batch_consumers(modules, kinds)
     library: Dict[Path, Dict[str, str]] = {}  # each module's library imports, for `_reexports`
+    coupled = batch_coupling.coupled_losses({p: m.tree for p, m in modules.items()})
     precision = amp_hazards.hazards({p: m.tree for p, m in modules.items()},
                                     lambda p: _library_of(p, modules, graph, library))
     for path, m in modules.items():
@@ -460,6 +461,7 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
             reexports=_reexports(path, graph, modules, library),
             batch_consumers=consumers,
             amp_hazards=amp_hazards.for_module(path, precision),
+            batch_coupled=frozenset({coupled} if coupled else ()),
             own_functions=frozenset(_spellings(m, modules, {k for k in own_functions if k[0] != path})),
             own_classes=frozenset(_spellings(m, modules, {k for k in own_classes if k[0] != path})),
             dp_classes={spelled: dp_classes[key] for key in dp_classes

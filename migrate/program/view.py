@@ -102,6 +102,9 @@ class ModuleView:
     # where (`trainer.py:88 NTXentLoss(...)`): something sized by the configured batch, which a
     # rank's share of the batch would not match
     batch_consumers: Dict[str, str] = field(default_factory=dict)
+    # `file:line function()` of a loss of the program that compares the samples of a batch with
+    # each other (`program.batch_coupling`: contrastive, batch-hard triplets), if any
+    batch_coupled: FrozenSet[str] = frozenset()
     # why the program's numbers change meaning under autocast, wherever the code sits
     # (`program.amp_hazards`: a BCE loss built in another module, a table keyed by float32/float64
     # read by a tensor's dtype, an adaptive ODE solver): its training gets no autocast; reason ->

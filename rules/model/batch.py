@@ -106,12 +106,19 @@ _SHAPE_FUNCS = frozenset({"view", "reshape", "expand", "randn", "rand", "zeros",
 def _sized_elsewhere(ctx: Context, size: Optional[cst.Arg]) -> str:
     """The program builds a model or loss of its own from this batch size (`NTXentLoss(device,
     config.batch_size)`, `init_hidden(batch_size)`): it expects the configured batch, which a
-    rank's share would not match, so the batch stays (the reason, or "")."""
+    rank's share would not match; or its loss compares the samples of a batch with each other
+    (`program.batch_coupling`): over a rank's share each sample would see fewer negatives. Then
+    the batch stays (the reason, or "")."""
     value = size.value if size is not None else None
     leaf = value.attr.value if isinstance(value, cst.Attribute) else value.value if isinstance(value, cst.Name) else None
     where = ctx.program.batch_consumers.get(leaf) if leaf else None
-    return (f"the program also builds something sized by `{leaf}` ({where}), which a rank's share of the batch "
-            "would not match") if where else ""
+    if where:
+        return (f"the program also builds something sized by `{leaf}` ({where}), which a rank's share of the batch "
+                "would not match")
+    for coupled in sorted(ctx.program.batch_coupled):
+        return (f"the program compares the samples of a batch with each other ({coupled}: a contrastive loss, each "
+                "sample's negatives are the rest of its batch), which over a rank's share would see fewer of them")
+    return ""
 
 
 def _shape_of_batch(ctx: Context, use: cst.CSTNode) -> bool:

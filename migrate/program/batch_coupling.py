@@ -1,0 +1,96 @@
+"""Losses that compare the samples of a batch with each other: a contrastive loss (SimCLR's
+NT-Xent, InfoNCE over the batch, CLIP's image-text matrix) or batch-hard triplet mining, where each
+sample's negatives are the rest of its batch. A fact of the whole program, from CPython's `ast`:
+the loss usually sits in a losses module or a model method, far from the loader.
+
+Under DDP each rank computes such a loss over its own share of the batch only, so a sample sees
+(W - 1) / W fewer negatives than in the original, silently: the loss means something else. TM305
+keeps each rank's batch at the configured size there and says so (`rules/model/batch.py`).
+
+A function couples its batch when it builds a matrix of every sample against every other one,
+- `z @ z.t()`, `torch.mm(a, b.t())`, `torch.matmul(a, b.T)`, `a @ b.transpose(0, 1)`,
+  `torch.einsum("nc,mc->nm", a, b)`, `cosine_similarity(z.unsqueeze(1), z.unsqueeze(0))`,
+  `torch.cdist(a, b)`,
+and indexes it by sample: `torch.arange(...)` targets (the positive of row i is column i),
+`torch.eye(...)` / `fill_diagonal_` / `diag` masks. A Gram matrix of features without them (style
+transfer) is not one; attention (`q @ k.transpose(-2, -1)`) is not either.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+from typing import Dict, Optional
+
+from torchmigrate.program.astwalk import walk
+
+_TRANSPOSED = frozenset({"t", "T"})
+_INDEXING = frozenset({"arange", "eye", "fill_diagonal_", "diag", "diagonal", "diag_embed"})
+_EINSUM_PAIR = re.compile(r"^\s*(\w)(\w)\s*,\s*(\w)(\w)\s*->\s*(\w)(\w)\s*$")
+
+
+def _transposed(node: ast.AST) -> bool:
+    """`x.t()`, `x.T`, `x.transpose(0, 1)`, `x.permute(1, 0)`: a 2-D tensor of values computed
+    here with rows and columns swapped (not a weight: `h @ self.embed.weight.T` ties weights)."""
+    inner = None
+    if isinstance(node, ast.Attribute) and node.attr == "T":
+        inner = node.value
+    elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+        name = node.func.attr
+        values = [a.value for a in node.args if isinstance(a, ast.Constant)]
+        if (name == "t" and not node.args) or (
+                name in ("transpose", "permute") and len(node.args) == 2 and sorted(values) == [0, 1]):
+            inner = node.func.value
+    return inner is not None and not _held(inner)
+
+
+def _held(node: ast.AST) -> bool:
+    """`self.proj.weight`, `model.prototypes`: an attribute of an object (a parameter, a buffer,
+    a queue), not a batch's values."""
+    return isinstance(node, ast.Attribute) and not (isinstance(node.value, ast.Call))
+
+
+def _last(func: ast.AST) -> str:
+    return func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+
+
+def _unsqueezed(node: ast.AST) -> bool:
+    return isinstance(node, ast.Call) and _last(node.func) == "unsqueeze"
+
+
+def _pairwise(node: ast.AST) -> bool:
+    """`node` builds a matrix of every sample against every other one."""
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.MatMult):
+        return _transposed(node.right)
+    if not isinstance(node, ast.Call):
+        return False
+    name = _last(node.func)
+    if name in ("mm", "matmul") and len(node.args) == 2:
+        return _transposed(node.args[1])
+    if name == "cdist":
+        return True
+    if name == "einsum" and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str):
+        m = _EINSUM_PAIR.match(node.args[0].value)
+        # "nc,mc->nm": rows of both operands against each other over a shared feature index
+        return bool(m) and m.group(2) == m.group(4) and (m.group(5), m.group(6)) == (m.group(1), m.group(3)) \
+            and m.group(1) != m.group(3)
+    if name in ("cosine_similarity", "CosineSimilarity") or (
+            isinstance(node.func, ast.Call) and _last(node.func.func) == "CosineSimilarity"):
+        return sum(1 for a in node.args if _unsqueezed(a)) == 2
+    return False
+
+
+def coupled_losses(trees: Dict[Path, ast.Module]) -> Optional[str]:
+    """`file:line name()` of the first function of the program that compares the samples of a
+    batch with each other (see the module's docstring), or None."""
+    for path in sorted(trees):
+        for node in walk(trees[path]):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            pairwise = next((n for n in walk(node) if _pairwise(n)), None)
+            if pairwise is None:
+                continue
+            if any(isinstance(n, ast.Call) and _last(n.func) in _INDEXING for n in walk(node)):
+                return f"{path.name}:{pairwise.lineno} {node.name}()"
+    return None
