@@ -19,7 +19,7 @@ from torchmigrate.options import RUNTIME_MODULE as RUNTIME
 from torchmigrate.rule import Context, Example, Rule
 from torchmigrate.program.rank_guards import collective_guard
 from torchmigrate.program.scopes import scope_of
-from torchmigrate.program.syntax import body_of, index_in
+from torchmigrate.program.syntax import binds, body_of, index_in
 from torchmigrate.rules._active import active
 from torchmigrate.rules.metrics.plan import loop_sharding, ranks_mean
 
@@ -51,6 +51,12 @@ class GatherListMean(Rule):
     loss.item())`) shows the ranks' mean, `tm.all_reduce(loss.item(), op="mean")`: only numbers
     named like a loss or an averaged metric, only where every rank prints in the same steps (under
     tests of the loop's index, counters and settings, not of its data).
+
+    In `ddp`, the numbers a training step hands a meter, logger or dict
+    (`metric_logger.update(loss=loss_value)` after `loss_value = loss.item()`,
+    `losses.update(loss.item(), images.size(0))`) become the ranks' mean where they are
+    computed, so every rank's object holds the same values whatever its class (and shows them
+    mid-epoch); the same conditions as for histories.
 
     A meter object built before the loop (`meter = AverageMeter()`, any class named like a
     meter, average or tracker) and updated in it (`meter.update(loss.item(), x.size(0))`) gets
@@ -116,8 +122,10 @@ class GatherListMean(Rule):
                 found = (loops if func.attr.value == "append" else meters).setdefault(loop, []) if loop else None
                 if found is not None and func.value.value not in found:
                     found.append(func.value.value)
+        fed = self._step_updates() if ctx.options.mode == "ddp" else set()
         for loop, names in meters.items():
-            if not leaves_early(ctx, loop) and loop_sharding(ctx, loop) != "whole":
+            names = [n for n in names if n not in fed]
+            if names and not leaves_early(ctx, loop) and loop_sharding(ctx, loop) != "whole":
                 self._meters(loop, names)
         gathered: Set[str] = set()
         for loop, names in loops.items():
@@ -167,6 +175,76 @@ class GatherListMean(Rule):
             self.report(call, f"`{owner}` records this rank's value each training step (a history that is "
                               f"printed, plotted or saved): record the ranks' mean",
                         edits=[ranks_mean(ctx, value)], imports=[ctx.runtime_import()])
+
+    def _step_updates(self) -> Set[str]:
+        """`meter.update(loss.item(), n)`, `metric_logger.update(loss=loss_value)` (with
+        `loss_value = loss.item()` earlier in the step) once per step of a training loop over a
+        sharded loader: the number becomes the ranks' mean where it is computed, so every rank's
+        meter, logger or dict holds the same values and shows them mid-epoch, whatever its class
+        (a MetricLogger of SmoothedValues has no `sum`/`count` for `tm.reduce_meter`). Only updates
+        every rank makes in every step (in the loop's body, not under an `if`), in a loop no rank
+        leaves early and no rank guard holds. Returns the receivers whose every value was reduced."""
+        ctx = self.ctx
+        done: Set[cst.CSTNode] = set()
+        fed: Set[str] = set()
+        for call, _name in analysis.facts(ctx).calls:
+            func = call.func
+            if not (type(func) is cst.Attribute and func.attr.value == "update" and call.args):
+                continue
+            loop = _training_step_loop(ctx, call)
+            if loop is None or collective_guard(ctx, loop) is not None:
+                continue
+            statement = ctx.statement_of(call)
+            if not isinstance(statement, cst.SimpleStatementLine) or any(
+                    isinstance(a, (cst.If, cst.Try, cst.For, cst.While, cst.With)) for a in ctx.ancestors_until(statement, loop)):
+                continue
+            values = [self._step_number(loop, statement, a.value) for a in call.args if not a.star]
+            values = [v for v in values if v is not None]
+            if not values:
+                continue
+            if len(values) == len([a for a in call.args if self._is_value(a)]):
+                fed.add(code(func.value))
+            edits = [ranks_mean(ctx, v) for v in values if v not in done and not _reduced(ctx, v)]
+            done.update(values)
+            if edits:
+                self.report(call, f"`{code(func.value)}` averages this rank's value each training step: record the "
+                                  f"ranks' mean", edits=edits, imports=[ctx.runtime_import()])
+        return fed
+
+    @staticmethod
+    def _is_value(arg: cst.Arg) -> bool:
+        """An argument of `update` that is a value, not the count (`n=`, a `.size(0)`, `len(x)`)."""
+        value = arg.value
+        if arg.keyword is not None and arg.keyword.value in ("n", "count", "num", "weight", "batch_size"):
+            return False
+        if isinstance(value, cst.Call) and (isinstance(value.func, cst.Name) and value.func.value == "len" or (
+                isinstance(value.func, cst.Attribute) and value.func.attr.value in ("size", "numel"))):
+            return False
+        return not isinstance(value, (cst.Integer, cst.Subscript, cst.Attribute))
+
+    def _step_number(self, loop: cst.For, statement: cst.CSTNode, value: cst.BaseExpression):
+        """The step number `value` is (`loss.item()`), or the one a name of the step holds
+        (`loss_value = loss.item()` directly in the loop's body, before `statement`), or None."""
+        ctx = self.ctx
+        if _number_of_step(ctx, value):
+            return value
+        if not isinstance(value, cst.Name) or not isinstance(loop.body, cst.IndentedBlock):
+            return None
+        body = list(loop.body.body)
+        top = statement
+        while top is not None and ctx.parent(top) is not loop.body:
+            top = ctx.parent(top)
+        if top not in body:
+            return None
+        for s in reversed(body[:body.index(top)]):
+            if isinstance(s, cst.SimpleStatementLine) and len(s.body) == 1 and isinstance(s.body[0], cst.Assign):
+                a = s.body[0]
+                if len(a.targets) == 1 and isinstance(a.targets[0].target, cst.Name) \
+                        and a.targets[0].target.value == value.value:
+                    return a.value if _number_of_step(ctx, a.value) else None
+            if value.value in binds(ctx, s):
+                return None  # bound again, or in a block: not one value of the step
+        return None
 
     def _step_prints(self) -> None:
         """`print(f"step {i} loss {loss.item():.4f}")` every N steps of a training loop over a
