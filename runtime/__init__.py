@@ -29,6 +29,7 @@ helper is collective-free and safe inside ``if tm.is_main():`` blocks.
 from __future__ import annotations
 
 import atexit
+import collections
 import builtins
 import contextlib
 import copy
@@ -1718,12 +1719,34 @@ def GradScaler(enabled=None, dtype=None, **kwargs) -> torch.amp.GradScaler:
     dev_type = device().type
     if enabled is None:
         enabled = dev_type == "cuda" and amp_dtype(dtype) == torch.float16
-    scaler = torch.amp.GradScaler(dev_type, enabled=bool(enabled), **kwargs)
+    scaler = _Scaler(dev_type, enabled=bool(enabled), **kwargs)
     _SCALERS.append(weakref.ref(scaler))
     return scaler
 
 
 _SCALERS: list = []  # weak references to the GradScalers made by GradScaler(), oldest first
+
+
+class _Scaler(torch.amp.GradScaler):
+    """``torch.amp.GradScaler`` that, like a plain ``optimizer.step()``, lets a step without
+    gradients pass: an optimizer whose parameters got no gradient this step (a GAN's other model,
+    a head the loss skipped) has nothing to step, where torch's scaler asserts "No inf checks were
+    recorded for this optimizer" (and ``update()`` after only such steps, "No inf checks were
+    recorded prior to update")."""
+
+    def step(self, optimizer, *args, **kwargs):
+        if self.is_enabled() and not any(p.grad is not None for g in optimizer.param_groups for p in g["params"]):
+            return None
+        return super().step(optimizer, *args, **kwargs)
+
+    def update(self, new_scale=None):
+        if self.is_enabled() and new_scale is None and self._scale is not None and not any(
+                state["found_inf_per_device"] for state in self._per_optimizer_states.values()):
+            from torch.amp.grad_scaler import _refresh_per_optimizer_state
+
+            self._per_optimizer_states = collections.defaultdict(_refresh_per_optimizer_state)
+            return  # nothing was stepped through the scaler: its scale stays
+        return super().update(new_scale)
 
 
 def grad(outputs, inputs, grad_outputs=None, scaler=None, **kwargs):

@@ -857,3 +857,26 @@ def test_to_device_moves_tensors_and_keeps_everything_else():
     assert torch.equal(moved, x) and moved.device == tm.device()
     assert tm.to_device(x).device == tm.device()  # one value: that value, not a tuple
     assert tm.to_device(5) == 5
+
+
+def test_grad_scaler_lets_a_step_without_gradients_pass():
+    """An optimizer whose parameters got no gradient this step (the other model of a GAN step):
+    torch's scaler asserts "No inf checks were recorded"; tm's steps nothing, as optimizer.step()
+    would, and its scale stays. A step with gradients still goes through the scaler."""
+    scaler = tm.GradScaler(enabled=True)
+    used, idle = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2))
+    opt_used, opt_idle = torch.optim.SGD([used], lr=0.5), torch.optim.SGD([idle], lr=0.5)
+    scale = scaler.get_scale()
+    for _ in range(2):
+        opt_used.zero_grad(), opt_idle.zero_grad()
+        scaler.scale((used * 2).sum()).backward()
+        scaler.step(opt_idle)  # no gradient: nothing to do
+        scaler.step(opt_used)
+        scaler.update()
+    assert torch.equal(idle.detach(), torch.ones(2))
+    assert torch.allclose(used.detach(), torch.ones(2) - 2 * 0.5 * 2)
+    opt_idle.zero_grad()
+    scaler.scale(idle.detach().sum() * 0 + torch.tensor(1.0, requires_grad=True)).backward()
+    scaler.step(opt_idle)
+    scaler.update()  # only a step without gradients since the last update: the scale stays
+    assert scaler.get_scale() >= scale
