@@ -12,7 +12,8 @@ batch and TM305 scales the learning rate instead (`model/plan.py` finds the opti
 
 A loader whose batch size cannot be found or divided safely keeps its batch and gets a TODO:
 a batch sampler (or a `batch_sampler=` that TM201 shards whole), batch sizes hidden in
-`**kwargs` or left at the default of one sample, and a training loop that reads the batch size
+`**kwargs` (other than a dict literal bound once in the loader's scope, whose `"batch_size"`
+entry is divided) or left at the default of one sample, and a training loop that reads the batch size
 as a count (`seen += args.batch_size`), or a program that builds a model or loss of its own
 from the batch size (`NTXentLoss(device, config.batch_size)`, `init_hidden(batch_size)`,
 `ModuleView.batch_consumers`), which would no longer match the batches. A loop that
@@ -29,6 +30,7 @@ from typing import List, Optional
 import libcst as cst
 
 from torchmigrate.program.loaders import Loader, bind_args, loader_facts
+from torchmigrate.program.scopes import assignments, scope_of
 from torchmigrate.rule import Context
 from torchmigrate.rules.data.plan import data_plan
 from torchmigrate.syntax.nodes import code
@@ -41,7 +43,8 @@ class BatchSite:
     """A training loader this run shards, and what happens to its batch size."""
 
     loader: Loader
-    size: Optional[cst.Arg]  # the `batch_size` argument (positional or keyword)
+    # the `batch_size` argument (positional or keyword), or its entry in the `**params` dict
+    size: Optional[cst.CSTNode]
     kept: str = ""  # why the batch stays per rank (a TODO); "" when it is divided
     # the loop's reads of the batch size as a tensor's shape, divided with it
     # (`torch.randn(args.batch_size, nz)` -> `torch.randn(tm.per_rank_batch(args.batch_size), nz)`)
@@ -85,7 +88,7 @@ def _decide(ctx: Context) -> List[BatchSite]:
         if loader.kind == "eval" or not _sharded_here(loader, decided):
             continue
         args = bind_args(loader.call) or {}
-        size = args.get("batch_size")
+        size = args.get("batch_size") or _size_in_kwargs(ctx, loader.call)
         if size is not None and DIVIDED in code(size.value):
             continue  # migrated already
         shapes = [u for u in loader.batch_uses if _shape_of_batch(ctx, u)]
@@ -93,6 +96,29 @@ def _decide(ctx: Context) -> List[BatchSite]:
         kept = _sized_elsewhere(ctx, size) or _kept(loader, size, args, shapes_divided=divided)
         sites.append(BatchSite(loader, size, kept, [] if kept else shapes))
     return sites
+
+
+def _size_in_kwargs(ctx: Context, call: cst.Call):
+    """The `"batch_size": value` entry (or `batch_size=value` of `dict(...)`) of the dict a
+    loader takes as `**params`, where its scope binds that name once, to a literal
+    (`training_params = {"batch_size": opt.batch_size, "shuffle": True}`): the batch size is
+    divided there (a loader of the other split sharing the dict loads smaller batches, with the
+    same results). None where the dict is not such a literal."""
+    star = [a.value for a in call.args if a.star == "**" and isinstance(a.value, cst.Name)]
+    if len(star) != 1:
+        return None
+    bound = assignments(ctx).get((scope_of(ctx, call), star[0].value), [])
+    if len(bound) != 1 or len(bound[0].targets) != 1:
+        return None
+    value = bound[0].value
+    if isinstance(value, cst.Dict):
+        found = [e for e in value.elements if isinstance(e, cst.DictElement) and isinstance(e.key, cst.SimpleString)
+                 and e.key.evaluated_value == "batch_size"]
+        return found[0] if len(found) == 1 else None
+    if isinstance(value, cst.Call) and isinstance(value.func, cst.Name) and value.func.value == "dict":
+        found = [a for a in value.args if a.keyword is not None and a.keyword.value == "batch_size"]
+        return found[0] if len(found) == 1 else None
+    return None
 
 
 # Calls whose positional arguments (or `size=`) give a tensor's shape: the batch size there is
@@ -103,7 +129,7 @@ _SHAPE_FUNCS = frozenset({"view", "reshape", "expand", "randn", "rand", "zeros",
                           "randperm", "eye", "FloatTensor", "LongTensor", "Tensor"})
 
 
-def _sized_elsewhere(ctx: Context, size: Optional[cst.Arg]) -> str:
+def _sized_elsewhere(ctx: Context, size: Optional[cst.CSTNode]) -> str:
     """The program builds a model or loss of its own from this batch size (`NTXentLoss(device,
     config.batch_size)`, `init_hidden(batch_size)`): it expects the configured batch, which a
     rank's share would not match; or its loss compares the samples of a batch with each other
@@ -152,7 +178,7 @@ def _sharded_here(loader: Loader, decided) -> bool:
     return decided.status == "custom" and decided.sampler == "distributed"
 
 
-def _kept(loader: Loader, size: Optional[cst.Arg], args, shapes_divided: bool = False) -> str:
+def _kept(loader: Loader, size: Optional[cst.CSTNode], args, shapes_divided: bool = False) -> str:
     """Why the loader's batch size cannot be divided here ("" when it can; `shapes_divided`:
     the loop's reads of it are shapes, divided with it)."""
     if loader.custom_param == "batch_sampler":
