@@ -242,7 +242,7 @@ def test_tm103_batches_follow_the_wrapped_model(tmp_path, codes, ok):
     """tm.wrap_model moves the model to tm.device(); in a file that never moves anything the
     batches must follow. Without a GPU, a "meta" tm.device() shows the mismatch just the same."""
     out = run(_BATCH_SCRIPT, *codes).new_source
-    assert ("inputs, labels = inputs.to(tm.device()), labels.to(tm.device())" in out) is ok
+    assert ("inputs, labels = tm.to_device(inputs, labels)" in out) is ok
     probe = tmp_path / "probe.py"
     probe.write_text(out.replace("import torchmigrate.runtime as tm\n",
                                  "import torchmigrate.runtime as tm\n"
