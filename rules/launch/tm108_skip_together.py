@@ -18,15 +18,29 @@ from torchmigrate.program.ranks import rank_polarity
 from torchmigrate.rules._active import active
 from torchmigrate.rules.metrics.plan import ranks_mean
 
-_LOOP_EXITS = (cst.Continue, cst.Break)
+_LOOP_EXITS = (cst.Continue, cst.Break, cst.Return, cst.Raise)
+_PROCESS_EXITS = frozenset({"sys.exit", "exit", "quit", "os._exit"})
+
+
+def _leaves(ctx, small: cst.CSTNode) -> bool:
+    """`continue`, `break`, `return`, `raise`, or `sys.exit(...)`/`exit()`: the rank leaves the
+    step (or the loop, or the run) here."""
+    if isinstance(small, _LOOP_EXITS):
+        return True
+    if isinstance(small, cst.Expr) and isinstance(small.value, cst.Call):
+        func = small.value.func
+        return (ctx.resolve(func) or dotted(func) or "") in _PROCESS_EXITS
+    return False
 
 
 class RankSkips(Rule):
     """
     ## What it does
     - In a training loop, `if <test on this batch or its loss>: continue` before the backward
-      pass (or `break` anywhere in the loop) becomes `if tm.any_rank(<test>): continue`: when
-      any rank skips the step (or leaves the loop), every rank does.
+      pass (or `break`, `return`, `raise`, `sys.exit(1)` anywhere in the loop, after calls that
+      print or log why) becomes `if tm.any_rank(<test>): ...`: when any rank skips the step (or
+      leaves the loop, or ends the run: DeiT's `if not math.isfinite(loss_value): sys.exit(1)`),
+      every rank does.
     - A `try:` around the forward/backward whose `except` skips the step (`continue`, the
       classic out-of-memory handler) is reported: one rank skipping leaves the others waiting.
     - `scheduler.step(val_loss)` of a `ReduceLROnPlateau` (built in this file, or a receiver
@@ -138,16 +152,23 @@ class RankSkips(Rule):
         smalls: List[cst.CSTNode] = []
         for line in test_if.body.body:  # an indented block's lines, or a one-line suite's statements
             smalls += list(line.body) if isinstance(line, cst.SimpleStatementLine) else [line]
-        if test_if.orelse is not None or len(smalls) != 1 or not isinstance(smalls[0], _LOOP_EXITS):
+        if test_if.orelse is not None or not smalls or not _leaves(ctx, smalls[-1]):
             return
-        if isinstance(smalls[0], cst.Continue) and not before:
+        if isinstance(smalls[-1], cst.Continue) and not before:
             return  # after this step's backward: the step was taken on every rank
         test = test_if.test
         if rank_polarity(test) is not None or not (names_in(test) & data) or collective_guard(ctx, test_if) is not None:
             return
         if isinstance(test, cst.Call) and (cst.helpers.get_full_name_for_node(test.func) or "").endswith("any_rank"):
             return
-        what = "continue" if isinstance(smalls[0], cst.Continue) else "break"
+        last = smalls[-1]
+        if not all(isinstance(s, cst.Expr) and isinstance(s.value, cst.Call) for s in smalls[:-1]):
+            # more than a message before the exit (`nan_steps += 1`): every rank would run it
+            self.report(test_if, f"a rank that takes this `{code(last)}` on its own misses a backward pass while the "
+                                 "others wait for it in the gradient all-reduce: decide on every rank, "
+                                 f"`if {ctx.tm}.any_rank({code(test)}):`, and keep per-rank counts apart")
+            return
+        what = "continue" if isinstance(last, cst.Continue) else "break" if isinstance(last, cst.Break) else code(last)
         self.report(test_if, f"a rank that takes this `{what}` on its own misses a backward pass while the others "
                              f"wait for it in the gradient all-reduce: take it on every rank when any rank does",
                     edits=[replace(test, lambda t: cst.Call(func=cst.parse_expression(f"{ctx.tm}.any_rank"),
