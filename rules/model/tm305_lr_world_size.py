@@ -43,8 +43,11 @@ class LrWorldSize(ModelRule):
     TODO where a scheduler sets the learning rate itself (`OneCycleLR(max_lr=...)`).
 
     Where the batch size cannot be found or divided safely, the loader keeps its batch and gets
-    a TODO: a `batch_sampler=`, a batch size in `**kwargs` or left at one sample, a training
-    loop that reads the batch size as a count (`seen += args.batch_size`). A loop that reads it
+    a TODO: a `batch_sampler=`, a batch size in `**kwargs` (a dict literal bound once in the
+    loader's function has its `"batch_size"` entry divided instead) or left at one sample, a
+    training loop that reads the batch size as a count (`seen += args.batch_size`), a program
+    whose loss compares the samples of a batch with each other (a contrastive loss: over a rank's
+    share each sample would see fewer negatives; `program.batch_coupling`). A loop that reads it
     only as a tensor's shape (GAN noise `torch.randn(args.batch_size, nz)`, labels
     `torch.ones(args.batch_size, 1)`, `out.view(args.batch_size, -1)`) gets
     `tm.per_rank_batch(args.batch_size)` there too: those tensors are this rank's batch. A program whose
