@@ -48,7 +48,8 @@ class GatherListMean(Rule):
 
     In `ddp`, a print or log call of a training loop over a sharded loader that shows the step's
     loss or batch metric (`print(f"step {i} loss {loss.item():.4f}")`, `logger.info("loss %.3f",
-    loss.item())`) shows the ranks' mean, `tm.all_reduce(loss.item(), op="mean")`: only numbers
+    loss.item())`, `writer.add_scalar("train/loss", loss.item(), step)`, `wandb.log(...)`) shows
+    the ranks' mean, `tm.all_reduce(loss.item(), op="mean")`: only numbers
     named like a loss or an averaged metric, only where every rank prints in the same steps (under
     tests of the loop's index, counters and settings, not of its data).
 
@@ -256,9 +257,10 @@ class GatherListMean(Rule):
         ctx = self.ctx
         for call, name in analysis.facts(ctx).calls:
             builtin = name is None and isinstance(call.func, cst.Name) and call.func.value == "print"
-            if not (builtin or name in _PRINTS or (name is None and isinstance(call.func, cst.Attribute)
-                                                   and call.func.attr.value in ("info", "log")
-                                                   and "log" in (dotted(call.func.value) or "").lower())):
+            method = call.func.attr.value if isinstance(call.func, cst.Attribute) else ""
+            if not (builtin or name in _PRINTS or (name is None and method in ("info", "log")
+                                                   and "log" in (dotted(call.func.value) or "").lower())
+                    or method in _SCALAR_LOGS):
                 continue
             loop = _training_step_loop(ctx, call)
             if loop is None or collective_guard(ctx, call) is not None:
@@ -342,7 +344,9 @@ class GatherListMean(Rule):
         return nxt is not None and "reduce_meter(" in code(nxt) and any(n in code(nxt) for n in names)
 
 
-_PRINTS = frozenset({"print", RUNTIME + ".print", "logging.info", "logging.log"})
+_PRINTS = frozenset({"print", RUNTIME + ".print", "logging.info", "logging.log", "wandb.log"})
+# methods that log a step's number to a dashboard: `writer.add_scalar("loss", loss.item(), step)`
+_SCALAR_LOGS = frozenset({"add_scalar", "add_scalars", "log_metrics", "log_metric"})
 _METRIC_NAME = re.compile(r"(?i)(loss|err|nll|kld?\b|bpd|psnr|ssim|ppl|perplex|mse|mae|acc)")
 
 
