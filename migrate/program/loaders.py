@@ -917,6 +917,18 @@ class LoaderFacts:
                      if (site := _iteration_site(node, ctx)) is not None}
             loader.ordered = next((text for fn, text in reads[id(loader)] if fn in loops), None)
 
+    def training_loops(self) -> List[cst.CSTNode]:
+        """The loops of this module that run a backward pass themselves (not in a loop nested in
+        them): the training steps, however they get their batches."""
+        ctx = self.ctx
+        found = []
+        for call in ctx.nodes(cst.Call):
+            if analysis.is_backward(call):
+                loop = ctx.enclosing(call, cst.For, cst.While, cst.FunctionDef)
+                if isinstance(loop, (cst.For, cst.While)) and loop not in found:
+                    found.append(loop)
+        return found
+
     def _sized_by_batch(self) -> None:
         """Set `Loader.sized_by` where a loop over the loader reads the loader's own batch size
         expression (a name or attribute, not a literal) as a value: the code assumes full
@@ -929,11 +941,19 @@ class LoaderFacts:
             text = code(size.value) if size is not None and isinstance(size.value, (cst.Name, cst.Attribute)) else None
             if text is None:
                 continue
+            bodies = []
             for node, _ref in self.uses(lambda x: x is loader):
                 site = _iteration_site(node, ctx)
                 body = getattr(site, "body", None) if isinstance(site, cst.For) else None
+                if body is not None:
+                    bodies.append(body)
+            # a training loop that draws its batches some other way (`real = next(looper)` from
+            # `infiniteloop(loader)`, `for step in range(total_steps)`): the noise and labels it
+            # sizes by the same expression are this rank's batch too
+            bodies += [loop.body for loop in self.training_loops() if loop.body not in bodies]
+            for body in bodies:
                 uses = [n for n in ctx.within(body, type(size.value)) if code(n) == text and not _name_part(ctx, n)
-                        and not _logged(ctx, n)] if body is not None else []
+                        and not _logged(ctx, n)]
                 if uses:
                     loader.batch_read = text
                     known = {id(u) for u in loader.batch_uses}

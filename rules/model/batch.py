@@ -151,7 +151,9 @@ def _shape_of_batch(ctx: Context, use: cst.CSTNode) -> bool:
     """`use` (the batch size expression) is a dimension of a tensor made or reshaped here."""
     node = use
     parent = ctx.parent(node)
-    while isinstance(parent, (cst.Element, cst.Tuple, cst.List)):  # `torch.zeros((bs, 1))`
+    # `torch.zeros((bs, 1))`, `torch.randn(bs * 2, nz)`: a dimension made from the batch size
+    while isinstance(parent, (cst.Element, cst.Tuple, cst.List)) or (
+            isinstance(parent, cst.BinaryOperation) and isinstance(parent.operator, (cst.Multiply, cst.FloorDivide))):
         node, parent = parent, ctx.parent(parent)
     if not isinstance(parent, cst.Arg) or parent.star or (parent.keyword is not None and parent.keyword.value != "size"):
         return False
