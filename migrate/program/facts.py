@@ -410,6 +410,8 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
     wrappers = {key: w for key, kind in kinds.items() if kind == OTHER
                 and (w := optimizer_wrapper(modules[key[0]].classes[key[1]])) is not None}
     own_functions = {(p, name) for p, m in modules.items() for name in m.functions if "." not in name}
+    clippers = {(p, name) for p, m in modules.items() for name, f in m.functions.items()
+                if "." not in name and _clips(f)}
     own_classes = {(p, name) for p, m in modules.items() for name in m.classes}
     dp_classes = {(p, name): _dp_module_position(c) for p, m in modules.items() for name, c in m.classes.items()
                   if _dp_subclass(c)}
@@ -463,6 +465,7 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
             amp_hazards=amp_hazards.for_module(path, precision),
             batch_coupled=frozenset({coupled} if coupled else ()),
             own_functions=frozenset(_spellings(m, modules, {k for k in own_functions if k[0] != path})),
+            clip_helpers=frozenset(_spellings(m, modules, {k for k in clippers if k[0] != path})),
             own_classes=frozenset(_spellings(m, modules, {k for k in own_classes if k[0] != path})),
             dp_classes={spelled: dp_classes[key] for key in dp_classes
                         for spelled in _spellings(m, modules, {key})},
@@ -988,6 +991,14 @@ def _dp_module_position(klass: ast.ClassDef) -> int:
                     return i
             return len(names) if item.args.vararg is not None else 0
     return 0
+
+
+_CLIPS = frozenset({"clip_grad_norm_", "clip_grad_value_", "clip_grad_norm"})
+
+
+def _clips(func: ast.AST) -> bool:
+    """A function that clips gradients (`torch.nn.utils.clip_grad_norm_(...)` in its body)."""
+    return any(isinstance(n, ast.Call) and (dotted_name(n.func) or "").rsplit(".", 1)[-1] in _CLIPS for n in walk(func))
 
 
 def _spellings(m: _Module, modules: Dict[Path, _Module], classes: Set[Tuple[Path, str]]) -> Set[str]:

@@ -742,7 +742,7 @@ class TrainingFacts:
 
     def grad_consumers(self) -> List[Tuple[cst.CSTNode, cst.CSTNode, bool]]:
         """The statements of the training functions that use gradients: clipping (also through
-        a clipping helper of this file), then gradient reads between backward and step (see
+        a clipping helper of this file or of another module, `ModuleView.clip_helpers`), then gradient reads between backward and step (see
         `grad_reads`), each statement once, as (statement, function, whether it clips apex's
         `amp.master_params(...)`)."""
         ctx = self.ctx
@@ -750,7 +750,8 @@ class TrainingFacts:
         helper_clips = self.clip_helpers()
         seen_stmt: Set[cst.CSTNode] = set()
         for call, name in self.facts.calls:
-            is_clip = name in CLIP or (isinstance(call.func, cst.Name) and call.func.value in helper_clips)
+            is_clip = name in CLIP or (isinstance(call.func, cst.Name) and call.func.value in helper_clips) or (
+                dotted(call.func) in ctx.program.clip_helpers)
             if not is_clip:
                 continue
             scope = scope_of(ctx, call)

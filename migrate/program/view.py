@@ -44,6 +44,9 @@ class ModuleView:
     # the module-level functions and the classes that other modules of the program define, as
     # this module spells them (`focal_loss`, `losses.FocalLoss`): the project's code, not a library's
     own_functions: FrozenSet[str] = frozenset()
+    # ... and those of them that clip gradients (`utils.clip_gradient(optimizer, 5.0)`): under a
+    # GradScaler their call needs the gradients unscaled first, as a clip in this module does
+    clip_helpers: FrozenSet[str] = frozenset()
     own_classes: FrozenSet[str] = frozenset()
     # the program's model classes whose forward() returns a tuple, as this module spells them ->
     # the `self.` submodules each returned element depends on (an unused head: TM303)
