@@ -727,7 +727,14 @@ class _DDP(_ModuleFace, DistributedDataParallel):
 
     def _tm_decide(self, touched: set) -> None:
         """After the first training backward: DDP's reducer if every parameter got a gradient
-        on every rank, else averaging after each backward (with one warning on rank 0)."""
+        on every rank, else averaging after each backward (with one warning on rank 0). First,
+        parameters that the first forward set from each rank's own batch (a data-dependent
+        init: Glow's ActNorm, weight-norm or codebook initialisation, `param.data.copy_(...)` on
+        the first call) take rank 0's values, as one process took its first batch's; the
+        averaged gradients then keep them equal. No optimizer has stepped yet."""
+        params = list(self.module.parameters())
+        if _differ_across_ranks(params):
+            _broadcast_tensors(params)
         mine = torch.zeros(len(self._tm_params), dtype=torch.int32)
         mine[sorted(touched)] = 1
         everywhere = all_reduce(mine, op="min")

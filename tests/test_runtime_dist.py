@@ -405,6 +405,11 @@ def test_weights_used_before_the_wrappers_first_forward_are_not_written_in_place
     assert r0["tabular"] == pytest.approx(r1["tabular"], rel=1e-6, abs=1e-7)
 
 
+def test_a_data_dependent_init_in_the_first_forward_ends_equal_on_every_rank(nets):
+    r0, r1 = nets["r"]  # (ActNorm's bias set from each rank's own first batch)
+    assert r0["data_init"] == pytest.approx(r1["data_init"], rel=1e-6, abs=1e-7)
+
+
 def test_a_scripted_model_is_wrapped_and_trains_in_step(nets):
     r0, r1 = nets["r"]
     assert r0["scripted"] == pytest.approx(r1["scripted"], rel=1e-6, abs=1e-7)

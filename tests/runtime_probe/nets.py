@@ -64,6 +64,23 @@ class Tabular(nn.Module):
         return self.head(self.transformer(x))
 
 
+class ActNormed(nn.Module):
+    """Glow's ActNorm: its first training forward sets the bias from the batch it sees."""
+
+    def __init__(self):
+        super().__init__()
+        self.bias = nn.Parameter(torch.zeros(4))
+        self.register_buffer("initialized", torch.zeros(1))
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x):
+        if self.training and self.initialized.item() == 0:
+            with torch.no_grad():
+                self.bias.data.copy_(-x.mean(0))
+                self.initialized += 1
+        return self.fc(x + self.bias)
+
+
 class Bypassed(nn.Linear):
     """A model the probe trains around its wrapper."""
 
@@ -136,6 +153,15 @@ def main(outdir):
         late(torch.randn(6, 4, generator=g)).pow(2).mean().backward()
         opt.step()
     res["late_init"] = flat(late.module)
+
+    # a data-dependent init in the first forward, from each rank's own batch
+    normed = tm.wrap_model(ActNormed())
+    opt = torch.optim.SGD(normed.parameters(), lr=0.1)
+    for _ in range(2):
+        opt.zero_grad()
+        normed(torch.randn(6, 4) + tm.rank()).pow(2).mean().backward()
+        opt.step()
+    res["data_init"] = flat(normed.module)
 
     # word2vec: sparse embedding gradients trained by SparseAdam, with and without a head the
     # loss never reads (the second averages by hand every step, the first only the probe step)
