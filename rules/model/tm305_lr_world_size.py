@@ -20,6 +20,22 @@ _OWN_LR_SCHEDULERS = ("torch.optim.lr_scheduler.OneCycleLR", "torch.optim.lr_sch
 _TIGHT = (cst.Name, cst.Attribute, cst.Integer, cst.Float, cst.Call, cst.Subscript)
 
 
+def _batch_count(value: cst.BaseExpression) -> bool:
+    """`x.size(0)`, `x.shape[0]`, `len(x)`: the number of samples in a batch tensor (not the
+    configured batch size, which stays the global one)."""
+    if isinstance(value, cst.Call):
+        func = value.func
+        if isinstance(func, cst.Attribute) and func.attr.value == "size" and len(value.args) == 1 \
+                and isinstance(value.args[0].value, cst.Integer) and value.args[0].value.value == "0":
+            return True
+        return isinstance(func, cst.Name) and func.value == "len" and len(value.args) == 1 \
+            and isinstance(value.args[0].value, (cst.Name, cst.Attribute, cst.Subscript))
+    if isinstance(value, cst.Subscript) and isinstance(value.value, cst.Attribute) and value.value.attr.value == "shape":
+        index = value.slice[0].slice if value.slice else None
+        return isinstance(index, cst.Index) and isinstance(index.value, cst.Integer) and index.value.value == "0"
+    return False
+
+
 class LrWorldSize(ModelRule):
     """
     ## What it does
@@ -53,6 +69,11 @@ class LrWorldSize(ModelRule):
     `tm.per_rank_batch(args.batch_size)` there too: those tensors are this rank's batch. A program whose
     training batches come from no DataLoader (a hand-made iterator, a loader a library builds)
     gets the TODO at its optimizer. Evaluation loaders keep their batch size.
+
+    A counter of the samples trained on that outlives the training loop (`global_step +=
+    x.size(0)` before `scheduler.step(global_step)`, `self.samples_seen += len(x)`) counts every
+    rank's share of the step, `x.size(0) * tm.world_size()`: warm-ups, schedules, stopping rules
+    and dashboards that read it keep their meaning.
 
     In `lint`, the rule reports the optimizers of user-written DDP models whose learning rate
     and batch size do not involve the world size.
@@ -115,6 +136,8 @@ class LrWorldSize(ModelRule):
         ctx = self.ctx
         for site in batch_sites(ctx):
             self._batch(site)
+        if ctx.options.mode == "ddp" and ctx.options.shard_training:
+            self._sample_counters()
         if ctx.options.mode == "ddp" and ctx.options.batch_policy == "per-gpu":
             for optimizer, lr in p.lr_sites:
                 self._scale(optimizer, lr)
@@ -150,6 +173,36 @@ class LrWorldSize(ModelRule):
                                      "keep their meaning (batch policy `global`; `--batch-policy per-gpu` keeps each "
                                      f"rank's batch and scales the learning rate instead){shapes}",
                     edits=edits, imports=[self.ctx.runtime_import()])
+
+    def _sample_counters(self) -> None:
+        """`global_step += x.size(0)` in a training loop over sharded data, on a counter that
+        outlives the loop (set before the epoch loop, or an attribute): it counts the samples
+        trained on, which a schedule, a warm-up, a stopping rule or a dashboard's x-axis reads.
+        Each rank now sees its share of every step's samples, so the counter adds the step's
+        samples on every rank (`x.size(0) * tm.world_size()`: the shares are equal). A count
+        reset for the loop (`total += y.size(0)` beside `correct`) is a metric, TM701's."""
+        ctx = self.ctx
+        from torchmigrate.program.metrics import initial_value, trains_itself
+        from torchmigrate.rules.metrics.plan import loop_sharding
+
+        for aug in ctx.nodes(cst.AugAssign):
+            if not isinstance(aug.operator, cst.AddAssign) or not _batch_count(aug.value):
+                continue
+            loop = ctx.enclosing(aug, cst.For, cst.While, cst.FunctionDef)
+            if not isinstance(loop, cst.For) or not trains_itself(ctx, loop) or loop_sharding(ctx, loop) != "sharded":
+                continue
+            target = aug.target
+            if isinstance(target, cst.Name) and initial_value(ctx, loop, target.value)[0]:
+                continue  # reset for this loop: a metric's count
+            if not isinstance(target, (cst.Name, cst.Attribute)):
+                continue
+            counted = code(aug.value)
+            self.report(aug, f"`{code(target)}` counts the samples trained on, but `{counted}` is now this rank's share of "
+                             f"the step: count every rank's (`{counted} * {ctx.tm}.world_size()`), so schedules and "
+                             "limits that read it keep their meaning",
+                        edits=[replace(aug.value, lambda v: cst.BinaryOperation(
+                            left=v, operator=cst.Multiply(), right=cst.parse_expression(f"{ctx.tm}.world_size()")))],
+                        imports=[ctx.runtime_import()])
 
     def _scale(self, optimizer: Optimizer, lr: Optional[cst.Arg]) -> None:
         """Batch policy per-gpu: the learning rate grows with the global batch (linear scaling)."""
