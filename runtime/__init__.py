@@ -64,7 +64,7 @@ __all__ = [
     "amp_dtype", "autocast", "GradScaler", "print", "input", "bar_stream", "barrier", "all_reduce", "gather_for_metrics", "gather_list", "broadcast_object", "shared_generator", "grad", "any_rank", "share_params", "sync_grads", "shard_stream",
     "shard_sampler", "reduce_meter", "per_rank_batch", "sync_batchnorm", "synced", "to_float32",
     "save", "load", "strip_prefix", "load_state_dict", "seed_everything", "seed_per_rank", "main_only", "main_process_first",
-    "shard_range", "shard_indices", "shard_mean", "shard_batches", "to_device",
+    "shard_range", "shard_indices", "shard_mean", "shard_batches", "to_device", "as_device",
 ]
 
 
@@ -1704,6 +1704,18 @@ def to_float32(value):
     if isinstance(value, (list, tuple)):
         return type(value)(to_float32(v) for v in value)
     return value
+
+
+def as_device(spec) -> torch.device:
+    """The device ``spec`` names, with a GPU of any number (``0``, ``"cuda"``, ``"cuda:1"``, a CUDA
+    ``torch.device``) read as this process's own, ``device()``: what a single-GPU program means
+    by "the GPU" is the rank's GPU under torchrun. Anything else (``"cpu"``, ``"mps"``) is
+    ``torch.device(spec)``. Migrated code uses it where a device is made from a value the
+    analysis cannot see (``torch.device(t)`` for ``t`` in the program's device list)."""
+    kind = spec.type if isinstance(spec, torch.device) else (
+        "cuda" if isinstance(spec, int) and not isinstance(spec, bool) and spec >= 0 else
+        spec.split(":", 1)[0] if isinstance(spec, str) else None)
+    return device() if kind == "cuda" else torch.device(spec)
 
 
 def to_device(*values):

@@ -880,3 +880,10 @@ def test_grad_scaler_lets_a_step_without_gradients_pass():
     scaler.step(opt_idle)
     scaler.update()  # only a step without gradients since the last update: the scale stays
     assert scaler.get_scale() >= scale
+
+
+def test_as_device_reads_any_gpu_as_this_process_own():
+    for spec in (0, 3, "cuda", "cuda:1", torch.device("cuda", 2)):
+        assert tm.as_device(spec) == tm.device()
+    assert tm.as_device("cpu") == torch.device("cpu")
+    assert tm.as_device(torch.device("meta")) == torch.device("meta")

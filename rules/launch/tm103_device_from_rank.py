@@ -118,6 +118,8 @@ class DeviceFromRank(Rule):
       GPU before anything is allocated) and otherwise gets `tm.device()` as its argument.
     - `os.environ["CUDA_VISIBLE_DEVICES"] = ...` writes and `torch.cuda.device(N)` blocks are
       reported for a manual change.
+    - In `ddp`, `torch.device(x)` of a value this file cannot see (a loop over the program's
+      device list, a parameter) becomes `tm.as_device(x)`: any GPU it names is the rank's own.
     - GPU indices where a device is expected: `.to(0)`, `.to(args.gpu)`, `torch.device(args.gpu)`
       and `device=args.gpu` / `device=0` keywords of any call (`BucketIterator(...,
       device=args.gpu)`; `device=-1`, the old "cpu", is kept) become `tm.device()`. A variable
@@ -451,6 +453,14 @@ class DeviceFromRank(Rule):
         kind = self._device_call_kind(call)
         if self._wrong(kind):
             self._fix(call, message, replace_with(call, self._tm_device()))
+        elif kind is None and len(call.args) == 1 and not call.args[0].keyword and not call.args[0].star \
+                and self.converting and self.ctx.options.mode == "ddp" and not _constant(first.value) \
+                and not self._in_map_location(call):
+            # a device made from a value this file cannot see (`torch.device(t)` for `t` in the
+            # program's list of devices, a parameter): any GPU it names is this rank's
+            self._fix(call, "a device made from a value the analysis cannot see: any GPU it names must be this "
+                            f"rank's (`{self.ctx.tm}.as_device`, cuda:LOCAL_RANK for any GPU, else as given)",
+                      replace(call, lambda c: c.with_changes(func=cst.parse_expression(f"{self.ctx.tm}.as_device"))))
 
     def _in_map_location(self, node: cst.CSTNode) -> bool:
         """Inside a `map_location=` argument (TM502 owns checkpoint loading)."""
