@@ -201,9 +201,11 @@ class GatherListMean(Rule):
                 continue
             values = [self._step_number(loop, statement, a.value) for a in call.args if not a.star]
             values = [v for v in values if v is not None]
-            if not values:
+            already = [a for a in call.args if isinstance(a.value, cst.Call)
+                       and ctx.resolve(a.value.func) == RUNTIME + ".all_reduce"]  # a second run
+            if not values and not already:
                 continue
-            if len(values) == len([a for a in call.args if self._is_value(a)]):
+            if len(values) + len(already) == len([a for a in call.args if self._is_value(a)]):
                 fed.add(code(func.value))
             edits = [ranks_mean(ctx, v) for v in values if v not in done and not _reduced(ctx, v)]
             done.update(values)
