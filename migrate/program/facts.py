@@ -172,12 +172,54 @@ def _batch_consumers(modules: Dict[Path, "_Module"], kinds) -> Dict[str, str]:
             hidden = isinstance(func, ast.Attribute) and func.attr in _HIDDEN_STATE
             if not hidden and (target is None or kinds.get(target) != MODULE):
                 continue
-            for a in [*node.args, *(k.value for k in node.keywords)]:
+            init = _init_of(modules, target) if target is not None and not hidden else None
+            passed = [(i, None, a) for i, a in enumerate(node.args)] + [(None, k.arg, k.value) for k in node.keywords]
+            for position, keyword, a in passed:
                 leaf = a.attr if isinstance(a, ast.Attribute) else a.id if isinstance(a, ast.Name) else None
-                if leaf and "batch_size" in leaf.lower():
-                    shown = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "call")
-                    out.setdefault(leaf, f"{path.name}:{node.lineno} {shown}(...)")
+                if not leaf or "batch_size" not in leaf.lower():
+                    continue
+                if init is not None and not _reads_param(modules, target, init, position, keyword):
+                    continue  # stored and never read (`self.batch_size = batch_size`): sizes nothing
+                shown = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "call")
+                out.setdefault(leaf, f"{path.name}:{node.lineno} {shown}(...)")
     return out
+
+
+def _init_of(modules: Dict[Path, "_Module"], target: Tuple[Path, str]) -> Optional[ast.AST]:
+    return modules[target[0]].functions.get(f"{target[1]}.__init__") if target[0] in modules else None
+
+
+_CONFIG_RECEIVERS = frozenset({"args", "opt", "opts", "config", "cfg", "conf", "flags", "hparams", "hp", "params",
+                               "options", "settings", "hyperparams"})
+
+
+def _reads_param(modules: Dict[Path, "_Module"], target: Tuple[Path, str], init: ast.AST,
+                 position: Optional[int], keyword: Optional[str]) -> bool:
+    """The class's `__init__` parameter that receives this argument is read for more than being
+    stored (`self.batch_size = batch_size`), or the attribute it is stored in is read somewhere in
+    the program (not on a configuration object): a model or loss sized by it. True when unsure."""
+    names = _params(init)
+    if keyword is not None:
+        param = keyword if keyword in names else None
+    else:
+        index = position + 1  # past `self`
+        param = names[index] if position is not None and index < len(names) else None
+    if param is None:
+        return True
+    stored: Set[str] = set()
+    for n in walk(init):
+        if isinstance(n, ast.Name) and n.id == param and isinstance(n.ctx, ast.Load):
+            parent_store = next((a for a in walk(init) if isinstance(a, ast.Assign) and a.value is n), None)
+            if parent_store is None or not all(isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name)
+                                               and t.value.id == "self" for t in parent_store.targets):
+                return True
+            stored |= {t.attr for t in parent_store.targets}
+    for m in modules.values():
+        for n in walk(m.tree):
+            if isinstance(n, ast.Attribute) and n.attr in stored and isinstance(n.ctx, ast.Load) and not (
+                    isinstance(n.value, ast.Name) and n.value.id.lower() in _CONFIG_RECEIVERS):
+                return True
+    return False
 
 
 def _library_of(path: Path, modules: Dict[Path, "_Module"], graph: Graph,
