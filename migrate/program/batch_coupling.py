@@ -85,12 +85,25 @@ def coupled_losses(trees: Dict[Path, ast.Module]) -> Optional[str]:
     """`file:line name()` of the first function of the program that compares the samples of a
     batch with each other (see the module's docstring), or None."""
     for path in sorted(trees):
-        for node in walk(trees[path]):
-            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                continue
-            pairwise = next((n for n in walk(node) if _pairwise(n)), None)
+        tree = trees[path]
+        scopes = [(n.name + "()", list(walk(n))) for n in walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+        scopes.append(("the script's top level", _top_level(tree)))
+        for name, nodes in scopes:
+            pairwise = next((n for n in nodes if _pairwise(n)), None)
             if pairwise is None:
                 continue
-            if any(isinstance(n, ast.Call) and _last(n.func) in _INDEXING for n in walk(node)):
-                return f"{path.name}:{pairwise.lineno} {node.name}()"
+            if any(isinstance(n, ast.Call) and _last(n.func) in _INDEXING for n in nodes):
+                return f"{path.name}:{pairwise.lineno} {name}"
     return None
+
+
+def _top_level(tree: ast.Module) -> list:
+    """The nodes of a module outside its functions and classes (a training script's loop)."""
+    out: list = []
+    stack = [s for s in tree.body if not isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))]
+    while stack:
+        node = stack.pop()
+        out.append(node)
+        stack.extend(c for c in ast.iter_child_nodes(node)
+                     if not isinstance(c, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)))
+    return out

@@ -14,6 +14,8 @@ CASES = {
     "einsum_rows": ("def f(a, b):\n    l = torch.einsum('nc,mc->nm', a, b)\n    return ce(l, torch.arange(len(a)))\n", True),
     "cosine_eye_mask": ("def f(z):\n    s = F.cosine_similarity(z.unsqueeze(1), z.unsqueeze(0), dim=2)\n"
                         "    mask = torch.eye(len(z))\n    return s[~mask]\n", True),
+    "script_top_level": ("for z1, z2 in loader:\n    logits = z1 @ z2.t() / 0.1\n"
+                         "    loss = F.cross_entropy(logits, torch.arange(z1.size(0)))\n", True),
     "batch_hard_triplet": ("def f(e):\n    d = torch.cdist(e, e)\n    d.fill_diagonal_(0)\n    return d.max(1)\n", True),
     # a Gram matrix of one sample's channels (style transfer): no per-sample targets or masks
     "style_gram": ("def gram(x):\n    b, c, h, w = x.size()\n    f = x.view(b * c, h * w)\n"
