@@ -479,8 +479,14 @@ def loop_sums(ctx: Context, loop: cst.For, names: List[str], exact: ExactDenomin
                     found.add(k)
                     if k is None and bad is None:
                         bad = a
+            # `train_loss /= len(loader)` rebinds the sum to its mean: what reads it afterwards
+            # (a print, a checkpoint dict) reads the mean
+            averaged_at = min((ctx.position(a) or 0 for a in ev.augs if isinstance(a.operator, _DIVISION_ASSIGNS)
+                               and not isinstance(a.operator, cst.MultiplyAssign)), default=None)
             for use in ev.uses:
                 divisions = _divisions_of(ctx, use)
+                if not divisions and averaged_at is not None and (ctx.position(use) or 0) > averaged_at:
+                    continue
                 if not divisions:
                     found.add("plain")
                 for d in divisions:
