@@ -941,6 +941,17 @@ def _per_rank_path(path: str) -> bool:
 
 
 _IGNORED_PREFIXES = ("/dev/", "/proc/", "/sys/")
+_TEMP_NAME = re.compile(r"^tmp[a-z0-9_]{8}$")  # tempfile's random names (mkdtemp, TemporaryDirectory)
+
+
+def _private_temp(path: str) -> bool:
+    """`path` lies in a temporary file or folder tempfile made for this process (a random
+    `tmpXXXXXXXX` name under the temporary directory): each rank writes its own."""
+    import tempfile
+
+    root = os.path.join(os.path.abspath(tempfile.gettempdir()), "")
+    full = os.path.abspath(path)
+    return full.startswith(root) and _TEMP_NAME.match(full[len(root):].split(os.sep, 1)[0]) is not None
 
 
 def _note_write(path) -> None:
@@ -952,7 +963,7 @@ def _note_write(path) -> None:
     except Exception:
         return
     if not path or path.startswith(_IGNORED_PREFIXES) or path.endswith((".pyc", ".lock")) \
-            or "__pycache__" in path or _per_rank_path(path):
+            or "__pycache__" in path or _per_rank_path(path) or _private_temp(path):
         return
     frame = _user_frame(sys._getframe(2))
     if frame is None:

@@ -887,3 +887,13 @@ def test_as_device_reads_any_gpu_as_this_process_own():
         assert tm.as_device(spec) == tm.device()
     assert tm.as_device("cpu") == torch.device("cpu")
     assert tm.as_device(torch.device("meta")) == torch.device("meta")
+
+
+def test_files_in_a_private_temporary_folder_are_not_shared_writes():
+    """A rank writing into a folder tempfile made for it (ROUGE's config) writes its own file."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        assert tm._private_temp(os.path.join(folder, "task.xml"))
+    assert not tm._private_temp(os.path.join(tempfile.gettempdir(), "results.txt"))
+    assert not tm._private_temp("results.txt")

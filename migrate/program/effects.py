@@ -71,6 +71,9 @@ _WRITER_CLASS_NAMES = frozenset({"SummaryWriter", "FileWriter"})
 _WRITER_CLASSES = frozenset({"tensorboard_logger.Logger", "logging.FileHandler",
                              "logging.handlers.RotatingFileHandler", "logging.handlers.TimedRotatingFileHandler"})
 _MKDIRS = frozenset({"os.makedirs", "os.mkdir", "pathlib.Path.mkdir"})
+# tempfile's calls that make a file or folder of the process's own (`gettempdir()` is shared)
+PRIVATE_TEMPS = frozenset({"tempfile.TemporaryDirectory", "tempfile.mkdtemp", "tempfile.mkstemp",
+                            "tempfile.NamedTemporaryFile", "tempfile.TemporaryFile", "tempfile.SpooledTemporaryFile"})
 _EXISTS = frozenset({"os.path.exists", "os.path.isdir", "os.path.isfile"})
 _READERS = frozenset({"json.load", "pickle.load", "numpy.load", "numpy.loadtxt", "torch.load", "yaml.load",
                       "yaml.safe_load", "PIL.Image.open", "cv2.imread", "imageio.imread", "imageio.v2.imread",
@@ -333,6 +336,7 @@ class _Reader:
         self.locals: Set[str] = set()  # names assigned here (values, not the program's)
         self.names = names.copy() if names is not None else _Names()
         self._exists = 0  # inside `if <a file exists test>:` blocks
+        self.temps: Set[str] = set()  # names of this process's own temporary files and folders
 
     def _body(self) -> List[ast.stmt]:
         return self.node.body if isinstance(self.node, _FUNCS) else [
@@ -346,6 +350,7 @@ class _Reader:
     def read(self) -> Scope:
         body = self._body()
         self._bind(body)
+        self.temps = self._private_temps(body)
         self._block(body, False, False)
         if isinstance(self.node, ast.Module):
             for d in self.node.body:  # a class body's statements run at import
@@ -527,7 +532,34 @@ class _Reader:
         for child in ast.iter_child_nodes(node):
             self._expr(child, guarded, ordered)
 
+    def _private_temps(self, body: List[ast.stmt]) -> Set[str]:
+        """Names bound to a temporary file or folder this process made for itself
+        (`with tempfile.TemporaryDirectory() as tmp`, `tmp = tempfile.mkdtemp()`) or to a value
+        built from one (`config = os.path.join(tmp, "task.xml")`): each rank writes its own."""
+        found: Set[str] = set()
+        nodes = [n for s in body for n in walk(s)]
+        for n in nodes:
+            if isinstance(n, ast.withitem) and isinstance(n.context_expr, ast.Call) \
+                    and self._resolve(n.context_expr.func) in PRIVATE_TEMPS and isinstance(n.optional_vars, ast.Name):
+                found.add(n.optional_vars.id)
+        assigns = [n for n in nodes if isinstance(n, ast.Assign)]
+        changed = True
+        while changed:
+            changed = False
+            for a in assigns:
+                targets = {t.id for t in a.targets if isinstance(t, ast.Name)}
+                if not targets or targets <= found:
+                    continue
+                made = isinstance(a.value, ast.Call) and self._resolve(a.value.func) in PRIVATE_TEMPS
+                if made or any(isinstance(n, ast.Name) and n.id in found for n in walk(a.value)):
+                    found |= targets
+                    changed = True
+        return found
+
     def _write(self, call: ast.Call, how: str, guarded: bool, ordered: bool, target: Optional[ast.AST] = None) -> None:
+        if target is not None and self.temps and any(
+                isinstance(n, ast.Name) and n.id in self.temps for n in walk(target)):
+            return  # in this process's own temporary folder: not a file the ranks share
         self.scope.kinds.add(WRITE)
         if isinstance(target, ast.Name) and target.id in self.names.handles or (
                 isinstance(target, ast.Call) and self._resolve(target.func) == "open"):

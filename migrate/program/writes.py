@@ -25,7 +25,7 @@ Name resolution uses the import table (`ctx.resolve`), never across modules.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional, Set
+from typing import TYPE_CHECKING, Dict, Optional, Set
 
 import libcst as cst
 
@@ -298,3 +298,42 @@ def handle_uses_write_only(ctx: Context, name: str, scope: cst.CSTNode, skip: cs
             continue  # the binding (or another one)
         return False
     return True
+
+
+def in_private_temp(ctx: Context, call: cst.Call) -> bool:
+    """`call` names a path inside a temporary file or folder this process made for itself
+    (`with tempfile.TemporaryDirectory() as tmp: ... open(os.path.join(tmp, "task.xml"), "w")`,
+    also through local names built from it, `config = os.path.join(tmp, "task.xml")`): each
+    rank writes its own, and none must be kept from writing it (ROUGE's config file)."""
+    scope = ctx.enclosing(call, cst.FunctionDef) or ctx.module
+    cache: Dict[cst.CSTNode, Set[str]] = ctx.facts.setdefault("tm_private_temps", {})  # type: ignore[assignment]
+    names = cache.get(scope)
+    if names is None:
+        names = cache[scope] = _private_temp_names(ctx, scope)
+    return bool(names) and any(isinstance(n, cst.Name) and n.value in names for a in call.args
+                               for n in iter_nodes(a.value))
+
+
+def _private_temp_names(ctx: Context, scope: cst.CSTNode) -> Set[str]:
+    """Names of `scope` bound to a private temporary file or folder, or to a value built from one."""
+    found: Set[str] = set()
+    withs = [w for w in ctx.within(scope, cst.With, skip_defs=True)]
+    for w in withs:
+        for item in w.items:
+            if isinstance(item.item, cst.Call) and ctx.resolve(item.item.func) in effects.PRIVATE_TEMPS \
+                    and item.asname is not None and isinstance(item.asname.name, cst.Name):
+                found.add(item.asname.name.value)
+    assigns = [a for a in ctx.within(scope, cst.Assign, skip_defs=True)]
+    changed = True
+    while changed:
+        changed = False
+        for a in assigns:
+            targets = {t.target.value for t in a.targets if isinstance(t.target, cst.Name)}
+            if not targets or targets <= found:
+                continue
+            made = isinstance(a.value, cst.Call) and ctx.resolve(a.value.func) in effects.PRIVATE_TEMPS
+            if made or any(isinstance(n, cst.Name) and n.value in found for n in iter_nodes(a.value)):
+                found |= targets
+                changed = True
+    return found
+

@@ -11,6 +11,7 @@ from torchmigrate.finding import Safety, insert_before, replace
 from torchmigrate.syntax.imports import dotted
 from torchmigrate.syntax.nodes import code, set_kwarg, stmt
 from torchmigrate.program.checkpoints import follows_save
+from torchmigrate.program.writes import in_private_temp
 from torchmigrate.program.syntax import body_of, unconditional
 from torchmigrate.program import effects
 from torchmigrate.program.writes import (call_kinds, handle_uses_write_only, in_body, is_pil_image, scope_qual,
@@ -124,6 +125,8 @@ class MainOnlyWrites(Rule):
         withs: List[cst.CSTNode] = []  # `with open(...)` blocks and statements that write
         handles: List[Tuple[cst.Call, cst.Assign]] = []  # `f = open(path, "a")`
         for call, name in analysis.facts(ctx).calls:
+            if in_private_temp(ctx, call):
+                continue  # a file in this process's own temporary folder: every rank has its own
             if (name == _MAKEDIRS or _path_mkdir(call, name)) and not _exist_ok(call):
                 self.report(call, "every rank creates this folder: a rank that comes second fails with "
                                   "FileExistsError; pass exist_ok=True",

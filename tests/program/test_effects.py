@@ -346,3 +346,25 @@ def test_first_run_builders_are_called_only_when_their_output_is_missing(tmp_pat
             """,
     })
     assert effects.first_run_builders(found) == {(str((tmp_path / "prep.py").resolve()), "build")}
+
+
+def test_files_in_a_private_temporary_folder_are_not_shared_writes(tmp_path):
+    found = facts_of(tmp_path, {
+        "train.py": """
+            import os
+            import tempfile
+
+            def rouge(summary):
+                with tempfile.TemporaryDirectory() as folder:
+                    config = os.path.join(folder, "task.xml")
+                    with open(config, "w") as f:
+                        f.write(summary)
+                scratch = tempfile.mkdtemp()
+                with open(os.path.join(scratch, "out.txt"), "w") as f:
+                    f.write(summary)
+                with open("results.txt", "a") as f:
+                    f.write(summary)
+
+            rouge("x")
+            """})
+    assert left(found) == [("train.py", 12, "open")]
