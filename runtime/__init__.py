@@ -944,12 +944,24 @@ _IGNORED_PREFIXES = ("/dev/", "/proc/", "/sys/")
 _TEMP_NAME = re.compile(r"^tmp[a-z0-9_]{8}$")  # tempfile's random names (mkdtemp, TemporaryDirectory)
 
 
-def _private_temp(path: str) -> bool:
-    """`path` lies in a temporary file or folder tempfile made for this process (a random
-    `tmpXXXXXXXX` name under the temporary directory): each rank writes its own."""
+_TEMP_ROOT = ""  # tempfile's directory, found before the audit hook is on (see _watch_writes)
+
+
+def _temp_root() -> str:
+    """The temporary directory, with a trailing separator. Asked outside the audit hook only:
+    tempfile finds it by opening test files under a lock, and a hook asking again deadlocks."""
     import tempfile
 
-    root = os.path.join(os.path.abspath(tempfile.gettempdir()), "")
+    return os.path.join(os.path.abspath(tempfile.gettempdir()), "")
+
+
+def _private_temp(path: str, root: str = "") -> bool:
+    """`path` lies in a temporary file or folder tempfile made for this process (a random
+    `tmpXXXXXXXX` name under the temporary directory `root`, `_TEMP_ROOT` by default): each rank
+    writes its own."""
+    root = root or _TEMP_ROOT
+    if not root:
+        return False
     full = os.path.abspath(path)
     return full.startswith(root) and _TEMP_NAME.match(full[len(root):].split(os.sep, 1)[0]) is not None
 
@@ -995,10 +1007,11 @@ def _watch_writes() -> None:
     ``torch.save``, which writes from C++) and warn once per place in the program: the usual
     silent defect of a migrated program is a file written by every rank through a helper that
     the migration did not guard. Cheap: the hook returns at once for every event but "open"."""
-    global _WATCHING, _LIBRARY_DIRS
+    global _WATCHING, _LIBRARY_DIRS, _TEMP_ROOT
     if _WATCHING or is_main() or not _checks_on():
         return
     _LIBRARY_DIRS = _library_dirs()  # now, not inside the hook (where asking would open files)
+    _TEMP_ROOT = _temp_root()
     _WATCHING = True
     if not getattr(sys, "_torchmigrate_audit", False):
         sys.addaudithook(_audit)  # cannot be removed: _WATCHING switches it off
@@ -1015,14 +1028,20 @@ def _watch_writes() -> None:
 
 def _fingerprint(value, depth: int = 0):
     """A number that tells two batches apart: a weighted sum of up to 256 evenly spaced elements
-    of the first tensor in `value` (through tuples, lists and dicts), plus its size."""
+    of the first tensor in `value` (through tuples, lists and dicts), plus its size; of a sparse
+    tensor, of its stored values; None where a tensor cannot be read that way."""
     if isinstance(value, torch.Tensor):
-        if not value.numel():
+        try:  # a check must never break the step it looks at
+            if value.layout != torch.strided or value.is_nested:  # a sparse adjacency or features matrix
+                value = value.coalesce().values() if value.layout == torch.sparse_coo else value.values()
+            if not value.numel():
+                return None
+            flat = value.detach().reshape(-1)
+            sample = flat[::max(1, flat.numel() // 256)][:256].double()
+            weights = torch.arange(1, sample.numel() + 1, dtype=torch.float64, device=sample.device)
+            return float((sample * weights).sum()) + flat.numel()
+        except (RuntimeError, TypeError, NotImplementedError):
             return None
-        flat = value.detach().reshape(-1)
-        sample = flat[::max(1, flat.numel() // 256)][:256].double()
-        weights = torch.arange(1, sample.numel() + 1, dtype=torch.float64, device=sample.device)
-        return float((sample * weights).sum()) + flat.numel()
     if depth < 3 and isinstance(value, (list, tuple)):
         items = value
     elif depth < 3 and isinstance(value, dict):

@@ -410,6 +410,11 @@ def test_a_data_dependent_init_in_the_first_forward_ends_equal_on_every_rank(net
     assert r0["data_init"] == pytest.approx(r1["data_init"], rel=1e-6, abs=1e-7)
 
 
+def test_a_model_fed_sparse_inputs_trains_past_the_drift_check(nets):
+    r0, r1 = nets["r"]  # (the check compares the step's inputs at step 2: reshape of a sparse tensor)
+    assert r0["sparse_inputs"] == pytest.approx(r1["sparse_inputs"], rel=1e-6, abs=1e-7)
+
+
 def test_a_scripted_model_is_wrapped_and_trains_in_step(nets):
     r0, r1 = nets["r"]
     assert r0["scripted"] == pytest.approx(r1["scripted"], rel=1e-6, abs=1e-7)

@@ -893,7 +893,18 @@ def test_files_in_a_private_temporary_folder_are_not_shared_writes():
     """A rank writing into a folder tempfile made for it (ROUGE's config) writes its own file."""
     import tempfile
 
+    root = tm._temp_root()
     with tempfile.TemporaryDirectory() as folder:
-        assert tm._private_temp(os.path.join(folder, "task.xml"))
-    assert not tm._private_temp(os.path.join(tempfile.gettempdir(), "results.txt"))
-    assert not tm._private_temp("results.txt")
+        assert tm._private_temp(os.path.join(folder, "task.xml"), root)
+    assert not tm._private_temp(os.path.join(tempfile.gettempdir(), "results.txt"), root)
+    assert not tm._private_temp("results.txt", root)
+
+
+def test_the_drift_check_reads_sparse_and_nested_inputs():
+    """A full-batch graph model's sparse features (VGAE) are a step's input: the check that
+    compares inputs across ranks reads their values and never fails the step."""
+    dense = torch.tensor([[0.0, 2.0], [3.0, 0.0]])
+    assert tm._fingerprint((dense.to_sparse(),)) == tm._fingerprint((dense.to_sparse().coalesce().values(),))
+    assert tm._fingerprint(dense.to_sparse_csr()) is not None
+    nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
+    tm._fingerprint(nested)  # a value or None, never an error

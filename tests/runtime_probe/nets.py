@@ -81,6 +81,17 @@ class ActNormed(nn.Module):
         return self.fc(x + self.bias)
 
 
+class SparseGraph(nn.Module):
+    """A full-batch graph model whose forward takes sparse features (VGAE)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, features):
+        return self.fc(torch.sparse.mm(features, torch.eye(4)))
+
+
 class Bypassed(nn.Linear):
     """A model the probe trains around its wrapper."""
 
@@ -162,6 +173,16 @@ def main(outdir):
         normed(torch.randn(6, 4) + tm.rank()).pow(2).mean().backward()
         opt.step()
     res["data_init"] = flat(normed.module)
+
+    # sparse inputs through the drift check's comparison of the step's inputs
+    graph = tm.wrap_model(SparseGraph())
+    opt = torch.optim.SGD(graph.parameters(), lr=0.1)
+    features = torch.eye(6, 4).to_sparse()
+    for _ in range(3):
+        opt.zero_grad()
+        graph(features).pow(2).mean().backward()
+        opt.step()
+    res["sparse_inputs"] = flat(graph.module)
 
     # word2vec: sparse embedding gradients trained by SparseAdam, with and without a head the
     # loss never reads (the second averages by hand every step, the first only the probe step)
