@@ -243,7 +243,7 @@ class AgreedDraws(Rule):
         func = ctx.enclosing(assign, cst.FunctionDef)
         if func is not None and (self._per_sample(func) or (ctx.program.is_entry and not self._called_in_step(func))):
             return
-        if collective_guard(ctx, assign) is not None:
+        if collective_guard(ctx, assign) is not None or self._in_file_write(assign):
             return
         what = dotted(read.func) or "the clock"
         self.report(assign, f"`{target}` is made from `{what}(...)`, which each rank reads for itself, and names "
@@ -252,6 +252,19 @@ class AgreedDraws(Rule):
                     edits=[replace(assign.value, lambda v: cst.Call(
                         func=cst.parse_expression(f"{ctx.tm}.broadcast_object"), args=[cst.Arg(v)]))],
                     imports=[ctx.runtime_import()])
+
+    def _in_file_write(self, node: cst.CSTNode) -> bool:
+        """Inside `with open(path, "a") as log:`: the value goes into a file that the main process
+        alone writes once the migration guards the block (TM504), where a collective would wait
+        for the other ranks forever (BicycleGAN's `now = time.strftime("%c")` in its log header)."""
+        for anc in self.ctx.ancestors(node):
+            if isinstance(anc, cst.With) and any(
+                    isinstance(i.item, cst.Call) and analysis.opens_file_for_writing(i.item, self.ctx.resolve(i.item.func))
+                    for i in anc.items):
+                return True
+            if isinstance(anc, (cst.FunctionDef, cst.ClassDef)):
+                return False
+        return False
 
     def _names(self, value: cst.CSTNode) -> bool:
         """`value` formats a string (`.strftime(...)`, `str(...)`, an f-string, `"%s" % x`) or
