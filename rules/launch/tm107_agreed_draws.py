@@ -13,7 +13,9 @@ from torchmigrate.syntax.nodes import set_kwarg
 from torchmigrate.rule import Example, Rule
 from torchmigrate.program.batches import batch_facts
 from torchmigrate.program.metrics import is_load
+from torchmigrate.program.effects import CLOCK, OUTPUT, READ, RANDOM
 from torchmigrate.program.rank_guards import collective_guard
+from torchmigrate.program.writes import call_kinds
 from torchmigrate.rules._active import active
 from torchmigrate.rules.launch.base import SEEDERS
 
@@ -118,6 +120,15 @@ class AgreedDraws(Rule):
         for call, name in analysis.facts(ctx).calls:
             if name is None and isinstance(call.func, cst.Name) and call.func.value == "input":
                 self._input(call)
+                continue
+            kinds = call_kinds(ctx, call)
+            if kinds is not None:
+                if CLOCK in kinds and kinds <= _READS_ONLY:
+                    # a helper of the program that reads the clock (`cur_time = get_local_time()`)
+                    assign = self._assignment(call)
+                    if assign is not None and assign not in done:
+                        done.add(assign)
+                        self._name(assign, call)
                 continue
             if not name:
                 continue
@@ -411,6 +422,11 @@ class AgreedDraws(Rule):
         if isinstance(loop, cst.For) and isinstance(loop.iter, cst.Call) and dotted(loop.iter.func) == "range":
             return target in _names_in(loop.iter)
         return False
+
+
+# a helper whose effects are at most these, with a clock read among them, only turns the clock
+# into a value (`get_local_time()` formatting `datetime.now()`): sharing rank 0's result is safe
+_READS_ONLY = frozenset({CLOCK, OUTPUT, READ, RANDOM})
 
 
 def _is_draw(name: str) -> bool:
