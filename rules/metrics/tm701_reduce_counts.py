@@ -15,7 +15,7 @@ import libcst as cst
 from torchmigrate import analysis
 from torchmigrate.finding import Safety, insert_after
 from torchmigrate.syntax.nodes import code, expr
-from torchmigrate.program.loaders import is_pure
+from torchmigrate.program.loaders import is_pure, refs_at
 from torchmigrate.program.metrics import loader_expr, loader_loop, loop_sums, named_like_loader
 from torchmigrate.rule import Context, Example, Rule
 from torchmigrate.program.rank_guards import collective_guard
@@ -171,6 +171,28 @@ class ReduceCounts(Rule):
         for loop, names in loops.items():
             self._loop(loop, names)
 
+    def _total_of_batch_means(self, loop: cst.For, name: str) -> bool:
+        """`total_loss += loss.item()` over the batches of a loader whose batch this run divides
+        (each rank loads batch_size / world_size, so it runs as many batches as the original), the
+        total then shown or stored as it is (no division after the loop): summed across ranks it
+        would be world_size times the original's total; their mean is the original's."""
+        ctx = self.ctx
+        augs = [a for a in ctx.within(loop.body, cst.AugAssign, skip_defs=True)
+                if isinstance(a.target, cst.Name) and a.target.value == name]
+        if not augs or not all(isinstance(a.operator, cst.AddAssign) and _batch_mean(a.value) for a in augs):
+            return False
+        from torchmigrate.program.metrics import events_after
+        from torchmigrate.rules.model.batch import batch_sites
+
+        events = events_after(ctx, loop, {name})[name]
+        if events.augs or any(isinstance(ctx.parent(u), cst.BinaryOperation) for u in events.uses):
+            return False
+        try:
+            loaders = {id(l) for r in refs_at(ctx, loader_expr(ctx, loop.iter)) for l in r.loaders}
+        except Exception:  # noqa: BLE001 - without the loader facts, the sum stays a sum
+            return False
+        return any(id(site.loader) in loaders and not site.kept for site in batch_sites(ctx))
+
     def _loop(self, loop: cst.For, names: List[str]) -> None:
         ctx = self.ctx
         sharding = loop_sharding(ctx, loop)
@@ -179,6 +201,8 @@ class ReduceCounts(Rule):
         exact = exact_lens(ctx, loop)
         found = loop_sums(ctx, loop, names, exact)
         kind, foreign = found.kinds, found.foreign
+        for name in [n for n, k in kind.items() if k == "sum" and self._total_of_batch_means(loop, n)]:
+            kind[name] = "mean"
         tm = ctx.tm
         # a loader whose sharding only the run knows: reduce where it turns out sharded
         over = code(loader_expr(ctx, loop.iter)) if sharding == "unknown" else None
@@ -226,6 +250,22 @@ class ReduceCounts(Rule):
                                    f"across ranks before dividing")
             else:
                 self.report(first, _manual_message(tm, bad_names, den, padded=bool(exact.batches), over=over))
+
+
+_BATCH_MEAN = re.compile(r"(?i)(loss|err|nll|acc|ppl|mse|mae|psnr|ssim)")
+
+
+def _batch_mean(value: cst.BaseExpression) -> bool:
+    """`loss.item()`, `float(loss)`, `slot_loss.data.item()`: one batch's mean loss or metric,
+    not a count or a sum over its samples (`loss.item() * x.size(0)`)."""
+    if isinstance(value, cst.Call) and isinstance(value.func, cst.Attribute) and value.func.attr.value == "item":
+        inner = value.func.value
+    elif isinstance(value, cst.Call) and isinstance(value.func, cst.Name) and value.func.value == "float" \
+            and len(value.args) == 1:
+        inner = value.args[0].value
+    else:
+        return False
+    return bool(_BATCH_MEAN.search(code(inner)))
 
 
 def _reduce_line(tm: str, names: List[str], extra: str) -> str:
