@@ -31,6 +31,9 @@ _TRACKER_ROOTS = ("wandb.", "mlflow.", "tensorboard_logger.")
 _TRACKER_FACTORIES = {"mlflow.start_run"}
 
 
+_STREAM_WRITES = frozenset({"sys.stdout.write", "sys.stderr.write"})
+
+
 def _print_shadowed(ctx: Context) -> bool:
     """`print` is not the builtin, or the program replaced the builtin with a rank-aware one
     (`builtins.print = ...`, here or in a module it runs: see ModuleView.print_override)."""
@@ -101,6 +104,9 @@ class MainPrint(Rule):
       evaluated on every rank, so a print that calls an evaluation helper (which may reduce
       metrics across ranks) stays safe. Continuation lines aligned under the call's arguments
       move with them.
+    - `sys.stdout.write(line)` (a progress line written straight to the console) becomes
+      `tm.print(line, end="")`, and `sys.stderr.write(line)` `tm.print(line, end="",
+      file=sys.stderr)`: once, on rank 0. A write whose result is used is left alone.
     - `SummaryWriter(...)` (torch.utils.tensorboard, tensorboardX) becomes
       `tm.main_only(SummaryWriter, ...)`: the real writer on rank 0, a null object that absorbs
       every call elsewhere, so `writer.add_scalar(...)` / `writer.close()` need no guard. The
@@ -207,6 +213,20 @@ class MainPrint(Rule):
                     edits.append(replace(call, align))
                 self.report(call, "print runs on every rank; tm.print prints once, on the main process",
                             edits=edits, imports=imports)
+            elif name in _STREAM_WRITES and dotted(func) == name and len(call.args) == 1 \
+                    and call.args[0].keyword is None and not call.args[0].star and isinstance(ctx.parent(call), cst.Expr):
+                # `sys.stdout.write(progress)`: the console line a print would be, without its newline
+                if shadowed is None:
+                    shadowed = _print_shadowed(ctx)
+                if shadowed or caller_guards(ctx, call) is not None:
+                    continue
+                extra = cst.parse_expression('f(x, end=""' + (", file=sys.stderr" if name == "sys.stderr.write" else "")
+                                             + ")").args[1:]
+                self.report(call, f"`{name}` runs on every rank; {tm}.print writes it once, on the main process",
+                            edits=[replace(call, lambda c, extra=extra: c.with_changes(
+                                func=expr(f"{tm}.print"),
+                                args=[c.args[0].with_changes(comma=cst.MaybeSentinel.DEFAULT), *extra]))],
+                            imports=imports)
             elif name in SUMMARY_WRITERS or writer_class(ctx, call, name):
                 if caller_guards(ctx, call) is not None or _is_main_only_arg(ctx, call):
                     continue

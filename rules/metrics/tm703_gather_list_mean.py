@@ -346,7 +346,7 @@ class GatherListMean(Rule):
         return nxt is not None and "reduce_meter(" in code(nxt) and any(n in code(nxt) for n in names)
 
 
-_PRINTS = frozenset({"print", RUNTIME + ".print", "logging.info", "logging.log", "wandb.log"})
+_PRINTS = frozenset({"print", RUNTIME + ".print", "logging.info", "logging.log", "wandb.log", "sys.stdout.write"})
 # methods that log a step's number to a dashboard: `writer.add_scalar("loss", loss.item(), step)`
 _SCALAR_LOGS = frozenset({"add_scalar", "add_scalars", "log_metrics", "log_metric"})
 _METRIC_NAME = re.compile(r"(?i)(loss|err|nll|kld?\b|bpd|psnr|ssim|ppl|perplex|mse|mae|acc)")
