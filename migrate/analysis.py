@@ -339,6 +339,27 @@ def runs_backward(ctx: Context, node: cst.CSTNode) -> bool:
     return any(is_backward(c) for c in ctx.within(node, cst.Call, skip_defs=True))
 
 
+def training_loops(ctx: Context) -> List[cst.CSTNode]:
+    """The loops of the module that run a backward pass themselves, not in a loop nested in them
+    (the training steps, however they get their batches; an epoch loop around a batch loop is
+    not one), in source order; computed once per module."""
+    found = ctx.facts.get("tm_training_loops")
+    if found is None:
+        found = []
+        for call in ctx.nodes(cst.Call):
+            if is_backward(call):
+                loop = ctx.enclosing(call, cst.For, cst.While, cst.FunctionDef)
+                if isinstance(loop, (cst.For, cst.While)) and loop not in found:
+                    found.append(loop)
+        ctx.facts["tm_training_loops"] = found
+    return found  # type: ignore[return-value]
+
+
+def trains_itself(ctx: Context, loop: cst.CSTNode) -> bool:
+    """`loop` is one of the module's `training_loops`."""
+    return loop in training_loops(ctx)
+
+
 def _names_in(node: cst.CSTNode) -> List[str]:
     """Plain names read in an expression (not attribute names, not inside lambdas)."""
     out: List[str] = []

@@ -1375,7 +1375,7 @@ def shard_stream(data):
     part = _STREAM_PARTS.get((n, world, me))
     if part is None:
         samples = isinstance(data, (list, tuple)) and n > 0 and not isinstance(data[0], (numbers.Number, str, bytes))
-        part = _STREAM_PARTS[(n, world, me)] = _stream_deal(n, world, me) if samples else ()
+        part = _STREAM_PARTS[(n, world, me)] = tuple(shard_range(_dealt(n))) if samples else ()
     if not part:
         share = n // world
         return data[me * share:(me + 1) * share]
@@ -1391,15 +1391,12 @@ def shard_stream(data):
 _STREAM_PARTS: dict = {}  # (length, world, rank) -> this rank's indices (empty: a contiguous part), see shard_stream
 
 
-def _stream_deal(n: int, world: int, me: int) -> tuple:
-    """Rank `me`'s indices of a random deal of `n` samples to `world` ranks: the same deal on every
-    rank (seeded by `n`), every W-th sample, the last round padded with the deal's first ones."""
-    if n == 0:
-        return ()
+def _dealt(n: int) -> list:
+    """`range(n)` in a random order that is the same on every rank (seeded by `n`): the deal
+    `shard_stream` shares out like `shard_range` (every W-th item, the last round padded)."""
     order = list(range(n))
     random.Random(n).shuffle(order)
-    share = -(-n // world)
-    return tuple(order[(me + k * world) % n] for k in range(share))
+    return order
 
 
 def shard_range(batches):

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Callable, Dict, Iterable, List, Optional
 
 from torchmigrate.program.astwalk import walk
+from torchmigrate.program.search_path import dotted_name
 
 BCE, DTYPE_TABLE, SOLVER = "bce", "dtype-table", "solver"
 
@@ -56,17 +57,6 @@ class Hazard:
                 "bf16/fp16 resolution, so the program trains in float32")
 
 
-def _dotted(node: ast.AST) -> Optional[str]:
-    parts: List[str] = []
-    while isinstance(node, ast.Attribute):
-        parts.append(node.attr)
-        node = node.value
-    if isinstance(node, ast.Name):
-        parts.append(node.id)
-        return ".".join(reversed(parts))
-    return None
-
-
 def _qualified(spelled: Optional[str], library: Dict[str, str]) -> Optional[str]:
     """`nn.BCELoss` -> `torch.nn.BCELoss` through the module's library imports."""
     if not spelled:
@@ -80,7 +70,7 @@ def _qualified(spelled: Optional[str], library: Dict[str, str]) -> Optional[str]
 
 def _float_key(node: ast.AST, library: Dict[str, str]) -> Optional[str]:
     """`torch.float32` (or `th.float64`, `float32` imported from torch) -> its last name."""
-    full = _qualified(_dotted(node), library)
+    full = _qualified(dotted_name(node), library)
     if full and full.startswith("torch.") and full.count(".") == 1:
         return full.split(".")[1]
     return None
@@ -100,7 +90,7 @@ def hazards(trees: Dict[Path, ast.Module], library_of: Callable[[Path], Dict[str
         library = library_of(path)
         for node in walk(trees[path]):
             if isinstance(node, ast.Call):
-                spelled = _dotted(node.func)
+                spelled = dotted_name(node.func)
                 full = _qualified(spelled, library) or ""
                 if full in _BCE_NAMES:
                     found.append(Hazard(path, node.lineno, BCE, spelled or full))

@@ -917,18 +917,6 @@ class LoaderFacts:
                      if (site := _iteration_site(node, ctx)) is not None}
             loader.ordered = next((text for fn, text in reads[id(loader)] if fn in loops), None)
 
-    def training_loops(self) -> List[cst.CSTNode]:
-        """The loops of this module that run a backward pass themselves (not in a loop nested in
-        them): the training steps, however they get their batches."""
-        ctx = self.ctx
-        found = []
-        for call in ctx.nodes(cst.Call):
-            if analysis.is_backward(call):
-                loop = ctx.enclosing(call, cst.For, cst.While, cst.FunctionDef)
-                if isinstance(loop, (cst.For, cst.While)) and loop not in found:
-                    found.append(loop)
-        return found
-
     def _sized_by_batch(self) -> None:
         """Set `Loader.sized_by` where a loop over the loader reads the loader's own batch size
         expression (a name or attribute, not a literal) as a value: the code assumes full
@@ -950,7 +938,7 @@ class LoaderFacts:
             # a training loop that draws its batches some other way (`real = next(looper)` from
             # `infiniteloop(loader)`, `for step in range(total_steps)`): the noise and labels it
             # sizes by the same expression are this rank's batch too
-            bodies += [loop.body for loop in self.training_loops() if loop.body not in bodies]
+            bodies += [loop.body for loop in analysis.training_loops(ctx) if loop.body not in bodies]
             for body in bodies:
                 uses = [n for n in ctx.within(body, type(size.value)) if code(n) == text and not _name_part(ctx, n)
                         and not _logged(ctx, n)]

@@ -101,18 +101,9 @@ def loader_loop(ctx: Context, node: cst.CSTNode, hand_made: bool = True) -> Opti
     for anc in ctx.ancestors(node):
         if isinstance(anc, (cst.FunctionDef, cst.ClassDef, cst.Lambda)):
             return None
-        if isinstance(anc, cst.For) and (iterates_loader(ctx, anc.iter) or (hand_made and trains_itself(ctx, anc))):
+        if isinstance(anc, cst.For) and (iterates_loader(ctx, anc.iter) or (hand_made and analysis.trains_itself(ctx, anc))):
             return anc
     return None
-
-
-def trains_itself(ctx: Context, loop: cst.For) -> bool:
-    """A backward pass of `loop`'s body whose nearest enclosing loop is `loop` (not a loop nested
-    in it: an epoch loop around a batch loop does not train itself)."""
-    for call in ctx.within(loop.body, cst.Call, skip_defs=True):
-        if analysis.is_backward(call) and ctx.enclosing(call, cst.For, cst.While, cst.FunctionDef) is loop:
-            return True
-    return False
 
 
 def is_number(node: cst.BaseExpression) -> bool:

@@ -14,6 +14,18 @@ SPAWN = ("torch.multiprocessing.spawn", "torch.multiprocessing.start_processes",
          "torch.multiprocessing.spawn.spawn", "torch.multiprocessing.spawn.start_processes")
 
 
+# Calls that end the process: resolved names, and builtins called by their bare name.
+EXIT_CALLS = ("sys.exit", "os._exit")
+EXIT_BUILTINS = ("exit", "quit")
+
+
+def ends_process(ctx, call: cst.Call) -> bool:
+    """`sys.exit(...)`, `os._exit(...)`, `exit()`, `quit()` (the builtins, not a name imported
+    over them)."""
+    name = ctx.resolve(call.func)
+    return name in EXIT_CALLS or (isinstance(call.func, cst.Name) and call.func.value in EXIT_BUILTINS and name is None)
+
+
 # torch.distributed.launch passes `--local_rank=N` (recent versions `--local-rank=N`).
 LOCAL_RANK_FLAGS = ("--local_rank", "--local-rank")
 

@@ -14,12 +14,10 @@ from torchmigrate.program.loaders import DIST_SAMPLERS
 from torchmigrate.program.rank_guards import rank_guard_of
 from torchmigrate.rule import Context, Example, Rule
 from torchmigrate.rules._guards import guardable_line
-from torchmigrate.rules.launch.base import DESTROY_PG, INIT_PG, SPAWN
+from torchmigrate.rules.launch.base import DESTROY_PG, INIT_PG, SPAWN, ends_process
 from torchmigrate.rules.launch.plan import behind_if, entry_plan, legacy_inits, legacy_launch, plain_init, setup_plan
 
 BARRIERS = ("torch.distributed.barrier", "torchmigrate.runtime.barrier", "torchmigrate.runtime.cleanup")
-EXIT_CALLS = ("sys.exit", "os._exit")
-EXIT_BUILTINS = ("exit", "quit")
 # Calls that need a process group and have a runtime twin that also works without one.
 _GROUP_QUERIES = {"torch.distributed.get_rank": "rank", "torch.distributed.get_world_size": "world_size",
                   "torch.distributed.barrier": "barrier", DESTROY_PG: "cleanup"}
@@ -33,8 +31,7 @@ def _is_exit(ctx: Context, node: cst.CSTNode) -> bool:
         return False
     for n in ctx.within(node, cst.Call, cst.Raise, skip_defs=True):
         if isinstance(n, cst.Call):
-            name = ctx.resolve(n.func)
-            if name in EXIT_CALLS or (isinstance(n.func, cst.Name) and n.func.value in EXIT_BUILTINS and name is None):
+            if ends_process(ctx, n):
                 return True
         elif n.exc is not None:
             target = n.exc.func if isinstance(n.exc, cst.Call) else n.exc

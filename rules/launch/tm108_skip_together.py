@@ -16,10 +16,10 @@ from torchmigrate.program.rank_guards import collective_guard
 from torchmigrate.program.loop_ranks import names_in, per_rank_names
 from torchmigrate.program.ranks import rank_polarity
 from torchmigrate.rules._active import active
+from torchmigrate.rules.launch.base import ends_process
 from torchmigrate.rules.metrics.plan import ranks_mean
 
 _LOOP_EXITS = (cst.Continue, cst.Break, cst.Return, cst.Raise)
-_PROCESS_EXITS = frozenset({"sys.exit", "exit", "quit", "os._exit"})
 
 
 def _leaves(ctx, small: cst.CSTNode) -> bool:
@@ -27,10 +27,7 @@ def _leaves(ctx, small: cst.CSTNode) -> bool:
     step (or the loop, or the run) here."""
     if isinstance(small, _LOOP_EXITS):
         return True
-    if isinstance(small, cst.Expr) and isinstance(small.value, cst.Call):
-        func = small.value.func
-        return (ctx.resolve(func) or dotted(func) or "") in _PROCESS_EXITS
-    return False
+    return isinstance(small, cst.Expr) and isinstance(small.value, cst.Call) and ends_process(ctx, small.value)
 
 
 class RankSkips(Rule):

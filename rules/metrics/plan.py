@@ -24,7 +24,7 @@ from torchmigrate import analysis
 from torchmigrate.finding import Edit, replace
 from torchmigrate.syntax.nodes import code
 from torchmigrate.program.loaders import DIST_SAMPLERS, refs_at
-from torchmigrate.program.metrics import ExactDenominators, loader_expr, trains_itself
+from torchmigrate.program.metrics import ExactDenominators, loader_expr
 from torchmigrate.rule import Context
 from torchmigrate.rules.data.plan import data_plan
 from torchmigrate.options import RUNTIME_MODULE as RUNTIME
@@ -128,7 +128,7 @@ def exact_lens(ctx: Context, loop: cst.For) -> ExactDenominators:
         return out
     if not loaders:
         counted = _range_over_len(loop.iter)
-        if counted and ctx.options.shard_training and trains_itself(ctx, loop):
+        if counted and ctx.options.shard_training and analysis.trains_itself(ctx, loop):
             # a hand-made training loop over batch starts, `for i in range(0, len(X), bs)`, which
             # TM201 shares out by rank (`tm.shard_range`, padded like a training sampler): `len(X)`
             # is the whole set, as `len(loader.dataset)` of a padded training loader is

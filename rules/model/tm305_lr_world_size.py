@@ -182,14 +182,14 @@ class LrWorldSize(ModelRule):
         samples on every rank (`x.size(0) * tm.world_size()`: the shares are equal). A count
         reset for the loop (`total += y.size(0)` beside `correct`) is a metric, TM701's."""
         ctx = self.ctx
-        from torchmigrate.program.metrics import initial_value, trains_itself
+        from torchmigrate.program.metrics import initial_value
         from torchmigrate.rules.metrics.plan import loop_sharding
 
         for aug in ctx.nodes(cst.AugAssign):
             if not isinstance(aug.operator, cst.AddAssign) or not _batch_count(aug.value):
                 continue
             loop = ctx.enclosing(aug, cst.For, cst.While, cst.FunctionDef)
-            if not isinstance(loop, cst.For) or not trains_itself(ctx, loop) or loop_sharding(ctx, loop) != "sharded":
+            if not isinstance(loop, cst.For) or not analysis.trains_itself(ctx, loop) or loop_sharding(ctx, loop) != "sharded":
                 continue
             target = aug.target
             if isinstance(target, cst.Name) and initial_value(ctx, loop, target.value)[0]:
