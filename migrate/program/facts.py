@@ -441,6 +441,7 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
             break
 
     loader_params = _loader_params(modules, scopes)
+    flags = _flag_args(modules, scopes)
     loader_classes = {(p, name) for p, m in modules.items() for name, c in m.classes.items() if _loader_subclass(c)}
     # DataLoader subclasses whose calls cannot take a `sampler=` (their __init__ builds the
     # DataLoader's arguments itself): the loaders they make are sharded where they are iterated
@@ -493,6 +494,8 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
             wrapped_attrs={k: frozenset(a) for (mp, k), a in attrs.items() if mp == path},
             loader_params={q: {p: frozenset(k) for p, k in params.items()}
                            for (mp, q), params in loader_params.items() if mp == path},
+            flag_args={q: {p: frozenset(v) for p, v in params.items()}
+                       for (mp, q), params in flags.items() if mp == path},
             loader_classes=frozenset(_spellings(m, modules, loader_classes)),
             class_kinds={spelled: kinds[key] for key in kinds for spelled in _spellings(m, modules, {key})},
             optimizer_wrappers={spelled: wrappers[key] for key in wrappers
@@ -672,6 +675,42 @@ def _loader_params(modules: Dict[Path, _Module], scopes: List[_Scope]) -> Dict[T
         if not changed:
             break
     return out
+
+
+def _flag_args(modules: Dict[Path, _Module], scopes: List[_Scope]) -> Dict[Tuple[Path, str], Dict[str, Set[bool]]]:
+    """(module, "f" or "Cls.m") -> parameter -> the literal `True`/`False` values its calls in
+    the program pass it (its default where a call leaves it out). One loader factory called as
+    `make_loader(train_set, shuffle=True)` and `make_loader(dev_set, shuffle=False)` builds both
+    splits: its `shuffle` parameter says which one a call builds."""
+    out: Dict[Tuple[Path, str], Dict[str, Set[bool]]] = {}
+    for s in scopes:
+        for call in s.calls:
+            target = _callee(s.module, modules, call) or _method_of_instance(s, modules, call) or _local_callee(s, call)
+            if target is None:
+                continue
+            path, qual, skip_self = target
+            func = modules[path].functions.get(qual)
+            if func is None or any(isinstance(a, ast.Starred) for a in call.args) \
+                    or any(k.arg is None for k in call.keywords):
+                continue
+            passed = dict(_bind(func, call, skip_self))
+            for param, default in _param_defaults(func).items():
+                value = passed.get(param, default)
+                if isinstance(value, ast.Constant) and isinstance(value.value, bool):
+                    out.setdefault((path, qual), {}).setdefault(param, set()).add(value.value)
+    return out
+
+
+def _param_defaults(func: ast.AST) -> Dict[str, Optional[ast.AST]]:
+    """Every parameter of `func` -> its default (None where it has none)."""
+    a = func.args  # type: ignore[attr-defined]
+    positional = [*a.posonlyargs, *a.args]
+    defaults: Dict[str, Optional[ast.AST]] = {p.arg: None for p in (*positional, *a.kwonlyargs)}
+    for p, d in zip(positional[len(positional) - len(a.defaults):], a.defaults):
+        defaults[p.arg] = d
+    for p, d in zip(a.kwonlyargs, a.kw_defaults):
+        defaults[p.arg] = d
+    return defaults
 
 
 def _local_callee(s: _Scope, call: ast.Call) -> Optional[Tuple[Path, str, bool]]:

@@ -597,10 +597,30 @@ class LoaderFacts:
                 return verdict, None
         shuffle = loader.shuffle
         if shuffle is not None and not is_literal(shuffle, "True", "False", "None"):
-            if splits.verdict(_expression_words(shuffle)):
+            if splits.verdict(_expression_words(shuffle)) or self._flag_of_factory(fn, shuffle):
                 loader.condition_is_shuffle = True
                 return "mixed", _parenthesize(code(shuffle), shuffle)
         return "train", None
+
+    def _flag_of_factory(self, fn: cst.CSTNode, shuffle: cst.BaseExpression) -> bool:
+        """`shuffle=shuffle`, a parameter of the function that builds the loader, which the
+        program's calls pass both `True` and `False` (`make_loader(train_set, shuffle=True)`,
+        `make_loader(dev_set, shuffle=False)`): one factory builds the training loader and the
+        evaluation ones, and the flag says which a call builds."""
+        if type(shuffle) is not cst.Name or not isinstance(fn, cst.FunctionDef) \
+                or shuffle.value not in _param_names(fn):
+            return False
+        klass = self.class_of(fn)
+        qual = f"{klass.name.value}.{fn.name.value}" if klass is not None else fn.name.value
+        values = set(self.ctx.program.flag_args.get(qual, {}).get(shuffle.value, ()))
+        for call in self.callers.get(id(fn), []):  # this module's calls (a file linted on its own)
+            for callee, skip in self.callees(call):
+                if callee is fn:
+                    passed = dict(bind_params(fn, call, skip))
+                    value = passed.get(shuffle.value, _default(fn, shuffle.value))
+                    if is_literal(value, "True", "False"):
+                        values.add(value.value == "True")
+        return values == {True, False}
 
     def _read_through_here(self, call: cst.Call, loader: Loader) -> bool:
         """The loader is built and read through in the same function, in a comprehension or under
@@ -1241,6 +1261,14 @@ def _param_names(fn: cst.FunctionDef) -> Set[str]:
         if isinstance(star, cst.Param):
             names.add(star.name.value)
     return names
+
+
+def _default(fn: cst.FunctionDef, name: str) -> Optional[cst.BaseExpression]:
+    """The default value of parameter `name` of `fn`, if it has one."""
+    for p in (*fn.params.posonly_params, *fn.params.params, *fn.params.kwonly_params):
+        if p.name.value == name:
+            return p.default
+    return None
 
 
 def bind_params(fn: cst.FunctionDef, call: cst.Call, skip_first: bool) -> List[Tuple[str, cst.BaseExpression]]:

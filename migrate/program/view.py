@@ -21,6 +21,9 @@ class ModuleView:
     # "func" or "Class.method" -> parameter -> the splits ("train", "eval", "unknown") of the
     # data loaders other modules hand it (`evaluate(model, val_loader)` in train.py: {"eval"})
     loader_params: Dict[str, Dict[str, FrozenSet[str]]] = field(default_factory=dict)
+    # "func" or "Class.method" -> parameter -> the literal booleans the program's calls pass it
+    # (its default where a call leaves it out): `make_loader(ds, shuffle=False)` elsewhere
+    flag_args: Dict[str, Dict[str, FrozenSet[bool]]] = field(default_factory=dict)
     # names (as this module spells them) of the program's DataLoader subclasses that pass
     # keyword arguments through: `AudioDataLoader`, `data.AudioDataLoader`
     loader_classes: FrozenSet[str] = frozenset()

@@ -13,6 +13,7 @@ from torchmigrate.program.loaders import TM_SET_EPOCH, Loader, bind_params, head
 from torchmigrate.rule import Example
 from torchmigrate.rules.data.base import DataRule
 from torchmigrate.syntax.walk import child_nodes
+from torchmigrate.program import splits
 
 # Calls that read a loader without iterating it.
 _NON_CONSUMING = frozenset({"len", "print", "isinstance", "hasattr", "getattr", "type", "id", "str", "repr"})
@@ -210,7 +211,12 @@ class SetEpoch(DataRule):
         loop = self._epoch_loop(loops)
         key = (id(loop), loader.index)
         if key in self.insertions:
-            return
+            held = self.insertions[key]
+            if held is None or _names_eval(text) or not _names_eval(held.text):
+                return
+            # one factory's loader under two names (`train_loader`, `dev_loader`): the epoch
+            # reshuffles the training one
+            del self.insertions[key]
         if self._contains_set_epoch(loop) or self._calls_set_epoch(loop):
             self.insertions[key] = None  # type: ignore[assignment]
             return
@@ -335,6 +341,11 @@ class SetEpoch(DataRule):
             self.report(ins.loop, f"`{ins.text}` is reshuffled each epoch only when its sampler knows the epoch: "
                                   f"call `{call_text}` at the start of the epoch",
                         edits=[edit], imports=imports, statement=ins.loop)
+
+
+def _names_eval(text: str) -> bool:
+    """`dev_loader`, `self.val_loader`: a name that says evaluation data."""
+    return splits.verdict(splits.words(text.split(".")[-1].split("[")[0])) == "eval"
 
 
 def _outermost(node: cst.CSTNode, kind: type, skip: Tuple[type, ...] = ()) -> List[cst.CSTNode]:
