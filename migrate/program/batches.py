@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Set, Tuple
+from typing import Dict, FrozenSet, List, Optional, Set, Tuple
 
 import libcst as cst
 
@@ -83,7 +83,7 @@ class Order:
 @dataclass(eq=False)
 class BatchLoop:
     loop: cst.For
-    kind: str  # "range" or "iterable"
+    kind: str  # "range", "iterable" or "drawn"
     wrapped: cst.BaseExpression
     sliced: Tuple[str, ...] = ()
     orders: List[Order] = field(default_factory=list)
@@ -115,7 +115,7 @@ class BatchFacts:
         yields = bool(ctx.nodes(cst.Yield))
         for loop in ctx.nodes(cst.For) if trains or yields else ():
             if trains and self._is_step(loop.body):
-                found = self._batch_loop(loop)
+                found = self._batch_loop(loop) or self._drawn(loop)
                 if found is not None:
                     self.loops.append(found)
             elif yields and ctx.within(loop.body, cst.Yield, skip_defs=True):
@@ -193,6 +193,49 @@ class BatchFacts:
             return None
         refs = loader_facts(ctx).refs_at(wrapped) if loader_facts(ctx).scan is not None else []
         return BatchLoop(loop, "iterable", wrapped, loader=bool(refs), carried=self._carried(loop))
+
+    def _drawn(self, loop: cst.For) -> Optional[BatchLoop]:
+        """A training loop that counts steps and draws each batch with `next(batches)` from an
+        endless generator of the program made before the loop (`batches = data.generator(bs)`,
+        `ModuleView.endless_generators`): kind ``"drawn"``, ``wrapped`` the call that makes it.
+        Sharding the counter would not share out the data; the generator is what to share."""
+        ctx = self.ctx
+        endless = ctx.program.endless_generators | self._endless_here()
+        if not endless:
+            return None
+        for call in self._direct_calls(loop.body):
+            if not (type(call.func) is cst.Name and call.func.value == "next" and len(call.args) == 1):
+                continue
+            name = dotted(call.args[0].value)
+            if name is None:
+                continue
+            scope = ctx.scope_of(loop)
+            for assign in self.facts.assigns:
+                value = assign.value
+                if ctx.scope_of(assign) is not scope or name not in {dotted(t.target) for t in assign.targets} \
+                        or any(anc is loop for anc in ctx.ancestors(assign)) or type(value) is not cst.Call:
+                    continue
+                inner = value.args[0].value if dotted(value.func) == "iter" and value.args else None
+                if isinstance(inner, cst.Call) and _helper(inner):
+                    return BatchLoop(loop, "drawn", value, sharded=True)  # migrated already
+                callee = (dotted(value.func) or "").rsplit(".", 1)[-1]
+                if callee in endless:
+                    return BatchLoop(loop, "drawn", value, carried=self._carried(loop))
+        return None
+
+    def _endless_here(self) -> FrozenSet[str]:
+        """This module's endless generators (a file linted on its own has no program view)."""
+        ctx = self.ctx
+        if not ctx.nodes(cst.Yield):
+            return frozenset()
+        out = set()
+        for loop in ctx.nodes(cst.While):
+            test = loop.test
+            if (type(test) is cst.Name and test.value == "True") or (type(test) is cst.Integer and test.value == "1"):
+                fn = ctx.enclosing(loop, cst.FunctionDef)
+                if fn is not None and ctx.within(loop.body, cst.Yield, skip_defs=True):
+                    out.add(fn.name.value)
+        return frozenset(out)
 
     def _sliced_by(self, loop: cst.For, variable: str) -> List[str]:
         """What the loop body slices with its variable in a bound (`X[i:i + bs]`), by name, and
@@ -295,10 +338,16 @@ class BatchFacts:
             for assign in self.facts.assigns:
                 if ctx.scope_of(assign) is scope and name in {dotted(t.target) for t in assign.targets}:
                     value = assign.value
-                    if isinstance(value, (cst.List, cst.Tuple, cst.Set, cst.Dict)) or (
-                            isinstance(value, cst.Call) and (ctx.resolve(value.func) or dotted(value.func) or "")
-                            in _COUNTERS):
+                    if isinstance(value, (cst.List, cst.Tuple, cst.Set, cst.Dict)):
                         return False
+                    # `prog_bar = tqdm(range(1, n_batches + 1))`: a counter of steps, whose
+                    # batches come from elsewhere (`next(generator)`), unless the loop slices
+                    # data with it (`X[i * bs:(i + 1) * bs]`)
+                    counted, _ = _unwrap(value)
+                    if isinstance(counted, cst.Call) and (ctx.resolve(counted.func) or dotted(counted.func) or "") \
+                            in _COUNTERS:
+                        variable = _loop_variable(loop.target, _unwrap(loop.iter)[1])
+                        return variable is not None and bool(self._sliced_by(loop, variable))
         targets = _target_names(loop.target)
         return bool(targets) and any(n.value in targets for n in ctx.within(loop.body, cst.Name, skip_defs=True))
 

@@ -442,6 +442,8 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
 
     loader_params = _loader_params(modules, scopes)
     flags = _flag_args(modules, scopes)
+    endless = frozenset(name.rsplit(".", 1)[-1] for m in modules.values() for name, f in m.functions.items()
+                        if _endless_generator(f))
     loader_classes = {(p, name) for p, m in modules.items() for name, c in m.classes.items() if _loader_subclass(c)}
     # DataLoader subclasses whose calls cannot take a `sampler=` (their __init__ builds the
     # DataLoader's arguments itself): the loaders they make are sharded where they are iterated
@@ -496,6 +498,7 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
                            for (mp, q), params in loader_params.items() if mp == path},
             flag_args={q: {p: frozenset(v) for p, v in params.items()}
                        for (mp, q), params in flags.items() if mp == path},
+            endless_generators=endless,
             loader_classes=frozenset(_spellings(m, modules, loader_classes)),
             class_kinds={spelled: kinds[key] for key in kinds for spelled in _spellings(m, modules, {key})},
             optimizer_wrappers={spelled: wrappers[key] for key in wrappers
@@ -699,6 +702,16 @@ def _flag_args(modules: Dict[Path, _Module], scopes: List[_Scope]) -> Dict[Tuple
                 if isinstance(value, ast.Constant) and isinstance(value.value, bool):
                     out.setdefault((path, qual), {}).setdefault(param, set()).add(value.value)
     return out
+
+
+def _endless_generator(func: ast.AST) -> bool:
+    """`func` yields inside a `while True:` loop of its own: an endless generator of batches
+    (`def generator(self, bs): while True: random.shuffle(...); for ...: yield batch`)."""
+    for node in walk(func):
+        if isinstance(node, ast.While) and isinstance(node.test, ast.Constant) and node.test.value in (True, 1) \
+                and any(isinstance(n, (ast.Yield, ast.YieldFrom)) for n in walk(node)):
+            return True
+    return False
 
 
 def _param_defaults(func: ast.AST) -> Dict[str, Optional[ast.AST]]:

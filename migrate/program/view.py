@@ -24,6 +24,9 @@ class ModuleView:
     # "func" or "Class.method" -> parameter -> the literal booleans the program's calls pass it
     # (its default where a call leaves it out): `make_loader(ds, shuffle=False)` elsewhere
     flag_args: Dict[str, Dict[str, FrozenSet[bool]]] = field(default_factory=dict)
+    # names of the program's functions and methods that are endless generators (a `yield`
+    # inside `while True:`), read with `next()` by training loops that count steps
+    endless_generators: FrozenSet[str] = frozenset()
     # names (as this module spells them) of the program's DataLoader subclasses that pass
     # keyword arguments through: `AudioDataLoader`, `data.AudioDataLoader`
     loader_classes: FrozenSet[str] = frozenset()

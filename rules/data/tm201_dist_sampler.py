@@ -280,6 +280,17 @@ class DistSampler(DataRule):
             return cst.Call(func=expr(f"{tm}.{helper}"), args=[cst.Arg(w)])
 
         edits = [replace(wrapped, shard)]
+        if found.kind == "drawn":
+            self.report(found.loop.iter, (
+                f"this loop counts steps and draws its batches with `next()` from `{code(wrapped)}`, which every "
+                f"rank would read alike: each rank draws every `{tm}.world_size()`-th batch of it, in the same "
+                f"order on every rank (`iter({tm}.shard_batches(...))`), and keeps its number of steps, so a step "
+                f"trains on `{tm}.world_size()` of the original's batches (a larger global batch): divide the "
+                f"batch size by `{tm}.world_size()` where it is set, or scale the learning rate"),
+                edits=[replace(wrapped, lambda w: cst.Call(func=cst.Name("iter"), args=[cst.Arg(
+                    cst.Call(func=expr(f"{tm}.shard_batches"), args=[cst.Arg(w)]))]))],
+                imports=[ctx.runtime_import()])
+            return
         if found.kind == "range":
             data = ", ".join(f"`{n}`" for n in found.sliced)
             message = (f"this loop gives every rank every batch of {data}: each rank takes every "
