@@ -9,6 +9,9 @@ Kinds (`Hazard.kind`):
 - `DTYPE_TABLE`: a table keyed by floating dtypes without the half ones
   (`{torch.float32: 4e-3, torch.float64: 1e-5}`), read by a tensor's dtype (`eps[x.dtype]`): under
   bf16 autocast the lookup raises KeyError (the hyperbolic-manifold style);
+- `BILINEAR`: `nn.Bilinear` / `F.bilinear`, on none of autocast's lists: inputs that come from
+  layers autocast ran in half precision meet its float32 weight and it raises ("All tensors must
+  have the same dtype");
 - `SOLVER`: an adaptive ODE/SDE solver (`torchdiffeq.odeint`, `torchsde.sdeint`): its error
   control compares steps against tolerances (1e-5) far below bf16's resolution, so it takes many
   more steps or never meets them.
@@ -26,10 +29,12 @@ from typing import Callable, Dict, Iterable, List, Optional
 from torchmigrate.program.astwalk import walk
 from torchmigrate.program.search_path import dotted_name
 
-BCE, DTYPE_TABLE, SOLVER = "bce", "dtype-table", "solver"
+BCE, DTYPE_TABLE, SOLVER, BILINEAR = "bce", "dtype-table", "solver", "bilinear"
 
 _BCE_NAMES = frozenset({"torch.nn.BCELoss", "torch.nn.modules.loss.BCELoss", "torch.nn.functional.binary_cross_entropy"})
 _SOLVER_PACKAGES = ("torchdiffeq", "torchsde")
+_BILINEAR_NAMES = frozenset({"torch.nn.Bilinear", "torch.nn.modules.linear.Bilinear", "torch.nn.functional.bilinear",
+                             "torch.bilinear"})
 _FULL = frozenset({"float32", "float64", "float", "double"})
 _HALF = frozenset({"float16", "bfloat16", "half"})
 
@@ -50,6 +55,9 @@ class Hazard:
         if self.kind == BCE:
             return (f"{where} computes a BCE loss, which raises under CUDA autocast (unsafe in fp16): use "
                     "`BCEWithLogitsLoss` on the logits, then add `with tm.autocast():` and `tm.GradScaler()`")
+        if self.kind == BILINEAR:
+            return (f"{where} is a bilinear layer, which autocast does not cast: inputs from layers run in "
+                    "bf16/fp16 meet its float32 weight and it raises, so the program trains in float32")
         if self.kind == DTYPE_TABLE:
             return (f"{where} is a table keyed by float32/float64 that the program reads by a tensor's dtype: "
                     "under bf16/fp16 autocast that lookup raises KeyError, so the program trains in float32")
@@ -94,6 +102,8 @@ def hazards(trees: Dict[Path, ast.Module], library_of: Callable[[Path], Dict[str
                 full = _qualified(spelled, library) or ""
                 if full in _BCE_NAMES:
                     found.append(Hazard(path, node.lineno, BCE, spelled or full))
+                elif full in _BILINEAR_NAMES:
+                    found.append(Hazard(path, node.lineno, BILINEAR, spelled or full))
                 elif full.split(".")[0] in _SOLVER_PACKAGES and full.rsplit(".", 1)[-1].startswith(("odeint", "sdeint")):
                     found.append(Hazard(path, node.lineno, SOLVER, spelled or full))
             elif by_dtype and isinstance(node, ast.Dict):
@@ -107,5 +117,5 @@ def for_module(path: Path, found: Iterable[Hazard]) -> Dict[str, bool]:
     """The hazards the AMP plan of `path` must heed, as reason -> whether the program must change
     to get mixed precision: all but the BCE losses of the module itself, which its own training
     facts see and TM409 reports where they are. A BCE loss asks for a change (BCEWithLogitsLoss);
-    a dtype table or a solver is a decision (the program trains in float32), not a TODO."""
+    a dtype table, a bilinear layer or a solver is a decision (the program trains in float32), not a TODO."""
     return {h.reason(): h.kind == BCE for h in found if not (h.kind == BCE and h.path == path)}
