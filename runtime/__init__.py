@@ -64,7 +64,7 @@ __all__ = [
     "amp_dtype", "autocast", "GradScaler", "print", "input", "bar_stream", "barrier", "all_reduce", "gather_for_metrics", "gather_list", "broadcast_object", "shared_generator", "grad", "any_rank", "share_params", "sync_grads", "shard_stream",
     "shard_sampler", "reduce_meter", "per_rank_batch", "sync_batchnorm", "synced", "to_float32",
     "save", "load", "strip_prefix", "load_state_dict", "seed_everything", "seed_per_rank", "main_only", "main_process_first",
-    "shard_range", "shard_indices", "shard_mean", "shard_batches", "to_device", "as_device",
+    "shard_range", "shard_indices", "shard_mean", "shard_batches", "agreed", "to_device", "as_device",
 ]
 
 
@@ -1545,7 +1545,7 @@ class _ShardedBatches:
         yield from _deal(_chunked(it, streams, 1))
 
 
-_PASSES = {"seed": None, "count": 0}  # rank 0's initial seed, shared once; passes so far
+_PASSES = {"seed": None, "count": 0, "agreed": 0}  # rank 0's initial seed, shared once; passes so far; `agreed` draws
 
 
 class _Streams:
@@ -2061,6 +2061,24 @@ def shared_generator(seed: int | None = None) -> torch.Generator:
     generator = torch.Generator()
     generator.manual_seed(int(broadcast_object(torch.initial_seed() if seed is None else seed)))
     return generator
+
+
+def agreed(draw, *args, **kwargs):
+    """``draw(*args, **kwargs)`` with Python's, numpy's and torch's global generators seeded alike
+    on every rank, for a reordering that a hand-made batch iterator makes before it is read
+    (``tm.agreed(train_loader.shuffle)`` before ``tm.shard_batches(train_loader.get_iterator())``):
+    every rank makes the same permutation, so the every-W-th batches the ranks keep are disjoint.
+    Each call draws anew (rank 0's ``torch.initial_seed()``, shared once, plus a call count, so it
+    is new each epoch and fixed when the program seeds torch); the program's own generators
+    are put back after, untouched. 1 process: ``draw(*args, **kwargs)`` itself. A collective on
+    its first call: call it on every rank."""
+    if world_size() <= 1:
+        return draw(*args, **kwargs)
+    if _PASSES["seed"] is None:
+        _PASSES["seed"] = int(broadcast_object(torch.initial_seed()))
+    _PASSES["agreed"] += 1
+    with _Streams(_PASSES["seed"] + 1_000_003 * _PASSES["agreed"]):
+        return draw(*args, **kwargs)
 
 
 def any_rank(flag) -> bool:

@@ -176,6 +176,8 @@ def test_shard_stream_and_any_rank(collectives):
     assert len(r0["dealt"]) == len(r1["dealt"]) == 7 and set(r0["dealt"]) | set(r1["dealt"]) == set(range(13))
     assert r0["dealt"] != list(range(7))  # dealt, not cut
     assert r0["any_rank"] == r1["any_rank"] == [True, False]
+    assert r0["agreed"] == r1["agreed"] and r0["agreed"][0] != r0["agreed"][1]  # alike, new each call
+    assert sorted(r0["agreed"][0]) == list(range(10)) and r0["agreed_kept_own"] and r1["agreed_kept_own"]
 
 
 def test_shuffled_eval_sampler_covers_every_sample_once_in_a_new_order_each_pass(collectives):

@@ -43,6 +43,7 @@ from torchmigrate import analysis
 from torchmigrate.syntax.imports import dotted
 from torchmigrate.syntax.nodes import code
 from torchmigrate.program.facts import training_text
+from torchmigrate.program import splits
 from torchmigrate.program.loaders import loader_facts
 
 # Draws of a whole new order, which `tm.broadcast_object(...)` makes rank 0's on every rank.
@@ -71,8 +72,10 @@ SHARD_HELPERS = ("shard_range", "shard_batches", "shard_indices", "shard_mean")
 
 @dataclass(eq=False)
 class Order:
-    """A draw that sets a batch loop's order: ``call`` to wrap (``"draw"``), or the in-place
-    shuffle statement after which the shuffled ``name`` is shared (``"shuffle"``)."""
+    """A draw that sets a batch loop's order: ``call`` to wrap (``"draw"``), the in-place
+    shuffle statement after which the shuffled ``name`` is shared (``"shuffle"``), or a method
+    call that reorders the iterated object itself before the loop (``"method"``:
+    `train_loader.shuffle()` of a hand-made iterator), to make with generators alike on every rank."""
 
     kind: str
     node: cst.CSTNode
@@ -192,7 +195,27 @@ class BatchFacts:
         if generator or not self._iterates_data(loop, wrapped):
             return None
         refs = loader_facts(ctx).refs_at(wrapped) if loader_facts(ctx).scan is not None else []
-        return BatchLoop(loop, "iterable", wrapped, loader=bool(refs), carried=self._carried(loop))
+        found = BatchLoop(loop, "iterable", wrapped, loader=bool(refs), carried=self._carried(loop))
+        found.orders.extend(self._reorders(loop, wrapped))
+        return found
+
+    def _reorders(self, loop: cst.For, wrapped: cst.BaseExpression) -> List[Order]:
+        """`train_loader.shuffle()` (a method named like a reordering, called on the object whose
+        batches the loop reads, `train_loader.get_iterator()` or `train_loader` itself, in the
+        loop's function but not in the loop): each rank would draw its own order."""
+        ctx = self.ctx
+        base = wrapped.func.value if isinstance(wrapped, cst.Call) and isinstance(wrapped.func, cst.Attribute) \
+            else wrapped
+        text = code(base)
+        scope = ctx.scope_of(loop)
+        out = []
+        for call, _name in self.facts.calls:
+            func = call.func
+            if isinstance(func, cst.Attribute) and _REORDERS.search(func.attr.value.lower()) \
+                    and code(func.value) == text and ctx.scope_of(call) is scope \
+                    and not any(anc is loop for anc in ctx.ancestors(call)):
+                out.append(Order("method", call, text))
+        return out
 
     def _drawn(self, loop: cst.For) -> Optional[BatchLoop]:
         """A training loop that counts steps and draws each batch with `next(batches)` from an
@@ -219,9 +242,18 @@ class BatchFacts:
                 if isinstance(inner, cst.Call) and _helper(inner):
                     return BatchLoop(loop, "drawn", value, sharded=True)  # migrated already
                 callee = (dotted(value.func) or "").rsplit(".", 1)[-1]
-                if callee in endless:
+                if callee in endless and not self._over_loader(value):
                     return BatchLoop(loop, "drawn", value, carried=self._carried(loop))
         return None
+
+    def _over_loader(self, call: cst.Call) -> bool:
+        """`infiniteloop(dataloader)`: an endless generator over a DataLoader, which is sharded
+        where it is built."""
+        facts = loader_facts(self.ctx)
+        for a in call.args:
+            if (facts.scan is not None and facts.refs_at(a.value)) or splits.named_like_loader(code(a.value)):
+                return True
+        return False
 
     def _endless_here(self) -> FrozenSet[str]:
         """This module's endless generators (a file linted on its own has no program view)."""

@@ -465,7 +465,8 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
     builders = _iterator_builders(modules)
     torch_programs = _torch_programs(graph, modules)
     loader_names = {"DataLoader"} | {name for _, name in loader_classes}
-    builds_loaders = any((dotted_name(c.func) or "").rsplit(".", 1)[-1] in loader_names for s in scopes for c in s.calls)
+    builds_loaders = any((dotted_name(c.func) or "").rsplit(".", 1)[-1] in loader_names
+                         and not _own_non_loader(s, modules, c) for s in scopes for c in s.calls)
     builds_dataloaders = builds_loaders
     spelled_builders = {m.path: {spelled: builders[key] for key in builders for spelled in _spellings(m, modules, {key})}
                         for m in modules.values()}
@@ -878,6 +879,17 @@ def _rank_test(test: ast.AST) -> bool:
                     "local", "global", "world", "get", "node", "my", "process", "proc"))):
             return True
     return False
+
+
+def _own_non_loader(s: "_Scope", modules: Dict[Path, _Module], call: ast.Call) -> bool:
+    """`DataLoader(data, idx, bs)` of a class of the program that is named like torch's but does
+    not derive from it (a hand-made batch iterator): it builds no torch loader."""
+    name = dotted_name(call.func) or ""
+    klass = s.module.classes.get(name) if "." not in name else None
+    target = _callee(s.module, modules, call)
+    if klass is None and target is not None:
+        klass = modules[target[0]].classes.get(target[1].split(".")[0])
+    return klass is not None and not _derives_loader(klass)
 
 
 def _derives_loader(klass: ast.ClassDef) -> bool:

@@ -310,6 +310,14 @@ class DistSampler(DataRule):
                        f"`{tm}.world_size()`-th batch, drawn in the same order on every rank (`{tm}.shard_batches`, "
                        "the same number of steps on every rank)")
         orders = [o for o in found.orders if not o.shared]
+        methods = [o for o in orders if o.kind == "method"]
+        orders = [o for o in orders if o.kind != "method"]
+        for order in methods:
+            edits.append(replace(order.node, lambda c: cst.Call(func=expr(f"{tm}.agreed"), args=[
+                cst.Arg(c.func), *[a.with_changes(comma=cst.MaybeSentinel.DEFAULT) for a in c.args]])))
+        if methods:
+            message += (f"; {', '.join(sorted({f'`{code(o.node.func)}()`' for o in methods}))} reorders it alike "
+                        f"on every rank (`{tm}.agreed`), so the ranks' batches are disjoint")
         for order in orders:
             if order.kind == "draw":
                 edits.append(replace(order.node, lambda c: cst.Call(func=expr(f"{tm}.broadcast_object"),

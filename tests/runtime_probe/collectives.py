@@ -183,6 +183,13 @@ def main(outdir):
     res["stream"] = tm.shard_stream(torch.arange(11)).tolist()  # equal parts, the remainder dropped
     res["dealt"] = [i for i, _ in tm.shard_stream([(i, "sample") for i in range(13)])]  # dealt at random, padded
     res["any_rank"] = [tm.any_rank(r == 1), tm.any_rank(False)]
+    # a hand-made iterator reshuffled per epoch by a method of its own, drawn alike on every rank
+    import numpy as np
+    np.random.seed(100 + r)  # each rank's own stream (as after tm.seed_per_rank)
+    before = np.random.rand()
+    np.random.seed(100 + r)
+    res["agreed"] = [tm.agreed(np.random.permutation, 10).tolist() for _ in range(2)]
+    res["agreed_kept_own"] = np.random.rand() == before  # the rank's own stream untouched
 
     shuffled_eval = tm.eval_sampler(list(range(9)), shuffle=True)
     res["eval_shuffled"] = [list(shuffled_eval), list(shuffled_eval)]
