@@ -83,6 +83,17 @@ _EMA = re.compile(r"EMA|Ema|AveragedModel|MovingAverage")
 
 # --- small helpers -------------------------------------------------------------------------
 
+_NOT_HOLDERS = re.compile(r"DataParallel|EMA|Ema|Averag|Writer|Summary|Profiler|Scheduler|Optim|Scaler")
+
+
+def _constructs(call: cst.Call) -> bool:
+    """`GaussianDiffusion(model, ...)`, `losses.Trainer(model)`: a class built over what it is
+    handed (named in CamelCase), not a wrapper the migration handles itself (DataParallel), a copy
+    for averaging (EMA, AveragedModel) or a writer, profiler, scheduler, optimizer or scaler."""
+    name = (dotted(call.func) or "").rsplit(".", 1)[-1]
+    return bool(name) and name[0].isupper() and not name.isupper() and not _NOT_HOLDERS.search(name)
+
+
 def _binds_on_every_path(node: cst.If, name: str) -> bool:
     """Every branch of the `if` (an `else` included) assigns `name` in its own block, or holds
     an `if` that does."""
@@ -800,10 +811,37 @@ class Plan:
                     and ctx.parent(line) is ctx.parent(anchor)):
                 anchor, after = line, True
                 break
+        if not after:
+            anchor = self._before_holders(m, anchor, def_stmt)
         placed = NewWrap(m, o, scope, klass, anchor, after=after, def_stmt=model_def)
         if not m.startswith(("self.", "cls.")) and deferred is not None:
             placed.dp = deferred
         return placed
+
+    def _before_holders(self, m: str, anchor: cst.CSTNode, def_stmt: Optional[cst.CSTNode]) -> cst.CSTNode:
+        """The first statement between the model's creation and `anchor` (in `anchor`'s block)
+        that hands the model to another object (`diffusion = GaussianDiffusion(model)`,
+        `self.trainer = Trainer(self.model, cfg)`), else `anchor`: that object keeps a reference to
+        what it was given and runs its forward through it, so a wrap after it would leave the
+        training forward outside DDP (no gradient averaged)."""
+        ctx = self.ctx
+        block = ctx.parent(anchor)
+        body = list(getattr(block, "body", ()))
+        if anchor not in body:
+            return anchor
+        start = body.index(def_stmt) + 1 if def_stmt in body else 0
+        for statement in body[start:body.index(anchor)]:
+            if not isinstance(statement, cst.SimpleStatementLine) or len(statement.body) != 1:
+                continue
+            small = statement.body[0]
+            if not isinstance(small, cst.Assign) or not isinstance(small.value, cst.Call):
+                continue
+            call = small.value
+            if any(dotted(t.target) == m for t in small.targets) or not _constructs(call):
+                continue
+            if any(a.star == "" and dotted(a.value) == m for a in call.args):
+                return statement
+        return anchor
 
     def sums_losses(self) -> bool:
         """Every backward pass of this file takes a loss summed over its batch (`program.losses`)
