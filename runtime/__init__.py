@@ -64,7 +64,7 @@ __all__ = [
     "amp_dtype", "autocast", "GradScaler", "print", "input", "bar_stream", "barrier", "all_reduce", "gather_for_metrics", "gather_list", "broadcast_object", "shared_generator", "grad", "any_rank", "share_params", "sync_grads", "shard_stream",
     "shard_sampler", "reduce_meter", "per_rank_batch", "sync_batchnorm", "synced", "to_float32",
     "save", "load", "strip_prefix", "load_state_dict", "seed_everything", "seed_per_rank", "main_only", "main_process_first",
-    "shard_range", "shard_indices", "shard_mean", "shard_batches", "agreed", "to_device", "as_device",
+    "shard_range", "shard_indices", "shard_mean", "shard_batches", "agreed", "move_into_place", "to_device", "as_device",
 ]
 
 
@@ -2061,6 +2061,21 @@ def shared_generator(seed: int | None = None) -> torch.Generator:
     generator = torch.Generator()
     generator.manual_seed(int(broadcast_object(torch.initial_seed() if seed is None else seed)))
     return generator
+
+
+def move_into_place(src, dst) -> None:
+    """``os.replace(src, dst)`` for a temporary file each process wrote for itself (an atomic
+    save: ``tmp = NamedTemporaryFile(dir=folder, delete=False); torch.save(obj, tmp);
+    os.replace(tmp.name, path)``): the main process moves its file into place, every other rank
+    removes its own, so ``dst`` is written once and no temporary file is left behind. 1 process:
+    ``os.replace(src, dst)``."""
+    if is_main() or world_size() <= 1:
+        os.replace(src, dst)
+    else:
+        try:
+            os.remove(src)
+        except FileNotFoundError:
+            pass
 
 
 def agreed(draw, *args, **kwargs):

@@ -178,6 +178,7 @@ def test_shard_stream_and_any_rank(collectives):
     assert r0["any_rank"] == r1["any_rank"] == [True, False]
     assert r0["agreed"] == r1["agreed"] and r0["agreed"][0] != r0["agreed"][1]  # alike, new each call
     assert sorted(r0["agreed"][0]) == list(range(10)) and r0["agreed_kept_own"] and r1["agreed_kept_own"]
+    assert r0["placed"] == r1["placed"] == "rank 0" and r0["temps_left"] == r1["temps_left"] == []
 
 
 def test_shuffled_eval_sampler_covers_every_sample_once_in_a_new_order_each_pass(collectives):

@@ -25,7 +25,7 @@ Name resolution uses the import table (`ctx.resolve`), never across modules.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Dict, Optional, Set
+from typing import TYPE_CHECKING, Dict, List, Optional, Set
 
 import libcst as cst
 
@@ -304,14 +304,39 @@ def in_private_temp(ctx: Context, call: cst.Call) -> bool:
     """`call` names a path inside a temporary file or folder this process made for itself
     (`with tempfile.TemporaryDirectory() as tmp: ... open(os.path.join(tmp, "task.xml"), "w")`,
     also through local names built from it, `config = os.path.join(tmp, "task.xml")`): each
-    rank writes its own, and none must be kept from writing it (ROUGE's config file)."""
+    rank writes its own, and none must be kept from writing it (ROUGE's config file). A move
+    (`os.replace(src, dst)`) counts by its destination."""
+    args = call.args[1:2] if ctx.resolve(call.func) in MOVES else call.args
+    return any(_names_temp(ctx, call, a) for a in args)
+
+
+def private_temp_source(ctx: Context, call: cst.Call) -> bool:
+    """`os.replace(tmp.name, path)`: a move of this process's own temporary file (its first
+    argument) to a path that is not one (an atomic save into a shared folder)."""
+    return ctx.resolve(call.func) in MOVES and len(call.args) >= 2 and not in_private_temp(ctx, call) \
+        and _names_temp(ctx, call, call.args[0])
+
+
+def _names_temp(ctx: Context, call: cst.Call, arg: cst.Arg) -> bool:
+    """`arg` reads a name of `call`'s scope bound to a private temporary file or folder."""
     scope = ctx.enclosing(call, cst.FunctionDef) or ctx.module
     cache: Dict[cst.CSTNode, Set[str]] = ctx.facts.setdefault("tm_private_temps", {})  # type: ignore[assignment]
     names = cache.get(scope)
     if names is None:
         names = cache[scope] = _private_temp_names(ctx, scope)
-    return bool(names) and any(isinstance(n, cst.Name) and n.value in names for a in call.args
-                               for n in iter_nodes(a.value))
+    return bool(names) and any(isinstance(n, cst.Name) and n.value in names for n in iter_nodes(arg.value))
+
+
+def _bound_names(target: cst.BaseExpression) -> List[cst.Name]:
+    if isinstance(target, cst.Name):
+        return [target]
+    if isinstance(target, (cst.Tuple, cst.List)):
+        return [n for el in target.elements for n in _bound_names(el.value)]
+    return []
+
+
+# moves and renames: they write their destination (the second argument)
+MOVES = frozenset({"os.replace", "os.rename", "os.renames", "shutil.move"})
 
 
 def _private_temp_names(ctx: Context, scope: cst.CSTNode) -> Set[str]:
@@ -328,7 +353,7 @@ def _private_temp_names(ctx: Context, scope: cst.CSTNode) -> Set[str]:
     while changed:
         changed = False
         for a in assigns:
-            targets = {t.target.value for t in a.targets if isinstance(t.target, cst.Name)}
+            targets = {n.value for t in a.targets for n in _bound_names(t.target)}  # `fd, path = mkstemp()`
             if not targets or targets <= found:
                 continue
             made = isinstance(a.value, cst.Call) and ctx.resolve(a.value.func) in effects.PRIVATE_TEMPS

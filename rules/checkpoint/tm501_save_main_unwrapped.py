@@ -14,6 +14,7 @@ from torchmigrate import analysis
 from torchmigrate.finding import Safety, insert_after, insert_before, replace
 from torchmigrate.syntax.imports import dotted
 from torchmigrate.syntax.nodes import arg, code, keep_alignment
+from torchmigrate.program.writes import private_temp_source
 from torchmigrate.program.checkpoints import (LOADS, SAVES, file_handle, is_buffer, is_open, load_events, path_text,
                                               with_binding)
 from torchmigrate.rule import Context, Example, Rule
@@ -325,6 +326,8 @@ class SaveMainUnwrapped(Rule):
         for call, name in analysis.facts(ctx).calls:
             if name not in _FILE_OPS or under_rank_guard(ctx, call):
                 continue
+            if "TM504" in ctx.enabled and ctx.options.mode == "ddp" and private_temp_source(ctx, call):
+                continue  # each rank's own temporary file moved into place: TM504's `tm.move_into_place`
             child = call
             for anc in ctx.ancestors(call):
                 if anc in blocks:

@@ -9,9 +9,9 @@ import libcst as cst
 from torchmigrate import analysis
 from torchmigrate.finding import Safety, insert_before, replace
 from torchmigrate.syntax.imports import dotted
-from torchmigrate.syntax.nodes import code, set_kwarg, stmt
+from torchmigrate.syntax.nodes import code, expr, set_kwarg, stmt
 from torchmigrate.program.checkpoints import follows_save
-from torchmigrate.program.writes import in_private_temp
+from torchmigrate.program.writes import in_private_temp, private_temp_source
 from torchmigrate.program.syntax import body_of, unconditional
 from torchmigrate.program import effects
 from torchmigrate.program.writes import (call_kinds, handle_uses_write_only, in_body, is_pil_image, scope_qual,
@@ -127,6 +127,9 @@ class MainOnlyWrites(Rule):
         for call, name in analysis.facts(ctx).calls:
             if in_private_temp(ctx, call):
                 continue  # a file in this process's own temporary folder: every rank has its own
+            if ctx.options.mode == "ddp" and private_temp_source(ctx, call) and not under_rank_guard(ctx, call):
+                self._move_into_place(call)
+                continue
             if (name == _MAKEDIRS or _path_mkdir(call, name)) and not _exist_ok(call):
                 self.report(call, "every rank creates this folder: a rank that comes second fails with "
                                   "FileExistsError; pass exist_ok=True",
@@ -187,6 +190,18 @@ class MainOnlyWrites(Rule):
             self._handle(call, assign)
         for call, name in analysis.facts(ctx).calls:
             self._helper_reread(call)
+
+    def _move_into_place(self, call: cst.Call) -> None:
+        """`os.replace(tmp.name, path)` of a temporary file each rank wrote for itself (an atomic
+        save): `tm.move_into_place(tmp.name, path)`, the main process's file moved into place, the
+        other ranks' removed."""
+        tm = self.ctx.tm
+        self.report(call, f"every rank moves its own temporary file onto this path: `{tm}.move_into_place` moves "
+                          "the main process's there and removes the other ranks' (one writer, no file left behind)",
+                    edits=[replace(call, lambda c: c.with_changes(func=expr(f"{tm}.move_into_place"),
+                                                                  args=[a.with_changes(keyword=None, equal=cst.MaybeSentinel.DEFAULT)
+                                                                        for a in c.args[:2]]))],
+                    imports=[self.ctx.runtime_import()])
 
     def _guardable(self, run: List[cst.CSTNode]) -> List[Tuple[List[cst.CSTNode], List[str]]]:
         """`run` split into the longest stretches that one guard can take without leaving a name

@@ -5,6 +5,7 @@ import logging
 import os
 import random
 import sys
+import tempfile
 import time
 
 import torch
@@ -190,6 +191,15 @@ def main(outdir):
     np.random.seed(100 + r)
     res["agreed"] = [tm.agreed(np.random.permutation, 10).tolist() for _ in range(2)]
     res["agreed_kept_own"] = np.random.rand() == before  # the rank's own stream untouched
+    # an atomic save: each rank writes a temporary file of its own, the main one is moved into place
+    placed = os.path.join(outdir, "placed.txt")
+    fd, own = tempfile.mkstemp(dir=outdir, prefix=f"tmp{r}_")
+    with os.fdopen(fd, "w") as f:
+        f.write(f"rank {r}")
+    tm.move_into_place(own, placed)
+    tm.barrier()
+    res["placed"] = open(placed).read()
+    res["temps_left"] = sorted(n for n in os.listdir(outdir) if n.startswith("tmp"))
 
     shuffled_eval = tm.eval_sampler(list(range(9)), shuffle=True)
     res["eval_shuffled"] = [list(shuffled_eval), list(shuffled_eval)]
