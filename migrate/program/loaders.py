@@ -102,6 +102,14 @@ class Ref:
     loaders: List["Loader"] = field(default_factory=list)
     binding: Optional[cst.CSTNode] = None  # the statement that binds it in `scope`, if any
     eval: bool = False  # a dict entry whose key says val/test (`loaders["val"]`)
+    # which branch of a mixed loader built by a factory it holds, where every binding says:
+    # `test_dl = make_loader(test_ds, False)` for `shuffle=train` in `make_loader` -> {"eval"}
+    branches: Set[str] = field(default_factory=set)
+
+    @property
+    def branch(self) -> Optional[str]:
+        """"train" or "eval" when every binding of it builds that branch, else None."""
+        return next(iter(self.branches)) if len(self.branches) == 1 and "unknown" not in self.branches else None
 
 
 @dataclass(eq=False)
@@ -436,11 +444,14 @@ class LoaderFacts:
         return []
 
     def add_ref(self, scope: cst.CSTNode, key: str, text: str, loaders: Sequence[Loader],
-                binding: Optional[cst.CSTNode] = None) -> bool:
+                binding: Optional[cst.CSTNode] = None, branches: Set[str] = frozenset({"unknown"})) -> bool:
         ref = self.refs.get((id(scope), key))
         changed = False
+        if ref is not None and not branches <= ref.branches:
+            ref.branches |= branches
+            changed = True
         if ref is None:
-            ref = Ref(scope, key, text, binding=binding)
+            ref = Ref(scope, key, text, binding=binding, branches=set(branches))
             self.refs[(id(scope), key)] = ref
             self.heads.add(key.split(".")[0].split("[")[0])
             if "[" in key:
@@ -1132,6 +1143,7 @@ class LoaderFacts:
         target = assign.targets[0].target
         value = assign.value
         pairs: List[Tuple[cst.CSTNode, List[Loader]]] = []
+        branches: Set[str] = {"unknown"}
         if type(value) is cst.Call and id(value) not in self.by_call:
             name = _func_name(value)
             result = returns.get(name) if name else None
@@ -1142,18 +1154,39 @@ class LoaderFacts:
                             pairs.append((el.value, result[i]))
                 elif None in result:
                     pairs.append((target, result[None]))
+                    branches = self._branch_built(value, result[None])
         elif type(value) in _REFERENCES:
             found = self._loaders_of(value)
             if found:
                 pairs.append((target, found))
+                branches = self._branches_of(value)
         changed = False
         for node, found in pairs:
             k = key_of(node)
             if k is None or "[" in k:
                 continue
             statement = self.ctx.statement_of(assign)
-            changed |= self.add_ref(self.binding_scope(assign, k), k, code(node), found, statement)
+            changed |= self.add_ref(self.binding_scope(assign, k), k, code(node), found, statement, branches)
         return changed
+
+    def _branch_built(self, call: cst.Call, found: List[Loader]) -> Set[str]:
+        """{"train"} or {"eval"} for a call of a factory whose one loader is a mixed loader by
+        its `shuffle=` parameter, passed a literal (`make_loader(test_ds, False)`), else {"unknown"}."""
+        if len(found) != 1 or found[0].kind != "mixed" or not found[0].condition_is_shuffle \
+                or type(found[0].shuffle) is not cst.Name:
+            return {"unknown"}
+        param = found[0].shuffle.value
+        for callee, skip in self.callees(call):
+            if callee is not found[0].scope:
+                continue
+            value = dict(bind_params(callee, call, skip)).get(param, _default(callee, param))
+            if is_literal(value, "True", "False"):
+                return {"train" if value.value == "True" else "eval"}
+        return {"unknown"}
+
+    def _branches_of(self, node: cst.CSTNode) -> Set[str]:
+        refs = self.refs_at(node) if type(node) in _REFERENCES else []
+        return set().union(*(r.branches for r in refs)) if refs else {"unknown"}
 
     def _param_refs(self, call: cst.Call) -> bool:
         changed = False
@@ -1161,7 +1194,7 @@ class LoaderFacts:
             for param, value in bind_params(callee, call, skip_first):
                 found = self._loaders_of(value) if type(value) in _REFERENCES else []
                 if found:
-                    changed |= self.add_ref(callee, param, param, found, None)
+                    changed |= self.add_ref(callee, param, param, found, None, self._branches_of(value))
         return changed
 
     def callees(self, call: cst.Call) -> List[Tuple[cst.FunctionDef, bool]]:

@@ -68,6 +68,16 @@ def _sharding(ctx: Context, loader) -> Optional[str]:
     return None
 
 
+def _branch_sharding(ctx: Context, loader, branch: Optional[str]) -> Optional[str]:
+    """`_sharding` of a loader as one reference holds it: the branch of a mixed loader that a
+    factory call builds (`test_dl = make_loader(test_ds, False)`) is known where its evaluation
+    half stays whole."""
+    if loader.kind == "mixed" and branch is not None and data_plan(ctx).eval_whole(loader) \
+            and _sharding(ctx, loader) is None:
+        return "whole" if branch == "eval" else "distributed"
+    return _sharding(ctx, loader)
+
+
 def loop_sharding(ctx: Context, loop: cst.For) -> str:
     """"sharded", "whole" or "unknown": whether the loader `loop` iterates gives each rank its
     own part of the data once this run's fixes are in. Known for a loader of this module (the
@@ -81,7 +91,7 @@ def loop_sharding(ctx: Context, loop: cst.For) -> str:
     node = loader_expr(ctx, loop.iter)
     states: Set[Optional[str]] = set()
     try:
-        states |= {_sharding(ctx, x) for r in refs_at(ctx, node) for x in r.loaders}
+        states |= {_branch_sharding(ctx, x, r.branch) for r in refs_at(ctx, node) for x in r.loaders}
     except Exception:  # noqa: BLE001 - an optional refinement: without it the runtime decides
         states.add(None)
     fn = ctx.enclosing(loop, cst.FunctionDef)
