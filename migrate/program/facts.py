@@ -94,7 +94,11 @@ def _bind_imports(module: _Module, graph: Graph, modules: Dict[Path, "_Module"])
                             _star(module, modules[target].tree, target)
                     continue
                 local = alias.asname or alias.name
-                sub = [p for p in own if p.stem == alias.name]
+                # `from models import resnet` (models/resnet.py), `from . import utils`; not
+                # `from trainer import trainer`, a function of trainer.py named like its module
+                package = (node.module or "").rsplit(".", 1)[-1]
+                sub = [p for p in own if p.stem == alias.name and p.name != "__init__.py"
+                       and (p.parent.name == package if package else p.parent == module.path.parent)]
                 if sub:
                     module.imports[local] = (sub[0], None)
                 elif targets:
