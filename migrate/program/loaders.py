@@ -1172,10 +1172,9 @@ class LoaderFacts:
     def _branch_built(self, call: cst.Call, found: List[Loader]) -> Set[str]:
         """{"train"} or {"eval"} for a call of a factory whose one loader is a mixed loader by
         its `shuffle=` parameter, passed a literal (`make_loader(test_ds, False)`), else {"unknown"}."""
-        if len(found) != 1 or found[0].kind != "mixed" or not found[0].condition_is_shuffle \
-                or type(found[0].shuffle) is not cst.Name:
+        param = branch_flag(found[0]) if len(found) == 1 else None
+        if param is None:
             return {"unknown"}
-        param = found[0].shuffle.value
         for callee, skip in self.callees(call):
             if callee is not found[0].scope:
                 continue
@@ -1294,6 +1293,28 @@ def _param_names(fn: cst.FunctionDef) -> Set[str]:
         if isinstance(star, cst.Param):
             names.add(star.name.value)
     return names
+
+
+def conditional_sampler(loader: Loader) -> Optional[cst.IfExp]:
+    """`sampler=tm.sampler(ds, shuffle=True) if train else None`: a mixed loader as the
+    migration leaves it (its evaluation half without a sampler)."""
+    for a in loader.call.args:
+        if a.keyword is not None and a.keyword.value == "sampler" and type(a.value) is cst.IfExp \
+                and is_literal(a.value.orelse, "None"):
+            return a.value
+    return None
+
+
+def branch_flag(loader: Loader) -> Optional[str]:
+    """The parameter of the function that builds `loader` which says whether a call builds its
+    training half (`shuffle=train`, or `sampler=... if train else None` once migrated)."""
+    if loader.kind == "mixed" and loader.condition_is_shuffle and type(loader.shuffle) is cst.Name:
+        name = loader.shuffle.value
+    else:
+        test = conditional_sampler(loader)
+        name = test.test.value if test is not None and type(test.test) is cst.Name else None
+    fn = loader.scope
+    return name if name is not None and isinstance(fn, cst.FunctionDef) and name in _param_names(fn) else None
 
 
 def _default(fn: cst.FunctionDef, name: str) -> Optional[cst.BaseExpression]:

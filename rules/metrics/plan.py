@@ -23,7 +23,7 @@ import libcst as cst
 from torchmigrate import analysis
 from torchmigrate.finding import Edit, replace
 from torchmigrate.syntax.nodes import code
-from torchmigrate.program.loaders import DIST_SAMPLERS, refs_at
+from torchmigrate.program.loaders import DIST_SAMPLERS, conditional_sampler, refs_at
 from torchmigrate.program.metrics import ExactDenominators, loader_expr
 from torchmigrate.rule import Context
 from torchmigrate.rules.data.plan import data_plan
@@ -72,8 +72,8 @@ def _branch_sharding(ctx: Context, loader, branch: Optional[str]) -> Optional[st
     """`_sharding` of a loader as one reference holds it: the branch of a mixed loader that a
     factory call builds (`test_dl = make_loader(test_ds, False)`) is known where its evaluation
     half stays whole."""
-    if loader.kind == "mixed" and branch is not None and data_plan(ctx).eval_whole(loader) \
-            and _sharding(ctx, loader) is None:
+    if branch is not None and ((loader.kind == "mixed" and data_plan(ctx).eval_whole(loader)
+                                and _sharding(ctx, loader) is None) or conditional_sampler(loader) is not None):
         return "whole" if branch == "eval" else "distributed"
     return _sharding(ctx, loader)
 
