@@ -27,6 +27,7 @@ from torchmigrate.program import amp_hazards, batch_coupling, effects, splits
 from torchmigrate.program.classes import MODULE, OTHER, argument_kind, class_kinds, optimizer_wrapper
 from torchmigrate.program.graph import Graph
 from torchmigrate.program.search_path import dotted_name
+from torchmigrate.program.summing_modules import summing_forward
 from torchmigrate.program.view import ModuleView
 from torchmigrate.program.astwalk import walk
 
@@ -446,6 +447,7 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
 
     loader_params = _loader_params(modules, scopes)
     flags = _flag_args(modules, scopes)
+    summing = {(p, name) for p, m in modules.items() for name, c in m.classes.items() if summing_forward(c)}
     endless = frozenset(name.rsplit(".", 1)[-1] for m in modules.values() for name, f in m.functions.items()
                         if _endless_generator(f))
     loader_classes = {(p, name) for p, m in modules.items() for name, c in m.classes.items() if _loader_subclass(c)}
@@ -504,6 +506,7 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
             flag_args={q: {p: frozenset(v) for p, v in params.items()}
                        for (mp, q), params in flags.items() if mp == path},
             endless_generators=endless,
+            summing_modules=frozenset(_spellings(m, modules, summing)),
             loader_classes=frozenset(_spellings(m, modules, loader_classes)),
             class_kinds={spelled: kinds[key] for key in kinds for spelled in _spellings(m, modules, {key})},
             optimizer_wrappers={spelled: wrappers[key] for key in wrappers

@@ -80,6 +80,8 @@ def _summing_call(ctx: Context, call: cst.Call, depth: int) -> bool:
         built = _criterion(ctx, criterion)
         if built is not None:
             return _sum_reduction(built)
+        if _summing_instance(ctx, criterion):
+            return True
         defined = _own_function(ctx, func)
         if defined is not None:
             returns = [r.value for r in ctx.within(defined, cst.Return, skip_defs=True) if r.value is not None]
@@ -111,6 +113,24 @@ def _criterion(ctx: Context, name: str) -> Optional[cst.Call]:
     if not built or len({_sum_reduction(b) for b in built}) != 1:
         return None
     return built[0]
+
+
+def _summing_instance(ctx: Context, name: str) -> bool:
+    """Every assignment of `name` in this file builds one of the program's modules whose forward
+    returns a loss summed over the batch (`diffusion = GaussianDiffusion(model).to(device)`,
+    `ModuleView.summing_modules`)."""
+    classes = ctx.program.summing_modules
+    if not classes:
+        return False
+    built = []
+    for assign in ctx.nodes(cst.Assign):
+        if any(dotted(t.target) == name for t in assign.targets):
+            value = assign.value
+            while isinstance(value, cst.Call) and isinstance(value.func, cst.Attribute) \
+                    and value.func.attr.value in ("to", "cuda", "cpu", "train"):
+                value = value.func.value
+            built.append(isinstance(value, cst.Call) and dotted(value.func) in classes)
+    return bool(built) and all(built)
 
 
 def _own_function(ctx: Context, func: cst.BaseExpression) -> Optional[cst.FunctionDef]:

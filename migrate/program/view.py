@@ -27,6 +27,9 @@ class ModuleView:
     # names of the program's functions and methods that are endless generators (a `yield`
     # inside `while True:`), read with `next()` by training loops that count steps
     endless_generators: FrozenSet[str] = frozenset()
+    # the program's modules (as this module spells them) whose forward returns a loss summed
+    # over the batch (`program.summing_modules`)
+    summing_modules: FrozenSet[str] = frozenset()
     # names (as this module spells them) of the program's DataLoader subclasses that pass
     # keyword arguments through: `AudioDataLoader`, `data.AudioDataLoader`
     loader_classes: FrozenSet[str] = frozenset()
