@@ -69,6 +69,12 @@ class MainOnlyWrites(Rule):
     - A file every rank reads back after the main process alone wrote it (an evaluation json,
       also one written by a helper of any module, from the program's effects) gets
       `tm.barrier()` before the read, where every rank reaches it.
+    - Files in a temporary file or folder a process made for itself (`TemporaryDirectory()`,
+      `mkdtemp()`, and paths built from them) are left to every rank. An atomic save, each
+      process's own temporary file moved onto a shared path (`tmp = NamedTemporaryFile(dir=d,
+      delete=False); torch.save(obj, tmp); os.replace(tmp.name, path)`), moves through
+      `tm.move_into_place(tmp.name, path)`: the main process's file is moved into place, the other
+      ranks' removed (a guard would leave theirs behind).
     - Writes inside a first-run builder (a function of the program called only when its output
       is missing, whose calls TM505 puts under `main_process_first` whole) are not guarded.
     - `logging.FileHandler(path)` (and the rotating ones) becomes
