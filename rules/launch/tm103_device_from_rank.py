@@ -1317,7 +1317,8 @@ class _BatchMoves:
             elif whole and isinstance(node, cst.Subscript) and isinstance(node.value, cst.Name) \
                     and node.value.value == name:
                 return False
-            elif isinstance(node, cst.Call) and any(_base(a.value) == name for a in node.args) \
+            elif isinstance(node, cst.Call) and any(_base(a.value) == name and not _size_of(a.value)
+                                                    for a in node.args) \
                     and not self._takes_device_tensors(node):
                 return False
         return True
@@ -1373,3 +1374,14 @@ def moves_to_devices(ctx: Context) -> bool:
                                        and device.value.evaluated_value == "cpu"):
             return True
     return False
+
+
+_SIZES = frozenset({"size", "dim", "numel", "nelement", "shape", "ndim", "dtype", "device"})
+
+
+def _size_of(node: cst.BaseExpression) -> bool:
+    """`x.size(0)`, `x.shape[0]`, `x.numel()`: a number read from a tensor, the same on any device
+    (`meter.update(loss.item(), x.size(0))` hands over no tensor)."""
+    while isinstance(node, (cst.Subscript, cst.Call)):
+        node = node.value if isinstance(node, cst.Subscript) else node.func
+    return isinstance(node, cst.Attribute) and isinstance(node.value, cst.Name) and node.attr.value in _SIZES
