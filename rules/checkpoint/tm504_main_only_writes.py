@@ -33,6 +33,10 @@ _REMOVALS = frozenset({"os.remove", "os.unlink", "shutil.rmtree",
                        # renames too: the second rank finds the source gone
                        "os.rename", "os.replace", "os.renames"})
 
+# what reading an HDF5 file through its handle uses
+_HDF5_READS = frozenset({"close", "keys", "values", "items", "get", "attrs", "filename", "name", "mode", "visit",
+                         "visititems", "__contains__"})
+
 # effects of program code that must run on every rank
 _EVERY_RANK = frozenset({effects.COLLECTIVE, effects.TRAIN, effects.CALLS})
 
@@ -75,6 +79,9 @@ class MainOnlyWrites(Rule):
       delete=False); torch.save(obj, tmp); os.replace(tmp.name, path)`), moves through
       `tm.move_into_place(tmp.name, path)`: the main process's file is moved into place, the other
       ranks' removed (a guard would leave theirs behind).
+    - `h5py.File(path, "r+")` (or `"a"`) whose handle is only read (`f["data"][:]`, `f.keys()`,
+      `f.close()`) is opened read-only (`"r"`): HDF5 locks a file opened for writing, so the
+      second rank to open it would fail with BlockingIOError.
     - Writes inside a first-run builder (a function of the program called only when its output
       is missing, whose calls TM505 puts under `main_process_first` whole) are not guarded.
     - `logging.FileHandler(path)` (and the rotating ones) becomes
@@ -136,6 +143,9 @@ class MainOnlyWrites(Rule):
             if ctx.options.mode == "ddp" and private_temp_source(ctx, call) and not under_rank_guard(ctx, call):
                 self._move_into_place(call)
                 continue
+            if ctx.options.mode == "ddp" and name == "h5py.File":
+                self._hdf5_read_only(call)
+                continue
             if (name == _MAKEDIRS or _path_mkdir(call, name)) and not _exist_ok(call):
                 self.report(call, "every rank creates this folder: a rank that comes second fails with "
                                   "FileExistsError; pass exist_ok=True",
@@ -196,6 +206,49 @@ class MainOnlyWrites(Rule):
             self._handle(call, assign)
         for call, name in analysis.facts(ctx).calls:
             self._helper_reread(call)
+
+    def _hdf5_read_only(self, call: cst.Call) -> None:
+        """`f = h5py.File(path, "r+")` (or `"a"`) whose handle is only read (`f["data"][:]`,
+        `f.keys()`, `f.close()`): HDF5 locks a file opened for writing, so the second rank to open
+        it fails with BlockingIOError ("unable to lock file"); opened read-only, every rank can."""
+        ctx = self.ctx
+        mode = next((a for a in call.args if a.keyword is not None and a.keyword.value == "mode"), None)
+        positional = [a for a in call.args if a.keyword is None and not a.star]
+        mode = mode or (positional[1] if len(positional) > 1 else None)
+        if mode is None or not isinstance(mode.value, cst.SimpleString) \
+                or mode.value.evaluated_value not in ("r+", "a") or not self._only_read(call):
+            return
+        self.report(call, "every rank opens this HDF5 file for writing, which locks it (the second rank fails with "
+                          "BlockingIOError: unable to lock file); it is only read here, so it is opened read-only",
+                    edits=[replace(mode.value, lambda v: cst.SimpleString('"r"'))])
+
+    def _only_read(self, call: cst.Call) -> bool:
+        """The handle `call` opens (bound by `f = ...` or `with ... as f`) is only read."""
+        ctx = self.ctx
+        parent = ctx.parent(call)
+        if isinstance(parent, cst.Assign) and len(parent.targets) == 1 and isinstance(parent.targets[0].target, cst.Name):
+            name = parent.targets[0].target.value
+        elif isinstance(parent, cst.WithItem) and parent.asname is not None and isinstance(parent.asname.name, cst.Name):
+            name = parent.asname.name.value
+        else:
+            return False
+        scope = ctx.enclosing(call, cst.FunctionDef) or ctx.module
+        uses = [n for n in ctx.within(scope, cst.Name, skip_defs=True) if n.value == name]
+        for use in uses:
+            up = ctx.parent(use)
+            if isinstance(up, (cst.AssignTarget, cst.AsName)):
+                continue  # the binding
+            if isinstance(up, cst.Attribute) and up.value is use:
+                if up.attr.value not in _HDF5_READS:
+                    return False
+            elif isinstance(up, cst.Subscript) and up.value is use:
+                holder = ctx.parent(up)
+                if isinstance(holder, (cst.AssignTarget, cst.Del)) or (isinstance(holder, cst.AugAssign)
+                                                                        and holder.target is up):
+                    return False
+            else:
+                return False  # handed elsewhere: who knows what is written
+        return True
 
     def _move_into_place(self, call: cst.Call) -> None:
         """`os.replace(tmp.name, path)` of a temporary file each rank wrote for itself (an atomic
