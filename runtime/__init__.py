@@ -648,6 +648,7 @@ class _DDP(_ModuleFace, DistributedDataParallel):
         self._tm_touched: set = set()
         self._tm_steps = 0
         self._tm_same_inputs = 0  # drift checks at which every rank had the same inputs
+        self._tm_unsynced = False  # gradients accumulated under no_sync() that no backward has reduced yet
         self._tm_params = [p for p in self.module.parameters() if p.requires_grad]
         ref = weakref.ref(self)
         self._tm_hooks = [] if plain else [
@@ -807,13 +808,49 @@ def _on_grad(ref, index: int, _param) -> None:
     """Post-accumulate-grad hook on each parameter of a ``_DDP``: note the parameter, and queue
     the wrapper's end-of-backward step once per backward."""
     ddp = ref()
-    if ddp is None or not ddp.require_backward_grad_sync:
-        return  # released, or inside no_sync(): gradients accumulate locally
+    if ddp is None:
+        return
+    ddp._tm_unsynced = not ddp.require_backward_grad_sync
+    if not ddp.require_backward_grad_sync:
+        _watch_steps()
+        return  # inside no_sync(): gradients accumulate locally, reduced by the next synced backward
     if ddp._tm_mode == "probe":
         ddp._tm_touched.add(index)
     if not ddp._tm_queued:
         ddp._tm_queued = True
         torch.autograd.Variable._execution_engine.queue_callback(ddp._tm_after_backward)
+
+
+_STEP_HOOK: list = []  # the optimizer step pre-hook, installed once
+
+
+def _watch_steps() -> None:
+    """Installs (once) a hook that runs before every optimizer step: see `_before_step`."""
+    if not _STEP_HOOK:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        _STEP_HOOK.append(register_optimizer_step_pre_hook(_before_step))
+
+
+def _before_step(optimizer, _args, _kwargs) -> None:
+    """An optimizer about to step on gradients that were accumulated under ``no_sync()`` and
+    never reduced (gradient accumulation whose epoch ends inside a window, then a step to use the
+    leftover): each rank would apply its own gradients and the models drift apart. They are
+    averaged across ranks first (every rank takes this step), and rank 0 says so once."""
+    mine = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    for ddp in _live_wrappers():
+        if getattr(ddp, "_tm_unsynced", False) and any(id(p) in mine for p in ddp._tm_params):
+            ddp._tm_unsynced = False
+            _average_grads(ddp._tm_params, op=ddp._tm_op)
+            if is_main() and not _STEP_WARNED:
+                _STEP_WARNED.append(True)
+                frame = _user_frame(sys._getframe(2))
+                where = f" at {frame.f_code.co_filename}:{frame.f_lineno}" if frame is not None else ""
+                _warn(f"an optimizer step{where} used gradients accumulated under no_sync() that no backward had "
+                      "averaged (the last, partial accumulation window?): they were averaged across ranks first")
+
+
+_STEP_WARNED: list = []
 
 
 def _average_grads(params, op: str = "mean") -> None:

@@ -181,6 +181,14 @@ def test_shard_stream_and_any_rank(collectives):
     assert r0["placed"] == r1["placed"] == "rank 0" and r0["temps_left"] == r1["temps_left"] == []
 
 
+def test_leftover_accumulated_gradients_are_averaged_before_the_step(collectives):
+    """An optimizer step on gradients accumulated under no_sync() that no backward averaged (an
+    epoch ending inside an accumulation window) averages them first: the ranks stay equal."""
+    r0, r1 = collectives["r"]
+    assert r0["accum_params"] == r1["accum_params"]
+    assert "accumulated under no_sync()" in collectives["output"]
+
+
 def test_shuffled_eval_sampler_covers_every_sample_once_in_a_new_order_each_pass(collectives):
     r0, r1 = collectives["r"]
     for p in range(2):

@@ -323,6 +323,20 @@ def main(outdir):
     writer.add_scalar("loss", 1.0, 0)  # a real call on rank 0, absorbed elsewhere
     writer.close()
     res["main_only"] = type(writer).__name__
+
+    # gradient accumulation whose last window is cut short: the leftover step after the loop uses
+    # gradients accumulated under no_sync that no backward averaged
+    accum = tm.wrap_model(torch.nn.Linear(3, 1))
+    accum_opt = torch.optim.SGD(accum.parameters(), lr=0.5)
+    xs = torch.randn(6, 3, generator=torch.Generator().manual_seed(7 + r))  # each rank its own data
+    for i in range(3):
+        with tm.no_sync(accum, sync=(i + 1) % 2 == 0):
+            accum(xs[2 * i:2 * i + 2]).sum().backward()
+        if (i + 1) % 2 == 0:
+            accum_opt.step()
+            accum_opt.zero_grad()
+    accum_opt.step()
+    res["accum_params"] = [p.detach().flatten().tolist() for p in accum.parameters()]
     with open(os.path.join(outdir, f"rank{r}.json"), "w") as f:
         json.dump(res, f)
     tm.barrier()
