@@ -138,3 +138,34 @@ def test_a_shell_command_that_copies_files_counts_as_a_write(tmp_path, run_cli):
         """})
     out = run_cli("ddp", "--dry-run", tmp_path / "train.py").output
     assert "NOT DONE: files still written by every rank" in out and "notes.py:3 (os.system" in out, out
+
+
+def test_not_done_lines_point_to_findings_that_exist(tmp_path, run_cli):
+    """A NOT DONE line names where the findings are, or says that no finding could (it pointed to
+    "the TM201 findings" when TM201 had emitted none)."""
+    write(tmp_path, {"train.py": """
+        import torch
+        from engine import fit
+
+        def build(params):
+            return torch.optim.Adam(params)
+
+        model = torch.nn.Linear(2, 1)
+        fit(model, build(model.parameters()))
+        """, "engine.py": """
+        import torch
+
+        def fit(model, optimizer):
+            for step in range(3):
+                x = torch.randn(4, 2)
+                loss = model(x).pow(2).mean()
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+        """})
+    out = run_cli("ddp", "--dry-run", tmp_path / "train.py").output
+    lines = [line for line in out.splitlines() if line.strip().startswith("NOT DONE:")]
+    assert lines, out
+    for line in lines:
+        assert "see the TM" not in line, line
+        assert "(see TM" in line or "no finding says where" in line, line

@@ -148,13 +148,23 @@ def not_done(outcomes: Sequence[Outcome], unresolved: Sequence[str] = ()) -> Lis
                    f"content; see the TM504/TM601 findings, or guard them with `if tm.is_main():`): {shown}")
     if "trains" in have and "wraps" not in have:
         out.append("no model is wrapped in DDP although the program trains: gradients are NOT synchronised, "
-                   "every rank trains its own copy (see the TM301 findings)")
+                   "every rank trains its own copy " + _see(outcomes, "TM301", "which model an optimizer trains"))
     if "loaders" in have and "shards" not in have:
-        out.append("no DataLoader is sharded: every rank iterates the whole dataset (see the TM201 findings)")
+        out.append("no DataLoader is sharded: every rank iterates the whole dataset "
+                   + _see(outcomes, "TM201", "how the training data is loaded"))
     if "trains" in have and "loaders" not in have:
         out.append("the program builds no DataLoader: every rank trains on the same batches unless the code "
-                   "shares them out by rank (see the TM201 findings)")
+                   "shares them out by rank " + _see(outcomes, "TM201", "how the training data is loaded"))
     return out
+
+
+def _see(outcomes: Sequence[Outcome], code: str, unknown: str) -> str:
+    """Where the findings of `code` that need the user are, or that there are none (a summary line
+    must not point to findings that do not exist)."""
+    where = [r.location for o in outcomes for r in o.records if r.code == code and not r.applied and not r.advice]
+    if not where:
+        return f"(no finding says where: the tool could not tell {unknown}: do it by hand)"
+    return f"(see {code} at {', '.join(where[:3])}" + (f", +{len(where) - 3} more)" if len(where) > 3 else ")")
 
 
 def torchrun_lines(outcomes: Sequence[Outcome], unresolved: Sequence[str] = ()) -> List[str]:
