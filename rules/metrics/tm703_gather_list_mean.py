@@ -123,6 +123,13 @@ class GatherListMean(Rule):
                 found = (loops if func.attr.value == "append" else meters).setdefault(loop, []) if loop else None
                 if found is not None and func.value.value not in found:
                     found.append(func.value.value)
+        for aug in ctx.nodes(cst.AugAssign):  # `losses += [loss.item()]`: an append
+            if isinstance(aug.operator, cst.AddAssign) and type(aug.target) is cst.Name \
+                    and type(aug.value) is cst.List and len(aug.value.elements) == 1:
+                loop = loader_loop(ctx, aug)
+                found = loops.setdefault(loop, []) if loop else None
+                if found is not None and aug.target.value not in found:
+                    found.append(aug.target.value)
         fed = self._step_updates() if ctx.options.mode == "ddp" else set()
         for loop, names in meters.items():
             names = [n for n in names if n not in fed]
