@@ -414,7 +414,8 @@ class MainOnlyWrites(Rule):
             if name and name.endswith(".barrier"):
                 return
             first = call.args[0].value if call.args and call.args[0].keyword is None else None
-            if first is None or code(first) not in written or writes_file(call, name):
+            reads = first is not None and code(first) in written and not writes_file(call, name)
+            if not (reads or self._shell_reads(call, name, written)):
                 continue
             body = body_of(ctx.parent(run[0])) or ()
             reading = next((a for a in (call, *ctx.ancestors(call)) if any(a is b for b in body)), None)
@@ -427,6 +428,14 @@ class MainOnlyWrites(Rule):
                               "until it is complete",
                         edits=[insert_before(reading, [stmt(f"{ctx.tm}.barrier()")])], imports=[ctx.runtime_import()])
             return
+
+    def _shell_reads(self, call: cst.Call, name: Optional[str], written: set) -> bool:
+        """A shell command that names the written file (`os.system("perl conlleval < %s > %s" %
+        (pred_path, score_path))`): an evaluation script that reads it."""
+        if name not in effects.SHELL_RUNNERS:
+            return False
+        return any(type(n) in (cst.Name, cst.Attribute) and code(n) in written
+                   for a in call.args for n in self.ctx.within(a.value, cst.Name, cst.Attribute))
 
     def _written_path(self, run) -> Optional[str]:
         """The path text of the file a guarded run writes (the first `open` for writing)."""
