@@ -1409,6 +1409,10 @@ def shard_stream(data):
         # cannot be cut by offsets: left as it is
         return data
     n, me = len(data), rank()
+    if not _sliceable(data):
+        # a dataset object of the program (`__getitem__` of one index): a view of this rank's
+        # dealt samples, which the program's iterator indexes as it indexed the whole
+        return _StreamPart(data, tuple(shard_range(_dealt(n))))
     part = _STREAM_PARTS.get((n, world, me))
     if part is None:
         samples = isinstance(data, (list, tuple)) and n > 0 and not isinstance(data[0], (numbers.Number, str, bytes))
@@ -1426,6 +1430,38 @@ def shard_stream(data):
 
 
 _STREAM_PARTS: dict = {}  # (length, world, rank) -> this rank's indices (empty: a contiguous part), see shard_stream
+
+
+def _sliceable(data) -> bool:
+    """Data that `shard_stream` may cut with a slice or an index list: a list, tuple, string,
+    tensor, or an array or frame of numpy/pandas."""
+    return isinstance(data, (list, tuple, str, bytes, torch.Tensor)) or type(data).__module__.split(".")[0] in (
+        "numpy", "pandas")
+
+
+class _StreamPart:
+    """This rank's samples of a dataset object (see `shard_stream`): `part[i]` is
+    `data[indices[i]]`, its length the number of indices; any other attribute is the dataset's
+    (its vocabulary, its `collate`)."""
+
+    def __init__(self, data, indices) -> None:
+        self._tm_data, self._tm_indices = data, indices
+
+    def __len__(self) -> int:
+        return len(self._tm_indices)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self._tm_data[j] for j in self._tm_indices[i]]
+        return self._tm_data[self._tm_indices[i]]
+
+    def __iter__(self):
+        return (self._tm_data[j] for j in self._tm_indices)
+
+    def __getattr__(self, name):
+        if name.startswith("_tm_"):
+            raise AttributeError(name)
+        return getattr(self._tm_data, name)
 
 
 def _dealt(n: int) -> list:

@@ -175,6 +175,10 @@ def test_shard_stream_and_any_rank(collectives):
     assert (r0["stream"], r1["stream"]) == ([0, 1, 2, 3, 4], [5, 6, 7, 8, 9])
     assert len(r0["dealt"]) == len(r1["dealt"]) == 7 and set(r0["dealt"]) | set(r1["dealt"]) == set(range(13))
     assert r0["dealt"] != list(range(7))  # dealt, not cut
+    # a dataset object of the program: a view of this rank's dealt samples, indexed one by one
+    assert len(r0["dataset_part"]) == len(r1["dataset_part"]) == 5
+    assert set(r0["dataset_part"]) | set(r1["dataset_part"]) == set(range(9))
+    assert r0["dataset_part_vocab"] == {"a": 0}
     assert r0["any_rank"] == r1["any_rank"] == [True, False]
     assert r0["agreed"] == r1["agreed"] and r0["agreed"][0] != r0["agreed"][1]  # alike, new each call
     assert sorted(r0["agreed"][0]) == list(range(10)) and r0["agreed_kept_own"] and r1["agreed_kept_own"]

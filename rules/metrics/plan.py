@@ -23,7 +23,8 @@ import libcst as cst
 from torchmigrate import analysis
 from torchmigrate.finding import Edit, replace
 from torchmigrate.syntax.nodes import code
-from torchmigrate.program.loaders import DIST_SAMPLERS, conditional_sampler, refs_at
+from torchmigrate.program import splits
+from torchmigrate.program.loaders import DIST_SAMPLERS, conditional_sampler, loaders, refs_at
 from torchmigrate.program.metrics import ExactDenominators, loader_expr
 from torchmigrate.rule import Context
 from torchmigrate.rules.data.plan import data_plan
@@ -78,6 +79,29 @@ def _branch_sharding(ctx: Context, loader, branch: Optional[str]) -> Optional[st
     return _sharding(ctx, loader)
 
 
+def _from_elsewhere(ctx: Context, fn: cst.FunctionDef, param: str) -> Set[Optional[str]]:
+    """A parameter of `fn` that this module's calls hand loaders built in another module of the
+    program (`train_loader, test_loader = load_data(args)` ... `eval(model, test_loader, args)`),
+    in a module that builds none itself: an evaluation loader that reaches another module is
+    never proven reduced, so it stays whole unless `--shard-eval` (as `ModuleView.loader_params`
+    says for loaders handed across modules). By the names the calls pass, else the parameter's."""
+    if not ctx.program.program_dataloaders or loaders(ctx):
+        return set()
+    names = {param}
+    fname = fn.name.value
+    for call in ctx.nodes(cst.Call):
+        if isinstance(call.func, cst.Name) and call.func.value == fname:
+            positions = [p.name.value for p in fn.params.params]
+            for i, a in enumerate(call.args):
+                target = a.keyword.value if a.keyword is not None else (positions[i] if i < len(positions) else None)
+                if target == param and isinstance(a.value, cst.Name):
+                    names.add(a.value.value)
+    verdicts = {splits.verdict(splits.words(n)) for n in names} - {None}
+    if verdicts == {"eval"}:
+        return {"eval" if ctx.options.shard_eval else "whole"}
+    return set()
+
+
 def loop_sharding(ctx: Context, loop: cst.For) -> str:
     """"sharded", "whole" or "unknown": whether the loader `loop` iterates gives each rank its
     own part of the data once this run's fixes are in. Known for a loader of this module (the
@@ -105,6 +129,8 @@ def loop_sharding(ctx: Context, loop: cst.For) -> str:
                 states.add("distributed" if ctx.options.shard_training else "whole")
             else:
                 states.add(None)
+    if not states and isinstance(node, cst.Name) and fn is not None:
+        states |= _from_elsewhere(ctx, fn, node.value)
     if not states:  # nothing known of the loader: a loop that trains iterates training data
         return "sharded" if analysis.runs_backward(ctx, loop) else "unknown"
     if states == {"whole"}:

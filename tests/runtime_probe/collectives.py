@@ -183,6 +183,20 @@ def main(outdir):
 
     res["stream"] = tm.shard_stream(torch.arange(11)).tolist()  # equal parts, the remainder dropped
     res["dealt"] = [i for i, _ in tm.shard_stream([(i, "sample") for i in range(13)])]  # dealt at random, padded
+
+
+    class Sentences:  # a dataset object whose __getitem__ takes one index (a slice would fail)
+        vocab = {"a": 0}
+
+        def __len__(self):
+            return 9
+
+        def __getitem__(self, i):
+            return " ".join(["w"] * (int(i) + 1))
+
+    part = tm.shard_stream(Sentences())
+    res["dataset_part"] = [len(part[i].split()) - 1 for i in range(len(part))]
+    res["dataset_part_vocab"] = part.vocab
     res["any_rank"] = [tm.any_rank(r == 1), tm.any_rank(False)]
     # a hand-made iterator reshuffled per epoch by a method of its own, drawn alike on every rank
     import numpy as np
