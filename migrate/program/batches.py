@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Dict, FrozenSet, List, Optional, Set, Tuple
+from typing import Dict, List, Optional, Set, Tuple
 
 import libcst as cst
 
@@ -223,7 +223,7 @@ class BatchFacts:
         `ModuleView.endless_generators`): kind ``"drawn"``, ``wrapped`` the call that makes it.
         Sharding the counter would not share out the data; the generator is what to share."""
         ctx = self.ctx
-        endless = ctx.program.endless_generators | self._endless_here()
+        endless = ctx.program.endless_generators
         if not endless:
             return None
         for call in self._direct_calls(loop.body):
@@ -254,20 +254,6 @@ class BatchFacts:
             if (facts.scan is not None and facts.refs_at(a.value)) or splits.named_like_loader(code(a.value)):
                 return True
         return False
-
-    def _endless_here(self) -> FrozenSet[str]:
-        """This module's endless generators (a file linted on its own has no program view)."""
-        ctx = self.ctx
-        if not ctx.nodes(cst.Yield):
-            return frozenset()
-        out = set()
-        for loop in ctx.nodes(cst.While):
-            test = loop.test
-            if (type(test) is cst.Name and test.value == "True") or (type(test) is cst.Integer and test.value == "1"):
-                fn = ctx.enclosing(loop, cst.FunctionDef)
-                if fn is not None and ctx.within(loop.body, cst.Yield, skip_defs=True):
-                    out.add(fn.name.value)
-        return frozenset(out)
 
     def _sliced_by(self, loop: cst.For, variable: str) -> List[str]:
         """What the loop body slices with its variable in a bound (`X[i:i + bs]`), by name, and

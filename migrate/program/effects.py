@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Dict, FrozenSet, Iterable, List, Optional, Set, Tuple
 
 from torchmigrate.program.astwalk import walk
+from torchmigrate.program.generators import endless_generators
 
 WRITE, MKDIR, OUTPUT, COLLECTIVE, TRAIN, CALLS, READ, RANDOM, CLOCK, STATE = (
     "write", "mkdir", "output", "collective", "train", "calls", "read", "random", "clock", "state")
@@ -536,25 +537,15 @@ class _Reader:
         """Names bound to a temporary file or folder this process made for itself
         (`with tempfile.TemporaryDirectory() as tmp`, `tmp = tempfile.mkdtemp()`) or to a value
         built from one (`config = os.path.join(tmp, "task.xml")`): each rank writes its own."""
-        found: Set[str] = set()
         nodes = [n for s in body for n in walk(s)]
-        for n in nodes:
-            if isinstance(n, ast.withitem) and isinstance(n.context_expr, ast.Call) \
-                    and self._resolve(n.context_expr.func) in PRIVATE_TEMPS and isinstance(n.optional_vars, ast.Name):
-                found.add(n.optional_vars.id)
-        assigns = [n for n in nodes if isinstance(n, ast.Assign)]
-        changed = True
-        while changed:
-            changed = False
-            for a in assigns:
-                targets = {t.id for t in a.targets if isinstance(t, ast.Name)}
-                if not targets or targets <= found:
-                    continue
-                made = isinstance(a.value, ast.Call) and self._resolve(a.value.func) in PRIVATE_TEMPS
-                if made or any(isinstance(n, ast.Name) and n.id in found for n in walk(a.value)):
-                    found |= targets
-                    changed = True
-        return found
+        seeds = {n.optional_vars.id for n in nodes if isinstance(n, ast.withitem)
+                 and isinstance(n.context_expr, ast.Call) and self._resolve(n.context_expr.func) in PRIVATE_TEMPS
+                 and isinstance(n.optional_vars, ast.Name)}
+        bindings = [({t.id for t in a.targets if isinstance(t, ast.Name)},
+                     isinstance(a.value, ast.Call) and self._resolve(a.value.func) in PRIVATE_TEMPS,
+                     {n.id for n in walk(a.value) if isinstance(n, ast.Name)})
+                    for a in nodes if isinstance(a, ast.Assign)]
+        return temp_names(seeds, bindings)
 
     def _write(self, call: ast.Call, how: str, guarded: bool, ordered: bool, target: Optional[ast.AST] = None) -> None:
         if target is not None and self.temps and any(
@@ -931,6 +922,23 @@ def spelled_effects(effects: ProgramEffects, path: str) -> Dict[str, FrozenSet[s
     return out
 
 
+def temp_names(seeds: Set[str], bindings: List[Tuple[Set[str], bool, Set[str]]]) -> Set[str]:
+    """The names of a scope bound to a temporary file or folder its process made for itself:
+    `seeds` (`with tempfile.TemporaryDirectory() as tmp`), then, to a fixpoint, the targets of each
+    binding (targets, whether its value makes one, the names its value reads) that makes one
+    (`tmp = tempfile.mkdtemp()`) or reads a name already found (`config = os.path.join(tmp,
+    "task.xml")`). Shared by the program's effects (`ast`) and the rules' `writes` (LibCST)."""
+    found = set(seeds)
+    changed = True
+    while changed:
+        changed = False
+        for targets, made, reads in bindings:
+            if targets and not targets <= found and (made or reads & found):
+                found |= targets
+                changed = True
+    return found
+
+
 def of_module(source: str, path: str):
     """The `ModuleView` fields from `program.effects` of a module processed without its
     program (stdin, a fixture, `--no-follow`): its own functions, methods and classes only."""
@@ -939,7 +947,8 @@ def of_module(source: str, path: str):
     except (SyntaxError, ValueError, RecursionError, MemoryError):
         return {}
     found = combine([summarize(tree, path, {})])
-    return {"call_effects": spelled_effects(found, path),
+    return {"endless_generators": endless_generators(tree),
+            "call_effects": spelled_effects(found, path),
             "writer_classes": frozenset(c for _, c in found.writer_classes),
             "call_writes": written_arguments(found, path),
             "first_run_builders": frozenset(q for _, q in first_run_builders(found))}

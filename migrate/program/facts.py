@@ -25,6 +25,7 @@ from typing import Dict, FrozenSet, Iterable, List, Optional, Set, Tuple
 
 from torchmigrate.program import amp_hazards, batch_coupling, effects, splits
 from torchmigrate.program.classes import MODULE, OTHER, argument_kind, class_kinds, optimizer_wrapper
+from torchmigrate.program.generators import endless_generators
 from torchmigrate.program.graph import Graph
 from torchmigrate.program.search_path import dotted_name
 from torchmigrate.program.summing_modules import summing_forward
@@ -448,8 +449,7 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
     loader_params = _loader_params(modules, scopes)
     flags = _flag_args(modules, scopes)
     summing = {(p, name) for p, m in modules.items() for name, c in m.classes.items() if summing_forward(c)}
-    endless = frozenset(name.rsplit(".", 1)[-1] for m in modules.values() for name, f in m.functions.items()
-                        if _endless_generator(f))
+    endless = frozenset().union(*(endless_generators(m.tree) for m in modules.values()))
     loader_classes = {(p, name) for p, m in modules.items() for name, c in m.classes.items() if _loader_subclass(c)}
     # DataLoader subclasses whose calls cannot take a `sampler=` (their __init__ builds the
     # DataLoader's arguments itself): the loaders they make are sharded where they are iterated
@@ -710,16 +710,6 @@ def _flag_args(modules: Dict[Path, _Module], scopes: List[_Scope]) -> Dict[Tuple
                 if isinstance(value, ast.Constant) and isinstance(value.value, bool):
                     out.setdefault((path, qual), {}).setdefault(param, set()).add(value.value)
     return out
-
-
-def _endless_generator(func: ast.AST) -> bool:
-    """`func` yields inside a `while True:` loop of its own: an endless generator of batches
-    (`def generator(self, bs): while True: random.shuffle(...); for ...: yield batch`)."""
-    for node in walk(func):
-        if isinstance(node, ast.While) and isinstance(node.test, ast.Constant) and node.test.value in (True, 1) \
-                and any(isinstance(n, (ast.Yield, ast.YieldFrom)) for n in walk(node)):
-            return True
-    return False
 
 
 def _param_defaults(func: ast.AST) -> Dict[str, Optional[ast.AST]]:

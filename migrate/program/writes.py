@@ -341,24 +341,12 @@ MOVES = frozenset({"os.replace", "os.rename", "os.renames", "shutil.move"})
 
 def _private_temp_names(ctx: Context, scope: cst.CSTNode) -> Set[str]:
     """Names of `scope` bound to a private temporary file or folder, or to a value built from one."""
-    found: Set[str] = set()
-    withs = [w for w in ctx.within(scope, cst.With, skip_defs=True)]
-    for w in withs:
-        for item in w.items:
-            if isinstance(item.item, cst.Call) and ctx.resolve(item.item.func) in effects.PRIVATE_TEMPS \
-                    and item.asname is not None and isinstance(item.asname.name, cst.Name):
-                found.add(item.asname.name.value)
-    assigns = [a for a in ctx.within(scope, cst.Assign, skip_defs=True)]
-    changed = True
-    while changed:
-        changed = False
-        for a in assigns:
-            targets = {n.value for t in a.targets for n in _bound_names(t.target)}  # `fd, path = mkstemp()`
-            if not targets or targets <= found:
-                continue
-            made = isinstance(a.value, cst.Call) and ctx.resolve(a.value.func) in effects.PRIVATE_TEMPS
-            if made or any(isinstance(n, cst.Name) and n.value in found for n in iter_nodes(a.value)):
-                found |= targets
-                changed = True
-    return found
+    seeds = {item.asname.name.value for w in ctx.within(scope, cst.With, skip_defs=True) for item in w.items
+             if isinstance(item.item, cst.Call) and ctx.resolve(item.item.func) in effects.PRIVATE_TEMPS
+             and item.asname is not None and isinstance(item.asname.name, cst.Name)}
+    bindings = [({n.value for t in a.targets for n in _bound_names(t.target)},  # `fd, path = mkstemp()`
+                 isinstance(a.value, cst.Call) and ctx.resolve(a.value.func) in effects.PRIVATE_TEMPS,
+                 {n.value for n in iter_nodes(a.value) if isinstance(n, cst.Name)})
+                for a in ctx.within(scope, cst.Assign, skip_defs=True)]
+    return effects.temp_names(seeds, bindings)
 
