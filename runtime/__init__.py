@@ -1608,9 +1608,7 @@ class _ShardedBatches:
 
     def __iter__(self):
         if self.seed is None:
-            if _PASSES["seed"] is None:
-                _PASSES["seed"] = int(broadcast_object(torch.initial_seed()))
-            self.seed = _PASSES["seed"]
+            self.seed = _shared_seed()
         streams = _Streams(self.seed + _PASSES["count"])
         _PASSES["count"] += 1
         with streams:
@@ -1619,6 +1617,13 @@ class _ShardedBatches:
 
 
 _PASSES = {"seed": None, "count": 0, "agreed": 0}  # rank 0's initial seed, shared once; passes so far; `agreed` draws
+
+
+def _shared_seed() -> int:
+    """Rank 0's ``torch.initial_seed()``, shared with every rank on first use (a collective then)."""
+    if _PASSES["seed"] is None:
+        _PASSES["seed"] = int(broadcast_object(torch.initial_seed()))
+    return _PASSES["seed"]
 
 
 class _Streams:
@@ -2162,10 +2167,8 @@ def agreed(draw, *args, **kwargs):
     its first call: call it on every rank."""
     if world_size() <= 1:
         return draw(*args, **kwargs)
-    if _PASSES["seed"] is None:
-        _PASSES["seed"] = int(broadcast_object(torch.initial_seed()))
     _PASSES["agreed"] += 1
-    with _Streams(_PASSES["seed"] + 1_000_003 * _PASSES["agreed"]):
+    with _Streams(_shared_seed() + 1_000_003 * _PASSES["agreed"]):
         return draw(*args, **kwargs)
 
 

@@ -9,13 +9,12 @@ import libcst as cst
 from torchmigrate import analysis
 from torchmigrate.finding import Safety, insert_before, replace
 from torchmigrate.syntax.imports import dotted
-from torchmigrate.syntax.nodes import code, expr, set_kwarg, stmt
+from torchmigrate.syntax.nodes import arg, code, expr, set_kwarg, stmt
 from torchmigrate.program.checkpoints import follows_save
-from torchmigrate.program.writes import in_private_temp, private_temp_source
 from torchmigrate.program.syntax import body_of, unconditional
 from torchmigrate.program import effects
-from torchmigrate.program.writes import (call_kinds, handle_uses_write_only, in_body, is_pil_image, scope_qual,
-                                         writes_file)
+from torchmigrate.program.writes import (call_kinds, handle_uses_write_only, in_body, in_private_temp, is_pil_image,
+                                         private_temp_source, scope_qual, writes_file)
 from torchmigrate.rule import Example, Rule
 from torchmigrate.rules.checkpoint.plan import plan
 from torchmigrate.program.collectives import runs_user_code
@@ -212,9 +211,7 @@ class MainOnlyWrites(Rule):
         `f.keys()`, `f.close()`): HDF5 locks a file opened for writing, so the second rank to open
         it fails with BlockingIOError ("unable to lock file"); opened read-only, every rank can."""
         ctx = self.ctx
-        mode = next((a for a in call.args if a.keyword is not None and a.keyword.value == "mode"), None)
-        positional = [a for a in call.args if a.keyword is None and not a.star]
-        mode = mode or (positional[1] if len(positional) > 1 else None)
+        mode = arg(call, "mode", 1)
         if mode is None or not isinstance(mode.value, cst.SimpleString) \
                 or mode.value.evaluated_value not in ("r+", "a") or not self._only_read(call):
             return

@@ -24,7 +24,7 @@ from torchmigrate import analysis
 from torchmigrate.finding import Edit, replace
 from torchmigrate.syntax.nodes import code
 from torchmigrate.program import splits
-from torchmigrate.program.loaders import DIST_SAMPLERS, conditional_sampler, loaders, refs_at
+from torchmigrate.program.loaders import DIST_SAMPLERS, bind_params, conditional_sampler, loaders, refs_at
 from torchmigrate.program.metrics import ExactDenominators, loader_expr
 from torchmigrate.rule import Context
 from torchmigrate.rules.data.plan import data_plan
@@ -88,14 +88,10 @@ def _from_elsewhere(ctx: Context, fn: cst.FunctionDef, param: str) -> Set[Option
     if not ctx.program.program_dataloaders or loaders(ctx):
         return set()
     names = {param}
-    fname = fn.name.value
     for call in ctx.nodes(cst.Call):
-        if isinstance(call.func, cst.Name) and call.func.value == fname:
-            positions = [p.name.value for p in fn.params.params]
-            for i, a in enumerate(call.args):
-                target = a.keyword.value if a.keyword is not None else (positions[i] if i < len(positions) else None)
-                if target == param and isinstance(a.value, cst.Name):
-                    names.add(a.value.value)
+        if isinstance(call.func, cst.Name) and call.func.value == fn.name.value:
+            names |= {value.value for bound, value in bind_params(fn, call, False)
+                      if bound == param and isinstance(value, cst.Name)}
     verdicts = {splits.verdict(splits.words(n)) for n in names} - {None}
     if verdicts == {"eval"}:
         return {"eval" if ctx.options.shard_eval else "whole"}

@@ -83,7 +83,7 @@ _EMA = re.compile(r"EMA|Ema|AveragedModel|MovingAverage")
 
 # --- small helpers -------------------------------------------------------------------------
 
-_NOT_HOLDERS = re.compile(r"DataParallel|EMA|Ema|Averag|Writer|Summary|Profiler|Scheduler|Optim|Scaler")
+_NOT_HOLDERS = re.compile(rf"{_EMA.pattern}|Averag|DataParallel|Writer|Summary|Profiler|Scheduler|Optim|Scaler")
 
 
 def _constructs(call: cst.Call) -> bool:
