@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import dataclasses
 import os
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Set
@@ -10,6 +11,7 @@ from typing import Dict, List, Optional, Sequence, Set
 from torchmigrate.program import facts, graph
 from torchmigrate.program.fs import PLAIN, FileSystem
 from torchmigrate.program.program import Program
+from torchmigrate.program.view import ModuleView
 
 
 def build(found: Sequence[Path], named: Sequence[Path], follow: bool = True,
@@ -42,10 +44,23 @@ def build(found: Sequence[Path], named: Sequence[Path], follow: bool = True,
             program.files.append(path if absolute else Path(graph.relpath(path)))
     program.unresolved = [f"{graph.relpath(path)}:{line}: {name}" for path, misses in start.unresolved.items()
                           if exclude is None or not exclude(path) for line, name in misses]
-    views = facts.compute(start, trees, entries)
-    program.views = {str(p): v for p, v in views.items()}
-    program.groups = _connected(start)
+    program.views = {str(p): v for p, v in _views(start, trees, entries).items()}
+    program.groups = [[str(m) for m in part.modules] for part in _parts(start) if len(part.modules) > 1]
     return program
+
+
+def _views(start: graph.Graph, trees: Dict[Path, ast.Module], entries: List[Path]) -> Dict[Path, ModuleView]:
+    """The facts of each program in the run, computed apart: scripts given together that share no
+    module (`torchmigrate ddp *.py` over a folder of examples) are separate programs, and one's
+    BCE loss, own process group or endless generator says nothing about another's training. A
+    checkpoint outlives the program that wrote it (train.py saves, evaluate.py loads), so which
+    keys hold pickled objects is the one fact all of them share."""
+    views: Dict[Path, ModuleView] = {}
+    for part in _parts(start):
+        members = set(part.modules)
+        views.update(facts.compute(part, trees, [e for e in entries if e in members]))
+    pickled = frozenset().union(*(v.pickled_keys for v in views.values()))
+    return {p: dataclasses.replace(v, pickled_keys=pickled) for p, v in views.items()}
 
 
 def _real(path, fs: FileSystem) -> str:
@@ -55,8 +70,9 @@ def _real(path, fs: FileSystem) -> str:
         return os.path.abspath(path)
 
 
-def _connected(g: graph.Graph) -> List[List[str]]:
-    """The modules in groups connected by imports (either direction)."""
+def _parts(g: graph.Graph) -> List[graph.Graph]:
+    """The run's programs: its modules in groups connected by imports (either direction), each
+    as a graph of its own."""
     parent = {m: m for m in g.modules}
 
     def root(m):
@@ -69,7 +85,11 @@ def _connected(g: graph.Graph) -> List[List[str]]:
         for d in deps:
             if d in parent:
                 parent[root(d)] = root(m)
-    groups: Dict[Path, List[str]] = {}
+    groups: Dict[Path, List[Path]] = {}
     for m in g.modules:
-        groups.setdefault(root(m), []).append(str(m))
-    return [v for v in groups.values() if len(v) > 1]
+        groups.setdefault(root(m), []).append(m)
+    return [graph.Graph(modules=members,
+                        imports={m: g.imports[m] for m in members if m in g.imports},
+                        statements={m: g.statements[m] for m in members if m in g.statements},
+                        unresolved={m: g.unresolved[m] for m in members if m in g.unresolved})
+            for members in groups.values()]

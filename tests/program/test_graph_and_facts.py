@@ -319,3 +319,26 @@ def test_functions_and_trainer_classes_that_build_an_optimizer_over_a_model_they
     assert engine.wrapped_attrs == {"Trainer": frozenset({"model"})}
     assert {"Trainer", "engine.Trainer", "Net"} <= entry.own_classes
     assert {"fit", "engine.fit"} <= entry.own_functions and "run" not in entry.own_functions
+
+
+def test_scripts_given_together_that_share_no_module_are_separate_programs(tmp_path):
+    """`torchmigrate ddp *.py` over a folder of examples: one script's BCE loss, own process group
+    or endless generator is no fact of another's training; checkpoint keys that hold pickled
+    objects are shared (one script saves, another loads)."""
+    write(tmp_path, {
+        "bce.py": "import torch\nimport torch.distributed as dist\ncrit = torch.nn.BCELoss()\n"
+                  "dist.init_process_group('gloo')\n",
+        "plain.py": "import torch\nfrom common import step\nnet = torch.nn.Linear(2, 2)\n"
+                    "opt = torch.optim.SGD(net.parameters(), lr=1)\n"
+                    "torch.save({'optim': opt}, 'c.pt')\n",
+        "other.py": "import torch\nfrom common import step\n",
+        "common.py": "def step():\n    pass\n",
+    })
+    files = [tmp_path / n for n in ("bce.py", "plain.py", "other.py")]
+    program = build(files, files)
+    views = {Path(p).name: v for p, v in program.views.items()}
+    assert views["bce.py"].amp_hazards == {} and views["bce.py"].program_distributed
+    assert views["plain.py"].amp_hazards == {} and not views["plain.py"].program_distributed
+    assert not views["other.py"].program_distributed
+    assert all(v.pickled_keys == {"optim"} for v in views.values())
+    assert sorted(sorted(Path(m).name for m in g) for g in program.groups) == [["common.py", "other.py", "plain.py"]]
