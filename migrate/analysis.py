@@ -299,6 +299,47 @@ def _assign_target(ctx: Context, call: cst.Call) -> Optional[str]:
     return None
 
 
+def _assigned_key(ctx: Context, call: cst.Call) -> Optional[str]:
+    """`"optimizer"` for `config["optimizer"] = <call>`: the string key a call is stored under."""
+    parent = ctx.parents.get(call)
+    if type(parent) is cst.Assign and len(parent.targets) == 1:
+        target = parent.targets[0].target
+        if isinstance(target, cst.Subscript) and len(target.slice) == 1:
+            index = target.slice[0].slice
+            if isinstance(index, cst.Index) and isinstance(index.value, cst.SimpleString):
+                key = index.value.evaluated_value
+                return key if isinstance(key, str) else None
+    return None
+
+
+def _param_method_owners(ctx: Context, params: cst.BaseExpression) -> List[str]:
+    """Models whose parameters come through a method or helper that picks them: `X` for
+    `Adam(X.get_params())`, `SGD(self.net.trainable_parameters())`, `Adam(get_parameter_groups(X,
+    wd))` or `AdamW(decay_groups(X, wd))` (a function of this file), where `X` may hold a module
+    (`_model_like`)."""
+    found: List[str] = []
+    own = facts(ctx).functions
+    stack = [params]
+    while stack:
+        n = stack.pop()
+        if isinstance(n, cst.Call):
+            func = n.func
+            method = isinstance(func, cst.Attribute) and ctx.resolve(func.value) is None
+            label = func.attr.value if isinstance(func, cst.Attribute) else func.value if isinstance(func, cst.Name) else ""
+            named = any(w in label.lower() for w in ("param", "group")) and label not in ("parameters", "named_parameters")
+            candidates: List[cst.BaseExpression] = []
+            if method and named:
+                candidates = [func.value]
+            elif isinstance(func, cst.Name) and (named or label in own):
+                candidates = [a.value for a in n.args if not a.star and a.keyword is None]
+            for value in candidates:
+                owner = dotted(value)
+                if owner and _model_like(ctx, owner, value) and model_root(owner) not in found:
+                    found.append(model_root(owner))
+        stack.extend(reversed(n.children))
+    return found
+
+
 def _params_arg(call: cst.Call) -> Optional[cst.BaseExpression]:
     params = call.args[0] if call.args and call.args[0].keyword is None and not call.args[0].star else None
     if params is None:
@@ -577,21 +618,26 @@ def optimizers(ctx: Context) -> List[Optimizer]:
                 # getattr(torch.optim, args.optim)(model.parameters(), lr=...)`,
                 # `optimizer = create_optimizer(args, model)` (timm),
                 # `optimizer = model.configure_optimizers(...)` (a method defined elsewhere).
+                # `config["optimizer"] = optim_class(model.parameters(), lr=...)`: the key names it.
                 target = _assign_target(ctx, call)
-                if not (target and _OPTIMIZER_TARGET.search(target.rsplit(".", 1)[-1])):
+                label = target or _assigned_key(ctx, call)
+                if not (label and _OPTIMIZER_TARGET.search(label.rsplit(".", 1)[-1])):
                     continue
                 if name and any(x in name for x in _NOT_OPTIMIZER_CALLS):
                     continue
-                models = tuple(parameter_owners(cst.Tuple([cst.Element(a.value) for a in call.args])))
+                args = cst.Tuple([cst.Element(a.value) for a in call.args])
+                models = tuple(parameter_owners(args))
                 if not models:
                     models = tuple(_factory_models(ctx, call, name, functions))
+                if not models and call.args:
+                    models = tuple(_param_method_owners(ctx, args))
                 if models:
                     out.append(Optimizer(call, ctx.statement_of(call), target, models))
                 continue
             params = _params_arg(call)
             models = tuple(parameter_owners(params)) if params is not None else ()
             if params is not None and not models:
-                models = tuple(_followed_owners(ctx, call, params))
+                models = tuple(_followed_owners(ctx, call, params) or _param_method_owners(ctx, params))
             out.append(Optimizer(call, ctx.statement_of(call), _assign_target(ctx, call), models))
         todo, seen = list(out), {o.call for o in out}
         depth = 0

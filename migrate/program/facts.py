@@ -309,7 +309,8 @@ class _Scope:
 
 
 def _optimizer_models(call: ast.Call) -> List[str]:
-    """`X` for `Adam(X.parameters())`, `SGD([{"params": X.head.parameters()}])`, ..."""
+    """`X` for `Adam(X.parameters())`, `SGD([{"params": X.head.parameters()}])`, and for a method
+    that picks them (`Adam(X.get_params())`, as `analysis._param_method_owners`), ..."""
     name = dotted_name(call.func) or ""
     last = name.rsplit(".", 1)[-1]
     if not (last in OPTIMIZERS or ".optim." in f".{name}" and last[:1].isupper()):
@@ -317,9 +318,11 @@ def _optimizer_models(call: ast.Call) -> List[str]:
     out = []
     for arg in (*call.args, *(k.value for k in call.keywords)):
         for n in walk(arg):
-            if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in (
-                    "parameters", "named_parameters"):
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and (n.func.attr in (
+                    "parameters", "named_parameters") or any(w in n.func.attr.lower() for w in ("param", "group"))):
                 owner = dotted_name(_strip_moves(n.func.value))
+                if owner and owner.split(".")[0] in _CONFIG_RECEIVERS:
+                    continue
                 if owner:
                     out.append(owner.split(".")[0] if not owner.startswith("self.") else ".".join(owner.split(".")[:2]))
     return out
