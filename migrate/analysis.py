@@ -127,6 +127,9 @@ class Optimizer:
     # (`optimizer = build_optimizer(model, cfg)`, `opt = model.configure_optimizers()`): the
     # optimizer inside it. `call` is then the helper call and `models` the caller's names.
     via: Optional["Optimizer"] = None
+    # A call of a function that builds the optimizer (`get_optimizer(config, model)`), not the
+    # optimizer's constructor: its first argument is no parameter list.
+    builder: bool = False
 
 
 @dataclass
@@ -324,12 +327,16 @@ def _param_method_owners(ctx: Context, params: cst.BaseExpression) -> List[str]:
         n = stack.pop()
         if isinstance(n, cst.Call):
             func = n.func
-            method = isinstance(func, cst.Attribute) and ctx.resolve(func.value) is None
+            method = isinstance(func, cst.Attribute) and (ctx.resolve(func.value) is None or isinstance(func.value, cst.Call))
             label = func.attr.value if isinstance(func, cst.Attribute) else func.value if isinstance(func, cst.Name) else ""
             named = any(w in label.lower() for w in ("param", "group")) and label not in ("parameters", "named_parameters")
             candidates: List[cst.BaseExpression] = []
             if method and named:
-                candidates = [func.value]
+                receiver = func.value  # `tm.unwrap(X).get_params()` (TM302's rewrite) is X's too
+                if isinstance(receiver, cst.Call) and receiver.args and \
+                        ctx.resolve(receiver.func) == "torchmigrate.runtime.unwrap":
+                    receiver = receiver.args[0].value
+                candidates = [receiver]
             elif isinstance(func, cst.Name) and (named or label in own):
                 candidates = [a.value for a in n.args if not a.star and a.keyword is None]
             for value in candidates:
@@ -445,7 +452,7 @@ def _followed_owners(ctx: Context, call: cst.Call, params: cst.BaseExpression) -
                 continue
             if any(n in names for t in assign.targets for n in _names_in(t.target)):
                 seen.add(assign)
-                add(parameter_owners(assign.value))
+                add(parameter_owners(assign.value) or _param_method_owners(ctx, assign.value))
                 new_names.update(_names_in(assign.value))
         for other, _ in facts(ctx).calls:
             func = other.func
@@ -570,7 +577,7 @@ def _helper_call_sites(ctx: Context, opt: "Optimizer") -> List["Optimizer"]:
     params = set(positional[1:] if method else positional) | set(kwonly)
     wanted = [m for m in opt.models if m in params]
     self_root = method and positional[0] in opt.models
-    params_arg = _params_arg(opt.call)
+    params_arg = None if opt.builder else _params_arg(opt.call)
     params_name = params_arg.value if isinstance(params_arg, cst.Name) and params_arg.value in params else None
     if not (wanted or self_root or params_name):
         return []
@@ -627,12 +634,14 @@ def optimizers(ctx: Context) -> List[Optimizer]:
                     continue
                 args = cst.Tuple([cst.Element(a.value) for a in call.args])
                 models = tuple(parameter_owners(args))
+                builder = False
                 if not models:
                     models = tuple(_factory_models(ctx, call, name, functions))
+                    builder = bool(models)
                 if not models and call.args:
                     models = tuple(_param_method_owners(ctx, args))
                 if models:
-                    out.append(Optimizer(call, ctx.statement_of(call), target, models))
+                    out.append(Optimizer(call, ctx.statement_of(call), target, models, builder=builder))
                 continue
             params = _params_arg(call)
             models = tuple(parameter_owners(params)) if params is not None else ()
@@ -676,7 +685,7 @@ def _program_helper_calls(ctx: Context) -> List[Optimizer]:
             value = positional[position].value
         owner = dotted(value) if value is not None else None
         if owner is not None and _model_like(ctx, owner, value):
-            out.append(Optimizer(call, ctx.statement_of(call), None, (model_root(owner),)))
+            out.append(Optimizer(call, ctx.statement_of(call), None, (model_root(owner),), builder=True))
     return out
 
 

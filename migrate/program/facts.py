@@ -308,15 +308,19 @@ class _Scope:
             stack.extend(ast.iter_child_nodes(n))
 
 
-def _optimizer_models(call: ast.Call) -> List[str]:
+def _optimizer_models(call: ast.Call, assigned: Optional[Dict[str, ast.AST]] = None) -> List[str]:
     """`X` for `Adam(X.parameters())`, `SGD([{"params": X.head.parameters()}])`, and for a method
-    that picks them (`Adam(X.get_params())`, as `analysis._param_method_owners`), ..."""
+    that picks them (`Adam(X.get_params())`, as `analysis._param_method_owners`), ...; with
+    `assigned` (the scope's simple assignments), also through a name: `params =
+    X.get_params(); Adam(params)`."""
     name = dotted_name(call.func) or ""
     last = name.rsplit(".", 1)[-1]
     if not (last in OPTIMIZERS or ".optim." in f".{name}" and last[:1].isupper()):
         return []
     out = []
-    for arg in (*call.args, *(k.value for k in call.keywords)):
+    args = [*call.args, *(k.value for k in call.keywords)]
+    args += [assigned[a.id] for a in args if assigned and isinstance(a, ast.Name) and a.id in assigned]
+    for arg in args:
         for n in walk(arg):
             if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and (n.func.attr in (
                     "parameters", "named_parameters") or any(w in n.func.attr.lower() for w in ("param", "group"))):
@@ -987,7 +991,9 @@ def _optimizer_params(modules: Dict[Path, _Module]) -> Dict[Tuple[Path, str], Tu
             calls = [n for n in walk(func) if isinstance(n, ast.Call)]
             wrapped = {dotted_name(_strip_moves(c.args[0])) for c in calls if c.args and
                        (dotted_name(c.func) or "").rsplit(".", 1)[-1] in WRAPPERS}
-            trained = [x for c in calls for x in _optimizer_models(c) if x in params and x not in wrapped]
+            assigned = {n.targets[0].id: n.value for n in walk(func)
+                        if isinstance(n, ast.Assign) and len(n.targets) == 1 and isinstance(n.targets[0], ast.Name)}
+            trained = [x for c in calls for x in _optimizer_models(c, assigned) if x in params and x not in wrapped]
             if trained:
                 found[(p, name)] = (params.index(trained[0]), trained[0])
     return found

@@ -713,7 +713,7 @@ class Plan:
         args = o.call.args
         first = args[0].value if args and args[0].keyword is None else None
         return bool(set(o.models) & (params | {"self", "cls"})) or (
-            isinstance(first, cst.Name) and first.value in params)
+            not o.builder and isinstance(first, cst.Name) and first.value in params)
 
     def _prefer(self, new: NewWrap, old: NewWrap) -> bool:
         if new.klass is not None:
