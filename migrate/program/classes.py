@@ -111,6 +111,27 @@ def library_call_kind(name: str) -> Optional[str]:
     return None
 
 
+def project_base(modules: Dict["Path", "_Module"], m: "_Module", base: ast.expr) -> Optional[Tuple["Path", str]]:
+    """(module, class name) of the program's own class that `base`, a base written in module `m`,
+    names (`BaseTrainer`, `base.BaseTrainer`, an imported name), or None for a library class."""
+    text = dotted_name(base)
+    if text is None:
+        return None
+    head, _, rest = text.partition(".")
+    if not rest and text in m.classes:
+        return m.path, text
+    bound = m.imports.get(head)
+    if bound is not None:
+        path, symbol = bound
+        other = modules.get(path)
+        if other is not None:
+            if symbol is not None and not rest and symbol in other.classes:
+                return path, symbol
+            if symbol is None and rest in other.classes:
+                return path, rest
+    return None
+
+
 def class_kinds(modules: Dict[Path, _Module]) -> Dict[Tuple[Path, str], Optional[str]]:
     """(module, class name) -> the class's kind (None: unknown), for every class of the program."""
     kinds: Dict[Tuple[Path, str], Optional[str]] = {}
@@ -136,19 +157,8 @@ def class_kinds(modules: Dict[Path, _Module]) -> Dict[Tuple[Path, str], Optional
         text = dotted_name(base)
         if text is None:
             return None
-        head, _, rest = text.partition(".")
-        if not rest and text in m.classes:
-            return kind(m.path, text)
-        bound = m.imports.get(head)
-        if bound is not None:
-            path, symbol = bound
-            other = modules.get(path)
-            if other is not None:
-                if symbol is not None and not rest and symbol in other.classes:
-                    return kind(path, symbol)
-                if symbol is None and rest in other.classes:
-                    return kind(path, rest)
-        return library_base_kind(text)
+        own = project_base(modules, m, base)
+        return kind(*own) if own is not None else library_base_kind(text)
 
     for path, m in modules.items():
         for name in m.classes:

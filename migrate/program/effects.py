@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, FrozenSet, Iterable, List, Optional, Set, Tuple
 
+from torchmigrate.program import inherited
 from torchmigrate.program.astwalk import walk
 from torchmigrate.program.generators import endless_generators
 
@@ -947,7 +948,8 @@ def of_module(source: str, path: str):
     except (SyntaxError, ValueError, RecursionError, MemoryError):
         return {}
     found = combine([summarize(tree, path, {})])
-    return {"endless_generators": endless_generators(tree),
+    return {**inherited.of_tree(tree, Path(path)),
+            "endless_generators": endless_generators(tree),
             "call_effects": spelled_effects(found, path),
             "writer_classes": frozenset(c for _, c in found.writer_classes),
             "call_writes": written_arguments(found, path),

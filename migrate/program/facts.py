@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, FrozenSet, Iterable, List, Optional, Set, Tuple
 
-from torchmigrate.program import amp_hazards, batch_coupling, effects, splits
+from torchmigrate.program import amp_hazards, batch_coupling, effects, inherited, splits
 from torchmigrate.program.classes import MODULE, OTHER, argument_kind, class_kinds, optimizer_wrapper
 from torchmigrate.program.generators import endless_generators
 from torchmigrate.program.graph import Graph
@@ -379,6 +379,7 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
         if s.klass:
             s.models |= class_models.get((s.module.path, s.klass), set())
         s.models -= _module_aliases(s)
+    base_wraps, base_wrapped = inherited.trained_in_bases(modules, class_models)
 
     # Instances of the program's classes: `stopper = EarlyStopping(...)` (per scope) or
     # `self.saver = Saver(...)` (class-wide), so `stopper(loss, model)` and
@@ -507,7 +508,9 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
             is_entry=path in entry_set or not several,
             followed=several,
             wrapped_params={q: frozenset(p) for (mp, q), p in wrapped.items() if mp == path},
-            wrapped_attrs={k: frozenset(a) for (mp, k), a in attrs.items() if mp == path},
+            wrapped_attrs={k: frozenset(attrs.get((mp, k), set()) | base_wrapped.get((mp, k), set()))
+                           for (mp, k) in {*attrs, *base_wrapped} if mp == path},
+            base_wraps={k: frozenset(a) for (mp, k), a in base_wraps.items() if mp == path},
             loader_params={q: {p: frozenset(k) for p, k in params.items()}
                            for (mp, q), params in loader_params.items() if mp == path},
             flag_args={q: {p: frozenset(v) for p, v in params.items()}
@@ -1157,16 +1160,27 @@ def _callee(module: _Module, modules: Dict[Path, _Module], call: ast.Call) -> Op
 
 
 def _method_of_instance(s: "_Scope", modules: Dict[Path, _Module], call: ast.Call) -> Optional[Tuple[Path, str, bool]]:
-    """`stopper(...)` -> `EarlyStopping.__call__`, `self.saver.save(...)` -> `Saver.save`."""
+    """`stopper(...)` -> `EarlyStopping.__call__`, `self.saver.save(...)` -> `Saver.save`,
+    `Trainer(cfg).fit(loader)` -> `Trainer.fit`; a method the class inherits from a base class
+    of the program -> the base's."""
     func = call.func
     name, method = dotted_name(func), "__call__"
     if name not in s.instances and isinstance(func, ast.Attribute):
         name, method = dotted_name(func.value), func.attr
-    if name not in s.instances:
+    if name in s.instances:
+        found = s.instances[name]
+    elif isinstance(func, ast.Attribute) and isinstance(func.value, ast.Call):
+        made = _callee(s.module, modules, func.value)
+        if made is None or not made[1].endswith(".__init__"):
+            return None
+        found = (made[0], made[1][:-len(".__init__")])
+    else:
         return None
-    path, klass = s.instances[name]
-    qual = f"{klass}.{method}"
-    return (path, qual, True) if qual in modules[path].functions else None
+    for path, klass in (found, *inherited.bases(modules, found)):
+        qual = f"{klass}.{method}"
+        if qual in modules[path].functions:
+            return path, qual, True
+    return None
 
 
 def _bind(func: ast.AST, call: ast.Call, skip_self: bool) -> List[Tuple[str, ast.AST]]:

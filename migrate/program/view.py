@@ -18,6 +18,9 @@ class ModuleView:
     wrapped_params: Dict[str, FrozenSet[str]] = field(default_factory=dict)
     # class name -> `self.` attributes that hold a wrapped model
     wrapped_attrs: Dict[str, FrozenSet[str]] = field(default_factory=dict)
+    # class name -> `self.` attributes it assigns that a subclass trains (`program.inherited`):
+    # this module wraps them where they are assigned
+    base_wraps: Dict[str, FrozenSet[str]] = field(default_factory=dict)
     # "func" or "Class.method" -> parameter -> the splits ("train", "eval", "unknown") of the
     # data loaders other modules hand it (`evaluate(model, val_loader)` in train.py: {"eval"})
     loader_params: Dict[str, Dict[str, FrozenSet[str]]] = field(default_factory=dict)

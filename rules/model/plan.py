@@ -480,6 +480,7 @@ class Plan:
                 old = best.get(k)
                 if old is None or self._prefer(placed, old):
                     best[k] = placed
+        self._for_subclasses(best)
         self.new = sorted(best.values(), key=lambda w: (self.models.idx(w.anchor), w.after))
         self._leave_own_group_alone()
         self._other_branches(cands)
@@ -489,6 +490,33 @@ class Plan:
         elsewhere = self.ctx.program.followed and self.ctx.program.program_trains
         if not opts and self.ctx.options.mode == "ddp" and not self.wraps and not elsewhere:
             self._no_optimizer()
+
+    def _for_subclasses(self, best: Dict[tuple, NewWrap]) -> None:
+        """Attributes this module's classes assign and a subclass trains (`ModuleView.base_wraps`:
+        `BaseTrainer.__init__` builds `self.model`, `class Classifier(BaseTrainer)` builds its
+        optimizer): wrapped right after the assignment in `__init__`, so the subclass's optimizer
+        and forward see the wrapper. An assignment only inside a branch, or outside `__init__`,
+        gets a TODO there instead (the other paths would keep the bare model)."""
+        wanted = self.ctx.program.base_wraps
+        for klass in self.ctx.module.body if wanted else ():
+            if not isinstance(klass, cst.ClassDef) or klass.name.value not in wanted:
+                continue
+            init = next((f for f in klass.body.body if isinstance(f, cst.FunctionDef) and f.name.value == "__init__"),
+                        None) if isinstance(klass.body, cst.IndentedBlock) else None
+            for attr in sorted(wanted[klass.name.value]):
+                m = f"self.{attr}"
+                if (m, klass) in best or (m, klass) in self.covered:
+                    continue
+                store = self.models.self_store(init, attr) if init is not None else None
+                defs = self.models.definitions(m, klass, klass)
+                if store is None or store not in getattr(init.body, "body", ()) or len(defs) != 1:
+                    node = defs[0][0] if defs else klass.name
+                    self.manual301.append((node, f"`{m}` is trained by a subclass's optimizer: wrap it with `{m} = "
+                                                 f"{self.tm}.wrap_model({m})` where it is built", None))
+                    continue
+                value = defs[0][1] if defs[0][1] is not None else defs[0][0]
+                opt = Optimizer(value, store, None, (m,))  # the model's creation stands for the optimizer
+                best[(m, klass)] = NewWrap(m, opt, init, klass, store, after=True, def_stmt=store)
 
     def _other_branches(self, cands: Dict[tuple, List[NewWrap]]) -> None:
         """`if ckpt is None: model = Net(); opt = Adam(model.parameters())` / `else: model =
@@ -760,6 +788,8 @@ class Plan:
                     # `Exp_Basic.__init__`: `self.model = self._build_model()`, which this class
                     # overrides to return the model wrapped (template method): it is wrapped there
                     return None
+                if m[len("self."):] in self.ctx.program.wrapped_attrs.get(klass.name.value, ()):
+                    return None  # a base class of the program wraps it where it builds it
                 if inherited:
                     return (f"`{m}` is assigned outside class {klass.name.value} (in {', '.join(inherited)}?): wrap "
                             f"the model with `{tm}.wrap_model(...)` where it is built, before its optimizer")

@@ -342,3 +342,25 @@ def test_scripts_given_together_that_share_no_module_are_separate_programs(tmp_p
     assert not views["other.py"].program_distributed
     assert all(v.pickled_keys == {"optim"} for v in views.values())
     assert sorted(sorted(Path(m).name for m in g) for g in program.groups) == [["common.py", "other.py", "plain.py"]]
+
+
+def test_a_model_built_by_a_base_class_and_trained_by_a_subclass(tmp_path):
+    """The base class (another module) assigns `self.model`; the subclass builds the optimizer
+    over it and never assigns it: the base's module wraps it, the subclass's knows it is
+    wrapped. A method called on an instance made inline reaches the class's method, or the
+    base's where the class inherits it."""
+    write(tmp_path, {
+        "base.py": "class Base:\n    def __init__(self):\n        self.model = self.build()\n"
+                   "        self.other = None\n\n    def run(self, loader):\n        pass\n",
+        "sub.py": "import torch\nfrom base import Base\n\nclass Sub(Base):\n    def fit(self, loader):\n"
+                  "        opt = torch.optim.SGD(self.model.parameters(), lr=1)\n\n"
+                  "class Own(Base):\n    def __init__(self):\n        self.model = None\n\n    def fit(self):\n"
+                  "        opt = torch.optim.SGD(self.model.parameters(), lr=1)\n",
+        "train.py": "from sub import Sub\ntrain_loader = make()\nSub().fit(train_loader)\nSub().run(train_loader)\n",
+    })
+    program = build([tmp_path / "train.py"], [tmp_path / "train.py"])
+    views = {Path(p).name: v for p, v in program.views.items()}
+    assert views["base.py"].base_wraps == {"Base": {"model"}}
+    assert views["sub.py"].wrapped_attrs == {"Sub": {"model"}}
+    assert views["sub.py"].loader_params == {"Sub.fit": {"loader": {"train"}}}
+    assert views["base.py"].loader_params == {"Base.run": {"loader": {"train"}}}
