@@ -46,6 +46,18 @@ _MKDIR = "os.mkdir"
 _EXISTS = ("os.path.isdir", "os.path.exists")
 
 
+# Calls that only format or show their arguments: `"epoch {}".format(epoch)` or `print(epoch)`
+# names a value that is part of a written file's name (`f"img_{epoch}.png"`), but reads no file.
+_SHOWING = frozenset({"print", "str", "repr", "int", "float", "len", "format", "join", "info", "debug", "warning",
+                      "warn", "error", "log", "add_scalar", "add_scalars", "set_description", "set_postfix"})
+
+
+def _only_shows(call: cst.Call, name: Optional[str]) -> bool:
+    func = call.func
+    last = func.attr.value if isinstance(func, cst.Attribute) else func.value if isinstance(func, cst.Name) else ""
+    return last in _SHOWING or (name or "").startswith("logging.")
+
+
 class MainOnlyWrites(Rule):
     """
     ## What it does
@@ -411,7 +423,8 @@ class MainOnlyWrites(Rule):
             if name and name.endswith(".barrier"):
                 return
             first = call.args[0].value if call.args and call.args[0].keyword is None else None
-            reads = first is not None and code(first) in written and not writes_file(call, name)
+            reads = first is not None and code(first) in written and not writes_file(call, name) \
+                and not _only_shows(call, name)
             if not (reads or self._shell_reads(call, name, written)):
                 continue
             body = body_of(ctx.parent(run[0])) or ()
