@@ -179,6 +179,16 @@ def test_warnings_and_tracebacks_are_not_duplicate_log_lines():
     assert checks.logs_once(Run([None, None], ["epoch 0 loss 1\n", "epoch 0 loss 1\n"])).status == "fail"
 
 
+def test_a_warning_message_over_several_lines_is_one_warning():
+    """torch's "Converting a tensor with requires_grad=True to a scalar" runs over two lines
+    before the indented source line; every rank prints it, as the original did."""
+    out = ("/w/main.py:200: UserWarning: Converting a tensor with requires_grad=True to a scalar may lead to "
+           "unexpected behavior.\nConsider using tensor.detach() first. (Triggered internally at x.cpp:820.)\n"
+           "  total += float(loss)\n")
+    assert checks.logs_once(Run([None, None], [out + "epoch 0\n", out])).status == "pass"
+    assert checks.logs_once(Run([None, None], [out + "epoch 0\n", out + "epoch 0\n"])).status == "fail"
+
+
 
 def test_ranks_that_cannot_be_stopped_at_the_timeout_are_named_as_a_hang():
     """Ranks blocked inside a collective (C++ code) never run the probe's signal handler, so no

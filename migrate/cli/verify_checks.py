@@ -332,10 +332,23 @@ def unprefixed(run: Run) -> Check:
 _NOISE = re.compile(r"warn|^\s|^\[[WIE]\s?\d|^Traceback|Error\b|^W\d{4}|^I\d{4}", re.IGNORECASE)
 
 
+_WARNING = re.compile(r":\d+: \w*Warning: ")
+
+
 def _lines(output: str) -> set:
-    """The lines a rank printed, less warnings and tracebacks (those every rank prints by design)."""
+    """The lines a rank printed, less warnings and tracebacks (those every rank prints by design).
+    A warning's message can run over several lines (`file:12: UserWarning: Converting a tensor
+    ...` then `Consider using tensor.detach() first. (Triggered internally at ...)`); they all
+    belong to it, up to the source line the warnings module shows indented after it."""
     lines = set()
+    in_warning = 0
     for raw in output.replace("\r", "\n").splitlines():
+        if _WARNING.search(raw):
+            in_warning = 10  # at most this many lines of one message
+            continue
+        if in_warning:
+            in_warning = 0 if raw[:1].isspace() else in_warning - 1
+            continue
         if raw.strip() and not _NOISE.search(raw):
             lines.add(raw.strip())
     return lines
