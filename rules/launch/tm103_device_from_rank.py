@@ -548,9 +548,28 @@ class DeviceFromRank(Rule):
         if self._in_map_location(value):
             self._map_location_index(value)
             return True
+        if self._parameter(value):
+            # `def init_net(net, gpu_id="cuda:0"): net.to(gpu_id)`: the caller may pass the CPU
+            # (`init_net(net, gpu_id=device)` with `--cuda` off); any GPU it names is the rank's
+            self._fix(value, f"{where} takes the device `{code(value)}` its caller passes: any GPU it names is now "
+                             "this process's own (tm.as_device), the CPU stays the CPU",
+                      replace_with(value, cst.parse_expression(f"{self.ctx.tm}.as_device({code(value)})")))
+            return True
         self._fix(value, f"{where} names GPU `{code(value)}`, the same on every rank (after tm.setup() each process "
                          "has its own GPU); use tm.device()", replace_with(value, self._tm_device()))
         return True
+
+    def _parameter(self, value: cst.BaseExpression) -> bool:
+        """`value` is a parameter of its function, not rebound there: its caller chooses it."""
+        func = self.ctx.enclosing(value, cst.FunctionDef)
+        if not isinstance(value, cst.Name) or func is None:
+            return False
+        p = func.params
+        if value.value not in {x.name.value for x in (*p.posonly_params, *p.params, *p.kwonly_params)}:
+            return False
+        rebound = (n.value for a in analysis.facts(self.ctx).assigns if self.ctx.enclosing(a, cst.FunctionDef) is func
+                   for t in a.targets for n in _target_names(t.target))
+        return value.value not in set(rebound)
 
     def _string_named(self, name: str) -> bool:
         """Some assignment of this name in the file is a string (or a choice of strings)."""
