@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import List, Optional
 
 import libcst as cst
 
@@ -12,6 +12,7 @@ from torchmigrate.finding import Safety, replace
 from torchmigrate.rule import Example
 from torchmigrate.rules.model.base import ModelRule
 from torchmigrate.rules.model.batch import batch_sites, divide_fix, loaders_carry_batch, per_rank
+from torchmigrate.syntax.imports import dotted
 from torchmigrate.syntax.nodes import code
 
 # Schedulers that set the learning rate from arguments of their own, not from the optimizer's.
@@ -34,6 +35,35 @@ def _batch_count(value: cst.BaseExpression) -> bool:
         index = value.slice[0].slice if value.slice else None
         return isinstance(index, cst.Index) and isinstance(index.value, cst.Integer) and index.value.value == "0"
     return False
+
+
+def _factors(value: cst.BaseExpression) -> List[str]:
+    """The factors of a product, as code without spaces: `3 * len(d)` -> ["3", "len(d)"]."""
+    if isinstance(value, cst.BinaryOperation) and isinstance(value.operator, cst.Multiply) and not value.lpar:
+        return _factors(value.left) + _factors(value.right)
+    return [code(value).replace(" ", "")]
+
+
+def _count_factor(ctx, value: cst.BaseExpression, loop: cst.For) -> Optional[cst.BaseExpression]:
+    """The batch count that `value` grows in proportion to: `x.size(0)` itself, a name the loop
+    assigns from one (`cur_batch_size = real.shape[0]`), or such a count as a factor of a product
+    or the numerator of a quotient (`cur_batch_size / (epochs * len(dataset))`)."""
+    if _batch_count(value):
+        return value
+    if isinstance(value, cst.Name):
+        bound = [a.value for a in analysis.facts(ctx).assigns
+                 if ctx.enclosing(a, cst.For, cst.While, cst.FunctionDef) is loop
+                 and any(isinstance(t.target, cst.Name) and t.target.value == value.value for t in a.targets)]
+        return value if len(bound) == 1 and _batch_count(bound[0]) else None
+    if isinstance(value, cst.BinaryOperation):
+        if isinstance(value.operator, cst.Multiply):
+            if any(isinstance(side, cst.Call) and (dotted(side.func) or "").endswith("world_size")
+                   for side in (value.left, value.right)):
+                return None  # counted for every rank already (a migrated program)
+            return _count_factor(ctx, value.left, loop) or _count_factor(ctx, value.right, loop)
+        if isinstance(value.operator, cst.Divide):
+            return _count_factor(ctx, value.left, loop)
+    return None
 
 
 class LrWorldSize(ModelRule):
@@ -73,7 +103,11 @@ class LrWorldSize(ModelRule):
     A counter of the samples trained on that outlives the training loop (`global_step +=
     x.size(0)` before `scheduler.step(global_step)`, `self.samples_seen += len(x)`) counts every
     rank's share of the step, `x.size(0) * tm.world_size()`: warm-ups, schedules, stopping rules
-    and dashboards that read it keep their meaning.
+    and dashboards that read it keep their meaning. So does a value that grows in proportion to
+    the step's samples (`alpha += cur_batch_size / (epochs * len(dataset))`, a progressive GAN's
+    fade-in). The batches per epoch written as `len(loader.dataset) / loader.batch_size` (a mean's
+    denominator, a scheduler's total steps) divide by the global batch,
+    `loader.batch_size * tm.world_size()`, since the loader's own is the rank's share.
 
     In `lint`, the rule reports the optimizers of user-written DDP models whose learning rate
     and batch size do not involve the world size.
@@ -136,6 +170,7 @@ class LrWorldSize(ModelRule):
         ctx = self.ctx
         for site in batch_sites(ctx):
             self._batch(site)
+        self._batches_per_epoch()
         if ctx.options.mode == "ddp" and ctx.options.shard_training:
             self._sample_counters()
         if ctx.options.mode == "ddp" and ctx.options.batch_policy == "per-gpu":
@@ -174,6 +209,31 @@ class LrWorldSize(ModelRule):
                                      f"rank's batch and scales the learning rate instead){shapes}",
                     edits=edits, imports=[self.ctx.runtime_import()])
 
+    def _batches_per_epoch(self) -> None:
+        """`len(loader.dataset) / loader.batch_size` of a loader whose batch is divided: the
+        original's batches per epoch (a mean's denominator, a scheduler's total steps), now
+        world_size times too many, since `loader.batch_size` is the rank's share. Each rank still
+        takes that many steps on its own shard, so the global batch restores the count:
+        `len(loader.dataset) / (loader.batch_size * tm.world_size())`."""
+        ctx = self.ctx
+        divided = {r.text for site in batch_sites(ctx) if not site.kept for r in site.loader.refs}
+        divided |= {site.loader.target for site in batch_sites(ctx) if not site.kept and site.loader.target}
+        if not divided:
+            return
+        for node in ctx.nodes(cst.BinaryOperation):
+            if not isinstance(node.operator, (cst.Divide, cst.FloorDivide)):
+                continue
+            right, left = node.right, node.left
+            if not (isinstance(right, cst.Attribute) and right.attr.value == "batch_size"):
+                continue
+            owner = code(right.value)
+            if owner not in divided or f"len({owner}.dataset)" not in _factors(left):
+                continue
+            whole = f"({code(right)} * {ctx.tm}.world_size())"
+            self.report(node, f"`{code(node)}` counts the original's batches per epoch, but `{code(right)}` is now this "
+                              f"rank's share of the batch: divide by the global batch, `{whole}`",
+                        edits=[replace(right, lambda _: cst.parse_expression(whole))], imports=[ctx.runtime_import()])
+
     def _sample_counters(self) -> None:
         """`global_step += x.size(0)` in a training loop over sharded data, on a counter that
         outlives the loop (set before the epoch loop, or an attribute): it counts the samples
@@ -186,21 +246,26 @@ class LrWorldSize(ModelRule):
         from torchmigrate.rules.metrics.plan import loop_sharding
 
         for aug in ctx.nodes(cst.AugAssign):
-            if not isinstance(aug.operator, cst.AddAssign) or not _batch_count(aug.value):
+            if not isinstance(aug.operator, cst.AddAssign):
                 continue
             loop = ctx.enclosing(aug, cst.For, cst.While, cst.FunctionDef)
-            if not isinstance(loop, cst.For) or not analysis.trains_itself(ctx, loop) or loop_sharding(ctx, loop) != "sharded":
+            if not isinstance(loop, cst.For):
+                continue
+            count = _count_factor(ctx, aug.value, loop)
+            if count is None or not analysis.trains_itself(ctx, loop) or loop_sharding(ctx, loop) != "sharded":
                 continue
             target = aug.target
             if isinstance(target, cst.Name) and initial_value(ctx, loop, target.value)[0]:
                 continue  # reset for this loop: a metric's count
             if not isinstance(target, (cst.Name, cst.Attribute)):
                 continue
-            counted = code(aug.value)
-            self.report(aug, f"`{code(target)}` counts the samples trained on, but `{counted}` is now this rank's share of "
+            counted = code(count)
+            what = "counts the samples trained on" if count is aug.value else \
+                f"grows with the samples trained on (a fade-in, a warm-up fraction)"
+            self.report(aug, f"`{code(target)}` {what}, but `{counted}` is now this rank's share of "
                              f"the step: count every rank's (`{counted} * {ctx.tm}.world_size()`), so schedules and "
                              "limits that read it keep their meaning",
-                        edits=[replace(aug.value, lambda v: cst.BinaryOperation(
+                        edits=[replace(count, lambda v: cst.BinaryOperation(
                             left=v, operator=cst.Multiply(), right=cst.parse_expression(f"{ctx.tm}.world_size()")))],
                         imports=[ctx.runtime_import()])
 
