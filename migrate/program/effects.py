@@ -97,6 +97,10 @@ _COLLECTIVE_NAMES = frozenset({"all_reduce", "all_gather", "all_gather_object", 
 _TRAIN_METHODS = frozenset({"backward", "zero_grad"})
 _MUTATORS = frozenset({"append", "extend", "update", "add", "insert", "pop", "clear", "setdefault", "remove",
                        "add_", "copy_", "fill_", "zero_", "load_state_dict"})
+# methods of plain containers and strings that only read them (`self.w2i.get(w, unk)`): no
+# forward of a model hides behind them
+_QUERIES = frozenset({"get", "keys", "values", "items", "copy", "index", "count", "split", "strip", "lower",
+                      "upper", "join", "format", "startswith", "endswith", "replace", "encode", "decode", "tolist"})
 # runtime helpers that run their write on the main process only (the site is guarded)
 _MAIN_ONLY = frozenset({"main_only", "save", "print"})
 _FIRST = frozenset({"main_process_first", "local_main_process_first"})
@@ -461,7 +465,7 @@ class _Reader:
                 continue
             if isinstance(stmt, ast.If):
                 rank = rank_test(stmt.test)
-                exists = self._asks_exists(stmt.test)
+                exists = self._chain_asks_exists(stmt)
                 self._expr(stmt.test, guarded, ordered)
                 self._exists += exists
                 self._block(stmt.body, guarded or rank, ordered)
@@ -493,6 +497,17 @@ class _Reader:
                     self._block(block, guarded, ordered)
             else:
                 self._expr(stmt, guarded, ordered)
+
+    def _chain_asks_exists(self, stmt: ast.If) -> bool:
+        """Some test of the `if`/`elif` chain `stmt` starts asks whether a file exists: `if
+        args.create_data: build() elif not os.path.exists(out): build() else: load()` builds on
+        the first run, or again when asked to (every branch then writes what the others read)."""
+        while True:
+            if self._asks_exists(stmt.test):
+                return True
+            if len(stmt.orelse) != 1 or not isinstance(stmt.orelse[0], ast.If):
+                return False
+            stmt = stmt.orelse[0]
 
     def _asks_exists(self, test: ast.AST) -> bool:
         """The test asks whether a file or folder exists (`os.path.isdir(out)`, `p.exists()`)."""
@@ -664,11 +679,11 @@ class _Reader:
             if isinstance(root, ast.Name):
                 if func.attr in _MUTATORS and (root.id == "self" or root.id in self.params):
                     kinds.add(STATE)
-                elif (root.id == "self" and isinstance(func.value, ast.Attribute)) or (
+                elif (root.id == "self" and isinstance(func.value, ast.Attribute) and func.attr not in _QUERIES) or (
                         root.id in self.params and func.value is root and func.attr in ("forward", "__call__")):
                     kinds.add(CALLS)  # `self.model(x)`, `self.net.encode(x)`: maybe a forward
             if isinstance(func.value, ast.Attribute) and _dotted(func.value) and _dotted(func.value).startswith("self.") \
-                    and func.attr not in _MUTATORS:
+                    and func.attr not in _MUTATORS and func.attr not in _QUERIES:
                 kinds.add(CALLS)
         return False
 

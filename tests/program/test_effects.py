@@ -348,6 +348,43 @@ def test_first_run_builders_are_called_only_when_their_output_is_missing(tmp_pat
     assert effects.first_run_builders(found) == {(str((tmp_path / "prep.py").resolve()), "build")}
 
 
+def test_a_builder_run_when_asked_or_when_its_output_is_missing_is_a_first_run_builder(tmp_path):
+    """`if create: build() elif not exists(out): build() else: load()` (a preprocessing dataset
+    with a `--create_data` flag): both calls build on the first run; reading a vocabulary dict
+    there (`self.w2i.get(w, unk)`) is no forward of a model hidden behind an attribute."""
+    found = facts_of(tmp_path, {
+        "train.py": """
+            import os
+            import json
+            import torch
+
+            class Corpus:
+                def __init__(self, out, create):
+                    self.out = out
+                    self.w2i = {"<unk>": 0}
+                    if create:
+                        self._build()
+                    elif not os.path.exists(out):
+                        self._build()
+                    else:
+                        self._load()
+
+                def _build(self):
+                    ids = [self.w2i.get(w, self.w2i["<unk>"]) for w in "a b".split()]
+                    with open(self.out, "w") as f:
+                        json.dump(ids, f)
+                    self._load()
+
+                def _load(self):
+                    with open(self.out) as f:
+                        self.ids = json.load(f)
+
+            Corpus("ids.json", False)
+            """,
+    })
+    assert effects.first_run_builders(found) == {(str((tmp_path / "train.py").resolve()), "Corpus._build")}
+
+
 def test_files_in_a_private_temporary_folder_are_not_shared_writes(tmp_path):
     found = facts_of(tmp_path, {
         "train.py": """
