@@ -66,6 +66,8 @@ _WRITERS = frozenset({
 })
 _WRITE_METHODS = frozenset({"savefig", "to_csv", "to_parquet", "to_pickle", "to_excel", "to_feather", "to_json",
                             "write_text", "write_bytes", "tofile", "save_to_disk", "save_pretrained", "save"})
+# pathlib methods that create or remove the file their receiver names (a run's flag file)
+PATH_WRITES = frozenset({"touch", "unlink"})
 # Library classes whose instances write files (a TensorBoard event file, a log): the write
 # happens where one is built; a receiver spelled any way (`importlib.import_module(m).SummaryWriter`)
 # counts by the class's last name.
@@ -646,6 +648,10 @@ class _Reader:
                 return False
             if func.attr in _WRITE_METHODS and call.args and receiver not in self.names.instances:
                 self._write(call, f".{func.attr}", guarded, ordered, _arg(call, 0, "path"))
+                return False
+            if func.attr in PATH_WRITES and not call.args and receiver not in self.names.instances:
+                # `Path(flag).touch()`, `Path(flag).unlink()`: the file is the receiver's
+                self._write(call, f".{func.attr}", guarded, ordered, func.value)
                 return False
         if name in _OUTPUTS or name.startswith(_OUTPUT_PREFIXES) or (
                 isinstance(func, ast.Attribute) and func.attr in _LOG_METHODS and "log" in (_dotted(func.value) or "").lower()):

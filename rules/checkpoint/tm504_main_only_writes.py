@@ -44,6 +44,7 @@ _FILE_HANDLERS = ("logging.FileHandler", "logging.handlers.RotatingFileHandler",
 _MAKEDIRS = "os.makedirs"
 _MKDIR = "os.mkdir"
 _EXISTS = ("os.path.isdir", "os.path.exists")
+_EXISTS_TESTS = frozenset({"os.path.isdir", "os.path.exists", "os.path.isfile"})
 
 
 # Calls that only format or show their arguments: `"epoch {}".format(epoch)` or `print(epoch)`
@@ -81,6 +82,11 @@ class MainOnlyWrites(Rule):
       (NameError on the other ranks) or when it runs a forward pass or a collective: its file is
       opened through `tm.main_only(open, ...)` instead when the block writes only through it,
       else the block is reported.
+    - In `ddp`, a run's flag files (`Path(flag).touch()`, `Path(flag).unlink()`) are touched and
+      removed by the main process only, and a test of whether such a file exists, earlier in the
+      same function (`if os.path.isfile(running_flag): return`), takes the main process's answer,
+      `tm.broadcast_object(...)`: each rank would otherwise look at its own moment, one returning
+      while the others train (a hang), or remove a file twice.
     - A file every rank reads back after the main process alone wrote it (an evaluation json,
       also one written by a helper of any module, from the program's effects) gets
       `tm.barrier()` before the read, where every rank reaches it.
@@ -213,6 +219,7 @@ class MainOnlyWrites(Rule):
                 self.report(run[0], "every rank writes this file; write it on the main process only",
                             edits=[guard_edit(ctx, run)], imports=[ctx.runtime_import()])
                 self._wait_for_reread(run)
+                self._agree_on_existence(run)
         for call, assign in handles:
             self._handle(call, assign)
         for call, name in analysis.facts(ctx).calls:
@@ -447,6 +454,54 @@ class MainOnlyWrites(Rule):
         return any(type(n) in (cst.Name, cst.Attribute) and code(n) in written
                    for a in call.args for n in self.ctx.within(a.value, cst.Name, cst.Attribute))
 
+    def _agree_on_existence(self, run) -> None:
+        """A test, earlier in the function, of whether a file exists that this run (now on the
+        main process only) creates or removes: a run's flag file (`if os.path.isfile(running):
+        return` ... `Path(running).touch()` ... `Path(running).unlink()`). Each rank would look at
+        its own moment, after the main process touched it or not, and one would return while the
+        others train (a hang); they take the main process's answer instead,
+        `tm.broadcast_object(...)`, asked before it writes. Only a test every rank reaches (in
+        the function's own body, outside rank guards) can be shared."""
+        ctx = self.ctx
+        func = ctx.enclosing(run[0], cst.FunctionDef)
+        paths = {p for statement in run for call, name in self._calls_in(statement) for p in [self._touched(call, name)] if p}
+        if func is None or not paths or not isinstance(func.body, cst.IndentedBlock):
+            return
+        start = ctx.position(run[0]) or 0
+        agreed = ctx.facts.setdefault("tm504.agreed", set())
+        for statement in func.body.body:
+            if not isinstance(statement, cst.If) or (ctx.position(statement) or 0) > start or statement in agreed:
+                continue
+            test = statement.test
+            if isinstance(test, cst.Call) and ctx.resolve(test.func) == "torchmigrate.runtime.broadcast_object":
+                continue
+            asked = {code(c.args[0].value) for c in ctx.within(test, cst.Call, skip_defs=True)
+                     if ctx.resolve(c.func) in _EXISTS_TESTS and c.args}
+            if asked & paths:
+                agreed.add(statement)
+                self.report(statement, f"every rank asks whether {', '.join(f'`{p}`' for p in sorted(asked & paths))} "
+                                       "exists, which only the main process creates or removes now: the ranks take "
+                                       "its answer, so all of them go the same way",
+                            edits=[replace(test, lambda t: cst.parse_expression(
+                                f"{ctx.tm}.broadcast_object({code(t)})"))], imports=[ctx.runtime_import()])
+
+    @staticmethod
+    def _touched(call: cst.Call, name: Optional[str]) -> Optional[str]:
+        """The path text of the file a write creates or removes: `open(p, "w")`, `os.remove(p)`,
+        `Path(p).touch()`."""
+        func = call.func
+        if isinstance(func, cst.Attribute) and func.attr.value in effects.PATH_WRITES and not call.args:
+            receiver = func.value
+            if isinstance(receiver, cst.Call) and receiver.args and (dotted(receiver.func) or "").endswith("Path"):
+                return code(receiver.args[0].value)
+            return code(receiver)
+        if analysis.opens_file_for_writing(call, name):
+            path = analysis.opened_path(call)
+            return code(path) if path is not None else None
+        if name in _REMOVALS and call.args:
+            return code(call.args[0].value)
+        return None
+
     def _written_path(self, run) -> Optional[str]:
         """The path text of the file a guarded run writes (the first `open` for writing)."""
         for statement in run:
@@ -471,6 +526,8 @@ class MainOnlyWrites(Rule):
         if name in analysis.FILE_WRITERS:
             return True
         func = call.func
+        if isinstance(func, cst.Attribute) and func.attr.value in effects.PATH_WRITES and not call.args:
+            return self.ctx.options.mode == "ddp"  # `Path(flag).touch()`, `.unlink()`
         if not isinstance(func, cst.Attribute) or not call.args:
             return False
         if func.attr.value in analysis.FILE_WRITER_METHODS:
