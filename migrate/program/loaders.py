@@ -608,7 +608,8 @@ class LoaderFacts:
                 return verdict, None
         shuffle = loader.shuffle
         if shuffle is not None and not is_literal(shuffle, "True", "False", "None"):
-            if splits.verdict(_expression_words(shuffle)) or self._flag_of_factory(fn, shuffle):
+            if splits.verdict(_expression_words(shuffle)) or self._flag_of_factory(fn, shuffle) \
+                    or self._set_by_split(fn, shuffle):
                 loader.condition_is_shuffle = True
                 return "mixed", _parenthesize(code(shuffle), shuffle)
         return "train", None
@@ -632,6 +633,29 @@ class LoaderFacts:
                     if is_literal(value, "True", "False"):
                         values.add(value.value == "True")
         return values == {True, False}
+
+    def _set_by_split(self, fn: cst.CSTNode, shuffle: cst.BaseExpression) -> bool:
+        """`shuffle=shuffle`, a local of the function that builds the loader, set to `True` under a
+        test naming the training split and to `False` under one naming evaluation splits (`if flag
+        in ("val", "test"): shuffle = False elif flag == "train": shuffle = True`): one factory
+        builds every split, and the local says which a call builds."""
+        if type(shuffle) is not cst.Name or not isinstance(fn, cst.FunctionDef):
+            return False
+        seen = set()
+        for assign in self.ctx.within(fn, cst.Assign, skip_defs=True):
+            if not any(type(t.target) is cst.Name and t.target.value == shuffle.value for t in assign.targets):
+                continue
+            if len(assign.targets) != 1 or not is_literal(assign.value, "True", "False"):
+                return False
+            branch = self.ctx.enclosing(assign, cst.If, cst.Else, cst.FunctionDef)
+            if not isinstance(branch, cst.If) or assign not in self.ctx.within(branch.body, cst.Assign, skip_defs=True):
+                return False
+            verdict = splits.verdict(_expression_words(branch.test))
+            value = assign.value.value == "True"
+            if verdict != ("train" if value else "eval"):
+                return False
+            seen.add(value)
+        return seen == {True, False}
 
     def _read_through_here(self, call: cst.Call, loader: Loader) -> bool:
         """The loader is built and read through in the same function, in a comprehension or under
