@@ -33,12 +33,18 @@ ROOT_MARKERS = ("pyproject.toml", "setup.py", "setup.cfg", ".git")
 
 
 def project_root(script: Path, fs: FileSystem = PLAIN) -> Path:
-    """The nearest folder above `script` with a project marker, else the script's own folder."""
+    """The nearest folder above `script` with a project marker; else, for a script inside a
+    package (`experiments/forecast.py` beside `experiments/__init__.py`, run as `python -m
+    experiments.forecast`), the folder that holds the outermost package, where `python -m`
+    runs it and its `from experiments.base import ...` resolves; else the script's own folder."""
     folder = fs.resolve(script).parent
     for candidate in (folder, *folder.parents):
         if any(fs.exists(candidate / marker) for marker in ROOT_MARKERS):
             return candidate
-    return folder
+    top = folder
+    while fs.exists(top / "__init__.py") and top.parent != top:
+        top = top.parent
+    return top
 
 
 @dataclass

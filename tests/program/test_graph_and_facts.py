@@ -51,6 +51,20 @@ def test_project_root_is_the_nearest_marker(tmp_path):
     assert graph.project_root(tmp_path / "lone/train.py") == (tmp_path / "lone").resolve()
 
 
+def test_a_script_inside_a_package_without_markers_imports_from_where_python_m_runs_it(tmp_path):
+    """`experiments/forecast.py` (run as `python -m experiments.forecast` from the copy's top
+    folder, with no setup.py or .git there) imports `experiments.base` and the top-level `utils`
+    package: both are found from the folder that holds the `experiments` package."""
+    write(tmp_path, {
+        "copy/experiments/__init__.py": "", "copy/experiments/base.py": "",
+        "copy/experiments/forecast.py": "from experiments.base import Experiment\nfrom utils.ops import f\nimport torch\n",
+        "copy/utils/__init__.py": "", "copy/utils/ops.py": "def f(): pass\n",
+    })
+    assert graph.project_root(tmp_path / "copy/experiments/forecast.py") == (tmp_path / "copy").resolve()
+    g = graph.build([tmp_path / "copy/experiments/forecast.py"])
+    assert {"base.py", "ops.py"} <= {Path(m).name for m in g.modules}
+
+
 def test_wrapped_model_flows_into_functions_and_trainer_attributes(tmp_path):
     write(tmp_path, {
         "train.py": """
