@@ -252,3 +252,29 @@ def test_the_report_says_when_the_end_was_not_reached():
     assert done.endswith("All checks passed.") and "the 3 epoch(s) after the first 2 ran one optimizer step" in done
     broken = verify_cli.render(report | {"stopped_by_verify": False, "tool_failed": True})
     assert "torchmigrate verify itself failed (its probe, not your script)" in broken
+
+
+def test_a_missing_file_the_script_opens_is_the_scripts_error_not_the_probes():
+    """The probe wraps `open` to note writes; a FileNotFoundError from the real `open` (a file
+    another rank has not written yet) is raised in that wrapper's last line, and is the script's."""
+    import builtins
+    import io
+    import os
+
+    import torch
+
+    from torchmigrate.cli import verify_probe
+
+    saved = (builtins.open, io.open, os.replace, os.rename, torch.save, torch.serialization.save, torch.load,
+             torch.serialization.load)
+    try:
+        verify_probe._patch_files()
+        try:
+            open("/nonexistent/torchmigrate/vocab.json")
+        except FileNotFoundError as exc:
+            assert not verify_probe._raised_here(exc)
+        else:
+            raise AssertionError("expected FileNotFoundError")
+    finally:
+        (builtins.open, io.open, os.replace, os.rename, torch.save, torch.serialization.save, torch.load,
+         torch.serialization.load) = saved

@@ -349,11 +349,20 @@ def _terminated(signum, frame) -> None:
     os._exit(128 + signum)
 
 
+_PASS_THROUGH = frozenset({"open_", "save", "load", "rename"})  # `_patch_files`'s wrappers
+
+
 def _raised_here(exc: BaseException) -> bool:
     """The exception was raised by the probe's own code (its innermost frame is in this file),
     not by the script, torch or a library the script called."""
     frames = traceback.extract_tb(exc.__traceback__)
-    return bool(frames) and os.path.abspath(frames[-1].filename) == _THIS_FILE and not isinstance(exc, Stopped)
+    if not frames or os.path.abspath(frames[-1].filename) != _THIS_FILE or isinstance(exc, Stopped):
+        return False
+    # the script's own `open(path)` (`torch.save`, `torch.load`, `os.rename`) passes through the
+    # probe's wrapper, which calls the real one last: what that raises (FileNotFoundError of a
+    # file another rank has not written yet) is the script's
+    innermost = frames[-1]
+    return not (innermost.name in _PASS_THROUGH and (innermost.line or "").startswith("return "))
 
 
 def _prepare(script: str, args: list) -> None:
