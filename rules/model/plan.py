@@ -817,6 +817,8 @@ class Plan:
                        and self.models.scope(_) is scope):
                     return None
                 fname = scope.name.value if isinstance(scope, cst.FunctionDef) else None
+                if fname and m in self.models.params(scope) and any(c.via is o for c in optimizers(ctx)):
+                    return None  # this file calls fname() with the model: the wrap goes at that call
                 if fname and m in self.models.params(scope):
                     return (f"`{m}` is a parameter of {fname}(), which builds its optimizer: wrap the model with "
                             f"`{tm}.wrap_model(...)` where {fname}() is called")
