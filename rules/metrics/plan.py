@@ -108,6 +108,8 @@ def loop_sharding(ctx: Context, loop: cst.For) -> str:
     pass iterates training data, sharded. Otherwise "unknown" (some of its loaders sharded and
     some not, as a loader built for both splits whose evaluation half stays whole, or nothing
     known): the runtime decides (`tm.all_reduce(..., over=loader)`)."""
+    if not ctx.options.shard_training and analysis.runs_backward(ctx, loop):
+        return "whole"  # this run keeps training data whole (no model is wrapped in DDP)
     node = loader_expr(ctx, loop.iter)
     states: Set[Optional[str]] = set()
     try:
