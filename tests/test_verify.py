@@ -278,3 +278,16 @@ def test_a_missing_file_the_script_opens_is_the_scripts_error_not_the_probes():
     finally:
         (builtins.open, io.open, os.replace, os.rename, torch.save, torch.serialization.save, torch.load,
          torch.serialization.load) = saved
+
+
+def test_equal_parameters_of_a_model_no_rank_shares_are_no_pass():
+    """No DDP, no gradient averaging: both ranks trained the same copy on the same data, so
+    their parameters agree, but nothing is distributed (the migration report's NOT DONE)."""
+    def rec(in_ddp, synced=False):
+        opt = {"name": "Adam", "where": "m.py:14", "hash": "same", "lrs": [0.001], "in_ddp": in_ddp}
+        return _record([[0, 2]]) | {"optimizers": [opt], "synced": synced}
+
+    lonely = checks.params_in_sync(Run([rec(False), rec(False)], ["", ""]))
+    assert lonely.status == "fail" and "no model is wrapped in DDP" in lonely.message
+    assert checks.params_in_sync(Run([rec(True), rec(True)], ["", ""])).status == "pass"
+    assert checks.params_in_sync(Run([rec(False, True), rec(False, True)], ["", ""])).status == "pass"  # tm.sync_grads

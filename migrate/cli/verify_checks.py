@@ -251,6 +251,12 @@ def params_in_sync(run: Run) -> Check:
             evidence.append(f"the DDP model wrapped at {ddp['where'] or '?'} differs across ranks")
     if evidence:
         return Check("params", title, FAIL, "parameters differ across ranks", evidence, where)
+    if not records[0]["ddp"] and not any(o["in_ddp"] for _, _, per_rank in optimizers for o in per_rank) \
+            and not any(rec.get("synced") for rec in records):
+        return Check("params", title, FAIL,
+                     "no model is wrapped in DDP: each rank trains its own copy, and the parameters agree only because "
+                     "every rank does the same work on the same data (no speed-up; see the migration report's NOT DONE "
+                     "lines)", notes, [w for _, w, _ in optimizers if w])
     return Check("params", title, PASS, f"{len(optimizers)} optimised model(s) equal on every rank", notes)
 
 

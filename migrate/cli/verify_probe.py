@@ -60,7 +60,7 @@ _open, _save, _load, _replace, _rename = builtins.open, torch.save, torch.load, 
 record: dict = {"rank": int(os.environ.get("RANK", "0")), "status": None, "exit_code": None,
                 "error": None, "steps": 0, "process_group": False, "loaders": {}, "optimizers": [], "ddp": [],
                 "writes": {}, "saves": [], "loads": [], "plateau": [], "epochs": 0, "short_epochs": 0,
-                "probe_errors": []}
+                "probe_errors": [], "synced": False}
 _optimizers: list = []
 _ddp: list = []
 _active: dict = {}  # the loader iteration that yielded the latest batch
@@ -234,6 +234,24 @@ def _patch_training() -> None:
     torch.optim.Optimizer.__init__, DistributedDataParallel.__init__ = optimizer_init, ddp_module_init
     ReduceLROnPlateau.step = plateau
     register_optimizer_step_post_hook(stepped)
+    _patch_sync_grads()
+
+
+def _patch_sync_grads() -> None:
+    """`tm.sync_grads(model)` averages a model's gradients without DDP (a functional,
+    meta-learning model): noted, so its equal parameters are not read as ranks that merely
+    repeat each other's work."""
+    try:
+        import torchmigrate.runtime as runtime
+    except Exception:
+        return
+    real = runtime.sync_grads
+
+    def sync_grads(model, *args, **kwargs):
+        record["synced"] = True
+        return real(model, *args, **kwargs)
+
+    runtime.sync_grads = sync_grads
 
 
 def _note_write(path, how: str) -> None:
