@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, FrozenSet, Iterable, List, Optional, Set, Tuple
 
-from torchmigrate.program import inherited
+from torchmigrate.program import collates, inherited
 from torchmigrate.program.astwalk import walk
 from torchmigrate.program.generators import endless_generators
 
@@ -970,6 +970,7 @@ def of_module(source: str, path: str):
         return {}
     found = combine([summarize(tree, path, {})])
     return {**inherited.of_tree(tree, Path(path)),
+            "rebatching_collates": collates.rebatching(n for n in walk(tree) if isinstance(n, _FUNCS)),
             "endless_generators": endless_generators(tree),
             "call_effects": spelled_effects(found, path),
             "writer_classes": frozenset(c for _, c in found.writer_classes),

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, FrozenSet, Iterable, List, Optional, Set, Tuple
 
-from torchmigrate.program import amp_hazards, batch_coupling, effects, inherited, splits
+from torchmigrate.program import amp_hazards, batch_coupling, collates, effects, inherited, splits
 from torchmigrate.program.classes import MODULE, OTHER, argument_kind, class_kinds, optimizer_wrapper
 from torchmigrate.program.generators import endless_generators
 from torchmigrate.program.graph import Graph
@@ -380,6 +380,7 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
             s.models |= class_models.get((s.module.path, s.klass), set())
         s.models -= _module_aliases(s)
     base_wraps, base_wrapped = inherited.trained_in_bases(modules, class_models)
+    rebatching = collates.rebatching(f for m in modules.values() for f in m.functions.values())
 
     # Instances of the program's classes: `stopper = EarlyStopping(...)` (per scope) or
     # `self.saver = Saver(...)` (class-wide), so `stopper(loss, model)` and
@@ -511,6 +512,7 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
             wrapped_attrs={k: frozenset(attrs.get((mp, k), set()) | base_wrapped.get((mp, k), set()))
                            for (mp, k) in {*attrs, *base_wrapped} if mp == path},
             base_wraps={k: frozenset(a) for (mp, k), a in base_wraps.items() if mp == path},
+            rebatching_collates=rebatching,
             loader_params={q: {p: frozenset(k) for p, k in params.items()}
                            for (mp, q), params in loader_params.items() if mp == path},
             flag_args={q: {p: frozenset(v) for p, v in params.items()}

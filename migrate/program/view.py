@@ -21,6 +21,9 @@ class ModuleView:
     # class name -> `self.` attributes it assigns that a subclass trains (`program.inherited`):
     # this module wraps them where they are assigned
     base_wraps: Dict[str, FrozenSet[str]] = field(default_factory=dict)
+    # names of the program's collate functions that cut a loaded batch into batches of a
+    # configured size (`program.collates`): a loader using one keeps its batch (TM305)
+    rebatching_collates: FrozenSet[str] = frozenset()
     # "func" or "Class.method" -> parameter -> the splits ("train", "eval", "unknown") of the
     # data loaders other modules hand it (`evaluate(model, val_loader)` in train.py: {"eval"})
     loader_params: Dict[str, Dict[str, FrozenSet[str]]] = field(default_factory=dict)

@@ -93,7 +93,7 @@ def _decide(ctx: Context) -> List[BatchSite]:
             continue  # migrated already
         shapes = [u for u in loader.batch_uses if _shape_of_batch(ctx, u)]
         divided = bool(shapes) and len(shapes) == len(loader.batch_uses)  # every read a shape
-        kept = _sized_elsewhere(ctx, size) or _kept(loader, size, args, shapes_divided=divided)
+        kept = _sized_elsewhere(ctx, size) or _rebatched(ctx, args) or _kept(loader, size, args, shapes_divided=divided)
         sites.append(BatchSite(loader, size, kept, [] if kept else shapes))
     return sites
 
@@ -178,6 +178,18 @@ def _sharded_here(loader: Loader, decided) -> bool:
     if decided.status == "plain":
         return decided.sampler in ("distributed", "mixed") and not loader.ordered
     return decided.status == "custom" and decided.sampler == "distributed"
+
+
+def _rebatched(ctx: Context, args) -> str:
+    """The loader's `collate_fn` cuts each loaded group into batches of a configured size
+    (`ModuleView.rebatching_collates`): a rank's share of the group would still be cut into
+    full-size batches, so dividing the loader's batch would not divide the step's batch."""
+    collate = args.get("collate_fn")
+    name = code(collate.value).rsplit(".", 1)[-1] if collate is not None else ""
+    if name and name in ctx.program.rebatching_collates:
+        return (f"its `collate_fn` ({code(collate.value)}) cuts each loaded batch into batches of a configured size, "
+                "so a rank's share would still train on full-size batches")
+    return ""
 
 
 def _kept(loader: Loader, size: Optional[cst.CSTNode], args, shapes_divided: bool = False) -> str:
