@@ -78,7 +78,7 @@ _MKDIRS = frozenset({"os.makedirs", "os.mkdir", "pathlib.Path.mkdir"})
 # tempfile's calls that make a file or folder of the process's own (`gettempdir()` is shared)
 PRIVATE_TEMPS = frozenset({"tempfile.TemporaryDirectory", "tempfile.mkdtemp", "tempfile.mkstemp",
                             "tempfile.NamedTemporaryFile", "tempfile.TemporaryFile", "tempfile.SpooledTemporaryFile"})
-_EXISTS = frozenset({"os.path.exists", "os.path.isdir", "os.path.isfile"})
+EXISTS_TESTS = frozenset({"os.path.exists", "os.path.isdir", "os.path.isfile"})  # calls that ask whether a path exists
 _READERS = frozenset({"json.load", "pickle.load", "numpy.load", "numpy.loadtxt", "torch.load", "yaml.load",
                       "yaml.safe_load", "PIL.Image.open", "cv2.imread", "imageio.imread", "imageio.v2.imread",
                       "scipy.io.loadmat", "joblib.load", "h5py.File", "os.listdir", "glob.glob"})
@@ -513,7 +513,7 @@ class _Reader:
 
     def _asks_exists(self, test: ast.AST) -> bool:
         """The test asks whether a file or folder exists (`os.path.isdir(out)`, `p.exists()`)."""
-        return any(isinstance(n, ast.Call) and (self._resolve(n.func) in _EXISTS or (
+        return any(isinstance(n, ast.Call) and (self._resolve(n.func) in EXISTS_TESTS or (
             isinstance(n.func, ast.Attribute) and n.func.attr in ("exists", "is_file", "is_dir") and not n.args))
             for n in walk(test))
 

@@ -53,7 +53,6 @@ _ALWAYS_FETCH = ("torchtext.datasets.",)
 _HF_LOAD = "datasets.load_dataset"
 # Methods of a Hugging Face dataset that write cache files next to it.
 _HF_CACHING = frozenset({"map", "filter"})
-_EXISTS = frozenset({"os.path.exists", "os.path.isfile", "os.path.isdir"})
 _EXISTS_METHODS = frozenset({"exists", "is_file", "is_dir"})
 _FIRST = frozenset({"main_process_first", "local_main_process_first"})
 _DEFS = (cst.FunctionDef, cst.ClassDef, cst.Lambda)
@@ -204,7 +203,7 @@ def _asks_download(call: cst.Call) -> bool:
 def asks_exists(ctx: Context, test: cst.BaseExpression) -> bool:
     """The test calls `os.path.exists`/`isfile`/`isdir` or a path's `.exists()`/`.is_file()`/`.is_dir()`."""
     for n in iter_nodes(test):
-        if isinstance(n, cst.Call) and (ctx.resolve(n.func) in _EXISTS or (
+        if isinstance(n, cst.Call) and (ctx.resolve(n.func) in effects.EXISTS_TESTS or (
                 isinstance(n.func, cst.Attribute) and n.func.attr.value in _EXISTS_METHODS and not n.args)):
             return True
     return False

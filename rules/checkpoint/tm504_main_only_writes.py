@@ -44,7 +44,6 @@ _FILE_HANDLERS = ("logging.FileHandler", "logging.handlers.RotatingFileHandler",
 _MAKEDIRS = "os.makedirs"
 _MKDIR = "os.mkdir"
 _EXISTS = ("os.path.isdir", "os.path.exists")
-_EXISTS_TESTS = frozenset({"os.path.isdir", "os.path.exists", "os.path.isfile"})
 
 
 # Calls that only format or show their arguments: `"epoch {}".format(epoch)` or `print(epoch)`
@@ -476,7 +475,7 @@ class MainOnlyWrites(Rule):
             if isinstance(test, cst.Call) and ctx.resolve(test.func) == "torchmigrate.runtime.broadcast_object":
                 continue
             asked = {code(c.args[0].value) for c in ctx.within(test, cst.Call, skip_defs=True)
-                     if ctx.resolve(c.func) in _EXISTS_TESTS and c.args}
+                     if ctx.resolve(c.func) in effects.EXISTS_TESTS and c.args}
             if asked & paths:
                 agreed.add(statement)
                 self.report(statement, f"every rank asks whether {', '.join(f'`{p}`' for p in sorted(asked & paths))} "
