@@ -2323,31 +2323,34 @@ def _await_save(key: str, shown) -> None:
               "from per-rank values?), so this rank may load an older file")
 
 
-def save(obj, path) -> None:
-    """``torch.save`` on global rank 0 only; other ranks return at once (no collective, so it is
-    safe inside ``if tm.is_main():``). Paths are written atomically: a temp file in the same
-    folder, then ``os.replace``, so a crash never leaves a half-written checkpoint. File-like
-    objects are passed to ``torch.save`` as is (on rank 0). A rank that then loads the path with
-    ``torch.load`` waits until rank 0's save is complete (no barrier needed)."""
+def save(obj, f, *args, **kwargs) -> None:
+    """``torch.save`` on global rank 0 only, with ``torch.save``'s arguments (``tm.save(obj=state,
+    f=path, pickle_protocol=2)`` as well as ``tm.save(state, path)``); other ranks return at once
+    (no collective, so it is safe inside ``if tm.is_main():``). Paths are written atomically: a
+    temp file in the same folder, then ``os.replace``, so a crash never leaves a half-written
+    checkpoint. File-like objects are passed to ``torch.save`` as is (on rank 0). A rank that
+    then loads the path with ``torch.load`` waits until rank 0's save is complete (no barrier
+    needed)."""
+    path = f
     done = _count_save(path) if world_size() > 1 else None
     if not is_main():
         return
     if not isinstance(path, (str, os.PathLike)):
-        torch.save(obj, path)
+        torch.save(obj, path, *args, **kwargs)
         return
-    _write_atomically(obj, path)
+    _write_atomically(obj, path, *args, **kwargs)
     if done is not None and _pg():
         with contextlib.suppress(Exception):
             dist.distributed_c10d._get_default_store().set(done, "1")
 
 
-def _write_atomically(obj, path) -> None:
+def _write_atomically(obj, path, *args, **kwargs) -> None:
     path = os.fspath(path)
     folder, name = os.path.split(os.path.abspath(path))
     tmp = os.path.join(folder, f".{name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
     try:
         with open(tmp, "xb") as f:
-            torch.save(obj, f)
+            torch.save(obj, f, *args, **kwargs)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -2357,8 +2360,9 @@ def _write_atomically(obj, path) -> None:
         raise
 
 
-def load(path, map_location="cpu", weights_only=True, **kwargs):
-    """``torch.load`` onto the CPU by default (every rank loading to cuda:0 would crowd one GPU).
+def load(f, map_location="cpu", weights_only=True, **kwargs):
+    """``torch.load`` onto the CPU by default (every rank loading to cuda:0 would crowd one GPU),
+    with ``torch.load``'s arguments (``tm.load(f=path)`` too).
 
     ``weights_only=True`` on every torch version (torch's own default only since 2.6): only
     tensors and plain containers are unpickled, so a checkpoint from an untrusted source cannot
@@ -2367,7 +2371,7 @@ def load(path, map_location="cpu", weights_only=True, **kwargs):
     executes whatever the file's pickle says: only for files you trust. torchmigrate never
     flips it silently.
     """
-    return torch.load(path, map_location=map_location, weights_only=weights_only, **kwargs)
+    return torch.load(f, map_location=map_location, weights_only=weights_only, **kwargs)
 
 
 def strip_prefix(state_dict, prefixes=("module.", "_orig_mod.")):

@@ -332,6 +332,18 @@ def test_save_is_atomic_and_loadable(tmp_path):
     assert tm.load(path)["step"] == 2  # ... previous checkpoint intact
 
 
+def test_save_and_load_take_torch_s_keyword_names(tmp_path):
+    """`torch.save(obj=..., f=..., pickle_protocol=2)` becomes `tm.save(...)` with its keywords
+    as written (TM501 swaps the function only): the runtime takes torch's names."""
+    path = tmp_path / "ckpt.pt"
+    tm.save(obj={"step": 3}, f=path, pickle_protocol=2)
+    assert tm.load(f=path)["step"] == 3
+    buf = io.BytesIO()
+    tm.save(obj={"step": 4}, f=buf)
+    buf.seek(0)
+    assert tm.load(f=buf, map_location="cpu")["step"] == 4
+
+
 def test_save_to_file_object():
     buf = io.BytesIO()
     tm.save({"a": torch.ones(2)}, buf)
