@@ -315,6 +315,20 @@ def _assigned_key(ctx: Context, call: cst.Call) -> Optional[str]:
     return None
 
 
+def _unwrapped_owners(ctx: Context, node: cst.CSTNode) -> List[str]:
+    """`m` of `tm.unwrap(m).named_parameters()` (TM302's rewrite of a wrapped model's
+    parameters, read on a second run): the model is the one wrapped."""
+    found: List[str] = []
+    for n in ctx.within(node, cst.Call, skip_defs=True):
+        receiver = n.func.value if isinstance(n.func, cst.Attribute) and n.func.attr.value in (
+            "parameters", "named_parameters") else None
+        if isinstance(receiver, cst.Call) and receiver.args and ctx.resolve(receiver.func) == "torchmigrate.runtime.unwrap":
+            owner = dotted(receiver.args[0].value)
+            if owner and model_root(owner) not in found:
+                found.append(model_root(owner))
+    return found
+
+
 def _param_method_owners(ctx: Context, params: cst.BaseExpression) -> List[str]:
     """Models whose parameters come through a method or helper that picks them: `X` for
     `Adam(X.get_params())`, `SGD(self.net.trainable_parameters())`, `Adam(get_parameter_groups(X,
@@ -463,7 +477,7 @@ def _followed_owners(ctx: Context, call: cst.Call, params: cst.BaseExpression) -
                 add(parameter_owners(other))
                 loop = ctx.enclosing(other, cst.For, cst.FunctionDef)
                 if isinstance(loop, cst.For):
-                    add(parameter_owners(loop.iter))
+                    add(parameter_owners(loop.iter) or _unwrapped_owners(ctx, loop.iter))
         new_names -= names
         if found or not new_names:
             break

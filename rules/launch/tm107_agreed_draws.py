@@ -257,12 +257,30 @@ class AgreedDraws(Rule):
         if collective_guard(ctx, assign) is not None or self._in_file_write(assign):
             return
         what = dotted(read.func) or "the clock"
+        shared = self._named_part(assign.value, read)
         self.report(assign, f"`{target}` is made from `{what}(...)`, which each rank reads for itself, and names "
                             "something (a run folder, a file): ranks would disagree on it. Rank 0's value is "
                             "shared with every rank",
-                    edits=[replace(assign.value, lambda v: cst.Call(
+                    edits=[replace(shared, lambda v: cst.Call(
                         func=cst.parse_expression(f"{ctx.tm}.broadcast_object"), args=[cst.Arg(v)]))],
                     imports=[ctx.runtime_import()])
+
+    def _named_part(self, value: cst.BaseExpression, read: cst.Call) -> cst.BaseExpression:
+        """What to share: the value itself (a string, a path), or, where the value is an object
+        built from the name (`SummaryWriter(log_dir=root + datetime.now().strftime(...))`, a
+        logger, an open file), the argument that holds the clock read: the name is shared, the
+        object is built on each rank (a writer or a lock cannot be sent to the others)."""
+        if not isinstance(value, cst.Call):
+            return value
+        func = value.func
+        naming = (isinstance(func, cst.Attribute) and func.attr.value in _NAMING_METHODS) or \
+            (self.ctx.resolve(func) or dotted(func) or "") in _NAMING_CALLS
+        if naming:
+            return value
+        for a in value.args:
+            if a.value is read or any(n is read for n in self.ctx.within(a.value, cst.Call)):
+                return a.value
+        return value
 
     def _in_file_write(self, node: cst.CSTNode) -> bool:
         """Inside `with open(path, "a") as log:`: the value goes into a file that the main process
