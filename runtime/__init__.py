@@ -463,6 +463,11 @@ def wrap_model(model: nn.Module, *, find_unused_parameters: bool = False, sync_b
     ran, so code anywhere that reads ``model.module`` keeps working and ``python train.py`` still
     uses every visible GPU (on the CPU DataParallel just calls the module).
 
+    A model the program trains around the wrapper (``tm.unwrap(model).fit(loader, optimizer)``,
+    a method of the model whose own loop calls ``self(x)``, so DDP's forward never runs) has its
+    gradients averaged across ranks before each optimizer step instead, with one warning naming
+    the backward's line: every rank still trains the same model.
+
     The wrapper never lets a parameter without a gradient stop training (see ``_DDP``): the
     first training step finds out whether every parameter gets one, and where some do not
     (a head the loss never reads, a layer behind a flag that is off) gradients are averaged
@@ -700,10 +705,15 @@ class _DDP(_ModuleFace, DistributedDataParallel):
         touched, self._tm_touched, self._tm_queued = self._tm_touched, set(), False
         armed, outside, self._tm_armed, self._tm_outside = self._tm_armed, self._tm_outside, False, False
         if not (armed or outside or self._tm_container):
-            if self._tm_steps == 0 and not self._tm_bypassed:
-                self._tm_bypassed = True
-                self._tm_warn_bypass()
-            return  # the wrapper took no part (``tm.unwrap(model)(x)``): as with DDP, nothing is averaged
+            if self._tm_steps == 0:
+                # the program trains around the wrapper (a training loop in a method of the model
+                # calling self(x)): averaged before the optimizer's step instead (`_before_step`)
+                self._tm_unsynced = True
+                _watch_steps()
+                if not self._tm_bypassed:
+                    self._tm_bypassed = True
+                    self._tm_warn_bypass()
+            return  # the wrapper took no part (``tm.unwrap(model)(x)``): nothing is averaged now
         if self._tm_mode == "ddp" and armed:
             return  # DDP's reducer averaged this backward
         if self._tm_mode == "probe":
@@ -722,9 +732,11 @@ class _DDP(_ModuleFace, DistributedDataParallel):
         where = f" at {frame.f_code.co_filename}:{frame.f_lineno}" if frame is not None else ""
         _warn(f"a backward{where} gave gradients to {type(self.module).__name__}'s parameters before any training "
               "forward through its DDP wrapper (the program calls the model through another reference: a list "
-              "or attribute holding the plain module, a method calling self(...)); those gradients are NOT "
-              "averaged across ranks. Call the object tm.wrap_model returned in the training step, or "
-              "tm.synced(model) for a method of the model.")
+              "or attribute holding the plain module, a method calling self(...)); DDP averages none of them, so "
+              "they are averaged across ranks before each optimizer step instead (correct while every rank takes "
+              "the same steps, without DDP's overlap of communication and backward). Calling the object "
+              "tm.wrap_model returned in the training step (or tm.synced(model) for a method of the model) lets "
+              "DDP do it.")
 
     def _tm_decide(self, touched: set) -> None:
         """After the first training backward: DDP's reducer if every parameter got a gradient
@@ -842,6 +854,8 @@ def _before_step(optimizer, _args, _kwargs) -> None:
         if getattr(ddp, "_tm_unsynced", False) and any(id(p) in mine for p in ddp._tm_params):
             ddp._tm_unsynced = False
             _average_grads(ddp._tm_params, op=ddp._tm_op)
+            if ddp._tm_bypassed:
+                continue  # said where the backward went around the wrapper
             if is_main() and not _STEP_WARNED:
                 _STEP_WARNED.append(True)
                 frame = _user_frame(sys._getframe(2))
