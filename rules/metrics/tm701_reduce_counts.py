@@ -237,10 +237,14 @@ class ReduceCounts(Rule):
                                      "is not sharded)" if over else ""),
                             edits=[insert_after(loop, statements)],
                             imports=[ctx.runtime_import()])
-        bad_names = [n for n in names if n in foreign]
-        if bad_names:
+        # one finding per denominator: `running_loss / len(loader)` (a mean of batch values) and
+        # `correct / len(loader.dataset)` (a count of samples) need different reductions
+        by_den: Dict[str, List[str]] = {}
+        for n in names:
+            if n in foreign:
+                by_den.setdefault(_denominator(foreign[n]), []).append(n)
+        for den, bad_names in by_den.items():
             first = foreign[bad_names[0]]
-            den = _denominator(first)
             if isinstance(first, cst.BinaryOperation) and den in bad_names:
                 # the count is the denominator of something the loop does not add up in a number
                 # (`sum(losses) / n_samples`, a list of tensors)
