@@ -164,6 +164,7 @@ class NewWrap:
     # the same model (re)bound in another branch of an `if`/`try`: this wrap covers that branch
     extra_of: Optional["NewWrap"] = None
     bound: Optional[cst.CSTNode] = None  # the binding in that branch (when no optimizer is built there)
+    reloaded: bool = False  # ... a whole model loaded from a checkpoint after the wrap (a resume)
 
 
 @dataclass
@@ -484,6 +485,7 @@ class Plan:
         self.new = sorted(best.values(), key=lambda w: (self.models.idx(w.anchor), w.after))
         self._leave_own_group_alone()
         self._other_branches(cands)
+        self._reloaded()
         self._merge_adjacent()
         # A module of a program whose model is trained (and wrapped) elsewhere: its backward
         # runs through the wrapper the caller passes in.
@@ -558,6 +560,31 @@ class Plan:
                     continue
                 extra.append(NewWrap(nw.name, nw.opt, nw.scope, nw.klass, last, after=True, def_stmt=ds,
                                      extra_of=nw, bound=d))
+        if extra:
+            self.new = sorted([*self.new, *extra], key=lambda w: (self.models.idx(w.anchor), w.after))
+
+    def _reloaded(self) -> None:
+        """`model, optim, step = torch.load(ckpt)` after the wrap (a resume that pickled the whole
+        model): the name is bound again to the plain module, which trains outside DDP from then on
+        (no gradient averaged, the ranks drift apart). It is wrapped again right after the load;
+        the optimizer loaded beside it holds the same module's parameters, which the wrapper keeps."""
+        extra: List[NewWrap] = []
+        for nw in list(self.new):
+            if nw.after or nw.extra_of is not None or nw.name.startswith(("self.", "cls.")):
+                continue
+            start, block = self.models.idx(nw.anchor), self.ctx.parent(nw.anchor)
+            for d, _value in self.models.definitions(nw.name, nw.scope, nw.klass):
+                ds = self.ctx.statement_of(d)
+                if self.models.scope(d) is not nw.scope or self.models.idx(ds) <= start \
+                        or not isinstance(ds, cst.SimpleStatementLine) or len(ds.body) != 1:
+                    continue
+                if not any(a is block for a in self.ctx.ancestors(ds)):
+                    continue  # another path than the wrap's (a branch that builds its own optimizer)
+                loads = [c for c in self.ctx.within(ds, cst.Call)
+                         if self.ctx.resolve(c.func) in ("torch.load", "torchmigrate.runtime.load")]
+                if loads and not any(w.anchor is ds for w in extra):
+                    extra.append(NewWrap(nw.name, nw.opt, nw.scope, nw.klass, ds, after=True, def_stmt=ds,
+                                         extra_of=nw, bound=d, reloaded=True))
         if extra:
             self.new = sorted([*self.new, *extra], key=lambda w: (self.models.idx(w.anchor), w.after))
 

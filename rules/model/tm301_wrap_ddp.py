@@ -135,6 +135,11 @@ class WrapDDP(ModelRule):
             if summed:
                 extra += (f"; loss_reduction=\"sum\": the training loss sums over its batch, so the ranks' "
                           f"gradients summed make the original's step over the whole global batch")
+            if nw.reloaded:
+                self.report(nw.bound, f"`{nw.name}` is loaded again as a whole model after its wrap (a resume): "
+                                      f"wrapped again, `{nw.name} = {tm}.wrap_model({nw.name})`, or it would train "
+                                      f"outside DDP{extra}", edits=[edit], imports=[self.ctx.runtime_import()])
+                continue
             if nw.bound is not None:
                 self.report(nw.bound, f"`{nw.name}` is also bound in this branch, which does not build its "
                                       f"optimizer: wrap it at the end of the branch too: `{nw.name} = "
