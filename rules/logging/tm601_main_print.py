@@ -20,6 +20,7 @@ from torchmigrate.rule import Context, Example, Rule
 from torchmigrate.rules._active import active
 from torchmigrate.rules._guards import guard_edit, guardable_line, main_only_call, sibling_runs
 from torchmigrate.rules.logging.base import NEEDS_PARENS, add_kwarg
+from torchmigrate.rules.metrics.tm703_gather_list_mean import logged_step_values
 
 SUMMARY_WRITERS = {
     "torch.utils.tensorboard.SummaryWriter",
@@ -303,6 +304,13 @@ class MainPrint(Rule):
         if caller_guards(ctx, call) is not None:
             return
         if isinstance(parent, cst.Expr):
+            if "TM703" in ctx.enabled and logged_step_values(ctx, call, name):
+                # TM703 makes the step's numbers the ranks' mean inside the arguments: a collective
+                # every rank must reach, so the arguments run everywhere and the call on rank 0
+                self.report(call, f"{name}(...) runs on every rank; log from the main process only (tm.main_only "
+                                  f"evaluates the arguments, the ranks' means, on every rank)",
+                            edits=[replace(call, main_only_call(ctx.tm))], imports=[ctx.runtime_import()])
+                return
             line = guardable_line(ctx, call)
             if line is None:
                 self.report(call, f"{name}(...) runs on every rank: put it under `if {ctx.tm}.is_main():`")

@@ -265,26 +265,7 @@ class GatherListMean(Rule):
         not of its data), in a loop no rank leaves early and no rank guard holds."""
         ctx = self.ctx
         for call, name in analysis.facts(ctx).calls:
-            builtin = name is None and isinstance(call.func, cst.Name) and call.func.value == "print"
-            method = call.func.attr.value if isinstance(call.func, cst.Attribute) else ""
-            if not (builtin or name in _PRINTS or (name is None and method in ("info", "log")
-                                                   and "log" in (dotted(call.func.value) or "").lower())
-                    or method in _SCALAR_LOGS):
-                continue
-            loop = _training_step_loop(ctx, call)
-            if loop is None or collective_guard(ctx, call) is not None:
-                continue
-            data = per_rank_names(ctx, loop)
-            between = ctx.ancestors_until(call, loop)
-            if any(isinstance(a, (cst.For, cst.While, cst.Try, cst.Lambda, cst.FunctionDef)) for a in between):
-                continue
-            if any(isinstance(a, cst.If) and names_in(a.test) & data for a in between) or any(
-                    isinstance(a, cst.IfExp) for a in between):
-                continue  # a test of this rank's data: some ranks may not print in this step
-            values = [c for c in ctx.within(call, cst.Call) if _number_of_step(ctx, c)
-                      and _METRIC_NAME.search(code(c.func.value if isinstance(c.func, cst.Attribute)
-                                                   else c.args[0].value))
-                      and names_in(c) & data and not _reduced(ctx, c)]
+            values = logged_step_values(ctx, call, name)
             if not values:
                 continue
             self.report(call, "this prints this rank's value of the step (its shard's batch): print the ranks' mean",
@@ -357,6 +338,32 @@ _PRINTS = frozenset({"print", RUNTIME + ".print", "logging.info", "logging.log",
 # methods that log a step's number to a dashboard: `writer.add_scalar("loss", loss.item(), step)`
 _SCALAR_LOGS = frozenset({"add_scalar", "add_scalars", "log_metrics", "log_metric"})
 _METRIC_NAME = re.compile(r"(?i)(loss|err|nll|kld?\b|bpd|psnr|ssim|ppl|perplex|mse|mae|acc)")
+
+
+def logged_step_values(ctx: Context, call: cst.Call, name: Optional[str]) -> List[cst.Call]:
+    """The numbers of a training step that the print or logging `call` shows and that
+    `_step_prints` makes the ranks' mean (`loss.item()` in `wandb.log({"loss": loss.item()})`):
+    collectives inside the call's arguments, so TM601 must not put the call under a rank guard
+    (it logs through `tm.main_only`, which evaluates the arguments on every rank)."""
+    builtin = name is None and isinstance(call.func, cst.Name) and call.func.value == "print"
+    method = call.func.attr.value if isinstance(call.func, cst.Attribute) else ""
+    if not (builtin or name in _PRINTS or (name is None and method in ("info", "log")
+                                           and "log" in (dotted(call.func.value) or "").lower())
+            or method in _SCALAR_LOGS):
+        return []
+    loop = _training_step_loop(ctx, call)
+    if loop is None or collective_guard(ctx, call) is not None:
+        return []
+    data = per_rank_names(ctx, loop)
+    between = ctx.ancestors_until(call, loop)
+    if any(isinstance(a, (cst.For, cst.While, cst.Try, cst.Lambda, cst.FunctionDef)) for a in between):
+        return []
+    if any(isinstance(a, cst.If) and names_in(a.test) & data for a in between) or any(
+            isinstance(a, cst.IfExp) for a in between):
+        return []  # a test of this rank's data: some ranks may not print in this step
+    return [c for c in ctx.within(call, cst.Call) if _number_of_step(ctx, c)
+            and _METRIC_NAME.search(code(c.func.value if isinstance(c.func, cst.Attribute) else c.args[0].value))
+            and names_in(c) & data and not _reduced(ctx, c)]
 
 
 def _training_step_loop(ctx: Context, node: cst.CSTNode) -> Optional[cst.For]:
