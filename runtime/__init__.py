@@ -653,7 +653,9 @@ class _DDP(_ModuleFace, DistributedDataParallel):
         self._tm_touched: set = set()
         self._tm_steps = 0
         self._tm_same_inputs = 0  # drift checks at which every rank had the same inputs
-        self._tm_unsynced = False  # gradients accumulated under no_sync() that no backward has reduced yet
+        # gradients no backward has reduced yet: accumulated under no_sync(), or from a backward
+        # that went around the wrapper (`_tm_bypassed`); `_before_step` averages them
+        self._tm_unsynced = False
         self._tm_params = [p for p in self.module.parameters() if p.requires_grad]
         ref = weakref.ref(self)
         self._tm_hooks = [] if plain else [
@@ -845,9 +847,10 @@ def _watch_steps() -> None:
 
 
 def _before_step(optimizer, _args, _kwargs) -> None:
-    """An optimizer about to step on gradients that were accumulated under ``no_sync()`` and
-    never reduced (gradient accumulation whose epoch ends inside a window, then a step to use the
-    leftover): each rank would apply its own gradients and the models drift apart. They are
+    """An optimizer about to step on gradients no backward reduced: accumulated under
+    ``no_sync()`` (gradient accumulation whose epoch ends inside a window, then a step to use
+    the leftover), or from backwards that went around the wrapper (a training loop in a method
+    of the model). Each rank would apply its own gradients and the models drift apart. They are
     averaged across ranks first (every rank takes this step), and rank 0 says so once."""
     mine = {id(p) for g in optimizer.param_groups for p in g["params"]}
     for ddp in _live_wrappers():
@@ -2345,14 +2348,13 @@ def save(obj, f, *args, **kwargs) -> None:
     checkpoint. File-like objects are passed to ``torch.save`` as is (on rank 0). A rank that
     then loads the path with ``torch.load`` waits until rank 0's save is complete (no barrier
     needed)."""
-    path = f
-    done = _count_save(path) if world_size() > 1 else None
+    done = _count_save(f) if world_size() > 1 else None
     if not is_main():
         return
-    if not isinstance(path, (str, os.PathLike)):
-        torch.save(obj, path, *args, **kwargs)
+    if not isinstance(f, (str, os.PathLike)):
+        torch.save(obj, f, *args, **kwargs)
         return
-    _write_atomically(obj, path, *args, **kwargs)
+    _write_atomically(obj, f, *args, **kwargs)
     if done is not None and _pg():
         with contextlib.suppress(Exception):
             dist.distributed_c10d._get_default_store().set(done, "1")

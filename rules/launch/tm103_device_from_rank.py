@@ -567,9 +567,7 @@ class DeviceFromRank(Rule):
         p = func.params
         if value.value not in {x.name.value for x in (*p.posonly_params, *p.params, *p.kwonly_params)}:
             return False
-        rebound = (n.value for a in analysis.facts(self.ctx).assigns if self.ctx.enclosing(a, cst.FunctionDef) is func
-                   for t in a.targets for n in _target_names(t.target))
-        return value.value not in set(rebound)
+        return value.value not in _assigned_in(self.ctx, func)
 
     def _string_named(self, name: str) -> bool:
         """Some assignment of this name in the file is a string (or a choice of strings)."""
@@ -836,6 +834,19 @@ _PRINTERS = ("print", "tm.print", "logger.info", "logging.info", "log.info")
 _MAX_HOPS = 6
 
 
+def _assigned_in(ctx: Context, func: cst.CSTNode) -> Set[str]:
+    """Names that assignments directly in `func` (a function, or the module) bind: grouped for
+    all functions in one pass over the file's assignments, not one pass per function."""
+    grouped = ctx.facts.get("tm103.assigned")
+    if grouped is None:
+        grouped = ctx.facts["tm103.assigned"] = {}
+        for assign in analysis.facts(ctx).assigns:
+            names = grouped.setdefault(ctx.enclosing(assign, cst.FunctionDef) or ctx.module, set())
+            for t in assign.targets:
+                names.update(n.value for n in _target_names(t.target))
+    return grouped.get(func, set())
+
+
 class _IntDevices:
     """Follows a variable assigned a GPU index (`device = 0`, `gpu = args.gpu`, `dev =
     int(...)`) through assignments (`self.gpu_id = gpu_id`) and calls of this file's functions
@@ -848,7 +859,6 @@ class _IntDevices:
         self.ctx = rule.ctx
         self.facts = analysis.facts(rule.ctx)
         self._locals: Dict[cst.CSTNode, Set[str]] = {}
-        self._assigned: Optional[Dict[cst.CSTNode, Set[str]]] = None  # see `_assigned_in`
 
     # scopes
     def _function(self, node: cst.CSTNode) -> cst.CSTNode:
@@ -862,20 +872,10 @@ class _IntDevices:
             for star in (p.star_arg, p.star_kwarg):
                 if isinstance(star, cst.Param):
                     names.add(star.name.value)
-            names |= self._assigned_in(func)
+            names |= _assigned_in(self.ctx, func)
             self._locals[func] = names
         return names
 
-    def _assigned_in(self, func: cst.FunctionDef) -> Set[str]:
-        """Names that assignments directly in `func` bind: grouped for all functions in one
-        pass over the file's assignments, not one pass per function."""
-        if self._assigned is None:
-            self._assigned = {}
-            for assign in self.facts.assigns:
-                names = self._assigned.setdefault(self._function(assign), set())
-                for t in assign.targets:
-                    names.update(n.value for n in _target_names(t.target))
-        return self._assigned.get(func, set())
 
     def _binds(self, use: cst.Name, scope: cst.CSTNode) -> bool:
         """`use` reads the variable of `scope` (not a same-named local of an inner function)."""

@@ -39,6 +39,7 @@ from torchmigrate.finding import insert_before, replace
 from torchmigrate.syntax.imports import dotted
 from torchmigrate.syntax.nodes import arg as call_arg
 from torchmigrate.syntax.nodes import code, expr, set_kwarg, stmt
+from torchmigrate.program.checkpoints import LOADS
 from torchmigrate.program.losses import backward_loss, summed_loss
 from torchmigrate.program.metrics import binding_of, is_load, loader_loop, source_index
 from torchmigrate.program.models import assign_targets, functional_model, mentions, model_facts, strip_moves
@@ -49,6 +50,8 @@ from torchmigrate.rules.launch import creates_own_group, legacy_launch
 CODES = ("TM301", "TM302", "TM303", "TM304", "TM305", "TM306")
 
 _TM_UNWRAP = "torchmigrate.runtime.unwrap"
+# loads that bring back a whole pickled model (a resume)
+_RELOADS = frozenset({*LOADS, "torchmigrate.runtime.load"})
 _SAVES = {"torch.save", "torchmigrate.runtime.save"}
 _DP_FUNCTIONAL = {"torch.nn.parallel.data_parallel", "torch.nn.parallel.data_parallel.data_parallel"}
 _SYNC_BN = ("torch.nn.SyncBatchNorm.convert_sync_batchnorm", "apex.parallel.convert_syncbn_model")
@@ -482,7 +485,7 @@ class Plan:
                 if old is None or self._prefer(placed, old):
                     best[k] = placed
         self._for_subclasses(best)
-        self.new = sorted(best.values(), key=lambda w: (self.models.idx(w.anchor), w.after))
+        self.new = self._in_place_order(best.values())
         self._leave_own_group_alone()
         self._other_branches(cands)
         self._reloaded()
@@ -561,7 +564,7 @@ class Plan:
                 extra.append(NewWrap(nw.name, nw.opt, nw.scope, nw.klass, last, after=True, def_stmt=ds,
                                      extra_of=nw, bound=d))
         if extra:
-            self.new = sorted([*self.new, *extra], key=lambda w: (self.models.idx(w.anchor), w.after))
+            self.new = self._in_place_order([*self.new, *extra])
 
     def _reloaded(self) -> None:
         """`model, optim, step = torch.load(ckpt)` after the wrap (a resume that pickled the whole
@@ -581,12 +584,16 @@ class Plan:
                 if not any(a is block for a in self.ctx.ancestors(ds)):
                     continue  # another path than the wrap's (a branch that builds its own optimizer)
                 loads = [c for c in self.ctx.within(ds, cst.Call)
-                         if self.ctx.resolve(c.func) in ("torch.load", "torchmigrate.runtime.load")]
+                         if self.ctx.resolve(c.func) in _RELOADS]
                 if loads and not any(w.anchor is ds for w in extra):
                     extra.append(NewWrap(nw.name, nw.opt, nw.scope, nw.klass, ds, after=True, def_stmt=ds,
                                          extra_of=nw, bound=d, reloaded=True))
         if extra:
-            self.new = sorted([*self.new, *extra], key=lambda w: (self.models.idx(w.anchor), w.after))
+            self.new = self._in_place_order([*self.new, *extra])
+
+    def _in_place_order(self, wraps) -> List[NewWrap]:
+        """New wraps in the order of the statements they go before (or after)."""
+        return sorted(wraps, key=lambda w: (self.models.idx(w.anchor), w.after))
 
     @staticmethod
     def _exits(statement: cst.CSTNode) -> bool:

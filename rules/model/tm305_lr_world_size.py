@@ -261,7 +261,7 @@ class LrWorldSize(ModelRule):
                 continue
             counted = code(count)
             what = "counts the samples trained on" if count is aug.value else \
-                f"grows with the samples trained on (a fade-in, a warm-up fraction)"
+                "grows with the samples trained on (a fade-in, a warm-up fraction)"
             self.report(aug, f"`{code(target)}` {what}, but `{counted}` is now this rank's share of "
                              f"the step: count every rank's (`{counted} * {ctx.tm}.world_size()`), so schedules and "
                              "limits that read it keep their meaning",
