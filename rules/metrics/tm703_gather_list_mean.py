@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from typing import Dict, List, Optional, Set
+from typing import Dict, List, Optional, Set, Tuple
 
 import libcst as cst
 
@@ -19,7 +19,7 @@ from torchmigrate.options import RUNTIME_MODULE as RUNTIME
 from torchmigrate.rule import Context, Example, Rule
 from torchmigrate.program.rank_guards import collective_guard
 from torchmigrate.program.scopes import scope_of
-from torchmigrate.program.syntax import binds, body_of, index_in
+from torchmigrate.program.syntax import binds, body_of, index_in, local_calls
 from torchmigrate.rules._active import active
 from torchmigrate.rules.metrics.plan import loop_sharding, ranks_mean
 
@@ -46,12 +46,17 @@ class GatherListMean(Rule):
     `G_losses.append(tm.all_reduce(errG.item(), op="mean"))`: only appends every rank makes in
     every step (in the loop's body, not under an `if`), in a loop no rank leaves early.
 
-    In `ddp`, a print or log call of a training loop over a sharded loader that shows the step's
-    loss or batch metric (`print(f"step {i} loss {loss.item():.4f}")`, `logger.info("loss %.3f",
-    loss.item())`, `writer.add_scalar("train/loss", loss.item(), step)`, `wandb.log(...)`) shows
-    the ranks' mean, `tm.all_reduce(loss.item(), op="mean")`: only numbers
-    named like a loss or an averaged metric, only where every rank prints in the same steps (under
-    tests of the loop's index, counters and settings, not of its data).
+    In `ddp`, a print, log or progress-bar call of a training loop over a sharded loader that
+    shows the step's loss or batch metric (`print(f"step {i} loss {loss.item():.4f}")`,
+    `logger.info("loss %.3f", loss.item())`, `writer.add_scalar("train/loss", loss.item(), step)`,
+    `wandb.log({"loss": loss, "acc": acc})` with the step's tensors, `pbar.set_postfix(loss=...)`,
+    `pbar.set_description(f"loss {loss_sum / (i + 1)}")` with a running sum of the step's values)
+    shows the ranks' mean, `tm.all_reduce(loss.item(), op="mean")`: only numbers named like a loss
+    or an averaged metric (and running counts of correct answers divided by a count), only where
+    every rank shows them in the same steps (under tests of the loop's index, counters and
+    settings, not of its data; after no `continue` a rank may take). The same holds in a function
+    that runs the training step itself and that the loop calls once per batch
+    (`self._train_one_step(batch)`).
 
     In `ddp`, the numbers a training step hands a meter, logger or dict
     (`metric_logger.update(loss=loss_value)` after `loss_value = loss.item()`,
@@ -170,7 +175,7 @@ class GatherListMean(Rule):
             if not _number_of_step(ctx, value):
                 continue
             loop = _training_step_loop(ctx, call)
-            if loop is None or collective_guard(ctx, loop) is not None:
+            if loop is None or collective_guard(ctx, loop) is not None or _skipped_before(ctx, loop, call):
                 continue
             if isinstance(func.value, cst.Name) and (starts_empty_list(ctx, loop, owner) or owner in gathered_later):
                 continue  # a list of this pass (its mean: above) or one gathered after the loop
@@ -200,7 +205,7 @@ class GatherListMean(Rule):
             if not (type(func) is cst.Attribute and func.attr.value == "update" and call.args):
                 continue
             loop = _training_step_loop(ctx, call)
-            if loop is None or collective_guard(ctx, loop) is not None:
+            if loop is None or collective_guard(ctx, loop) is not None or _skipped_before(ctx, loop, call):
                 continue
             statement = ctx.statement_of(call)
             if not isinstance(statement, cst.SimpleStatementLine) or any(
@@ -337,43 +342,161 @@ class GatherListMean(Rule):
 _PRINTS = frozenset({"print", RUNTIME + ".print", "logging.info", "logging.log", "wandb.log", "sys.stdout.write"})
 # methods that log a step's number to a dashboard: `writer.add_scalar("loss", loss.item(), step)`
 _SCALAR_LOGS = frozenset({"add_scalar", "add_scalars", "log_metrics", "log_metric"})
+# methods of a progress bar that show the step's numbers: `pbar.set_postfix(loss=loss.item())`
+_BAR_SHOWS = frozenset({"set_postfix", "set_description", "set_postfix_str", "set_description_str"})
 _METRIC_NAME = re.compile(r"(?i)(loss|err|nll|kld?\b|bpd|psnr|ssim|ppl|perplex|mse|mae|acc)")
+# what a running sum shown as a ratio counts: `correct / seen`, `100 * n_correct / total`
+_RUNNING_NAME = re.compile(r"(?i)(loss|err|nll|kld?\b|bpd|psnr|ssim|ppl|perplex|mse|mae|acc|correct|hits|right)")
+# where a name may sit in a logging call and still be one shown number: `f"{loss}"`,
+# `{"loss": loss}`, `loss=loss`, `"%.3f" % loss`, `loss_sum / (i + 1)`
+_SHOWN_IN = (cst.Arg, cst.DictElement, cst.Dict, cst.FormattedStringExpression, cst.FormattedString,
+             cst.ConcatenatedString, cst.BinaryOperation, cst.Element, cst.Tuple, cst.UnaryOperation)
 
 
-def logged_step_values(ctx: Context, call: cst.Call, name: Optional[str]) -> List[cst.Call]:
-    """The numbers of a training step that the print or logging `call` shows and that
-    `_step_prints` makes the ranks' mean (`loss.item()` in `wandb.log({"loss": loss.item()})`):
+def logged_step_values(ctx: Context, call: cst.Call, name: Optional[str]) -> List[cst.CSTNode]:
+    """The numbers of a training step that the print, logging or progress-bar `call` shows and
+    that `_step_prints` makes the ranks' mean: `loss.item()` in `wandb.log({"loss":
+    loss.item()})`, the step's loss or accuracy tensor (`wandb.log({"acc": acc})`), and running
+    sums of the step's values shown mid-epoch (`pbar.set_description(f"{loss_sum / (i + 1)}")`):
     collectives inside the call's arguments, so TM601 must not put the call under a rank guard
     (it logs through `tm.main_only`, which evaluates the arguments on every rank)."""
     builtin = name is None and isinstance(call.func, cst.Name) and call.func.value == "print"
     method = call.func.attr.value if isinstance(call.func, cst.Attribute) else ""
     if not (builtin or name in _PRINTS or (name is None and method in ("info", "log")
                                            and "log" in (dotted(call.func.value) or "").lower())
-            or method in _SCALAR_LOGS):
+            or method in _SCALAR_LOGS or method in _BAR_SHOWS):
         return []
-    loop = _training_step_loop(ctx, call)
-    if loop is None or collective_guard(ctx, call) is not None:
+    found = _step_block(ctx, call)
+    if found is None or collective_guard(ctx, call) is not None:
         return []
-    data = per_rank_names(ctx, loop)
-    between = ctx.ancestors_until(call, loop)
+    block, data = found
+    between = ctx.ancestors_until(call, block)
     if any(isinstance(a, (cst.For, cst.While, cst.Try, cst.Lambda, cst.FunctionDef)) for a in between):
         return []
     if any(isinstance(a, cst.If) and names_in(a.test) & data for a in between) or any(
             isinstance(a, cst.IfExp) for a in between):
         return []  # a test of this rank's data: some ranks may not print in this step
-    return [c for c in ctx.within(call, cst.Call) if _number_of_step(ctx, c)
-            and _METRIC_NAME.search(code(c.func.value if isinstance(c.func, cst.Attribute) else c.args[0].value))
-            and names_in(c) & data and not _reduced(ctx, c)]
+    if _skipped_before(ctx, block, call):
+        return []
+    values: List[cst.CSTNode] = [
+        c for c in ctx.within(call, cst.Call) if _number_of_step(ctx, c)
+        and _METRIC_NAME.search(code(c.func.value if isinstance(c.func, cst.Attribute) else c.args[0].value))
+        and names_in(c) & data and not _reduced(ctx, c)]
+    return values + _shown_names(ctx, call, block, data)
 
 
-def _training_step_loop(ctx: Context, node: cst.CSTNode) -> Optional[cst.For]:
+def _shown_names(ctx: Context, call: cst.Call, block: cst.CSTNode, data: Set[str]) -> List[cst.Name]:
+    """The names of `call`'s arguments that show one number of this rank's step: a loss or
+    accuracy of the step (`acc = (out.argmax(1) == y).float().mean()`, `loss_value =
+    loss.item()`), or a running sum of the loop shown as a mean (`loss_sum` summing `loss.item()`,
+    or the numerator of `correct / seen`, whose count is the same on every rank of a padded
+    sampler). Not a count shown as it is, not a name whose kind the file does not show."""
+    from torchmigrate.program.types import TENSOR, kind_of
+
+    out = []
+    backed = _backward_names(ctx, block)
+    for node in ctx.within(call, cst.Name):
+        if node is call.func or node.value not in data or not _RUNNING_NAME.search(node.value):
+            continue
+        chain = ctx.ancestors_until(node, call)
+        if not all(isinstance(a, _SHOWN_IN) for a in chain) or _reduced(ctx, node):
+            continue
+        parent = ctx.parent(node)
+        if isinstance(parent, cst.Arg) and parent.keyword is node or isinstance(parent, cst.DictElement) \
+                and parent.key is node:
+            continue
+        sums = [a for a in ctx.within(block, cst.AugAssign, skip_defs=True)
+                if isinstance(a.target, cst.Name) and a.target.value == node.value]
+        if sums:
+            means = all(isinstance(a.operator, cst.AddAssign) and _number_of_step(ctx, a.value)
+                        and _METRIC_NAME.search(code(a.value)) for a in sums)
+            if means or _numerator(ctx, node, call):
+                out.append(node)
+        elif _METRIC_NAME.search(node.value) and (_holds_step_number(ctx, block, node) or node.value in backed
+                                                  or kind_of(ctx, node) == TENSOR):
+            out.append(node)
+    return out
+
+
+def _backward_names(ctx: Context, block: cst.CSTNode) -> Set[str]:
+    """The names the step runs a backward pass from (`loss.backward()`, `scaler.scale(loss).backward()`):
+    tensors, whatever made them."""
+    out = set()
+    for call in ctx.within(block, cst.Call, skip_defs=True):
+        if analysis.is_backward(call) and isinstance(call.func, cst.Attribute):
+            inner = call.func.value
+            if isinstance(inner, cst.Call) and isinstance(inner.func, cst.Attribute) and inner.func.attr.value == "scale" \
+                    and inner.args:
+                inner = inner.args[0].value
+            if isinstance(inner, cst.Name):
+                out.add(inner.value)
+    return out
+
+
+def _skipped_before(ctx: Context, block: cst.CSTNode, node: cst.CSTNode) -> bool:
+    """A `continue` of `block` (a loop) before `node`: a rank that skips the rest of its step
+    (`if torch.isnan(loss): continue`) would leave the others waiting in the collective."""
+    if not isinstance(block, (cst.For, cst.While)):
+        return False
+    at = ctx.position(node) or 0
+    for skip in ctx.within(block.body, cst.Continue, skip_defs=True):
+        if (ctx.position(skip) or 0) < at and ctx.enclosing(skip, cst.For, cst.While) is block:
+            return True
+    return False
+
+
+def _numerator(ctx: Context, node: cst.Name, call: cst.Call) -> bool:
+    """`node` is on the left of a division inside `call` (`100.0 * correct / seen`)."""
+    child: cst.CSTNode = node
+    for anc in ctx.ancestors_until(node, call):
+        if isinstance(anc, cst.BinaryOperation) and isinstance(anc.operator, cst.Divide):
+            return anc.left is child
+        child = anc
+    return False
+
+
+def _holds_step_number(ctx: Context, block: cst.CSTNode, node: cst.Name) -> bool:
+    """`node` is bound in `block` only to a number of the step (`loss_value = loss.item()`)."""
+    bound = [a for a in ctx.within(block, cst.Assign, skip_defs=True)
+             if any(isinstance(t.target, cst.Name) and t.target.value == node.value for t in a.targets)]
+    return bool(bound) and all(len(a.targets) == 1 and _number_of_step(ctx, a.value) for a in bound)
+
+
+def _training_step_loop(ctx: Context, node: cst.CSTNode, trains: bool = False) -> Optional[cst.For]:
     """The loop over a sharded training loader that runs `node` once per step, which no rank
-    leaves early (a collective there is reached by every rank in every step), or None."""
+    leaves early (a collective there is reached by every rank in every step), or None
+    (`trains`: the caller knows that `node` runs the backward pass)."""
     loop = loader_loop(ctx, node)
-    if loop is None or not analysis.runs_backward(ctx, loop) or leaves_early(ctx, loop) \
+    if loop is None or not (trains or analysis.runs_backward(ctx, loop)) or leaves_early(ctx, loop) \
             or loop_sharding(ctx, loop) != "sharded":
         return None
     return loop
+
+
+def _step_block(ctx: Context, node: cst.CSTNode) -> Optional[Tuple[cst.CSTNode, Set[str]]]:
+    """What runs `node` once per training step on every rank, with the names that differ per
+    rank there: the loop over a sharded training loader (`_training_step_loop`), or a function
+    that runs the step itself (`def _train_one_step(self, batch): ... loss.backward()`) which
+    every such loop of this file that calls it calls once per pass, outside any test, and which
+    returns nowhere before `node`."""
+    loop = _training_step_loop(ctx, node)
+    if loop is not None:
+        return loop, per_rank_names(ctx, loop)
+    fn = ctx.enclosing(node, cst.FunctionDef)
+    if fn is None or loader_loop(ctx, node) is not None or not analysis.runs_backward(ctx, fn):
+        return None
+    at = ctx.position(node) or 0
+    if any((ctx.position(r) or 0) < at for r in ctx.within(fn.body, cst.Return, cst.Yield, skip_defs=True)):
+        return None
+    sites = local_calls(ctx).get(fn.name.value, [])
+    for site in sites:
+        outer = _training_step_loop(ctx, site, trains=True)
+        if outer is None or collective_guard(ctx, site) is not None or not isinstance(ctx.parent(site), cst.Expr):
+            return None
+        if any(isinstance(a, (cst.If, cst.For, cst.While, cst.Try, cst.Lambda, cst.FunctionDef))
+               for a in ctx.ancestors_until(site, outer)):
+            return None
+    return (fn, per_rank_names(ctx, fn)) if sites else None
 
 
 def _number_of_step(ctx: Context, value: cst.BaseExpression) -> bool:
