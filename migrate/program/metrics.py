@@ -22,6 +22,7 @@ Name resolution uses the import table (`ctx.resolve`), never across modules.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING, Dict, List, Optional, Set, Tuple
@@ -580,3 +581,117 @@ def _sum_over_len(ctx: Context, call: cst.Call, name: str) -> bool:
         return False
     left, right = code(parent.left).replace(" ", ""), code(parent.right).replace(" ", "")
     return left == f"sum({name})" and right in (f"len({name})", f"max(len({name}),1)", f"max(1,len({name}))")
+
+
+# --- dicts of running sums (`res["loss"] += loss.item() * n; res["counter"] += n`) ------------
+
+@dataclass
+class DictSums:
+    """The entries of the dict `name` that a loop adds to with constant keys (`keys`, in source
+    order), and whether one reduction right after the loop makes every later use right
+    (`reducible`: each entry is read after the loop only in divisions of entries of the sum,
+    `res["loss"] / res["counter"]`); `why` says what stands in the way otherwise."""
+
+    name: str
+    keys: List[str] = field(default_factory=list)
+    reducible: bool = False
+    used_after: bool = False
+    reduced: bool = False  # a collective already follows the loop (a second run)
+    why: str = ""
+
+
+def dict_sums(ctx: Context, loop: cst.For, name: str) -> DictSums:
+    """What `loop` sums into the dict `name`: entries with constant string keys, the dict set to
+    a dict literal before the loop (the summed entries to numbers) and not rebound in it, no
+    other write to it in the loop, no `return`/`yield` in the loop, and no collective after it
+    (a second run)."""
+    out = DictSums(name)
+    writes = []
+    for node in ctx.within(loop.body, cst.AugAssign, cst.Assign, skip_defs=True):
+        targets = [node.target] if isinstance(node, cst.AugAssign) else [t.target for t in node.targets]
+        for t in targets:
+            if isinstance(t, cst.Name) and t.value == name:
+                out.why = "rebound in the loop"
+                return out
+            if isinstance(t, cst.Subscript) and isinstance(t.value, cst.Name) and t.value.value == name:
+                writes.append((node, t))
+    per_sample: Dict[str, bool] = {}
+    for node, target in writes:
+        key = _constant_key(target)
+        if not isinstance(node, cst.AugAssign) or not isinstance(node.operator, cst.AddAssign) or key is None:
+            out.why = "written in other ways in the loop"
+            return out
+        if key not in out.keys:
+            out.keys.append(key)
+        per_sample[key] = per_sample.get(key, True) and bool(_PER_SAMPLE.search(code(node.value)))
+    events = events_after(ctx, loop, {name})[name]
+    out.used_after = bool(events.uses or events.augs)
+    found, value = initial_value(ctx, loop, name)
+    if not found or not isinstance(value, cst.Dict):
+        out.why = "not set to a dict literal before the loop"
+        return out
+    initial = {}
+    for element in value.elements:
+        if isinstance(element, cst.DictElement):
+            key = _string(element.key)
+            if key is not None:
+                initial[key] = element.value
+    if any(k not in initial or not is_number(initial[k]) for k in out.keys):
+        out.why = "its summed entries do not start as numbers before the loop"
+        return out
+    if events.collective and events.uses:
+        out.reduced = out.reducible = out.used_after  # a collective follows the loop (a second run)
+        return out
+    if ctx.within(loop.body, cst.Return, cst.Yield, skip_defs=True) or events.augs:
+        out.why = "left early or changed after the loop"
+        return out
+    for use in events.uses:
+        sub = ctx.parent(use)
+        key = _constant_key(sub) if isinstance(sub, cst.Subscript) and sub.value is use else None
+        if key is None:
+            out.why = f"`{name}` is used whole after the loop"
+            return out
+        if key not in out.keys:
+            continue  # an entry the loop does not sum (`res["epoch"]`)
+        divisions = _divisions_of(ctx, sub)
+        if not divisions and per_sample[key]:
+            continue  # a sum over samples shown as it is: the ranks' sum is the whole data's
+        if not divisions or not all(_slots_closed(d, name, out.keys) for d in divisions):
+            out.why = f"`{name}[{key!r}]` is read after the loop outside a division of the summed entries"
+            return out
+    out.reducible = out.used_after
+    return out
+
+
+# what a sum over a batch's samples adds (`loss.item() * x.size(0)`, `len(y)`, `(pred == y).sum()`),
+# as opposed to one value per batch (`loss.item()`, `1`), whose sum over ranks is not the original's
+_PER_SAMPLE = re.compile(r"size|len\(|shape|numel|\.sum\(|count")
+
+
+def _string(node: Optional[cst.BaseExpression]) -> Optional[str]:
+    if isinstance(node, cst.SimpleString):
+        value = node.evaluated_value
+        return value if isinstance(value, str) else None
+    return None
+
+
+def _constant_key(sub: cst.Subscript) -> Optional[str]:
+    """`"loss"` for `d["loss"]`."""
+    if len(sub.slice) != 1 or not isinstance(sub.slice[0].slice, cst.Index):
+        return None
+    return _string(sub.slice[0].slice.value)
+
+
+def _slots_closed(node: cst.CSTNode, name: str, keys: List[str]) -> bool:
+    """Only entries `name[k]` for k in `keys`, numbers and max/min/float/int/abs/round of them."""
+    if isinstance(node, cst.Subscript):
+        return isinstance(node.value, cst.Name) and node.value.value == name and _constant_key(node) in keys
+    if isinstance(node, (cst.Integer, cst.Float)):
+        return True
+    if isinstance(node, cst.BinaryOperation):
+        return _slots_closed(node.left, name, keys) and _slots_closed(node.right, name, keys)
+    if isinstance(node, cst.UnaryOperation):
+        return _slots_closed(node.expression, name, keys)
+    if isinstance(node, cst.Call) and isinstance(node.func, cst.Name) and node.func.value in _SAFE_FUNCS:
+        return all(_slots_closed(a.value, name, keys) for a in node.args)
+    return False

@@ -61,7 +61,7 @@ from torchmigrate.program.batches import BatchFacts, BatchLoop, FullBatchLoss, b
 from torchmigrate.program.facts import iterator_builders_of, training_text
 from torchmigrate.program.loaders import Loader, LoaderFacts, is_literal, is_pure, loader_expr, loader_facts, refs_at
 from torchmigrate.program.loop_effects import loop_effects
-from torchmigrate.program.metrics import (ExactDenominators, Sums, loop_sums, means_only, reassigned_in,
+from torchmigrate.program.metrics import (ExactDenominators, Sums, dict_sums, loop_sums, means_only, reassigned_in,
                                           starts_empty_list)
 from torchmigrate.program.rank_guards import collective_guard
 
@@ -357,8 +357,14 @@ class DataPlan:
             if not ("TM703" in ctx.enabled and starts_empty_list(ctx, loop, name)
                     and not reassigned_in(ctx, loop, name) and means_only(ctx, loop, name)):
                 return f"`{name}` collects per-batch values{where} that are used other than in a mean"
-        if effects.kept:
-            _node, what = effects.kept[0]
+        summed: Dict[str, bool] = {}  # dicts of running sums TM701 reduces after the loop
+        for node, what in effects.kept:
+            owner = node.value.value if isinstance(node, cst.Subscript) and isinstance(node.value, cst.Name) else None
+            if owner is not None and "TM701" in ctx.enabled and isinstance(loop, cst.For):
+                if owner not in summed:
+                    summed[owner] = dict_sums(ctx, loop, owner).reducible
+                if summed[owner]:
+                    continue
             return f"{what} in the loop over it{where}"
         return ""
 

@@ -16,7 +16,8 @@ from torchmigrate import analysis
 from torchmigrate.finding import Safety, insert_after
 from torchmigrate.syntax.nodes import code, expr
 from torchmigrate.program.loaders import is_pure, refs_at
-from torchmigrate.program.metrics import loader_expr, loader_loop, loop_sums, named_like_loader
+from torchmigrate.program.metrics import (dict_sums, leaves_early, loader_expr, loader_loop, loop_sums,
+                                          named_like_loader)
 from torchmigrate.rule import Context, Example, Rule
 from torchmigrate.program.rank_guards import collective_guard
 from torchmigrate.rules._active import active
@@ -51,6 +52,13 @@ class ReduceCounts(Rule):
     Any other denominator (`len(loader.dataset)` of a padded loader in a loop that does not
     train, `len(loader)` of an unpadded one, a loop index, a count from elsewhere) is reported
     instead, with the line to add.
+
+    Entries of a dict summed with constant keys (`res["loss"] += loss.item() * n`,
+    `res["counter"] += n`), the dict set to a literal before the loop, are reduced the same way
+    (`res["loss"], res["counter"] = tm.all_reduce(res["loss"], res["counter"])`) when every later
+    read of a summed entry is a division of summed entries, or a sum over samples shown as it is;
+    otherwise (the dict returned whole, a sum of per-batch means shown as it is, PSNR derived
+    from a summed MSE) the dict is reported.
 
     Only loops over a sharded loader need it. A loader every rank iterates in full (an
     evaluation loader TM203 keeps whole, or one the program's other modules hand this function
@@ -128,19 +136,49 @@ class ReduceCounts(Rule):
         self.dict_augs: List[cst.AugAssign] = []  # `results['mse'] += ...`
 
     def _dict_sums(self) -> None:
-        """`results['mse'] += batch_mse * n` in an evaluation loop over a loader (no backward in
-        it): a dict of running sums over this rank's shard (SRGAN's `valing_results`). Which keys
-        are sums and which are derived from them (PSNR from the summed MSE) is the user's to say,
-        so it is reported once per dict and loop."""
+        """`res["loss"] += loss.item() * n; res["counter"] += n` in a loop over a sharded
+        loader: a dict of running sums over this rank's shard (egnn's `res`, SRGAN's
+        `valing_results`). Where every later read of a summed entry is a division of summed
+        entries (`res["loss"] / res["counter"]`), one reduction of the entries after the loop
+        makes them the whole data's; otherwise (the dict returned or saved whole, an entry shown
+        as it is, PSNR derived from a summed MSE) which entries are sums is the user's to say,
+        and it is reported once per dict and loop (for a training loop, only where the dict is
+        read after it)."""
         ctx = self.ctx
         seen: Set[Tuple[cst.CSTNode, str]] = set()
         for aug in self.dict_augs:
             loop = loader_loop(ctx, aug)
             name = aug.target.value.value
-            if loop is None or (loop, name) in seen or analysis.runs_backward(ctx, loop) \
-                    or loop_sharding(ctx, loop) == "whole":
+            if loop is None or (loop, name) in seen:
                 continue
             seen.add((loop, name))
+            sharding = loop_sharding(ctx, loop)
+            if sharding == "whole":
+                continue
+            found = dict_sums(ctx, loop, name)
+            if found.reduced:
+                continue
+            trains = analysis.runs_backward(ctx, loop)
+            if trains and not found.used_after:
+                continue  # a training loop's running sums that nothing reads afterwards
+            over = code(loader_expr(ctx, loop.iter)) if sharding == "unknown" else None
+            if over is not None and not is_pure(loader_expr(ctx, loop.iter)):
+                over = None
+            if found.reducible and not leaves_early(ctx, loop):
+                entries = [f'{name}["{k}"]' for k in found.keys]
+                joined = ", ".join(entries)
+                line = f"{joined} = {ctx.tm}.all_reduce({joined}{f', over={over}' if over else ''})"
+                if collective_guard(ctx, loop) is not None:
+                    self.report(loop, f"`{name}[...]` sums values over this rank's shard only, but this loop runs "
+                                      f"under a rank guard, where a reduction would hang the other ranks: evaluate on "
+                                      f"every rank and add `{line}` after the loop", statement=ctx.statement_of(loop))
+                    continue
+                self.report(loop, f"`{name}[...]` sums values over this rank's shard only; reduce the summed entries "
+                                  f"across ranks after the loop"
+                                  + (f" (`over={over}`: left as they are where the loader is not sharded)" if over else ""),
+                            edits=[insert_after(loop, [cst.parse_statement(line + "\n")])],
+                            imports=[ctx.runtime_import()])
+                continue
             self.report(aug, f"`{name}[...]` sums values over this rank's shard of the loader only: reduce the summed "
                              f"entries across ranks after the loop (`{name}[k] = {ctx.tm}.all_reduce({name}[k])`) "
                              f"and compute what is derived from them (means, PSNR) afterwards",
