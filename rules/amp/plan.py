@@ -535,7 +535,10 @@ class _Planner:
         d_optim.step()`) count too: an optimizer of the group stepped again there needs an
         update first ("step() has already been called since the last update()"); steps there
         that apply the same backward's gradients (`dec.step(); if enc: enc.step()`) come before
-        the group's update, which then follows that statement instead of theirs."""
+        the group's update, which then follows that statement instead of theirs. Steps nested in
+        an earlier statement, after the backward (`if not aggressive: enc.step()` before
+        `dec.step()`), share the later step's update: an update between the two would make the
+        second step unscale its gradients again."""
         ctx, p = self.ctx, self.p
         by_block: Dict[cst.CSTNode, List[Tuple[cst.CSTNode, Step]]] = {}
         block_of_step: Dict[int, cst.CSTNode] = {}
@@ -593,9 +596,24 @@ class _Planner:
                 seen.add(key)
                 group.append((anchor, step))
                 last = anchor
-                # later statements of the block, up to the next step of its own
                 if anchor not in body:
                     continue
+                # earlier statements of the block, back to its previous step or the backward pass:
+                # steps nested there apply the same gradients (`if not aggressive: enc.step()`
+                # before `dec.step()`), so this step's update serves them too
+                begin = body.index(items[n - 1][0]) + 1 if n > 0 and items[n - 1][0] in body else 0
+                for statement in reversed(body[begin:body.index(anchor)]):
+                    nested = nested_steps(statement, step.scope)
+                    if has_backward(statement) or any(through_loop(s, statement) for s in nested):
+                        break
+                    keys = {key_of(s) for s in nested}
+                    if not nested or keys & seen:
+                        if keys & seen:
+                            break
+                        continue
+                    seen |= keys
+                    replaced.update(block_of_step[id(s)] for s in nested)
+                # later statements of the block, up to the next step of its own
                 stop = len(body)
                 if n + 1 < len(items) and items[n + 1][0] in body:
                     stop = body.index(items[n + 1][0])
@@ -862,6 +880,27 @@ class _Planner:
                 p.backward_inside.append(site.statement)
 
     # -- unscale_ before clipping / gradient reads (TM403) ----------------------------------------
+    def zeroed_in_pass(self, scope: cst.CSTNode, window: int, pos: int, stepped: List[str]) -> List[str]:
+        """Optimizers of the program (stepped somewhere) that this pass zeroes before its backward
+        (at `window`) but does not step before the gradient read at `pos` (`enc.zero_grad();
+        dec.zero_grad(); loss.backward(); clip(all params); enc.step()`): the backward fills their
+        gradients too, scaled, and a clip over all the parameters would count them scaled. Their
+        gradients are fresh and never stepped in this pass, so unscaling them changes nothing
+        else."""
+        p = self.p
+        known = {p.optimizer_text(st) for st in p.steps if st.kind in ("plain", "scaled")} - {None}
+        previous = max((self.training.position(x.statement, scope) for x in p.sites if x.scope is scope
+                        and self.training.position(x.statement, scope) < window), default=-1)
+        out: List[str] = []
+        for call in self.ctx.within(scope, cst.Call, skip_defs=True):
+            if method_name(call) != "zero_grad" or not isinstance(call.func, cst.Attribute):
+                continue
+            text = code(call.func.value)
+            if text in known and text not in stepped and text not in out \
+                    and previous < self.training.position(call, scope) < window:
+                out.append(text)
+        return out
+
     def unscale_points(self) -> None:
         ctx, p = self.ctx, self.p
         # (scope, window, optimizer) -> statements given an unscale_ there: a consumer in the
@@ -891,6 +930,7 @@ class _Planner:
                     names.append(opt)
             if not names:
                 continue
+            names += self.zeroed_in_pass(scope, window, pos, names)
             if self.training.has_unscale(scope, window, pos, s):
                 continue
             names = [n for n in names if not any(
