@@ -14,7 +14,11 @@ Kinds (`Hazard.kind`):
   have the same dtype");
 - `SOLVER`: an adaptive ODE/SDE solver (`torchdiffeq.odeint`, `torchsde.sdeint`): its error
   control compares steps against tolerances (1e-5) far below bf16's resolution, so it takes many
-  more steps or never meets them.
+  more steps or never meets them;
+- `LOG_OF_PROB`: a hand-written log of a probability (`torch.log(torch.sigmoid(x))`,
+  `torch.log(1 - torch.sigmoid(torch.mm(a, b)))`, `x.softmax(-1).log()`): in bf16/fp16 the
+  sigmoid or softmax rounds to exactly 0 or 1 well inside the range training reaches, and the log
+  becomes -inf, then NaN (`F.logsigmoid` / `log_softmax` compute the same safely).
 
 The AMP plan adds no autocast (and no GradScaler) to a program with one of them, and says where.
 """
@@ -29,12 +33,14 @@ from typing import Callable, Dict, Iterable, List, Optional
 from torchmigrate.program.astwalk import walk
 from torchmigrate.program.search_path import dotted_name
 
-BCE, DTYPE_TABLE, SOLVER, BILINEAR = "bce", "dtype-table", "solver", "bilinear"
+BCE, DTYPE_TABLE, SOLVER, BILINEAR, LOG_OF_PROB = "bce", "dtype-table", "solver", "bilinear", "log-of-prob"
 
 _BCE_NAMES = frozenset({"torch.nn.BCELoss", "torch.nn.modules.loss.BCELoss", "torch.nn.functional.binary_cross_entropy"})
 _SOLVER_PACKAGES = ("torchdiffeq", "torchsde")
 _BILINEAR_NAMES = frozenset({"torch.nn.Bilinear", "torch.nn.modules.linear.Bilinear", "torch.nn.functional.bilinear",
                              "torch.bilinear"})
+_LOGS = frozenset({"log", "log2", "log10"})
+_PROBS = frozenset({"sigmoid", "softmax"})
 _FULL = frozenset({"float32", "float64", "float", "double"})
 _HALF = frozenset({"float16", "bfloat16", "half"})
 
@@ -50,8 +56,10 @@ class Hazard:
     def location(self) -> str:
         return f"{self.path.name}:{self.line}"
 
-    def reason(self) -> str:
-        where = f"{self.location} `{self.what}`"
+    def reason(self, also: Iterable["Hazard"] = ()) -> str:
+        """Why the program trains in float32 (or must change), naming this hazard and `also`,
+        more of the same kind."""
+        where = ", ".join(f"{h.location} `{h.what}`" for h in (self, *also))
         if self.kind == BCE:
             return (f"{where} computes a BCE loss, which raises under CUDA autocast (unsafe in fp16): use "
                     "`BCEWithLogitsLoss` on the logits, then add `with tm.autocast():` and `tm.GradScaler()`")
@@ -61,6 +69,10 @@ class Hazard:
         if self.kind == DTYPE_TABLE:
             return (f"{where} is a table keyed by float32/float64 that the program reads by a tensor's dtype: "
                     "under bf16/fp16 autocast that lookup raises KeyError, so the program trains in float32")
+        if self.kind == LOG_OF_PROB:
+            return (f"{where}: the log of a sigmoid or softmax taken by hand; in bf16/fp16 the probability "
+                    "rounds to exactly 0 or 1 and the log becomes -inf (then NaN), so the program trains in "
+                    "float32 (F.logsigmoid / log_softmax compute it safely and would allow `with tm.autocast():`)")
         return (f"{where} is an adaptive ODE/SDE solver: its error control works at tolerances far below "
                 "bf16/fp16 resolution, so the program trains in float32")
 
@@ -82,6 +94,25 @@ def _float_key(node: ast.AST, library: Dict[str, str]) -> Optional[str]:
     if full and full.startswith("torch.") and full.count(".") == 1:
         return full.split(".")[1]
     return None
+
+
+def _probability(node: ast.AST) -> bool:
+    """`torch.sigmoid(x)`, `F.softmax(x, -1)`, `x.sigmoid()`, and `1 - ...` of one."""
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Sub) and isinstance(node.left, ast.Constant):
+        node = node.right
+    if not isinstance(node, ast.Call):
+        return False
+    name = dotted_name(node.func) or (node.func.attr if isinstance(node.func, ast.Attribute) else "")
+    return name.rsplit(".", 1)[-1] in _PROBS
+
+
+def _log_of_probability(call: ast.Call, full: str) -> bool:
+    """`torch.log(torch.sigmoid(x))`, `torch.log(1 - torch.sigmoid(x))`, `x.softmax(-1).log()`
+    (`full`: the call's function as the module's imports name it)."""
+    if full in ("torch.log", "torch.log2", "torch.log10"):
+        return len(call.args) == 1 and _probability(call.args[0])
+    func = call.func
+    return isinstance(func, ast.Attribute) and func.attr in _LOGS and not call.args and _probability(func.value)
 
 
 def _reads_by_dtype(tree: ast.Module) -> bool:
@@ -106,6 +137,8 @@ def hazards(trees: Dict[Path, ast.Module], library_of: Callable[[Path], Dict[str
                     found.append(Hazard(path, node.lineno, BILINEAR, spelled or full))
                 elif full.split(".")[0] in _SOLVER_PACKAGES and full.rsplit(".", 1)[-1].startswith(("odeint", "sdeint")):
                     found.append(Hazard(path, node.lineno, SOLVER, spelled or full))
+                elif _log_of_probability(node, full):
+                    found.append(Hazard(path, node.lineno, LOG_OF_PROB, ast.unparse(node)[:60]))
             elif by_dtype and isinstance(node, ast.Dict):
                 keys = [k for k in (_float_key(k, library) for k in node.keys if k is not None) if k]
                 if keys and set(keys) <= _FULL | _HALF and not set(keys) & _HALF:
@@ -118,4 +151,8 @@ def for_module(path: Path, found: Iterable[Hazard]) -> Dict[str, bool]:
     to get mixed precision: all but the BCE losses of the module itself, which its own training
     facts see and TM409 reports where they are. A BCE loss asks for a change (BCEWithLogitsLoss);
     a dtype table, a bilinear layer or a solver is a decision (the program trains in float32), not a TODO."""
-    return {h.reason(): h.kind == BCE for h in found if not (h.kind == BCE and h.path == path)}
+    by_kind: Dict[str, List[Hazard]] = {}
+    for h in found:
+        if not (h.kind == BCE and h.path == path):
+            by_kind.setdefault(h.kind, []).append(h)
+    return {same[0].reason(same[1:]): kind == BCE for kind, same in by_kind.items()}

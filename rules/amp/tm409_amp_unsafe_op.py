@@ -27,7 +27,8 @@ class AmpUnsafeOp(AmpRule):
     The same holds for code elsewhere in the program (`program.amp_hazards`): a BCE loss built
     in another module, a table keyed by float32/float64 that the program reads by a tensor's
     dtype (`self.eps[x.dtype]`, KeyError under bf16), an adaptive ODE solver (`odeint`) whose
-    tolerances lie below half-precision resolution. Then no autocast and no GradScaler are
+    tolerances lie below half-precision resolution, a log of a probability written by hand
+    (`torch.log(1 - torch.sigmoid(x))`: the probability rounds to 1 in bf16, the log to -inf). Then no autocast and no GradScaler are
     added anywhere, and this rule says why at the first training backward.
     """
 

@@ -375,8 +375,10 @@ class DistSampler(DataRule):
             if isinstance(func, cst.Attribute) and func.attr.value == "backward" and not call.args:
                 tm = ctx.tm
                 self.report(call, "no DataLoader in this program: every rank trains on the same batches (full-batch "
-                                  "tensors, a token stream, a hand-made iterator); give each rank its own part "
-                                  f"(e.g. every `{tm}.world_size()`-th batch starting at `{tm}.rank()`), or keep "
+                                  "tensors, a token stream, a hand-made iterator); give each rank its own part, "
+                                  f"the same number of steps on every rank (`{tm}.shard_range(...)` over batch "
+                                  f"starts or `{tm}.shard_batches(...)` over an iterable of batches pad the last "
+                                  "round; a rank with one step more waits forever in the backward), or keep "
                                   "identical data on purpose (full-batch training)",
                             statement=ctx.statement_of(call))
                 return
