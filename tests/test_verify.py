@@ -291,3 +291,15 @@ def test_equal_parameters_of_a_model_no_rank_shares_are_no_pass():
     assert lonely.status == "fail" and "no model is wrapped in DDP" in lonely.message
     assert checks.params_in_sync(Run([rec(True), rec(True)], ["", ""])).status == "pass"
     assert checks.params_in_sync(Run([rec(False, True), rec(False, True)], ["", ""])).status == "pass"  # tm.sync_grads
+
+
+def test_a_script_reading_its_loader_with_next_is_stopped_not_crashed(tmp_path):
+    """`for _ in range(len(loader)): next(it)`: the epochs verify shortens end before the script's
+    count; the StopIteration that follows is verify's doing, so the ranks count as stopped by
+    verify and every other check still runs."""
+    pytest.importorskip("torch")
+    code, report, err = verify("--steps", 2, "--epochs", 1, BROKEN / "next_fixed_count.py", cwd=tmp_path)
+    assert code == 0 and report, err
+    assert [r["status"] for r in report["ranks"]] == ["stopped", "stopped"], report["ranks"]
+    assert by_name(report)["exit"]["status"] == "pass", by_name(report)["exit"]
+    assert by_name(report)["params"]["status"] == "pass"

@@ -173,10 +173,10 @@ def _batches(loader, source):
     it = {"indices": _flat(items) if mapped else None, "steps": 0, "batches": 0,
           "epoch": getattr(_sampler(loader), "epoch", None), "short": short}
     entry["iterations"].append(it)
+    _active["cut"] = False
     for batch in (items if mapped else source):
-        if steps_limit and it["steps"] >= steps_limit:
-            return
-        if short and not trained and it["batches"] >= 1:  # an evaluation loader
+        if steps_limit and it["steps"] >= steps_limit or short and not trained and it["batches"] >= 1:
+            _active["cut"] = True  # (a short read of an evaluation loader: one batch)
             return
         _active["it"] = it
         it["batches"] += 1
@@ -393,6 +393,26 @@ def _prepare(script: str, args: list) -> None:
     _progress("started", force=True)
 
 
+def _ended_by_cut(exc: BaseException) -> bool:
+    """The script ran out of batches because the probe shortened the read it was in: it reads a
+    loader with `next()` a fixed number of times (`for _ in range(len(loader)): next(it)`), and
+    the shortened epoch ended first. A stop of the probe's making, like `Stopped`."""
+    stop = isinstance(exc, StopIteration) or (isinstance(exc, RuntimeError) and "StopIteration" in str(exc))
+    return stop and bool(_active.get("cut"))
+
+
+def _crashed(exc: BaseException) -> None:
+    if isinstance(exc, SystemExit):
+        code = exc.code if isinstance(exc.code, int) or exc.code is None else 1
+        record.update(status="exited", exit_code=code or 0)
+        return
+    record.update(status="probe_failed" if _raised_here(exc) else "crashed", exit_code=1, error={
+        "where": _where(tb=exc.__traceback__), "message": f"{type(exc).__name__}: {exc}",
+        "traceback": _user_traceback(exc)})
+    if record["status"] == "probe_failed":
+        record["probe_errors"].append("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)[-3:]).strip())
+
+
 def main() -> None:
     script, args = sys.argv[1], sys.argv[2:]
     try:
@@ -406,23 +426,15 @@ def main() -> None:
     try:
         runpy.run_path(script, run_name="__main__")
         record.update(status="finished", exit_code=0)
-    except Stopped:
+    except BaseException as exc:
+        if not (isinstance(exc, Stopped) or _ended_by_cut(exc)):
+            _crashed(exc)
+            raise
         record.update(status="stopped", exit_code=0)
         _progress("stopped", force=True)
         if dist.is_available() and dist.is_initialized():  # every rank stops at the same point
             dist.barrier()
             dist.destroy_process_group()
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) or exc.code is None else 1
-        record.update(status="exited", exit_code=code or 0)
-        raise
-    except BaseException as exc:
-        record.update(status="probe_failed" if _raised_here(exc) else "crashed", exit_code=1, error={
-            "where": _where(tb=exc.__traceback__), "message": f"{type(exc).__name__}: {exc}",
-            "traceback": _user_traceback(exc)})
-        if record["status"] == "probe_failed":
-            record["probe_errors"].append("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)[-3:]).strip())
-        raise
     finally:
         _progress(record["status"] or "ended", force=True)
         _dump()
