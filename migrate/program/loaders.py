@@ -1093,7 +1093,8 @@ class LoaderFacts:
         """A `for` (or comprehension) over the loader runs outside no_grad/inference_mode."""
         for node, _ref in self.uses(lambda x: x is loader):
             site = _iteration_site(node, self.ctx)
-            if site is not None and not self.grad_free(site, 0):
+            if site is not None and not self.grad_free(site, 0) and not (
+                    isinstance(site, cst.For) and self.forwards_grad_free(site)):
                 return True
         return False
 
@@ -1114,6 +1115,28 @@ class LoaderFacts:
             if isinstance(anc, (cst.Lambda, cst.ClassDef)):
                 return False
         return False
+
+    def forwards_grad_free(self, loop: cst.For) -> bool:
+        """The models `loop` runs (the module's trained models, and what it calls directly in a
+        `with torch.no_grad():` inside its body: `for x, y in val_loader: with torch.no_grad():
+        preds = model(x)`) appear only in such blocks, and there is at least one: no DDP forward
+        of the loop runs with gradients. A helper handed no model is no forward."""
+        ctx = self.ctx
+        inside = [c for c in ctx.within(loop.body, cst.Call, skip_defs=True) if self._in_no_grad(c, loop)]
+        if not inside:
+            return False
+        models = set(analysis.trained_models(ctx)) | {
+            dotted(c.func) for c in inside
+            if isinstance(c.func, (cst.Name, cst.Attribute)) and _direct(c.func) and ctx.resolve(c.func) is None
+            and not (isinstance(c.func, cst.Name) and c.func.value in _BUILTINS)}
+        models.discard(None)
+        uses = [n for n in ctx.within(loop.body, cst.Name, cst.Attribute, skip_defs=True)
+                if dotted(n) in models and not isinstance(ctx.parent(n), cst.Attribute)]
+        return bool(uses) and all(self._in_no_grad(u, loop) for u in uses)
+
+    def _in_no_grad(self, node: cst.CSTNode, loop: cst.For) -> bool:
+        return any(isinstance(a, cst.With) and any(self._no_grad(item.item) for item in a.items)
+                   for a in self.ctx.ancestors_until(node, loop))
 
     def _no_grad(self, node: cst.CSTNode) -> bool:
         func = node.func if isinstance(node, cst.Call) else node
@@ -1278,6 +1301,15 @@ def _logged(ctx, node: cst.CSTNode) -> bool:
         if isinstance(anc, cst.BaseStatement):
             return False
     return False
+
+
+_BUILTINS = frozenset(dir(__import__("builtins")))
+
+
+def _direct(func: cst.BaseExpression) -> bool:
+    """`model` or `self.model`: a callee that may be a module of the program (not a method)."""
+    return isinstance(func, cst.Name) or (isinstance(func, cst.Attribute) and isinstance(func.value, cst.Name)
+                                          and func.value.value == "self")
 
 
 def _iteration_site(node: cst.CSTNode, ctx) -> Optional[cst.CSTNode]:

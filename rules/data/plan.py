@@ -335,7 +335,7 @@ class DataPlan:
     def _loop_unproven(self, loader: Loader, loop: cst.For) -> str:
         ctx = self.ctx
         where = _where(ctx, loop)
-        if not self.facts.grad_free(loop, 0):
+        if not self.facts.grad_free(loop, 0) and not self.facts.forwards_grad_free(loop):
             return (f"the loop over it{where} runs with gradients enabled, where a DDP forward needs the same number "
                     "of batches on every rank")
         if collective_guard(ctx, loop) is not None:
