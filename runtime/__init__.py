@@ -493,7 +493,9 @@ def wrap_model(model: nn.Module, *, find_unused_parameters: bool = False, sync_b
     dev = device()
     model = model.to(dev)
     if not is_distributed():
-        return _DataParallel(model) if data_parallel and not isinstance(model, nn.DataParallel) else model
+        if data_parallel and not isinstance(model, nn.DataParallel):
+            return _wrapper_class(type(model), _DataParallel)(model)
+        return model
     if not any(p.requires_grad for p in model.parameters()):
         return model
     _require_pg()
@@ -791,18 +793,22 @@ def _no_forward(module: nn.Module) -> bool:
 _WRAPPER_CLASSES: dict = {}
 
 
-def _wrapper_class(cls: type) -> type:
+def _wrapper_class(cls: type, base: type = None) -> type:
     """A ``_DDP`` subclass named after the wrapped module's class: code that names things after
     the model (``type(model).__name__`` in a checkpoint's "arch", a file name) reads what it read
-    in one process. A container module (``nn.Sequential``) keeps its indexing, length and
-    iteration (``model[-1]``, ``len(model)``), which DDP itself does not forward."""
-    made = _WRAPPER_CLASSES.get(cls)
+    in one process (a ``base`` of ``_DataParallel`` keeps the name DataParallel, as the original
+    had it). A container module (``nn.Sequential``, ``nn.ModuleList``) keeps its indexing, length
+    and iteration (``model[-1]``, ``len(model)``, ``for loss in losses``), which DDP and
+    DataParallel themselves do not forward."""
+    base = base or _DDP
+    made = _WRAPPER_CLASSES.get((cls, base))
     if made is None:
-        namespace = {"__qualname__": cls.__qualname__, "__module__": __name__, "__doc__": _DDP.__doc__}
+        name, qualname = (cls.__name__, cls.__qualname__) if base is _DDP else ("DataParallel", "DataParallel")
+        namespace = {"__qualname__": qualname, "__module__": __name__, "__doc__": base.__doc__}
         for dunder in ("__getitem__", "__len__", "__iter__"):
             if hasattr(cls, dunder):
                 namespace[dunder] = _delegate(dunder)
-        made = _WRAPPER_CLASSES[cls] = type(cls.__name__, (_DDP,), namespace)
+        made = _WRAPPER_CLASSES[(cls, base)] = type(name, (base,), namespace)
     return made
 
 

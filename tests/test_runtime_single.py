@@ -260,6 +260,20 @@ def test_wrap_model_keeps_a_former_data_parallel_in_one_process():
     assert wrapped.n_classes == 2
 
 
+def test_a_former_data_parallel_container_keeps_iteration_in_one_process():
+    """`losses = nn.DataParallel(nn.ModuleList([...]))` then `for l in get_losses():`: the kept
+    DataParallel iterates, indexes and counts its container, as DDP's wrapper does, and keeps
+    DataParallel's name."""
+    heads = nn.ModuleList([nn.L1Loss(), nn.MSELoss()])
+    wrapped = tm.wrap_model(heads, data_parallel=True)
+    assert isinstance(wrapped, nn.DataParallel) and type(wrapped).__name__ == "DataParallel"
+    assert [type(h).__name__ for h in wrapped] == ["L1Loss", "MSELoss"]
+    assert len(wrapped) == 2 and isinstance(wrapped[1], nn.MSELoss)
+    plain = tm.wrap_model(nn.Linear(2, 2), data_parallel=True)
+    with pytest.raises(TypeError):
+        iter(plain)  # a module that is no container stays one
+
+
 def test_unwrap_nested_wrappers():
     inner = small_model()
     compiled = torch.compile(inner, backend="eager")  # OptimizedModule; never run here

@@ -5,7 +5,7 @@ unwraps."""
 
 from __future__ import annotations
 
-from typing import Optional, Set
+from typing import Optional, Set, Union
 
 import libcst as cst
 
@@ -36,18 +36,22 @@ class ModelRule(Rule):
 
 
 def wrap_call(tm: str, module: cst.BaseExpression, find_unused: bool, sync_bn: bool,
-              data_parallel: bool = False, summed: bool = False) -> cst.Call:
+              data_parallel: Union[bool, cst.BaseExpression] = False, summed: bool = False) -> cst.Call:
     """`tm.wrap_model(module, ...)` with the keywords the plan chose (TM303, TM304): the one wrap
     statement TM301 inserts or TM306 writes in place of DataParallel. `data_parallel`: the wrap
     replaces an `nn.DataParallel`, which the model keeps in one process (code anywhere that reads
-    `model.module` keeps working; `python train.py` still uses every GPU). `summed`: the
-    program's losses sum over the batch (`Plan.sums_losses`), so the ranks' gradients are summed."""
+    `model.module` keeps working; `python train.py` still uses every GPU); an expression when the
+    original used DataParallel only under that test (`data_parallel=torch.cuda.device_count() > 1`),
+    so one process runs as the original did either way. `summed`: the program's losses sum over
+    the batch (`Plan.sums_losses`), so the ranks' gradients are summed."""
     args = [cst.Arg(module)]
     if find_unused:
         args.append(kwarg("find_unused_parameters", expr("True")))
     if sync_bn:
         args.append(kwarg("sync_bn", expr("True")))
-    if data_parallel:
+    if isinstance(data_parallel, cst.BaseExpression):
+        args.append(kwarg("data_parallel", data_parallel.with_changes(lpar=[], rpar=[])))
+    elif data_parallel:
         args.append(kwarg("data_parallel", expr("True")))
     if summed:
         args.append(kwarg("loss_reduction", expr('"sum"')))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Dict, List, Set, Tuple
+from typing import Dict, List, Set, Tuple, Union
 
 import libcst as cst
 
@@ -45,11 +45,12 @@ class DataParallelToDDP(ModelRule):
     becomes
     ```python
     model = Net()
-    model = tm.wrap_model(model, data_parallel=True)
+    model = tm.wrap_model(model, data_parallel=torch.cuda.device_count() > 1)
     model.to(device)
     ```
-    (`data_parallel=True`: in one process the model stays in `nn.DataParallel`, as the original
-    ran, so code anywhere that reads `model.module` keeps working; under torchrun it is DDP.)
+    (`data_parallel=`: in one process the model stays in `nn.DataParallel` where the original
+    had it, under the same test (`True` where there was none, or where the wrap cannot repeat it),
+    so code anywhere that reads `model.module` keeps working; under torchrun it is DDP.)
     """
 
     code = "TM306"
@@ -73,7 +74,7 @@ class DataParallelToDDP(ModelRule):
             import torchmigrate.runtime as tm
             model = Net()
             # TODO(torchmigrate): TM306 DataParallel split each batch across the GPUs; under DDP each rank loads a full batch, so the global batch is tm.world_size() times larger: use `batch_size // tm.world_size()` per rank to keep it (or scale the learning rate)
-            model = tm.wrap_model(model, data_parallel=True)
+            model = tm.wrap_model(model, data_parallel=torch.cuda.device_count() > 1)
             model.to(device)
             torch.save(tm.unwrap(model).state_dict(), "model.pt")
             """,
@@ -121,6 +122,7 @@ class DataParallelToDDP(ModelRule):
                            "optimizer (TM301)")
             else:
                 fu, sb = bool(site.find_unused), site.sync_bn
+                when = _dp_condition(site) if site.action in ("replace-if", "move", "collapse") else True
 
                 def build(node, fu=fu, sb=sb):
                     inner = strip_moves(node) if isinstance(node, cst.Call) else node
@@ -135,7 +137,7 @@ class DataParallelToDDP(ModelRule):
                 else:
                     argx = p.models.wrapped_arg(w.call)
                     new = cst.SimpleStatementLine([cst.Assign([cst.AssignTarget(expr(w.name))],
-                                                              wrap_call(tm, argx.value, fu, sb, data_parallel=True,
+                                                              wrap_call(tm, argx.value, fu, sb, data_parallel=when,
                                                                         summed=p.sums_losses()))])
                     if site.action == "collapse":
                         edits.append(replace(site.target, lambda n, new=new: _else_body(n, [new])))
@@ -248,6 +250,51 @@ class DataParallelToDDP(ModelRule):
             if local:
                 return f"{local}.{rest}", []
         return "torch.nn.parallel.DistributedDataParallel", [Import("torch")]
+
+
+def _dp_condition(site: DPSite) -> Union[bool, cst.BaseExpression]:
+    """The test under which the original used DataParallel (`if not args.cpu and n_gpus > 1:`),
+    for `data_parallel=`: one process then keeps DataParallel exactly where the original had it
+    (code elsewhere keyed on the same test, `return self.loss if n_gpus == 1 else
+    self.loss.module`, keeps seeing what it saw). True where the test is not a plain `if` holding
+    the DataParallel in its body, or where that body may rebind what the test reads (the wrap
+    may come after the body)."""
+    node = site.target
+    if not isinstance(node, cst.If) or not isinstance(node.body, cst.IndentedBlock):
+        return True
+    smalls = [x for line in node.body.body if isinstance(line, cst.SimpleStatementLine) for x in line.body]
+    if site.small not in smalls:
+        return True
+    read = _dotted_names(node.test)
+    for statement in node.body.body:
+        if not isinstance(statement, cst.SimpleStatementLine):
+            return True  # a compound statement: anything may change in it
+        for small in statement.body:
+            targets = [t.target for t in small.targets] if isinstance(small, cst.Assign) else (
+                [small.target] if isinstance(small, (cst.AugAssign, cst.AnnAssign)) else [])
+            for bound in (dotted(t) or "?" for t in targets):
+                if any(r == bound or r.startswith(bound + ".") for r in read) or bound == "?":
+                    return True
+    return node.test
+
+
+def _dotted_names(node: cst.CSTNode) -> Set[str]:
+    """`args.n_gpus`, `n_gpus`, `torch.cuda.device_count`: the longest dotted names in `node`."""
+    found: Set[str] = set()
+
+    class Collect(cst.CSTVisitor):
+        def visit_Attribute(self, n: cst.Attribute) -> bool:
+            name = dotted(n)
+            if name is not None:
+                found.add(name)
+                return False
+            return True
+
+        def visit_Name(self, n: cst.Name) -> None:
+            found.add(n.value)
+
+    node.visit(Collect())
+    return found
 
 
 def _else_body(node: cst.If, extra: List[cst.BaseStatement]):
