@@ -248,7 +248,7 @@ def _is_optimizer(name: Optional[str], call: cst.Call) -> bool:
 # `BertAdam`, LAMB and LARS ports, `Lion`): an optimizer-like class name *and* a model's
 # parameters as the first argument.
 _OPTIMIZER_CLASS = re.compile(r"(?:Adam|SGD|RMSprop|Adagrad|Adadelta|Adamax|Lamb|LAMB|Lars|LARS|Adafactor|Lion|"
-                              r"Ranger|NovoGrad|Novograd|Yogi|Sophia|Adan|Prodigy)[A-Za-z0-9]*$")
+                              r"Ranger|NovoGrad|Novograd|Yogi|Sophia|Adan|Prodigy)[A-Za-z0-9]*$|Optimizer$")
 
 
 def _foreign_optimizer(last: str, call: cst.Call) -> bool:
@@ -494,8 +494,8 @@ def _factory_models(ctx: Context, call: cst.Call, name: Optional[str], functions
     `model.configure_optimizers(...)`, or the model arguments of `create_optimizer(args, model)`."""
     func = call.func
     label = (name or dotted(func) or "").rsplit(".", 1)[-1]
-    if not _OPTIMIZER_FACTORY.match(label) or label in functions:
-        return []
+    if not _OPTIMIZER_FACTORY.match(label) or label in functions or (dotted(func) or "") in ctx.program.optimizer_builders:
+        return []  # (a builder of another module whose model parameter the program facts know)
     if isinstance(func, cst.Attribute) and ctx.resolve(func.value) is None:
         receiver = dotted(func.value)
         if receiver and _model_like(ctx, receiver, func.value):

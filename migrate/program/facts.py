@@ -315,7 +315,9 @@ def _optimizer_models(call: ast.Call, assigned: Optional[Dict[str, ast.AST]] = N
     X.get_params(); Adam(params)`."""
     name = dotted_name(call.func) or ""
     last = name.rsplit(".", 1)[-1]
-    if not (last in OPTIMIZERS or ".optim." in f".{name}" and last[:1].isupper()):
+    # (a class of the program named as one: `class CustomOptimizer(optimizer_class)` in a factory)
+    if not (last in OPTIMIZERS or ".optim." in f".{name}" and last[:1].isupper()
+            or last[:1].isupper() and last.endswith("Optimizer")):
         return []
     out = []
     args = [*call.args, *(k.value for k in call.keywords)]
