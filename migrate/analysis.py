@@ -20,6 +20,7 @@ from typing import Dict, List, Optional, Tuple
 import libcst as cst
 
 from torchmigrate.rule import Context, Rule
+from torchmigrate.program import open_modes as open_modes_lib
 from torchmigrate.syntax.imports import dotted, leading_import_anchor
 
 # Calls that write a file as a statement of their own (resolved names): TM504 puts them on the
@@ -55,10 +56,10 @@ def leading_text(node: cst.BaseExpression) -> Optional[str]:
             return None
 
 
-def opens_for_writing(call: cst.Call) -> bool:
-    """`open(path, mode)` with a literal mode that writes."""
-    text = open_mode(call)
-    return text is not None and any(c in text for c in "wax+")
+def opens_for_writing(call: cst.Call, names: Optional[Dict[str, str]] = None) -> bool:
+    """`open(path, mode)` with a mode that writes: a literal, a conditional of literals, or a
+    variable only ever given literals (`names`: `open_modes(ctx)`)."""
+    return open_modes_lib.writes(open_mode(call, names))
 
 
 def _own_open_mode(call: cst.Call) -> Optional[cst.SimpleString]:
@@ -71,18 +72,22 @@ def _own_open_mode(call: cst.Call) -> Optional[cst.SimpleString]:
     return call.args[0].value if isinstance(first, str) and len(first) <= 3 else None
 
 
-def open_mode(call: cst.Call) -> Optional[str]:
-    """The literal mode of an `open`-like call: the second argument of `open(path, mode)` (also
-    `gzip.open`, `io.open`, ...), the first of a path's `p.open(mode)`, or `mode=`."""
+def open_mode(call: cst.Call, names: Optional[Dict[str, str]] = None) -> Optional[str]:
+    """The mode of an `open`-like call: the second argument of `open(path, mode)` (also
+    `gzip.open`, `io.open`, ...), the first of a path's `p.open(mode)`, or `mode=`; a literal, or
+    every character a conditional of literals or a variable of `names` may hold."""
     mode = _own_open_mode(call)
     if mode is None and len(call.args) >= 2 and call.args[1].keyword is None:
         mode = call.args[1].value
     for a in call.args:
         if a.keyword is not None and a.keyword.value == "mode":
             mode = a.value
-    if not isinstance(mode, cst.SimpleString):
-        return None
-    return mode.evaluated_value if isinstance(mode.evaluated_value, str) else None
+    return open_modes_lib.mode_of_cst(mode, names)
+
+
+def open_modes(ctx: Context) -> Dict[str, str]:
+    """The module's variables that only ever hold open modes (`open_type = "a" if ... else "w"`)."""
+    return _cached(ctx, "open_modes", lambda: open_modes_lib.mode_names_cst(ctx.nodes(cst.Assign)))
 
 
 def opened_path(call: cst.Call) -> Optional[cst.BaseExpression]:
@@ -92,13 +97,14 @@ def opened_path(call: cst.Call) -> Optional[cst.BaseExpression]:
     return call.args[0].value if call.args and call.args[0].keyword is None else None
 
 
-def opens_file_for_writing(call: cst.Call, name: Optional[str]) -> bool:
+def opens_file_for_writing(call: cst.Call, name: Optional[str], names: Optional[Dict[str, str]] = None) -> bool:
     """A file opened for writing: `open(path, "w")`, `gzip.open(path, "wb")` (any module's
-    `open`), or a path's own `p.open("wb")` (`pathlib`), not `PIL.Image.open`."""
+    `open`), or a path's own `p.open("wb")` (`pathlib`), not `PIL.Image.open` (`names`: the
+    module's mode variables, `open_modes`)."""
     func = dotted(call.func) or ""
     if not (func == "open" or func.endswith(".open")) or (name or "") == "PIL.Image.open":
         return False
-    return opens_for_writing(call)
+    return opens_for_writing(call, names)
 
 
 # Optimizer constructors: anything under these modules except schedulers and helpers.

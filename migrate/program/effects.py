@@ -40,6 +40,7 @@ from typing import Dict, FrozenSet, Iterable, List, Optional, Set, Tuple
 from torchmigrate.program import collates, inherited
 from torchmigrate.program.astwalk import walk
 from torchmigrate.program.generators import endless_generators
+from torchmigrate.program.open_modes import mode_names_ast, mode_of_ast, writes
 
 WRITE, MKDIR, OUTPUT, COLLECTIVE, TRAIN, CALLS, READ, RANDOM, CLOCK, STATE = (
     "write", "mkdir", "output", "collective", "train", "calls", "read", "random", "clock", "state")
@@ -194,8 +195,12 @@ def summarize(tree: ast.Module, path: str, bindings: Bindings) -> ModuleSummary:
             out.methods[node.name] = {n.name for n in node.body if isinstance(n, _FUNCS)}
     own = out.functions | set(out.classes)
 
+    modes = mode_names_ast(tree)
+
     def reader(node: ast.AST, klass: Optional[str], names: Optional[_Names] = None) -> _Reader:
-        return _Reader(path, aliases, bindings, own, set(out.classes), node, klass, names)
+        made = _Reader(path, aliases, bindings, own, set(out.classes), node, klass, names)
+        made.modes = modes
+        return made
 
     # what module-level names and `self.` attributes hold, for every function and method to use
     module_names = reader(tree, None).bind_only()
@@ -344,6 +349,7 @@ class _Reader:
         self.locals: Set[str] = set()  # names assigned here (values, not the program's)
         self.names = names.copy() if names is not None else _Names()
         self._exists = 0  # inside `if <a file exists test>:` blocks
+        self.modes: Dict[str, str] = {}  # the module's open-mode variables (`open_modes`)
         self.temps: Set[str] = set()  # names of this process's own temporary files and folders
 
     def _body(self) -> List[ast.stmt]:
@@ -410,7 +416,7 @@ class _Reader:
         if target is not None:
             return target
         name = self._resolve(func) or ""
-        if name == "open" and _opens_for_writing(value) or name.endswith(".open") and _opens_for_writing(value):
+        if (name == "open" or name.endswith(".open")) and _opens_for_writing(value, self.modes):
             return "handle"
         if self._writer_class(func, name):
             return "writer"
@@ -617,7 +623,7 @@ class _Reader:
                                          call.lineno, ordered, self._exists > 0))
             return False
         if name == "open" or (name.endswith(".open") and isinstance(func, ast.Attribute) and name != "PIL.Image.open"):
-            if _opens_for_writing(call):
+            if _opens_for_writing(call, self.modes):
                 self._write(call, "open", guarded, ordered, _arg(call, 0, "file") if name == "open" else func.value)
             else:
                 kinds.add(READ)
@@ -718,7 +724,9 @@ class _Reader:
         return None
 
 
-def _opens_for_writing(call: ast.Call) -> bool:
+def _opens_for_writing(call: ast.Call, modes: Optional[Dict[str, str]] = None) -> bool:
+    """`open(p, "w")`, `Path(p).open("w")`, `gzip.open(p, "wb")`, `open(p, open_type)` with a mode
+    variable of `modes` (`open_modes`)."""
     mode = call.args[1] if len(call.args) >= 2 else None
     if isinstance(call.func, ast.Attribute) and call.func.attr == "open":  # `Path(p).open("w")`, `gzip.open(p, "wb")`
         mode = call.args[0] if call.args and isinstance(call.args[0], ast.Constant) and isinstance(
@@ -726,7 +734,7 @@ def _opens_for_writing(call: ast.Call) -> bool:
     for k in call.keywords:
         if k.arg == "mode":
             mode = k.value
-    return isinstance(mode, ast.Constant) and isinstance(mode.value, str) and any(c in mode.value for c in "wax+")
+    return writes(mode_of_ast(mode, modes))
 
 
 def _arg(call: ast.Call, position: int, keyword: Optional[str]) -> Optional[ast.AST]:

@@ -72,12 +72,13 @@ def fetches(ctx: Context, call: cst.Call, name: Optional[str]) -> bool:
         and _root_name(func.value) in hf_datasets(ctx, call)
 
 
-def writes_file(call: cst.Call, name: Optional[str]) -> bool:
+def writes_file(call: cst.Call, name: Optional[str], names: Optional[Dict[str, str]] = None) -> bool:
     """`call` (resolved as `name`) writes a file: a known writer, `torch.save`, `open(...)` for
-    writing, a writer method (`df.to_csv(p)`) or `.save(...)` / `.save_to_disk(...)` with arguments."""
+    writing (`names`: the module's mode variables, `analysis.open_modes`), a writer method
+    (`df.to_csv(p)`) or `.save(...)` / `.save_to_disk(...)` with arguments."""
     func = call.func
     return name in analysis.FILE_WRITERS or name == "torch.save" or (
-        analysis.opens_file_for_writing(call, name)) or (
+        analysis.opens_file_for_writing(call, name, names)) or (
         isinstance(func, cst.Attribute) and bool(call.args)
         and (func.attr.value in analysis.FILE_WRITER_METHODS or func.attr.value in ("save", "save_to_disk")))
 

@@ -110,7 +110,7 @@ class _Planner:
         """A file write under (or after the early return of) an `if` that tests whether a file
         exists: a cache built once. Not a checkpoint: a state dict in the call, or a test in a
         loop (saved again and again)."""
-        if not (writes_file(call, name) or self._helper_writes(call)) or any(
+        if not (writes_file(call, name, analysis.open_modes(self.ctx)) or self._helper_writes(call)) or any(
                 isinstance(n, cst.Name) and n.value == "state_dict" for n in iter_nodes(call)):
             return None
         check = existence_if(self.ctx, call) or early_return_check(self.ctx, call)

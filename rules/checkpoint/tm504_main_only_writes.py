@@ -173,7 +173,7 @@ class MainOnlyWrites(Rule):
                                 c.with_changes(func=cst.parse_expression(
                                     (dotted(c.func) or "os.mkdir").rsplit(".", 1)[0] + ".makedirs")),
                                 "exist_ok", cst.Name("True")))])
-            elif analysis.opens_file_for_writing(call, name):
+            elif analysis.opens_file_for_writing(call, name, analysis.open_modes(self.ctx)):
                 self._open(call, withs, handles)
             elif name in _FILE_HANDLERS:
                 self._handler(call)
@@ -355,7 +355,8 @@ class MainOnlyWrites(Rule):
         if not handle_uses_write_only(ctx, name, ctx.enclosing(statement, cst.FunctionDef) or ctx.module,
                                       statement.items[0]):
             return False
-        if any(writes_file(c, n) and not analysis.opens_file_for_writing(c, n) and not self._into(c, name)
+        modes = analysis.open_modes(ctx)
+        if any(writes_file(c, n, modes) and not analysis.opens_file_for_writing(c, n, modes) and not self._into(c, name)
                for c, n in self._calls_in(statement.body)):
             return False  # another file written in the block would still be written by every rank
         self.report(statement, "every rank writes this file, and the block must run on every rank: open the file "
@@ -389,9 +390,8 @@ class MainOnlyWrites(Rule):
         """`json.dump(obj, f)`: a write into the file `handle`."""
         return any(isinstance(a.value, cst.Name) and a.value.value == handle for a in call.args)
 
-    @staticmethod
-    def _mode(call: cst.Call) -> Optional[str]:
-        return analysis.open_mode(call)
+    def _mode(self, call: cst.Call) -> Optional[str]:
+        return analysis.open_mode(call, analysis.open_modes(self.ctx))
 
     def _helper_reread(self, call: cst.Call) -> None:
         """`write_results(results, path)` (the program's own code, in any module, that writes
@@ -429,7 +429,7 @@ class MainOnlyWrites(Rule):
             if name and name.endswith(".barrier"):
                 return
             first = call.args[0].value if call.args and call.args[0].keyword is None else None
-            reads = first is not None and code(first) in written and not writes_file(call, name) \
+            reads = first is not None and code(first) in written and not writes_file(call, name, analysis.open_modes(ctx)) \
                 and not _only_shows(call, name)
             if not (reads or self._shell_reads(call, name, written)):
                 continue
@@ -484,8 +484,7 @@ class MainOnlyWrites(Rule):
                             edits=[replace(test, lambda t: cst.parse_expression(
                                 f"{ctx.tm}.broadcast_object({code(t)})"))], imports=[ctx.runtime_import()])
 
-    @staticmethod
-    def _touched(call: cst.Call, name: Optional[str]) -> Optional[str]:
+    def _touched(self, call: cst.Call, name: Optional[str]) -> Optional[str]:
         """The path text of the file a write creates or removes: `open(p, "w")`, `os.remove(p)`,
         `Path(p).touch()`."""
         func = call.func
@@ -494,7 +493,7 @@ class MainOnlyWrites(Rule):
             if isinstance(receiver, cst.Call) and receiver.args and (dotted(receiver.func) or "").endswith("Path"):
                 return code(receiver.args[0].value)
             return code(receiver)
-        if analysis.opens_file_for_writing(call, name):
+        if analysis.opens_file_for_writing(call, name, analysis.open_modes(self.ctx)):
             path = analysis.opened_path(call)
             return code(path) if path is not None else None
         if name in _REMOVALS and call.args:
@@ -505,7 +504,7 @@ class MainOnlyWrites(Rule):
         """The path text of the file a guarded run writes (the first `open` for writing)."""
         for statement in run:
             for call, name in self._calls_in(statement):
-                path = analysis.opened_path(call) if analysis.opens_file_for_writing(call, name) else None
+                path = analysis.opened_path(call) if analysis.opens_file_for_writing(call, name, analysis.open_modes(self.ctx)) else None
                 if path is not None:
                     return code(path)
         return None

@@ -288,7 +288,8 @@ class AgreedDraws(Rule):
         for the other ranks forever (BicycleGAN's `now = time.strftime("%c")` in its log header)."""
         for anc in self.ctx.ancestors(node):
             if isinstance(anc, cst.With) and any(
-                    isinstance(i.item, cst.Call) and analysis.opens_file_for_writing(i.item, self.ctx.resolve(i.item.func))
+                    isinstance(i.item, cst.Call) and analysis.opens_file_for_writing(i.item, self.ctx.resolve(i.item.func),
+                                                                             analysis.open_modes(self.ctx))
                     for i in anc.items):
                 return True
             if isinstance(anc, (cst.FunctionDef, cst.ClassDef)):
