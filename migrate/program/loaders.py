@@ -994,9 +994,16 @@ class LoaderFacts:
             # `infiniteloop(loader)`, `for step in range(total_steps)`): the noise and labels it
             # sizes by the same expression are this rank's batch too
             bodies += [loop.body for loop in analysis.training_loops(ctx) if loop.body not in bodies]
+            # anywhere in the function that builds the loader (a handler defined there, a check
+            # after the loop): the batch size compared with the rows of a batch read from it
+            # (`assert first.shape[0] == n_init * batch_size`) is this rank's batch too
+            home = ctx.enclosing(loader.call, cst.FunctionDef) or ctx.module
+            compared = [n for n in ctx.within(home, type(size.value)) if code(n) == text and compared_with_rows(ctx, n)]
+            if compared:
+                bodies.append(home)
             for body in bodies:
                 uses = [n for n in ctx.within(body, type(size.value)) if code(n) == text and not _name_part(ctx, n)
-                        and not _logged(ctx, n)]
+                        and not _logged(ctx, n) and (body is not home or n in compared)]
                 if uses:
                     loader.batch_read = text
                     known = {id(u) for u in loader.batch_uses}
@@ -1310,6 +1317,38 @@ def _direct(func: cst.BaseExpression) -> bool:
     """`model` or `self.model`: a callee that may be a module of the program (not a method)."""
     return isinstance(func, cst.Name) or (isinstance(func, cst.Attribute) and isinstance(func.value, cst.Name)
                                           and func.value.value == "self")
+
+
+def compared_with_rows(ctx, node: cst.CSTNode) -> bool:
+    """`node` (a batch size) sits in one side of a comparison whose other side counts a batch's
+    rows (`x.shape[0]`, `x.size(0)`, `len(x)`): `assert first.shape[0] == n * batch_size`."""
+    side: cst.CSTNode = node
+    for anc in ctx.ancestors(node):
+        if isinstance(anc, cst.Comparison):
+            others = [anc.left] + [t.comparator for t in anc.comparisons]
+            return any(other is not side and _counts_rows(other) for other in others)
+        if isinstance(anc, cst.ComparisonTarget):
+            continue  # `!= batch_size`: `side` is its comparator
+        if not isinstance(anc, (cst.BinaryOperation, cst.UnaryOperation)):
+            return False
+        side = anc
+    return False
+
+
+def _counts_rows(node: cst.CSTNode) -> bool:
+    """`x.shape[0]`, `x.size(0)`, `x.size()[0]`, `len(x)`."""
+    if isinstance(node, cst.Subscript) and len(node.slice) == 1 and isinstance(node.slice[0].slice, cst.Index) \
+            and code(node.slice[0].slice.value) == "0":
+        inner = node.value
+        return (isinstance(inner, cst.Attribute) and inner.attr.value == "shape") or (
+            isinstance(inner, cst.Call) and isinstance(inner.func, cst.Attribute) and inner.func.attr.value == "size"
+            and not inner.args)
+    if isinstance(node, cst.Call):
+        func = node.func
+        if isinstance(func, cst.Attribute) and func.attr.value == "size" and len(node.args) == 1:
+            return code(node.args[0].value) == "0"
+        return isinstance(func, cst.Name) and func.value == "len" and len(node.args) == 1
+    return False
 
 
 def _iteration_site(node: cst.CSTNode, ctx) -> Optional[cst.CSTNode]:

@@ -29,7 +29,7 @@ from typing import List, Optional
 
 import libcst as cst
 
-from torchmigrate.program.loaders import Loader, bind_args, loader_facts
+from torchmigrate.program.loaders import Loader, bind_args, compared_with_rows, loader_facts
 from torchmigrate.program.scopes import assignments, scope_of
 from torchmigrate.rule import Context
 from torchmigrate.rules.data.plan import data_plan
@@ -148,7 +148,10 @@ def _sized_elsewhere(ctx: Context, size: Optional[cst.CSTNode]) -> str:
 
 
 def _shape_of_batch(ctx: Context, use: cst.CSTNode) -> bool:
-    """`use` (the batch size expression) is a dimension of a tensor made or reshaped here."""
+    """`use` (the batch size expression) is a dimension of a tensor made or reshaped here, or is
+    compared with the rows of a batch (`assert x.shape[0] == n * batch_size`)."""
+    if compared_with_rows(ctx, use):
+        return True
     node = use
     parent = ctx.parent(node)
     # `torch.zeros((bs, 1))`, `torch.randn(bs * 2, nz)`: a dimension made from the batch size
