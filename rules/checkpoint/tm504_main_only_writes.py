@@ -7,7 +7,7 @@ from typing import List, Optional, Tuple
 import libcst as cst
 
 from torchmigrate import analysis
-from torchmigrate.finding import Safety, insert_before, replace
+from torchmigrate.finding import Safety, insert_after, insert_before, replace
 from torchmigrate.syntax.imports import dotted
 from torchmigrate.syntax.nodes import arg, code, expr, set_kwarg, stmt
 from torchmigrate.program.checkpoints import follows_save
@@ -106,6 +106,9 @@ class MainOnlyWrites(Rule):
     - `os.makedirs(d)` and `pathlib`'s `path.mkdir(parents=True)` without `exist_ok=True`
       (missing, `False` or an expression) get `exist_ok=True`, and `os.mkdir(d)` under
       `if not os.path.isdir(d):` / `os.path.exists(d)` becomes `os.makedirs(d, exist_ok=True)`.
+      Where the folder is created in `try:` and its `except FileExistsError:` is the program's
+      own logic (refuse a non-empty folder, wipe it with `--fresh`), the whole statement runs
+      on the main process, then `tm.barrier()` (a handler that does nothing is left alone).
 
     ## Why is this bad?
     Under torchrun every rank runs the same code: eight processes truncate and write the same
@@ -153,7 +156,10 @@ class MainOnlyWrites(Rule):
             return
         withs: List[cst.CSTNode] = []  # `with open(...)` blocks and statements that write
         handles: List[Tuple[cst.Call, cst.Assign]] = []  # `f = open(path, "a")`
+        prepared = self._folder_tries()
         for call, name in analysis.facts(ctx).calls:
+            if any(t in prepared for t in ctx.ancestors(call)):
+                continue  # a folder prepared on the main process only, as a whole (`_folder_tries`)
             if in_private_temp(ctx, call):
                 continue  # a file in this process's own temporary folder: every rank has its own
             if ctx.options.mode == "ddp" and private_temp_source(ctx, call) and not under_rank_guard(ctx, call):
@@ -223,6 +229,41 @@ class MainOnlyWrites(Rule):
             self._handle(call, assign)
         for call, name in analysis.facts(ctx).calls:
             self._helper_reread(call)
+
+    def _folder_tries(self) -> List[cst.Try]:
+        """`try: os.makedirs(out) except FileExistsError: <the program's own answer>` (refuse a
+        non-empty folder, wipe it with `--fresh`): the handler is the program's logic, which
+        `exist_ok=True` would silence, and ranks racing through it would each see the others'
+        folder. The whole statement runs on the main process, then every rank waits for it
+        (`tm.barrier()`; a failure there stops the job through torchrun). Where that cannot be
+        done (a name it binds is read later, a rank guard around it) it is reported. Returns
+        the statements handled, whose calls get no edit of their own."""
+        ctx = self.ctx
+        out: List[cst.Try] = []
+        for call, name in analysis.facts(ctx).calls:
+            if not ((name == _MAKEDIRS or name == _MKDIR or _path_mkdir(call, name)) and not _exist_ok(call)):
+                continue
+            statement = ctx.statement_of(call)
+            owner = ctx.parent(ctx.parent(statement)) if statement is not None else None
+            if not (isinstance(owner, cst.Try) and ctx.parent(statement) is owner.body and owner not in out
+                    and any(_catches_exists(h) for h in owner.handlers)):
+                continue
+            out.append(owner)
+            if under_rank_guard(ctx, owner) or all(_ignores(h) for h in owner.handlers if _catches_exists(h)):
+                continue  # (`except FileExistsError: pass`: the race is harmless as it is)
+            names = orphaned(ctx, [owner])
+            if names or collective_guard(ctx, owner) is not None \
+                    or not isinstance(ctx.parent(owner), (cst.IndentedBlock, cst.Module)):
+                self.report(owner, "every rank would create this folder and handle the FileExistsError its own way, "
+                                   "seeing the others' folder: run the whole statement on the main process only "
+                                   f"(`if {ctx.tm}.is_main():`), then `{ctx.tm}.barrier()`")
+                continue
+            self.report(owner, "every rank would create this folder and handle the FileExistsError its own way, "
+                               "seeing the others' folder: the whole statement runs on the main process, then every "
+                               "rank waits for it",
+                        edits=[guard_edit(ctx, [owner]), insert_after(owner, [stmt(f"{ctx.tm}.barrier()")])],
+                        imports=[ctx.runtime_import()])
+        return out
 
     def _hdf5_read_only(self, call: cst.Call) -> None:
         """`f = h5py.File(path, "r+")` (or `"a"`) whose handle is only read (`f["data"][:]`,
@@ -571,6 +612,25 @@ class MainOnlyWrites(Rule):
             if isinstance(anc, (cst.FunctionDef, cst.ClassDef)):
                 return False
         return False
+
+
+def _catches_exists(handler: cst.ExceptHandler) -> bool:
+    """`except FileExistsError:` (also OSError, IOError, Exception, a tuple with one, or bare)."""
+    if handler.type is None:
+        return True
+    kinds = [e.value for e in handler.type.elements] if isinstance(handler.type, cst.Tuple) else [handler.type]
+    return any((dotted(k) or "").rsplit(".", 1)[-1] in ("FileExistsError", "OSError", "IOError", "Exception",
+                                                        "BaseException") for k in kinds)
+
+
+def _ignores(handler: cst.ExceptHandler) -> bool:
+    """`except FileExistsError: pass` (or `...`): the handler does nothing."""
+    body = handler.body.body if isinstance(handler.body, cst.IndentedBlock) else [handler.body]
+    if not all(isinstance(line, cst.SimpleStatementLine) for line in body):
+        return False
+    smalls = [x for line in body for x in line.body]
+    return all(isinstance(x, cst.Pass) or (isinstance(x, cst.Expr) and isinstance(x.value, cst.Ellipsis))
+               for x in smalls)
 
 
 def _exist_ok(call: cst.Call) -> bool:
