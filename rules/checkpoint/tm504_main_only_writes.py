@@ -449,6 +449,43 @@ class MainOnlyWrites(Rule):
         paths = {code(a.value) for i, a in enumerate(call.args)
                  if (a.keyword is None and not a.star and i in positions) or (a.keyword is not None and a.keyword.value in keywords)}
         self._wait_for_reread([line], paths)
+        self._wait_for_readers(line, paths)
+
+    def _wait_for_readers(self, line: cst.SimpleStatementLine, written: set) -> None:
+        """A file every rank read earlier in the same function (`check = load_from_json(params_file)`
+        to compare with the settings of a previous run) that the main process now writes alone
+        (`write_to_json(params, params_file)`, guarded in the helper): it would truncate the file
+        while a slower rank still reads it, so every rank waits at a `tm.barrier()` before the
+        write, where every rank reaches it (reported otherwise)."""
+        ctx = self.ctx
+        if not written:
+            return
+        scope = ctx.enclosing(line, cst.FunctionDef) or ctx.module
+        start = ctx.position(line) or 0
+        read = None
+        for call, name in analysis.facts(ctx).calls:
+            position = ctx.position(call)
+            if position is None or position >= start or (ctx.enclosing(call, cst.FunctionDef) or ctx.module) is not scope:
+                continue
+            if name and name.endswith(".barrier"):
+                read = None  # the ranks meet after the reads before it
+                continue
+            first = call.args[0].value if call.args and call.args[0].keyword is None else None
+            if first is None or code(first) not in written or under_rank_guard(ctx, call) or name in effects.EXISTS_TESTS \
+                    or writes_file(call, name, analysis.open_modes(ctx)) or _only_shows(call, name):
+                continue
+            kinds = call_kinds(ctx, call)
+            if name in ("open", "io.open") or name in _READERS or (kinds is not None and effects.READ in kinds):
+                read = call
+        if read is None:
+            return
+        if collective_guard(ctx, line) is not None or not in_body(ctx, line):
+            self.report(line, f"the main process writes this file while the other ranks may still read it "
+                              f"(`{code(read)[:60]}`): call `{ctx.tm}.barrier()` on every rank before the write")
+            return
+        self.report(line, "the main process writes this file, which every rank read above: wait until every rank "
+                          "has read it before it is rewritten",
+                    edits=[insert_before(line, [stmt(f"{ctx.tm}.barrier()")])], imports=[ctx.runtime_import()])
 
     def _wait_for_reread(self, run, written: Optional[set] = None) -> None:
         """A file the main process now writes alone and every rank reads back later in the same
@@ -621,6 +658,12 @@ def _catches_exists(handler: cst.ExceptHandler) -> bool:
     kinds = [e.value for e in handler.type.elements] if isinstance(handler.type, cst.Tuple) else [handler.type]
     return any((dotted(k) or "").rsplit(".", 1)[-1] in ("FileExistsError", "OSError", "IOError", "Exception",
                                                         "BaseException") for k in kinds)
+
+
+# library calls that read the file named by their first argument
+_READERS = frozenset({"torch.load", "numpy.load", "numpy.loadtxt", "numpy.genfromtxt", "pandas.read_csv",
+                      "pandas.read_json", "pandas.read_pickle", "pandas.read_parquet", "pandas.read_excel",
+                      "h5py.File", "PIL.Image.open", "imageio.imread", "cv2.imread"})
 
 
 def _ignores(handler: cst.ExceptHandler) -> bool:
