@@ -314,7 +314,12 @@ class AgreedDraws(Rule):
 
     def _names_use(self, use: cst.CSTNode) -> bool:
         """A read of the value in a path: `os.path.join(root, run_id)`, `Path(root) / run_id`,
-        `open(...)`, `os.makedirs(...)`. (A timing value printed in an f-string is no name.)"""
+        `open(...)`, `os.makedirs(...)`, or formatted into one (`now.strftime("%m%d-%H%M%S")`,
+        `now.isoformat()`). (A timing value printed in an f-string is no name.)"""
+        parent = self.ctx.parent(use)
+        if isinstance(parent, cst.Attribute) and parent.value is use and parent.attr.value in ("strftime", "isoformat") \
+                and isinstance(self.ctx.parent(parent), cst.Call):
+            return True
         for anc in self.ctx.ancestors(use):
             if isinstance(anc, cst.BinaryOperation) and isinstance(anc.operator, cst.Divide):
                 return True
