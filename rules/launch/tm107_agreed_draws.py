@@ -319,7 +319,8 @@ class AgreedDraws(Rule):
         parent = self.ctx.parent(use)
         if isinstance(parent, cst.Attribute) and parent.value is use and parent.attr.value in ("strftime", "isoformat") \
                 and isinstance(self.ctx.parent(parent), cst.Call):
-            return True
+            # (a helper returning the formatted name: its callers share what it returns)
+            return not isinstance(self.ctx.parent(self.ctx.parent(parent)), cst.Return)
         for anc in self.ctx.ancestors(use):
             if isinstance(anc, cst.BinaryOperation) and isinstance(anc.operator, cst.Divide):
                 return True
