@@ -1299,9 +1299,17 @@ class _EpochSampler(DistributedSampler):
         return super().__iter__()
 
 
-def shard_sampler(sampler, seed: int | None = None):
+_training_sampler = sampler  # (`shard_sampler`'s parameter hides the name)
+
+
+def shard_sampler(sampler, seed: int | None = None, dataset=None, shuffle=False):
     """Any sampler or batch sampler (``WeightedRandomSampler``, ``RandomSampler(replacement=True)``,
     a bucketing batch sampler of the project), shared out by rank. 1 process: ``sampler`` itself.
+
+    ``sampler`` may be None where the program chooses one only sometimes (``sampler=train_sampler,
+    shuffle=(train_sampler is None)``): then ``sampler(dataset, shuffle=shuffle)``, the loader's own
+    order shared out by rank (``torchmigrate ddp`` passes the loader's dataset and its ``shuffle``,
+    and gives the loader ``shuffle=False``, as a loader with a sampler needs).
 
     Distributed: each pass draws the sampler's whole sequence under the same seed on every rank
     (``seed + epoch``: its ``generator`` if it has one, and torch's, Python's and numpy's global
@@ -1310,6 +1318,10 @@ def shard_sampler(sampler, seed: int | None = None):
     it, padded from its start to a multiple of W so every rank runs the same number of steps.
     The epoch advances on each pass, or follows ``set_epoch`` once called (forwarded to the
     sampler too). Like Accelerate's sharded samplers, it works whatever the sampler does."""
+    if sampler is None:
+        if dataset is None:
+            raise TypeError("shard_sampler: no sampler and no dataset to sample")
+        return _training_sampler(dataset, shuffle=bool(shuffle), seed=seed)
     if not is_distributed():
         return sampler
     return _ShardedSampler(sampler, _own_seed(seed))

@@ -274,6 +274,18 @@ def test_a_former_data_parallel_container_keeps_iteration_in_one_process():
         iter(plain)  # a module that is no container stays one
 
 
+def test_shard_sampler_of_no_sampler_is_the_loaders_own_order():
+    """`sampler=tm.shard_sampler(train_sampler, dataset=ds, shuffle=train_sampler is None)` with
+    `shuffle=False` on the loader: one process keeps what the original loader did either way."""
+    ds = torch.utils.data.TensorDataset(torch.arange(10.0))
+    assert isinstance(tm.shard_sampler(None, dataset=ds, shuffle=True), torch.utils.data.RandomSampler)
+    assert list(tm.shard_sampler(None, dataset=ds, shuffle=False)) == list(range(10))
+    weighted = torch.utils.data.WeightedRandomSampler(torch.ones(10), 10)
+    assert tm.shard_sampler(weighted, dataset=ds, shuffle=False) is weighted
+    with pytest.raises(TypeError, match="no dataset"):
+        tm.shard_sampler(None)
+
+
 def test_unwrap_nested_wrappers():
     inner = small_model()
     compiled = torch.compile(inner, backend="eager")  # OptimizedModule; never run here

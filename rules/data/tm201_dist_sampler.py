@@ -387,14 +387,41 @@ class DistSampler(DataRule):
         return {(dotted(c.func) or "").rsplit(".", 1)[-1] for c in self.ctx.within(block, cst.Call, skip_defs=True)}
 
     def _shard_custom(self, loader: Loader) -> None:
-        """`sampler=WeightedRandomSampler(...)` -> `sampler=tm.shard_sampler(WeightedRandomSampler(...))`."""
+        """`sampler=WeightedRandomSampler(...)` -> `sampler=tm.shard_sampler(WeightedRandomSampler(...))`.
+
+        A sampler the program sets only sometimes (`sampler=train_sampler, shuffle=(train_sampler
+        is None)`, pytorch/examples' idiom): `tm.shard_sampler(train_sampler, dataset=ds,
+        shuffle=(train_sampler is None))` and `shuffle=False` (a loader given a sampler refuses
+        `shuffle=True`), so the ranks share out whichever order the program picked."""
         arg = loader.custom_arg
         name = arg.keyword.value if arg.keyword is not None else "sampler"
         tm = self.ctx.tm
+        shuffle = next((a for a in loader.call.args if a.keyword is not None and a.keyword.value == "shuffle"), None)
+        optional = name == "sampler" and shuffle is not None and not (
+            isinstance(shuffle.value, cst.Name) and shuffle.value.value == "False")
+        if optional:
+            if not isinstance(loader.dataset, (cst.Name, cst.Attribute)):
+                self.report(arg.value, f"this DataLoader's own `sampler=` may be None (`shuffle={code(shuffle.value)}`): "
+                                       f"use `sampler={tm}.shard_sampler({code(arg.value)}, dataset=<the dataset>, "
+                                       f"shuffle={code(shuffle.value)})` and `shuffle=False`")
+                return
+            dataset, order = loader.dataset, shuffle.value.with_changes(lpar=[], rpar=[])
+            self.report(arg.value, f"this DataLoader's own `sampler=` (or, where it is None, its shuffled order) is "
+                                   f"iterated in full by every rank: `{tm}.shard_sampler` shares it out by rank",
+                        edits=[replace(arg.value, lambda v: cst.Call(func=expr(f"{tm}.shard_sampler"), args=[
+                            cst.Arg(v, comma=_COMMA), cst.Arg(dataset, keyword=cst.Name("dataset"), equal=_EQ, comma=_COMMA),
+                            cst.Arg(order, keyword=cst.Name("shuffle"), equal=_EQ)])),
+                               replace(shuffle.value, lambda v: cst.Name("False"))],
+                        imports=[self.ctx.runtime_import()])
+            return
         self.report(arg.value, f"this DataLoader's own `{name}=` is iterated in full by every rank: "
                                f"`{tm}.shard_sampler` shares it out by rank (same seed on every rank)",
                     edits=[replace(arg.value, lambda v: cst.Call(func=expr(f"{tm}.shard_sampler"), args=[cst.Arg(v)]))],
                     imports=[self.ctx.runtime_import()])
+
+
+_COMMA = cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))
+_EQ = cst.AssignEqual(whitespace_before=cst.SimpleWhitespace(""), whitespace_after=cst.SimpleWhitespace(""))
 
 
 def _is_shard(node: cst.BaseExpression) -> bool:
