@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from typing import List, Set
 
 import libcst as cst
@@ -30,6 +32,14 @@ def _leaves(ctx, small: cst.CSTNode) -> bool:
     return isinstance(small, cst.Expr) and isinstance(small.value, cst.Call) and ends_process(ctx, small.value)
 
 
+# classes that schedule a learning rate (`torch.optim.lr_scheduler.*LR`, a project `WarmupScheduler`)
+_SCHEDULER = re.compile(r"(Scheduler|LR|Schedule)$")
+# a value that measures training or evaluation, which each rank computes on its own data
+_METRIC_VALUE = re.compile(r"(?i)(loss|acc|metric|score|err|psnr|ssim|mse|mae|perplex|ppl|bleu|f1|auc|val)")
+# counters every rank steps alike (`scheduler.step(epoch)`)
+_COUNTER = re.compile(r"(?i)^(epoch|step|it|iter|iteration|global_step|i|e|n_iter|num_steps)\w*$")
+
+
 class RankSkips(Rule):
     """
     ## What it does
@@ -41,7 +51,9 @@ class RankSkips(Rule):
     - A `try:` around the forward/backward whose `except` skips the step (`continue`, the
       classic out-of-memory handler) is reported: one rank skipping leaves the others waiting.
     - `scheduler.step(val_loss)` of a `ReduceLROnPlateau` (built in this file, or a receiver
-      named like one) becomes `scheduler.step(tm.all_reduce(val_loss, op="mean"))`: every
+      named like one), or of any scheduler given a loss or a metric (`model_scheduler.step(total_loss)`:
+      a project scheduler that adapts to it; not an epoch counter), becomes
+      `scheduler.step(tm.all_reduce(val_loss, op="mean"))`: every
       rank's scheduler sees the same metric, so the learning rates stay equal. A metric of the
       whole data is the same on every rank and the mean leaves it as it is; one of a shard, or
       of a model that draws random numbers per rank (dropout, sampling), becomes the ranks'
@@ -111,14 +123,21 @@ class RankSkips(Rule):
         plateaus = {dotted(t.target) for a in ctx.nodes(cst.Assign) if isinstance(a.value, cst.Call)
                     and (ctx.resolve(a.value.func) or dotted(a.value.func) or "").endswith("ReduceLROnPlateau")
                     for t in a.targets}
+        schedulers = {dotted(t.target) for a in ctx.nodes(cst.Assign) if isinstance(a.value, cst.Call)
+                      and _SCHEDULER.search((ctx.resolve(a.value.func) or dotted(a.value.func) or "").rsplit(".", 1)[-1])
+                      for t in a.targets}
         for call in ctx.nodes(cst.Call):
             func = call.func
             if not (isinstance(func, cst.Attribute) and func.attr.value == "step" and len(call.args) == 1):
                 continue
             receiver = dotted(func.value) or ""
-            if receiver not in plateaus and "plateau" not in receiver.lower():
-                continue
             a = call.args[0]
+            if receiver not in plateaus and "plateau" not in receiver.lower():
+                # another scheduler stepped with a metric (`model_scheduler.step(total_loss)`, a
+                # project scheduler that adapts to the loss): the same disagreement
+                if not ((receiver in schedulers or "sched" in receiver.lower())
+                        and _METRIC_VALUE.search(code(a.value)) and not _COUNTER.search(code(a.value))):
+                    continue
             if a.star or (a.keyword is not None and a.keyword.value != "metrics"):
                 continue
             value = a.value
