@@ -376,8 +376,27 @@ class LoaderFacts:
             self.loaders.append(self._loader(call, i))
             self.by_call[id(call)] = self.loaders[-1]
         self._follow()
+        self._trained_on()
         self._order_bound()
         self._sized_by_batch()
+
+    def _trained_on(self) -> None:
+        """A loader whose name says evaluation (`valid_loader`) but that a loop of this module
+        trains on (a backward pass and an optimizer step per batch: a fine-tuning run on the
+        validation set, in the function it is handed to) is a training loader: its use decides,
+        not its name. (A backward alone, an adversarial evaluation's, is no training.)"""
+        ctx = self.ctx
+        for loader in self.loaders:
+            if loader.kind != "eval":
+                continue
+            for node, _ref in self.uses(lambda x, loader=loader: x is loader):
+                site = _iteration_site(node, ctx)
+                if isinstance(site, cst.For) and analysis.runs_backward(ctx, site.body) \
+                        and any(type(c.func) is cst.Attribute and c.func.attr.value == "step"
+                                for c in ctx.within(site.body, cst.Call, skip_defs=True)) \
+                        and not self.grad_free(site, 0):
+                    loader.kind = "train"
+                    break
 
     # --- scopes -------------------------------------------------------------------------
     def function_of(self, node: cst.CSTNode) -> cst.CSTNode:
