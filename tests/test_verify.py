@@ -303,3 +303,21 @@ def test_a_script_reading_its_loader_with_next_is_stopped_not_crashed(tmp_path):
     assert [r["status"] for r in report["ranks"]] == ["stopped", "stopped"], report["ranks"]
     assert by_name(report)["exit"]["status"] == "pass", by_name(report)["exit"]
     assert by_name(report)["params"]["status"] == "pass"
+
+
+def test_a_libraries_private_temporary_file_is_no_second_writer(tmp_path, monkeypatch):
+    """torch_geometric writes a generated module per process into the system's temporary folder:
+    not a file of the program. A file of the program's own folder (even one under /tmp), or a
+    temporary path two ranks both write, still counts."""
+    import tempfile
+
+    own = tempfile.mkdtemp(dir=tempfile.gettempdir(), prefix="pyg_")
+    write = lambda path: {"path": path, "how": "open", "where": "models/layer.py:14"}  # noqa: E731
+    rank1 = _record([[1]]) | {"writes": [write(os.path.join(own, "MessagePassing_ab12.py"))]}
+    monkeypatch.chdir(str(tmp_path))  # the program's folder
+    assert checks.one_writer(Run([_record([[0]]), rank1], ["", ""])).status == "pass"
+    shared = _record([[1]]) | {"writes": [write(os.path.join(own, "same.lock"))]}
+    assert checks.one_writer(Run([_record([[0]]) | {"writes": [write(os.path.join(own, "same.lock"))]}, shared],
+                                 ["", ""])).status == "fail"
+    program = _record([[1]]) | {"writes": [write(str(tmp_path / "log.txt"))]}
+    assert checks.one_writer(Run([_record([[0]]), program], ["", ""])).status == "fail"

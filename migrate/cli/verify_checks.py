@@ -305,16 +305,33 @@ def one_writer(run: Run) -> Check:
     """Only rank 0 writes files (checkpoints, logs, csv, images)."""
     title = "only rank 0 writes files"
     evidence, where = [], []
+    paths = [{w["path"] for w in rec["writes"]} if rec else set() for rec in run.records]
     for rank, rec in enumerate(run.records):
         if rank == 0 or not rec:
             continue
         for write in rec["writes"]:
+            if _private_temp(write["path"]) and not any(write["path"] in other for r, other in enumerate(paths) if r != rank):
+                continue  # a file of this process's own in the system's temporary folder (a library's cache)
             evidence.append(f"rank {rank} wrote {_show(write['path'])} ({write['how']} at {write['where'] or '?'})")
             where += [write["where"]] if write["where"] else []
     if evidence:
         return Check("writers", title, FAIL, f"{len(evidence)} file(s) written by ranks other than 0", evidence, sorted(set(where)))
     written = len(run.records[0]["writes"]) if run.records and run.records[0] else 0
     return Check("writers", title, PASS, f"rank 0 wrote {written} file(s), the other ranks none")
+
+
+def _private_temp(path: str) -> bool:
+    """`path` lies in the system's temporary folder (where libraries write per-process files:
+    torch_geometric's generated modules, compile caches), outside the folder the program runs in."""
+    import tempfile
+
+    def inside(folder: str) -> bool:
+        try:
+            return os.path.commonpath([os.path.realpath(path), os.path.realpath(folder)]) == os.path.realpath(folder)
+        except ValueError:  # different drives
+            return False
+
+    return inside(tempfile.gettempdir()) and not inside(os.getcwd())
 
 
 def unprefixed(run: Run) -> Check:
