@@ -321,3 +321,13 @@ def test_a_libraries_private_temporary_file_is_no_second_writer(tmp_path, monkey
                                  ["", ""])).status == "fail"
     program = _record([[1]]) | {"writes": [write(str(tmp_path / "log.txt"))]}
     assert checks.one_writer(Run([_record([[0]]), program], ["", ""])).status == "fail"
+
+
+def test_a_sampler_drawing_with_replacement_is_not_judged_for_overlap():
+    """`tm.shard_sampler(WeightedRandomSampler(w, n))`: the drawn sequence repeats samples, so
+    ranks share some by design; the check says it cannot judge instead of failing."""
+    rank0, rank1 = _record([[0, 3, 3, 5]]), _record([[3, 1, 5, 5]])
+    for rec in (rank0, rank1):
+        rec["loaders"]["train.py:10"]["replacement"] = True
+    assert checks.sharded(Run([rank0, rank1], ["", ""])).status == "skip"
+    assert checks.sharded(Run([_record([[0, 3, 3, 5]]), _record([[3, 1, 5, 5]])], ["", ""])).status == "fail"

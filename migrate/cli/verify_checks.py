@@ -165,8 +165,8 @@ def sharded(run: Run) -> Check:
     world = len(run.records)
     for (site, _), info in sites.items():
         n, reads = info["loader"]["dataset_len"], info["reads"]
-        if len(reads) < 2:
-            continue
+        if len(reads) < 2 or info["loader"].get("replacement"):
+            continue  # (a sampler drawing with replacement repeats samples across ranks by design)
         epochs = min(len(r) for r in reads.values())
         for epoch in range(epochs):
             drawn = {rank: r[epoch]["indices"] for rank, r in reads.items()}
@@ -189,7 +189,11 @@ def sharded(run: Run) -> Check:
                 break
     if evidence:
         return Check("sharded", title, FAIL, f"{len(where)} training loader(s) not sharded correctly across ranks", evidence, where)
-    return Check("sharded", title, PASS, f"each rank drew a disjoint shard of the loader at {', '.join(s for s, _ in sites)}")
+    judged = [s for (s, _), info in sites.items() if not info["loader"].get("replacement")]
+    if not judged:
+        return Check("sharded", title, SKIP, "the training loaders draw with replacement: samples repeat across ranks "
+                                             "by design, so no overlap can be judged")
+    return Check("sharded", title, PASS, f"each rank drew a disjoint shard of the loader at {', '.join(judged)}")
 
 
 def reshuffled(run: Run) -> Check:

@@ -145,6 +145,7 @@ def _loader(loader) -> dict:
     return record["loaders"].setdefault(f"{site} {id(loader.dataset)}", {
         "site": site, "sampler": type(sampler).__name__,
         "shuffle": getattr(sampler, "shuffle", isinstance(sampler, torch.utils.data.RandomSampler)),
+        "replacement": bool(getattr(sampler, "replacement", False)),  # draws repeat samples by design
         "dataset_len": _len(loader.dataset),
         "drop_last": bool(loader.drop_last or getattr(sampler, "drop_last", False)),
         "iterations": []})
