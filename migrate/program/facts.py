@@ -552,6 +552,9 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
             program_torch=path in torch_programs,
             print_override=path in overridden,
             called_elsewhere=frozenset(q for p, q in called if p == path),
+            builders_for_others=frozenset(q for p, q in optimizer_params if p == path
+                                          and any(_spellings(other, modules, {(p, q)})
+                                                  for o, other in modules.items() if o != path)),
             guarded_elsewhere=frozenset(q for p, q in called - unguarded if p == path),
             call_effects=effects.spelled_effects(program_effects, str(path)),
             call_writes=effects.written_arguments(program_effects, str(path)),

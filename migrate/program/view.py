@@ -95,6 +95,9 @@ class ModuleView:
     # of them that every such call reaches only under a rank guard (`if utils.is_main_process():
     # utils.save_checkpoint(...)`)
     called_elsewhere: FrozenSet[str] = frozenset()
+    # this module's functions (and classes, by their `__init__`) that build an optimizer over a
+    # model parameter and that another module calls: the caller wraps the model it passes
+    builders_for_others: FrozenSet[str] = frozenset()
     guarded_elsewhere: FrozenSet[str] = frozenset()
     # the effects of the program's code each call of this module reaches (`program.effects`):
     # "<scope>|<callee as spelled>" ("main|utils.save_params", "Trainer.fit|self.log") -> kinds

@@ -853,6 +853,8 @@ class Plan:
                 fname = scope.name.value if isinstance(scope, cst.FunctionDef) else None
                 if fname and m in self.models.params(scope) and any(c.via is o for c in optimizers(ctx)):
                     return None  # this file calls fname() with the model: the wrap goes at that call
+                if fname and m in self.models.params(scope) and self._builder_for_others(scope):
+                    return None  # another module calls fname() with the model and wraps it there
                 if fname and m in self.models.params(scope):
                     return (f"`{m}` is a parameter of {fname}(), which builds its optimizer: wrap the model with "
                             f"`{tm}.wrap_model(...)` where {fname}() is called")
@@ -974,6 +976,21 @@ class Plan:
                             found[func.name.value].append(entry)
             self._memo[key] = found
         return self._memo[key]  # type: ignore[return-value]
+
+    def _builder_for_others(self, scope: cst.CSTNode) -> bool:
+        """`scope` builds an optimizer over a model parameter and another module calls it
+        (`ModuleView.builders_for_others`: a module-level function, or a class by its
+        `__init__`): that module wraps the model it passes, so nothing is left to say here."""
+        ctx = self.ctx
+        if not isinstance(scope, cst.FunctionDef):
+            return False
+        block = ctx.parent(scope)
+        owner = ctx.parent(block) if isinstance(block, cst.IndentedBlock) else block
+        if isinstance(owner, cst.ClassDef):
+            qual = owner.name.value if scope.name.value == "__init__" else None
+        else:
+            qual = scope.name.value if isinstance(owner, cst.Module) else None
+        return qual is not None and qual in ctx.program.builders_for_others
 
     def _wrapped_by_callee(self, m: str, scope: cst.CSTNode) -> bool:
         """`m` is passed (in `scope`) to a function of this file that wraps that parameter in
