@@ -367,6 +367,10 @@ class DeviceFromRank(Rule):
         changes = {"body": new_cuda} if is_body else {"orelse": new_cuda}
         if cpu is not None:
             changes["orelse" if is_body else "body"] = cpu
+        if "\n" in code(node) and not node.lpar:
+            # an expression over several lines that stood inside `torch.device(...)`'s
+            # parentheses, which the rewrite drops: its own keep it one expression
+            changes.update(lpar=[cst.LeftParen()], rpar=[cst.RightParen()])
         return node.with_changes(**changes)
 
     # --- main -----------------------------------------------------------------------------
