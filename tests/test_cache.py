@@ -172,6 +172,31 @@ def test_a_new_module_file_rebuilds_the_program(tmp_path, run_cli, monkeypatch):
     assert len(builds) == 2
 
 
+def test_editing_one_script_of_a_folder_recomputes_that_programs_facts_only(tmp_path, run_cli, monkeypatch):
+    """A folder of separate scripts (examples, experiments): after one is edited, the build
+    computes the facts of that script's program only, and its result reflects the edit."""
+    from torchmigrate.program import facts as program_facts
+
+    computed = []
+    real = program_facts.compute
+    monkeypatch.setattr(program_facts, "compute",
+                        lambda part, *a, **k: computed.append(sorted(p.name for p in part.modules)) or real(part, *a, **k))
+    for name in ("apex_amp.py", "local_rank_launch.py", "dataparallel.py"):
+        shutil.copy(SCRIPTS / name, tmp_path / name)
+    first = lint(run_cli, tmp_path)[1]
+    assert sorted(computed) == [["apex_amp.py"], ["dataparallel.py"], ["local_rank_launch.py"]]
+    computed.clear()
+    edited = tmp_path / "dataparallel.py"
+    edited.write_text(edited.read_text() + "\nx = 1\n")
+    second = lint(run_cli, tmp_path)[1]
+    assert computed == [["dataparallel.py"]]
+    assert second == first  # (the appended line changes no finding)
+    edited.write_text("import torch\nmodel = torch.nn.DataParallel(torch.nn.Linear(2, 2))\n")
+    computed.clear()
+    third = lint(run_cli, tmp_path)[1]
+    assert computed == [["dataparallel.py"]] and third != first
+
+
 def test_a_new_tool_version_invalidates_and_old_versions_are_pruned(project, run_cli, processed, monkeypatch, tmp_path):
     root = tmp_path / "cache"
     lint(run_cli, "--cache-dir", root, project)
@@ -303,11 +328,11 @@ def test_a_recalled_program_has_the_same_views(tmp_path):
                                        "opt = torch.optim.SGD(model.parameters())\nsave(model)\n")
     files = [tmp_path / "train.py", tmp_path / "utils.py"]
 
-    def build(fs=None):
-        return program_build.build(files, [], True, fs=fs or program_build.PLAIN)
+    def build(fs=None, parts=None):
+        return program_build.build(files, [], True, fs=fs or program_build.PLAIN, parts=parts)
 
     made = cache.LintCache(tmp_path / "cache").program(files, [], True, (), build)
-    recalled = cache.LintCache(tmp_path / "cache").program(files, [], True, (), lambda fs: pytest.fail("rebuilt"))
+    recalled = cache.LintCache(tmp_path / "cache").program(files, [], True, (), lambda fs, parts: pytest.fail("rebuilt"))
     assert made.views and {k: recalled.views.get(k) for k in made.views} == made.views
     assert (made.files, made.entries, made.followed, made.groups) == \
         (recalled.files, recalled.entries, recalled.followed, recalled.groups)

@@ -345,6 +345,25 @@ def _view(data: dict):
     return ModuleView(**kwargs)
 
 
+class _PartViews:
+    """The facts of each program of a run (`program.build.PartViews`), as `parts/<key>.json`:
+    after one file of a folder of scripts is edited, only its own program's facts are computed
+    again (the run's build as a whole is not reused: a module's hash changed)."""
+
+    def __init__(self, store: "Store") -> None:
+        self.store = store
+
+    def get(self, key: str):
+        data = self.store.read(f"parts/{key}.json")
+        try:
+            return {path: _view(view) for path, view in data["views"].items()} if data and data.get("key") == key else None
+        except (KeyError, TypeError, ValueError):
+            return None  # an entry of another shape: computed again
+
+    def put(self, key: str, views) -> None:
+        self.store.write(f"parts/{key}.json", {"key": key, "views": {p: _view_json(v) for p, v in views.items()}})
+
+
 class LintCache:
     """What `lint` asks of the cache: the program build, and each file's outcome."""
 
@@ -401,7 +420,7 @@ class LintCache:
         except (KeyError, TypeError, ValueError):
             pass  # an entry of another shape: build again
         recorder = Recorder()
-        program = build(recorder)
+        program = build(recorder, _PartViews(self.store))
         views = {k: _view_json(v) for k, v in program.views.items()}
         self._views = {k: json.dumps(v) for k, v in views.items()}
         record = {"key": key, "answers": [[k, p, a] for (k, p), a in recorder.answers.items()],

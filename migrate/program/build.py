@@ -4,24 +4,28 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import json
 import os
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Set
+from typing import Callable, Dict, List, Optional, Protocol, Sequence, Set
 
 from torchmigrate.program import facts, graph
-from torchmigrate.program.fs import PLAIN, FileSystem
+from torchmigrate.program.fs import PLAIN, FileSystem, digest
 from torchmigrate.program.program import Program
 from torchmigrate.program.view import ModuleView
 
 
 def build(found: Sequence[Path], named: Sequence[Path], follow: bool = True,
-          exclude: Optional[callable] = None, fs: FileSystem = PLAIN) -> Program:
+          exclude: Optional[callable] = None, fs: FileSystem = PLAIN, parts: Optional["PartViews"] = None) -> Program:
     """`found`: the files discovered from the command line; `named`: those given by name.
 
     Entry points are the files given by name and, in folders, files with a `__main__` guard
     or that no other file of the run imports. With `follow`, the project modules the entries
     import (transitively) join the run. `exclude(path)` drops followed files that the
     configuration excludes. Every file-system question goes through `fs` (see `fs.Recorder`).
+    `parts` (the lint cache's) keeps the facts of each program of the run by what they were
+    computed from, so editing one script of a folder of examples recomputes that program's facts
+    only.
     """
     trees: Dict[Path, ast.Module] = {}
     resolved = {Path(_real(p, fs)): p for p in found}
@@ -44,12 +48,43 @@ def build(found: Sequence[Path], named: Sequence[Path], follow: bool = True,
             program.files.append(path if absolute else Path(graph.relpath(path)))
     program.unresolved = [f"{graph.relpath(path)}:{line}: {name}" for path, misses in start.unresolved.items()
                           if exclude is None or not exclude(path) for line, name in misses]
-    program.views = {str(p): v for p, v in _views(start, trees, entries).items()}
+    program.views = {str(p): v for p, v in _views(start, trees, entries, _part_key(fs) if parts else None,
+                                                  parts).items()}
     program.groups = [[str(m) for m in part.modules] for part in _parts(start) if len(part.modules) > 1]
     return program
 
 
-def _views(start: graph.Graph, trees: Dict[Path, ast.Module], entries: List[Path]) -> Dict[Path, ModuleView]:
+class PartViews(Protocol):
+    """Where the facts of one program of a run are kept by their key (`engine.cache`)."""
+
+    def get(self, key: str) -> Optional[Dict[str, ModuleView]]: ...
+
+    def put(self, key: str, views: Dict[str, ModuleView]) -> None: ...
+
+
+def _part_key(fs: FileSystem) -> Optional[Callable[[graph.Graph, List[Path]], Optional[str]]]:
+    """The key of a program's facts: its modules in order with the hash of each one's bytes (as
+    the recording file system read them), what each imports, and its entries. None where the
+    file system keeps no hashes (no cache), or a module's is missing."""
+    reads = getattr(fs, "reads", None)
+    if reads is None:
+        return None
+
+    def key(part: graph.Graph, entries: List[Path]) -> Optional[str]:
+        hashes = [reads.get(str(m)) for m in part.modules]
+        if any(h is None for h in hashes):
+            return None
+        text = json.dumps([[str(m) for m in part.modules], hashes, [str(e) for e in entries],
+                           {str(m): [str(d) for d in part.imports.get(m, ())] for m in part.modules},
+                           {str(m): part.unresolved.get(m, []) for m in part.modules}])
+        return digest(text.encode("utf-8", "surrogateescape"))
+
+    return key
+
+
+def _views(start: graph.Graph, trees: Dict[Path, ast.Module], entries: List[Path],
+           key: Optional[Callable[[graph.Graph, List[Path]], Optional[str]]] = None,
+           parts: Optional[PartViews] = None) -> Dict[Path, ModuleView]:
     """The facts of each program in the run, computed apart: scripts given together that share no
     module (`torchmigrate ddp *.py` over a folder of examples) are separate programs, and one's
     BCE loss, own process group or endless generator says nothing about another's training. A
@@ -58,7 +93,16 @@ def _views(start: graph.Graph, trees: Dict[Path, ast.Module], entries: List[Path
     views: Dict[Path, ModuleView] = {}
     for part in _parts(start):
         members = set(part.modules)
-        views.update(facts.compute(part, trees, [e for e in entries if e in members]))
+        own = [e for e in entries if e in members]
+        found = key(part, own) if key is not None and parts is not None else None
+        kept = parts.get(found) if found is not None else None
+        if kept is not None and set(kept) == {str(m) for m in part.modules}:
+            views.update({Path(p): v for p, v in kept.items()})
+            continue
+        computed = facts.compute(part, trees, own)
+        views.update(computed)
+        if found is not None:
+            parts.put(found, {str(p): v for p, v in computed.items()})
     pickled = frozenset().union(*(v.pickled_keys for v in views.values()))
     return {p: dataclasses.replace(v, pickled_keys=pickled) for p, v in views.items()}
 
