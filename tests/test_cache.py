@@ -328,11 +328,11 @@ def test_a_recalled_program_has_the_same_views(tmp_path):
                                        "opt = torch.optim.SGD(model.parameters())\nsave(model)\n")
     files = [tmp_path / "train.py", tmp_path / "utils.py"]
 
-    def build(fs=None, parts=None):
-        return program_build.build(files, [], True, fs=fs or program_build.PLAIN, parts=parts)
+    def build(fs=None, parts=None, scans=None):
+        return program_build.build(files, [], True, fs=fs or program_build.PLAIN, parts=parts, scans=scans)
 
     made = cache.LintCache(tmp_path / "cache").program(files, [], True, (), build)
-    recalled = cache.LintCache(tmp_path / "cache").program(files, [], True, (), lambda fs, parts: pytest.fail("rebuilt"))
+    recalled = cache.LintCache(tmp_path / "cache").program(files, [], True, (), lambda *a: pytest.fail("rebuilt"))
     assert made.views and {k: recalled.views.get(k) for k in made.views} == made.views
     assert (made.files, made.entries, made.followed, made.groups) == \
         (recalled.files, recalled.entries, recalled.followed, recalled.groups)

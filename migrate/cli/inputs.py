@@ -120,10 +120,10 @@ def _discover(inputs: Inputs, paths: Sequence[str], discovery: Discovery, reques
     inputs.errors = [path_error(path, why) for path, why in bad]
     if not found and not bad and not inputs.excluded:
         inputs.errors.append(path_error(", ".join(paths), "no Python files found"))
-    def build_program(fs=None, parts=None):
+    def build_program(fs=None, parts=None, scans=None):
         from torchmigrate.program.build import build  # only when the cache cannot answer
 
-        return build(found, named, follow, exclude=discovery.left_out, fs=fs or PLAIN, parts=parts)
+        return build(found, named, follow, exclude=discovery.left_out, fs=fs or PLAIN, parts=parts, scans=scans)
 
     # what decides which files the build leaves out, for the cached build's key
     key = [repr(request.config), str(request.force_exclude), str(request.respect_gitignore)]

@@ -364,6 +364,60 @@ class _PartViews:
         self.store.write(f"parts/{key}.json", {"key": key, "views": {p: _view_json(v) for p, v in views.items()}})
 
 
+class _ModuleScans:
+    """What following each module's imports needs of its text (`program.graph.ModuleScan`), as
+    `scans/<key>.json` (the key hashes the module's path, bytes and the folder it runs from):
+    a build after one edit parses the edited file only."""
+
+    def __init__(self, store: "Store") -> None:
+        self.store = store
+
+    def get(self, key: str):
+        data = self.store.read(f"scans/{key}.json")
+        if not data or data.get("key") != key:
+            return None
+        try:
+            return _scan(data)
+        except (KeyError, TypeError, ValueError, IndexError):
+            return None  # an entry of another shape: scanned again
+
+    def put(self, key: str, scan) -> None:
+        self.store.write(f"scans/{key}.json", dict(_scan_json(scan), key=key))
+
+
+def _scan_json(scan) -> dict:
+    statements = []
+    for node in scan.statements:
+        names = [[a.name, a.asname] for a in node.names]
+        if node.__class__.__name__ == "Import":
+            statements.append(["import", node.lineno, names])
+        else:
+            statements.append(["from", node.lineno, names, node.module, node.level])
+    sites = [[s.line, s.kind, list(s.names), s.text, None if s.path is None else str(s.path)]
+             for s in scan.loads.sites]
+    return {"code_dirs": [str(d) for d in scan.code_dirs], "statements": statements,
+            "sites": sites, "names": sorted(scan.loads.names), "main_guard": scan.main_guard}
+
+
+def _scan(data: dict):
+    import ast
+
+    from torchmigrate.program.dynamic_imports import Loads, Site
+    from torchmigrate.program.graph import ModuleScan
+
+    statements = []
+    for entry in data["statements"]:
+        aliases = [ast.alias(name=n, asname=a) for n, a in entry[2]]
+        node = ast.Import(names=aliases) if entry[0] == "import" else \
+            ast.ImportFrom(module=entry[3], names=aliases, level=entry[4])
+        node.lineno, node.col_offset = entry[1], 0
+        statements.append(node)
+    sites = [Site(line, kind, tuple(names), text, None if path is None else Path(path))
+             for line, kind, names, text, path in data["sites"]]
+    return ModuleScan([Path(d) for d in data["code_dirs"]], statements, Loads(sites, set(data["names"])),
+                      bool(data["main_guard"]))
+
+
 class LintCache:
     """What `lint` asks of the cache: the program build, and each file's outcome."""
 
@@ -420,7 +474,7 @@ class LintCache:
         except (KeyError, TypeError, ValueError):
             pass  # an entry of another shape: build again
         recorder = Recorder()
-        program = build(recorder, _PartViews(self.store))
+        program = build(recorder, _PartViews(self.store), _ModuleScans(self.store))
         views = {k: _view_json(v) for k, v in program.views.items()}
         self._views = {k: json.dumps(v) for k, v in views.items()}
         record = {"key": key, "answers": [[k, p, a] for (k, p), a in recorder.answers.items()],

@@ -16,7 +16,8 @@ from torchmigrate.program.view import ModuleView
 
 
 def build(found: Sequence[Path], named: Sequence[Path], follow: bool = True,
-          exclude: Optional[callable] = None, fs: FileSystem = PLAIN, parts: Optional["PartViews"] = None) -> Program:
+          exclude: Optional[callable] = None, fs: FileSystem = PLAIN, parts: Optional["PartViews"] = None,
+          scans: Optional[graph.Scans] = None) -> Program:
     """`found`: the files discovered from the command line; `named`: those given by name.
 
     Entry points are the files given by name and, in folders, files with a `__main__` guard
@@ -25,18 +26,19 @@ def build(found: Sequence[Path], named: Sequence[Path], follow: bool = True,
     configuration excludes. Every file-system question goes through `fs` (see `fs.Recorder`).
     `parts` (the lint cache's) keeps the facts of each program of the run by what they were
     computed from, so editing one script of a folder of examples recomputes that program's facts
-    only.
+    only; `scans` keeps what following each module's imports needs of its text
+    (`graph.ModuleScan`), so only the edited file is parsed.
     """
     trees: Dict[Path, ast.Module] = {}
     resolved = {Path(_real(p, fs)): p for p in found}
     named_set = {Path(_real(p, fs)) for p in named}
     program = Program(list(found))
-    start = graph.build(resolved, trees, fs)
+    start = graph.build(resolved, trees, fs, scans)
     imported: Set[Path] = {f for deps in start.imports.values() for f in deps}
     entries = []
     for path in resolved:
-        tree = trees.get(path)
-        if path in named_set or (tree is not None and (graph.has_main_guard(tree) or path not in imported)):
+        parsed = path in start.statements  # (a module that does not parse has no statements)
+        if path in named_set or (parsed and (path in start.main_guards or path not in imported)):
             entries.append(path)
     program.entries = entries
     if not follow:
@@ -49,7 +51,7 @@ def build(found: Sequence[Path], named: Sequence[Path], follow: bool = True,
     program.unresolved = [f"{graph.relpath(path)}:{line}: {name}" for path, misses in start.unresolved.items()
                           if exclude is None or not exclude(path) for line, name in misses]
     program.views = {str(p): v for p, v in _views(start, trees, entries, _part_key(fs) if parts else None,
-                                                  parts).items()}
+                                                  parts, lambda m: graph.parse(m, fs)).items()}
     program.groups = [[str(m) for m in part.modules] for part in _parts(start) if len(part.modules) > 1]
     return program
 
@@ -84,7 +86,8 @@ def _part_key(fs: FileSystem) -> Optional[Callable[[graph.Graph, List[Path]], Op
 
 def _views(start: graph.Graph, trees: Dict[Path, ast.Module], entries: List[Path],
            key: Optional[Callable[[graph.Graph, List[Path]], Optional[str]]] = None,
-           parts: Optional[PartViews] = None) -> Dict[Path, ModuleView]:
+           parts: Optional[PartViews] = None,
+           parse: Optional[Callable[[Path], Optional[ast.Module]]] = None) -> Dict[Path, ModuleView]:
     """The facts of each program in the run, computed apart: scripts given together that share no
     module (`torchmigrate ddp *.py` over a folder of examples) are separate programs, and one's
     BCE loss, own process group or endless generator says nothing about another's training. A
@@ -99,6 +102,12 @@ def _views(start: graph.Graph, trees: Dict[Path, ast.Module], entries: List[Path
         if kept is not None and set(kept) == {str(m) for m in part.modules}:
             views.update({Path(p): v for p, v in kept.items()})
             continue
+        for m in part.modules:  # a module whose scan was kept: its facts need its parse
+            if m not in trees and m in part.statements and parse is not None:
+                tree = parse(m)
+                if tree is not None:
+                    trees[m] = tree
+                    part.statements[m] = graph.import_statements(tree)
         computed = facts.compute(part, trees, own)
         views.update(computed)
         if found is not None:

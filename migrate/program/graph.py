@@ -19,11 +19,11 @@ import sys
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
+from typing import Dict, Iterable, List, Optional, Protocol, Sequence, Set, Tuple
 
 from torchmigrate.program import dynamic_imports, search_path
 from torchmigrate.program.fs import SKIP_DIRS
-from torchmigrate.program.fs import PLAIN, FileSystem
+from torchmigrate.program.fs import PLAIN, FileSystem, digest
 from torchmigrate.program.project import Project, walk as project_walk
 from torchmigrate.program.astwalk import walk
 
@@ -58,12 +58,16 @@ class Graph:
     # imports that look like the project's own but resolve nowhere, and modules loaded by a name
     # that no text of the project gives: module -> (line, name or the call written out)
     unresolved: Dict[Path, List[Tuple[int, str]]] = field(default_factory=dict)
+    # modules with an `if __name__ == "__main__":` block (scripts), for the entry points
+    main_guards: Set[Path] = field(default_factory=set)
 
 
-def _parse(path: Path, fs: FileSystem) -> Optional[ast.Module]:
+def parse(path: Path, fs: FileSystem) -> Optional[ast.Module]:
     data = fs.read(path)
-    if data is None:
-        return None
+    return None if data is None else _parse_bytes(data, path)
+
+
+def _parse_bytes(data: bytes, path: Path) -> Optional[ast.Module]:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -173,7 +177,8 @@ def _submodules(resolver: _Resolver, package: Path, names: List[ast.alias]) -> L
 MAX_ROUNDS = 4  # a build that learns of new search folders follows the imports again
 
 
-def build(entries: Iterable[Path], trees: Optional[Dict[Path, ast.Module]] = None, fs: FileSystem = PLAIN) -> Graph:
+def build(entries: Iterable[Path], trees: Optional[Dict[Path, ast.Module]] = None, fs: FileSystem = PLAIN,
+          scans: Optional[Scans] = None) -> Graph:
     """Follow the entries' imports into their project; `trees` caches parses by resolved path.
     Every file-system question goes through `fs` (see `fs.Recorder`).
 
@@ -193,15 +198,67 @@ def build(entries: Iterable[Path], trees: Optional[Dict[Path, ast.Module]] = Non
     graph = Graph()
     for _ in range(MAX_ROUNDS):
         search.grew = False
-        graph = _follow(entries, roots, trees, fs, search)
+        graph = _follow(entries, roots, trees, fs, search, scans)
         search.grew = search.grew or search.stale()
         if not search.grew:
             break
     return graph
 
 
+@dataclass
+class ModuleScan:
+    """What following a module's imports needs of its text: the folders it adds to `sys.path`,
+    its import statements, the modules it loads by name, and whether it is a script. Computed
+    from the module's parse once per content (`Scans` keeps them across runs: a re-lint after
+    one file is edited parses that file only)."""
+
+    code_dirs: List[Path]
+    statements: List[ast.stmt]
+    loads: dynamic_imports.Loads
+    main_guard: bool
+
+
+class Scans(Protocol):
+    """Where the lint cache keeps `ModuleScan`s, by a module's path, bytes and folder run from."""
+
+    def get(self, key: str) -> Optional[ModuleScan]: ...
+
+    def put(self, key: str, scan: ModuleScan) -> None: ...
+
+
+def _scan(path: Path, entry_dir: Path, trees: Dict[Path, ast.Module], fs: FileSystem,
+          scans: Optional[Scans]) -> Optional[ModuleScan]:
+    """The module's scan: kept (`scans`, by the hash of its bytes) or from its parse (then kept
+    in `trees` for the program's facts). None when it cannot be read or parsed."""
+    key = None
+    tree = trees.get(path)
+    if tree is None and scans is not None:
+        data = fs.read(path)
+        if data is None:
+            return None
+        key = digest(b"\0".join([str(path).encode("utf-8", "surrogateescape"),
+                                  str(entry_dir).encode("utf-8", "surrogateescape"), data]))
+        kept = scans.get(key)
+        if kept is not None:
+            return kept
+        tree = _parse_bytes(data, path)
+        if tree is None:
+            return None
+        trees[path] = tree
+    elif tree is None:
+        tree = parse(path, fs)
+        if tree is None:
+            return None
+        trees[path] = tree
+    found = ModuleScan(search_path.code_dirs(tree, path, entry_dir), import_statements(tree),
+                       dynamic_imports.scan(tree, path, entry_dir), has_main_guard(tree))
+    if key is not None:
+        scans.put(key, found)
+    return found
+
+
 def _follow(entries: List[Path], roots: Dict[Path, Path], trees: Dict[Path, ast.Module], fs: FileSystem,
-            search: "_Search") -> Graph:
+            search: "_Search", scans: Optional[Scans] = None) -> Graph:
     graph = Graph()
     seen: Set[Path] = set()
     queue: List[Tuple[Path, Path, Path]] = [(e, roots[e.parent], e.parent) for e in entries]
@@ -211,23 +268,22 @@ def _follow(entries: List[Path], roots: Dict[Path, Path], trees: Dict[Path, ast.
             continue
         seen.add(path)
         graph.modules.append(path)
-        tree = trees.get(path)
-        if tree is None:
-            tree = _parse(path, fs)
-            if tree is None:
-                graph.imports[path] = []
-                continue
-            trees[path] = tree
+        scanned = _scan(path, entry_dir, trees, fs, scans)
+        if scanned is None:
+            graph.imports[path] = []
+            continue
+        if scanned.main_guard:
+            graph.main_guards.add(path)
         scope = _path_scope(root, entry_dir)
-        search.add_code(entry_dir, search_path.code_dirs(tree, path, entry_dir))
+        search.add_code(entry_dir, scanned.code_dirs)
         resolver = _Resolver(root, fs, [d for d in search.folders(entry_dir, scope) if _inside(d, scope)],
                              search.mapped.get(scope))
-        statements = graph.statements[path] = import_statements(tree)
+        statements = graph.statements[path] = scanned.statements
         misses: List[Tuple[int, str]] = []
         unknown: List[Tuple[int, str]] = []  # modules loaded by a name no text of the project gives
         try:
             imported = imported_files(statements, path, resolver, entry_dir, misses)
-            imported += _loaded_by_name(tree, path, resolver, entry_dir, scope, search, misses, unknown)
+            imported += _loaded_by_name(scanned.loads, path, resolver, entry_dir, scope, search, misses, unknown)
         except OSError:  # an import name the file system refuses (too long): not followed
             imported = []
         local = [(line, name) for line, name in misses
@@ -245,13 +301,12 @@ def _follow(entries: List[Path], roots: Dict[Path, Path], trees: Dict[Path, ast.
     return graph
 
 
-def _loaded_by_name(tree: ast.Module, importer: Path, resolver: _Resolver, entry_dir: Path, scope: Path,
+def _loaded_by_name(loads: "dynamic_imports.Loads", importer: Path, resolver: _Resolver, entry_dir: Path, scope: Path,
                     search: "_Search", misses: List[Tuple[int, str]], unknown: List[Tuple[int, str]]) -> List[Path]:
     """Project files the module loads by name at run time (see `dynamic_imports`). A name
     written in the code but found nowhere goes to `misses`, as an import's would; a call whose
     module no text of the project names goes to `unknown`, written out."""
     out: List[Path] = []
-    loads = dynamic_imports.scan(tree, importer, entry_dir)
     search.add_names(entry_dir, loads.names)
     for site in loads.sites:
         found: List[Path] = []
