@@ -516,9 +516,10 @@ def _sum_hook(_state, bucket):
 
 
 class _ModuleFace:
-    """What both of ``wrap_model``'s wrappers share with the plain model they wrap: ``state_dict()``
-    without the ``module.`` prefix (as the submodule of another module, the usual prefixed keys are
-    kept, so the parent's own checkpoints stay consistent), an attribute the wrapper lacks looked
+    """What both of ``wrap_model``'s wrappers share with the plain model they wrap: ``state_dict()``,
+    ``named_parameters()`` and ``named_buffers()`` without the ``module.`` prefix (as the submodule
+    of another module, the usual prefixed keys are kept, so the parent's own checkpoints stay
+    consistent), an attribute the wrapper lacks looked
     up on the module (``_tm_from_module``), and pickling as the module, through a function of the
     standard library (``operator.getitem((module,), 0)``), so the file loads where torchmigrate is
     not installed. Comes before the torch wrapper class in the bases."""
@@ -539,6 +540,20 @@ class _ModuleFace:
 
     def _tm_from_module(self, inner: nn.Module, name: str):
         return getattr(inner, name)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        """The module's own names (`layers.0.weight`, not `module.layers.0.weight`), as in one
+        process: code that matches parameters by name across models (an EMA copy made from
+        `tm.unwrap(model)`, weight decay by name) sees what it saw. DDP itself reads its module's."""
+        if prefix or not recurse:
+            return super().named_parameters(prefix, recurse, remove_duplicate)
+        return self.module.named_parameters(prefix, recurse, remove_duplicate)
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        """The module's own buffer names, as `named_parameters`."""
+        if prefix or not recurse:
+            return super().named_buffers(prefix, recurse, remove_duplicate)
+        return self.module.named_buffers(prefix, recurse, remove_duplicate)
 
     def __reduce_ex__(self, protocol):
         return operator.getitem, ((self.module,), 0)

@@ -272,6 +272,7 @@ def test_ddp_keeps_ranks_identical(collectives):
     assert r0["params_after"] == r1["params_after"]  # on different data, yet identical
     assert r0["reload_ok"] and r1["reload_ok"]
     assert r0["state_keys_plain"] and r1["state_keys_plain"]  # the wrapper saves the module's keys
+    assert r0["names_plain"] and r1["names_plain"]  # and names its parameters as the module does
 
 
 def test_no_sync_skips_gradient_allreduce(collectives):

@@ -274,6 +274,16 @@ def test_a_former_data_parallel_container_keeps_iteration_in_one_process():
         iter(plain)  # a module that is no container stays one
 
 
+def test_a_kept_data_parallel_names_parameters_as_its_module():
+    """`update_average(shadow, model)` matching `named_parameters()` of a copy of the plain
+    module with those of the wrapper: the names are the module's, as in the original."""
+    model = small_model()
+    wrapped = tm.wrap_model(model, data_parallel=True)
+    assert [n for n, _ in wrapped.named_parameters()] == [n for n, _ in model.named_parameters()]
+    assert [n for n, _ in wrapped.named_buffers()] == [n for n, _ in model.named_buffers()]
+    assert [n for n, _ in wrapped.named_parameters(prefix="gen")][0].startswith("gen.module.")
+
+
 def test_shard_sampler_of_no_sampler_is_the_loaders_own_order():
     """`sampler=tm.shard_sampler(train_sampler, dataset=ds, shuffle=train_sampler is None)` with
     `shuffle=False` on the loader: one process keeps what the original loader did either way."""

@@ -320,6 +320,9 @@ def main(outdir):
     # checkpoint of a DDP model loads into a plain one
     sd_path = os.path.join(outdir, "ddp_state.pt")
     res["state_keys_plain"] = not any(k.startswith("module.") for k in model.state_dict())
+    # names as in one process, so an EMA copy of tm.unwrap(model) matches them by name
+    res["names_plain"] = ([n for n, _ in model.named_parameters()] == [n for n, _ in tm.unwrap(model).named_parameters()]
+                          and not any(n.startswith("module.") for n, _ in model.named_buffers()))
     tm.save(model.state_dict(), sd_path)
     tm.barrier()
     fresh = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
