@@ -481,11 +481,21 @@ def wrap_model(model: nn.Module, *, find_unused_parameters: bool = False, sync_b
     Anything that is not a module (``None`` on a path where the program builds no such model,
     a project object with its own ``.parameters()``) is returned unchanged: the migration wraps
     names where the analysis cannot prove which value they hold, and the program's own checks
-    (``if generator is not None``) must keep seeing what they saw.
+    (``if generator is not None``) must keep seeing what they saw. Distributed, a project object
+    that holds the trained module as an attribute (``edm.model``, trained through
+    ``edm.train_step(batch)`` calling ``self.model(x)``) gets that attribute wrapped in place
+    (each attribute module with trainable parameters that no other one contains), so its forward
+    goes through DDP and its gradients are averaged.
     """
     if loss_reduction not in ("mean", "sum"):
         raise ValueError(f"wrap_model: loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
-    if isinstance(model, DistributedDataParallel) or not isinstance(model, nn.Module):
+    if isinstance(model, DistributedDataParallel):
+        return model
+    if not isinstance(model, nn.Module):
+        if model is not None and is_distributed():
+            _wrap_members(model, lambda m: wrap_model(m, find_unused_parameters=find_unused_parameters, sync_bn=sync_bn,
+                                                      data_parallel=data_parallel, loss_reduction=loss_reduction,
+                                                      **ddp_kwargs))
         return model
     if isinstance(model, nn.DataParallel) and is_distributed():
         model = model.module  # a model the program wrapped itself: DDP replaces it
@@ -508,6 +518,26 @@ def wrap_model(model: nn.Module, *, find_unused_parameters: bool = False, sync_b
         ddp._tm_op = "sum"
         ddp.register_comm_hook(None, _sum_hook)
     return ddp
+
+
+def _wrap_members(holder, wrap) -> None:
+    """``wrap`` each module attribute of a project object that has trainable parameters (not
+    a frozen EMA copy), unless another such attribute contains it (wrapping both would reduce
+    its gradients twice); nothing where two share parameters only in part."""
+    try:
+        members = [(name, value) for name, value in vars(holder).items()
+                   if isinstance(value, nn.Module) and not isinstance(value, DistributedDataParallel)]
+    except TypeError:  # no __dict__ (slots, a builtin): nothing to wrap
+        return
+    trained = [(name, value, {id(p) for p in value.parameters() if p.requires_grad}) for name, value in members]
+    trained = [t for t in trained if t[2]]
+    for name, value, params in trained:
+        others = [o for n, _, o in trained if n != name]
+        if any(params <= o and params != o for o in others) or any(params == o for n, _, o in trained if n < name):
+            continue  # inside another one (or the same as one named before): that one is wrapped
+        if any(params & o and not (params >= o) for o in others):
+            return  # partly shared: which to wrap is not clear, leave them all
+        setattr(holder, name, wrap(value))
 
 
 def _sum_hook(_state, bucket):

@@ -273,6 +273,8 @@ def test_ddp_keeps_ranks_identical(collectives):
     assert r0["reload_ok"] and r1["reload_ok"]
     assert r0["state_keys_plain"] and r1["state_keys_plain"]  # the wrapper saves the module's keys
     assert r0["names_plain"] and r1["names_plain"]  # and names its parameters as the module does
+    # a project object holding the trained module: the module is wrapped in place, gradients averaged
+    assert r0["holder_wrapped"] and r1["holder_wrapped"] and r0["holder_params"] == r1["holder_params"]
 
 
 def test_no_sync_skips_gradient_allreduce(collectives):

@@ -1,5 +1,6 @@
 """Probe launched by tests/test_runtime_dist.py under torchrun: exercises every communicating
 helper of torchmigrate.runtime and writes this rank's observations to <outdir>/rank<R>.json."""
+import copy
 import json
 import logging
 import os
@@ -316,6 +317,26 @@ def main(outdir):
     with tm.no_sync(model, sync=True):
         nn.functional.mse_loss(model(x), y).backward()
     res["grads_synced"] = flat(p.grad for p in model.parameters())
+
+    # a project object (not a module) that holds the trained module: its module is wrapped in
+    # place (the frozen EMA copy is not), so training through its method averages gradients
+    class Holder:
+        def __init__(self, net):
+            self.model = net
+            self.ema = copy.deepcopy(net).requires_grad_(False)
+
+        def step_loss(self, xb, yb):
+            return nn.functional.mse_loss(self.model(xb), yb)
+
+    torch.manual_seed(5)
+    holder = tm.wrap_model(Holder(nn.Linear(4, 1)))
+    holder_opt = torch.optim.SGD(holder.model.parameters(), lr=0.1)
+    holder_opt.zero_grad()
+    holder.step_loss(torch.randn(4, 4) + tm.rank(), torch.randn(4, 1)).backward()
+    holder_opt.step()
+    res["holder_wrapped"] = (isinstance(holder.model, torch.nn.parallel.DistributedDataParallel)
+                             and not isinstance(holder.ema, torch.nn.parallel.DistributedDataParallel))
+    res["holder_params"] = flat(holder.model.parameters())
 
     # checkpoint of a DDP model loads into a plain one
     sd_path = os.path.join(outdir, "ddp_state.pt")
