@@ -1419,7 +1419,10 @@ class _ShardedSampler(Sampler):
         if not self._explicit:
             self.epoch = self._passes
             self._passes += 1
-        share = len(self)
+        try:
+            share = len(self)
+        except TypeError:  # an endless sampler without a length (DomainBed's _InfiniteSampler)
+            share = None
         streams = _Streams(self.seed + self.epoch)
         it, first = self._start(streams)
         if first is _END:

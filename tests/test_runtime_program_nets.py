@@ -236,3 +236,31 @@ def test_shard_sampler_agrees_across_ranks_on_draws_made_as_it_goes():
     # the program's own numpy stream is untouched by the sampler's draws, and numpy's seed is its own again
     assert after == [np.random.RandomState(100 + r).random_sample() for r in range(2)]
     assert np.random.seed is reseed
+
+
+class _NoLength(torch.utils.data.Sampler):
+    """DomainBed's `_InfiniteSampler`: endless batches of an inner batch sampler, and no `__len__`."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __iter__(self):
+        while True:
+            yield from torch.randperm(self.n).tolist()
+
+
+def test_shard_sampler_of_an_endless_sampler_without_a_length():
+    """No `len()` to pad to: each rank takes every W-th item of the shared draw, endlessly."""
+    import itertools
+    from unittest import mock
+
+    taken = []
+    with mock.patch.object(tm, "world_size", lambda: 2), mock.patch.object(tm, "is_distributed", lambda: True):
+        for r in range(2):
+            with mock.patch.object(tm, "rank", lambda r=r: r), mock.patch.object(tm, "_SAMPLERS_MADE", 0):
+                s = tm.shard_sampler(_NoLength(6))
+                taken.append(list(itertools.islice(iter(s), 9)))
+                with pytest.raises(TypeError):
+                    len(s)
+    assert len(taken[0]) == len(taken[1]) == 9
+    assert not set(taken[0][:3]) & set(taken[1][:3])  # one round of 6: 3 each, disjoint
