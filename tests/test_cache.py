@@ -361,17 +361,36 @@ def test_a_warm_run_writes_nothing(project, run_cli, tmp_path, monkeypatch):
     assert state() == before
 
 
+def test_a_program_handing_loaders_to_another_module_is_cached(tmp_path, run_cli, processed):
+    """A view with a dict of sets in a dict (the loaders train.py hands engine.evaluate) is
+    stored and recalled (before, the cold run stopped with "frozenset is not JSON serializable")."""
+    (tmp_path / "engine.py").write_text("import torch\n\n\ndef evaluate(model, loader):\n"
+                                        "    return [model(x) for x in loader]\n")
+    (tmp_path / "train.py").write_text("import torch\nfrom torch.utils.data import DataLoader\nfrom engine import evaluate\n"
+                                       "model = torch.nn.Linear(2, 2)\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+                                       "val_loader = DataLoader(torch.randn(4, 2), batch_size=2)\nevaluate(model, val_loader)\n")
+    first = lint(run_cli, tmp_path)
+    assert first[0] in (0, 1), first
+    processed.clear()
+    assert lint(run_cli, tmp_path) == first and processed == []
+
+
 def test_a_module_view_survives_the_cache_unchanged():
     """Every kind of ModuleView field (sets, dicts of sets, of positions, of per-output sets
     whose order matters) comes back from the stored JSON as it went in."""
     import json
 
     from torchmigrate.engine.cache import _view, _view_json
+    from torchmigrate.program.classes import OptimizerWrapper
     from torchmigrate.program.view import ModuleView
 
     view = ModuleView(is_entry=False, followed=True, wrapped_params={"evaluate": frozenset({"model"})},
                       loader_classes=frozenset({"AudioDataLoader"}), dp_classes={"BalancedDataParallel": 1},
                       forward_outputs={"nets.Net": (frozenset({"body", "cls"}), frozenset({"aux"}))},
                       iterator_builders={"build_iterator": (0,)}, optimizer_builders={"engine.train": (1, "model")},
+                      loader_params={"evaluate": {"loader": frozenset({"eval"})}},
+                      flag_args={"make_loader": {"shuffle": frozenset({True, False})}},
+                      optimizer_wrappers={"ScheduledOptim": OptimizerWrapper("_optimizer", True)},
+                      call_writes={"f|save": (frozenset({1}), frozenset({"path"}))},
                       program_trains=True)
     assert _view(json.loads(json.dumps(_view_json(view)))) == view

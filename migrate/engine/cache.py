@@ -42,7 +42,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 from torchmigrate.engine.outcome import Outcome, Record
 from torchmigrate.program.fs import CACHE_TAG, Realpaths, digest
 
-FORMAT = "2"  # the layout of entries; bump when it changes
+FORMAT = "3"  # the layout of entries; bump when it changes
 DIRNAME = ".torchmigrate_cache"
 ENV = "TORCHMIGRATE_CACHE_DIR"
 GITIGNORE = "# Created by torchmigrate: the lint cache, safe to delete.\n*\n"
@@ -280,37 +280,50 @@ def _outcome(path: str, data: dict, file_digest: str) -> Outcome:
 
 def _view_json(view) -> dict:
     """A ModuleView as JSON with a fixed order (sets sorted), for keys and storage."""
-    out = {}
-    for f in dataclasses.fields(view):
-        value = getattr(view, f.name)
-        if isinstance(value, bool):
-            out[f.name] = value
-        elif isinstance(value, frozenset):
-            out[f.name] = sorted(value)
-        elif isinstance(value, dict):
-            out[f.name] = {k: _entry_json(v) for k, v in sorted(value.items())}
-        else:
-            raise TypeError(f"ModuleView.{f.name}: {type(value).__name__} is not stored by the lint cache")
-    return out
+    return {f.name: _encode(getattr(view, f.name)) for f in dataclasses.fields(view)}
 
 
-def _entry_json(value):
-    """One value of a ModuleView dict: a set (sorted), a tuple (its sets sorted, the order
-    kept) or a plain value."""
-    if isinstance(value, tuple):
-        return [sorted(v) if isinstance(v, (set, frozenset)) else v for v in value]
+def _encode(value):
+    """A ModuleView value as JSON, whatever it nests: sets (sorted) and tuples (named ones by
+    their class) are tagged so they come back as they went in; dicts in key order."""
+    if isinstance(value, (bool, int, str)) or value is None:
+        return value
     if isinstance(value, (set, frozenset)):
-        return sorted(value)
-    return value
+        return {"set": sorted((_encode(v) for v in value), key=repr)}
+    if isinstance(value, tuple):
+        named = type(value).__name__ if hasattr(value, "_fields") else None
+        return {"tuple": [_encode(v) for v in value], "named": named}
+    if isinstance(value, dict):
+        return {"dict": [[k, _encode(v)] for k, v in sorted(value.items(), key=lambda kv: repr(kv[0]))]}
+    raise TypeError(f"{type(value).__name__} is not stored by the lint cache")
 
 
-def _entry(value, declared: str):
-    """The stored `value` back as the type the ModuleView field `declared` holds."""
-    if "Tuple[FrozenSet" in declared:
-        return tuple(frozenset(v) for v in value)
-    if "Tuple[" in declared:
-        return tuple(value)
-    return frozenset(value) if isinstance(value, list) else value
+def _decode(value):
+    if not isinstance(value, dict):
+        return value
+    if "set" in value:
+        return frozenset(_decode(v) for v in value["set"])
+    if "tuple" in value:
+        items = tuple(_decode(v) for v in value["tuple"])
+        return _NAMED[value["named"]](*items) if value.get("named") else items
+    return {k: _decode(v) for k, v in value["dict"]}
+
+
+def _named_tuples() -> dict:
+    from torchmigrate.program.classes import OptimizerWrapper
+
+    return {"OptimizerWrapper": OptimizerWrapper}
+
+
+class _NamedTuples(dict):
+    """The NamedTuple classes a ModuleView holds, imported only when a view is read back."""
+
+    def __missing__(self, name):
+        self.update(_named_tuples())
+        return dict.__getitem__(self, name)
+
+
+_NAMED = _NamedTuples()
 
 
 class _Views(dict):
@@ -333,16 +346,7 @@ class _Views(dict):
 def _view(data: dict):
     from torchmigrate.program.view import ModuleView
 
-    kwargs = {}
-    for f in dataclasses.fields(ModuleView):
-        value = data[f.name]
-        if isinstance(value, dict):
-            kwargs[f.name] = {k: _entry(v, str(f.type)) for k, v in value.items()}
-        elif isinstance(value, list):
-            kwargs[f.name] = frozenset(value)
-        else:
-            kwargs[f.name] = value
-    return ModuleView(**kwargs)
+    return ModuleView(**{f.name: _decode(data[f.name]) for f in dataclasses.fields(ModuleView)})
 
 
 class _PartViews:

@@ -176,13 +176,50 @@ def _parser_nodes() -> Iterator[None]:
         cst.CSTNode.__post_init__ = original  # type: ignore[method-assign]
 
 
-def parse(source: str) -> Tuple[cst.Module, Optional[Dict[int, int]]]:
-    """LibCST's tree of `source`, and its statements' lines (None if they cannot be mapped)."""
+def _retabbed(source: str) -> Optional[str]:
+    """`source` with the tabs of its indentation expanded to spaces (Python's 8 columns), where
+    it mixes tabs and spaces in a way Python accepts but LibCST's tokenizer does not (a
+    function indented with tabs beside others indented with spaces): the same blocks, so the
+    same program. Lines that continue a string literal keep their text. None where there is
+    nothing to expand."""
+    import io
+    import tokenize
+
+    lines = source.splitlines(keepends=True)
+    if not any(line[:len(line) - len(line.lstrip(" \t"))].count("\t") for line in lines):
+        return None
+    inside: set = set()  # 1-based lines that continue a string literal
+    try:
+        for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+            if tok.type == tokenize.STRING and tok.end[0] > tok.start[0]:
+                inside.update(range(tok.start[0] + 1, tok.end[0] + 1))
+    except (tokenize.TokenError, IndentationError, SyntaxError):
+        return None
+    out = []
+    for number, line in enumerate(lines, 1):
+        body = line.lstrip(" \t")
+        lead = line[:len(line) - len(body)]
+        out.append(line if number in inside or "\t" not in lead else lead.expandtabs(8) + body)
+    return "".join(out)
+
+
+def parse(source: str) -> Tuple[cst.Module, Optional[Dict[int, int]], str]:
+    """LibCST's tree of `source`, its statements' lines (None if they cannot be mapped), and the
+    text it is the tree of: `source`, or `source` with the tabs of its indentation expanded where
+    LibCST refuses a mix of tabs and spaces that Python accepts (`_retabbed`)."""
     tree = python_tree(source)
     check_parser_depth(tree, source)
+    text = source
     try:
         with _parser_nodes():
-            module = cst.parse_module(source)
+            try:
+                module = cst.parse_module(source)
+            except cst.ParserSyntaxError:
+                retabbed = _retabbed(source)
+                if retabbed is None:
+                    raise
+                module = cst.parse_module(retabbed)  # (a failure here reports the original's error)
+                text = retabbed
     except cst.ParserSyntaxError as exc:
         line, col = exc.raw_line, exc.raw_column
         match = re.search(r"error at (\d+):(\d+)", exc.message)
@@ -193,7 +230,7 @@ def parse(source: str) -> Tuple[cst.Module, Optional[Dict[int, int]]]:
         raise InputError(f"syntax error: {message}", line, max(col, 0)) from None
     except (RecursionError, MemoryError) as exc:
         raise InputError(f"cannot parse: {type(exc).__name__}") from None
-    return module, statement_lines(module, tree)
+    return module, statement_lines(module, tree), text
 
 
 def accepted(finding: Finding, options: Options) -> bool:
@@ -344,7 +381,8 @@ def known_codes() -> FrozenSet[str]:
 def _process(source: str, path: str, options: Options, rules: Sequence[RuleType],
              suppressions: Suppressions, program: Optional[ModuleView] = None,
              fix_edits: bool = False) -> SourceResult:
-    module, lines = parse(source)
+    original = source
+    module, lines, source = parse(source)  # (the text parsed: a migrated file's indentation expanded)
     ctx = run_rules(module, path, options, rules, program)
     findings = ctx.findings = _outside_self_test(ctx, ctx.findings)
     if not findings:
@@ -371,7 +409,9 @@ def _process(source: str, path: str, options: Options, rules: Sequence[RuleType]
     if edits or imports:
         new_module = apply_edits(module, edits, ctx.parents, imports, ctx.imports)
         new_source = regenerate(new_module, layout)
-    if fix_edits and new_source == source:  # else the fixes left are found in the next pass
+    # (else the fixes left are found in the next pass; none as edits of a file whose
+    # indentation was expanded: they would not fit the text on disk)
+    if fix_edits and new_source == source and source is original:
         for finding in findings:
             if finding.fixable and not finding.applied and not finding.suppressed:
                 finding.fix = _fix_alone(ctx, finding, layout, source)
