@@ -221,6 +221,13 @@ class SetEpoch(DataRule):
             self.insertions[key] = None  # type: ignore[assignment]
             return
         var, problem = self._loop_var(loop)
+        if iter_call and not _named_epoch(loop) and loop is not loops[-1]:
+            # `for _ in range(accumulation_steps): batch = next(it)` inside a step loop, with
+            # `it = iter(loader)` made again on StopIteration: the inner index repeats, the
+            # outermost counting loop's (the step) does not
+            outer = next((o for o in reversed(loops) if isinstance(o, cst.For) and _counts(o.iter)), None)
+            var, problem = (self._loop_var(outer) if outer is not None else
+                            (None, "its batches are drawn with next() from iterators the loop makes again"))
         body = loop.body
         if not isinstance(body, cst.IndentedBlock):
             problem = problem or "the loop body is on one line"
@@ -256,13 +263,8 @@ class SetEpoch(DataRule):
         return False
 
     def _epoch_loop(self, loops: List[cst.CSTNode]) -> cst.CSTNode:
-        def named_epoch(loop) -> bool:
-            if isinstance(loop, cst.For):
-                return "epoch" in code(loop.target).lower()
-            return "epoch" in code(loop.test).lower()
-
         for loop in loops:
-            if named_epoch(loop):
+            if _named_epoch(loop):
                 return loop
         for loop in loops:
             if isinstance(loop, cst.For) and isinstance(loop.iter, (cst.List, cst.Tuple, cst.Set, cst.Dict)):
@@ -272,6 +274,9 @@ class SetEpoch(DataRule):
 
     def _loop_var(self, loop: cst.CSTNode) -> Tuple[Optional[str], str]:
         if isinstance(loop, cst.For):
+            if not _counts(loop.iter) and not _named_epoch(loop):
+                # `for dataset in datasets:`: its variable is no epoch number
+                return None, f"the loop over `{code(loop.iter)[:40]}` does not count epochs"
             target = loop.target
             if isinstance(target, cst.Name):
                 return target.value, ""
@@ -341,6 +346,29 @@ class SetEpoch(DataRule):
             self.report(ins.loop, f"`{ins.text}` is reshuffled each epoch only when its sampler knows the epoch: "
                                   f"call `{call_text}` at the start of the epoch",
                         edits=[edit], imports=imports, statement=ins.loop)
+
+
+def _named_epoch(loop: cst.CSTNode) -> bool:
+    if isinstance(loop, cst.For):
+        return "epoch" in code(loop.target).lower()
+    return "epoch" in code(loop.test).lower()
+
+
+# what a loop over epochs iterates: a count (`range(n)`, `itertools.count()`), also through
+# `enumerate`, `tqdm`, `trange`
+_COUNTING = frozenset({"range", "count", "trange", "tnrange"})
+_THROUGH = frozenset({"enumerate", "tqdm", "tqdm_notebook", "progress_bar", "track"})
+
+
+def _counts(node: cst.BaseExpression) -> bool:
+    """`range(epochs)`, `tqdm(range(n))`, `itertools.count(1)`, `enumerate(anything)` (its index
+    counts): an iterable whose items number the passes."""
+    if not isinstance(node, cst.Call):
+        return False
+    name = code(node.func).rsplit(".", 1)[-1]
+    if name in _COUNTING or name == "enumerate":
+        return True
+    return name in _THROUGH and bool(node.args) and _counts(node.args[0].value)
 
 
 def _names_eval(text: str) -> bool:
