@@ -20,6 +20,7 @@ from torchmigrate.rules._active import active
 from torchmigrate.rules.launch.base import SEEDERS
 
 _RANDOM = ("random.", "numpy.random.")
+_EXISTS = frozenset({"os.path.exists", "os.path.isdir", "os.path.isfile", "os.path.lexists"})
 # Draws of these modules that are not draws: generators and seeding.
 _NOT_DRAWS = frozenset({"random.seed", "random.Random", "random.SystemRandom", "random.getstate",
                         "random.setstate", "numpy.random.seed", "numpy.random.default_rng",
@@ -351,6 +352,32 @@ class AgreedDraws(Rule):
                           "process asks and every rank gets its answer",
                     edits=[replace(call.func, lambda _f: cst.parse_expression(f"{ctx.tm}.input"))],
                     imports=[ctx.runtime_import()])
+        self._agreed_tests(call)
+
+    def _agreed_tests(self, node: cst.CSTNode) -> None:
+        """`if os.path.isdir(logdir): answer = tm.input(...)  else: os.makedirs(logdir)`: every rank
+        must reach the question, so every rank must see what rank 0 saw of the file system before
+        it created the folder; each file-system test around it becomes rank 0's answer
+        (`tm.broadcast_object(os.path.isdir(logdir))`)."""
+        ctx = self.ctx
+        for anc in ctx.ancestors(node):
+            if isinstance(anc, (cst.FunctionDef, cst.ClassDef, cst.Lambda)):
+                return
+            if not isinstance(anc, (cst.If, cst.While)):
+                continue
+            for test in ctx.within(anc.test, cst.Call):
+                name = ctx.resolve(test.func) or dotted(test.func) or ""
+                own = isinstance(test.func, cst.Attribute) and test.func.attr.value in ("exists", "is_dir", "is_file")
+                if name not in _EXISTS and not own:
+                    continue
+                if any(isinstance(a, cst.Call) and (ctx.resolve(a.func) or "").endswith(".broadcast_object")
+                       for a in ctx.ancestors(test)):
+                    continue  # shared already (a second run)
+                self.report(test, "this test of the file system decides whether every rank reaches the question "
+                                  "asked on the main process: every rank takes rank 0's answer",
+                            edits=[replace(test, lambda t: cst.Call(
+                                func=cst.parse_expression(f"{ctx.tm}.broadcast_object"), args=[cst.Arg(t)]))],
+                            imports=[ctx.runtime_import()])
 
     def _shuffle(self, call: cst.Call) -> None:
         ctx = self.ctx
