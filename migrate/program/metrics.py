@@ -329,8 +329,26 @@ def reassigned_in(ctx: Context, loop: cst.CSTNode, name: str) -> bool:
 
 def leaves_early(ctx: Context, loop: cst.For) -> bool:
     """A `return`, `yield` or `break` in the loop: ranks may leave it at different points and
-    never all reach a collective after it."""
-    return bool(ctx.within(loop.body, cst.Return, cst.Yield, cst.Break, skip_defs=True))
+    never all reach a collective after it. Not one under a test of the loop's index, counters
+    and settings alone (`if batch_id > args.max_iter: break`): every rank leaves at the same step."""
+    from torchmigrate.program.loop_ranks import names_in, per_rank_names
+
+    exits = ctx.within(loop.body, cst.Return, cst.Yield, cst.Break, skip_defs=True)
+    if not exits:
+        return False
+    data = None
+    for node in exits:
+        if isinstance(node, cst.Yield):
+            return True
+        tests = [a for a in ctx.ancestors_until(node, loop) if isinstance(a, (cst.If, cst.While, cst.Try, cst.For))]
+        if not tests or not all(isinstance(a, cst.If) for a in tests):
+            return True
+        if data is None:
+            data = per_rank_names(ctx, loop)
+        if any(names_in(a.test) & data for a in tests) or any(
+                isinstance(c, cst.Call) for a in tests for c in ctx.within(a.test, cst.Call)):
+            return True  # (a call may read this rank's data or state)
+    return False
 
 
 _METRIC_TOKENS = {"auc", "roc", "auroc", "auprc", "f1", "fbeta", "mcc", "map", "iou", "miou", "wer", "cer", "r2",

@@ -172,13 +172,15 @@ class GatherListMean(Rule):
             if owner in gathered or call.args[0].keyword is not None or call.args[0].star:
                 continue
             value = call.args[0].value
-            if not _number_of_step(ctx, value):
-                continue
             loop = _training_step_loop(ctx, call)
+            if not (_number_of_step(ctx, value) or (
+                    loop is not None and isinstance(value, cst.Name) and _METRIC_NAME.search(value.value)
+                    and _sums_step_means(ctx, _step_sums(ctx, loop, value.value)))):
+                continue  # (`train_loss.append(loss_val)` of `loss_val += loss.item()`: its ranks' mean)
             if loop is None or collective_guard(ctx, loop) is not None or _skipped_before(ctx, loop, call):
                 continue
-            if isinstance(func.value, cst.Name) and (starts_empty_list(ctx, loop, owner) or owner in gathered_later):
-                continue  # a list of this pass (its mean: above) or one gathered after the loop
+            if isinstance(func.value, cst.Name) and owner in gathered_later:
+                continue  # one gathered after the loop (a list whose mean is taken: `gathered`, above)
             statement = ctx.statement_of(call)
             if not (isinstance(statement, cst.SimpleStatementLine) and len(statement.body) == 1
                     and isinstance(statement.body[0], cst.Expr) and statement.body[0].value is call):
@@ -405,12 +407,9 @@ def _shown_names(ctx: Context, call: cst.Call, block: cst.CSTNode, data: Set[str
         if isinstance(parent, cst.Arg) and parent.keyword is node or isinstance(parent, cst.DictElement) \
                 and parent.key is node:
             continue
-        sums = [a for a in ctx.within(block, cst.AugAssign, skip_defs=True)
-                if isinstance(a.target, cst.Name) and a.target.value == node.value]
+        sums = _step_sums(ctx, block, node.value)
         if sums:
-            means = all(isinstance(a.operator, cst.AddAssign) and _number_of_step(ctx, a.value)
-                        and _METRIC_NAME.search(code(a.value)) for a in sums)
-            if means or _numerator(ctx, node, call):
+            if _sums_step_means(ctx, sums) or _numerator(ctx, node, call):
                 out.append(node)
         elif _METRIC_NAME.search(node.value) and (_holds_step_number(ctx, block, node) or node.value in backed
                                                   or kind_of(ctx, node) == TENSOR):
@@ -443,6 +442,20 @@ def _skipped_before(ctx: Context, block: cst.CSTNode, node: cst.CSTNode) -> bool
         if (ctx.position(skip) or 0) < at and ctx.enclosing(skip, cst.For, cst.While) is block:
             return True
     return False
+
+
+def _step_sums(ctx: Context, block: cst.CSTNode, name: str) -> List[cst.AugAssign]:
+    """`name += ...` of the step itself (not of a loop inside it, an evaluation run every N
+    steps): a running sum over the steps."""
+    return [a for a in ctx.within(block, cst.AugAssign, skip_defs=True)
+            if isinstance(a.target, cst.Name) and a.target.value == name
+            and (ctx.enclosing(a, cst.For, cst.While) or block) is block]
+
+
+def _sums_step_means(ctx: Context, sums: List[cst.AugAssign]) -> bool:
+    """Every one of `sums` adds a loss or batch metric of the step (`loss_val += loss.item()`)."""
+    return bool(sums) and all(isinstance(a.operator, cst.AddAssign) and _number_of_step(ctx, a.value)
+                              and _METRIC_NAME.search(code(a.value)) for a in sums)
 
 
 def _numerator(ctx: Context, node: cst.Name, call: cst.Call) -> bool:
