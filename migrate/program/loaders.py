@@ -36,6 +36,7 @@ loader (`ModuleView.loader_classes`, `program_loaders`).
 
 from __future__ import annotations
 
+import builtins
 import re
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
@@ -1329,7 +1330,7 @@ def _logged(ctx, node: cst.CSTNode) -> bool:
     return False
 
 
-_BUILTINS = frozenset(dir(__import__("builtins")))
+_BUILTINS = frozenset(dir(builtins))
 
 
 def _direct(func: cst.BaseExpression) -> bool:

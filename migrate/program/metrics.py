@@ -31,6 +31,7 @@ import libcst as cst
 
 from torchmigrate import analysis
 from torchmigrate.program.collectives import is_collective
+from torchmigrate.program.loop_ranks import names_in, per_rank_names
 from torchmigrate.program.loaders import DATALOADERS, TQDM_CALLS, loader_expr, refs_at  # noqa: F401 (loader_expr: re-exported)
 from torchmigrate.program.scopes import scope_of
 from torchmigrate.program.splits import named_like_loader  # noqa: F401 (re-exported)
@@ -331,8 +332,6 @@ def leaves_early(ctx: Context, loop: cst.For) -> bool:
     """A `return`, `yield` or `break` in the loop: ranks may leave it at different points and
     never all reach a collective after it. Not one under a test of the loop's index, counters
     and settings alone (`if batch_id > args.max_iter: break`): every rank leaves at the same step."""
-    from torchmigrate.program.loop_ranks import names_in, per_rank_names
-
     exits = ctx.within(loop.body, cst.Return, cst.Yield, cst.Break, skip_defs=True)
     if not exits:
         return False

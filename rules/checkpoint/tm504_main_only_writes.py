@@ -269,7 +269,6 @@ class MainOnlyWrites(Rule):
         """`f = h5py.File(path, "r+")` (or `"a"`) whose handle is only read (`f["data"][:]`,
         `f.keys()`, `f.close()`): HDF5 locks a file opened for writing, so the second rank to open
         it fails with BlockingIOError ("unable to lock file"); opened read-only, every rank can."""
-        ctx = self.ctx
         mode = arg(call, "mode", 1)
         if mode is None or not isinstance(mode.value, cst.SimpleString) \
                 or mode.value.evaluated_value not in ("r+", "a") or not self._only_read(call):

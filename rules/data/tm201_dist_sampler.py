@@ -10,7 +10,7 @@ import libcst as cst
 from torchmigrate import analysis
 from torchmigrate.finding import Safety, insert_after, replace
 from torchmigrate.syntax.imports import dotted
-from torchmigrate.syntax.nodes import code, expr
+from torchmigrate.syntax.nodes import code, expr, kwarg, with_args
 from torchmigrate.program.batches import BatchLoop, FullBatchLoss
 from torchmigrate.program.facts import training_text
 from torchmigrate.program.loaders import Loader
@@ -408,9 +408,8 @@ class DistSampler(DataRule):
             dataset, order = loader.dataset, shuffle.value.with_changes(lpar=[], rpar=[])
             self.report(arg.value, f"this DataLoader's own `sampler=` (or, where it is None, its shuffled order) is "
                                    f"iterated in full by every rank: `{tm}.shard_sampler` shares it out by rank",
-                        edits=[replace(arg.value, lambda v: cst.Call(func=expr(f"{tm}.shard_sampler"), args=[
-                            cst.Arg(v, comma=_COMMA), cst.Arg(dataset, keyword=cst.Name("dataset"), equal=_EQ, comma=_COMMA),
-                            cst.Arg(order, keyword=cst.Name("shuffle"), equal=_EQ)])),
+                        edits=[replace(arg.value, lambda v: with_args(cst.Call(func=expr(f"{tm}.shard_sampler")), [
+                            cst.Arg(v), kwarg("dataset", dataset), kwarg("shuffle", order)])),
                                replace(shuffle.value, lambda v: cst.Name("False"))],
                         imports=[self.ctx.runtime_import()])
             return
@@ -418,10 +417,6 @@ class DistSampler(DataRule):
                                f"`{tm}.shard_sampler` shares it out by rank (same seed on every rank)",
                     edits=[replace(arg.value, lambda v: cst.Call(func=expr(f"{tm}.shard_sampler"), args=[cst.Arg(v)]))],
                     imports=[self.ctx.runtime_import()])
-
-
-_COMMA = cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))
-_EQ = cst.AssignEqual(whitespace_before=cst.SimpleWhitespace(""), whitespace_after=cst.SimpleWhitespace(""))
 
 
 def _is_shard(node: cst.BaseExpression) -> bool:
