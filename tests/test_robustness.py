@@ -138,8 +138,8 @@ def _sources() -> List[Tuple[str, str]]:
             text = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError):
             continue
-        if compiles(text):
-            out.append((f"{path.parent.name}/{path.name}", text))
+        if compiles(text) and "\t" not in text:  # (fragments of a file whose indentation mixes
+            out.append((f"{path.parent.name}/{path.name}", text))  # tabs in would not fit others)
     return out
 
 
