@@ -305,25 +305,15 @@ def _decode(value):
         return frozenset(_decode(v) for v in value["set"])
     if "tuple" in value:
         items = tuple(_decode(v) for v in value["tuple"])
-        return _NAMED[value["named"]](*items) if value.get("named") else items
+        return _named_tuple(value["named"])(*items) if value.get("named") else items
     return {k: _decode(v) for k, v in value["dict"]}
 
 
-def _named_tuples() -> dict:
+def _named_tuple(name: str) -> type:
+    """The NamedTuple class a ModuleView holds under `name` (imported only when a view is read)."""
     from torchmigrate.program.classes import OptimizerWrapper
 
-    return {"OptimizerWrapper": OptimizerWrapper}
-
-
-class _NamedTuples(dict):
-    """The NamedTuple classes a ModuleView holds, imported only when a view is read back."""
-
-    def __missing__(self, name):
-        self.update(_named_tuples())
-        return dict.__getitem__(self, name)
-
-
-_NAMED = _NamedTuples()
+    return {"OptimizerWrapper": OptimizerWrapper}[name]
 
 
 class _Views(dict):

@@ -80,10 +80,11 @@ _MKDIRS = frozenset({"os.makedirs", "os.mkdir", "pathlib.Path.mkdir"})
 PRIVATE_TEMPS = frozenset({"tempfile.TemporaryDirectory", "tempfile.mkdtemp", "tempfile.mkstemp",
                             "tempfile.NamedTemporaryFile", "tempfile.TemporaryFile", "tempfile.SpooledTemporaryFile"})
 EXISTS_TESTS = frozenset({"os.path.exists", "os.path.isdir", "os.path.isfile"})  # calls that ask whether a path exists
-_READERS = frozenset({"json.load", "pickle.load", "numpy.load", "numpy.loadtxt", "torch.load", "yaml.load",
-                      "yaml.safe_load", "PIL.Image.open", "cv2.imread", "imageio.imread", "imageio.v2.imread",
-                      "scipy.io.loadmat", "joblib.load", "h5py.File", "os.listdir", "glob.glob"})
-_READ_PREFIXES = ("pandas.read_",)
+# calls that read files (a name; `READ_PREFIXES`: every call under these)
+READERS = frozenset({"json.load", "pickle.load", "numpy.load", "numpy.loadtxt", "torch.load", "yaml.load",
+                     "yaml.safe_load", "PIL.Image.open", "cv2.imread", "imageio.imread", "imageio.v2.imread",
+                     "scipy.io.loadmat", "joblib.load", "h5py.File", "os.listdir", "glob.glob"})
+READ_PREFIXES = ("pandas.read_",)
 _OUTPUTS = frozenset({"print", "sys.stdout.write", "sys.stderr.write", "pprint.pprint", "visdom.Visdom"})
 _OUTPUT_PREFIXES = ("logging.", "tqdm.", "visdom.")
 _LOG_METHODS = frozenset({"info", "debug", "warning", "warn", "error", "critical", "exception", "log"})
@@ -663,7 +664,7 @@ class _Reader:
                 isinstance(func, ast.Attribute) and func.attr in _LOG_METHODS and "log" in (_dotted(func.value) or "").lower()):
             kinds.add(OUTPUT)
             return False
-        if name in _READERS or name.startswith(_READ_PREFIXES):
+        if name in READERS or name.startswith(READ_PREFIXES):
             kinds.add(READ)
             return False
         if name.startswith(_RANDOM_PREFIXES) or (name.startswith("torch.") and name.rsplit(".", 1)[-1] in _TORCH_RANDOM):

@@ -37,7 +37,7 @@ from torchmigrate.program.scopes import scope_of
 from torchmigrate.program.splits import named_like_loader  # noqa: F401 (re-exported)
 from torchmigrate.program.syntax import body_of, index_in
 from torchmigrate.syntax.imports import dotted
-from torchmigrate.syntax.nodes import code
+from torchmigrate.syntax.nodes import code, string_value
 
 if TYPE_CHECKING:
     from torchmigrate.rule import Context
@@ -650,7 +650,7 @@ def dict_sums(ctx: Context, loop: cst.For, name: str) -> DictSums:
     initial = {}
     for element in value.elements:
         if isinstance(element, cst.DictElement):
-            key = _string(element.key)
+            key = string_value(element.key) if element.key is not None else None
             if key is not None:
                 initial[key] = element.value
     if any(k not in initial or not is_number(initial[k]) for k in out.keys):
@@ -685,18 +685,11 @@ def dict_sums(ctx: Context, loop: cst.For, name: str) -> DictSums:
 _PER_SAMPLE = re.compile(r"size|len\(|shape|numel|\.sum\(|count")
 
 
-def _string(node: Optional[cst.BaseExpression]) -> Optional[str]:
-    if isinstance(node, cst.SimpleString):
-        value = node.evaluated_value
-        return value if isinstance(value, str) else None
-    return None
-
-
 def _constant_key(sub: cst.Subscript) -> Optional[str]:
     """`"loss"` for `d["loss"]`."""
     if len(sub.slice) != 1 or not isinstance(sub.slice[0].slice, cst.Index):
         return None
-    return _string(sub.slice[0].slice.value)
+    return string_value(sub.slice[0].slice.value)
 
 
 def _slots_closed(node: cst.CSTNode, name: str, keys: List[str]) -> bool:

@@ -13,6 +13,8 @@ from __future__ import annotations
 import ast
 from typing import TYPE_CHECKING, Dict, Iterable, Optional
 
+from torchmigrate.program.search_path import dotted_name
+
 if TYPE_CHECKING:  # the program build reads `ast` only: a warm lint run never imports LibCST
     import libcst as cst
 
@@ -31,9 +33,11 @@ def _literal_chars_ast(node: ast.AST) -> Optional[str]:
 def _literal_chars_cst(node: "cst.BaseExpression") -> Optional[str]:
     import libcst as cst
 
-    if isinstance(node, cst.SimpleString):
-        value = node.evaluated_value
-        return value if isinstance(value, str) and len(value) <= 3 else None
+    from torchmigrate.syntax.nodes import string_value
+
+    value = string_value(node)
+    if value is not None:
+        return value if len(value) <= 3 else None
     if isinstance(node, cst.IfExp):
         body, orelse = _literal_chars_cst(node.body), _literal_chars_cst(node.orelse)
         return None if body is None or orelse is None else body + orelse
@@ -53,7 +57,7 @@ def mode_names_ast(tree: ast.AST) -> Dict[str, str]:
     for node in ast.walk(tree):
         if isinstance(node, ast.Assign):
             for target in node.targets:
-                name = _dotted_ast(target)
+                name = dotted_name(target)
                 if name is not None:
                     _merge(found, name, _literal_chars_ast(node.value))
     return {k: v for k, v in found.items() if v}
@@ -61,10 +65,12 @@ def mode_names_ast(tree: ast.AST) -> Dict[str, str]:
 
 def mode_names_cst(nodes: Iterable["cst.Assign"]) -> Dict[str, str]:
     """The same for the assignments of a LibCST module."""
+    from torchmigrate.syntax.imports import dotted  # (LibCST only where the rules run)
+
     found: Dict[str, Optional[str]] = {}
     for node in nodes:
         for target in node.targets:
-            name = _dotted_cst(target.target)
+            name = dotted(target.target)
             if name is not None:
                 _merge(found, name, _literal_chars_cst(node.value))
     return {k: v for k, v in found.items() if v}
@@ -76,41 +82,21 @@ def mode_of_ast(mode: Optional[ast.AST], names: Optional[Dict[str, str]]) -> Opt
         return None
     chars = _literal_chars_ast(mode)
     if chars is None and names:
-        name = _dotted_ast(mode)
+        name = dotted_name(mode)
         chars = names.get(name) if name is not None else None
     return chars
 
 
 def mode_of_cst(mode: Optional["cst.BaseExpression"], names: Optional[Dict[str, str]]) -> Optional[str]:
+    from torchmigrate.syntax.imports import dotted
+
     if mode is None:
         return None
     chars = _literal_chars_cst(mode)
     if chars is None and names:
-        name = _dotted_cst(mode)
+        name = dotted(mode)
         chars = names.get(name) if name is not None else None
     return chars
-
-
-def _dotted_ast(node: ast.AST) -> Optional[str]:
-    parts = []
-    while isinstance(node, ast.Attribute):
-        parts.append(node.attr)
-        node = node.value
-    if isinstance(node, ast.Name):
-        return ".".join([node.id, *reversed(parts)])
-    return None
-
-
-def _dotted_cst(node: "cst.BaseExpression") -> Optional[str]:
-    import libcst as cst
-
-    parts = []
-    while isinstance(node, cst.Attribute):
-        parts.append(node.attr.value)
-        node = node.value
-    if isinstance(node, cst.Name):
-        return ".".join([node.value, *reversed(parts)])
-    return None
 
 
 def writes(chars: Optional[str]) -> bool:

@@ -474,7 +474,8 @@ class MainOnlyWrites(Rule):
                     or writes_file(call, name, analysis.open_modes(ctx)) or _only_shows(call, name):
                 continue
             kinds = call_kinds(ctx, call)
-            if name in ("open", "io.open") or name in _READERS or (kinds is not None and effects.READ in kinds):
+            if name in ("open", "io.open") or name in _READERS or name.startswith(effects.READ_PREFIXES) \
+                    or (kinds is not None and effects.READ in kinds):
                 read = call
         if read is None:
             return
@@ -659,10 +660,8 @@ def _catches_exists(handler: cst.ExceptHandler) -> bool:
                                                         "BaseException") for k in kinds)
 
 
-# library calls that read the file named by their first argument
-_READERS = frozenset({"torch.load", "numpy.load", "numpy.loadtxt", "numpy.genfromtxt", "pandas.read_csv",
-                      "pandas.read_json", "pandas.read_pickle", "pandas.read_parquet", "pandas.read_excel",
-                      "h5py.File", "PIL.Image.open", "imageio.imread", "cv2.imread"})
+# library calls that read a file (the program's effects' list, and numpy's text reader)
+_READERS = effects.READERS | {"numpy.genfromtxt"}
 
 
 def _ignores(handler: cst.ExceptHandler) -> bool:

@@ -13,14 +13,14 @@ from torchmigrate.syntax.nodes import set_kwarg
 from torchmigrate.rule import Example, Rule
 from torchmigrate.program.batches import batch_facts
 from torchmigrate.program.metrics import is_load
-from torchmigrate.program.effects import CLOCK, OUTPUT, READ, RANDOM
+from torchmigrate.program.effects import CLOCK, EXISTS_TESTS, OUTPUT, READ, RANDOM
 from torchmigrate.program.rank_guards import collective_guard
 from torchmigrate.program.writes import call_kinds
 from torchmigrate.rules._active import active
 from torchmigrate.rules.launch.base import SEEDERS
 
 _RANDOM = ("random.", "numpy.random.")
-_EXISTS = frozenset({"os.path.exists", "os.path.isdir", "os.path.isfile", "os.path.lexists"})
+_EXISTS = EXISTS_TESTS | {"os.path.lexists"}
 # Draws of these modules that are not draws: generators and seeding.
 _NOT_DRAWS = frozenset({"random.seed", "random.Random", "random.SystemRandom", "random.getstate",
                         "random.setstate", "numpy.random.seed", "numpy.random.default_rng",

@@ -166,8 +166,7 @@ class ReduceCounts(Rule):
                 over = None
             if found.reducible and not leaves_early(ctx, loop):
                 entries = [f'{name}["{k}"]' for k in found.keys]
-                joined = ", ".join(entries)
-                line = f"{joined} = {ctx.tm}.all_reduce({joined}{f', over={over}' if over else ''})"
+                line = _reduce_line(ctx.tm, entries, f", over={over}" if over else "")
                 if collective_guard(ctx, loop) is not None:
                     self.report(loop, f"`{name}[...]` sums values over this rank's shard only, but this loop runs "
                                       f"under a rank guard, where a reduction would hang the other ranks: evaluate on "
@@ -176,7 +175,7 @@ class ReduceCounts(Rule):
                 self.report(loop, f"`{name}[...]` sums values over this rank's shard only; reduce the summed entries "
                                   f"across ranks after the loop"
                                   + (f" (`over={over}`: left as they are where the loader is not sharded)" if over else ""),
-                            edits=[insert_after(loop, [cst.parse_statement(line + "\n")])],
+                            edits=[insert_after(loop, [_reduce_statement(ctx.tm, entries, "", over, _depth(ctx, loop))])],
                             imports=[ctx.runtime_import()])
                 continue
             self.report(aug, f"`{name}[...]` sums values over this rank's shard of the loader only: reduce the summed "
@@ -250,7 +249,7 @@ class ReduceCounts(Rule):
         if ordered:
             sums = [n for n in ordered if kind.get(n) != "mean"]
             means = [n for n in ordered if kind.get(n) == "mean"]
-            depth = sum(1 for a in ctx.ancestors(loop) if isinstance(a, cst.IndentedBlock)) * 4
+            depth = _depth(ctx, loop)
             lines, statements = [], []
             extra = f", over={over}" if over else ""
             if sums:
@@ -310,6 +309,11 @@ def _batch_mean(value: cst.BaseExpression) -> bool:
     return bool(_BATCH_MEAN.search(code(inner)))
 
 
+def _depth(ctx: Context, loop: cst.For) -> int:
+    """The columns of indentation of a statement beside `loop`."""
+    return sum(1 for a in ctx.ancestors(loop) if isinstance(a, cst.IndentedBlock)) * 4
+
+
 def _reduce_line(tm: str, names: List[str], extra: str) -> str:
     """`a, b = tm.all_reduce(a, b)` as text (for messages)."""
     joined = ", ".join(names)
@@ -322,13 +326,17 @@ _EQ = cst.AssignEqual(whitespace_before=cst.SimpleWhitespace(""), whitespace_aft
 
 def _reduce_statement(tm: str, names: List[str], op: str, over: Optional[str], indent: int) -> cst.SimpleStatementLine:
     """`a, b = tm.all_reduce(a, b)` (with `op="mean"`, `over=loader` when given; built directly:
-    parsing costs ~10 ms), broken after the parenthesis when the line would pass 100 columns."""
+    parsing costs ~10 ms), broken after the parenthesis when the line would pass 100 columns.
+    `names` may be entries of a dict (`res["loss"]`)."""
+    def node(n: str) -> cst.BaseExpression:
+        return cst.Name(n) if n.isidentifier() else expr(n)
+
     if len(names) == 1:
-        target: cst.BaseExpression = cst.Name(names[0])
+        target: cst.BaseExpression = node(names[0])
     else:
-        target = cst.Tuple([cst.Element(cst.Name(n), comma=_COMMA if i < len(names) - 1 else cst.MaybeSentinel.DEFAULT)
+        target = cst.Tuple([cst.Element(node(n), comma=_COMMA if i < len(names) - 1 else cst.MaybeSentinel.DEFAULT)
                             for i, n in enumerate(names)], lpar=[], rpar=[])
-    args = [cst.Arg(cst.Name(n)) for n in names]
+    args = [cst.Arg(node(n)) for n in names]
     if op:
         args.append(cst.Arg(cst.SimpleString(f'"{op}"'), keyword=cst.Name("op"), equal=_EQ))
     if over:

@@ -12,6 +12,7 @@ from torchmigrate.finding import Safety, insert_after
 from torchmigrate.syntax.imports import dotted
 from torchmigrate.syntax.nodes import code
 from torchmigrate.program.loaders import is_pure
+from torchmigrate.program.losses import backward_loss
 from torchmigrate.program.loop_ranks import names_in, per_rank_names
 from torchmigrate.program.metrics import (initial_value, is_load, leaves_early, loader_expr, loader_loop, means_only,
                                           reassigned_in, source_index, starts_empty_list)
@@ -420,16 +421,8 @@ def _shown_names(ctx: Context, call: cst.Call, block: cst.CSTNode, data: Set[str
 def _backward_names(ctx: Context, block: cst.CSTNode) -> Set[str]:
     """The names the step runs a backward pass from (`loss.backward()`, `scaler.scale(loss).backward()`):
     tensors, whatever made them."""
-    out = set()
-    for call in ctx.within(block, cst.Call, skip_defs=True):
-        if analysis.is_backward(call) and isinstance(call.func, cst.Attribute):
-            inner = call.func.value
-            if isinstance(inner, cst.Call) and isinstance(inner.func, cst.Attribute) and inner.func.attr.value == "scale" \
-                    and inner.args:
-                inner = inner.args[0].value
-            if isinstance(inner, cst.Name):
-                out.add(inner.value)
-    return out
+    losses = (backward_loss(c) for c in ctx.within(block, cst.Call, skip_defs=True))
+    return {loss.value for loss in losses if isinstance(loss, cst.Name)}
 
 
 def _skipped_before(ctx: Context, block: cst.CSTNode, node: cst.CSTNode) -> bool:
