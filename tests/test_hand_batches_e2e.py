@@ -1,7 +1,7 @@
 """Training data that no DataLoader carries, sharded by the migration and checked by running it.
 
 Each program of fixtures/hand_batches/ (a generator of batches, a bucket iterator, a loop over an
-index permutation, a full-batch GCN) is migrated with `torchmigrate ddp`, then run as one process
+index permutation, a trainer shuffling a list of samples each epoch, a full-batch GCN) is migrated with `torchmigrate ddp`, then run as one process
 (the original) and under `torchrun --nproc-per-node=2` on CPU ranks (the migrated copy), both
 through tests/hand_batches_probe.py, which records every training batch, the optimizer steps and
 the final parameters. The tests assert: the report leaves nothing NOT DONE; in every epoch the two
@@ -68,7 +68,8 @@ def _migrate_and_run(name: str, folder: Path) -> dict:
             "rank0_output": two.ranks[0] if two.ranks else two.output}
 
 
-@pytest.fixture(scope="module", params=["batch_generator.py", "bucket_iterator.py", "permutation_loop.py"])
+@pytest.fixture(scope="module", params=["batch_generator.py", "bucket_iterator.py", "permutation_loop.py",
+                                                 "shuffled_list_trainer.py"])
 def minibatches(request, tmp_path_factory):
     return _migrate_and_run(request.param, tmp_path_factory.mktemp(request.param[:-3]))
 

@@ -92,7 +92,7 @@ def program_lines(outcomes: Sequence[Outcome], followed: Sequence[Path]) -> List
 
 
 WRITES_DONE = "writes, saves and logs on rank 0 only"
-_DONE = (  # (what, rule codes whose applied changes show it[, words their message holds])
+_DONE = (  # (what, rule codes whose applied changes show it[, words their message holds, or "!" + lacks])
     ("models wrapped in DDP (gradients averaged)", ("TM301", "TM306", "TM407")),
     ("a loss summed over its batch keeps its step: the ranks' gradients summed, not averaged",
      ("TM301",), "loss_reduction=\"sum\""),
@@ -102,7 +102,9 @@ _DONE = (  # (what, rule codes whose applied changes show it[, words their messa
     ("epoch loops reshuffling (set_epoch)", ("TM202",)),
     (WRITES_DONE, ("TM501", "TM504", "TM505", "TM601", "TM602")),
     ("metrics reduced across ranks", ("TM701", "TM703")),
-    ("random configuration drawn once and shared by every rank", ("TM107",)),
+    ("random configuration drawn once and shared by every rank", ("TM107",), "!drawn alike on every rank"),
+    ("orders drawn again each epoch, alike on every rank (tm.agreed): the ranks' shares stay disjoint",
+     ("TM107",), "drawn alike on every rank"),
     ("the original's global batch kept: each rank loads batch_size / world_size (batch policy global)",
      ("TM305",), "per_rank_batch"),
     ("learning rates scaled with the world size (batch policy per-gpu)", ("TM305",), "is scaled with it"),
@@ -175,7 +177,8 @@ def torchrun_lines(outcomes: Sequence[Outcome], unresolved: Sequence[str] = ()) 
     missing = not_done(outcomes, unresolved)
     partly = any(m.startswith("files still written by every rank") for m in missing)
     for what, codes, *words in _DONE:
-        where = [r.location for r in applied if r.code in codes and all(w in r.message for w in words)]
+        where = [r.location for r in applied if r.code in codes and all(
+            (w[1:] not in r.message) if w.startswith("!") else (w in r.message) for w in words)]
         if where:
             shown = ", ".join(where[:3]) + (f", +{len(where) - 3} more" if len(where) > 3 else "")
             if what == WRITES_DONE and partly:  # never claim more than was done

@@ -18,7 +18,11 @@ Kinds (`Hazard.kind`):
 - `LOG_OF_PROB`: a hand-written log of a probability (`torch.log(torch.sigmoid(x))`,
   `torch.log(1 - torch.sigmoid(torch.mm(a, b)))`, `x.softmax(-1).log()`): in bf16/fp16 the
   sigmoid or softmax rounds to exactly 0 or 1 well inside the range training reaches, and the log
-  becomes -inf, then NaN (`F.logsigmoid` / `log_softmax` compute the same safely).
+  becomes -inf, then NaN (`F.logsigmoid` / `log_softmax` compute the same safely);
+- `FORWARD_NUMPY`: `.numpy()` inside a forward (a module's `forward`, the methods of its class and
+  the functions of its file that it calls): under autocast the tensor is bf16/fp16 there, and bf16
+  has no numpy dtype (TypeError), while fp16 silently computes the rest of the forward at half
+  precision in numpy. The training step cannot convert what it never sees.
 
 The AMP plan adds no autocast (and no GradScaler) to a program with one of them, and says where.
 """
@@ -33,7 +37,8 @@ from typing import Callable, Dict, Iterable, List, Optional
 from torchmigrate.program.astwalk import walk
 from torchmigrate.program.search_path import dotted_name
 
-BCE, DTYPE_TABLE, SOLVER, BILINEAR, LOG_OF_PROB = "bce", "dtype-table", "solver", "bilinear", "log-of-prob"
+BCE, DTYPE_TABLE, SOLVER, BILINEAR, LOG_OF_PROB, FORWARD_NUMPY = (
+    "bce", "dtype-table", "solver", "bilinear", "log-of-prob", "forward-numpy")
 
 _BCE_NAMES = frozenset({"torch.nn.BCELoss", "torch.nn.modules.loss.BCELoss", "torch.nn.functional.binary_cross_entropy"})
 _SOLVER_PACKAGES = ("torchdiffeq", "torchsde")
@@ -73,6 +78,10 @@ class Hazard:
             return (f"{where}: the log of a sigmoid or softmax taken by hand; in bf16/fp16 the probability "
                     "rounds to exactly 0 or 1 and the log becomes -inf (then NaN), so the program trains in "
                     "float32 (F.logsigmoid / log_softmax compute it safely and would allow `with tm.autocast():`)")
+        if self.kind == FORWARD_NUMPY:
+            return (f"{where} converts a tensor to numpy inside a forward: under bf16/fp16 autocast it has no "
+                    "numpy dtype (TypeError), so the program trains in float32 (`.float()` before `.numpy()` "
+                    "would allow `with tm.autocast():`)")
         return (f"{where} is an adaptive ODE/SDE solver: its error control works at tolerances far below "
                 "bf16/fp16 resolution, so the program trains in float32")
 
@@ -120,6 +129,42 @@ def _reads_by_dtype(tree: ast.Module) -> bool:
                for n in walk(tree))
 
 
+def _forward_reach(tree: ast.Module) -> List[ast.AST]:
+    """The functions a forward runs in this file: every class's `forward`, the methods of that
+    class it calls through `self.`, and the file's functions it calls by name, transitively."""
+    functions = {n.name: n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    reached: List[ast.AST] = []
+    for cls in (n for n in walk(tree) if isinstance(n, ast.ClassDef)):
+        methods = {n.name: n for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+        todo = [methods["forward"]] if "forward" in methods else []
+        while todo:
+            func = todo.pop()
+            if any(func is r for r in reached):
+                continue
+            reached.append(func)
+            for call in (n for n in walk(func) if isinstance(n, ast.Call)):
+                f = call.func
+                if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self":
+                    todo.extend([methods[f.attr]] if f.attr in methods else [])
+                elif isinstance(f, ast.Name) and f.id in functions:
+                    todo.append(functions[f.id])
+    return reached
+
+
+def _numpy_calls(func: ast.AST) -> Iterable[ast.Call]:
+    """`x.numpy()` calls in `func` (not `x.float().numpy()`, which is safe)."""
+    for node in walk(func):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "numpy"
+                and not node.args):
+            inner = node.func.value
+            while isinstance(inner, ast.Call) and isinstance(inner.func, ast.Attribute) and inner.func.attr in (
+                    "detach", "cpu", "clone", "contiguous", "squeeze", "flatten"):
+                inner = inner.func.value
+            if not (isinstance(inner, ast.Call) and isinstance(inner.func, ast.Attribute)
+                    and inner.func.attr in ("float", "double")):
+                yield node
+
+
 def hazards(trees: Dict[Path, ast.Module], library_of: Callable[[Path], Dict[str, str]]) -> List[Hazard]:
     """Every hazard of the program, in file and line order (dtype tables only where some module
     reads a table by a tensor's dtype)."""
@@ -143,6 +188,9 @@ def hazards(trees: Dict[Path, ast.Module], library_of: Callable[[Path], Dict[str
                 keys = [k for k in (_float_key(k, library) for k in node.keys if k is not None) if k]
                 if keys and set(keys) <= _FULL | _HALF and not set(keys) & _HALF:
                     found.append(Hazard(path, node.lineno, DTYPE_TABLE, "{" + ", ".join(f"torch.{k}: ..." for k in keys) + "}"))
+        for func in _forward_reach(trees[path]):
+            found.extend(Hazard(path, c.lineno, FORWARD_NUMPY, ast.unparse(c)[:60]) for c in _numpy_calls(func))
+    found.sort(key=lambda h: (str(h.path), h.line))
     return found
 
 

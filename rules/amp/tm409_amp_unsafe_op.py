@@ -28,8 +28,10 @@ class AmpUnsafeOp(AmpRule):
     in another module, a table keyed by float32/float64 that the program reads by a tensor's
     dtype (`self.eps[x.dtype]`, KeyError under bf16), an adaptive ODE solver (`odeint`) whose
     tolerances lie below half-precision resolution, a log of a probability written by hand
-    (`torch.log(1 - torch.sigmoid(x))`: the probability rounds to 1 in bf16, the log to -inf). Then no autocast and no GradScaler are
-    added anywhere, and this rule says why at the first training backward.
+    (`torch.log(1 - torch.sigmoid(x))`: the probability rounds to 1 in bf16, the log to -inf), a
+    forward that converts a tensor with `.numpy()` (bf16 has no numpy dtype: TypeError). Then no
+    autocast and no GradScaler are added anywhere, and this rule says why at the first training
+    backward.
     """
 
     code = "TM409"

@@ -8,6 +8,8 @@ from typing import List
 
 import libcst as cst
 
+from torchmigrate.syntax.imports import dotted
+
 INIT_PG = "torch.distributed.init_process_group"
 DESTROY_PG = "torch.distributed.destroy_process_group"
 SPAWN = ("torch.multiprocessing.spawn", "torch.multiprocessing.start_processes",
@@ -47,3 +49,27 @@ SEEDERS = {
     "torch.manual_seed", "torch.random.manual_seed", "torch.cuda.manual_seed", "torch.cuda.manual_seed_all",
     "random.seed", "numpy.random.seed",
 }
+
+
+# Functions that belong to the data pipeline or the model: their randomness is per sample
+# (augmentation, dropout, noise), and differing across ranks is what the user wants.
+_PER_SAMPLE_METHODS = frozenset({"__getitem__", "__iter__", "__next__", "__call__", "forward", "__len__"})
+_PER_SAMPLE_WORDS = ("transform", "augment", "collate", "worker_init", "noise", "crop", "flip", "jitter")
+_PER_SAMPLE_BASES = ("Dataset", "Module", "Sampler", "Transform", "nn.", "Layer", "Loss")
+
+
+def per_sample(ctx, func: cst.FunctionDef) -> bool:
+    """`func` runs per sample or per forward (a dataset's `__getitem__`, a transform, a collate
+    function, a model's method), maybe in a data-loader worker: its random draws are
+    augmentation, dropout or noise, meant to differ per rank, and no collective can run there."""
+    name = func.name.value.lower()
+    if func.name.value in _PER_SAMPLE_METHODS or any(w in name for w in _PER_SAMPLE_WORDS):
+        return True
+    for anc in ctx.ancestors(func):
+        if isinstance(anc, cst.ClassDef):
+            bases = " ".join(dotted(b.value) or "" for b in anc.bases)
+            if any(b in bases for b in _PER_SAMPLE_BASES):
+                return True
+        if isinstance(anc, cst.FunctionDef) and per_sample(ctx, anc):
+            return True
+    return False

@@ -16,7 +16,20 @@ calls, or that iterates a training DataLoader):
   `np.random.permutation`, `random.shuffle`, `random.sample`) outside a `tm.broadcast_object`:
   hand-made batches cut from it, or a split taken from it, must agree on every rank. TM105 then
   says why (`Blocked`). The order of a hand-made batch loop that TM201 shards is drawn by rank 0
-  and shared, so it does not block.
+  and shared, so it does not block; nor do the draws TM107 makes agree (`agreed_draws`).
+
+`agreed_draws`: a permutation or shuffle that training code draws again and again (in a loop, or
+in a function of a module other than the entry, which an epoch loop may call: a trainer's
+`random.shuffle(self.graphs)`, a helper's `torch.randperm(len(pos) + len(neg))`) becomes
+`tm.agreed(random.shuffle, self.graphs)`: drawn under streams seeded alike on every rank, new at
+each call, the program's own streams untouched. Once the ranks' streams part, the batches cut
+from a per-rank permutation would overlap (rank 0's and rank 1's shares of two different orders);
+drawn alike, the shares are disjoint. Not per-sample code (a dataset, a transform, a model: there
+draws should differ, and a data-loader worker cannot join a collective), not under a rank guard,
+not a permutation made on a device (`device=`; the shared streams are the CPU's), not the order
+of a hand-made batch loop (the data family shares it, or leaves it where it does not shard), not
+in a generator of batches or a class that makes them (`tm.shard_batches` runs them under streams
+seeded alike, `tm.agreed(loader.shuffle)` calls their reshuffling).
 
 Full-batch training whose training indices TM201 shares out (`tm.shard_mean`) gets nothing: every
 rank runs the one forward pass whose loss the ranks split, so its dropout must draw alike, as in
@@ -35,7 +48,9 @@ from torchmigrate import analysis
 from torchmigrate.program.loaders import _iteration_site, loader_facts
 from torchmigrate.rule import Context
 from torchmigrate.rules.data.plan import data_plan
-from torchmigrate.rules.launch.base import SEEDERS
+from torchmigrate.program.batches import batch_facts
+from torchmigrate.program.rank_guards import collective_guard
+from torchmigrate.rules.launch.base import SEEDERS, per_sample
 
 # Draws whose result must be the same on every rank where they cut or split the data.
 AGREED = frozenset({"torch.randperm", "numpy.random.permutation", "random.shuffle", "numpy.random.shuffle",
@@ -57,6 +72,71 @@ class Blocked:
     draw: cst.Call  # the draw in it that must agree on every rank
 
 
+def agreed_draws(ctx: Context) -> List[cst.Call]:
+    """The draws of this module that TM107 makes agree on every rank (`tm.agreed(draw, ...)`)."""
+    found = ctx.facts.get("launch.agreed_draws")
+    if found is None:
+        found = ctx.facts["launch.agreed_draws"] = _agreed_draws(ctx)
+    return found  # type: ignore[return-value]
+
+
+def _agreed_draws(ctx: Context) -> List[cst.Call]:
+    if "TM107" not in ctx.enabled:
+        return []
+    shared = _Streams.shared_by(ctx)
+    orders = batch_facts(ctx).order_draws
+    out = []
+    for call, name in analysis.facts(ctx).calls:
+        if name not in AGREED or _explicit_generator(call) or any(
+                a.keyword is not None and a.keyword.value == "device" for a in call.args) or any(a.star for a in call.args):
+            continue
+        func = ctx.enclosing(call, cst.FunctionDef)
+        in_loop = any(isinstance(a, _LOOPS) for a in _ancestors_in_function(ctx, call))
+        if func is None and not in_loop:
+            continue  # drawn once, at import: every rank draws it alike before training
+        if not (in_loop or not ctx.program.is_entry):
+            continue  # drawn once in a function of the entry: TM107 shares rank 0's draw
+        if (func is not None and (per_sample(ctx, func) or _generates(ctx, func))) or collective_guard(ctx, call) is not None:
+            continue
+        if id(call) in orders or call in shared or ctx.statement_of(call) in shared or _in_broadcast(ctx, call):
+            continue
+        out.append(call)
+    return out
+
+
+def _generates(ctx: Context, func: cst.FunctionDef) -> bool:
+    """`func` is a generator (`def batches(...): ... yield`), or a method of a class that makes
+    batches (one of its methods generates, or it iterates): the batch iterators TM201 reads
+    through `tm.shard_batches`, which runs them under streams seeded alike on every rank, and
+    whose reshuffling methods it calls through `tm.agreed`."""
+    if any(True for _ in ctx.within(func, cst.Yield, skip_defs=True)):
+        return True
+    klass = ctx.enclosing(func, cst.ClassDef)
+    if klass is None:
+        return False
+    methods = [s for s in klass.body.body if isinstance(s, cst.FunctionDef)]
+    return any(m.name.value in ("__iter__", "__next__") or any(True for _ in ctx.within(m, cst.Yield, skip_defs=True))
+               for m in methods)
+
+
+def _ancestors_in_function(ctx: Context, node: cst.CSTNode) -> List[cst.CSTNode]:
+    out = []
+    for anc in ctx.ancestors(node):
+        if isinstance(anc, (cst.FunctionDef, cst.ClassDef, cst.Lambda)):
+            break
+        out.append(anc)
+    return out
+
+
+def _in_broadcast(ctx: Context, call: cst.Call) -> bool:
+    for anc in ctx.ancestors(call):
+        if isinstance(anc, cst.Call) and (ctx.resolve(anc.func) or "").endswith(".broadcast_object"):
+            return True
+        if isinstance(anc, cst.BaseStatement):
+            return False
+    return False
+
+
 def stream_plan(ctx: Context) -> List[object]:
     """The placements (and the loops where none can go) of this module, in source order."""
     found = ctx.facts.get("launch.streams")
@@ -76,7 +156,8 @@ class _Streams:
         # another module (`for batch in train_loader: trainer.step(batch)`)
         self.over_training_data = {_iteration_site(node, ctx) for node, _ref in
                                    loader_facts(ctx).uses(lambda loader: loader.kind == "train")} - {None}
-        self.shared_by_data = self._shared_by_data()
+        self.shared_by_data = self.shared_by(ctx)
+        self.made_agreed = set(agreed_draws(ctx))
         self.full_batch = self._full_batch_losses()
 
     def plan(self) -> List[object]:
@@ -184,10 +265,10 @@ class _Streams:
                     return call
         return None
 
-    def _shared_by_data(self) -> Set[cst.CSTNode]:
+    @staticmethod
+    def shared_by(ctx: Context) -> Set[cst.CSTNode]:
         """The draws and shuffles that set the order of a hand-made batch loop which TM201 shards
         in this run: rank 0 draws them and every rank uses its result (`tm.broadcast_object`)."""
-        ctx = self.ctx
         if "TM201" not in ctx.enabled:
             return set()
         plan = data_plan(ctx)
@@ -216,14 +297,9 @@ class _Streams:
         return any(loss in inside for loss in self.full_batch)
 
     def _shared(self, call: cst.Call) -> bool:
-        if call in self.shared_by_data or self.ctx.statement_of(call) in self.shared_by_data:
+        if call in self.made_agreed or call in self.shared_by_data or self.ctx.statement_of(call) in self.shared_by_data:
             return True
-        for anc in self.ctx.ancestors(call):
-            if isinstance(anc, cst.Call) and (self.ctx.resolve(anc.func) or "").endswith(".broadcast_object"):
-                return True
-            if isinstance(anc, cst.BaseStatement):
-                return False
-        return False
+        return _in_broadcast(self.ctx, call)
 
 
 def _explicit_generator(call: cst.Call) -> bool:

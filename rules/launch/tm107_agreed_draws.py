@@ -9,7 +9,7 @@ import libcst as cst
 from torchmigrate import analysis
 from torchmigrate.finding import Safety, insert_after, replace
 from torchmigrate.syntax.imports import dotted
-from torchmigrate.syntax.nodes import set_kwarg
+from torchmigrate.syntax.nodes import code, set_kwarg
 from torchmigrate.rule import Example, Rule
 from torchmigrate.program.batches import batch_facts
 from torchmigrate.program.metrics import is_load
@@ -17,7 +17,8 @@ from torchmigrate.program.effects import CLOCK, EXISTS_TESTS, OUTPUT, READ, RAND
 from torchmigrate.program.rank_guards import collective_guard
 from torchmigrate.program.writes import call_kinds
 from torchmigrate.rules._active import active
-from torchmigrate.rules.launch.base import SEEDERS
+from torchmigrate.rules.launch.base import SEEDERS, per_sample
+from torchmigrate.rules.launch.streams import agreed_draws
 
 _RANDOM = ("random.", "numpy.random.")
 _EXISTS = EXISTS_TESTS | {"os.path.lexists"}
@@ -45,12 +46,6 @@ _NAMING_METHODS = frozenset({"strftime", "isoformat", "format", "hex", "join", "
 _PATH_CALLS = frozenset({"os.path.join", "pathlib.Path", "pathlib.PurePath", "os.makedirs", "os.mkdir", "open"})
 _NAMING_CALLS = frozenset({"str", "os.path.join", "pathlib.Path", "pathlib.PurePath", "os.makedirs", "open",
                            "os.mkdir", "time.strftime", "time.ctime", "time.asctime"})
-# Functions that belong to the data pipeline or the model: their randomness is per sample
-# (augmentation, dropout, noise), and differing across ranks is what the user wants.
-_PER_SAMPLE_METHODS = frozenset({"__getitem__", "__iter__", "__next__", "__call__", "forward", "__len__"})
-_PER_SAMPLE_WORDS = ("transform", "augment", "collate", "worker_init", "noise", "crop", "flip", "jitter")
-_PER_SAMPLE_BASES = ("Dataset", "Module", "Sampler", "Transform", "nn.", "Layer", "Loss")
-
 
 class AgreedDraws(Rule):
     """
@@ -63,6 +58,13 @@ class AgreedDraws(Rule):
       (`seq_len = int(np.random.normal(bptt, 5))` followed by `i += seq_len`).
     - `random.shuffle(files)` (or `np.random.shuffle`) outside a loop is followed by
       `files[:] = tm.broadcast_object(files)`.
+    - `random.shuffle(self.graphs)` (or `torch.randperm(n)`, `np.random.permutation(n)`,
+      `random.sample(...)`) drawn again and again by training code, in a loop or in a function
+      of another module (a trainer's epoch, a helper that mixes real and fake rows), becomes
+      `tm.agreed(random.shuffle, self.graphs)`: drawn under streams seeded alike on every rank,
+      new at each call, the program's own streams untouched. Once `tm.seed_per_rank()` has
+      parted the streams (or per-rank work has drawn different amounts from them), each rank
+      would otherwise cut its share from its own order.
     - `random_split(dataset, lengths)` without a generator gets
       `generator=tm.shared_generator()`, seeded alike on every rank.
     - `run_id = datetime.now().strftime("%m%d_%H%M%S")` (a read of the clock, a process id or
@@ -118,7 +120,12 @@ class AgreedDraws(Rule):
         if not active(ctx) or not analysis.facts(ctx).calls:
             return
         done: Set[cst.CSTNode] = set()
+        made_agreed = agreed_draws(ctx)
+        for call in made_agreed:
+            self._agree(call)
         for call, name in analysis.facts(ctx).calls:
+            if call in made_agreed:
+                continue
             if name is None and isinstance(call.func, cst.Name) and call.func.value == "input":
                 self._input(call)
                 continue
@@ -195,17 +202,7 @@ class AgreedDraws(Rule):
         return True
 
     def _per_sample(self, func: cst.FunctionDef) -> bool:
-        name = func.name.value.lower()
-        if func.name.value in _PER_SAMPLE_METHODS or any(w in name for w in _PER_SAMPLE_WORDS):
-            return True
-        for anc in self.ctx.ancestors(func):
-            if isinstance(anc, cst.ClassDef):
-                bases = " ".join(dotted(b.value) or "" for b in anc.bases)
-                if any(b in bases for b in _PER_SAMPLE_BASES):
-                    return True
-            if isinstance(anc, cst.FunctionDef) and self._per_sample(anc):
-                return True
-        return False
+        return per_sample(self.ctx, func)
 
     def _loops_between(self, node: cst.CSTNode) -> List[cst.CSTNode]:
         loops = []
@@ -396,6 +393,21 @@ class AgreedDraws(Rule):
         self.report(call, f"every rank shuffles `{target}` its own way, so ranks disagree on its order (a split "
                           f"taken from it differs per rank): rank 0's order is shared with every rank",
                     edits=[insert_after(statement, [line])], imports=[ctx.runtime_import()])
+
+    def _agree(self, call: cst.Call) -> None:
+        """`random.shuffle(self.graphs)` drawn again and again by training code (each epoch, in a
+        trainer's method or a helper of another module) -> `tm.agreed(random.shuffle, self.graphs)`:
+        every rank draws the same order, new each call (see `streams.agreed_draws`)."""
+        ctx = self.ctx
+        what = code(call.func)
+        self.report(call, f"`{what}(...)` draws an order again and again from each rank's own random stream (the "
+                          "streams part once training starts): ranks would cut their shares from different orders, "
+                          "so shares overlap and some samples are never seen. It is drawn alike on every rank",
+                    edits=[replace(call, lambda c: c.with_changes(
+                        func=cst.parse_expression(f"{ctx.tm}.agreed"),
+                        args=[cst.Arg(c.func, comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))),
+                              *c.args]))],
+                    imports=[ctx.runtime_import()])
 
     def _split(self, call: cst.Call) -> None:
         ctx = self.ctx
