@@ -64,7 +64,7 @@ __all__ = [
     "amp_dtype", "autocast", "GradScaler", "print", "input", "bar_stream", "barrier", "all_reduce", "gather_for_metrics", "gather_list", "broadcast_object", "shared_generator", "grad", "any_rank", "share_params", "sync_grads", "shard_stream",
     "shard_sampler", "reduce_meter", "per_rank_batch", "sync_batchnorm", "synced", "to_float32",
     "save", "load", "strip_prefix", "load_state_dict", "seed_everything", "seed_per_rank", "main_only", "main_process_first",
-    "shard_range", "shard_indices", "shard_mean", "shard_batches", "agreed", "move_into_place", "to_device", "as_device",
+    "shard_range", "shard_indices", "shard_mean", "shard_batches", "agreed", "on_main", "move_into_place", "to_device", "as_device",
 ]
 
 
@@ -2136,6 +2136,53 @@ def broadcast_object(value, src: int = 0):
     if isinstance(value, torch.Tensor):
         return box[0].to(value.device)
     return box[0]
+
+
+_ON_MAIN = [0]  # depth of `on_main` calls running on this process
+
+
+def on_main(func, *args, **kwargs):
+    """``func(*args, **kwargs)`` run by the main process alone, its result returned on every rank.
+    For a helper that picks a free name by probing the file system (``for i in range(1, 100): d =
+    f"{name}-{i:02d}"; if not os.path.exists(d): os.makedirs(d); return d``): run on every rank,
+    the first rank makes ``run-01`` and the next finds it taken and makes ``run-02``, so the ranks
+    save into different folders. If ``func`` raises on the main process, every rank raises the
+    same error. A result that cannot be pickled (a writer, a logger with open files) cannot be
+    sent: the other ranks then call ``func`` themselves, as the original program did, with a
+    warning. Inside another ``on_main`` it just calls ``func`` (the others are not there to
+    receive). A collective: call it on every rank. 1 process: ``func(*args, **kwargs)``."""
+    if world_size() <= 1 or _ON_MAIN[0] or (not _pg() and _in_worker_process()):
+        return func(*args, **kwargs)
+    if not _pg():
+        setup()
+    name = getattr(func, "__qualname__", repr(func))
+    box = [None]
+    if rank() == 0:
+        _ON_MAIN[0] += 1
+        try:
+            result = func(*args, **kwargs)
+            box = [("ok", _to_cpu(result))]
+        except Exception as exc:  # noqa: BLE001 - raised again on every rank below
+            box = [("error", exc)]
+        finally:
+            _ON_MAIN[0] -= 1
+        try:
+            dist.broadcast_object_list(box, src=0)
+        except Exception:  # noqa: BLE001 - a result or an error that does not pickle (nothing was sent)
+            dist.broadcast_object_list([("local", None) if box[0][0] == "ok" else ("error", RuntimeError(
+                f"{name} raised on the main process: {box[0][1]!r}"))], src=0)
+        if box[0][0] == "error":
+            raise box[0][1]
+        return result
+    dist.broadcast_object_list(box, src=0)
+    kind, value = box[0]
+    if kind == "error":
+        raise value
+    if kind == "local":
+        _warn(f"rank {rank()} calls {name} itself: what it returned on the main process cannot be sent to the "
+              "other ranks (it does not pickle), so each rank picks its own result, as the original did")
+        return func(*args, **kwargs)
+    return value
 
 
 _NULL_STREAM = None

@@ -185,6 +185,20 @@ def test_shard_stream_and_any_rank(collectives):
     assert r0["placed"] == r1["placed"] == "rank 0" and r0["temps_left"] == r1["temps_left"] == []
 
 
+def test_on_main_picks_once_for_every_rank(collectives):
+    """A helper that probes for a free folder runs on the main process alone: every rank gets
+    `run-01`, then `run-02` and `run-03` from a helper that calls it twice (nested calls run in
+    place), and no other folder is made; an error on the main process is raised on every rank; a
+    result that does not pickle is made by each rank for itself."""
+    r0, r1 = collectives["r"]
+    runs = str(collectives["outdir"] / "runs")
+    picks = [os.path.join(runs, f"run-0{k}") for k in (1, 2, 3)]
+    assert r0["on_main"] == r1["on_main"] == [picks[0], picks[1:]]
+    assert r0["on_main_folders"] == r1["on_main_folders"] == ["run-01", "run-02", "run-03"]
+    assert r0["on_main_error"] == r1["on_main_error"] == "KeyError('missing')"
+    assert r0["on_main_local"] == r1["on_main_local"] == [1, False]
+
+
 def test_leftover_accumulated_gradients_are_averaged_before_the_step(collectives):
     """An optimizer step on gradients accumulated under no_sync() that no backward averaged (an
     epoch ending inside an accumulation window) averages them first: the ranks stay equal."""

@@ -15,7 +15,10 @@ Kinds of effect (`WRITE` ... `STATE`):
 - `CALLS`: calls code it was handed (a parameter, `self.<attr>` of unknown type, a local value):
   maybe a forward pass through DDP, so it must run on every rank;
 - `READ`: reads a file; `RANDOM`: draws random numbers; `CLOCK`: reads the clock;
-- `STATE`: changes state that outlives the call (`self.x = ...`, a parameter's items, `global`).
+- `STATE`: changes state that outlives the call (`self.x = ...`, a parameter's items, `global`);
+- `PROBE`: looks for a free name by testing, in a loop, whether paths exist (`for i in range(1,
+  100): d = f"{name}-{i:02d}"; if not os.path.exists(d): ...`): every rank probes on its own,
+  and once one has created its folder the next finds another, so its result must be rank 0's.
 
 Effects flow through calls: a function has the effects of everything it calls among the
 program's own functions, methods (`self.m()`, `obj.m()` of an instance of the program's
@@ -42,8 +45,8 @@ from torchmigrate.program.astwalk import walk
 from torchmigrate.program.generators import endless_generators
 from torchmigrate.program.open_modes import mode_names_ast, mode_of_ast, writes
 
-WRITE, MKDIR, OUTPUT, COLLECTIVE, TRAIN, CALLS, READ, RANDOM, CLOCK, STATE = (
-    "write", "mkdir", "output", "collective", "train", "calls", "read", "random", "clock", "state")
+WRITE, MKDIR, OUTPUT, COLLECTIVE, TRAIN, CALLS, READ, RANDOM, CLOCK, STATE, PROBE = (
+    "write", "mkdir", "output", "collective", "train", "calls", "read", "random", "clock", "state", "probe")
 # effects that leave nothing behind on a rank that skips them: a call whose effects are these
 # alone may run on the main process only
 OUTPUT_ONLY = frozenset({WRITE, MKDIR, OUTPUT, READ})
@@ -492,6 +495,8 @@ class _Reader:
                 continue
             if isinstance(stmt, ast.Global) or isinstance(stmt, ast.Nonlocal):
                 self.scope.kinds.add(STATE)
+            if isinstance(stmt, (ast.For, ast.While)) and self._asks_exists(stmt):
+                self.scope.kinds.add(PROBE)
             if isinstance(stmt, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
                 targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
                 if any(self._outliving(t) for t in targets):

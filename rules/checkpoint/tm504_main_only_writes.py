@@ -474,7 +474,7 @@ class MainOnlyWrites(Rule):
                     or writes_file(call, name, analysis.open_modes(ctx)) or _only_shows(call, name):
                 continue
             kinds = call_kinds(ctx, call)
-            if name in ("open", "io.open") or name in _READERS or name.startswith(effects.READ_PREFIXES) \
+            if name in ("open", "io.open") or name in _READERS or (name or "").startswith(effects.READ_PREFIXES) \
                     or (kinds is not None and effects.READ in kinds):
                 read = call
         if read is None:

@@ -13,7 +13,7 @@ from torchmigrate.syntax.nodes import code, set_kwarg
 from torchmigrate.rule import Example, Rule
 from torchmigrate.program.batches import batch_facts
 from torchmigrate.program.metrics import is_load
-from torchmigrate.program.effects import CLOCK, EXISTS_TESTS, OUTPUT, READ, RANDOM
+from torchmigrate.program.effects import CLOCK, EXISTS_TESTS, MKDIR, OUTPUT, PROBE, READ, RANDOM, WRITE
 from torchmigrate.program.rank_guards import collective_guard
 from torchmigrate.program.writes import call_kinds
 from torchmigrate.rules._active import active
@@ -65,6 +65,11 @@ class AgreedDraws(Rule):
       new at each call, the program's own streams untouched. Once `tm.seed_per_rank()` has
       parted the streams (or per-rank work has drawn different amounts from them), each rank
       would otherwise cut its share from its own order.
+    - `save_dir = util.get_save_dir(base, name)`, where the helper looks for a free name by
+      testing in a loop which paths exist (and may make the folder it finds), becomes
+      `save_dir = tm.on_main(util.get_save_dir, base, name)`: the main process picks, every
+      rank gets its pick (run on every rank, the first rank makes `name-01` and the next finds
+      it taken and makes `name-02`).
     - `random_split(dataset, lengths)` without a generator gets
       `generator=tm.shared_generator()`, seeded alike on every rank.
     - `run_id = datetime.now().strftime("%m%d_%H%M%S")` (a read of the clock, a process id or
@@ -131,7 +136,9 @@ class AgreedDraws(Rule):
                 continue
             kinds = call_kinds(ctx, call)
             if kinds is not None:
-                if CLOCK in kinds and kinds <= _READS_ONLY:
+                if PROBE in kinds and kinds <= _PROBES_ONLY:
+                    self._on_main(call)
+                elif CLOCK in kinds and kinds <= _READS_ONLY:
                     # a helper of the program that reads the clock (`cur_time = get_local_time()`)
                     assign = self._assignment(call)
                     if assign is not None and assign not in done:
@@ -409,6 +416,28 @@ class AgreedDraws(Rule):
                               *c.args]))],
                     imports=[ctx.runtime_import()])
 
+    def _on_main(self, call: cst.Call) -> None:
+        """`save_dir = get_save_dir(base, name)`, a helper of the program that probes for a free
+        name (and makes that folder) -> `tm.on_main(get_save_dir, base, name)`: the main process
+        picks, every rank gets its pick. Only where every rank runs the call in step."""
+        ctx = self.ctx
+        assign = ctx.parent(call)
+        if not (isinstance(assign, (cst.Assign, cst.AnnAssign)) and assign.value is call) or any(a.star for a in call.args):
+            return
+        func = ctx.enclosing(call, cst.FunctionDef)
+        if (func is not None and self._per_sample(func)) or collective_guard(ctx, call) is not None \
+                or self._in_file_write(call):
+            return
+        what = code(call.func)
+        self.report(call, f"`{what}(...)` looks for a free name by testing which paths exist: every rank would probe "
+                          "on its own, and once one has made its folder the next finds it taken and picks another. "
+                          "The main process picks and every rank gets its pick",
+                    edits=[replace(call, lambda c: c.with_changes(
+                        func=cst.parse_expression(f"{ctx.tm}.on_main"),
+                        args=[cst.Arg(c.func, comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))),
+                              *c.args]))],
+                    imports=[ctx.runtime_import()])
+
     def _split(self, call: cst.Call) -> None:
         ctx = self.ctx
         if any(a.keyword is not None and a.keyword.value == "generator" for a in call.args) \
@@ -491,6 +520,10 @@ class AgreedDraws(Rule):
 # a helper whose effects are at most these, with a clock read among them, only turns the clock
 # into a value (`get_local_time()` formatting `datetime.now()`): sharing rank 0's result is safe
 _READS_ONLY = frozenset({CLOCK, OUTPUT, READ, RANDOM})
+# A helper that looks for a free name and may make the folder it finds, write a file into it,
+# print, read the clock: nothing another rank needs besides what it returns (what does not
+# pickle, a writer, the runtime lets each rank make for itself).
+_PROBES_ONLY = frozenset({PROBE, MKDIR, WRITE, CLOCK, OUTPUT, READ, RANDOM})
 
 
 def _is_draw(name: str) -> bool:

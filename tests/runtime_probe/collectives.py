@@ -206,6 +206,29 @@ def main(outdir):
     np.random.seed(100 + r)
     res["agreed"] = [tm.agreed(np.random.permutation, 10).tolist() for _ in range(2)]
     res["agreed_kept_own"] = np.random.rand() == before  # the rank's own stream untouched
+    # on_main: a free run folder picked by probing, once (nested calls run in place), errors and
+    # results that do not pickle
+    def free_folder(root):
+        for k in range(1, 50):
+            d = os.path.join(root, f"run-{k:02d}")
+            if not os.path.exists(d):
+                os.makedirs(d)
+                return d
+
+    def outer(root):
+        return tm.on_main(free_folder, root), tm.on_main(free_folder, root)
+
+    runs = os.path.join(outdir, "runs")
+    res["on_main"] = [tm.on_main(free_folder, runs), tm.on_main(outer, runs)]
+    try:
+        tm.on_main(lambda: {}["missing"])
+    except KeyError as exc:
+        res["on_main_error"] = repr(exc)
+    handle = tm.on_main(tempfile.TemporaryFile)  # a file object does not pickle: each rank opens its own
+    res["on_main_local"] = [handle.write(b"x"), handle.closed]
+    handle.close()
+    tm.barrier()
+    res["on_main_folders"] = sorted(os.listdir(runs))
     # an atomic save: each rank writes a temporary file of its own, the main one is moved into place
     placed = os.path.join(outdir, "placed.txt")
     fd, own = tempfile.mkstemp(dir=outdir, prefix=f"tmp{r}_")
