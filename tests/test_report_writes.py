@@ -36,6 +36,7 @@ TRAIN = """
 
 def write(root: Path, files: dict) -> None:
     for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_text(textwrap.dedent(text).lstrip("\n"))
 
 
@@ -169,3 +170,32 @@ def test_not_done_lines_point_to_findings_that_exist(tmp_path, run_cli):
     for line in lines:
         assert "see the TM" not in line, line
         assert "(see TM" in line or "no finding says where" in line, line
+
+
+def test_a_program_that_trains_where_the_tool_did_not_read_is_not_done(tmp_path, run_cli):
+    """The entry hands its model to a trainer of a package the tool does not reach (two folders
+    up, no project marker: the layout of a repository's examples/ folder run as a script with the
+    package installed): the report must not say the program is done with "0 findings"."""
+    write(tmp_path, {"lib/recsys/trainer.py": """
+        def fit(model, optimizer, data):
+            for x, y in data:
+                loss = ((model(x) - y) ** 2).mean()
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+        """, "lib/recsys/__init__.py": "", "examples/ranking/run.py": """
+        import torch
+        from recsys.trainer import fit
+
+        model = torch.nn.Linear(2, 1)
+        fit(model, torch.optim.Adam(model.parameters()), [(torch.randn(4, 2), torch.randn(4, 1))])
+        print("done")
+        """})
+    out = run_cli("ddp", "--dry-run", tmp_path / "examples" / "ranking" / "run.py").output
+    assert "NOT DONE: no training step" in out and "did not reach" in out, out
+    assert "NOT DONE under torchrun" in out.splitlines()[-1], out
+    # the same program with the package beside the entry: followed, trained there, not this line
+    write(tmp_path, {"examples/ranking/recsys/__init__.py": "",
+                     "examples/ranking/recsys/trainer.py": (tmp_path / "lib/recsys/trainer.py").read_text()})
+    out = run_cli("ddp", "--dry-run", tmp_path / "examples" / "ranking" / "run.py").output
+    assert "no training step" not in out and "done: models wrapped in DDP" in out, out

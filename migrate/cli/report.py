@@ -137,7 +137,8 @@ def not_done(outcomes: Sequence[Outcome], unresolved: Sequence[str] = ()) -> Lis
     """What the program still does wrong under torchrun, whatever the findings say: a program
     that trains with no model wrapped in DDP, or builds loaders and shards none of them, or
     writes files on every rank, or whose own modules were not all found (nothing in those was
-    migrated)."""
+    migrated), or in whose files no training step is seen at all (it trains in code the tool did
+    not read, and "0 findings need attention" would claim a migration that did not happen)."""
     have = {s for o in outcomes for s in o.signals}
     out = []
     if unresolved:
@@ -148,6 +149,10 @@ def not_done(outcomes: Sequence[Outcome], unresolved: Sequence[str] = ()) -> Lis
         shown = ", ".join(writes[:6]) + (f", +{len(writes) - 6} more" if len(writes) > 6 else "")
         out.append(f"files still written by every rank (each rank writes the same file: torn or duplicated "
                    f"content; see the TM504/TM601 findings, or guard them with `if tm.is_main():`): {shown}")
+    if "means_to_train" in have and "trains" not in have and not unresolved and not any(o.error for o in outcomes):
+        out.append("no training step (a `.backward(...)`) in any file of the program the tool read: if it trains, "
+                   "it does so in code the tool did not reach (a package imported from outside this project, a "
+                   "library's trainer), and nothing there is made distributed (no DDP, no sharded data)")
     if "trains" in have and "wraps" not in have:
         out.append("no model is wrapped in DDP although the program trains: gradients are NOT synchronised, "
                    "every rank trains its own copy " + _see(outcomes, "TM301", "which model an optimizer trains"))

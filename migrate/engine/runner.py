@@ -112,6 +112,8 @@ _HAND_MADE = ("shard_range(", "shard_batches(", "shard_indices(")
 # signal -> any of these in a migrated source
 _SIGNALS = {
     "trains": (".backward(",),
+    # signs that the program means to train, here or in code it hands its model to
+    "means_to_train": (".backward(", ".fit(", ".train(", "Trainer(", ".parameters(", "optim.", "DataLoader("),
     "wraps": ("wrap_model(", "DistributedDataParallel(", "DDP(", "sync_grads("),
     "loaders": ("DataLoader(", "DataLoader as ", "shard_stream(", *_HAND_MADE),  # `DataLoader as DL`
     "shards": ("tm.sampler(", "eval_sampler(", "shard_sampler(", "DistributedSampler(", ".sampler(", "shard_stream(",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 import libcst as cst
 
@@ -239,14 +239,18 @@ class LrWorldSize(ModelRule):
         outlives the loop (set before the epoch loop, or an attribute): it counts the samples
         trained on, which a schedule, a warm-up, a stopping rule or a dashboard's x-axis reads.
         Each rank now sees its share of every step's samples, so the counter adds the step's
-        samples on every rank (`x.size(0) * tm.world_size()`: the shares are equal). A count
+        samples on every rank (`x.size(0) * tm.world_size()`: the shares are equal). A countdown
+        (`steps_till_eval -= batch_size`, the samples until the next evaluation) subtracts every
+        rank's samples the same way, and the counter read as a number of updates (`step //
+        batch_size`: an EMA's warm-up, a scheduler's step) divides by the global batch. A count
         reset for the loop (`total += y.size(0)` beside `correct`) is a metric, TM701's."""
         ctx = self.ctx
         from torchmigrate.program.metrics import initial_value
         from torchmigrate.rules.metrics.plan import loop_sharding
 
+        counted_in: Dict[cst.For, Dict[str, str]] = {}  # loop -> counter -> the per-rank count it grows by
         for aug in ctx.nodes(cst.AugAssign):
-            if not isinstance(aug.operator, cst.AddAssign):
+            if not isinstance(aug.operator, (cst.AddAssign, cst.SubtractAssign)):
                 continue
             loop = ctx.enclosing(aug, cst.For, cst.While, cst.FunctionDef)
             if not isinstance(loop, cst.For):
@@ -260,14 +264,26 @@ class LrWorldSize(ModelRule):
             if not isinstance(target, (cst.Name, cst.Attribute)):
                 continue
             counted = code(count)
-            what = "counts the samples trained on" if count is aug.value else \
-                "grows with the samples trained on (a fade-in, a warm-up fraction)"
+            counted_in.setdefault(loop, {})[code(target)] = counted
+            what = ("counts down the samples until something happens (an evaluation, a checkpoint)"
+                    if isinstance(aug.operator, cst.SubtractAssign) else "counts the samples trained on"
+                    ) if count is aug.value else "grows with the samples trained on (a fade-in, a warm-up fraction)"
             self.report(aug, f"`{code(target)}` {what}, but `{counted}` is now this rank's share of "
                              f"the step: count every rank's (`{counted} * {ctx.tm}.world_size()`), so schedules and "
                              "limits that read it keep their meaning",
                         edits=[replace(count, lambda v: cst.BinaryOperation(
                             left=v, operator=cst.Multiply(), right=cst.parse_expression(f"{ctx.tm}.world_size()")))],
                         imports=[ctx.runtime_import()])
+        for loop, counters in counted_in.items():
+            for op in ctx.within(loop, cst.BinaryOperation):
+                if isinstance(op.operator, (cst.FloorDivide, cst.Divide)) and code(op.left) in counters \
+                        and code(op.right) == counters[code(op.left)] and counters[code(op.left)] != code(op.left):
+                    self.report(op, f"`{code(op)}` reads the samples counted on every rank as a number of updates, but "
+                                    f"`{code(op.right)}` is this rank's share of the batch: divide by every rank's "
+                                    f"(`{code(op.right)} * {ctx.tm}.world_size()`)",
+                                edits=[replace(op.right, lambda v: _times_world(v, ctx.tm).with_changes(
+                                    lpar=[cst.LeftParen()], rpar=[cst.RightParen()]))],
+                                imports=[ctx.runtime_import()])
 
     def _scale(self, optimizer: Optimizer, lr: Optional[cst.Arg]) -> None:
         """Batch policy per-gpu: the learning rate grows with the global batch (linear scaling)."""
