@@ -455,7 +455,9 @@ class DeviceFromRank(Rule):
             self._fix(call, message, replace(call, fix))
             return
         kind = self._device_call_kind(call)
-        if self._wrong(kind):
+        if self._wrong(kind) and self._compared(call) is not None:
+            self._gpu_test(call, self._compared(call))
+        elif self._wrong(kind):
             self._fix(call, message, replace_with(call, self._tm_device()))
         elif kind is None and len(call.args) == 1 and not call.args[0].keyword and not call.args[0].star \
                 and self.converting and self.ctx.options.mode == "ddp" and not _constant(first.value) \
@@ -465,6 +467,34 @@ class DeviceFromRank(Rule):
             self._fix(call, "a device made from a value the analysis cannot see: any GPU it names must be this "
                             f"rank's (`{self.ctx.tm}.as_device`, cuda:LOCAL_RANK for any GPU, else as given)",
                       replace(call, lambda c: c.with_changes(func=cst.parse_expression(f"{self.ctx.tm}.as_device"))))
+
+    def _compared(self, call: cst.Call) -> Optional[cst.Comparison]:
+        """The `device == torch.device("cuda")` (or `!=`, either side) that `call` is one side of."""
+        parent = self.ctx.parent(call)
+        comparison = self.ctx.parent(parent) if isinstance(parent, cst.ComparisonTarget) else parent
+        if isinstance(comparison, cst.Comparison) and len(comparison.comparisons) == 1 \
+                and isinstance(comparison.comparisons[0].operator, (cst.Equal, cst.NotEqual)) \
+                and call in (comparison.left, comparison.comparisons[0].comparator):
+            return comparison
+        return None
+
+    def _gpu_test(self, call: cst.Call, comparison: cst.Comparison) -> None:
+        """`device == torch.device("cuda")` asks whether the program runs on a GPU: compared with
+        `tm.device()` it would be true on CPU ranks too (the device is `tm.device()` there as
+        well). It becomes `tm.as_device(device).type == "cuda"`: true on the rank's GPU, false
+        on the CPU, whatever GPU number `device` names."""
+        target = comparison.comparisons[0]
+        other = target.comparator if comparison.left is call else comparison.left
+        tm = self.ctx.tm
+
+        def fix(c: cst.Comparison) -> cst.Comparison:
+            probe = cst.Attribute(value=cst.Call(func=cst.parse_expression(f"{tm}.as_device"), args=[cst.Arg(other)]),
+                                  attr=cst.Name("type"))
+            return c.with_changes(left=probe, comparisons=[c.comparisons[0].with_changes(
+                comparator=cst.SimpleString('"cuda"'))])
+
+        self._fix(call, "a test of whether the program runs on the GPU: compared with this rank's device it would "
+                        "be true on CPU ranks too; it compares the device's type with \"cuda\"", replace(comparison, fix))
 
     def _in_map_location(self, node: cst.CSTNode) -> bool:
         """Inside a `map_location=` argument (TM502 owns checkpoint loading)."""
