@@ -2107,18 +2107,26 @@ def gather_for_metrics(x, total_len: int | None = None, over=None):
     return x if total_len is None else x[:total_len]
 
 
-def gather_list(values) -> list:
+def gather_list(values, over=None) -> list:
     """Every rank's ``values`` (a list of numbers, small tensors or dicts of them), concatenated in rank order,
     on every rank; 1 process: ``values`` itself. For means of per-batch values (``sum(l) / len(l)``),
-    which then cover every batch of every rank and agree across ranks. Tensors travel on the CPU
-    (detached). A collective: call it on every rank."""
-    if not is_distributed():
+    which then cover every batch of every rank and agree across ranks, and for the predictions and
+    targets a loop collected for a metric that needs every sample (F1, AUC: gather every list the
+    metric reads, so each prediction stays beside its target). ``over``: the loader they were
+    collected over; where it is not sharded (``sharded``) every rank holds them all already and
+    ``values`` comes back as it is. Tensors travel on the CPU (detached) and come back on the
+    device this rank's own were on. A collective: call it on every rank."""
+    if not is_distributed() or (over is not None and not sharded(over)):
         return values
     _require_pg()
     mine = [_to_cpu(v) for v in values]
     parts = [None] * world_size()
     dist.all_gather_object(parts, mine)
-    return [v for part in parts for v in part]
+    gathered = [v for part in parts for v in part]
+    here = next((v.device for v in values if isinstance(v, torch.Tensor)), None)
+    if here is not None and here.type != "cpu":
+        gathered = [v.to(here) if isinstance(v, torch.Tensor) else v for v in gathered]
+    return gathered
 
 
 def broadcast_object(value, src: int = 0):

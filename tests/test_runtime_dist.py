@@ -185,6 +185,13 @@ def test_shard_stream_and_any_rank(collectives):
     assert r0["placed"] == r1["placed"] == "rank 0" and r0["temps_left"] == r1["temps_left"] == []
 
 
+def test_gather_list_gathers_what_a_sharded_loop_collected_and_keeps_a_whole_one(collectives):
+    r0, r1 = collectives["r"]
+    assert r0["gather_list"] == r1["gather_list"]
+    assert sorted(v for batch in r0["gather_list"] for v in batch) == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+    assert r0["gather_list_whole"] == r1["gather_list_whole"] == [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0]]
+
+
 def test_on_main_picks_once_for_every_rank(collectives):
     """A helper that probes for a free folder runs on the main process alone: every rank gets
     `run-01`, then `run-02` and `run-03` from a helper that calls it twice (nested calls run in

@@ -7,7 +7,8 @@ from typing import Dict, List, Set, Tuple
 import libcst as cst
 
 from torchmigrate import analysis
-from torchmigrate.finding import Safety
+from torchmigrate.finding import Safety, insert_after
+from torchmigrate.program.rank_guards import collective_guard
 from torchmigrate.syntax.imports import dotted
 from torchmigrate.syntax.nodes import code
 from torchmigrate.program.loaders import DATALOADERS
@@ -20,7 +21,7 @@ from torchmigrate.rules._active import active
 from torchmigrate.rules.metrics.plan import loop_sharding
 
 
-_GATHERS = ("gather_for_metrics", "all_gather", "all_gather_object", "gather", "gather_object")
+_GATHERS = ("gather_for_metrics", "gather_list", "all_gather", "all_gather_object", "gather", "gather_object")
 
 
 class GatherForMetrics(Rule):
@@ -46,9 +47,22 @@ class GatherForMetrics(Rule):
     tell (a loader handed in from another module), the suggested gather takes the loader,
     `over=loader`, and leaves the predictions as they are where it is not sharded.
 
+    In a migration (`ddp`), where the lists and what is computed from them go nowhere but into
+    such metrics (whose data arguments all come from the lists), `print` and `len`, they are
+    gathered right after the loop, every list the metrics read, in rank order, so each
+    prediction stays beside its target:
+
+        preds = tm.gather_list(preds)
+        labels = tm.gather_list(labels)
+
+    (`over=loader` where only the run can tell whether the loader is sharded). The metric is then
+    the whole set's, the same on every rank, as in one process (a training loader's sampler
+    may repeat a few samples to even out the ranks' shares).
+
     ## Limitations
-    Report only: where the gathered tensors go (a metric on every rank, or on rank 0) is a choice
-    for the script's author.
+    Lists that also go elsewhere (written to a file in their own order, paired with the
+    dataset's labels, returned) are only reported: where the gathered tensors go, and in which
+    order, is a choice for the script's author.
     """
 
     code = "TM702"
@@ -115,6 +129,39 @@ class GatherForMetrics(Rule):
             if lists:
                 self._check(loop, lists, reported)
 
+    def _only_metrics(self, index, scope, origin: Dict[str, str], since: Dict[str, int],
+                      metric_calls: List[Tuple[cst.Call, str, Set[str]]]) -> bool:
+        """The lists, and what is computed from them after the loop, go nowhere but into the
+        metrics (whose data arguments all come from the lists, so gathering every list together
+        keeps each prediction beside its target), `print` and `len`: gathered in rank order, the
+        metric is the whole set's. A list also written out, zipped with the dataset's own order or
+        returned stays as it is (TM702 reports it)."""
+        ctx = self.ctx
+        metric_nodes = {c for c, _, _ in metric_calls}
+        for metric in metric_nodes:
+            for a in metric.args:
+                if a.keyword is None and any(n not in origin and ctx.resolve(cst.Name(n)) is None
+                                             for n in names_in(ctx, a.value)):
+                    return False
+        for name in origin:
+            for order, node in index.names(name):
+                if order <= since[name] or scope_of(ctx, node) is not scope or binding_of(ctx, node) is not None:
+                    continue
+                ok = False
+                for anc in ctx.ancestors(node):
+                    if anc in metric_nodes or (isinstance(anc, cst.Call) and dotted(anc.func) in _SHOWS):
+                        ok = True
+                        break
+                    if isinstance(anc, cst.Assign):
+                        ok = all(isinstance(el, cst.Name) and el.value in origin
+                                 for t in anc.targets for el in iter_nodes(t.target) if isinstance(el, cst.Name))
+                        break
+                    if isinstance(anc, (cst.BaseSmallStatement, cst.BaseCompoundStatement)):
+                        break
+                if not ok:
+                    return False
+        return True
+
     def _check(self, loop: cst.For, lists: List[str], reported: Set[cst.CSTNode]) -> None:
         ctx = self.ctx
         sharding = loop_sharding(ctx, loop)
@@ -177,12 +224,24 @@ class GatherForMetrics(Rule):
         loader = code(loader_expr(ctx, loop.iter))
         when = f" when `{loader}` is sharded" if sharding == "unknown" else ""
         over = f", over={loader}" if sharding == "unknown" else ""
+        if ctx.options.mode == "ddp" and collective_guard(ctx, loop) is None \
+                and self._only_metrics(index, scope, origin, since, metric_calls):
+            lines = [cst.parse_statement(f"{s} = {tm}.gather_list({s}{over})") for s in ordered]
+            self.report(call, f"{listed} hold{'s' if one else ''} this rank's predictions only{when}, and "
+                              f"{', '.join(f'`{m}`' for m in metrics)} need{'s' if len(metrics) == 1 else ''} all of "
+                              f"them: {'it is' if one else 'they are'} gathered from every rank after the loop "
+                              "(the metric is the whole set's, the same on every rank)",
+                        edits=[insert_after(loop, lines)], imports=[ctx.runtime_import()], safety=Safety.SAFE)
+            return
         self.report(call, f"{listed} hold{'s' if one else ''} this rank's predictions only{when}, and "
                           f"{', '.join(f'`{m}`' for m in metrics)} need{'s' if len(metrics) == 1 else ''} all of "
                           f"them: gather {'it' if one else 'each list'} on every rank first, e.g. "
                           f"`{first} = {tm}.gather_for_metrics(torch.cat({first}), {size}{over})` "
                           f"(it takes tensors and returns them in dataset order"
                           + ("; unchanged where the loader is not sharded)" if over else ")"))
+
+
+_SHOWS = frozenset({"print", "len"})
 
 
 def _dataset_len(ctx: Context, loop: cst.For) -> str:

@@ -206,6 +206,13 @@ def main(outdir):
     np.random.seed(100 + r)
     res["agreed"] = [tm.agreed(np.random.permutation, 10).tolist() for _ in range(2)]
     res["agreed_kept_own"] = np.random.rand() == before  # the rank's own stream untouched
+    # gather_list: predictions of a sharded loop gathered in rank order; of a whole loader, kept
+    whole_ds = TensorDataset(torch.arange(6.0))
+    shared_loader = DataLoader(whole_ds, batch_size=2, sampler=tm.sampler(whole_ds, shuffle=False))
+    whole_loader = DataLoader(whole_ds, batch_size=2)
+    preds = [x for (x,) in shared_loader]
+    res["gather_list"] = [t.tolist() for t in tm.gather_list(preds, over=shared_loader)]
+    res["gather_list_whole"] = [t.tolist() for t in tm.gather_list([x for (x,) in whole_loader], over=whole_loader)]
     # on_main: a free run folder picked by probing, once (nested calls run in place), errors and
     # results that do not pickle
     def free_folder(root):
