@@ -121,6 +121,18 @@ class _Resolver:
                 return [p for p in inits if p is not None] + [found]
         return []
 
+    def namespace(self, importer: Optional[Path], dotted: str, entry_dir: Path) -> Optional[Path]:
+        """The folder of `dotted` where it is a package without `__init__.py` (a namespace
+        package: `from pkg import helper` with `pkg/helper.py` and no `pkg/__init__.py`), looked
+        up where `absolute` looks."""
+        parts = dotted.split(".")
+        beside = () if importer is None else (importer.parent,)
+        for base in dict.fromkeys((*beside, entry_dir, self.root, *self.extra)):
+            folder = base.joinpath(*parts)
+            if self.fs.exists(folder) and not self.fs.is_file(folder):
+                return folder
+        return None
+
     def package_of(self, importer: Path, level: int) -> Path:
         folder = importer.parent
         for _ in range(level - 1):
@@ -161,6 +173,11 @@ def imported_files(statements: List[ast.stmt], importer: Path, resolver: _Resolv
         elif isinstance(node, ast.ImportFrom) and node.module:
             found = resolver.absolute(importer, node.module, entry_dir)
             if not found and node.module.split(".")[0] not in _STDLIB:
+                folder = resolver.namespace(importer, node.module, entry_dir)
+                modules = _submodules(resolver, folder, node.names) if folder is not None else []
+                if modules:  # `from pkg import helper`, pkg a folder without `__init__.py`
+                    out += modules
+                    continue
                 misses.append((node.lineno, node.module))
             out += found
             if found and found[-1].name == "__init__.py":

@@ -400,3 +400,20 @@ def test_the_report_lists_a_module_loaded_by_an_unknown_name_and_does_not_claim_
     result = run_cli("ddp", "train.py")
     assert "Not followed" not in result.output and "engines/sgd_trainer.py  [imported, changed]" in result.output
     assert "tm.print('step')" in (tmp_path / "engines/sgd_trainer.py").read_text()
+
+
+@pytest.mark.parametrize("form", ["from utils import helper, scorer", "from lib.utils import helper, scorer"])
+def test_modules_of_a_folder_without_init_imported_from_it(tmp_path, form):
+    """`from utils import helper` where `utils/` has no `__init__.py` (a namespace package):
+    the modules named are followed, and nothing is reported as found nowhere."""
+    folder = "utils" if form.startswith("from utils") else "lib/utils"
+    write(tmp_path, {
+        ".git": "",
+        "train.py": f"import torch\n{form}\n",
+        f"{folder}/helper.py": "import torch\n",
+        f"{folder}/scorer.py": "",
+        f"{folder}/unused.py": "",
+    })
+    program = build([tmp_path / "train.py"], [tmp_path / "train.py"])
+    assert names(program.followed, tmp_path) == [f"{folder}/helper.py", f"{folder}/scorer.py"]
+    assert program.unresolved == []
