@@ -46,6 +46,11 @@ class LoadMapLocation(Rule):
     (pytorch/pytorch#23138). Checkpoints written from a wrapped model carry `module.` prefixes
     that a plain model refuses ("Missing key(s) in state_dict").
 
+    In a migration, a `map_location` that names one GPU (`"cuda:0"`, `f"cuda:{args.gpu}"`,
+    `torch.device("cuda")`) becomes `tm.device()`: every rank would load onto that GPU, and a value
+    kept from the checkpoint (a best accuracy saved as a tensor) would meet the rank's own tensors
+    on another device.
+
     In `lint` mode (distributed files) `torch.load` without `map_location` is reported.
     """
 
@@ -114,6 +119,13 @@ class LoadMapLocation(Rule):
                                       "cuda:0. Add map_location=\"cpu\" (then move what you use to tm.device()) "
                                       "or map_location=tm.device()",
                                 edits=[fix], safety=Safety.UNSAFE)
+            location = arg(call, "map_location", 1)
+            if location is not None and ctx.options.mode == "ddp" and _one_gpu(ctx, location.value):
+                self.report(location.value, "map_location names one GPU: every rank would load onto it (rank 1 then "
+                                            "compares or trains tensors of another GPU); load onto this rank's own "
+                                            "device, tm.device()",
+                            edits=[replace(location.value, lambda v: cached_expr(f"{ctx.tm}.device()"))],
+                            imports=[ctx.runtime_import()])
             if (feeds or objects) and arg(call, "weights_only") is None:
                 if non_tensor is None:
                     non_tensor = non_tensor_saved(ctx)
@@ -192,3 +204,21 @@ class LoadMapLocation(Rule):
                 if dotted(t.target) in ("self.module", "self._orig_mod"):
                     return True
         return False
+
+
+def _one_gpu(ctx, value: cst.BaseExpression) -> bool:
+    """A fixed CUDA device: `"cuda"`, `"cuda:0"`, `f"cuda:{args.gpu}"`, `"cuda:{}".format(gpu)`,
+    `"cuda:%d" % gpu`, `torch.device("cuda:0")` (not a dict that maps devices, nor a function)."""
+    if isinstance(value, cst.Call) and ctx.resolve(value.func) == "torch.device" and value.args:
+        return _one_gpu(ctx, value.args[0].value)
+    if isinstance(value, cst.Call) and isinstance(value.func, cst.Attribute) and value.func.attr.value == "format":
+        value = value.func.value
+    if isinstance(value, cst.BinaryOperation) and isinstance(value.operator, cst.Modulo):
+        value = value.left
+    if isinstance(value, cst.SimpleString):
+        text = value.evaluated_value
+        return isinstance(text, str) and (text == "cuda" or text.startswith("cuda:"))
+    if isinstance(value, cst.FormattedString):
+        first = value.parts[0] if value.parts else None
+        return isinstance(first, cst.FormattedStringText) and first.value.startswith("cuda:")
+    return False
