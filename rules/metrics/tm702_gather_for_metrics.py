@@ -129,13 +129,14 @@ class GatherForMetrics(Rule):
             if lists:
                 self._check(loop, lists, reported)
 
-    def _only_metrics(self, index, scope, origin: Dict[str, str], since: Dict[str, int],
+    def _only_metrics(self, loop: cst.For, index, scope, origin: Dict[str, str], since: Dict[str, int],
                       metric_calls: List[Tuple[cst.Call, str, Set[str]]]) -> bool:
-        """The lists, and what is computed from them after the loop, go nowhere but into the
-        metrics (whose data arguments all come from the lists, so gathering every list together
-        keeps each prediction beside its target), `print` and `len`: gathered in rank order, the
-        metric is the whole set's. A list also written out, zipped with the dataset's own order or
-        returned stays as it is (TM702 reports it)."""
+        """Whether gathering every list the loop collected keeps the program's meaning: the lists,
+        and what is computed from them after the loop, go into the metrics (whose data arguments
+        all come from the lists, so each prediction stays beside its target), into values computed
+        from them (a loss averaged over the masks), `print`/`len`, tests and the function's
+        return, and never meet a count this rank kept for itself (`sum(losses) / n` with `n += len(y)`:
+        TM701's), nor a call that could write them out or pair them with the dataset's own order."""
         ctx = self.ctx
         metric_nodes = {c for c, _, _ in metric_calls}
         for metric in metric_nodes:
@@ -143,24 +144,37 @@ class GatherForMetrics(Rule):
                 if a.keyword is None and any(n not in origin and ctx.resolve(cst.Name(n)) is None
                                              for n in names_in(ctx, a.value)):
                     return False
+        counters = {a.target.value for a in ctx.within(loop, cst.AugAssign)
+                    if isinstance(a.target, cst.Name) and a.target.value not in origin}
         for name in origin:
             for order, node in index.names(name):
                 if order <= since[name] or scope_of(ctx, node) is not scope or binding_of(ctx, node) is not None:
                     continue
-                ok = False
                 for anc in ctx.ancestors(node):
-                    if anc in metric_nodes or (isinstance(anc, cst.Call) and dotted(anc.func) in _SHOWS):
-                        ok = True
-                        break
+                    if isinstance(anc, cst.BinaryOperation) and names_in(ctx, anc) & counters:
+                        return False
                     if isinstance(anc, cst.Assign):
-                        ok = all(isinstance(el, cst.Name) and el.value in origin
-                                 for t in anc.targets for el in iter_nodes(t.target) if isinstance(el, cst.Name))
+                        if not all(isinstance(t.target, (cst.Name, cst.Tuple, cst.List)) for t in anc.targets):
+                            return False  # kept in an object or a container: it may go anywhere
                         break
+                    if anc in metric_nodes or isinstance(anc, (cst.Return, cst.Comparison, cst.If)):
+                        break
+                    if isinstance(anc, cst.Call) and not self._pure(anc):
+                        return False
                     if isinstance(anc, (cst.BaseSmallStatement, cst.BaseCompoundStatement)):
                         break
-                if not ok:
-                    return False
         return True
+
+    def _pure(self, call: cst.Call) -> bool:
+        """A call that computes from its arguments without sending them anywhere: a metric, `print`,
+        `len`, the builtins and numpy/torch array functions (`np.concatenate`, `torch.cat`,
+        `np.sum`, `round`), methods of the values (`.tolist()`, `.numpy()`)."""
+        if metric_name(self.ctx, call):
+            return True
+        if isinstance(call.func, cst.Attribute) and not (self.ctx.resolve(call.func) or ""):
+            return call.func.attr.value not in _SENDS
+        name = self.ctx.resolve(call.func) or dotted(call.func) or ""
+        return name in _PURE_BUILTINS or name.split(".")[0] in ("numpy", "torch") and not name.startswith(_WRITERS)
 
     def _check(self, loop: cst.For, lists: List[str], reported: Set[cst.CSTNode]) -> None:
         ctx = self.ctx
@@ -225,8 +239,8 @@ class GatherForMetrics(Rule):
         when = f" when `{loader}` is sharded" if sharding == "unknown" else ""
         over = f", over={loader}" if sharding == "unknown" else ""
         if ctx.options.mode == "ddp" and collective_guard(ctx, loop) is None \
-                and self._only_metrics(index, scope, origin, since, metric_calls):
-            lines = [cst.parse_statement(f"{s} = {tm}.gather_list({s}{over})") for s in ordered]
+                and self._only_metrics(loop, index, scope, origin, since, metric_calls):
+            lines = [cst.parse_statement(f"{s} = {tm}.gather_list({s}{over})") for s in lists]
             self.report(call, f"{listed} hold{'s' if one else ''} this rank's predictions only{when}, and "
                               f"{', '.join(f'`{m}`' for m in metrics)} need{'s' if len(metrics) == 1 else ''} all of "
                               f"them: {'it is' if one else 'they are'} gathered from every rank after the loop "
@@ -241,7 +255,12 @@ class GatherForMetrics(Rule):
                           + ("; unchanged where the loader is not sharded)" if over else ")"))
 
 
-_SHOWS = frozenset({"print", "len"})
+_PURE_BUILTINS = frozenset({"print", "len", "sum", "min", "max", "round", "float", "int", "list", "tuple", "sorted",
+                            "abs", "str", "zip", "enumerate", "map"})
+# methods that hand a value to something else (a file, a writer, a queue)
+_SENDS = frozenset({"write", "writerow", "writerows", "dump", "save", "savetxt", "to_csv", "put", "send", "add_scalar",
+                    "add_histogram", "log", "info", "append", "extend"})
+_WRITERS = ("numpy.save", "numpy.savez", "numpy.savetxt", "torch.save")
 
 
 def _dataset_len(ctx: Context, loop: cst.For) -> str:
