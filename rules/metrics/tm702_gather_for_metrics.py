@@ -12,7 +12,8 @@ from torchmigrate.program.rank_guards import collective_guard
 from torchmigrate.syntax.imports import dotted
 from torchmigrate.syntax.nodes import code
 from torchmigrate.program.loaders import DATALOADERS
-from torchmigrate.program.metrics import (binding_of, is_store, loader_expr, loader_loop, metric_name, source_index,
+from torchmigrate.program.metrics import (binding_of, is_store, leaves_early, loader_expr, loader_loop, means_only,
+                                          metric_name, reassigned_in, source_index,
                                           starts_empty_list)
 from torchmigrate.rule import Context, Example, Rule
 from torchmigrate.program.scopes import names_in, scope_of
@@ -142,7 +143,7 @@ class GatherForMetrics(Rule):
         for metric in metric_nodes:
             for a in metric.args:
                 if a.keyword is None and any(n not in origin and ctx.resolve(cst.Name(n)) is None
-                                             for n in names_in(ctx, a.value)):
+                                             for n in self._data_names(a.value)):
                     return False
         counters = {a.target.value for a in ctx.within(loop, cst.AugAssign)
                     if isinstance(a.target, cst.Name) and a.target.value not in origin}
@@ -164,6 +165,25 @@ class GatherForMetrics(Rule):
                     if isinstance(anc, (cst.BaseSmallStatement, cst.BaseCompoundStatement)):
                         break
         return True
+
+    def _gathered_for_means(self, loop: cst.For, name: str) -> bool:
+        """A list of per-batch values read only as a mean, which TM703 gathers in this run."""
+        ctx = self.ctx
+        return "TM703" in ctx.enabled and not reassigned_in(ctx, loop, name) and means_only(ctx, loop, name) \
+            and not leaves_early(ctx, loop)
+
+    def _data_names(self, node: cst.CSTNode) -> Set[str]:
+        """The variables `node` reads values from: not attribute names (`torch.cat`'s `cat`), not
+        the functions it calls by name (`list(preds)`'s `list`)."""
+        ctx = self.ctx
+        out = set()
+        for name in ctx.within(node, cst.Name):
+            parent = ctx.parent(name)
+            if (isinstance(parent, cst.Attribute) and parent.attr is name) or (
+                    isinstance(parent, cst.Call) and parent.func is name):
+                continue
+            out.add(name.value)
+        return out
 
     def _pure(self, call: cst.Call) -> bool:
         """A call that computes from its arguments without sending them anywhere: a metric, `print`,
@@ -240,7 +260,8 @@ class GatherForMetrics(Rule):
         over = f", over={loader}" if sharding == "unknown" else ""
         if ctx.options.mode == "ddp" and collective_guard(ctx, loop) is None \
                 and self._only_metrics(loop, index, scope, origin, since, metric_calls):
-            lines = [cst.parse_statement(f"{s} = {tm}.gather_list({s}{over})") for s in lists]
+            lines = [cst.parse_statement(f"{s} = {tm}.gather_list({s}{over})") for s in lists
+                     if not self._gathered_for_means(loop, s)]
             self.report(call, f"{listed} hold{'s' if one else ''} this rank's predictions only{when}, and "
                               f"{', '.join(f'`{m}`' for m in metrics)} need{'s' if len(metrics) == 1 else ''} all of "
                               f"them: {'it is' if one else 'they are'} gathered from every rank after the loop "
