@@ -199,6 +199,7 @@ def test_metric_messages_name_the_dataset():
             scores.append(model(x))
             labels.append(y)
         auc = roc_auc_score(torch.cat(labels), torch.cat(scores))
+        torch.save(torch.cat(scores), "scores.pt")  # the scores go elsewhere too: not gathered by the fix
     """, codes=("TM702",), options=Options(mode="ddp", shard_eval=True))
     message = result.findings[0].message
     assert "tm.gather_for_metrics(torch.cat(labels), len(test_set))" in message
