@@ -417,11 +417,11 @@ class TrainingFacts:
             if self.barrier(s):
                 break
             if binds(ctx, s) & deps:
+                deps |= reads(ctx, s)  # through a reshape too (`lp = out.view(-1, c)` between forward and loss)
                 if self.data_only(s):
                     continue
                 start = s
                 chain.append(s)
-                deps |= reads(ctx, s)
         # The forward starts at the first model call the loss depends on: input preparation
         # before it (augmentation, `Variable(...)`, resizing) and whatever sits between
         # (`zero_grad()`, LR warm-up, plotting) stays outside.
