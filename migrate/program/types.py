@@ -267,14 +267,14 @@ class _Kinds:
 
     def call(self, call: cst.Call) -> Optional[str]:
         ctx = self.ctx
+        spelled = dotted(call.func)
+        if spelled is not None and (spelled in ctx.program.class_kinds or spelled in analysis.facts(ctx).classes):
+            return class_kind(ctx, spelled)  # a class of the program, also imported from its module
         name = ctx.resolve(call.func)
         if name is not None:
             if name == "copy.deepcopy" and call.args:
                 return self.k(call.args[0].value)
             return library_call_kind(name)
-        spelled = dotted(call.func)
-        if spelled is not None and (spelled in ctx.program.class_kinds or spelled in analysis.facts(ctx).classes):
-            return class_kind(ctx, spelled)
         func = call.func
         if isinstance(func, cst.Name) and func.value == "next" and call.args \
                 and is_batch_source(ctx, call.args[0].value):
