@@ -449,6 +449,23 @@ def _names_in(node: cst.CSTNode) -> List[str]:
     return out
 
 
+def _assigned_owners(ctx: Context, call: cst.Call) -> List[str]:
+    """Models whose parameters an argument of `call` holds, by the assignment of that very name in
+    the same scope: `self.params = [p for p in self.model.parameters() if p.requires_grad]` then
+    `get_optimizer("sgd", self.params, lr)` (a factory of another module)."""
+    wanted = {dotted(a.value) for a in call.args if not a.star and isinstance(a.value, (cst.Name, cst.Attribute))} - {None}
+    if not wanted:
+        return []
+    scope = ctx.scope_of(call)
+    found: List[str] = []
+    for assign in facts(ctx).assigns:
+        if ctx.scope_of(assign) is scope and any(dotted(t.target) in wanted for t in assign.targets):
+            for owner in parameter_owners(assign.value) or _param_method_owners(ctx, assign.value):
+                if owner not in found:
+                    found.append(owner)
+    return found
+
+
 def _followed_owners(ctx: Context, call: cst.Call, params: cst.BaseExpression) -> List[str]:
     """Models behind names passed as parameters: `params = [p for p in model.parameters() if
     p.requires_grad]`, `groups = [{"params": decay}, ...]` with `decay.append(p)` in a `for n, p in
@@ -653,7 +670,7 @@ def optimizers(ctx: Context) -> List[Optimizer]:
                 if name and any(x in name for x in _NOT_OPTIMIZER_CALLS):
                     continue
                 args = cst.Tuple([cst.Element(a.value) for a in call.args])
-                models = tuple(parameter_owners(args))
+                models = tuple(parameter_owners(args)) or tuple(_assigned_owners(ctx, call))
                 builder = False
                 if not models:
                     models = tuple(_factory_models(ctx, call, name, functions))

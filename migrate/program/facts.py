@@ -363,6 +363,8 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
             if last in WRAPPERS and call.args:
                 inner = dotted_name(_strip_moves(call.args[0]))
                 found += [inner] if inner else []
+            if isinstance(call.func, ast.Attribute) and call.func.attr == "backward":
+                trains = True  # a backward, whatever builds the optimizer (a factory over a parameter list)
             for name in found:
                 trains = True
                 if name.startswith("self.") and s.klass:

@@ -467,6 +467,8 @@ class Plan:
                 params = o.call.args[0].value if o.call.args else None
                 if self._wraps_itself():
                     continue  # its models are wrapped; which one this optimizer trains does not matter
+                if self._factory_parameter(o, params):
+                    continue  # `def get_optimizer(name, parameters, lr)`: its callers say whose parameters
                 if o.via is not None or (params is not None and "param" in code(params).lower()):
                     self.manual301.append((o.call, "cannot tell which model this optimizer trains: wrap that model "
                                            f"with `model = {self.tm}.wrap_model(model)` before creating the optimizer",
@@ -976,6 +978,16 @@ class Plan:
                             found[func.name.value].append(entry)
             self._memo[key] = found
         return self._memo[key]  # type: ignore[return-value]
+
+    def _factory_parameter(self, o: Optimizer, params: Optional[cst.BaseExpression]) -> bool:
+        """The optimizer is built over a parameter of a module-level function (`def
+        get_optimizer(name, parameters, lr): return SGD(parameters, lr=lr)`): a factory whose
+        callers hand it a model's parameters, and whose call (`self.optimizer =
+        get_optimizer("sgd", self.params, lr)`) is where the model is known and wrapped."""
+        ctx = self.ctx
+        scope = ctx.scope_of(o.call)
+        return isinstance(params, cst.Name) and isinstance(scope, cst.FunctionDef) \
+            and ctx.parent(scope) is ctx.module and params.value in self.models.params(scope)
 
     def _builder_for_others(self, scope: cst.CSTNode) -> bool:
         """`scope` builds an optimizer over a model parameter and another module calls it
