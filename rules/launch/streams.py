@@ -98,7 +98,8 @@ def _agreed_draws(ctx: Context) -> List[cst.Call]:
             continue  # drawn once in a function of the entry: TM107 shares rank 0's draw
         if (func is not None and (per_sample(ctx, func) or _generates(ctx, func))) or collective_guard(ctx, call) is not None:
             continue
-        if id(call) in orders or call in shared or ctx.statement_of(call) in shared or _in_broadcast(ctx, call):
+        if id(call) in orders or call in shared or ctx.statement_of(call) in shared or _in_broadcast(ctx, call) \
+                or _broadcast_next(ctx, call):
             continue
         out.append(call)
     return out
@@ -126,6 +127,17 @@ def _ancestors_in_function(ctx: Context, node: cst.CSTNode) -> List[cst.CSTNode]
             break
         out.append(anc)
     return out
+
+
+def _broadcast_next(ctx: Context, call: cst.Call) -> bool:
+    """The statement after the draw's shares its result (`order[:] = tm.broadcast_object(order)`,
+    as TM107 and TM201 write it): rank 0's draw is every rank's already."""
+    statement = ctx.statement_of(call)
+    body = list(getattr(ctx.parent(statement), "body", ()))
+    if statement not in body or body.index(statement) + 1 >= len(body):
+        return False
+    after = body[body.index(statement) + 1]
+    return any((ctx.resolve(c.func) or "").endswith(".broadcast_object") for c in ctx.within(after, cst.Call))
 
 
 def _in_broadcast(ctx: Context, call: cst.Call) -> bool:
