@@ -263,11 +263,13 @@ _HANDLE_SINKS = frozenset({"print", "json.dump", "pickle.dump", "yaml.dump", "ya
                            "csv.DictWriter", "numpy.savetxt", "joblib.dump", "pprint.pprint"})
 
 
-def handle_uses_write_only(ctx: Context, name: str, scope: cst.CSTNode, skip: cst.CSTNode) -> bool:
+def handle_uses_write_only(ctx: Context, name: str, scope: cst.CSTNode, skip: cst.CSTNode, depth: int = 0) -> bool:
     """Every use of the file handle `name` (a plain name, or `self.x` across the class) in
     `scope` writes into it: `f.write(...)`, `f.close()`, `print(..., file=f)`, `json.dump(obj, f)`,
-    `csv.writer(f)`, `with f:`. Then on the other ranks it may be `tm.main_only`'s null object,
-    which absorbs all of these. `skip`: the binding itself."""
+    `csv.writer(f)`, `with f:`, a test against None (`if f is not None:`), or hands it to a function
+    of this file whose parameter is used only so (`train(loader, model, log)` with
+    `log.write(...)`; two calls deep). Then on the other ranks it may be `tm.main_only`'s null
+    object, which absorbs all of these. `skip`: the binding itself."""
     last = name.rsplit(".", 1)[-1]
     for n in ctx.within(scope, cst.Name):
         if n.value != last or any(a is skip for a in ctx.ancestors(n)):
@@ -290,14 +292,39 @@ def handle_uses_write_only(ctx: Context, name: str, scope: cst.CSTNode, skip: cs
             call = ctx.parent(parent)
             if isinstance(call, cst.Call) and (ctx.resolve(call.func) or dotted(call.func)) in _HANDLE_SINKS:
                 continue
+            if isinstance(call, cst.Call) and depth < 2 and _passed_write_only(ctx, call, parent, depth):
+                continue
             return False
         if isinstance(parent, cst.WithItem) and parent.item is use:
             continue
+        if isinstance(parent, cst.Comparison) and parent.left is use and all(
+                isinstance(c.operator, (cst.Is, cst.IsNot)) and isinstance(c.comparator, cst.Name)
+                and c.comparator.value == "None" for c in parent.comparisons):
+            continue  # `if log is not None:` (the null object is not None: every rank runs the block)
         if isinstance(parent, (cst.Assign, cst.AssignTarget)) and (
                 isinstance(parent, cst.AssignTarget) or parent.value is not use):
             continue  # the binding (or another one)
         return False
     return True
+
+
+def _passed_write_only(ctx: Context, call: cst.Call, arg: cst.Arg, depth: int) -> bool:
+    """`arg` hands the handle to a module-level function of this file whose matching parameter
+    is only written into (`handle_uses_write_only` on its body), nor rebound there."""
+    if arg.star or not isinstance(call.func, cst.Name):
+        return False
+    func = next((s for s in ctx.module.body if isinstance(s, cst.FunctionDef) and s.name.value == call.func.value), None)
+    if func is None:
+        return False
+    params = [p for p in func.params.params]
+    if arg.keyword is not None:
+        param = next((p for p in params if p.name.value == arg.keyword.value), None)
+    else:
+        position = [a for a in call.args if a.keyword is None].index(arg)
+        param = params[position] if position < len(params) else None
+    if param is None:
+        return False
+    return handle_uses_write_only(ctx, param.name.value, func.body, param, depth + 1)
 
 
 def in_private_temp(ctx: Context, call: cst.Call) -> bool:
