@@ -7,9 +7,11 @@ from typing import Dict, List, Optional, Set, Tuple
 
 import libcst as cst
 
+
 from torchmigrate.finding import Safety, insert_after, insert_before
 from torchmigrate.syntax.nodes import code, stmt
-from torchmigrate.program.loaders import TM_SET_EPOCH, Loader, bind_params, header_loop, is_pure, key_of, loops_of
+from torchmigrate.program.loaders import (TM_SET_EPOCH, Loader, bind_params, header_loop, is_pure, key_of, loops_of,
+                                          refs_at)
 from torchmigrate.rule import Example
 from torchmigrate.rules.data.base import DataRule
 from torchmigrate.syntax.walk import child_nodes
@@ -159,12 +161,25 @@ class SetEpoch(DataRule):
                 if callee is not fn:
                     continue
                 translated = self._translate(node, text, fn, call_site, skip)
+                if translated is not None and self._other_loader(fn, call_site, skip, text, loader):
+                    continue  # `run(model, valid_loader)`: this call hands the function another loader
                 if translated is not None:
                     self._consume(call_site, loader, translated, depth + 1, via_call=True)
                 elif loops_of(call_site, ctx, facts.function_of(call_site)):
                     self.problems.append((call_site, (
                         f"`{fn.name.value}()` iterates `{text}`, which its caller cannot name, inside an epoch loop: "
                         f"pass the epoch to it and call `{ctx.tm}.set_epoch({text}, epoch)` before iterating"), loader))
+
+    def _other_loader(self, fn: cst.FunctionDef, call: cst.Call, skip: bool, text: str, loader: Loader) -> bool:
+        """The argument `call` passes for the parameter `text` starts with is a known loader, but
+        not `loader`: a function that iterates whatever loader it is given (`run(model,
+        train_loader)`, `run(model, valid_loader)`) reshuffles each one at its own calls."""
+        head = text.split(".")[0].split("[")[0]
+        for param, value in bind_params(fn, call, skip):
+            if param == head:
+                refs = refs_at(self.ctx, value)
+                return bool(refs) and not any(loader in ref.loaders for ref in refs)
+        return False
 
     def _not_an_iteration(self, node: cst.CSTNode, parent: Optional[cst.CSTNode]) -> bool:
         """Assignment targets, aliases (`a = loader`), returns and tuples of them."""
