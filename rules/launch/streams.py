@@ -92,10 +92,8 @@ def _agreed_draws(ctx: Context) -> List[cst.Call]:
             continue
         func = ctx.enclosing(call, cst.FunctionDef)
         in_loop = any(isinstance(a, _LOOPS) for a in _ancestors_in_function(ctx, call))
-        if func is None and not in_loop:
-            continue  # drawn once, at import: every rank draws it alike before training
-        if not (in_loop or not ctx.program.is_entry):
-            continue  # drawn once in a function of the entry: TM107 shares rank 0's draw
+        if not in_loop and (func is None or ctx.program.is_entry):
+            continue  # drawn once: at import, alike on every rank; in a function of the entry, TM107 shares it
         if (func is not None and (per_sample(ctx, func) or _generates(ctx, func))) or collective_guard(ctx, call) is not None:
             continue
         if id(call) in orders or call in shared or ctx.statement_of(call) in shared or _in_broadcast(ctx, call) \

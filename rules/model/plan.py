@@ -1093,6 +1093,13 @@ class Plan:
                 # `if self.parallel: self.encoder = DataParallel(self.encoder)` in a class that
                 # never builds `self.encoder`: the branch cannot run, so it stays as written
                 continue
+            if not w.name:
+                # `extractors[i] = DataParallel(extractors[i]).to(dev)`: no name to rebind, so the
+                # DataParallel becomes `tm.wrap_model(...)` where it is
+                site.action, site.target = "inplace", site.outer
+                site.note_stmt = self.ctx.statement_of(site.outer)
+                w.boundary, w.inclusive = site.note_stmt, False
+                continue
             root = w.name.split(".")[0] if not w.name.startswith(("self.", "cls.")) else ".".join(w.name.split(".")[:2])
             if self.key(root, w.call) in self.covered_not_dp or self.key(w.name, w.call) in self.covered_not_dp:
                 # the script wraps this model in DDP itself on another path (ImageNet example):
@@ -1471,7 +1478,7 @@ class Plan:
             origin = self.models.origin(w.arg or w.name, scope, w.klass, before, wrapped.value if wrapped else None)
             klass = self.models.model_class(origin)
             cond = self.models.conditional_submodules(klass)
-            freeze, unfreeze = self._freezes(w, klass)
+            freeze, unfreeze = self._freezes(w, klass) if w.name else ("", "")  # (`extractors[i]`: no name to follow)
             reason = ""
             owner_class, heads = self.models.discarded_heads(origin, w.name)
             if freeze:
