@@ -85,12 +85,37 @@ class GatherForMetrics(Rule):
             after="""
             import torch
             from sklearn.metrics import roc_auc_score
+            import torchmigrate.runtime as tm
+            preds, labels = [], []
+            for x, y in val_loader:
+                preds.append(model(x).sigmoid())
+                labels.append(y)
+            preds = tm.gather_list(preds, over=val_loader)
+            labels = tm.gather_list(labels, over=val_loader)
+            auc = roc_auc_score(torch.cat(labels), torch.cat(preds))
+            """,
+        ),
+        Example(
+            before="""
+            import torch
+            from sklearn.metrics import roc_auc_score
+            preds, labels = [], []
+            for x, y in val_loader:
+                preds.append(model(x).sigmoid())
+                labels.append(y)
+            auc = roc_auc_score(torch.cat(labels), torch.cat(preds))
+            torch.save(torch.cat(preds), "preds.pt")
+            """,
+            after="""
+            import torch
+            from sklearn.metrics import roc_auc_score
             preds, labels = [], []
             for x, y in val_loader:
                 preds.append(model(x).sigmoid())
                 labels.append(y)
             # TODO(torchmigrate): TM702 `labels`, `preds` hold this rank's predictions only when `val_loader` is sharded, and `roc_auc_score` needs all of them: gather each list on every rank first, e.g. `labels = tm.gather_for_metrics(torch.cat(labels), len(val_loader.dataset), over=val_loader)` (it takes tensors and returns them in dataset order; unchanged where the loader is not sharded)
             auc = roc_auc_score(torch.cat(labels), torch.cat(preds))
+            torch.save(torch.cat(preds), "preds.pt")
             """,
         ),
     )
