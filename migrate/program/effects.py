@@ -17,8 +17,9 @@ Kinds of effect (`WRITE` ... `STATE`):
 - `READ`: reads a file; `RANDOM`: draws random numbers; `CLOCK`: reads the clock;
 - `STATE`: changes state that outlives the call (`self.x = ...`, a parameter's items, `global`);
 - `PROBE`: looks for a free name by testing, in a loop, whether paths exist (`for i in range(1,
-  100): d = f"{name}-{i:02d}"; if not os.path.exists(d): ...`): every rank probes on its own,
-  and once one has created its folder the next finds another, so its result must be rank 0's.
+  100): d = f"{name}-{i:02d}"; if not os.path.exists(d): ...; return d`, `while exists(p): n += 1`):
+  every rank probes on its own, and once one has created its folder the next finds another, so
+  its result must be rank 0's (a loop that only skips missing files is no probe).
 
 Effects flow through calls: a function has the effects of everything it calls among the
 program's own functions, methods (`self.m()`, `obj.m()` of an instance of the program's
@@ -495,7 +496,7 @@ class _Reader:
                 continue
             if isinstance(stmt, ast.Global) or isinstance(stmt, ast.Nonlocal):
                 self.scope.kinds.add(STATE)
-            if isinstance(stmt, (ast.For, ast.While)) and self._asks_exists(stmt):
+            if isinstance(stmt, (ast.For, ast.While)) and self._probes(stmt):
                 self.scope.kinds.add(PROBE)
             if isinstance(stmt, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
                 targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
@@ -522,6 +523,25 @@ class _Reader:
             if len(stmt.orelse) != 1 or not isinstance(stmt.orelse[0], ast.If):
                 return False
             stmt = stmt.orelse[0]
+
+    def _probes(self, loop: ast.stmt) -> bool:
+        """The loop looks for a name that is free: `while os.path.exists(p): n += 1`, a test that
+        leaves the loop where a path does not exist (`if not os.path.exists(d): ...; return d`),
+        or one that skips the taken ones in a loop that leaves when it finds one (`if exists(p):
+        continue` ... `break`). A loop that only skips missing files (`if not isfile(f): continue`,
+        a dataset's listing) is no probe."""
+        if isinstance(loop, ast.While) and self._asks_exists(loop.test):
+            return True
+        leaves = any(isinstance(n, (ast.Return, ast.Break)) for n in walk(loop))
+        for node in walk(loop):
+            if not isinstance(node, ast.If) or not self._asks_exists(node.test):
+                continue
+            negated = isinstance(node.test, ast.UnaryOp) and isinstance(node.test.op, ast.Not)
+            exits = any(isinstance(n, (ast.Return, ast.Break)) for b in node.body for n in walk(b))
+            skips = any(isinstance(n, ast.Continue) for b in node.body for n in walk(b))
+            if (negated and exits) or (not negated and skips and leaves):
+                return True
+        return False
 
     def _asks_exists(self, test: ast.AST) -> bool:
         """The test asks whether a file or folder exists (`os.path.isdir(out)`, `p.exists()`)."""
