@@ -2159,7 +2159,7 @@ def on_main(func, *args, **kwargs):
     sent: the other ranks then call ``func`` themselves, as the original program did, with a
     warning. Inside another ``on_main`` it just calls ``func`` (the others are not there to
     receive). A collective: call it on every rank. 1 process: ``func(*args, **kwargs)``."""
-    if world_size() <= 1 or _ON_MAIN[0] or (not _pg() and _in_worker_process()):
+    if world_size() <= 1 or _ON_MAIN[0] or _in_worker_process():
         return func(*args, **kwargs)
     if not _pg():
         setup()
@@ -2303,7 +2303,7 @@ def agreed(draw, *args, **kwargs):
     is new each epoch and fixed when the program seeds torch); the program's own generators
     are put back after, untouched. 1 process: ``draw(*args, **kwargs)`` itself. A collective on
     its first call: call it on every rank."""
-    if world_size() <= 1:
+    if world_size() <= 1 or _in_worker_process():  # (a data-loader worker is no rank: its own draw)
         return draw(*args, **kwargs)
     _PASSES["agreed"] += 1
     with _Streams(_shared_seed() + 1_000_003 * _PASSES["agreed"]):

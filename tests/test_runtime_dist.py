@@ -204,6 +204,7 @@ def test_on_main_picks_once_for_every_rank(collectives):
     assert r0["on_main_folders"] == r1["on_main_folders"] == ["run-01", "run-02", "run-03"]
     assert r0["on_main_error"] == r1["on_main_error"] == "KeyError('missing')"
     assert r0["on_main_local"] == r1["on_main_local"] == [1, False]
+    assert r0["worker_draws"] == r1["worker_draws"] == 2  # in a data-loader worker: run in place
 
 
 def test_leftover_accumulated_gradients_are_averaged_before_the_step(collectives):

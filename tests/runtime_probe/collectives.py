@@ -213,6 +213,15 @@ def main(outdir):
     preds = [x for (x,) in shared_loader]
     res["gather_list"] = [t.tolist() for t in tm.gather_list(preds, over=shared_loader)]
     res["gather_list_whole"] = [t.tolist() for t in tm.gather_list([x for (x,) in whole_loader], over=whole_loader)]
+    # agreed and on_main inside a data-loader worker (no rank: no collective, the worker's own draw)
+    class Drawing(torch.utils.data.Dataset):
+        def __len__(self):
+            return 2
+
+        def __getitem__(self, i):
+            return tm.agreed(random.random) + tm.on_main(float, i)
+
+    res["worker_draws"] = len([b for b in DataLoader(Drawing(), batch_size=1, num_workers=1)])
     # on_main: a free run folder picked by probing, once (nested calls run in place), errors and
     # results that do not pickle
     def free_folder(root):
