@@ -19,6 +19,10 @@ Kinds (`Hazard.kind`):
   `torch.log(1 - torch.sigmoid(torch.mm(a, b)))`, `x.softmax(-1).log()`): in bf16/fp16 the
   sigmoid or softmax rounds to exactly 0 or 1 well inside the range training reaches, and the log
   becomes -inf, then NaN (`F.logsigmoid` / `log_softmax` compute the same safely);
+- `LOG_DET`: a change-of-variables log-determinant summed over a flow's layers (`sldj`, `log_det`,
+  `logdet` accumulated, `torch.slogdet`): the density of a normalizing flow is exact only if those
+  sums are, and bf16 keeps 8 bits of mantissa: the log-likelihood and the trained model drift
+  (Flow++: bits per dim 10.5 against 9.71 after two epochs);
 - `FORWARD_NUMPY`: `.numpy()` inside a forward (a module's `forward`, the methods of its class and
   the functions of its file that it calls): under autocast the tensor is bf16/fp16 there, and bf16
   has no numpy dtype (TypeError), while fp16 silently computes the rest of the forward at half
@@ -30,6 +34,7 @@ The AMP plan adds no autocast (and no GradScaler) to a program with one of them,
 from __future__ import annotations
 
 import ast
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, Iterable, List, Optional
@@ -37,14 +42,17 @@ from typing import Callable, Dict, Iterable, List, Optional
 from torchmigrate.program.astwalk import walk
 from torchmigrate.program.search_path import dotted_name
 
-BCE, DTYPE_TABLE, SOLVER, BILINEAR, LOG_OF_PROB, FORWARD_NUMPY = (
-    "bce", "dtype-table", "solver", "bilinear", "log-of-prob", "forward-numpy")
+BCE, DTYPE_TABLE, SOLVER, BILINEAR, LOG_OF_PROB, FORWARD_NUMPY, LOG_DET = (
+    "bce", "dtype-table", "solver", "bilinear", "log-of-prob", "forward-numpy", "log-det")
 
 _BCE_NAMES = frozenset({"torch.nn.BCELoss", "torch.nn.modules.loss.BCELoss", "torch.nn.functional.binary_cross_entropy"})
 _SOLVER_PACKAGES = ("torchdiffeq", "torchsde")
 _BILINEAR_NAMES = frozenset({"torch.nn.Bilinear", "torch.nn.modules.linear.Bilinear", "torch.nn.functional.bilinear",
                              "torch.bilinear"})
 _LOGS = frozenset({"log", "log2", "log10"})
+# names of a change-of-variables log-determinant: `sldj`, `ldj`, `log_det`, `logdet`, `log_abs_det_jacobian`
+_LOG_DET_NAME = re.compile(r"^(s?ldj|sum_log_det\w*|log_?(abs_?)?det(_?jac\w*)?|logdets?)$", re.IGNORECASE)
+_LOG_DET_CALLS = frozenset({"torch.slogdet", "torch.logdet", "torch.linalg.slogdet"})
 _PROBS = frozenset({"sigmoid", "softmax"})
 _FULL = frozenset({"float32", "float64", "float", "double"})
 _HALF = frozenset({"float16", "bfloat16", "half"})
@@ -78,6 +86,10 @@ class Hazard:
             return (f"{where}: the log of a sigmoid or softmax taken by hand; in bf16/fp16 the probability "
                     "rounds to exactly 0 or 1 and the log becomes -inf (then NaN), so the program trains in "
                     "float32 (F.logsigmoid / log_softmax compute it safely and would allow `with tm.autocast():`)")
+        if self.kind == LOG_DET:
+            return (f"{where}: a flow's log-determinant summed over its layers, which bf16/fp16 cannot keep "
+                    "exact (8 bits of mantissa in bf16): the log-likelihood and the trained model would drift, so "
+                    "the program trains in float32")
         if self.kind == FORWARD_NUMPY:
             return (f"{where} converts a tensor to numpy inside a forward: under bf16/fp16 autocast it has no "
                     "numpy dtype (TypeError), so the program trains in float32 (`.float()` before `.numpy()` "
@@ -122,6 +134,12 @@ def _log_of_probability(call: ast.Call, full: str) -> bool:
         return len(call.args) == 1 and _probability(call.args[0])
     func = call.func
     return isinstance(func, ast.Attribute) and func.attr in _LOGS and not call.args and _probability(func.value)
+
+
+def _log_det_target(target: ast.AST) -> bool:
+    """`sldj += ...`, `sldj = sldj + ...`, `self.log_det += ...`: a log-determinant summed over layers."""
+    name = target.attr if isinstance(target, ast.Attribute) else target.id if isinstance(target, ast.Name) else ""
+    return bool(_LOG_DET_NAME.match(name))
 
 
 def _reads_by_dtype(tree: ast.Module) -> bool:
@@ -184,6 +202,14 @@ def hazards(trees: Dict[Path, ast.Module], library_of: Callable[[Path], Dict[str
                     found.append(Hazard(path, node.lineno, SOLVER, spelled or full))
                 elif _log_of_probability(node, full):
                     found.append(Hazard(path, node.lineno, LOG_OF_PROB, ast.unparse(node)[:60]))
+                elif full in _LOG_DET_CALLS:
+                    found.append(Hazard(path, node.lineno, LOG_DET, spelled or full))
+            elif isinstance(node, ast.AugAssign) and _log_det_target(node.target) or (
+                    isinstance(node, ast.Assign) and len(node.targets) == 1 and _log_det_target(node.targets[0])
+                    and isinstance(node.value, ast.BinOp) and isinstance(node.value.op, (ast.Add, ast.Sub))
+                    and ast.unparse(node.value.left) == ast.unparse(node.targets[0])):
+                target = node.target if isinstance(node, ast.AugAssign) else node.targets[0]
+                found.append(Hazard(path, node.lineno, LOG_DET, ast.unparse(target)))
             elif by_dtype and isinstance(node, ast.Dict):
                 keys = [k for k in (_float_key(k, library) for k in node.keys if k is not None) if k]
                 if keys and set(keys) <= _FULL | _HALF and not set(keys) & _HALF:

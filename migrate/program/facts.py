@@ -1134,6 +1134,11 @@ def _spellings(m: _Module, modules: Dict[Path, _Module], classes: Set[Tuple[Path
             out.add(local)
         elif symbol is None:
             out |= {f"{local}.{name}" for (p, name) in classes if p == path}
+            # what the module re-exports (a package's `__init__` with `from .optim_util import *`)
+            package = modules.get(path)
+            if package is not None:
+                out |= {f"{local}.{name}" for name, bound in package.imports.items()
+                        if bound[1] is not None and bound in classes}
     return out
 
 
@@ -1161,6 +1166,13 @@ def _callee(module: _Module, modules: Dict[Path, _Module], call: ast.Call) -> Op
     target = modules.get(path)
     if target is None:
         return None
+    if symbol not in target.classes and symbol not in target.functions and symbol in target.imports:
+        # re-exported by the module it is reached through (`util.clip_grad_norm`, where
+        # util/__init__.py has `from util.optim_util import *`)
+        path, symbol = target.imports[symbol]
+        target = modules.get(path)
+        if target is None or symbol is None:
+            return None
     if symbol in target.classes:
         return path, f"{symbol}.__init__", True
     if symbol in target.functions:

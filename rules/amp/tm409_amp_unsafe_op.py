@@ -29,7 +29,9 @@ class AmpUnsafeOp(AmpRule):
     dtype (`self.eps[x.dtype]`, KeyError under bf16), an adaptive ODE solver (`odeint`) whose
     tolerances lie below half-precision resolution, a log of a probability written by hand
     (`torch.log(1 - torch.sigmoid(x))`: the probability rounds to 1 in bf16, the log to -inf), a
-    forward that converts a tensor with `.numpy()` (bf16 has no numpy dtype: TypeError). Then no
+    forward that converts a tensor with `.numpy()` (bf16 has no numpy dtype: TypeError), a normalizing
+    flow's log-determinant summed over its layers (`sldj = sldj + ...`: its likelihood needs more
+    than bf16's 8 bits of mantissa). Then no
     autocast and no GradScaler are added anywhere, and this rule says why at the first training
     backward.
     """
