@@ -338,8 +338,8 @@ def _unwrapped_owners(ctx: Context, node: cst.CSTNode) -> List[str]:
 def _param_method_owners(ctx: Context, params: cst.BaseExpression) -> List[str]:
     """Models whose parameters come through a method or helper that picks them: `X` for
     `Adam(X.get_params())`, `SGD(self.net.trainable_parameters())`, `Adam(get_parameter_groups(X,
-    wd))` or `AdamW(decay_groups(X, wd))` (a function of this file), where `X` may hold a module
-    (`_model_like`)."""
+    wd))` or `AdamW(decay_groups(X, wd))` (a function of this file), `Adam(util.get_param_groups(X,
+    wd))` (of a module), where `X` may hold a module (`_model_like`)."""
     found: List[str] = []
     own = facts(ctx).functions
     stack = [params]
@@ -357,7 +357,8 @@ def _param_method_owners(ctx: Context, params: cst.BaseExpression) -> List[str]:
                         ctx.resolve(receiver.func) == "torchmigrate.runtime.unwrap":
                     receiver = receiver.args[0].value
                 candidates = [receiver]
-            elif isinstance(func, cst.Name) and (named or label in own):
+            elif (isinstance(func, cst.Name) and (named or label in own)) or (named and not method):
+                # `get_param_groups(net, wd)`, also a module's `util.get_param_groups(net, wd)`
                 candidates = [a.value for a in n.args if not a.star and a.keyword is None]
             for value in candidates:
                 owner = dotted(value)
