@@ -167,6 +167,10 @@ def exact_lens(ctx: Context, loop: cst.For) -> ExactDenominators:
             # TM201 shares out by rank (`tm.shard_range`, padded like a training sampler): `len(X)`
             # is the whole set, as `len(loader.dataset)` of a padded training loader is
             out.dataset.add(counted)
+        elif isinstance(node, (cst.Name, cst.Attribute)) and _trains(ctx, loop):
+            # a loader handed in (`def _train_epoch(self, data_loader)`) that the loop trains on:
+            # reduced `over=` it, exact or within the padding of a training sampler
+            out.dataset.add(f"{code(node).replace(' ', '')}.dataset")
         return out
     kinds = {_sharding(ctx, l) for l in loaders}
     text = code(node).replace(" ", "")
@@ -176,7 +180,7 @@ def exact_lens(ctx: Context, loop: cst.For) -> ExactDenominators:
             out.dataset.add(code(loaders[0].dataset))
     elif kinds == {"distributed"}:
         out.batches.add(text)
-        if analysis.runs_backward(ctx, loop):
+        if _trains(ctx, loop):
             # a training loop's loss summed over the samples, logged per sample: the padded
             # sampler repeats at most world_size - 1 samples of the whole set, which moves a
             # logged mean by less than (W - 1) / len(dataset) of the loss; a report would ask
@@ -185,6 +189,29 @@ def exact_lens(ctx: Context, loop: cst.For) -> ExactDenominators:
             if len(loaders) == 1 and isinstance(loaders[0].dataset, (cst.Name, cst.Attribute)):
                 out.dataset.add(code(loaders[0].dataset))
     return out
+
+
+def _trains(ctx: Context, node: cst.CSTNode, depth: int = 0) -> bool:
+    """`node` runs a backward, itself or through a function of this module or a method of its
+    class that it calls (`iter_loss = self._train_iteration(data)`), two calls deep."""
+    if analysis.runs_backward(ctx, node):
+        return True
+    if depth >= 2:
+        return False
+    functions = analysis.facts(ctx).functions
+    klass = ctx.enclosing(node, cst.ClassDef)
+    for call in ctx.within(node, cst.Call, skip_defs=True):
+        func = call.func
+        callee = None
+        if isinstance(func, cst.Name):
+            callee = functions.get(func.value)
+        elif isinstance(func, cst.Attribute) and isinstance(func.value, cst.Name) and func.value.value == "self" \
+                and klass is not None:
+            callee = next((s for s in klass.body.body if isinstance(s, cst.FunctionDef)
+                           and s.name.value == func.attr.value), None)
+        if isinstance(callee, cst.FunctionDef) and callee is not node and _trains(ctx, callee, depth + 1):
+            return True
+    return False
 
 
 def ranks_mean(ctx: Context, node: cst.BaseExpression) -> Edit:
