@@ -283,7 +283,7 @@ def holds_objects(ctx: Context, call: cst.Call) -> bool:
     if target is None:
         return False
     scope = scope_of(ctx, call)
-    for use in _uses(ctx, target.value, scope):
+    for use in _uses_of_binding(ctx, target, scope):
         parent = ctx.parent(use)
         if isinstance(parent, cst.Attribute) and parent.value is use:
             if parent.attr.value not in _DICT_USES:
@@ -298,6 +298,25 @@ def holds_objects(ctx: Context, call: cst.Call) -> bool:
                     and _object_entry(ctx, sub, sub.slice[0].slice.value, scope):
                 return True
     return False
+
+
+def _uses_of_binding(ctx: Context, target: cst.Name, scope: cst.CSTNode) -> List[cst.Name]:
+    """The reads of `target`'s name that see this binding: after it, and not after a later
+    assignment of the same name (`data = torch.load(p)`, then `data = Dataset(data)`: the
+    `data.y.numpy()` after that reads the dataset object, not what was loaded)."""
+    start = ctx.position(target) or 0
+    rebinds = [(ctx.position(t) or 0, ctx.statement_of(t)) for t in ctx.named(target.value)
+               if isinstance(ctx.parent(t), cst.AssignTarget) and t is not target and scope_of(ctx, t) is scope
+               and (ctx.position(t) or 0) > start]
+    out = []
+    for use in _uses(ctx, target.value, scope):
+        where = ctx.position(use) or 0
+        if where <= start:
+            continue
+        if any(where > at and ctx.statement_of(use) is not statement for at, statement in rebinds):
+            continue
+        out.append(use)
+    return out
 
 
 def _uses(ctx: Context, name: str, scope: cst.CSTNode) -> List[cst.Name]:
