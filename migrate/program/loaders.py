@@ -378,6 +378,7 @@ class LoaderFacts:
             self.by_call[id(call)] = self.loaders[-1]
         self._follow()
         self._trained_on()
+        self._only_evaluated()
         self._order_bound()
         self._sized_by_batch()
 
@@ -398,6 +399,20 @@ class LoaderFacts:
                         and not self.grad_free(site, 0):
                     loader.kind = "train"
                     break
+
+    def _only_evaluated(self) -> None:
+        """A loader over the training set that no loop trains on (`example_loader =
+        DataLoader(train_ds, shuffle=False)`, iterated only under `torch.no_grad()` to collect
+        embeddings for a plot) is an evaluation loader: sharded as training data, every rank would
+        hold, and the main process plot, only its own share. Its use decides, not its dataset."""
+        ctx = self.ctx
+        for loader in self.loaders:
+            if loader.kind != "train" or (loader.shuffle is not None and not is_literal(loader.shuffle, "False", "None")):
+                continue
+            sites = [site for node, _ref in self.uses(lambda x, loader=loader: x is loader)
+                     for site in [_iteration_site(node, ctx)] if isinstance(site, cst.For)]
+            if sites and all(not analysis.runs_backward(ctx, site.body) and self.grad_free(site, 0) for site in sites):
+                loader.kind = "eval"
 
     # --- scopes -------------------------------------------------------------------------
     def function_of(self, node: cst.CSTNode) -> cst.CSTNode:
