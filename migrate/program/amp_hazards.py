@@ -9,9 +9,9 @@ Kinds (`Hazard.kind`):
 - `DTYPE_TABLE`: a table keyed by floating dtypes without the half ones
   (`{torch.float32: 4e-3, torch.float64: 1e-5}`), read by a tensor's dtype (`eps[x.dtype]`): under
   bf16 autocast the lookup raises KeyError (the hyperbolic-manifold style);
-- `BILINEAR`: `nn.Bilinear` / `F.bilinear`, on none of autocast's lists: inputs that come from
-  layers autocast ran in half precision meet its float32 weight and it raises ("All tensors must
-  have the same dtype");
+- `BILINEAR`: `nn.Bilinear` / `F.bilinear`, and `torch.cross`, which take operands of one dtype:
+  inputs that come from layers autocast ran in half precision meet a float32 weight or tensor and
+  it raises ("All tensors must have the same dtype"; CPU autocast does not promote them);
 - `SOLVER`: an adaptive ODE/SDE solver (`torchdiffeq.odeint`, `torchsde.sdeint`): its error
   control compares steps against tolerances (1e-5) far below bf16's resolution, so it takes many
   more steps or never meets them;
@@ -49,6 +49,9 @@ _BCE_NAMES = frozenset({"torch.nn.BCELoss", "torch.nn.modules.loss.BCELoss", "to
 _SOLVER_PACKAGES = ("torchdiffeq", "torchsde")
 _BILINEAR_NAMES = frozenset({"torch.nn.Bilinear", "torch.nn.modules.linear.Bilinear", "torch.nn.functional.bilinear",
                              "torch.bilinear"})
+# also refuse operands of two dtypes, and CPU autocast does not promote them (`torch.cross` of a
+# layer's bf16 output and a float32 tensor: "expected scalar type BFloat16 but found Float")
+_SAME_DTYPE_NAMES = frozenset({"torch.cross", "torch.linalg.cross"})
 _LOGS = frozenset({"log", "log2", "log10"})
 # names of a change-of-variables log-determinant: `sldj`, `ldj`, `log_det`, `logdet`, `log_abs_det_jacobian`
 _LOG_DET_NAME = re.compile(r"^(s?ldj|sum_log_det\w*|log_?(abs_?)?det(_?jac\w*)?|logdets?)$", re.IGNORECASE)
@@ -77,8 +80,9 @@ class Hazard:
             return (f"{where} computes a BCE loss, which raises under CUDA autocast (unsafe in fp16): use "
                     "`BCEWithLogitsLoss` on the logits, then add `with tm.autocast():` and `tm.GradScaler()`")
         if self.kind == BILINEAR:
-            return (f"{where} is a bilinear layer, which autocast does not cast: inputs from layers run in "
-                    "bf16/fp16 meet its float32 weight and it raises, so the program trains in float32")
+            return (f"{where} takes operands of one dtype (a bilinear layer, a cross product), which autocast "
+                    "does not cast: inputs from layers run in bf16/fp16 meet a float32 weight or tensor and it "
+                    "raises, so the program trains in float32")
         if self.kind == DTYPE_TABLE:
             return (f"{where} is a table keyed by float32/float64 that the program reads by a tensor's dtype: "
                     "under bf16/fp16 autocast that lookup raises KeyError, so the program trains in float32")
@@ -196,7 +200,7 @@ def hazards(trees: Dict[Path, ast.Module], library_of: Callable[[Path], Dict[str
                 full = _qualified(spelled, library) or ""
                 if full in _BCE_NAMES:
                     found.append(Hazard(path, node.lineno, BCE, spelled or full))
-                elif full in _BILINEAR_NAMES:
+                elif full in _BILINEAR_NAMES or full in _SAME_DTYPE_NAMES:
                     found.append(Hazard(path, node.lineno, BILINEAR, spelled or full))
                 elif full.split(".")[0] in _SOLVER_PACKAGES and full.rsplit(".", 1)[-1].startswith(("odeint", "sdeint")):
                     found.append(Hazard(path, node.lineno, SOLVER, spelled or full))

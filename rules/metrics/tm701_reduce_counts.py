@@ -222,13 +222,24 @@ class ReduceCounts(Rule):
         from torchmigrate.rules.model.batch import batch_sites
 
         events = events_after(ctx, loop, {name})[name]
-        if events.augs or any(isinstance(ctx.parent(u), cst.BinaryOperation) for u in events.uses):
+        if events.augs or any(self._in_arithmetic(u) for u in events.uses):
             return False
         try:
             loaders = {id(l) for r in refs_at(ctx, loader_expr(ctx, loop.iter)) for l in r.loaders}
         except Exception:  # noqa: BLE001 - without the loader facts, the sum stays a sum
             return False
         return any(id(site.loader) in loaders and not site.kept for site in batch_sites(ctx))
+
+    def _in_arithmetic(self, use: cst.CSTNode) -> bool:
+        """`use` is an operand of arithmetic, also through a conversion (`float(total) / count`)."""
+        for anc in self.ctx.ancestors(use):
+            if isinstance(anc, cst.BinaryOperation):
+                return True
+            if isinstance(anc, (cst.BaseSmallStatement, cst.BaseCompoundStatement)):
+                return False
+            if isinstance(anc, cst.Call) and not (isinstance(anc.func, cst.Name) and anc.func.value in ("float", "int")):
+                return False
+        return False
 
     def _loop(self, loop: cst.For, names: List[str]) -> None:
         ctx = self.ctx
