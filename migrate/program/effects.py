@@ -19,7 +19,9 @@ Kinds of effect (`WRITE` ... `STATE`):
 - `PROBE`: looks for a free name by testing, in a loop, whether paths exist (`for i in range(1,
   100): d = f"{name}-{i:02d}"; if not os.path.exists(d): ...; return d`, `while exists(p): n += 1`):
   every rank probes on its own, and once one has created its folder the next finds another, so
-  its result must be rank 0's (a loop that only skips missing files is no probe).
+  its result must be rank 0's (a loop that only skips missing files is no probe);
+- `NUMPY`: converts a tensor with `.numpy()` (no effect outside the call, but under autocast a
+  bf16 tensor has no numpy dtype: the AMP plan keeps such calls out of its blocks).
 
 Effects flow through calls: a function has the effects of everything it calls among the
 program's own functions, methods (`self.m()`, `obj.m()` of an instance of the program's
@@ -46,11 +48,11 @@ from torchmigrate.program.astwalk import walk
 from torchmigrate.program.generators import endless_generators
 from torchmigrate.program.open_modes import mode_names_ast, mode_of_ast, writes
 
-WRITE, MKDIR, OUTPUT, COLLECTIVE, TRAIN, CALLS, READ, RANDOM, CLOCK, STATE, PROBE = (
-    "write", "mkdir", "output", "collective", "train", "calls", "read", "random", "clock", "state", "probe")
+WRITE, MKDIR, OUTPUT, COLLECTIVE, TRAIN, CALLS, READ, RANDOM, CLOCK, STATE, PROBE, NUMPY = (
+    "write", "mkdir", "output", "collective", "train", "calls", "read", "random", "clock", "state", "probe", "numpy")
 # effects that leave nothing behind on a rank that skips them: a call whose effects are these
 # alone may run on the main process only
-OUTPUT_ONLY = frozenset({WRITE, MKDIR, OUTPUT, READ})
+OUTPUT_ONLY = frozenset({WRITE, MKDIR, OUTPUT, READ, NUMPY})
 
 RUNTIME = "torchmigrate.runtime"
 _RUNTIMES = (RUNTIME, "torchmigrate_runtime")
@@ -619,6 +621,8 @@ class _Reader:
         """Records what `call` does; True when its arguments need no further reading."""
         kinds = self.scope.kinds
         func = call.func
+        if isinstance(func, ast.Attribute) and func.attr == "numpy" and not call.args:
+            kinds.add(NUMPY)  # (a tensor's `.numpy()`: no effect outside, but bf16 has no numpy dtype)
         runtime = self._runtime(func)
         if runtime is not None:
             if runtime == "main_only" and call.args:

@@ -629,22 +629,26 @@ class LoaderFacts:
             return "mixed", cond
         if self._read_through_here(call, loader):
             return "eval", None
+        shuffle = loader.shuffle
+        fn = self.function_of(call)
+        if shuffle is not None and not is_literal(shuffle, "True", "False", "None") and self._flag_of_factory(fn, shuffle):
+            # the callers' `shuffle=True` / `shuffle=False` say which loader each call builds,
+            # whatever the words of its dataset say (`Dataset.build(data, load_train=load_train)`)
+            loader.condition_is_shuffle = True
+            return "mixed", _parenthesize(code(shuffle), shuffle)
         sources: List[List[str]] = []
         if loader.target:
             sources.append(splits.words(loader.target.split(".")[-1]))
         if loader.dataset is not None:
             sources.append(self._dataset_words(loader))
-        fn = self.function_of(call)
         if isinstance(fn, cst.FunctionDef):
             sources.append(splits.words(fn.name.value))
         for words in sources:
             verdict = splits.verdict(words)
             if verdict:
                 return verdict, None
-        shuffle = loader.shuffle
         if shuffle is not None and not is_literal(shuffle, "True", "False", "None"):
-            if splits.verdict(_expression_words(shuffle)) or self._flag_of_factory(fn, shuffle) \
-                    or self._set_by_split(fn, shuffle):
+            if splits.verdict(_expression_words(shuffle)) or self._set_by_split(fn, shuffle):
                 loader.condition_is_shuffle = True
                 return "mixed", _parenthesize(code(shuffle), shuffle)
         return "train", None

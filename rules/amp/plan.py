@@ -40,6 +40,8 @@ from torchmigrate.program.syntax import (binds, block_of, calls_by_method, calls
                                          method_name, owner_statement, reads, receiver, root_name, scope_of,
                                          statements, target_names)
 from torchmigrate.program.training import Site, Step, TrainingFacts, training_facts
+from torchmigrate.program.effects import NUMPY
+from torchmigrate.program.writes import call_kinds
 from torchmigrate.program.types import OTHER, TENSOR, kind_of, made_by, optimizer_wrapper_of
 from torchmigrate.rule import Context
 from torchmigrate.rules.amp.edits import dtype_arg, runtime_call, runtime_kwargs
@@ -783,6 +785,22 @@ class _Planner:
             return (f"`{escaped}` leaves autocast as a bf16/fp16 tensor and is converted to numpy later "
                     "(bf16 has no numpy dtype): add `.float()` before `.numpy()`, then put the forward "
                     "under `with tm.autocast():`")
+        converts = self.converts_to_numpy(stmts)
+        if converts is not None:
+            return (f"`{code(converts.func)}(...)` converts tensors to numpy (`.numpy()`, in code of the program it "
+                    "calls); inside autocast they are bf16/fp16, which has no numpy dtype: add `.float()` before "
+                    "`.numpy()` there, then put the forward under `with tm.autocast():`")
+        return None
+
+    def converts_to_numpy(self, stmts: List[cst.CSTNode]) -> Optional[cst.Call]:
+        """A call in `stmts` of the program's own code that converts a tensor with `.numpy()`
+        (`assign = hungarian_assign(scores, target)` between the forward and the loss; the
+        program's effects, through its calls, in any module)."""
+        for statement in stmts:
+            for call in self.ctx.within(statement, cst.Call):
+                kinds = call_kinds(self.ctx, call)
+                if kinds and NUMPY in kinds:
+                    return call
         return None
 
     def numpy_after(self, region: Region, stmts: List[cst.CSTNode], name: str) -> bool:

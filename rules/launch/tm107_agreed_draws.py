@@ -13,7 +13,7 @@ from torchmigrate.syntax.nodes import code, set_kwarg
 from torchmigrate.rule import Example, Rule
 from torchmigrate.program.batches import batch_facts
 from torchmigrate.program.metrics import is_load
-from torchmigrate.program.effects import CLOCK, EXISTS_TESTS, MKDIR, OUTPUT, PROBE, READ, RANDOM, WRITE
+from torchmigrate.program.effects import CLOCK, EXISTS_TESTS, MKDIR, NUMPY, OUTPUT, PROBE, READ, RANDOM, WRITE
 from torchmigrate.program.rank_guards import collective_guard
 from torchmigrate.program.writes import call_kinds
 from torchmigrate.rules._active import active
@@ -519,11 +519,11 @@ class AgreedDraws(Rule):
 
 # a helper whose effects are at most these, with a clock read among them, only turns the clock
 # into a value (`get_local_time()` formatting `datetime.now()`): sharing rank 0's result is safe
-_READS_ONLY = frozenset({CLOCK, OUTPUT, READ, RANDOM})
+_READS_ONLY = frozenset({CLOCK, OUTPUT, READ, RANDOM, NUMPY})
 # A helper that looks for a free name and may make the folder it finds, write a file into it,
 # print, read the clock: nothing another rank needs besides what it returns (what does not
 # pickle, a writer, the runtime lets each rank make for itself).
-_PROBES_ONLY = frozenset({PROBE, MKDIR, WRITE, CLOCK, OUTPUT, READ, RANDOM})
+_PROBES_ONLY = frozenset({PROBE, MKDIR, WRITE, CLOCK, OUTPUT, READ, RANDOM, NUMPY})
 
 
 def _is_draw(name: str) -> bool:
