@@ -2323,8 +2323,10 @@ def any_rank(flag) -> bool:
 def share_params(model) -> None:
     """Copy rank 0's parameters and buffers to every rank, in place (what DDP does when it wraps a
     model), for a model that cannot be wrapped (one differentiated with ``torch.autograd.grad``
-    over its own parameters). 1 process: nothing. A collective: call it on every rank."""
-    if not is_distributed():
+    over its own parameters), and for a wrapped model whose weights the program sets again (a
+    repeat that resets them before building a new optimizer). 1 process, or anything that is not
+    a module: nothing. A collective: call it on every rank."""
+    if not is_distributed() or not isinstance(model, nn.Module):
         return
     _require_pg()
     comm = device() if _nccl() else torch.device("cpu")

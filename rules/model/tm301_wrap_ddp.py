@@ -151,6 +151,8 @@ class WrapDDP(ModelRule):
             self.report(nw.opt.call, f"wrap `{nw.name}` in DistributedDataParallel before building its optimizer: "
                                      f"`{nw.name} = {tm}.wrap_model({nw.name})`{extra}",
                         edits=[edit], imports=[self.ctx.runtime_import()])
+            self._share_per_pass(nw)
+
         for n, message, statement in p.manual301:
             self.report(n, message, statement=statement)
         for w in p.wraps:
@@ -159,6 +161,28 @@ class WrapDDP(ModelRule):
             elif w.kind == "tm" and w.call is not None and self.ctx.resolve(w.call.func) in DDP_CLASSES:
                 self._to_wrap_model(w.call)
 
+    def _share_per_pass(self, nw) -> None:
+        """The optimizer is built again on each pass of a loop (repeats, folds) while the model was
+        wrapped once before it: a pass that re-initialises the weights (`self._reset_params()`)
+        draws them from each rank's own random stream once the streams have parted, and DDP
+        shares the weights only when it wraps. Rank 0's weights are shared before each pass's
+        optimizer (`tm.share_params(model)`), as at the wrap."""
+        ctx = self.ctx
+        statement = nw.opt.statement
+        loop = None
+        for anc in ctx.ancestors(statement):
+            if isinstance(anc, (cst.FunctionDef, cst.ClassDef, cst.Lambda)):
+                break
+            if isinstance(anc, (cst.For, cst.While)):
+                loop = anc
+        if loop is None or not isinstance(statement, cst.SimpleStatementLine) or any(
+                a is loop for a in ctx.ancestors(nw.anchor)):
+            return
+        share = cst.parse_statement(f"{ctx.tm}.share_params({nw.name})")
+        self.report(nw.opt.call, f"`{nw.name}` is wrapped once, before this loop, but its optimizer is built on every "
+                                 "pass (repeats, folds): weights set again in a pass would differ per rank, so rank "
+                                 f"0's are shared before each pass's optimizer (`{ctx.tm}.share_params({nw.name})`)",
+                    edits=[insert_before(statement, [share])], imports=[self.ctx.runtime_import()])
     def _to_wrap_model(self, call: cst.Call) -> None:
         """A legacy script's own `DDP(model, device_ids=[args.local_rank], output_device=...)`
         (see `legacy_launch`) becomes `tm.wrap_model(model, ...)`: it picks the device ids
