@@ -74,9 +74,10 @@ class MainOnlyWrites(Rule):
     - A file kept open across statements, `f = open(path, "a")` ... `f.write(...)` ...
       `f.close()` (also `self.file = open(...)` in a logger class), becomes
       `f = tm.main_only(open, path, "a")` when every use of `f` writes into it (`f.write`,
-      `print(..., file=f)`, `json.dump(obj, f)`, `csv.writer(f)`, `f.close()`): the file is
-      opened on the main process, a null object absorbs the writes elsewhere, and no name is
-      left unbound. Other uses (`f.name`, a `+` mode) are reported.
+      `print(..., file=f)`, `json.dump(obj, f)`, `csv.writer(f)`, `f.close()`, a test against
+      None, or handing it to a function of the file that does only these with it, two calls
+      deep): the file is opened on the main process, a null object absorbs the writes elsewhere,
+      and no name is left unbound. Other uses (`f.name`, a `+` mode) are reported.
     - A `with open(...)` block is never guarded when names it binds are read after it
       (NameError on the other ranks) or when it runs a forward pass or a collective: its file is
       opened through `tm.main_only(open, ...)` instead when the block writes only through it,

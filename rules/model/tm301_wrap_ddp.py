@@ -27,7 +27,11 @@ class WrapDDP(ModelRule):
     classes, one wrap per model for GANs). Only models whose parameters an optimizer trains are
     wrapped; a frozen teacher or an EMA copy is never passed to an optimizer and stays as it is.
     When a same-file helper builds the optimizer from a model it receives
-    (`optimizer = build_optimizer(model, cfg)`), the wrap goes before that call.
+    (`optimizer = build_optimizer(model, cfg)`), the wrap goes before that call. When the
+    optimizer is built again on every pass of a loop (repeats, folds) while the model is wrapped
+    once before it, `tm.share_params(model)` goes before each pass's optimizer: weights the pass
+    sets again (`self._reset_params()`) would otherwise differ per rank, since DDP shares them
+    only when it wraps.
 
     `tm.wrap_model` moves the model to the rank's device and wraps it in DDP when the script runs
     under torchrun; in a plain `python train.py` run it returns the model unchanged. Models that
