@@ -2353,6 +2353,7 @@ def sync_grads(model) -> None:
         p.grad = g
 
 
+_REDUCED_METERS: dict = {}  # id(meter) -> (meter, its total and count right after its last reduction)
 _METER_FIELDS = (("sum", "count"), ("total", "count"), ("sum", "n"), ("total", "n"), ("_sum", "_count"),
                  ("running_sum", "count"), ("total", "steps"))
 
@@ -2365,7 +2366,9 @@ def reduce_meter(meter, over=None):
     compute itself. An object without such numeric fields is returned unchanged (every rank has the
     same class, so every rank skips alike). ``over``: the loader the meter averaged; where it is
     not sharded (``sharded``) the meter already covers the whole data and is left as it is.
-    1 process: unchanged. A collective: call it on every rank."""
+    A meter that keeps accumulating after a reduction (never reset between epochs) is reduced by
+    what it gained since, so nothing is counted twice. 1 process: unchanged. A collective: call it
+    on every rank."""
     if not is_distributed() or (over is not None and not sharded(over)):
         return meter
     for total_name, count_name in _METER_FIELDS:
@@ -2375,7 +2378,14 @@ def reduce_meter(meter, over=None):
             break
     else:
         return meter
-    total, count = all_reduce(total, count)
+    done = _REDUCED_METERS.get(id(meter))
+    if done is not None and done[0] is meter and float(count) >= float(done[2]):
+        # (reduced before, then updated on this rank only: reduce the gain, keep the reduced part)
+        gained, gained_count = all_reduce(total - done[1], count - done[2])
+        total, count = done[1] + gained, done[2] + gained_count
+    else:
+        total, count = all_reduce(total, count)
+    _REDUCED_METERS[id(meter)] = (meter, total, count)
     with contextlib.suppress(AttributeError, TypeError):
         setattr(meter, total_name, total)
         setattr(meter, count_name, count)

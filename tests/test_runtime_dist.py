@@ -192,6 +192,14 @@ def test_gather_list_gathers_what_a_sharded_loop_collected_and_keeps_a_whole_one
     assert r0["gather_list_whole"] == r1["gather_list_whole"] == [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0]]
 
 
+def test_a_meter_kept_across_epochs_is_reduced_by_what_it_gained(collectives):
+    """Epoch 1 adds 1 (rank 0) and 2 (rank 1), epoch 2 adds 2 and 4: reduced after each epoch, the
+    kept meter holds 9 over 4 updates (reduced whole again, it would hold 3 + 2*3 + 6 = 15); a
+    meter reset each epoch holds that epoch's 3 over 2."""
+    r0, r1 = collectives["r"]
+    assert r0["meter_kept"] == r1["meter_kept"] == [9.0, 4, 3.0, 2]
+
+
 def test_on_main_picks_once_for_every_rank(collectives):
     """A helper that probes for a free folder runs on the main process alone: every rank gets
     `run-01`, then `run-02` and `run-03` from a helper that calls it twice (nested calls run in

@@ -68,7 +68,10 @@ class GatherListMean(Rule):
     A meter object built before the loop (`meter = AverageMeter()`, any class named like a
     meter, average or tracker) and updated in it (`meter.update(loss.item(), x.size(0))`) gets
     `tm.reduce_meter(meter)` after the loop: its `sum` and `count` are summed across ranks and
-    its `avg` recomputed (a meter without those attributes is left as it is, on every rank).
+    its `avg` recomputed (a meter without those attributes is left as it is, on every rank). A
+    dict of meters (`meters = defaultdict(AverageMeter)`, `meters[key].update(v, n)`) gets
+    `for _meter in meters.values(): tm.reduce_meter(_meter)`; the runtime reduces only what a
+    meter gained since its last reduction, so meters kept across epochs are not counted twice.
 
     ## Why is this bad?
     Under DDP each rank iterates its own shard, so the mean of its list is the mean of one shard.
@@ -122,6 +125,7 @@ class GatherListMean(Rule):
             return
         loops: Dict[cst.CSTNode, List[str]] = {}
         meters: Dict[cst.CSTNode, List[str]] = {}
+        meter_dicts: Dict[cst.CSTNode, List[str]] = {}  # `meters[key].update(v, n)`: a dict of meters
         for call, _name in analysis.facts(ctx).calls:
             func = call.func
             if type(func) is cst.Attribute and func.attr.value in ("append", "update") and type(func.value) is cst.Name:
@@ -129,6 +133,12 @@ class GatherListMean(Rule):
                 found = (loops if func.attr.value == "append" else meters).setdefault(loop, []) if loop else None
                 if found is not None and func.value.value not in found:
                     found.append(func.value.value)
+            elif type(func) is cst.Attribute and func.attr.value == "update" and type(func.value) is cst.Subscript \
+                    and type(func.value.value) is cst.Name:
+                loop = loader_loop(ctx, call)
+                found = meter_dicts.setdefault(loop, []) if loop else None
+                if found is not None and func.value.value.value not in found:
+                    found.append(func.value.value.value)
         for aug in ctx.nodes(cst.AugAssign):  # `losses += [loss.item()]`: an append
             if isinstance(aug.operator, cst.AddAssign) and type(aug.target) is cst.Name \
                     and type(aug.value) is cst.List and len(aug.value.elements) == 1:
@@ -141,6 +151,9 @@ class GatherListMean(Rule):
             names = [n for n in names if n not in fed]
             if names and not leaves_early(ctx, loop) and loop_sharding(ctx, loop) != "whole":
                 self._meters(loop, names)
+        for loop, names in meter_dicts.items():
+            if not leaves_early(ctx, loop) and loop_sharding(ctx, loop) != "whole":
+                self._meter_dicts(loop, names)
         gathered: Set[str] = set()
         for loop, names in loops.items():
             lists = [n for n in names if starts_empty_list(ctx, loop, n) and not reassigned_in(ctx, loop, n)
@@ -310,6 +323,35 @@ class GatherListMean(Rule):
                          f"{averages}, but this loop runs under a rank guard, where a reduction would hang the "
                          "other ranks",
                          f"{averages}; reduce {'its' if len(found) == 1 else 'their'} sum and count across ranks")
+
+    def _meter_dicts(self, loop: cst.For, names: List[str]) -> None:
+        """`loss_meters[key].update(value, n)` in the loop, `loss_meters` a dict of running-average
+        objects made before it (`defaultdict(AverageMeter)`, `{k: AverageMeter() for k in keys}`)
+        and read after it: each meter is reduced after the loop (`tm.reduce_meter`, which reduces
+        only what a meter gained since its last reduction, so a dict kept across epochs is right)."""
+        ctx = self.ctx
+        found = []
+        for name in names:
+            made = [a.value for a in analysis.facts(ctx).assigns if scope_of(ctx, a) is scope_of(ctx, loop)
+                    and any(isinstance(t.target, cst.Name) and t.target.value == name for t in a.targets)]
+            if len(made) == 1 and any(_METER.search(n.value) for n in ctx.within(made[0], cst.Name)) \
+                    and not reassigned_in(ctx, loop, name) and self._read_after(loop, name):
+                found.append(name)
+        after = _next_sibling(ctx, loop)
+        found = [n for n in found if not (isinstance(after, cst.For) and code(after.iter) == f"{n}.values()"
+                                          and "reduce_meter(" in code(after.body))]  # (an earlier run's)
+        if not found:
+            return
+        listed = ", ".join(f"`{n}`" for n in found)
+        over = ""
+        if loop_sharding(ctx, loop) == "unknown" and is_pure(loader_expr(ctx, loop.iter)):
+            over = f", over={code(loader_expr(ctx, loop.iter))}"
+        lines = [f"for _meter in {n}.values():\n    {ctx.tm}.reduce_meter(_meter{over})" for n in found]
+        self._after_loop(loop, lines,
+                         f"the meters of {listed} average this rank's batches only, but this loop runs under a rank "
+                         "guard, where a reduction would hang the other ranks",
+                         f"the meters of {listed} average this rank's batches only; reduce each one's sum and count "
+                         "across ranks")
 
     def _fed_reduced(self, loop: cst.For, name: str) -> bool:
         """Every `name.update(v, ...)` of the loop gets a value already reduced across ranks

@@ -314,6 +314,16 @@ def main(outdir):
         meter.sum, meter.count = meter.sum + float(v.sum()), meter.count + len(v)
     tm.reduce_meter(meter, over=whole)
     res["meter_whole"] = [meter.sum, meter.count]
+    # a meter kept across epochs (never reset), reduced after each: each epoch's gain counted once
+    kept = Meter()
+    for epoch in range(2):
+        kept.sum, kept.count = kept.sum + (r + 1) * (epoch + 1), kept.count + 1
+        tm.reduce_meter(kept)
+    reset = Meter()
+    for epoch in range(2):
+        reset.sum, reset.count = float(r + 1), 1  # reset each epoch, then one update
+        tm.reduce_meter(reset)
+    res["meter_kept"] = [kept.sum, kept.count, reset.sum, reset.count]
 
     # save: only rank 0 writes; every rank then loads rank 0's file
     ckdir = os.path.join(outdir, "ckpt")
