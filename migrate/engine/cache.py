@@ -205,7 +205,9 @@ class Store:
             fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
             try:
                 with os.fdopen(fd, "w", encoding="utf-8") as handle:
-                    json.dump(data, handle, separators=(",", ":"))
+                    # `dumps` (one string) uses json's C encoder; `dump` to a file encodes in Python,
+                    # several times slower on the program's facts (0.3 s of a one-file re-lint)
+                    handle.write(json.dumps(data, separators=(",", ":")))
                 os.replace(tmp, path)
             except BaseException:
                 with contextlib.suppress(OSError):
