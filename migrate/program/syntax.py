@@ -312,6 +312,24 @@ def local_calls(ctx: Context) -> Dict[str, List[cst.Call]]:
     return found  # type: ignore[return-value]
 
 
+def local_callee(ctx: Context, call: cst.Call) -> Optional[cst.FunctionDef]:
+    """The function of this file (`train(...)`, a module-level def) or the method of the caller's
+    class (`self.train_epoch(...)`) that `call` runs; None for anything else."""
+    func = call.func
+    if isinstance(func, cst.Name):
+        functions = ctx.facts.get("tm_module_functions")
+        if functions is None:
+            functions = ctx.facts["tm_module_functions"] = {
+                s.name.value: s for s in ctx.module.body if isinstance(s, cst.FunctionDef)}
+        return functions.get(func.value)  # type: ignore[union-attr]
+    if isinstance(func, cst.Attribute) and isinstance(func.value, cst.Name) and func.value.value == "self":
+        klass = ctx.enclosing(call, cst.ClassDef)
+        if klass is not None:
+            return next((s for s in klass.body.body if isinstance(s, cst.FunctionDef)
+                         and s.name.value == func.attr.value), None)
+    return None
+
+
 def last_name(node: cst.BaseExpression) -> Optional[str]:
     """`x` for `x` and for `a.b.x`; None for other expressions."""
     if isinstance(node, cst.Name):

@@ -32,7 +32,7 @@ import libcst as cst
 from torchmigrate import analysis
 from torchmigrate.program import effects
 from torchmigrate.program.effects import MODULE_SCOPE
-from torchmigrate.program.syntax import body_of, index_in, iter_nodes
+from torchmigrate.program.syntax import body_of, index_in, iter_nodes, local_callee
 from torchmigrate.syntax.imports import dotted
 
 if TYPE_CHECKING:
@@ -310,21 +310,14 @@ def handle_uses_write_only(ctx: Context, name: str, scope: cst.CSTNode, skip: cs
 
 def _passed_write_only(ctx: Context, call: cst.Call, arg: cst.Arg, depth: int) -> bool:
     """`arg` hands the handle to a module-level function of this file whose matching parameter
-    is only written into (`handle_uses_write_only` on its body), nor rebound there."""
-    if arg.star or not isinstance(call.func, cst.Name):
+    is only written into (`handle_uses_write_only` on its body)."""
+    from torchmigrate.program.loaders import bind_params  # (loaders reads this module's call kinds)
+
+    func = local_callee(ctx, call) if isinstance(call.func, cst.Name) else None
+    if func is None or arg.star:
         return False
-    func = next((s for s in ctx.module.body if isinstance(s, cst.FunctionDef) and s.name.value == call.func.value), None)
-    if func is None:
-        return False
-    params = [p for p in func.params.params]
-    if arg.keyword is not None:
-        param = next((p for p in params if p.name.value == arg.keyword.value), None)
-    else:
-        position = [a for a in call.args if a.keyword is None].index(arg)
-        param = params[position] if position < len(params) else None
-    if param is None:
-        return False
-    return handle_uses_write_only(ctx, param.name.value, func.body, param, depth + 1)
+    param = next((name for name, value in bind_params(func, call, False) if value is arg.value), None)
+    return param is not None and handle_uses_write_only(ctx, param, func.body, func.params, depth + 1)
 
 
 def in_private_temp(ctx: Context, call: cst.Call) -> bool:

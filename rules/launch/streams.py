@@ -40,6 +40,7 @@ and epoch, and `tm.shard_sampler` draws under a seed of its own.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Dict, List, Optional, Set
 
 import libcst as cst
@@ -50,6 +51,8 @@ from torchmigrate.rule import Context
 from torchmigrate.rules.data.plan import data_plan
 from torchmigrate.program.batches import batch_facts
 from torchmigrate.program.rank_guards import collective_guard
+from torchmigrate.program.syntax import local_callee
+from torchmigrate.syntax.nodes import arg
 from torchmigrate.rules.launch.base import SEEDERS, per_sample
 
 # Draws whose result must be the same on every rank where they cut or split the data.
@@ -87,16 +90,18 @@ def _agreed_draws(ctx: Context) -> List[cst.Call]:
     orders = batch_facts(ctx).order_draws
     out = []
     for call, name in analysis.facts(ctx).calls:
-        if name not in AGREED or _explicit_generator(call) or any(
-                a.keyword is not None and a.keyword.value == "device" for a in call.args) or any(a.star for a in call.args):
+        if name not in AGREED or _explicit_generator(call) or arg(call, "device") is not None \
+                or any(a.star for a in call.args):
             continue
         func = ctx.enclosing(call, cst.FunctionDef)
         in_loop = any(isinstance(a, _LOOPS) for a in _ancestors_in_function(ctx, call))
         if not in_loop and (func is None or ctx.program.is_entry):
             continue  # drawn once: at import, alike on every rank; in a function of the entry, TM107 shares it
-        if (func is not None and (per_sample(ctx, func) or _generates(ctx, func))) or collective_guard(ctx, call) is not None:
+        if func is not None and (per_sample(ctx, func) or _generates(ctx, func)):
             continue
-        if id(call) in orders or call in shared or ctx.statement_of(call) in shared or _in_broadcast(ctx, call) \
+        if collective_guard(ctx, call) is not None:
+            continue
+        if id(call) in orders or call in shared or ctx.statement_of(call) in shared or in_broadcast(ctx, call) \
                 or _broadcast_next(ctx, call):
             continue
         out.append(call)
@@ -138,7 +143,8 @@ def _broadcast_next(ctx: Context, call: cst.Call) -> bool:
     return any((ctx.resolve(c.func) or "").endswith(".broadcast_object") for c in ctx.within(after, cst.Call))
 
 
-def _in_broadcast(ctx: Context, call: cst.Call) -> bool:
+def in_broadcast(ctx: Context, call: cst.Call) -> bool:
+    """`call` is inside a `tm.broadcast_object(...)` of its statement: rank 0's result already."""
     for anc in ctx.ancestors(call):
         if isinstance(anc, cst.Call) and (ctx.resolve(anc.func) or "").endswith(".broadcast_object"):
             return True
@@ -158,8 +164,7 @@ def stream_plan(ctx: Context) -> List[object]:
 class _Streams:
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
-        self.functions: Dict[str, cst.FunctionDef] = {
-            s.name.value: s for s in ctx.module.body if isinstance(s, cst.FunctionDef)}
+        self.callee = partial(local_callee, ctx)  # the function of this file a call runs, if any
         self.setup_statements = self._setup_statements()
         self._runs: Dict[cst.CSTNode, bool] = {}
         # loops over a training DataLoader: training loops even where the step they run lives in
@@ -203,25 +208,12 @@ class _Streams:
         runs = node in self.over_training_data or analysis.runs_backward(ctx, node)
         if not runs and depth < 2:
             for call in ctx.within(node, cst.Call, skip_defs=True):
-                callee = self._callee(call)
+                callee = self.callee(call)
                 if callee is not None and callee is not node and self._runs_backward(callee, depth + 1):
                     runs = True
                     break
         self._runs[node] = runs
         return runs
-
-    def _callee(self, call: cst.Call) -> Optional[cst.FunctionDef]:
-        """The function of this module (`train(...)`) or the method of the caller's class
-        (`self.train_epoch(...)`) that `call` runs."""
-        func = call.func
-        if isinstance(func, cst.Name):
-            return self.functions.get(func.value)
-        if isinstance(func, cst.Attribute) and isinstance(func.value, cst.Name) and func.value.value == "self":
-            klass = self.ctx.enclosing(call, cst.ClassDef)
-            if klass is not None:
-                return next((s for s in klass.body.body if isinstance(s, cst.FunctionDef)
-                             and s.name.value == func.attr.value), None)
-        return None
 
     def _outermost_training_loops(self) -> List[cst.CSTNode]:
         """The outermost loops of their function that hold a training loop (an epoch loop around
@@ -240,12 +232,12 @@ class _Streams:
                 if top not in loops:
                     loops.append(top)
         reached: Set[cst.CSTNode] = set()
-        todo = [f for loop in loops for f in map(self._callee, ctx.within(loop, cst.Call, skip_defs=True)) if f]
+        todo = [f for loop in loops for f in map(self.callee, ctx.within(loop, cst.Call, skip_defs=True)) if f]
         while todo:
             function = todo.pop()
             if function not in reached:
                 reached.add(function)
-                todo += [f for f in map(self._callee, ctx.within(function, cst.Call, skip_defs=True)) if f]
+                todo += [f for f in map(self.callee, ctx.within(function, cst.Call, skip_defs=True)) if f]
         return [n for n in loops if not any(a in reached for a in ctx.ancestors(n))]
 
     def _placement(self, loop: cst.CSTNode) -> Optional[cst.CSTNode]:
@@ -268,7 +260,7 @@ class _Streams:
         """A permutation or shuffle drawn in the loop (or in a function of this module it calls)
         from the global streams, that is not shared from rank 0."""
         ctx = self.ctx
-        bodies = [loop] + [f for f in map(self._callee, ctx.within(loop, cst.Call, skip_defs=True)) if f is not None]
+        bodies = [loop] + [f for f in map(self.callee, ctx.within(loop, cst.Call, skip_defs=True)) if f is not None]
         for body in bodies:
             for call in ctx.within(body, cst.Call, skip_defs=True):
                 if ctx.resolve(call.func) in AGREED and not _explicit_generator(call) and not self._shared(call):
@@ -302,14 +294,15 @@ class _Streams:
             return False
         direct = ctx.within(loop, cst.Call, skip_defs=True)
         inside = set(direct)
-        for callee in filter(None, map(self._callee, direct)):
+        for callee in filter(None, map(self.callee, direct)):
             inside.update(ctx.within(callee, cst.Call, skip_defs=True))
         return any(loss in inside for loss in self.full_batch)
 
     def _shared(self, call: cst.Call) -> bool:
-        if call in self.made_agreed or call in self.shared_by_data or self.ctx.statement_of(call) in self.shared_by_data:
+        if call in self.made_agreed or call in self.shared_by_data \
+                or self.ctx.statement_of(call) in self.shared_by_data:
             return True
-        return _in_broadcast(self.ctx, call)
+        return in_broadcast(self.ctx, call)
 
 
 def _explicit_generator(call: cst.Call) -> bool:

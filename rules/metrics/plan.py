@@ -25,7 +25,9 @@ from torchmigrate.finding import Edit, replace
 from torchmigrate.syntax.nodes import code
 from torchmigrate.program import splits
 from torchmigrate.program.loaders import DIST_SAMPLERS, bind_params, conditional_sampler, loaders, refs_at
-from torchmigrate.program.metrics import ExactDenominators, loader_expr
+from torchmigrate.program.metrics import (ExactDenominators, leaves_early, loader_expr, means_only, reassigned_in,
+                                          starts_empty_list)
+from torchmigrate.program.syntax import local_callee
 from torchmigrate.rule import Context
 from torchmigrate.rules.data.plan import data_plan
 from torchmigrate.options import RUNTIME_MODULE as RUNTIME
@@ -198,20 +200,18 @@ def _trains(ctx: Context, node: cst.CSTNode, depth: int = 0) -> bool:
         return True
     if depth >= 2:
         return False
-    functions = analysis.facts(ctx).functions
-    klass = ctx.enclosing(node, cst.ClassDef)
     for call in ctx.within(node, cst.Call, skip_defs=True):
-        func = call.func
-        callee = None
-        if isinstance(func, cst.Name):
-            callee = functions.get(func.value)
-        elif isinstance(func, cst.Attribute) and isinstance(func.value, cst.Name) and func.value.value == "self" \
-                and klass is not None:
-            callee = next((s for s in klass.body.body if isinstance(s, cst.FunctionDef)
-                           and s.name.value == func.attr.value), None)
-        if isinstance(callee, cst.FunctionDef) and callee is not node and _trains(ctx, callee, depth + 1):
+        callee = local_callee(ctx, call)
+        if callee is not None and callee is not node and _trains(ctx, callee, depth + 1):
             return True
     return False
+
+
+def gathered_for_mean(ctx: Context, loop: cst.For, name: str) -> bool:
+    """`name` is a list of per-batch values filled in `loop` over a loader that is not read whole,
+    and read after it only as a mean (`sum(losses) / len(losses)`): TM703 gathers it after the loop."""
+    return starts_empty_list(ctx, loop, name) and not reassigned_in(ctx, loop, name) and means_only(ctx, loop, name) \
+        and not leaves_early(ctx, loop) and loop_sharding(ctx, loop) != "whole"
 
 
 def ranks_mean(ctx: Context, node: cst.BaseExpression) -> Edit:
