@@ -19,6 +19,7 @@ from torchmigrate.options import RUNTIME_MODULE as RUNTIME
 from torchmigrate.program.checkpoints import LOADS, feeds_state_dict, holds_objects, non_tensor_saved
 from torchmigrate.rule import Example, Rule
 from torchmigrate.rules._active import active
+from torchmigrate.rules.launch.tm103_device_from_rank import cuda_string
 from torchmigrate.rules.model.plan import wrapped_models
 
 
@@ -207,18 +208,9 @@ class LoadMapLocation(Rule):
 
 
 def _one_gpu(ctx, value: cst.BaseExpression) -> bool:
-    """A fixed CUDA device: `"cuda"`, `"cuda:0"`, `f"cuda:{args.gpu}"`, `"cuda:{}".format(gpu)`,
-    `"cuda:%d" % gpu`, `torch.device("cuda:0")` (not a dict that maps devices, nor a function)."""
+    """A fixed CUDA device (TM103's `cuda_string`: `"cuda"`, `"cuda:0"`, `f"cuda:{args.gpu}"`,
+    `"cuda:{}".format(gpu)`, `"cuda:%d" % gpu`), also as `torch.device(...)` (not a dict that maps
+    devices, nor a function)."""
     if isinstance(value, cst.Call) and ctx.resolve(value.func) == "torch.device" and value.args:
-        return _one_gpu(ctx, value.args[0].value)
-    if isinstance(value, cst.Call) and isinstance(value.func, cst.Attribute) and value.func.attr.value == "format":
-        value = value.func.value
-    if isinstance(value, cst.BinaryOperation) and isinstance(value.operator, cst.Modulo):
-        value = value.left
-    if isinstance(value, cst.SimpleString):
-        text = value.evaluated_value
-        return isinstance(text, str) and (text == "cuda" or text.startswith("cuda:"))
-    if isinstance(value, cst.FormattedString):
-        first = value.parts[0] if value.parts else None
-        return isinstance(first, cst.FormattedStringText) and first.value.startswith("cuda:")
-    return False
+        value = value.args[0].value
+    return cuda_string(value) is not None

@@ -7,7 +7,6 @@ from typing import Dict, List, Optional, Set, Tuple
 
 import libcst as cst
 
-
 from torchmigrate.finding import Safety, insert_after, insert_before
 from torchmigrate.syntax.nodes import code, stmt
 from torchmigrate.program.loaders import (TM_SET_EPOCH, Loader, bind_params, header_loop, is_pure, key_of, loops_of,

@@ -455,8 +455,9 @@ class DeviceFromRank(Rule):
             self._fix(call, message, replace(call, fix))
             return
         kind = self._device_call_kind(call)
-        if self._wrong(kind) and self._compared(call) is not None:
-            self._gpu_test(call, self._compared(call))
+        compared = self._compared(call) if self._wrong(kind) else None
+        if compared is not None:
+            self._gpu_test(call, compared)
         elif self._wrong(kind):
             self._fix(call, message, replace_with(call, self._tm_device()))
         elif kind is None and len(call.args) == 1 and not call.args[0].keyword and not call.args[0].star \
@@ -483,8 +484,7 @@ class DeviceFromRank(Rule):
         `tm.device()` it would be true on CPU ranks too (the device is `tm.device()` there as
         well). It becomes `tm.as_device(device).type == "cuda"`: true on the rank's GPU, false
         on the CPU, whatever GPU number `device` names."""
-        target = comparison.comparisons[0]
-        other = target.comparator if comparison.left is call else comparison.left
+        other = comparison.comparisons[0].comparator if comparison.left is call else comparison.left
         tm = self.ctx.tm
 
         def fix(c: cst.Comparison) -> cst.Comparison:

@@ -18,7 +18,7 @@ from torchmigrate.program.rank_guards import collective_guard
 from torchmigrate.program.writes import call_kinds
 from torchmigrate.rules._active import active
 from torchmigrate.rules.launch.base import SEEDERS, per_sample
-from torchmigrate.rules.launch.streams import agreed_draws
+from torchmigrate.rules.launch.streams import agreed_draws, in_broadcast
 
 _RANDOM = ("random.", "numpy.random.")
 _EXISTS = EXISTS_TESTS | {"os.path.lexists"}
@@ -374,8 +374,7 @@ class AgreedDraws(Rule):
                 own = isinstance(test.func, cst.Attribute) and test.func.attr.value in ("exists", "is_dir", "is_file")
                 if name not in _EXISTS and not own:
                     continue
-                if any(isinstance(a, cst.Call) and (ctx.resolve(a.func) or "").endswith(".broadcast_object")
-                       for a in ctx.ancestors(test)):
+                if in_broadcast(ctx, test):
                     continue  # shared already (a second run)
                 self.report(test, "this test of the file system decides whether every rank reaches the question "
                                   "asked on the main process: every rank takes rank 0's answer",
@@ -410,11 +409,7 @@ class AgreedDraws(Rule):
         self.report(call, f"`{what}(...)` draws an order again and again from each rank's own random stream (the "
                           "streams part once training starts): ranks would cut their shares from different orders, "
                           "so shares overlap and some samples are never seen. It is drawn alike on every rank",
-                    edits=[replace(call, lambda c: c.with_changes(
-                        func=cst.parse_expression(f"{ctx.tm}.agreed"),
-                        args=[cst.Arg(c.func, comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))),
-                              *c.args]))],
-                    imports=[ctx.runtime_import()])
+                    edits=[_handed_to(call, f"{ctx.tm}.agreed")], imports=[ctx.runtime_import()])
 
     def _on_main(self, call: cst.Call) -> None:
         """`save_dir = get_save_dir(base, name)`, a helper of the program that probes for a free
@@ -432,11 +427,7 @@ class AgreedDraws(Rule):
         self.report(call, f"`{what}(...)` looks for a free name by testing which paths exist: every rank would probe "
                           "on its own, and once one has made its folder the next finds it taken and picks another. "
                           "The main process picks and every rank gets its pick",
-                    edits=[replace(call, lambda c: c.with_changes(
-                        func=cst.parse_expression(f"{ctx.tm}.on_main"),
-                        args=[cst.Arg(c.func, comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))),
-                              *c.args]))],
-                    imports=[ctx.runtime_import()])
+                    edits=[_handed_to(call, f"{ctx.tm}.on_main")], imports=[ctx.runtime_import()])
 
     def _split(self, call: cst.Call) -> None:
         ctx = self.ctx
@@ -524,6 +515,14 @@ _READS_ONLY = frozenset({CLOCK, OUTPUT, READ, RANDOM, NUMPY})
 # print, read the clock: nothing another rank needs besides what it returns (what does not
 # pickle, a writer, the runtime lets each rank make for itself).
 _PROBES_ONLY = frozenset({PROBE, MKDIR, WRITE, CLOCK, OUTPUT, READ, RANDOM, NUMPY})
+
+
+def _handed_to(call: cst.Call, runtime: str):
+    """The edit that makes `f(a, b)` `tm.agreed(f, a, b)` (or another runtime function that calls
+    what it is handed with the rest of its arguments)."""
+    return replace(call, lambda c: c.with_changes(
+        func=cst.parse_expression(runtime),
+        args=[cst.Arg(c.func, comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))), *c.args]))
 
 
 def _is_draw(name: str) -> bool:

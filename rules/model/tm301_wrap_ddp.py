@@ -10,6 +10,7 @@ from torchmigrate.finding import Safety, insert_after, insert_before, replace, r
 from torchmigrate.syntax.imports import dotted
 from torchmigrate.syntax.nodes import arg as call_arg
 from torchmigrate.syntax.nodes import expr, kwarg, with_args
+from torchmigrate.program.loaders import loops_of
 from torchmigrate.program.models import DDP_CLASSES
 from torchmigrate.rule import Example
 from torchmigrate.rules.model.base import ModelRule, wrap_call
@@ -173,20 +174,16 @@ class WrapDDP(ModelRule):
         optimizer (`tm.share_params(model)`), as at the wrap."""
         ctx = self.ctx
         statement = nw.opt.statement
-        loop = None
-        for anc in ctx.ancestors(statement):
-            if isinstance(anc, (cst.FunctionDef, cst.ClassDef, cst.Lambda)):
-                break
-            if isinstance(anc, (cst.For, cst.While)):
-                loop = anc
-        if loop is None or not isinstance(statement, cst.SimpleStatementLine) or any(
-                a is loop for a in ctx.ancestors(nw.anchor)):
+        loops = loops_of(statement, ctx, None)
+        if not loops or not isinstance(statement, cst.SimpleStatementLine) or any(
+                a is loops[-1] for a in ctx.ancestors(nw.anchor)):
             return
         share = cst.parse_statement(f"{ctx.tm}.share_params({nw.name})")
         self.report(nw.opt.call, f"`{nw.name}` is wrapped once, before this loop, but its optimizer is built on every "
                                  "pass (repeats, folds): weights set again in a pass would differ per rank, so rank "
                                  f"0's are shared before each pass's optimizer (`{ctx.tm}.share_params({nw.name})`)",
                     edits=[insert_before(statement, [share])], imports=[self.ctx.runtime_import()])
+
     def _to_wrap_model(self, call: cst.Call) -> None:
         """A legacy script's own `DDP(model, device_ids=[args.local_rank], output_device=...)`
         (see `legacy_launch`) becomes `tm.wrap_model(model, ...)`: it picks the device ids
