@@ -2353,7 +2353,9 @@ def sync_grads(model) -> None:
         p.grad = g
 
 
-_REDUCED_METERS: dict = {}  # id(meter) -> (meter, its total and count right after its last reduction)
+# id(meter) -> (the meter, kept so that its id stays its own; its total and count right after its
+# last reduction)
+_REDUCED_METERS: dict = {}
 _METER_FIELDS = (("sum", "count"), ("total", "count"), ("sum", "n"), ("total", "n"), ("_sum", "_count"),
                  ("running_sum", "count"), ("total", "steps"))
 
@@ -2379,7 +2381,7 @@ def reduce_meter(meter, over=None):
     else:
         return meter
     done = _REDUCED_METERS.get(id(meter))
-    if done is not None and done[0] is meter and float(count) >= float(done[2]):
+    if done is not None and float(count) >= float(done[2]):
         # (reduced before, then updated on this rank only: reduce the gain, keep the reduced part)
         gained, gained_count = all_reduce(total - done[1], count - done[2])
         total, count = done[1] + gained, done[2] + gained_count

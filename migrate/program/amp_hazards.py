@@ -140,10 +140,22 @@ def _log_of_probability(call: ast.Call, full: str) -> bool:
     return isinstance(func, ast.Attribute) and func.attr in _LOGS and not call.args and _probability(func.value)
 
 
-def _log_det_target(target: ast.AST) -> bool:
-    """`sldj += ...`, `sldj = sldj + ...`, `self.log_det += ...`: a log-determinant summed over layers."""
+def _log_det_sum(node: ast.AST) -> Optional[ast.AST]:
+    """The target of `sldj += ...`, `sldj = sldj + ...`, `self.log_det += ...`: a log-determinant
+    summed over layers (None for any other statement)."""
+    if isinstance(node, ast.AugAssign):
+        target = node.target
+    elif isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.value, ast.BinOp) \
+            and isinstance(node.value.op, (ast.Add, ast.Sub)):
+        target = node.targets[0]
+    else:
+        return None
     name = target.attr if isinstance(target, ast.Attribute) else target.id if isinstance(target, ast.Name) else ""
-    return bool(_LOG_DET_NAME.match(name))
+    if not _LOG_DET_NAME.match(name):
+        return None
+    if isinstance(node, ast.Assign) and ast.unparse(node.value.left) != ast.unparse(target):
+        return None
+    return target
 
 
 def _reads_by_dtype(tree: ast.Module) -> bool:
@@ -208,12 +220,8 @@ def hazards(trees: Dict[Path, ast.Module], library_of: Callable[[Path], Dict[str
                     found.append(Hazard(path, node.lineno, LOG_OF_PROB, ast.unparse(node)[:60]))
                 elif full in _LOG_DET_CALLS:
                     found.append(Hazard(path, node.lineno, LOG_DET, spelled or full))
-            elif isinstance(node, ast.AugAssign) and _log_det_target(node.target) or (
-                    isinstance(node, ast.Assign) and len(node.targets) == 1 and _log_det_target(node.targets[0])
-                    and isinstance(node.value, ast.BinOp) and isinstance(node.value.op, (ast.Add, ast.Sub))
-                    and ast.unparse(node.value.left) == ast.unparse(node.targets[0])):
-                target = node.target if isinstance(node, ast.AugAssign) else node.targets[0]
-                found.append(Hazard(path, node.lineno, LOG_DET, ast.unparse(target)))
+            elif isinstance(node, (ast.AugAssign, ast.Assign)) and (summed := _log_det_sum(node)) is not None:
+                found.append(Hazard(path, node.lineno, LOG_DET, ast.unparse(summed)))
             elif by_dtype and isinstance(node, ast.Dict):
                 keys = [k for k in (_float_key(k, library) for k in node.keys if k is not None) if k]
                 if keys and set(keys) <= _FULL | _HALF and not set(keys) & _HALF:

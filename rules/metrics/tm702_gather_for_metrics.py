@@ -12,14 +12,13 @@ from torchmigrate.program.rank_guards import collective_guard
 from torchmigrate.syntax.imports import dotted
 from torchmigrate.syntax.nodes import code
 from torchmigrate.program.loaders import DATALOADERS
-from torchmigrate.program.metrics import (binding_of, is_store, leaves_early, loader_expr, loader_loop, means_only,
-                                          metric_name, reassigned_in, source_index,
+from torchmigrate.program.metrics import (binding_of, is_store, loader_expr, loader_loop, metric_name, source_index,
                                           starts_empty_list)
 from torchmigrate.rule import Context, Example, Rule
 from torchmigrate.program.scopes import names_in, scope_of
 from torchmigrate.program.syntax import iter_nodes
 from torchmigrate.rules._active import active
-from torchmigrate.rules.metrics.plan import loop_sharding
+from torchmigrate.rules.metrics.plan import gathered_for_mean, loop_sharding
 
 
 _GATHERS = ("gather_for_metrics", "gather_list", "all_gather", "all_gather_object", "gather", "gather_object")
@@ -191,12 +190,6 @@ class GatherForMetrics(Rule):
                         break
         return True
 
-    def _gathered_for_means(self, loop: cst.For, name: str) -> bool:
-        """A list of per-batch values read only as a mean, which TM703 gathers in this run."""
-        ctx = self.ctx
-        return "TM703" in ctx.enabled and not reassigned_in(ctx, loop, name) and means_only(ctx, loop, name) \
-            and not leaves_early(ctx, loop)
-
     def _data_names(self, node: cst.CSTNode) -> Set[str]:
         """The variables `node` reads values from: not attribute names (`torch.cat`'s `cat`), not
         the functions it calls by name (`list(preds)`'s `list`)."""
@@ -286,7 +279,7 @@ class GatherForMetrics(Rule):
         if ctx.options.mode == "ddp" and collective_guard(ctx, loop) is None \
                 and self._only_metrics(loop, index, scope, origin, since, metric_calls):
             lines = [cst.parse_statement(f"{s} = {tm}.gather_list({s}{over})") for s in lists
-                     if not self._gathered_for_means(loop, s)]
+                     if not ("TM703" in ctx.enabled and gathered_for_mean(ctx, loop, s))]  # (TM703's)
             self.report(call, f"{listed} hold{'s' if one else ''} this rank's predictions only{when}, and "
                               f"{', '.join(f'`{m}`' for m in metrics)} need{'s' if len(metrics) == 1 else ''} all of "
                               f"them: {'it is' if one else 'they are'} gathered from every rank after the loop "

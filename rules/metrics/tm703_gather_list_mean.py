@@ -14,15 +14,15 @@ from torchmigrate.syntax.nodes import code
 from torchmigrate.program.loaders import is_pure
 from torchmigrate.program.losses import backward_loss
 from torchmigrate.program.loop_ranks import names_in, per_rank_names
-from torchmigrate.program.metrics import (initial_value, is_load, leaves_early, loader_expr, loader_loop, means_only,
-                                          reassigned_in, source_index, starts_empty_list)
+from torchmigrate.program.metrics import (initial_value, is_load, leaves_early, loader_expr, loader_loop,
+                                          reassigned_in, source_index)
 from torchmigrate.options import RUNTIME_MODULE as RUNTIME
 from torchmigrate.rule import Context, Example, Rule
 from torchmigrate.program.rank_guards import collective_guard
 from torchmigrate.program.scopes import scope_of
 from torchmigrate.program.syntax import binds, body_of, index_in, local_calls
 from torchmigrate.rules._active import active
-from torchmigrate.rules.metrics.plan import loop_sharding, ranks_mean
+from torchmigrate.rules.metrics.plan import gathered_for_mean, loop_sharding, ranks_mean
 
 
 # `AverageMeter()`, `RunningAverage()`, `LossTracker()`: objects that keep a running sum and count
@@ -156,9 +156,8 @@ class GatherListMean(Rule):
                 self._meter_dicts(loop, names)
         gathered: Set[str] = set()
         for loop, names in loops.items():
-            lists = [n for n in names if starts_empty_list(ctx, loop, n) and not reassigned_in(ctx, loop, n)
-                     and means_only(ctx, loop, n)]
-            if not lists or leaves_early(ctx, loop) or loop_sharding(ctx, loop) == "whole":
+            lists = [n for n in names if gathered_for_mean(ctx, loop, n)]
+            if not lists:
                 continue  # (a loader every rank iterates in full: its means are the whole data's)
             gathered.update(lists)
             listed = ", ".join(f"`{n}`" for n in lists)
