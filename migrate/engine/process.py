@@ -471,11 +471,26 @@ def _check_rewrite(new_source: str, source: str, findings: Sequence[Finding]) ->
 
 
 def _normalise(ctx: Context, edits: Sequence[Edit]) -> List[Edit]:
-    """Insertions always target a whole statement line, never a small statement inside it."""
+    """Insertions go before or after a whole statement line, except between the small statements
+    of one line (`model = Net(); opt = SGD(model.parameters())`, a wrap between the two): there
+    the inserted lines' statements join that line, in place, so that they run in between and
+    every later line keeps its number."""
     out = []
     for edit in edits:
         if edit.kind in (EditKind.INSERT_BEFORE, EditKind.INSERT_AFTER) and isinstance(edit.target, cst.BaseSmallStatement):
             line = ctx.statement_of(edit.target)
-            edit = Edit(edit.kind, line, statements=edit.statements)
+            if _between(line, edit) and all(isinstance(s, cst.SimpleStatementLine) for s in edit.statements):
+                small = tuple(s for statement in edit.statements for s in statement.body)
+                edit = Edit(edit.kind, edit.target, statements=small)
+            else:
+                edit = Edit(edit.kind, line, statements=edit.statements)
         out.append(edit)
     return out
+
+
+def _between(line: Optional[cst.CSTNode], edit: Edit) -> bool:
+    """The insertion falls between two small statements of `line`."""
+    if not isinstance(line, cst.SimpleStatementLine) or edit.target not in line.body:
+        return False
+    edge = line.body[0] if edit.kind is EditKind.INSERT_BEFORE else line.body[-1]
+    return edit.target is not edge

@@ -184,7 +184,10 @@ class ModelFacts:
                     self._assigns.setdefault(name, []).append((a, value))
 
     def idx(self, statement: Optional[cst.CSTNode]) -> int:
-        """The statement's position in source order (-1 for none, or a node built by a rule)."""
+        """The statement's position in source order (-1 for none, or a node built by a rule); a
+        small statement of a line (`a = 1; b = 2`) has its line's."""
+        if isinstance(statement, cst.BaseSmallStatement):
+            statement = self.ctx.statement_of(statement)
         return self._order.get(id(statement), -1) if statement is not None else -1
 
     def last_idx(self, statement: cst.CSTNode) -> int:

@@ -270,7 +270,7 @@ class Plan:
             self._lr_notes()
             names: List[str] = []
             for w in self.final_wraps():
-                if w.name not in names:
+                if w.name not in names and not w.kind.startswith("instance"):
                     names.append(w.name)
         except Exception as exc:  # never lose the rest of the migration to a model-rule bug
             if os.environ.get("TORCHMIGRATE_DEBUG"):
@@ -833,8 +833,9 @@ class Plan:
                         f"`{m} = {tm}.wrap_model({m})` where it is created, before its optimizer")
             local = [d for d, _ in defs if self.models.scope(d) is scope
                      and self.models.idx(ctx.statement_of(d)) < self.models.idx(stmt0)]
-            def_stmt = ctx.statement_of(local[-1]) if local else None
-            model_def = ctx.statement_of(local[-1] if local else defs[-1][0])
+            on_line = None if local else self._created_on_line(m, scope, klass, o)
+            def_stmt = ctx.statement_of(local[-1]) if local else (stmt0 if on_line is not None else None)
+            model_def = def_stmt or ctx.statement_of(defs[-1][0])
         else:
             if isinstance(ctx.scope_of(o.call), (cst.Lambda, cst.ClassDef)):
                 return None
@@ -848,7 +849,8 @@ class Plan:
             if self._wrapped_by_callee(m, scope):
                 return None
             defs = self.models.definitions(m, scope, None, before=self.models.idx(stmt0))
-            if not defs:
+            on_line = None if defs else self._created_on_line(m, scope, None, o)
+            if not defs and on_line is None:
                 if any(self.models.is_wrap_value(v) for _, v in self.models.assignments(m) if v is not None
                        and self.models.scope(_) is scope):
                     return None
@@ -868,9 +870,9 @@ class Plan:
                 return (f"cannot find where `{m}` is created: wrap it with `{m} = {tm}.wrap_model({m})` "
                         "before creating its optimizer")
             klass = None
-            def_stmt = ctx.statement_of(defs[-1][0])
+            def_stmt = ctx.statement_of(defs[-1][0]) if defs else stmt0
             model_def = def_stmt
-        anchor = self._anchor(stmt0, def_stmt, scope)
+        anchor = on_line or self._anchor(stmt0, def_stmt, scope)
         # apex: `model, optimizer = amp.initialize(model, optimizer)` must see the bare model
         # (TM407 removes it for O1; an O2/O3 one stays for the user)
         for call in calls_to(ctx, "apex.amp.initialize"):
@@ -887,6 +889,24 @@ class Plan:
         if not m.startswith(("self.", "cls.")) and deferred is not None:
             placed.dp = deferred
         return placed
+
+    def _created_on_line(self, m: str, scope: cst.CSTNode, klass: Optional[cst.ClassDef],
+                         o: Optimizer) -> Optional[cst.BaseSmallStatement]:
+        """`model = Net(); opt = SGD(model.parameters())`: the model is created on its optimizer's
+        own line, by a small statement before the optimizer's. Returns the optimizer's small
+        statement: the wrap goes right before it, on that line (no line in between to take it)."""
+        line = o.statement
+        if not isinstance(line, cst.SimpleStatementLine) or len(line.body) < 2:
+            return None
+        holders = {id(o.call), *(id(a) for a in self.ctx.ancestors(o.call))}
+        position = next((i for i, small in enumerate(line.body) if id(small) in holders), None)
+        if not position:
+            return None
+        earlier = {id(small) for small in line.body[:position]}
+        for d, _ in self.models.definitions(m, scope, klass):
+            if earlier & {id(d), *(id(a) for a in self.ctx.ancestors(d))}:
+                return line.body[position]
+        return None
 
     def _before_holders(self, m: str, anchor: cst.CSTNode, def_stmt: Optional[cst.CSTNode]) -> cst.CSTNode:
         """The first statement between the model's creation and `anchor` (in `anchor`'s block)
@@ -1269,6 +1289,7 @@ class Plan:
 
     def _final_wraps(self) -> List[Wrap]:
         out = self._direct_wraps()
+        out += self._instance_wraps(out)
         # `raw_model = model` after the wrap: the alias holds the wrapped model too
         by_name: Dict[str, List[Wrap]] = {}
         for w in out:
@@ -1285,6 +1306,34 @@ class Plan:
                     out.append(Wrap(alias, "alias-" + w.kind.rsplit("-", 1)[-1], self.models.scope(a),
                                     self.models.class_of(a), statement, False, statement=statement))
                     break
+        return out
+
+    def _instance_wraps(self, wraps: List[Wrap]) -> List[Wrap]:
+        """`trainer = Trainer(cfg)` ... `torch.save(trainer.model.state_dict(), f)`: an attribute
+        that the instance's class holds wrapped (`self.model = tm.wrap_model(self.model)` in its
+        `__init__`, by this migration or by the program) is the wrapped model on the instance
+        too, so its state and custom attributes go through `tm.unwrap` like `self.model` (else
+        the checkpoint has `module.` keys). This file's classes from the wraps planned here,
+        the program's other classes from `ModuleView.instance_attrs`."""
+        held: Dict[str, Set[str]] = {}
+        for w in wraps:
+            if w.klass is not None and w.name.count(".") == 1 and w.name.startswith("self.") and w.kind != "other":
+                held.setdefault(w.klass.name.value, set()).add(w.name[len("self."):])
+        for spelled, attrs in self.ctx.program.instance_attrs.items():
+            held.setdefault(spelled, set()).update(attrs)
+        if not held:
+            return []
+        out = []
+        for a in self.f.assigns:
+            if len(a.targets) != 1 or not isinstance(a.value, cst.Call):
+                continue
+            name, made = dotted(a.targets[0].target), dotted(a.value.func)
+            if not name or "." in name or made not in held:
+                continue
+            statement = self.ctx.statement_of(a)
+            for attr in sorted(held[made]):
+                out.append(Wrap(f"{name}.{attr}", "instance-tm", self.models.scope(a), None, statement, False,
+                                statement=statement))
         return out
 
     def _direct_wraps(self) -> List[Wrap]:
@@ -1788,7 +1837,8 @@ class Plan:
 
     def _accesses(self, names: Iterable[str]) -> List[cst.Attribute]:
         """Attribute accesses `name.attr` of these names, in source order, for the names TM302
-        rewrites: a plain name (`model`) or one attribute of `self`/`cls` (`self.model`).
+        rewrites: a plain name (`model`) or one attribute of a name (`self.model`, an instance's
+        `trainer.model`).
 
         Found from the index's Names that spell each name's last part, following the parents
         up, instead of visiting every attribute of the file (tens of thousands)."""
@@ -1801,7 +1851,7 @@ class Plan:
                     parent = parent_of(node)
                     if type(parent) is cst.Attribute and parent.value is node:
                         found.append(parent)
-            elif len(parts) == 2 and parts[0] in ("self", "cls"):
+            elif len(parts) == 2:  # `self.model`, or an instance's (`trainer.model`)
                 for node in self.ctx.named(parts[1]):
                     value = parent_of(node)
                     if not (type(value) is cst.Attribute and value.attr is node

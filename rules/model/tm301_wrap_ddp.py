@@ -27,7 +27,8 @@ class WrapDDP(ModelRule):
     right before the statement that creates the model's optimizer (`self.model = ...` in trainer
     classes, one wrap per model for GANs). Only models whose parameters an optimizer trains are
     wrapped; a frozen teacher or an EMA copy is never passed to an optimizer and stays as it is.
-    When a same-file helper builds the optimizer from a model it receives
+    A model created on its optimizer's own line (`model = Net(); opt = SGD(model.parameters())`)
+    is wrapped between the two, on that line. When a same-file helper builds the optimizer from a model it receives
     (`optimizer = build_optimizer(model, cfg)`), the wrap goes before that call. When the
     optimizer is built again on every pass of a loop (repeats, folds) while the model is wrapped
     once before it, `tm.share_params(model)` goes before each pass's optimizer: weights the pass
