@@ -459,6 +459,7 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
         if not changed:
             break
 
+    instance_attrs = _instance_attrs(modules, class_models, attrs)
     loader_params = _loader_params(modules, scopes)
     flags = _flag_args(modules, scopes)
     summing = {(p, name) for p, m in modules.items() for name, c in m.classes.items() if summing_forward(c)}
@@ -523,6 +524,8 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
                        for (mp, q), params in flags.items() if mp == path},
             endless_generators=endless,
             summing_modules=frozenset(_spellings(m, modules, summing)),
+            instance_attrs={spelled: frozenset(a) for key, a in instance_attrs.items()
+                            for spelled in _spellings(m, modules, {key})},
             loader_classes=frozenset(_spellings(m, modules, loader_classes)),
             class_kinds={spelled: kinds[key] for key in kinds for spelled in _spellings(m, modules, {key})},
             optimizer_wrappers={spelled: wrappers[key] for key in wrappers
@@ -1139,6 +1142,29 @@ def _spellings(m: _Module, modules: Dict[Path, _Module], classes: Set[Tuple[Path
             if package is not None:
                 out |= {f"{local}.{name}" for name, bound in package.imports.items()
                         if bound[1] is not None and bound in classes}
+    return out
+
+
+def _instance_attrs(modules: Dict[Path, _Module], class_models: Dict[Tuple[Path, str], Set[str]],
+                    attrs: Dict[Tuple[Path, str], Set[str]]) -> Dict[Tuple[Path, str], Set[str]]:
+    """Class -> the `self.` attributes its instances hold wrapped: those the class (or a base
+    class of the program) trains, which TM301 wraps where it builds their optimizer, and those it
+    stores from a parameter that receives a wrapped model. `trainer.model` of
+    `trainer = Trainer(cfg)` is then the wrapped model wherever the trainer is made."""
+    own: Dict[Tuple[Path, str], Set[str]] = {}
+    for key, names in class_models.items():
+        own.setdefault(key, set()).update(n[len("self."):] for n in names if n.count(".") == 1)
+    for key, names in attrs.items():
+        own.setdefault(key, set()).update(names)
+    out: Dict[Tuple[Path, str], Set[str]] = {}
+    for path, m in modules.items():
+        for name in m.classes:
+            key = (path, name)
+            held = set(own.get(key, ()))
+            for base in inherited.bases(modules, key):
+                held |= own.get(base, set())
+            if held:
+                out[key] = held
     return out
 
 

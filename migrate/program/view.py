@@ -36,6 +36,9 @@ class ModuleView:
     # the program's modules (as this module spells them) whose forward returns a loss summed
     # over the batch (`program.summing_modules`)
     summing_modules: FrozenSet[str] = frozenset()
+    # the program's classes (as this module spells them) -> `self.` attributes their instances
+    # hold wrapped (`program.facts._instance_attrs`): `trainer.model` of `trainer = Trainer(cfg)`
+    instance_attrs: Dict[str, FrozenSet[str]] = field(default_factory=dict)
     # names (as this module spells them) of the program's DataLoader subclasses that pass
     # keyword arguments through: `AudioDataLoader`, `data.AudioDataLoader`
     loader_classes: FrozenSet[str] = frozenset()

@@ -29,6 +29,11 @@ class UnwrapAttr(ModelRule):
       also through `state = {"net": net}`) and `writer.add_graph(model, ...)` get
       `tm.unwrap(model)` (for the wraps the migration makes).
 
+    An instance's attribute that its class holds wrapped counts as the wrapped model too:
+    `trainer.model.state_dict()` after `trainer = Trainer(cfg)`, where `Trainer` (of this file or
+    another module of the program, or a subclass of it) trains `self.model`, becomes
+    `tm.unwrap(trainer.model).state_dict()`.
+
     The `nn.Module` API that DDP itself provides (`model(x)`, `parameters()`, `train()`,
     `eval()`, `to()`, `zero_grad()`, `no_sync()`, ...) is left alone. Accesses are rewritten in
     the scope after the wrap and in other functions and methods of the file that receive the
