@@ -289,6 +289,57 @@ def parameter_owners(node: cst.CSTNode) -> List[str]:
     return found
 
 
+def container_owners(ctx: Context, node: cst.CSTNode) -> List[str]:
+    """`parameter_owners`, where a receiver that is a member of a container or a loop's target
+    is the container's models: `nets[k].parameters()` -> `nets`; `net.parameters()` in
+    `for net in nets.values()` or `[p for m in models for p in m.parameters()]` -> `nets`,
+    `models`; over a literal, `for m in (encoder, decoder)` -> `encoder`, `decoder`. The wrap
+    then goes on what the program holds (`tm.wrap_model` wraps a container's modules in place)."""
+    found: List[str] = []
+
+    def add(owner: Optional[str]) -> None:
+        if owner and model_root(owner) not in found:
+            found.append(model_root(owner))
+
+    for call in ctx.within(node, cst.Call):
+        func = call.func
+        if not (isinstance(func, cst.Attribute) and func.attr.value in ("parameters", "named_parameters")):
+            continue
+        receiver = func.value
+        while isinstance(receiver, cst.Subscript):
+            receiver = receiver.value
+        owner = dotted(receiver)
+        loop_iter = loop_binding(ctx, call, owner) if owner and "." not in owner else None
+        if loop_iter is None:
+            add(owner)
+            continue
+        if isinstance(loop_iter, (cst.List, cst.Tuple, cst.Set)):
+            for element in loop_iter.elements:
+                add(dotted(element.value))
+            continue
+        if isinstance(loop_iter, cst.Call) and isinstance(loop_iter.func, cst.Attribute) and \
+                loop_iter.func.attr.value == "values" and not loop_iter.args:
+            loop_iter = loop_iter.func.value
+        add(dotted(loop_iter))
+    return found
+
+
+def loop_binding(ctx: Context, node: cst.CSTNode, name: str) -> Optional[cst.BaseExpression]:
+    """What the innermost loop or comprehension around `node` (in its function) that binds
+    `name` as its plain target iterates."""
+    for anc in ctx.ancestors(node):
+        if isinstance(anc, (cst.FunctionDef, cst.ClassDef, cst.Lambda)):
+            return None
+        loops = [anc.for_in] if isinstance(anc, (cst.ListComp, cst.SetComp, cst.GeneratorExp, cst.DictComp)) else (
+            [anc] if isinstance(anc, cst.For) else [])
+        for loop in loops:
+            while loop is not None:
+                if isinstance(loop.target, cst.Name) and loop.target.value == name:
+                    return loop.iter
+                loop = getattr(loop, "inner_for_in", None)
+    return None
+
+
 # `optimizer`, `optimizerD`, `opt_g`, `g_optimizer`, `optim`; not `optim_state_dict`, `opt_level`
 _OPTIMIZER_TARGET = re.compile(r"^(?:[a-z]{1,4}_)?(?:optimi[sz]er|optim|opt)(?:_?[a-z0-9]{1,2})?$", re.IGNORECASE)
 # `create_optimizer_v2`, `build_optimizer`, `get_optim`, `configure_optimizers`
@@ -490,18 +541,23 @@ def _followed_owners(ctx: Context, call: cst.Call, params: cst.BaseExpression) -
                 continue
             if any(n in names for t in assign.targets for n in _names_in(t.target)):
                 seen.add(assign)
-                add(parameter_owners(assign.value) or _param_method_owners(ctx, assign.value))
+                add(container_owners(ctx, assign.value) or _param_method_owners(ctx, assign.value))
                 new_names.update(_names_in(assign.value))
+        for aug in ctx.nodes(cst.AugAssign):  # `params += list(net.parameters())` in a loop
+            if aug not in seen and isinstance(aug.target, cst.Name) and aug.target.value in names \
+                    and ctx.scope_of(aug) is scope:
+                seen.add(aug)
+                add(container_owners(ctx, aug.value))
         for other, _ in facts(ctx).calls:
             func = other.func
             if (other not in seen and isinstance(func, cst.Attribute)
                     and func.attr.value in ("append", "extend", "add", "update", "insert")
                     and names.intersection(_names_in(func.value)) and ctx.scope_of(other) is scope):
                 seen.add(other)
-                add(parameter_owners(other))
+                add(container_owners(ctx, other))
                 loop = ctx.enclosing(other, cst.For, cst.FunctionDef)
                 if isinstance(loop, cst.For):
-                    add(parameter_owners(loop.iter) or _unwrapped_owners(ctx, loop.iter))
+                    add(container_owners(ctx, loop.iter) or _unwrapped_owners(ctx, loop.iter))
         new_names -= names
         if found or not new_names:
             break
@@ -682,7 +738,7 @@ def optimizers(ctx: Context) -> List[Optimizer]:
                     out.append(Optimizer(call, ctx.statement_of(call), target, models, builder=builder))
                 continue
             params = _params_arg(call)
-            models = tuple(parameter_owners(params)) if params is not None else ()
+            models = tuple(container_owners(ctx, params)) if params is not None else ()
             if params is not None and not models:
                 models = tuple(_followed_owners(ctx, call, params) or _param_method_owners(ctx, params))
             out.append(Optimizer(call, ctx.statement_of(call), _assign_target(ctx, call), models))

@@ -478,7 +478,11 @@ def wrap_model(model: nn.Module, *, find_unused_parameters: bool = False, sync_b
     ranks' gradients are summed instead of averaged, so a step is the original's sum over the
     whole global batch (averaged, it would be 1/world_size of it: a smaller learning rate).
 
-    Anything that is not a module (``None`` on a path where the program builds no such model,
+    A dict, list or tuple of models (``nets = {"rep": rep, "left": head}``, trained by one
+    optimizer and called by key) has each module wrapped and moved in place (a tuple is
+    rebuilt); the container is returned.
+
+    Anything else that is not a module (``None`` on a path where the program builds no such model,
     a project object with its own ``.parameters()``) is returned unchanged: the migration wraps
     names where the analysis cannot prove which value they hold, and the program's own checks
     (``if generator is not None``) must keep seeing what they saw. Distributed, a project object
@@ -491,6 +495,10 @@ def wrap_model(model: nn.Module, *, find_unused_parameters: bool = False, sync_b
         raise ValueError(f"wrap_model: loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
     if isinstance(model, DistributedDataParallel):
         return model
+    if isinstance(model, (dict, list, tuple)):
+        return _wrap_items(model, lambda m: wrap_model(m, find_unused_parameters=find_unused_parameters,
+                                                       sync_bn=sync_bn, data_parallel=data_parallel,
+                                                       loss_reduction=loss_reduction, **ddp_kwargs))
     if not isinstance(model, nn.Module):
         if model is not None and is_distributed():
             _wrap_members(model, lambda m: wrap_model(m, find_unused_parameters=find_unused_parameters, sync_bn=sync_bn,
@@ -518,6 +526,21 @@ def wrap_model(model: nn.Module, *, find_unused_parameters: bool = False, sync_b
         ddp._tm_op = "sum"
         ddp.register_comm_hook(None, _sum_hook)
     return ddp
+
+
+def _wrap_items(items, wrap):
+    """A dict, list or tuple of models (``nets = {"rep": rep, "left": head}`` trained by one
+    optimizer, each called by its key): each module in it wrapped (and moved) in place, so
+    every reference to the dict or list sees the wrapped ones; a tuple is rebuilt. Anything
+    else in it stays as it is. Each wrapper's ``state_dict()`` has the plain module's keys."""
+    if isinstance(items, tuple):
+        return type(items)(*(wrap(v) if isinstance(v, nn.Module) else v for v in items)) \
+            if hasattr(items, "_fields") else tuple(wrap(v) if isinstance(v, nn.Module) else v for v in items)
+    keys = list(items) if isinstance(items, dict) else range(len(items))
+    for key in keys:
+        if isinstance(items[key], nn.Module):
+            items[key] = wrap(items[key])
+    return items
 
 
 def _wrap_members(holder, wrap) -> None:

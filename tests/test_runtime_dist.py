@@ -415,6 +415,15 @@ def test_steps_through_submodules_are_averaged_and_plain_models_keep_ddp(nets):
     assert r0["late_init"] == r1["late_init"]  # weights initialised after the wrap: rank 0's at the first step
 
 
+def test_models_kept_in_a_dict_or_a_list_are_wrapped_in_place_and_train_in_step(nets):
+    r0, r1 = nets["r"]
+    assert r0["containers"]["kept"] == [True, True, "kept", "tuple", 3]
+    assert r0["containers"]["wrapped"] == [["Linear", True]] * 6  # each a DDP named after its module
+    assert r0["containers"]["keys"] == ["bias", "weight"]  # plain keys, no `module.`
+    for key, values in r0["containers"]["params"].items():  # each rank trained on its own batches
+        assert values == pytest.approx(r1["containers"]["params"][key], rel=1e-6, abs=1e-7), key
+
+
 def test_a_model_called_twice_before_one_backward_trains_in_step(nets):
     r0, r1 = nets["r"]
     assert r0["critic_mode"] == r1["critic_mode"] == "ddp"  # DDP's own reducer, after the probe step

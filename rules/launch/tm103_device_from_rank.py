@@ -1154,8 +1154,22 @@ class _BatchMoves:
     def _in_loop(self, node: cst.CSTNode, loop: cst.For) -> bool:
         return self.ctx.enclosing(node, *_LOOP_OR_SCOPE) is loop
 
+    def _model_of(self, call: cst.Call) -> Optional[str]:
+        """The model a call runs: `model(x)`, or a member of a wrapped container
+        (`heads["a"](x)`, `models[i](x)`, `m(x)` in `for m in models`)."""
+        func = call.func
+        if isinstance(func, cst.Subscript):
+            func = func.value
+        name = dotted(func)
+        if isinstance(func, cst.Name) and name not in self.models:
+            over = analysis.loop_binding(self.ctx, call, func.value)
+            if isinstance(over, cst.Call) and isinstance(over.func, cst.Attribute) and over.func.attr.value == "values":
+                over = over.func.value
+            return dotted(over) if over is not None else name
+        return name
+
     def run(self) -> None:
-        model_calls = [c for c, name in self.facts.calls if name is None and dotted(c.func) in self.models]
+        model_calls = [c for c, name in self.facts.calls if name is None and self._model_of(c) in self.models]
         if not model_calls:
             return
         covered: Set[cst.Call] = set()
@@ -1177,7 +1191,7 @@ class _BatchMoves:
             if not inputs or line in reported:
                 continue
             reported.add(line)
-            model = dotted(call.func)
+            model = self._model_of(call)
             self.rule.report(call, f"`{model}` now lives on {self.tm}.device() ({self.tm}.wrap_model moves it) but this "
                                    f"file never moves its inputs: move `{code(inputs[0])}` (and any tensor its output is "
                                    f"compared with) with `.to({self.tm}.device())` before the forward")
@@ -1380,7 +1394,7 @@ class _BatchMoves:
         """The model, a torch/torchvision function, a loss, a method of the model's outputs, or
         a builtin that accepts any tensor."""
         func = call.func
-        if dotted(func) in self.models or self._tensor_function(func):
+        if self._model_of(call) in self.models or self._tensor_function(func):
             return True
         resolved = self.ctx.resolve(func) or ""
         if resolved.startswith(("torchvision.", RUNTIME)):

@@ -89,6 +89,9 @@ _EMA = re.compile(r"EMA|Ema|AveragedModel|MovingAverage")
 _NOT_HOLDERS = re.compile(rf"{_EMA.pattern}|Averag|DataParallel|Writer|Summary|Profiler|Scheduler|Optim|Scaler")
 
 
+_CONTAINERS = (cst.Dict, cst.List, cst.Tuple, cst.DictComp, cst.ListComp)
+
+
 def _constructs(call: cst.Call) -> bool:
     """`GaussianDiffusion(model, ...)`, `losses.Trainer(model)`: a class built over what it is
     handed (named in CamelCase), not a wrapper the migration handles itself (DataParallel), a copy
@@ -1625,6 +1628,8 @@ class Plan:
             parent = self.ctx.parent(node)
             if attr == "module" and isinstance(parent, (cst.AssignTarget, cst.Del)):
                 continue
+            if self._container(name, node):
+                continue  # `nets.items()` of a dict of models: its modules are wrapped in place
             statement = self.ctx.statement_of(node)
             seen_by = [w for w in candidates if (w.full or attr not in ("module", *STATE_METHODS)
                                                  or self._prefixed_state(w, node, attr))
@@ -1663,6 +1668,14 @@ class Plan:
             if any(self.applies(w, call, statement) for w in by_name[name]):
                 self.rewrites.append(AttrRewrite(a.value, name, "", "TM302"))
         self._whole_model_uses(by_name)
+
+    def _container(self, name: str, node: cst.CSTNode) -> bool:
+        """`name` holds a dict, list or tuple of models wherever it is made (`nets = {"rep": ...}`,
+        `self.members = [Net() for _ in range(n)]`): `tm.wrap_model` wraps its modules in place
+        and returns the container itself, whose own methods need no `tm.unwrap`."""
+        klass = self.models.class_of(node) if name.startswith(("self.", "cls.")) else None
+        values = [v for _, v in self.models.definitions(name, self.models.scope(node), klass) if v is not None]
+        return bool(values) and all(isinstance(v, _CONTAINERS) for v in values)
 
     def _computes_loss(self, node: cst.Attribute) -> bool:
         """`node` is the first method of the wrapped model called in a training step, between the

@@ -27,6 +27,10 @@ class WrapDDP(ModelRule):
     right before the statement that creates the model's optimizer (`self.model = ...` in trainer
     classes, one wrap per model for GANs). Only models whose parameters an optimizer trains are
     wrapped; a frozen teacher or an EMA copy is never passed to an optimizer and stays as it is.
+    Models kept in a container and trained by one optimizer (`nets = {"rep": ..., "head": ...}`
+    with `params += nets[k].parameters()`, `[p for m in self.members for p in m.parameters()]`)
+    are wrapped as the container, `nets = tm.wrap_model(nets)`, which wraps each module of a
+    dict or list in place; over a literal (`for m in (encoder, decoder)`) each model is wrapped.
     A model created on its optimizer's own line (`model = Net(); opt = SGD(model.parameters())`)
     is wrapped between the two, on that line. When a same-file helper builds the optimizer from a model it receives
     (`optimizer = build_optimizer(model, cfg)`), the wrap goes before that call. When the

@@ -153,6 +153,32 @@ def main(outdir):
     res["critic_mode"] = critic._tm_mode
     res["critic"] = flat(critic.module)
 
+    # models kept in a dict and a list, trained by one optimizer and called by key: each module
+    # wrapped in place, the containers kept (other references see the wrappers)
+    torch.manual_seed(7)
+    nets_by_key = {"rep": nn.Linear(4, 8), "left": nn.Linear(8, 2), "right": nn.Linear(8, 2), "tag": "kept"}
+    members = [nn.Linear(4, 1), nn.Linear(4, 1)]
+    params = [p for key in ("rep", "left", "right") for p in nets_by_key[key].parameters()]
+    params += [p for m in members for p in m.parameters()]
+    same_dict, same_list = tm.wrap_model(nets_by_key), tm.wrap_model(members)
+    pair = tm.wrap_model((nn.Linear(4, 1), 3))
+    opt = torch.optim.SGD(params, lr=0.1)
+    for _ in range(3):
+        x = torch.randn(6, 4, generator=g)
+        rep = torch.relu(nets_by_key["rep"](x))
+        loss = nets_by_key["left"](rep).pow(2).mean() + nets_by_key["right"](rep).abs().mean()
+        loss = loss + sum(m(x).pow(2).mean() for m in members)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    res["containers"] = {
+        "kept": [same_dict is nets_by_key, same_list is members, nets_by_key["tag"], type(pair).__name__, pair[1]],
+        "wrapped": [[type(v).__name__, isinstance(v, nn.parallel.DistributedDataParallel)]
+                    for v in (*nets_by_key.values(), *members, pair[0]) if isinstance(v, nn.Module)],
+        "keys": sorted(nets_by_key["rep"].state_dict()),
+        "params": {k: flat(nets_by_key[k]) for k in ("rep", "left", "right")} | {"members": flat(members[1])},
+    }
+
     late = tm.wrap_model(Plain())
     torch.manual_seed(1000 + tm.rank())  # initialised after the wrap, on ranks seeded apart
     for m in tm.unwrap(late).modules():
