@@ -976,8 +976,9 @@ def _iterator_builders(modules: Dict[Path, _Module]) -> Dict[Tuple[Path, str], T
     - generator functions slicing parameters into batches (`def minibatch(*tensors,
       batch_size)`, `def batch_iter(data, batch_size)`, `def batches(X, y, bs)` reading `X[idx]`
       and `y[idx]`: both, so the samples of the two stay paired once each is cut by rank)."""
+    samplers = _sampler_classes(modules)
     classes = {(p, name): _class_data_positions(c) for p, m in modules.items() for name, c in m.classes.items()
-               if _iterator_class(c)}
+               if _iterator_class(c) and (p, name) not in samplers}
     found = dict(classes)
     for p, m in modules.items():
         local = {name for (q, name) in classes if q == p} | _spellings(m, modules, set(classes))
@@ -985,6 +986,32 @@ def _iterator_builders(modules: Dict[Path, _Module]) -> Dict[Tuple[Path, str], T
             position = _builder_position(func, local) if "." not in name else None  # not methods:
             if position is not None:  # a Corpus.get_iterator builds from its own attributes
                 found[(p, name)] = position
+    return found
+
+
+def _sampler_classes(modules: Dict[Path, _Module]) -> Set[Tuple[Path, str]]:
+    """Classes of the program that a call takes as its `sampler=` or `batch_sampler=` (a
+    DataLoader's), made in the argument or bound to the name passed: they hand out indices
+    (`CategoriesSampler(dataset.label, n_batch, n_way, n_shot)` of few-shot episodes), so they are
+    no batch iterators over data, and what they are built from is an index map that must not be
+    cut by rank (the loader's batches are shared out instead, `tm.shard_sampler`)."""
+    found: Set[Tuple[Path, str]] = set()
+    for path, m in modules.items():
+        made: Dict[str, List[ast.Call]] = {}
+        keywords: List[ast.expr] = []
+        for node in walk(m.tree):
+            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call):
+                for target in node.targets:
+                    made.setdefault(dotted_name(target) or "", []).append(node.value)
+            elif isinstance(node, ast.Call):
+                keywords += [k.value for k in node.keywords if k.arg in ("sampler", "batch_sampler")]
+        for value in keywords:
+            for call in [value] if isinstance(value, ast.Call) else made.get(dotted_name(value) or "", []):
+                target = _callee(m, modules, call)
+                if target is not None and target[1].endswith(".__init__"):
+                    found.add((target[0], target[1][:-len(".__init__")]))
+                elif isinstance(call.func, ast.Name) and call.func.id in m.classes:
+                    found.add((path, call.func.id))
     return found
 
 
