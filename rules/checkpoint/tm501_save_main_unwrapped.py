@@ -133,8 +133,9 @@ class SaveMainUnwrapped(Rule):
     (pytorch/pytorch#12042); `local_rank == 0` is still true once per node, so a 4-node job
     writes 4 times to a shared filesystem (NVIDIA/apex#886). A file that is saved and then
     loaded again in the same run needs `tm.barrier()` between the two: added after an
-    unconditional save, reported otherwise (also when the file is written and read through
-    `with open(path) as f`). A `torch.load` after the training loop of its function (the best
+    unconditional save, or before the load where only the load runs on every path (a save under
+    `if args.train:` or a best-epoch test), reported otherwise (also when the file is written
+    and read through `with open(path) as f`). A `torch.load` after the training loop of its function (the best
     checkpoint, saved during training by a helper elsewhere, reloaded for testing) gets
     `tm.barrier()` just before it, where every rank reaches it.
 
@@ -405,6 +406,14 @@ class SaveMainUnwrapped(Rule):
                         edits=[insert_before(line, [cached_stmt(f"{ctx.tm}.barrier()")])],
                         imports=[ctx.runtime_import()])
 
+    def _every_rank_reaches(self, call: cst.Call, scope: cst.CSTNode) -> bool:
+        """The line of `call` runs on every rank whenever its function runs (no `if`, `while`
+        or `try` around it, no rank guard): a barrier right before it cannot hang."""
+        ctx = self.ctx
+        line = ctx.statement_of(call)
+        return collective_guard(ctx, call) is None and isinstance(line, cst.SimpleStatementLine) \
+            and isinstance(ctx.parent(line), (cst.IndentedBlock, cst.Module)) and unconditional(ctx, line, scope)
+
     def _reload_in_callee(self, load: cst.Call, scope: cst.CSTNode, calls, trained: Dict[cst.CSTNode, int]) -> bool:
         """The load sits in a function of this file that does not train (`test(config, model)`
         reloading the best checkpoint) and is called after the training of another function
@@ -459,6 +468,14 @@ class SaveMainUnwrapped(Rule):
                         self.report(call, "this file is loaded again after the save, which only the main process "
                                           "does: wait for it on every rank",
                                     edits=[insert_after(line, [cached_stmt(f"{ctx.tm}.barrier()")])],
+                                    imports=[ctx.runtime_import()])
+                    elif automatic and self._every_rank_reaches(call, scope):
+                        # the save is conditional (`if args.train:`, a best-epoch test): the
+                        # barrier goes before the load, which every rank runs
+                        load_line = ctx.statement_of(call)
+                        self.report(call, "this file is loaded again after a save that only the main process does "
+                                          "(on some paths): every rank waits for it before loading",
+                                    edits=[insert_before(load_line, [cached_stmt(f"{ctx.tm}.barrier()")])],
                                     imports=[ctx.runtime_import()])
                     else:
                         self.report(call, f"this file was just saved by the main process only: call "

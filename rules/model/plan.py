@@ -590,11 +590,20 @@ class Plan:
                     continue  # another path than the wrap's (a branch that builds its own optimizer)
                 loads = [c for c in self.ctx.within(ds, cst.Call)
                          if self.ctx.resolve(c.func) in _RELOADS]
+                if loads and self._wrapped_next(nw.name, ds):
+                    continue  # `model = torch.load(p); model = DataParallel(model)`: TM306 makes that the wrap
                 if loads and not any(w.anchor is ds for w in extra):
                     extra.append(NewWrap(nw.name, nw.opt, nw.scope, nw.klass, ds, after=True, def_stmt=ds,
                                          extra_of=nw, bound=d, reloaded=True))
         if extra:
             self.new = self._in_place_order([*self.new, *extra])
+
+    def _wrapped_next(self, name: str, statement: cst.CSTNode) -> bool:
+        """The statement after `statement` wraps `name` in DataParallel (also under an `if`)."""
+        following = self._next_statement(statement)
+        return following is not None and any(
+            site.wrap.name == name and any(a is following for a in self.ctx.ancestors(site.outer))
+            for site in self.dp_sites)
 
     def _in_place_order(self, wraps) -> List[NewWrap]:
         """New wraps in the order of the statements they go before (or after)."""
@@ -1178,6 +1187,8 @@ class Plan:
                         and not (isinstance(self.ctx.parent(owner), cst.If) and self.ctx.parent(owner).orelse is owner))
             assign = self._is_dp_assign(site)
             nw = by_key.get(self.key(w.name, w.call)) if (w.name == w.arg and assign) else None
+            if nw is not None and self._rebound_between(w.name, nw, line):
+                nw = None  # another model of that name (reloaded for testing): its DataParallel is its own
             if nw is None and w.name == w.arg and assign:
                 # `def train(model, ...): <optimizer>; if n_gpu > 1: model = DataParallel(model)`:
                 # TM301 wraps the model where train() is called.
@@ -1225,6 +1236,16 @@ class Plan:
                         # past the `if` is wrapped too (wrapping twice returns the same DDP)
                         site.ensure_after = owner
             w.boundary, w.inclusive = boundary, False
+
+    def _rebound_between(self, name: str, nw: NewWrap, line: cst.CSTNode) -> bool:
+        """`name` is bound again between the DataParallel at `line` and the new wrap's anchor
+        (`model = Net(); model.load_state_dict(...); model = DataParallel(model)` after training):
+        the DataParallel wraps another model than the one TM301 wraps, so it is not that wrap's."""
+        at, anchor = self.models.idx(line), self.models.idx(nw.anchor)
+        low, high = min(at, anchor), max(at, anchor)
+        return any(low < self.models.idx(self.ctx.statement_of(a)) < high
+                   and value is not None and not mentions(self.models.text(value), name)  # not `model.cuda()`
+                   for a, value in self.models.definitions(name, nw.scope, nw.klass))
 
     def _never_built(self, w: Wrap) -> bool:
         """The DataParallel wraps `self.x` of a class (deriving only from nn.Module) that assigns
