@@ -305,23 +305,32 @@ class SetEpoch(DataRule):
         return counter, ""
 
     def _counter(self, loop: cst.While) -> Optional[str]:
+        """The `while` loop's epoch counter: a name the body adds to (`epoch += 1`) and never sets
+        again (a patience counter, `bad += 1` in one branch and `bad = 0` in the other, repeats
+        its values, and so would the shuffle); of several, one named like an epoch, then one added
+        to once on every pass (in the body itself, not a branch or an inner loop) that the test
+        reads, then any such, then one the test reads (a step count: rising, so still a new
+        shuffle each pass)."""
         increments: List[str] = []
         for n in _outermost(loop.body, cst.BaseSmallStatement, (cst.FunctionDef, cst.ClassDef, cst.Lambda)):
             if isinstance(n, cst.AugAssign) and isinstance(n.target, cst.Name) and isinstance(n.operator, cst.AddAssign):
                 increments.append(n.target.value)
-        if not increments:
+        reset = {name for n in _outermost(loop.body, cst.Assign, (cst.FunctionDef, cst.ClassDef, cst.Lambda))
+                 for t in n.targets for name in _target_names(t.target)}
+        candidates = [name for name in increments if name not in reset]
+        if not candidates:
             return None
         test_names = {n.value for n in _outermost(loop.test, cst.Name)}
-        for name in increments:
-            if name in test_names:
-                return name
         top = [s for s in loop.body.body] if isinstance(loop.body, cst.IndentedBlock) else []
-        for s in top:
-            if isinstance(s, cst.SimpleStatementLine):
-                for small in s.body:
-                    if isinstance(small, cst.AugAssign) and isinstance(small.target, cst.Name) \
-                            and isinstance(small.operator, cst.AddAssign):
-                        return small.target.value
+        every_pass = [small.target.value for s in top if isinstance(s, cst.SimpleStatementLine) for small in s.body
+                      if isinstance(small, cst.AugAssign) and isinstance(small.target, cst.Name)
+                      and isinstance(small.operator, cst.AddAssign) and small.target.value in candidates]
+        for preferred in ([n for n in candidates if "epoch" in n.lower()],
+                          [n for n in every_pass if n in test_names],
+                          every_pass,
+                          [n for n in candidates if n in test_names]):
+            if preferred:
+                return preferred[0]
         return None
 
     # report --------------------------------------------------------------------------------
@@ -360,6 +369,15 @@ class SetEpoch(DataRule):
             self.report(ins.loop, f"`{ins.text}` is reshuffled each epoch only when its sampler knows the epoch: "
                                   f"call `{call_text}` at the start of the epoch",
                         edits=[edit], imports=imports, statement=ins.loop)
+
+
+def _target_names(target: cst.BaseExpression) -> List[str]:
+    """Plain names an assignment target binds (`a`, `a, b = ...`)."""
+    if isinstance(target, cst.Name):
+        return [target.value]
+    if isinstance(target, (cst.Tuple, cst.List)):
+        return [n for e in target.elements for n in _target_names(e.value)]
+    return []
 
 
 def _named_epoch(loop: cst.CSTNode) -> bool:
