@@ -35,6 +35,18 @@ _TRACKER_FACTORIES = {"mlflow.start_run"}
 _STREAM_WRITES = frozenset({"sys.stdout.write", "sys.stderr.write"})
 
 
+_PPRINT = frozenset({"pprint.pprint", "pprint.pp"})
+
+
+def _pretty_printers(ctx: Context) -> frozenset:
+    """Names bound to a `pprint.PrettyPrinter(...)` in this file (`_pp = pprint.PrettyPrinter()`,
+    then `_pp.pprint(args)` in a helper): their `pprint()` prints like `pprint.pprint`."""
+    if not ctx.imports.imports_module("pprint"):
+        return frozenset()
+    return frozenset(dotted(t.target) for a in analysis.facts(ctx).assigns if isinstance(a.value, cst.Call)
+                     and ctx.resolve(a.value.func) == "pprint.PrettyPrinter" for t in a.targets) - {None}
+
+
 def _print_shadowed(ctx: Context) -> bool:
     """`print` is not the builtin, or the program replaced the builtin with a rank-aware one
     (`builtins.print = ...`, here or in a module it runs: see ModuleView.print_override)."""
@@ -108,6 +120,8 @@ class MainPrint(Rule):
     - `sys.stdout.write(line)` (a progress line written straight to the console) becomes
       `tm.print(line, end="")`, and `sys.stderr.write(line)` `tm.print(line, end="",
       file=sys.stderr)`: once, on rank 0. A write whose result is used is left alone.
+    - `pprint.pprint(x)` (also `from pprint import pprint`, `pp`, and `.pprint(x)` of a
+      `pprint.PrettyPrinter` made in the file) goes under `if tm.is_main():`.
     - `SummaryWriter(...)` (torch.utils.tensorboard, tensorboardX) becomes
       `tm.main_only(SummaryWriter, ...)`: the real writer on rank 0, a null object that absorbs
       every call elsewhere, so `writer.add_scalar(...)` / `writer.close()` need no guard. The
@@ -201,8 +215,17 @@ class MainPrint(Rule):
         imports = [ctx.runtime_import()]
         shadowed = None
         guard_lines: List[cst.CSTNode] = []
+        pretty_lines: List[cst.CSTNode] = []
+        printers = _pretty_printers(ctx)
         for call, name in f.calls:
             func = call.func
+            if isinstance(ctx.parent(call), cst.Expr) and (name in _PPRINT or (
+                    printers and isinstance(func, cst.Attribute) and func.attr.value in ("pprint", "pp")
+                    and dotted(func.value) in printers)):
+                line = guardable_line(ctx, call)
+                if line is not None and caller_guards(ctx, call) is None and not under_rank_guard(ctx, call):
+                    pretty_lines.append(line)
+                continue
             if name is None and isinstance(func, cst.Name) and func.value == "print":
                 if shadowed is None:
                     shadowed = _print_shadowed(ctx)
@@ -259,6 +282,9 @@ class MainPrint(Rule):
                     guard_lines.append(line)
         for run in sibling_runs(ctx, guard_lines):
             self.report(run[0], "experiment-tracker calls run on every rank; log from the main process only",
+                        edits=[guard_edit(ctx, run)], imports=imports)
+        for run in sibling_runs(ctx, pretty_lines):
+            self.report(run[0], "pprint prints on every rank; print from the main process only",
                         edits=[guard_edit(ctx, run)], imports=imports)
 
     def _wandb_disabled_elsewhere(self) -> bool:
