@@ -112,3 +112,16 @@ def main_only_call(tm: str):
         return call.with_changes(func=expr(f"{tm}.main_only"), whitespace_before_args=cst.SimpleWhitespace(""),
                                  args=[first, *call.args])
     return fix
+
+
+def claim_tests(ctx: Context, calls: Iterable[cst.Call]) -> bool:
+    """Claim file-system tests (`os.path.exists(p)`) that a rule makes rank 0's answer with
+    `tm.broadcast_object(...)`: True when no other rule of this run claimed any of them. Two
+    rules (a question asked on the main process, a flag file only it writes) may both need the
+    same test shared, and it must be shared once."""
+    calls = list(calls)
+    claimed = ctx.facts.setdefault("guards.shared_tests", set())
+    if any(call in claimed for call in calls):
+        return False
+    claimed.update(calls)
+    return True

@@ -20,7 +20,7 @@ from torchmigrate.rules.checkpoint.plan import plan
 from torchmigrate.program.collectives import runs_user_code
 from torchmigrate.program.rank_guards import collective_guard, under_rank_guard
 from torchmigrate.rules._active import active
-from torchmigrate.rules._guards import guard_edit, main_only_call, orphaned, sibling_runs
+from torchmigrate.rules._guards import claim_tests, guard_edit, main_only_call, orphaned, sibling_runs
 
 # Copies into the experiment folder (`create_exp_dir` copying the scripts); right after a
 # checkpoint save they are TM501's.
@@ -553,9 +553,10 @@ class MainOnlyWrites(Rule):
             test = statement.test
             if isinstance(test, cst.Call) and ctx.resolve(test.func) == "torchmigrate.runtime.broadcast_object":
                 continue
-            asked = {code(c.args[0].value) for c in ctx.within(test, cst.Call, skip_defs=True)
-                     if ctx.resolve(c.func) in effects.EXISTS_TESTS and c.args}
-            if asked & paths:
+            tests = [c for c in ctx.within(test, cst.Call, skip_defs=True)
+                     if ctx.resolve(c.func) in effects.EXISTS_TESTS and c.args]
+            asked = {code(c.args[0].value) for c in tests}
+            if asked & paths and claim_tests(ctx, tests):
                 agreed.add(statement)
                 self.report(statement, f"every rank asks whether {', '.join(f'`{p}`' for p in sorted(asked & paths))} "
                                        "exists, which only the main process creates or removes now: the ranks take "
@@ -640,13 +641,23 @@ class MainOnlyWrites(Rule):
                    for n in self.ctx.within(handle, cst.Call, skip_defs=True))
 
     def _after_exists_test(self, call: cst.Call) -> bool:
-        """`os.mkdir(d)` as the body of `if not os.path.isdir(d):` (or `exists`)."""
+        """`os.mkdir(d)` as the body of `if not os.path.isdir(d):` (or `exists`), or anywhere under
+        an `if` that tests whether `d` itself exists (`if os.path.exists(d): <ask>; shutil.rmtree(d);
+        os.mkdir(d)  else: os.mkdir(d)`): the program decided to create the folder knowing it was
+        there or not, which `exist_ok=True` keeps, while the ranks race to create it."""
+        target = code(call.args[0].value) if call.args and not call.args[0].star else None
+        first = True
         for anc in self.ctx.ancestors(call):
             if isinstance(anc, cst.If):
                 test = anc.test
-                if isinstance(test, cst.UnaryOperation) and isinstance(test.expression, cst.Call):
-                    return self.ctx.resolve(test.expression.func) in _EXISTS
-                return False
+                if first and isinstance(test, cst.UnaryOperation) and isinstance(test.expression, cst.Call) \
+                        and self.ctx.resolve(test.expression.func) in _EXISTS:
+                    return True
+                first = False
+                if target is not None and any(self.ctx.resolve(c.func) in _EXISTS and c.args
+                                              and code(c.args[0].value) == target
+                                              for c in self.ctx.within(test, cst.Call)):
+                    return True
             if isinstance(anc, (cst.FunctionDef, cst.ClassDef)):
                 return False
         return False

@@ -19,6 +19,7 @@ from torchmigrate.program.writes import call_kinds
 from torchmigrate.rules._active import active
 from torchmigrate.rules.launch.base import SEEDERS, per_sample
 from torchmigrate.rules.launch.streams import agreed_draws, in_broadcast
+from torchmigrate.rules._guards import claim_tests
 
 _RANDOM = ("random.", "numpy.random.")
 _EXISTS = EXISTS_TESTS | {"os.path.lexists"}
@@ -374,8 +375,8 @@ class AgreedDraws(Rule):
                 own = isinstance(test.func, cst.Attribute) and test.func.attr.value in ("exists", "is_dir", "is_file")
                 if name not in _EXISTS and not own:
                     continue
-                if in_broadcast(ctx, test):
-                    continue  # shared already (a second run)
+                if in_broadcast(ctx, test) or not claim_tests(ctx, [test]):
+                    continue  # shared already (a second run), or by another rule of this run
                 self.report(test, "this test of the file system decides whether every rank reaches the question "
                                   "asked on the main process: every rank takes rank 0's answer",
                             edits=[replace(test, lambda t: cst.Call(
