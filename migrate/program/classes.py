@@ -92,6 +92,8 @@ def library_call_kind(name: str) -> Optional[str]:
     if not name.startswith("torch."):
         return None
     rest = name[len("torch."):]
+    if rest in ("autograd.Variable", "autograd.variable.Variable"):
+        return TENSOR  # `Variable(x)` is `x` since torch 0.4
     if rest.startswith(("nn.functional.", "linalg.", "fft.", "special.")):
         return TENSOR
     if rest.startswith("nn.") and "." not in rest[3:]:
