@@ -398,6 +398,9 @@ class _Planner:
             if all(is_visible(ctx, creation_scope, s) for s in use_scopes):
                 self.scaler_scopes = set(use_scopes)
                 after, before = self.before_uses(anchor, creation_scope, use_scopes)
+                loop = self.outermost_loop(after or before, creation_scope)
+                if loop is not None:
+                    after, before = None, loop
                 return ScalerInfo(name, True, after, f"{name} = {creation}", scope=creation_scope, before=before)
         if any(class_of(ctx, s) is not None and any(
                 st.optimizer is not None and (dotted(st.optimizer) or "").startswith("self.")
@@ -408,6 +411,19 @@ class _Planner:
         anchor = last_import_before_defs(ctx.module)
         self.scaler_scopes = set(use_scopes)
         return ScalerInfo(name, True, anchor, f"{name} = {creation}", scope=ctx.module)
+
+    def outermost_loop(self, statement: Optional[cst.CSTNode], scope: cst.CSTNode) -> Optional[cst.CSTNode]:
+        """The outermost `for`/`while` of `scope` around `statement`: an optimizer built again
+        inside the epoch loop (a new one at each learning-rate milestone, each fold) keeps one
+        scaler, made before the loop; beside the optimizer a new scaler would start from its
+        initial scale (65536) on every pass and learn it again (fp16)."""
+        found = None
+        for anc in self.ctx.ancestors(statement) if statement is not None else ():
+            if anc is scope or isinstance(anc, (cst.FunctionDef, cst.ClassDef, cst.Lambda)):
+                break
+            if isinstance(anc, (cst.For, cst.While)) and block_of(self.ctx, anc)[0] is not None:
+                found = anc
+        return found
 
     def before_uses(self, anchor: cst.CSTNode, scope: cst.CSTNode,
                     use_scopes: Set[cst.CSTNode]) -> Tuple[Optional[cst.CSTNode], Optional[cst.CSTNode]]:
