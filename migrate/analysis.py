@@ -320,8 +320,24 @@ def container_owners(ctx: Context, node: cst.CSTNode) -> List[str]:
         if isinstance(loop_iter, cst.Call) and isinstance(loop_iter.func, cst.Attribute) and \
                 loop_iter.func.attr.value == "values" and not loop_iter.args:
             loop_iter = loop_iter.func.value
-        add(dotted(loop_iter))
+        members = _literal_members(ctx, loop_iter, call)
+        for member in members or [dotted(loop_iter)]:
+            add(member)
     return found
+
+
+def _literal_members(ctx: Context, node: cst.BaseExpression, at: cst.CSTNode) -> List[str]:
+    """The models a name holds when its only binding in the scope of `at` is a list or tuple of
+    names (`models = [encoder, decoder]`): those are the models the program calls."""
+    if not isinstance(node, cst.Name):
+        return []
+    scope = ctx.scope_of(at)
+    values = [a.value for a in facts(ctx).assigns if ctx.scope_of(a) is scope
+              and any(isinstance(t.target, cst.Name) and t.target.value == node.value for t in a.targets)]
+    if len(values) != 1 or not isinstance(values[0], (cst.List, cst.Tuple)):
+        return []
+    names = [dotted(e.value) for e in values[0].elements]
+    return names if names and all(names) and not any(isinstance(e, cst.StarredElement) for e in values[0].elements) else []
 
 
 def loop_binding(ctx: Context, node: cst.CSTNode, name: str) -> Optional[cst.BaseExpression]:
