@@ -44,12 +44,12 @@ def runs_user_code(ctx: Context, node: cst.CSTNode) -> bool:
             continue
         func = n.func
         if isinstance(func, cst.Name) and func.value in f.functions:
-            if not pure_helper(ctx, f.functions[func.value]):
+            if not pure_helper(ctx, f.functions[func.value]) and not _rank_free(ctx, n):
                 return True
             continue
         if isinstance(func, cst.Attribute) and isinstance(func.value, cst.Name) and func.value.value in ("self", "cls") \
                 and func.attr.value in f.functions:
-            if not pure_helper(ctx, f.functions[func.attr.value]):
+            if not pure_helper(ctx, f.functions[func.attr.value]) and not _rank_free(ctx, n):
                 return True
             continue
         name = ctx.resolve(func)
@@ -59,6 +59,18 @@ def runs_user_code(ctx: Context, node: cst.CSTNode) -> bool:
         if d and analysis.model_root(d) in models and d == analysis.model_root(d):
             return True  # model(x)
     return False
+
+
+def _rank_free(ctx: Context, call: cst.Call) -> bool:
+    """What the program's effects say `call` reaches does nothing that every rank must do alike:
+    no collective, training step or forward of handed code, no random draw or lasting state
+    (`to_image(t)`, a helper that converts a tensor to an image and calls another such helper).
+    Running it on the main process alone changes nothing on the others."""
+    from torchmigrate.program.effects import CALLS, COLLECTIVE, PROBE, RANDOM, STATE, TRAIN
+    from torchmigrate.program.writes import call_kinds
+
+    kinds = call_kinds(ctx, call)
+    return kinds is not None and not kinds & {CALLS, COLLECTIVE, PROBE, RANDOM, STATE, TRAIN}
 
 
 # Builtins and tensor/array methods that compute on values: no forward pass, no collective.

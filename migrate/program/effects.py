@@ -111,6 +111,11 @@ _MUTATORS = frozenset({"append", "extend", "update", "add", "insert", "pop", "cl
 # forward of a model hides behind them
 _QUERIES = frozenset({"get", "keys", "values", "items", "copy", "index", "count", "split", "strip", "lower",
                       "upper", "join", "format", "startswith", "endswith", "replace", "encode", "decode", "tolist"})
+# nn.Module's own methods, called on `self` in a module of the program: no forward of another model
+_MODULE_API = frozenset({"train", "eval", "parameters", "named_parameters", "modules", "named_modules", "children",
+                         "named_children", "buffers", "named_buffers", "state_dict", "to", "cuda", "cpu", "half",
+                         "float", "double", "zero_grad", "register_buffer", "register_parameter", "add_module",
+                         "apply", "requires_grad_", "type", "extra_repr", "get_submodule", "get_parameter"})
 # runtime helpers that run their write on the main process only (the site is guarded)
 _MAIN_ONLY = frozenset({"main_only", "save", "print"})
 _FIRST = frozenset({"main_process_first", "local_main_process_first"})
@@ -722,8 +727,11 @@ class _Reader:
                 if func.attr in _MUTATORS and (root.id == "self" or root.id in self.params):
                     kinds.add(STATE)
                 elif (root.id == "self" and isinstance(func.value, ast.Attribute) and func.attr not in _QUERIES) or (
-                        root.id in self.params and func.value is root and func.attr in ("forward", "__call__")):
-                    kinds.add(CALLS)  # `self.model(x)`, `self.net.encode(x)`: maybe a forward
+                        root.id in self.params and func.value is root and func.attr in ("forward", "__call__")) or (
+                        root.id == "self" and func.value is root and func.attr not in _MODULE_API):
+                    # `self.G(x)` (no method of the program: an attribute holding a model),
+                    # `self.net.encode(x)`: maybe a forward
+                    kinds.add(CALLS)
             if isinstance(func.value, ast.Attribute) and _dotted(func.value) and _dotted(func.value).startswith("self.") \
                     and func.attr not in _MUTATORS and func.attr not in _QUERIES:
                 kinds.add(CALLS)

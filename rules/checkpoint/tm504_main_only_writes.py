@@ -13,6 +13,8 @@ from torchmigrate.syntax.nodes import arg, code, expr, set_kwarg, stmt
 from torchmigrate.program.checkpoints import follows_save
 from torchmigrate.program.syntax import body_of, unconditional
 from torchmigrate.program import effects
+from torchmigrate.program.classes import MODULE, OPTIMIZER, OTHER, TENSOR
+from torchmigrate.program.types import kind_of, made_by
 from torchmigrate.program.writes import (call_kinds, handle_uses_write_only, in_body, in_private_temp, is_pil_image,
                                          private_temp_source, scope_qual, writes_file)
 from torchmigrate.rule import Example, Rule
@@ -610,7 +612,24 @@ class MainOnlyWrites(Rule):
             return False
         if func.attr.value in analysis.FILE_WRITER_METHODS:
             return True
-        return func.attr.value == "save" and is_pil_image(self.ctx, func.value, call)
+        return func.attr.value == "save" and (is_pil_image(self.ctx, func.value, call) or self._saves_itself(call))
+
+    def _saves_itself(self, call: cst.Call) -> bool:
+        """`img.save(path)` on a value the file does not type (`to_image(sr)` of a helper in
+        another module, a tokenizer, a scripted model): a method `save` given where to write is a
+        file write, as the program's effects count it, unless the receiver is `self` or an
+        instance of the program's own classes (whose `save` the effects follow inside) or a model,
+        tensor or optimizer, or the call hands it a model to save (a checkpointer object)."""
+        ctx = self.ctx
+        receiver = call.func.value
+        if ctx.resolve(call.func) is not None or not isinstance(ctx.parent(call), cst.Expr):
+            return False
+        if dotted(receiver) in ("self", "cls") or made_by(ctx, receiver) is not None:
+            return False
+        first = call.args[0]
+        if first.star or kind_of(ctx, first.value) in (MODULE, TENSOR, OPTIMIZER):
+            return False  # `saver.save(model, optimizer, epoch)`: a checkpointer, whose inside decides
+        return kind_of(ctx, receiver) not in (MODULE, TENSOR, OPTIMIZER, OTHER)
 
     def _handler(self, call: cst.Call) -> None:
         ctx = self.ctx
