@@ -65,6 +65,7 @@ __all__ = [
     "shard_sampler", "reduce_meter", "per_rank_batch", "sync_batchnorm", "synced", "to_float32",
     "save", "load", "strip_prefix", "load_state_dict", "seed_everything", "seed_per_rank", "main_only", "main_process_first",
     "shard_range", "shard_indices", "shard_mean", "shard_batches", "agreed", "on_main", "move_into_place", "to_device", "as_device",
+    "set_device",
 ]
 
 
@@ -1915,6 +1916,18 @@ def to_float32(value):
     if isinstance(value, (list, tuple)):
         return type(value)(to_float32(v) for v in value)
     return value
+
+
+def set_device() -> torch.device:
+    """``torch.cuda.set_device(device())`` where this process's device is a GPU; nothing on the
+    CPU. What a program's own ``torch.cuda.set_device(i)`` becomes where it may run before
+    ``setup()`` (the top of an imported module): later ``.cuda()`` calls go to this process's GPU,
+    and a CPU run (gloo ranks, ``torchmigrate verify``) goes on, as the original's
+    ``set_device(-1)`` did. Returns ``device()``."""
+    dev = device()
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    return dev
 
 
 def as_device(spec) -> torch.device:

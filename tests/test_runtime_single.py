@@ -956,3 +956,12 @@ def test_the_drift_check_reads_sparse_and_nested_inputs():
     assert tm._fingerprint(dense.to_sparse_csr()) is not None
     nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
     tm._fingerprint(nested)  # a value or None, never an error
+
+
+def test_set_device_is_a_no_op_off_cuda(monkeypatch):
+    """What a module's own `torch.cuda.set_device(i)` becomes: on a CPU run it must not raise
+    (torch.cuda.set_device(cpu) does), and it names the process's device."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    called = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: called.append(d))
+    assert tm.set_device() == torch.device("cpu") and called == []

@@ -727,11 +727,8 @@ class _Reader:
                 if func.attr in _MUTATORS and (root.id == "self" or root.id in self.params):
                     kinds.add(STATE)
                 elif (root.id == "self" and isinstance(func.value, ast.Attribute) and func.attr not in _QUERIES) or (
-                        root.id in self.params and func.value is root and func.attr in ("forward", "__call__")) or (
-                        root.id == "self" and func.value is root and func.attr not in _MODULE_API):
-                    # `self.G(x)` (no method of the program: an attribute holding a model),
-                    # `self.net.encode(x)`: maybe a forward
-                    kinds.add(CALLS)
+                        root.id in self.params and func.value is root and func.attr in ("forward", "__call__")):
+                    kinds.add(CALLS)  # `self.model(x)`, `self.net.encode(x)`: maybe a forward
             if isinstance(func.value, ast.Attribute) and _dotted(func.value) and _dotted(func.value).startswith("self.") \
                     and func.attr not in _MUTATORS and func.attr not in _QUERIES:
                 kinds.add(CALLS)
@@ -819,6 +816,8 @@ def combine(summaries: Iterable[ModuleSummary]) -> ProgramEffects:
                 reached, writes = _resolve(mods, found.writer_classes, call.target)
                 if writes:
                     direct[key].add(WRITE)
+                if not reached and _attribute_call(mods, call.target):
+                    direct[key].add(CALLS)
                 found.edges[key].append((reached, call.guarded or call.ordered, call.spelled))
     kinds = {k: set(v) for k, v in direct.items()}
     changed = True
@@ -857,6 +856,19 @@ def _writer_base(mods: Dict[str, ModuleSummary], path: str, klass: str, seen: Se
         if base[0] == "class" and _writer_base(mods, base[1], base[2], seen):
             return True
     return False
+
+
+def _attribute_call(mods: Dict[str, ModuleSummary], target: Target) -> bool:
+    """`self.G(x)` in a class of the program (deriving from nothing but `nn.Module` and the
+    program's classes) that defines no method `G`: a call of what an attribute holds, a model
+    most likely (a forward, which must run on every rank)."""
+    if target[0] != "method" or target[3] in _MODULE_API:
+        return False
+    for p, c in _mro(mods, target[1], target[2], set()):
+        if any(base[0] == "library" and base[1].rsplit(".", 1)[-1] not in ("Module", "object")
+               for base in mods[p].classes[c]):
+            return False  # a method the library base may define (`self.log(...)`)
+    return True
 
 
 def _method(mods: Dict[str, ModuleSummary], path: str, klass: str, method: str) -> List[Key]:

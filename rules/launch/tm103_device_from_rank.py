@@ -821,8 +821,10 @@ class DeviceFromRank(Rule):
             return
         if isinstance(index.value, cst.Call) and code(index.value) == f"{self.ctx.tm}.device()":
             return
-        self._fix(call, "torch.cuda.set_device with a fixed index pins every rank to the same GPU; use tm.device()",
-                  replace(call, lambda c: with_args(c, [cst.Arg(value=self._tm_device())])))
+        tm = self.ctx.tm
+        self._fix(call, f"torch.cuda.set_device with a fixed index pins every rank to the same GPU; "
+                        f"{tm}.set_device() sets this process's own (nothing on the CPU, where the index was -1)",
+                  replace(call, lambda c: cst.Call(func=expr(f"{tm}.set_device"))))
 
     def _removable_if(self, line: cst.SimpleStatementLine) -> Optional[cst.If]:
         """`if cond: torch.cuda.set_device(...)` with nothing else: the whole `if` goes."""
