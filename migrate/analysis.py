@@ -136,6 +136,10 @@ class Optimizer:
     # A call of a function that builds the optimizer (`get_optimizer(config, model)`), not the
     # optimizer's constructor: its first argument is no parameter list.
     builder: bool = False
+    # A call that makes a model which builds its own optimizer over `self.parameters()`
+    # (`model = SessionGraph(opt, n)`, `ModuleView.self_trained`): `models` is the name it is
+    # bound to, wrapped right after the call.
+    made: bool = False
 
 
 @dataclass
@@ -771,9 +775,43 @@ def optimizers(ctx: Context) -> List[Optimizer]:
             out.extend(found)
             todo = found
         out.extend(_program_helper_calls(ctx))
+        out.extend(_self_training_models(ctx))
         return out
 
     return _cached(ctx, "optimizers", compute)
+
+
+def _self_training_models(ctx: Context) -> List[Optimizer]:
+    """Where a model that builds its own optimizer (`self.optimizer = Adam(self.parameters())`
+    in its `__init__`, `ModuleView.self_trained`) is made and bound to a name, also moved or
+    handed through a helper (`model = trans_to_cuda(SessionGraph(opt, n_node))`): for the
+    model rules, its optimizer is created there, over that name's parameters."""
+    classes = ctx.program.self_trained
+    if not classes:
+        return []
+    out = []
+    for assign in facts(ctx).assigns:
+        if len(assign.targets) != 1:
+            continue
+        name = dotted(assign.targets[0].target)
+        made = made_call(assign.value)
+        if name and made is not None and dotted(made.func) in classes:
+            out.append(Optimizer(made, ctx.statement_of(assign), None, (name,), builder=True, made=True))
+    return out
+
+
+def made_call(value: cst.BaseExpression) -> Optional[cst.Call]:
+    """The call that makes the object `value` holds: `Net(...)`, also moved (`Net(...).cuda()`)
+    or handed through a one-argument helper (`trans_to_cuda(Net(...))`)."""
+    from torchmigrate.program.models import strip_moves  # (models reads this module)
+
+    value = strip_moves(value)
+    if isinstance(value, cst.Call) and len(value.args) == 1 and value.args[0].keyword is None \
+            and not value.args[0].star:
+        inner = strip_moves(value.args[0].value)
+        if isinstance(inner, cst.Call) and (dotted(inner.func) or "").rsplit(".", 1)[-1][:1].isupper():
+            return inner
+    return value if isinstance(value, cst.Call) else None
 
 
 def _program_helper_calls(ctx: Context) -> List[Optimizer]:

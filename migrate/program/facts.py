@@ -356,6 +356,7 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
     # Models trained with an optimizer, per scope; `self.x` ones class-wide.
     trains = False
     class_models: Dict[Tuple[Path, str], Set[str]] = {}
+    self_trained = _self_trained(modules)
     for s in scopes:
         for call in s.calls:
             last = (dotted_name(call.func) or "").rsplit(".", 1)[-1]
@@ -372,6 +373,14 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
                 else:
                     s.models.add(name)
         for a in s.assigns:  # model = tm.wrap_model(model) / DDP(model).cuda(): the target too
+            made = made_class(a.value) if self_trained else None
+            if made is not None and _made_key(s.module, modules, made) in self_trained:
+                for t in a.targets:  # `model = SessionGraph(...)`, which builds its own optimizer
+                    name = dotted_name(t)
+                    if name and name.startswith("self.") and s.klass:
+                        class_models.setdefault((s.module.path, s.klass), set()).add(name)
+                    elif name:
+                        s.models.add(name)
             value = _strip_moves(a.value)
             if isinstance(value, ast.Call) and (dotted_name(value.func) or "").rsplit(".", 1)[-1] in WRAPPERS:
                 for t in a.targets:
@@ -460,6 +469,7 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
             break
 
     instance_attrs = _instance_attrs(modules, class_models, attrs)
+    made_here = _made_classes(modules, scopes, self_trained)
     loader_params = _loader_params(modules, scopes)
     flags = _flag_args(modules, scopes)
     summing = {(p, name) for p, m in modules.items() for name, c in m.classes.items() if summing_forward(c)}
@@ -526,6 +536,8 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
             summing_modules=frozenset(_spellings(m, modules, summing)),
             instance_attrs={spelled: frozenset(a) for key, a in instance_attrs.items()
                             for spelled in _spellings(m, modules, {key})},
+            self_trained=frozenset(_spellings(m, modules, self_trained)),
+            wrapped_where_made=frozenset(name for (p, name) in made_here if p == path),
             loader_classes=frozenset(_spellings(m, modules, loader_classes)),
             class_kinds={spelled: kinds[key] for key in kinds for spelled in _spellings(m, modules, {key})},
             optimizer_wrappers={spelled: wrappers[key] for key in wrappers
@@ -1193,6 +1205,53 @@ def _instance_attrs(modules: Dict[Path, _Module], class_models: Dict[Tuple[Path,
             if held:
                 out[key] = held
     return out
+
+
+def _self_trained(modules: Dict[Path, _Module]) -> Set[Tuple[Path, str]]:
+    """Modules of the program that build their own optimizer over `self.parameters()`
+    (`self.optimizer = Adam(self.parameters(), lr)` in `__init__`, as session-recommendation
+    and some GAN models do): each instance is wrapped where it is made (see `_made_classes`),
+    its optimizer already holding the parameters that DDP keeps."""
+    return {(p, name) for p, m in modules.items() for name, c in m.classes.items()
+            if any(isinstance(n, ast.Call) and "self" in _optimizer_models(n) for n in walk(c))}
+
+
+def _made_classes(modules: Dict[Path, _Module], scopes: List["_Scope"],
+                  classes: Set[Tuple[Path, str]]) -> Set[Tuple[Path, str]]:
+    """Those of `classes` that some module makes and binds to a name (`model = SessionGraph(opt,
+    n)`, also through a move, `trans_to_cuda(SessionGraph(...))`): TM301 wraps them there."""
+    found: Set[Tuple[Path, str]] = set()
+    for s in scopes:
+        for a in s.assigns:
+            made = made_class(a.value)
+            if made is None or not any(dotted_name(t) for t in a.targets):
+                continue
+            key = _made_key(s.module, modules, made)
+            if key in classes:
+                found.add(key)
+    return found
+
+
+def _made_key(module: _Module, modules: Dict[Path, _Module], made: ast.Call) -> Optional[Tuple[Path, str]]:
+    """The program class (module, name) that the call `made` builds, of another module or its own."""
+    target = _callee(module, modules, made)
+    if target is not None and target[1].endswith(".__init__"):
+        return target[0], target[1][:-len(".__init__")]
+    if isinstance(made.func, ast.Name) and made.func.id in module.classes:
+        return module.path, made.func.id
+    return None
+
+
+def made_class(value: ast.AST) -> Optional[ast.Call]:
+    """The call that makes the object `value` holds: `Net(...)`, also moved (`Net(...).cuda()`)
+    or handed through a one-argument helper (`trans_to_cuda(Net(...))`)."""
+    value = _strip_moves(value)
+    if isinstance(value, ast.Call) and len(value.args) == 1 and not value.keywords \
+            and isinstance(_strip_moves(value.args[0]), ast.Call):
+        inner = _strip_moves(value.args[0])
+        if isinstance(inner, ast.Call) and (dotted_name(inner.func) or "").rsplit(".", 1)[-1][:1].isupper():
+            return inner
+    return value if isinstance(value, ast.Call) else None
 
 
 def _qual(s: _Scope) -> str:

@@ -86,10 +86,10 @@ def trained_in_bases(modules: Dict[Path, "_Module"], class_models: Dict[Key, Set
     return to_wrap, wrapped
 
 
-def of_tree(tree: ast.Module, path: Path) -> Dict[str, Dict[str, frozenset]]:
+def of_tree(tree: ast.Module, path: Path) -> Dict[str, object]:
     """The `ModuleView` fields above for a module processed without its program (a fixture,
     stdin, `--no-follow`): its own classes only."""
-    from torchmigrate.program.facts import _index, _Module, _optimizer_models
+    from torchmigrate.program.facts import _index, _Module, _optimizer_models, _self_trained, made_class
 
     m = _Module(path, tree)
     _index(m)
@@ -99,5 +99,9 @@ def of_tree(tree: ast.Module, path: Path) -> Dict[str, Dict[str, frozenset]]:
         if found:
             trained[(path, name)] = found
     to_wrap, wrapped = trained_in_bases({path: m}, trained)
+    own = {name for _, name in _self_trained({path: m})}
+    made = {made_class(n.value).func.id for n in walk(tree) if isinstance(n, ast.Assign)
+            and made_class(n.value) is not None and isinstance(made_class(n.value).func, ast.Name)}
     return {"base_wraps": {k: frozenset(a) for (_, k), a in to_wrap.items()},
-            "wrapped_attrs": {k: frozenset(a) for (_, k), a in wrapped.items()}}
+            "wrapped_attrs": {k: frozenset(a) for (_, k), a in wrapped.items()},
+            "self_trained": frozenset(own), "wrapped_where_made": frozenset(own & made)}

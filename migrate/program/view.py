@@ -39,6 +39,12 @@ class ModuleView:
     # the program's classes (as this module spells them) -> `self.` attributes their instances
     # hold wrapped (`program.facts._instance_attrs`): `trainer.model` of `trainer = Trainer(cfg)`
     instance_attrs: Dict[str, FrozenSet[str]] = field(default_factory=dict)
+    # the program's modules (as this module spells them) that build their own optimizer over
+    # `self.parameters()` (`program.facts._self_trained`): wrapped where they are made
+    self_trained: FrozenSet[str] = frozenset()
+    # this module's classes among those that some module of the program makes and binds to a
+    # name, where TM301 wraps them (so their own optimizer needs no TODO)
+    wrapped_where_made: FrozenSet[str] = frozenset()
     # names (as this module spells them) of the program's DataLoader subclasses that pass
     # keyword arguments through: `AudioDataLoader`, `data.AudioDataLoader`
     loader_classes: FrozenSet[str] = frozenset()

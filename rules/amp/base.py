@@ -96,8 +96,9 @@ def emit_scaler(rule: Rule, p: Plan) -> None:
         through = "" if opt == code(step.optimizer) else (
             f" (`{code(step.optimizer)}.step()` only steps `{opt}`, the torch optimizer the scaler needs)")
         rule.report(step.call, f"step through the scaler: `{s.text}.step({opt})`{through}",
-                    edits=[replace(step.call, lambda c, o=_stepped_node(step.optimizer, opt), t=s.text: cst.Call(
-                        func=dotted_node(f"{t}.step"), args=[cst.Arg(o)]))])
+                    edits=[replace(step.call, lambda c, o=step.optimizer, inner=None if opt == code(step.optimizer)
+                                   else opt.rsplit(".", 1)[1], t=s.text: cst.Call(
+                        func=dotted_node(f"{t}.step"), args=[cst.Arg(_stepped_node(_receiver(c, o), inner))]))])
     for anchor, _ in p.updates:
         update = f"{s.text}.update()"
         if isinstance(anchor, cst.Expr):
@@ -107,12 +108,16 @@ def emit_scaler(rule: Rule, p: Plan) -> None:
         rule.report(anchor, f"update the loss scale once per iteration: `{update}`", edits=[edit])
 
 
-def _stepped_node(optimizer: cst.BaseExpression, text: str) -> cst.BaseExpression:
+def _receiver(call: cst.Call, original: cst.BaseExpression) -> cst.BaseExpression:
+    """What `call` (`<optimizer>.step()`, as other rules left it) is called on: with their
+    edits (`tm.unwrap(model).optimizer` of TM302), else the optimizer as written."""
+    return call.func.value if isinstance(call.func, cst.Attribute) else original
+
+
+def _stepped_node(optimizer: cst.BaseExpression, inner: Optional[str]) -> cst.BaseExpression:
     """The optimizer expression itself, or `optimizer.<inner>` when the plan steps the torch
     optimizer a wrapper of the program holds (`Plan.stepped`)."""
-    if text == code(optimizer):
-        return optimizer
-    return cst.Attribute(value=optimizer, attr=cst.Name(text.rsplit(".", 1)[1]))
+    return optimizer if inner is None else cst.Attribute(value=optimizer, attr=cst.Name(inner))
 
 
 def name_refs(ctx: Context, values: Iterable[str]) -> List[cst.Name]:

@@ -713,6 +713,8 @@ class Plan:
                 continue
             if any(s.via is o and s.models and not self._super_site(s) for s in opts):
                 continue
+            if klass.name.value in self.ctx.program.wrapped_where_made:
+                continue  # wrapped where the program makes it (`model = SessionGraph(...)`)
             tm = self.tm
             out[id(o)] = (f"class {klass.name.value} builds its own optimizer from `self.parameters()`, so its model "
                       f"cannot be wrapped in DDP before the optimizer: wrap the module with "
@@ -828,6 +830,8 @@ class Plan:
                 return None
             if (m, klass) in self.covered and not self._removable_dp((m, klass)):
                 return None
+            if o.made:  # `self.model = SessionGraph(...)`, which builds its own optimizer
+                return NewWrap(m, o, scope, klass, stmt0, after=True, def_stmt=stmt0)
             defs = self.models.definitions(m, scope, klass)
             if not defs:
                 inherited = _project_bases(klass)
@@ -860,6 +864,8 @@ class Plan:
                     return None
             if self._wrapped_by_callee(m, scope):
                 return None
+            if o.made:  # `model = SessionGraph(...)`, which builds its own optimizer: wrapped right after
+                return NewWrap(m, o, scope, None, stmt0, after=True, def_stmt=stmt0)
             defs = self.models.definitions(m, scope, None, before=self.models.idx(stmt0))
             on_line = None if defs else self._created_on_line(m, scope, None, o)
             if not defs and on_line is None:
