@@ -13,7 +13,10 @@ from torchmigrate.syntax.imports import dotted
 from torchmigrate.syntax.nodes import code, expr, kwarg, with_args
 from torchmigrate.program.batches import BatchLoop, FullBatchLoss
 from torchmigrate.program.facts import training_text
+from torchmigrate.program.effects import NUMPY, TRAIN
+from torchmigrate.program.syntax import local_callee
 from torchmigrate.program.loaders import Loader
+from torchmigrate.program.writes import call_kinds
 from torchmigrate.rule import Example
 from torchmigrate.rules.data.base import DataRule
 from torchmigrate.rules.data.plan import UNWRAPPED, BatchPlan, training_args
@@ -147,6 +150,8 @@ class DistSampler(DataRule):
                     self.keep_whole(loader)
                 elif loader.kind == "mixed":
                     self.sharded_unproven(loader)
+                elif loader.kind == "train":
+                    self._read_elsewhere(loader)
             elif status == "custom" and loader.custom_arg is not None and not facts.distributed:
                 self._shard_custom(loader)
             elif status == "whole":
@@ -154,6 +159,28 @@ class DistSampler(DataRule):
                 self.report(loader.call, f"{what} {plan.of(loader).reason}")
             elif status in ("custom", "iterable", "unknown", "unhoistable") and not facts.distributed:
                 self.manual(loader)
+
+    def _read_elsewhere(self, loader: Loader) -> None:
+        """A training loader, now sharded, also handed to a function of another module that does
+        not train and computes in numpy from what it reads (`fid = calculate_fid(train_loader,
+        model)`: feature statistics over "the dataset"): there each rank reads only its own part
+        of the data, so the result covers 1/world of it and differs per rank (a metric that picks
+        the best checkpoint). Named at the call. (A function of this file is the metric rules':
+        they reduce what it sums or collects over the loader, or name it there.)"""
+        ctx = self.ctx
+        texts = {(ref.scope, ref.text) for ref in loader.refs}
+        if not texts:
+            return
+        for call, _name in analysis.facts(ctx).calls:  # (a library call reaches no program code: no kinds)
+            handed = [a for a in call.args if not a.star and (ctx.scope_of(call), dotted(a.value)) in texts]
+            kinds = call_kinds(ctx, call) if handed and local_callee(ctx, call) is None else None
+            if kinds is None or TRAIN in kinds or NUMPY not in kinds:
+                continue
+            shown = code(call.func)
+            self.report(call, f"`{code(handed[0].value)}`, a training loader now sharded, is also read by {shown}(), "
+                              f"which does not train: there each rank sees only its own part of the data, so what "
+                              f"it computes covers 1/world of it and differs per rank. Give {shown}() a loader over "
+                              f"the whole dataset (every rank computing the same), or reduce its result across ranks")
 
     def _shard_streams(self) -> bool:
         """`train_data = batchify(corpus.train, bsz)` (a token stream cut into `bsz` columns, read
