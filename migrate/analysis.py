@@ -529,9 +529,17 @@ def _assigned_owners(ctx: Context, call: cst.Call) -> List[str]:
     if not wanted:
         return []
     scope = ctx.scope_of(call)
+    klass = ctx.enclosing(call, cst.ClassDef)
     found: List[str] = []
     for assign in facts(ctx).assigns:
-        if ctx.scope_of(assign) is scope and any(dotted(t.target) in wanted for t in assign.targets):
+        names = {dotted(t.target) for t in assign.targets} & wanted
+        if not names:
+            continue
+        # a `self.` list is the class's, wherever it is kept: `reset()` builds the optimizer again
+        # over the `self.parameters` that `__init__` collected
+        same = ctx.scope_of(assign) is scope or (klass is not None and ctx.enclosing(assign, cst.ClassDef) is klass
+                                                 and all(n.startswith("self.") for n in names))
+        if same:
             for owner in parameter_owners(assign.value) or _param_method_owners(ctx, assign.value):
                 if owner not in found:
                     found.append(owner)
