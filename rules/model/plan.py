@@ -1707,7 +1707,8 @@ class Plan:
     def _computes_loss(self, node: cst.Attribute) -> bool:
         """`node` is the first method of the wrapped model called in a training step, between the
         forward and the loss that `backward()` takes (`loss = model.bpr_loss(u, i, j)`, `z =
-        vae.encode(x)`), and the step never calls the model itself: through `tm.unwrap` it would
+        vae.encode(x)`), and the step never calls the model itself, nor hands it to a helper that may
+        (`forward(model, batch)`): through `tm.unwrap` it would
         run outside DDP's forward and no gradient would be averaged, so it goes through
         `tm.synced`. One DDP forward per step is enough: it arms DDP for that backward, which
         then averages every parameter's gradient, however it was computed."""
@@ -1718,11 +1719,20 @@ class Plan:
         if chain is None:
             return False
         name = dotted(node.value)
+        block = self.ctx.parent(chain[0])
+        body = list(getattr(block, "body", ()))
+        before = body[:body.index(chain[0])] if chain[0] in body else []  # the step's earlier statements
+        for statement in before:
+            if any(dotted(c.func) == name or any(not a.star and dotted(a.value) == name for a in c.args)
+                   for c in self.ctx.within(statement, cst.Call)):
+                return False  # `targets, scores = forward(model, i, data)` ran the forward (or a helper may)
         for statement in chain:
             for c in self.ctx.within(statement, cst.Call):
                 func = c.func
                 if dotted(func) == name:
                     return False  # `model(x)` runs DDP's forward already
+                if any(not a.star and dotted(a.value) == name for a in c.args):
+                    return False  # `forward(model, batch)`: a helper runs it (else the runtime averages)
                 if isinstance(func, cst.Attribute) and dotted(func.value) == name \
                         and func.attr.value not in STATE_METHODS:
                     return func is node
