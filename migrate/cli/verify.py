@@ -109,6 +109,10 @@ class Watch:
         now = time.monotonic()
         if ahead == self.shown and now - self.changed < self.HEARTBEAT and not final:
             return
+        if ahead[0] == 4 and (self.shown is None or self.shown[0] < 3) and self.options.epochs and any(
+                st is not None and st.get("epoch", 0) > self.options.epochs for st in states):
+            # the shortened epochs passed between two polls (a fast script): said all the same
+            self.echo(f"verify [{now - self.start:5.1f}s] {self._describe((3, 'short'))}")
         still = "still " if ahead == self.shown else ""
         self.shown, self.changed = ahead, now
         ranks = "; ".join(f"rank {r}: " + ("not started" if st is None else
