@@ -534,13 +534,19 @@ def _wrap_items(items, wrap):
     optimizer, each called by its key): each module in it wrapped (and moved) in place, so
     every reference to the dict or list sees the wrapped ones; a tuple is rebuilt. Anything
     else in it stays as it is. Each wrapper's ``state_dict()`` has the plain module's keys."""
+    made: dict = {}  # id of a module -> its wrapper: one module kept under two keys is wrapped once
+
+    def once(value):
+        if not isinstance(value, nn.Module):
+            return value
+        if id(value) not in made:
+            made[id(value)] = (value, wrap(value))
+        return made[id(value)][1]
+
     if isinstance(items, tuple):
-        return type(items)(*(wrap(v) if isinstance(v, nn.Module) else v for v in items)) \
-            if hasattr(items, "_fields") else tuple(wrap(v) if isinstance(v, nn.Module) else v for v in items)
-    keys = list(items) if isinstance(items, dict) else range(len(items))
-    for key in keys:
-        if isinstance(items[key], nn.Module):
-            items[key] = wrap(items[key])
+        return type(items)(*map(once, items)) if hasattr(items, "_fields") else tuple(map(once, items))
+    for key in list(items) if isinstance(items, dict) else range(len(items)):
+        items[key] = once(items[key])
     return items
 
 

@@ -417,7 +417,7 @@ def test_steps_through_submodules_are_averaged_and_plain_models_keep_ddp(nets):
 
 def test_models_kept_in_a_dict_or_a_list_are_wrapped_in_place_and_train_in_step(nets):
     r0, r1 = nets["r"]
-    assert r0["containers"]["kept"] == [True, True, "kept", "tuple", 3]
+    assert r0["containers"]["kept"] == [True, True, "kept", "tuple", 3, True]
     assert r0["containers"]["wrapped"] == [["Linear", True]] * 6  # each a DDP named after its module
     assert r0["containers"]["keys"] == ["bias", "weight"]  # plain keys, no `module.`
     for key, values in r0["containers"]["params"].items():  # each rank trained on its own batches

@@ -162,6 +162,8 @@ def main(outdir):
     params += [p for m in members for p in m.parameters()]
     same_dict, same_list = tm.wrap_model(nets_by_key), tm.wrap_model(members)
     pair = tm.wrap_model((nn.Linear(4, 1), 3))
+    twice = nn.Linear(4, 1)
+    aliased = tm.wrap_model({"a": twice, "b": twice})  # one module under two keys: one wrapper
     opt = torch.optim.SGD(params, lr=0.1)
     for _ in range(3):
         x = torch.randn(6, 4, generator=g)
@@ -172,7 +174,8 @@ def main(outdir):
         loss.backward()
         opt.step()
     res["containers"] = {
-        "kept": [same_dict is nets_by_key, same_list is members, nets_by_key["tag"], type(pair).__name__, pair[1]],
+        "kept": [same_dict is nets_by_key, same_list is members, nets_by_key["tag"], type(pair).__name__, pair[1],
+                 aliased["a"] is aliased["b"]],
         "wrapped": [[type(v).__name__, isinstance(v, nn.parallel.DistributedDataParallel)]
                     for v in (*nets_by_key.values(), *members, pair[0]) if isinstance(v, nn.Module)],
         "keys": sorted(nets_by_key["rep"].state_dict()),
