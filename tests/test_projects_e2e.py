@@ -44,6 +44,10 @@ CASES = {
     "dataparallel_objects": (["train.py"], ["losses.py", "utils.py"]),
     # loaded by names in config/train.json through importlib, never imported by name
     "config_driven": (["train.py"], ["trainer/trainer.py", "trainer/base_trainer.py"]),
+    # a model that builds its own optimizer over self.parameters(): wrapped where it is made
+    "model_owns_optimizer": (["train.py"], ["model.py"]),
+    # the networks kept in a dict, one optimizer over all of them: each wrapped in place
+    "models_in_dict": (["train.py"], []),
 }
 # project -> (file under OUT_DIR, its lines after a 3-epoch run under torchrun): written once
 LINES_WRITTEN = {"config_driven": ("results.csv", ["epoch,loss", "0,", "1,", "2,"])}
