@@ -381,6 +381,9 @@ class ExactDenominators:
 
     dataset: Set[str] = field(default_factory=set)  # len(X) = whole dataset, loader unpadded (tm.eval_sampler)
     batches: Set[str] = field(default_factory=set)  # len(X) = per-rank batch count, equal on every rank
+    # names holding the loop's `enumerate` index (`i`, or `b_idx = i` in the body): `i + 1` after
+    # the loop is this rank's batch count, equal on every rank
+    counters: Set[str] = field(default_factory=set)
 
 
 _SAFE_FUNCS = {"max", "min", "float", "int", "abs", "round"}
@@ -419,7 +422,22 @@ def _classify(left: cst.CSTNode, right: cst.CSTNode, whole: cst.CSTNode, group: 
         return "sum"
     if exact.batches and _closed(left, group) and isinstance(right, cst.Call) and _closed(right, set(), exact.batches):
         return "mean"
+    if exact.counters and _closed(left, group) and _batch_count(right, exact.counters):
+        return "mean"
     return None
+
+
+def _batch_count(node: cst.CSTNode, counters: Set[str]) -> bool:
+    """`i + 1` (also `1 + i`, `float(i + 1)`) of a loop's `enumerate` index `i`: after the loop,
+    the number of batches the rank went through."""
+    if isinstance(node, cst.Call) and isinstance(node.func, cst.Name) and node.func.value in ("float", "int") \
+            and len(node.args) == 1:
+        return _batch_count(node.args[0].value, counters)
+    if not (isinstance(node, cst.BinaryOperation) and isinstance(node.operator, cst.Add)):
+        return False
+    sides = (node.left, node.right)
+    return any(isinstance(a, cst.Name) and a.value in counters and isinstance(b, cst.Integer) and b.value == "1"
+               for a, b in (sides, sides[::-1]))
 
 
 def _divisions_of(ctx: Context, use: cst.Name) -> List[cst.BinaryOperation]:

@@ -22,6 +22,7 @@ import libcst as cst
 
 from torchmigrate import analysis
 from torchmigrate.finding import Edit, replace
+from torchmigrate.syntax.imports import dotted
 from torchmigrate.syntax.nodes import code
 from torchmigrate.program import splits
 from torchmigrate.program.loaders import DIST_SAMPLERS, bind_params, conditional_sampler, loaders, refs_at
@@ -173,6 +174,7 @@ def exact_lens(ctx: Context, loop: cst.For) -> ExactDenominators:
             # a loader handed in (`def _train_epoch(self, data_loader)`) that the loop trains on:
             # reduced `over=` it, exact or within the padding of a training sampler
             out.dataset.add(f"{code(node).replace(' ', '')}.dataset")
+            out.counters |= _counters(ctx, loop)
         return out
     kinds = {_sharding(ctx, l) for l in loaders}
     text = code(node).replace(" ", "")
@@ -182,6 +184,7 @@ def exact_lens(ctx: Context, loop: cst.For) -> ExactDenominators:
             out.dataset.add(code(loaders[0].dataset))
     elif kinds == {"distributed"}:
         out.batches.add(text)
+        out.counters |= _counters(ctx, loop)
         if _trains(ctx, loop):
             # a training loop's loss summed over the samples, logged per sample: the padded
             # sampler repeats at most world_size - 1 samples of the whole set, which moves a
@@ -191,6 +194,23 @@ def exact_lens(ctx: Context, loop: cst.For) -> ExactDenominators:
             if len(loaders) == 1 and isinstance(loaders[0].dataset, (cst.Name, cst.Attribute)):
                 out.dataset.add(code(loaders[0].dataset))
     return out
+
+
+def _counters(ctx: Context, loop: cst.For) -> Set[str]:
+    """`i` of `for i, batch in enumerate(loader)` (counting from 0) and the names the body sets
+    to it alone (`b_idx = i`): after a pass over a loader that every rank goes through in as many
+    batches (a padded distributed sampler), `i + 1` is that count on every rank."""
+    it, target = loop.iter, loop.target
+    if not (isinstance(it, cst.Call) and dotted(it.func) == "enumerate" and len(it.args) == 1
+            and isinstance(target, cst.Tuple) and target.elements and isinstance(target.elements[0].value, cst.Name)):
+        return set()
+    index = target.elements[0].value.value
+    found = {index}
+    for assign in ctx.within(loop.body, cst.Assign, skip_defs=True):
+        if isinstance(assign.value, cst.Name) and assign.value.value == index and len(assign.targets) == 1 \
+                and isinstance(assign.targets[0].target, cst.Name):
+            found.add(assign.targets[0].target.value)
+    return found
 
 
 def _trains(ctx: Context, node: cst.CSTNode, depth: int = 0) -> bool:
