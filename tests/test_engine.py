@@ -206,3 +206,17 @@ def test_a_finished_files_tree_is_freed_by_reference_counting(script):
         gc.enable()
     assert result.changed
     assert nodes == [], "a reference cycle kept nodes alive"
+
+
+def test_a_file_alone_works_out_its_own_effects_only_when_a_rule_asks():
+    """`_OwnView` fills in exactly the fields `effects.of_module` returns, on first use."""
+    from torchmigrate.engine.process import _own_view
+    from torchmigrate.program import effects
+
+    source = "import torch\nimport pickle\n\ndef dump(x, p):\n    pickle.dump(x, open(p, 'wb'))\n"
+    assert set(effects.of_module(source, "a.py")) == effects.OWN_FIELDS
+    view = _own_view(source, "a.py")
+    assert view.is_entry and len(object.__getattribute__(view, "_tm_pending")[3]) == 2  # not a field they fill
+    assert view.wrapped_attrs == {} and len(object.__getattribute__(view, "_tm_pending")[3]) == 1
+    assert view.call_writes == effects.of_module(source, "a.py")["call_writes"]
+    assert not object.__getattribute__(view, "_tm_pending")[3]

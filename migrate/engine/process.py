@@ -316,14 +316,37 @@ def _deep_recursion() -> Iterator[None]:
             sys.setrecursionlimit(old)
 
 
+class _OwnView(ModuleView):
+    """The view of a file processed alone, with what its own classes and code say
+    (`effects.class_fields`, `effects.effect_fields`: the latter reads the whole file once
+    more), each group worked out the first time a rule asks for one of its fields: in `lint`,
+    most files never do. A file that CPython cannot parse (too deeply nested, a syntax error)
+    keeps the empty view, and the parse that follows reports what is wrong with it."""
+
+    def __init__(self, source: str, path: str) -> None:
+        super().__init__()
+        object.__setattr__(self, "_tm_pending", [source, path, None, {effects.class_fields, effects.effect_fields}])
+
+    def __getattribute__(self, name: str):
+        group = effects.class_fields if name in effects.CLASS_FIELDS else (
+            effects.effect_fields if name in effects.EFFECT_FIELDS else None)
+        if group is not None:
+            pending = object.__getattribute__(self, "_tm_pending")
+            if group in pending[3]:
+                pending[3].discard(group)
+                try:
+                    if pending[2] is None:
+                        pending[2] = ast.parse(pending[0])
+                    found = group(pending[2], pending[1])
+                except (SyntaxError, ValueError, RecursionError, MemoryError):
+                    found = {}
+                for key, value in found.items():
+                    object.__setattr__(self, key, value)
+        return object.__getattribute__(self, name)
+
+
 def _own_view(source: str, path: str) -> ModuleView:
-    """The view of a file processed alone, with the effects of its own code; a file that CPython
-    cannot parse (too deeply nested, a syntax error) gets the empty view, and the parse that
-    follows reports what is wrong with it."""
-    try:
-        return ModuleView(**effects.of_module(source, path))
-    except (SyntaxError, ValueError, RecursionError, MemoryError):
-        return ModuleView()
+    return _OwnView(source, path)
 
 
 def process_source(source: str, path: str, options: Options, rules: Sequence[RuleType],

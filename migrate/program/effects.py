@@ -1019,6 +1019,14 @@ def temp_names(seeds: Set[str], bindings: List[Tuple[Set[str], bool, Set[str]]])
     return found
 
 
+# the `ModuleView` fields that `of_module` fills in: from the module's classes alone (cheap), and
+# from the effects of its code (a whole reading of it)
+CLASS_FIELDS = frozenset({"base_wraps", "wrapped_attrs", "self_trained", "wrapped_where_made"})
+EFFECT_FIELDS = frozenset({"rebatching_collates", "endless_generators", "call_effects", "writer_classes",
+                           "call_writes", "first_run_builders"})
+OWN_FIELDS = CLASS_FIELDS | EFFECT_FIELDS
+
+
 def of_module(source: str, path: str):
     """The `ModuleView` fields from `program.effects` of a module processed without its
     program (stdin, a fixture, `--no-follow`): its own functions, methods and classes only."""
@@ -1026,9 +1034,18 @@ def of_module(source: str, path: str):
         tree = ast.parse(source)
     except (SyntaxError, ValueError, RecursionError, MemoryError):
         return {}
+    return {**class_fields(tree, path), **effect_fields(tree, path)}
+
+
+def class_fields(tree: ast.Module, path: str) -> Dict[str, object]:
+    """`CLASS_FIELDS` of a module alone."""
+    return inherited.of_tree(tree, Path(path))
+
+
+def effect_fields(tree: ast.Module, path: str) -> Dict[str, object]:
+    """`EFFECT_FIELDS` of a module alone."""
     found = combine([summarize(tree, path, {})])
-    return {**inherited.of_tree(tree, Path(path)),
-            "rebatching_collates": collates.rebatching(n for n in walk(tree) if isinstance(n, _FUNCS)),
+    return {"rebatching_collates": collates.rebatching(n for n in walk(tree) if isinstance(n, _FUNCS)),
             "endless_generators": endless_generators(tree),
             "call_effects": spelled_effects(found, path),
             "writer_classes": frozenset(c for _, c in found.writer_classes),
