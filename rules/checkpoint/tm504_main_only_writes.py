@@ -11,7 +11,7 @@ from torchmigrate.finding import Safety, insert_after, insert_before, replace
 from torchmigrate.syntax.imports import dotted
 from torchmigrate.syntax.nodes import arg, code, expr, set_kwarg, stmt
 from torchmigrate.program.checkpoints import follows_save
-from torchmigrate.program.syntax import body_of, unconditional
+from torchmigrate.program.syntax import body_of, index_in, unconditional
 from torchmigrate.program import effects
 from torchmigrate.program.classes import MODULE, OPTIMIZER, OTHER, TENSOR
 from torchmigrate.program.types import kind_of, made_by
@@ -196,6 +196,7 @@ class MainOnlyWrites(Rule):
                 elif isinstance(expr_stmt, cst.Expr) and isinstance(statement, cst.SimpleStatementLine) \
                         and len(statement.body) == 1:
                     withs.append(statement)
+        withs += self._reads_of_moved(withs)
         lines = []
         ordered = plan(ctx)
         chosen = set(withs)
@@ -232,6 +233,36 @@ class MainOnlyWrites(Rule):
             self._handle(call, assign)
         for call, name in analysis.facts(ctx).calls:
             self._helper_reread(call)
+
+    def _reads_of_moved(self, statements: List[cst.CSTNode]) -> List[cst.CSTNode]:
+        """The statement right after a rename that reads the renamed file (`os.rename(path, old);
+        with open(old) as fin: <write path again from it>`, a repair of a broken file): the
+        rename goes to the main process, so the read must go with it, in one guard; on the other
+        ranks the renamed file may not exist yet (FileNotFoundError)."""
+        ctx = self.ctx
+        found = []
+        for statement in statements:
+            if not isinstance(statement, cst.SimpleStatementLine) or len(statement.body) != 1 \
+                    or not isinstance(statement.body[0], cst.Expr) or not isinstance(statement.body[0].value, cst.Call):
+                continue
+            call = statement.body[0].value
+            if ctx.resolve(call.func) not in ("os.rename", "os.replace", "shutil.move") or len(call.args) < 2:
+                continue
+            moved = {code(a.value) for a in call.args[:2] if not a.star}
+            following = body_of(ctx.parent(statement)) or ()
+            index = index_in(following, statement)
+            after = following[index + 1] if 0 <= index < len(following) - 1 else None
+            if after is None or after in statements or runs_user_code(ctx, after) or collective_guard(ctx, after):
+                continue
+            reads = [c for c in ctx.within(after, cst.Call) if (ctx.resolve(c.func) or dotted(c.func)) == "open" and c.args
+                     and code(c.args[0].value) in moved]
+            if reads and ctx.within(after, cst.Return, cst.Yield, cst.Break, cst.Continue, skip_defs=True):
+                self.report(reads[0], "this file was just renamed by the main process only, and every rank reads it "
+                                      "here (the others may not find it yet), then leaves the block: rename and read "
+                                      f"it under one `if {ctx.tm}.is_main():`, sharing what the others need")
+            elif reads:
+                found.append(after)
+        return found
 
     def _folder_tries(self) -> List[cst.Try]:
         """`try: os.makedirs(out) except FileExistsError: <the program's own answer>` (refuse a
