@@ -651,6 +651,13 @@ class LoaderFacts:
             if splits.verdict(_expression_words(shuffle)) or self._set_by_split(fn, shuffle):
                 loader.condition_is_shuffle = True
                 return "mixed", _parenthesize(code(shuffle), shuffle)
+        if shuffle is not None and is_literal(shuffle, "False") and not any(
+                a.keyword is not None and a.keyword.value in ("sampler", "batch_sampler") or a.star for a in call.args):
+            # `DataLoader(data_for_imputation, bs, shuffle=False)`: told not to shuffle (and given no
+            # sampler that would) and named for no split, it is read in order for its outputs
+            # (inference over every sample);
+            # a loop of this module that trains on it makes it a training loader (`_trained_on`)
+            return "eval", None
         return "train", None
 
     def _flag_of_factory(self, fn: cst.CSTNode, shuffle: cst.BaseExpression) -> bool:
