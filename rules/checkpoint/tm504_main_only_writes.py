@@ -169,7 +169,8 @@ class MainOnlyWrites(Rule):
                 self._move_into_place(call)
                 continue
             if ctx.options.mode == "ddp" and name == "h5py.File":
-                self._hdf5_read_only(call)
+                if not self._hdf5_read_only(call) and self._hdf5_created(call):
+                    self._open(call, withs, handles)  # `with h5py.File(path, "w") as hf: hf.create_dataset(...)`
                 continue
             if (name == _MAKEDIRS or _path_mkdir(call, name)) and not _exist_ok(call):
                 self.report(call, "every rank creates this folder: a rank that comes second fails with "
@@ -299,17 +300,26 @@ class MainOnlyWrites(Rule):
                         imports=[ctx.runtime_import()])
         return out
 
-    def _hdf5_read_only(self, call: cst.Call) -> None:
+    def _hdf5_read_only(self, call: cst.Call) -> bool:
         """`f = h5py.File(path, "r+")` (or `"a"`) whose handle is only read (`f["data"][:]`,
         `f.keys()`, `f.close()`): HDF5 locks a file opened for writing, so the second rank to open
         it fails with BlockingIOError ("unable to lock file"); opened read-only, every rank can."""
         mode = arg(call, "mode", 1)
         if mode is None or not isinstance(mode.value, cst.SimpleString) \
                 or mode.value.evaluated_value not in ("r+", "a") or not self._only_read(call):
-            return
+            return False
         self.report(call, "every rank opens this HDF5 file for writing, which locks it (the second rank fails with "
                           "BlockingIOError: unable to lock file); it is only read here, so it is opened read-only",
                     edits=[replace(mode.value, lambda v: cst.SimpleString('"r"'))])
+        return True
+
+    @staticmethod
+    def _hdf5_created(call: cst.Call) -> bool:
+        """`h5py.File(path, "w")` (or "w-", "x"): the file is created, truncated if it was there;
+        every rank doing it writes the same file."""
+        mode = arg(call, "mode", 1)
+        return mode is not None and isinstance(mode.value, cst.SimpleString) \
+            and mode.value.evaluated_value in ("w", "w-", "x")
 
     def _only_read(self, call: cst.Call) -> bool:
         """The handle `call` opens (bound by `f = ...` or `with ... as f`) is only read."""
