@@ -250,14 +250,22 @@ FRAMEWORKS = ("accelerate", "lightning", "pytorch_lightning", "deepspeed", "horo
 
 
 def _managing_framework(ctx: Context):
-    """(library, import line) when the file imports one of FRAMEWORKS, else None."""
+    """(library, import line) when the file imports one of FRAMEWORKS, else None. Its helpers
+    alone (`from pytorch_lightning.utilities import rank_zero_only`, `accelerate.utils`) manage
+    nothing: such a file is migrated like any other."""
     for full in ctx.imports.names.values():
         root = full.split(".")[0]
-        if root in FRAMEWORKS:
+        if root in FRAMEWORKS and not _helpers_only(full):
             for stmt in ctx.imports.import_statements:
                 if any(root == _root_of(small) for small in stmt.body):
                     return root, stmt
     return None
+
+
+def _helpers_only(full: str) -> bool:
+    """`pytorch_lightning.utilities.rank_zero_only`, `lightning.pytorch.utilities.seed`,
+    `accelerate.utils.set_seed`: a framework's utility modules, not its trainer."""
+    return any(part in ("utilities", "utils") for part in full.split(".")[1:-1])
 
 
 def _root_of(node) -> str:
