@@ -66,7 +66,7 @@ class OutputFacts:
                 n and n.split(".")[0] in _NUMPY_LIBRARIES)]
         # one level of taint through lists: `preds.append(outputs)`
         for call in self._appends:
-            if scope_of(ctx, call) is scope and reads(ctx, call) & bound:
+            if scope_of(ctx, call) is scope and reads(ctx, call) & bound and not _plain_numbers(call):
                 r = root_name(receiver(call))
                 if r:
                     bound.add(r)
@@ -194,3 +194,17 @@ def output_facts(ctx: Context) -> OutputFacts:
     if found is None:
         found = ctx.facts["forward_outputs"] = OutputFacts(ctx)
     return found  # type: ignore[return-value]
+
+
+def _plain_numbers(append: cst.Call) -> bool:
+    """`preds.append(out.mean().item())`, `.extend(out.tolist())`, `append(float(loss))`: what goes
+    into the list is Python numbers, which any dtype converts to, not a tensor."""
+    if len(append.args) != 1 or append.args[0].star:
+        return False
+    value = append.args[0].value
+    if not isinstance(value, cst.Call):
+        return False
+    func = value.func
+    if isinstance(func, cst.Attribute) and func.attr.value in ("item", "tolist") and not value.args:
+        return True
+    return isinstance(func, cst.Name) and func.value in ("float", "int", "round")
