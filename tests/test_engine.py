@@ -216,7 +216,7 @@ def test_a_file_alone_works_out_its_own_effects_only_when_a_rule_asks():
     source = "import torch\nimport pickle\n\ndef dump(x, p):\n    pickle.dump(x, open(p, 'wb'))\n"
     assert set(effects.of_module(source, "a.py")) == effects.OWN_FIELDS
     view = _own_view(source, "a.py")
-    assert view.is_entry and len(object.__getattribute__(view, "_tm_pending")[3]) == 2  # not a field they fill
-    assert view.wrapped_attrs == {} and len(object.__getattribute__(view, "_tm_pending")[3]) == 1
+    assert view.is_entry and len(view.__dict__["_tm_pending"][3]) == 2  # not a field they fill
+    assert view.wrapped_attrs == {} and len(view.__dict__["_tm_pending"][3]) == 1
     assert view.call_writes == effects.of_module(source, "a.py")["call_writes"]
-    assert not object.__getattribute__(view, "_tm_pending")[3]
+    assert not view.__dict__["_tm_pending"][3]

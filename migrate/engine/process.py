@@ -329,28 +329,44 @@ class _OwnView(ModuleView):
     (`effects.class_fields`, `effects.effect_fields`: the latter reads the whole file once
     more), each group worked out the first time a rule asks for one of its fields: in `lint`,
     most files never do. A file that CPython cannot parse (too deeply nested, a syntax error)
-    keeps the empty view, and the parse that follows reports what is wrong with it."""
+    keeps the empty view, and the parse that follows reports what is wrong with it. The lazy
+    fields are properties (below), so reading any other field costs what it does on a view."""
 
     def __init__(self, source: str, path: str) -> None:
-        super().__init__()
         object.__setattr__(self, "_tm_pending", [source, path, None, {effects.class_fields, effects.effect_fields}])
+        super().__init__()
 
-    def __getattribute__(self, name: str):
-        group = effects.class_fields if name in effects.CLASS_FIELDS else (
-            effects.effect_fields if name in effects.EFFECT_FIELDS else None)
-        if group is not None:
-            pending = object.__getattribute__(self, "_tm_pending")
-            if group in pending[3]:
-                pending[3].discard(group)
-                try:
-                    if pending[2] is None:
-                        pending[2] = ast.parse(pending[0])
-                    found = group(pending[2], pending[1])
-                except (SyntaxError, ValueError, RecursionError, MemoryError):
-                    found = {}
-                for key, value in found.items():
-                    object.__setattr__(self, key, value)
-        return object.__getattribute__(self, name)
+    def _tm_fill(self, group) -> None:
+        pending = self.__dict__["_tm_pending"]
+        if group not in pending[3]:
+            return
+        pending[3].discard(group)
+        try:
+            if pending[2] is None:
+                pending[2] = ast.parse(pending[0])
+            found = group(pending[2], pending[1])
+        except (SyntaxError, ValueError, RecursionError, MemoryError):
+            found = {}
+        for key, value in found.items():
+            object.__setattr__(self, key, value)
+
+
+def _lazy_field(name: str, group) -> property:
+    """A field of `_OwnView` worked out with its `group` on first read; the dataclass's own
+    `__init__` stores its default through the setter."""
+    def read(self):
+        self._tm_fill(group)
+        return self.__dict__["_tm_fields"][name]
+
+    def store(self, value) -> None:
+        self.__dict__.setdefault("_tm_fields", {})[name] = value
+
+    return property(read, store)
+
+
+for _group, _names in ((effects.class_fields, effects.CLASS_FIELDS), (effects.effect_fields, effects.EFFECT_FIELDS)):
+    for _name in _names:
+        setattr(_OwnView, _name, _lazy_field(_name, _group))
 
 
 def _own_view(source: str, path: str) -> ModuleView:
