@@ -321,9 +321,6 @@ def container_owners(ctx: Context, node: cst.CSTNode) -> List[str]:
             for element in loop_iter.elements:
                 add(dotted(element.value))
             continue
-        if isinstance(loop_iter, cst.Call) and isinstance(loop_iter.func, cst.Attribute) and \
-                loop_iter.func.attr.value == "values" and not loop_iter.args:
-            loop_iter = loop_iter.func.value
         members = _literal_members(ctx, loop_iter, call)
         for member in members or [dotted(loop_iter)]:
             add(member)
@@ -346,7 +343,7 @@ def _literal_members(ctx: Context, node: cst.BaseExpression, at: cst.CSTNode) ->
 
 def loop_binding(ctx: Context, node: cst.CSTNode, name: str) -> Optional[cst.BaseExpression]:
     """What the innermost loop or comprehension around `node` (in its function) that binds
-    `name` as its plain target iterates."""
+    `name` as its plain target iterates: the dict itself for `for net in nets.values()`."""
     for anc in ctx.ancestors(node):
         if isinstance(anc, (cst.FunctionDef, cst.ClassDef, cst.Lambda)):
             return None
@@ -355,7 +352,11 @@ def loop_binding(ctx: Context, node: cst.CSTNode, name: str) -> Optional[cst.Bas
         for loop in loops:
             while loop is not None:
                 if isinstance(loop.target, cst.Name) and loop.target.value == name:
-                    return loop.iter
+                    over = loop.iter
+                    if isinstance(over, cst.Call) and isinstance(over.func, cst.Attribute) \
+                            and over.func.attr.value == "values" and not over.args:
+                        return over.func.value
+                    return over
                 loop = getattr(loop, "inner_for_in", None)
     return None
 

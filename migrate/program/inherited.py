@@ -100,8 +100,8 @@ def of_tree(tree: ast.Module, path: Path) -> Dict[str, object]:
             trained[(path, name)] = found
     to_wrap, wrapped = trained_in_bases({path: m}, trained)
     own = {name for _, name in _self_trained({path: m})}
-    made = {made_class(n.value).func.id for n in walk(tree) if isinstance(n, ast.Assign)
-            and made_class(n.value) is not None and isinstance(made_class(n.value).func, ast.Name)}
+    calls = (made_class(n.value) for n in walk(tree) if isinstance(n, ast.Assign))
+    made = {call.func.id for call in calls if call is not None and isinstance(call.func, ast.Name)}
     return {"base_wraps": {k: frozenset(a) for (_, k), a in to_wrap.items()},
             "wrapped_attrs": {k: frozenset(a) for (_, k), a in wrapped.items()},
             "self_trained": frozenset(own), "wrapped_where_made": frozenset(own & made)}

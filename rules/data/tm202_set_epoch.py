@@ -11,6 +11,7 @@ from torchmigrate.finding import Safety, insert_after, insert_before
 from torchmigrate.syntax.nodes import code, stmt
 from torchmigrate.program.loaders import (TM_SET_EPOCH, Loader, bind_params, header_loop, is_pure, key_of, loops_of,
                                           refs_at)
+from torchmigrate.program.syntax import target_names
 from torchmigrate.rule import Example
 from torchmigrate.rules.data.base import DataRule
 from torchmigrate.syntax.walk import child_nodes
@@ -316,7 +317,7 @@ class SetEpoch(DataRule):
             if isinstance(n, cst.AugAssign) and isinstance(n.target, cst.Name) and isinstance(n.operator, cst.AddAssign):
                 increments.append(n.target.value)
         reset = {name for n in _outermost(loop.body, cst.Assign, (cst.FunctionDef, cst.ClassDef, cst.Lambda))
-                 for t in n.targets for name in _target_names(t.target)}
+                 for t in n.targets for name in target_names(t.target)}
         candidates = [name for name in increments if name not in reset]
         if not candidates:
             return None
@@ -369,15 +370,6 @@ class SetEpoch(DataRule):
             self.report(ins.loop, f"`{ins.text}` is reshuffled each epoch only when its sampler knows the epoch: "
                                   f"call `{call_text}` at the start of the epoch",
                         edits=[edit], imports=imports, statement=ins.loop)
-
-
-def _target_names(target: cst.BaseExpression) -> List[str]:
-    """Plain names an assignment target binds (`a`, `a, b = ...`)."""
-    if isinstance(target, cst.Name):
-        return [target.value]
-    if isinstance(target, (cst.Tuple, cst.List)):
-        return [n for e in target.elements for n in _target_names(e.value)]
-    return []
 
 
 def _named_epoch(loop: cst.CSTNode) -> bool:

@@ -1165,8 +1165,6 @@ class _BatchMoves:
         name = dotted(func)
         if isinstance(func, cst.Name) and name not in self.models:
             over = analysis.loop_binding(self.ctx, call, func.value)
-            if isinstance(over, cst.Call) and isinstance(over.func, cst.Attribute) and over.func.attr.value == "values":
-                over = over.func.value
             return dotted(over) if over is not None else name
         return name
 

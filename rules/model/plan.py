@@ -1719,20 +1719,22 @@ class Plan:
         if chain is None:
             return False
         name = dotted(node.value)
+
+        def forwards(c: cst.Call) -> bool:
+            """`model(x)` runs DDP's forward; `forward(model, batch)` hands it to a helper that may
+            (if not, the runtime averages the step's gradients)."""
+            return dotted(c.func) == name or any(not a.star and dotted(a.value) == name for a in c.args)
+
         block = self.ctx.parent(chain[0])
         body = list(getattr(block, "body", ()))
         before = body[:body.index(chain[0])] if chain[0] in body else []  # the step's earlier statements
-        for statement in before:
-            if any(dotted(c.func) == name or any(not a.star and dotted(a.value) == name for a in c.args)
-                   for c in self.ctx.within(statement, cst.Call)):
-                return False  # `targets, scores = forward(model, i, data)` ran the forward (or a helper may)
+        if any(forwards(c) for statement in before for c in self.ctx.within(statement, cst.Call)):
+            return False  # `targets, scores = forward(model, i, data)` before the loss
         for statement in chain:
             for c in self.ctx.within(statement, cst.Call):
                 func = c.func
-                if dotted(func) == name:
-                    return False  # `model(x)` runs DDP's forward already
-                if any(not a.star and dotted(a.value) == name for a in c.args):
-                    return False  # `forward(model, batch)`: a helper runs it (else the runtime averages)
+                if forwards(c):
+                    return False
                 if isinstance(func, cst.Attribute) and dotted(func.value) == name \
                         and func.attr.value not in STATE_METHODS:
                     return func is node

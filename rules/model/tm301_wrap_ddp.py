@@ -33,8 +33,9 @@ class WrapDDP(ModelRule):
     dict or list in place; over a literal (`for m in (encoder, decoder)`) each model is wrapped.
     A model that builds its own optimizer over `self.parameters()` in its `__init__` is
     wrapped where the program makes it (`model = SessionGraph(opt, n)`, in any module): DDP keeps
-    the Parameter objects that optimizer already holds. A model created on its optimizer's own line (`model = Net(); opt = SGD(model.parameters())`)
-    is wrapped between the two, on that line. When a same-file helper builds the optimizer from a model it receives
+    the Parameter objects that optimizer already holds. A model created on its optimizer's own
+    line (`model = Net(); opt = SGD(model.parameters())`) is wrapped between the two, on that
+    line. When a same-file helper builds the optimizer from a model it receives
     (`optimizer = build_optimizer(model, cfg)`), the wrap goes before that call. When the
     optimizer is built again on every pass of a loop (repeats, folds) while the model is wrapped
     once before it, `tm.share_params(model)` goes before each pass's optimizer: weights the pass
@@ -87,8 +88,8 @@ class WrapDDP(ModelRule):
     ## Limitations
     A model created at module level whose optimizer is built inside a function, an optimizer
     whose model cannot be traced, a module that builds its own optimizer from `self.parameters()`
-    but is never bound to a name where it is made, and a training script with no optimizer at all (parameters updated by hand) are reported for a
-    manual wrap.
+    but is never bound to a name where it is made, and a training script with no optimizer at
+    all (parameters updated by hand) are reported for a manual wrap.
     """
 
     code = "TM301"
