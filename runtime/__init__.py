@@ -62,7 +62,7 @@ __all__ = [
     "Ctx", "setup", "cleanup", "device", "rank", "local_rank", "world_size", "is_main",
     "is_distributed", "wrap_model", "unwrap", "sampler", "eval_sampler", "sharded", "set_epoch", "no_sync",
     "amp_dtype", "autocast", "GradScaler", "print", "input", "bar_stream", "barrier", "all_reduce", "gather_for_metrics", "gather_list", "broadcast_object", "shared_generator", "grad", "any_rank", "share_params", "sync_grads", "shard_stream",
-    "shard_sampler", "reduce_meter", "per_rank_batch", "sync_batchnorm", "synced", "to_float32",
+    "shard_sampler", "reduce_meter", "per_rank_batch", "batch_rows", "sync_batchnorm", "synced", "to_float32",
     "save", "load", "strip_prefix", "load_state_dict", "seed_everything", "seed_per_rank", "main_only", "main_process_first",
     "shard_range", "shard_indices", "shard_mean", "shard_batches", "agreed", "on_main", "move_into_place", "to_device", "as_device",
     "set_device",
@@ -1783,6 +1783,7 @@ class _Streams:
 
 
 _BATCH_WARNED: set = set()
+_DIVIDED_BATCHES: set = set()  # batch sizes per_rank_batch divided in this process (see batch_rows)
 
 
 def per_rank_batch(batch_size: int) -> int:
@@ -1797,6 +1798,7 @@ def per_rank_batch(batch_size: int) -> int:
     if batch_size is None or world <= 1:
         return batch_size
     size = int(batch_size)
+    _DIVIDED_BATCHES.add(size)
     if size % world:
         low, high = size - size % world, size + world - size % world
         nearest = f"{low} or {high}" if low else f"{high}"
@@ -1807,6 +1809,19 @@ def per_rank_batch(batch_size: int) -> int:
                   f"A batch size of {nearest} keeps the original's global batch exactly.")
         return -(-size // world)
     return size // world
+
+
+def batch_rows(batch_size: int) -> int:
+    """The rows of a tensor that a training step sizes by the configured ``batch_size`` while its
+    loader is built elsewhere: this rank's share once a loader's batch of that size was divided,
+    else ``batch_size``. GAN noise ``torch.randn(batch_size, nz)`` and labels
+    ``torch.ones(batch_size)`` in a trainer module whose loader another module builds: the
+    migration cannot see the loader from there, so the runtime matches them to it:
+    ``per_rank_batch(batch_size)`` where ``per_rank_batch`` divided a batch of that size in this
+    process, the size itself where nothing did (one process, a loader that kept its batch)."""
+    if batch_size is None or world_size() <= 1:
+        return batch_size
+    return per_rank_batch(batch_size) if int(batch_size) in _DIVIDED_BATCHES else batch_size
 
 
 def eval_sampler(dataset, shuffle: bool = False, seed: int = 0) -> Sampler:

@@ -48,6 +48,9 @@ CASES = {
     "model_owns_optimizer": (["train.py"], ["model.py"]),
     # the networks kept in a dict, one optimizer over all of them: each wrapped in place
     "models_in_dict": (["train.py"], []),
+    # the loader built in data.py, the noise and labels drawn in trainer.py from the configured
+    # batch size: they follow the loader's divided batch (`tm.batch_rows`)
+    "gan_loader_elsewhere": (["train.py"], ["data.py", "trainer.py"]),
 }
 # project -> (file under OUT_DIR, its lines after a 3-epoch run under torchrun): written once
 LINES_WRITTEN = {"config_driven": ("results.csv", ["epoch,loss", "0,", "1,", "2,"])}
@@ -107,6 +110,8 @@ def test_project_migrates_and_trains(project, tmp_path):
         ranks = [r["output"] for r in verdict["ranks"]]
         assert [int(m.group(1)) for m in EPOCH_LINE.finditer(ranks[0])] == [0, 1, 2], ranks[0][-3000:]
         assert not EPOCH_LINE.search(ranks[1]), f"rank 1 logs no epoch line:\n{ranks[1][-3000:]}"
+        if project == "gan_loader_elsewhere":  # fake rows match this rank's real rows: 16 / 2
+            assert "rows 8 8" in ranks[0], ranks[0][-3000:]
         if project == "data_eval_modules":  # the per-class counts cover the whole validation set
             counts = [json.loads(c) for c in re.findall(r"per-class (\[[0-9, ]+\])", ranks[0])]
             assert len(counts) == 3 and all(sum(c) == 72 for c in counts), counts
@@ -137,6 +142,8 @@ def test_project_migrates_and_trains(project, tmp_path):
                                text=True, timeout=180)
         assert plain.returncode == 0, plain.stdout[-2000:] + plain.stderr[-3000:]
         assert [int(m.group(1)) for m in EPOCH_LINE.finditer(plain.stdout)] == [0, 1, 2]
+        if project == "gan_loader_elsewhere":  # one process: the whole batch, as the original
+            assert "rows 16 16" in plain.stdout, plain.stdout
 
 
 def test_no_follow_migrates_only_the_entry(tmp_path):

@@ -91,7 +91,7 @@ def _decide(ctx: Context) -> List[BatchSite]:
         size = args.get("batch_size") or _size_in_kwargs(ctx, loader.call)
         if size is not None and DIVIDED in code(size.value):
             continue  # migrated already
-        shapes = [u for u in loader.batch_uses if _shape_of_batch(ctx, u)]
+        shapes = [u for u in loader.batch_uses if shape_of_batch(ctx, u)]
         divided = bool(shapes) and len(shapes) == len(loader.batch_uses)  # every read a shape
         kept = _sized_elsewhere(ctx, size) or _rebatched(ctx, args) or _kept(loader, size, args, shapes_divided=divided)
         sites.append(BatchSite(loader, size, kept, [] if kept else shapes))
@@ -147,7 +147,7 @@ def _sized_elsewhere(ctx: Context, size: Optional[cst.CSTNode]) -> str:
     return ""
 
 
-def _shape_of_batch(ctx: Context, use: cst.CSTNode) -> bool:
+def shape_of_batch(ctx: Context, use: cst.CSTNode) -> bool:
     """`use` (the batch size expression) is a dimension of a tensor made or reshaped here, or is
     compared with the rows of a batch (`assert x.shape[0] == n * batch_size`)."""
     if compared_with_rows(ctx, use):

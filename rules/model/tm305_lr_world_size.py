@@ -11,7 +11,7 @@ from torchmigrate.analysis import Optimizer
 from torchmigrate.finding import Safety, replace
 from torchmigrate.rule import Example
 from torchmigrate.rules.model.base import ModelRule
-from torchmigrate.rules.model.batch import batch_sites, divide_fix, loaders_carry_batch, per_rank
+from torchmigrate.rules.model.batch import shape_of_batch, batch_sites, divide_fix, loaders_carry_batch, per_rank
 from torchmigrate.syntax.imports import dotted
 from torchmigrate.syntax.nodes import code
 
@@ -35,6 +35,24 @@ def _batch_count(value: cst.BaseExpression) -> bool:
         index = value.slice[0].slice if value.slice else None
         return isinstance(index, cst.Index) and isinstance(index.value, cst.Integer) and index.value.value == "0"
     return False
+
+
+def _batch_size_name(node: cst.CSTNode) -> bool:
+    """`batch_size`, `args.batch_size`, `self.batch`, `cfg.train_batch_size`, `bs`: a name or
+    attribute that holds a configured batch size (not an evaluation's, not a count of batches)."""
+    leaf = (node.attr.value if isinstance(node, cst.Attribute) else node.value).lower()
+    if any(word in leaf for word in ("eval", "test", "val", "valid", "num", "n_batches", "batches")):
+        return False
+    return "batch_size" in leaf or "batchsize" in leaf or leaf in ("batch", "bs", "batch_sz", "mb_size", "mbsize")
+
+
+def _follows_batch(ctx, step: cst.CSTNode, node: cst.CSTNode) -> bool:
+    """`node` is a plain name assigned inside the training step (`batch_size = real.size(0)`):
+    it follows the batches themselves, which are already the rank's."""
+    if not isinstance(node, cst.Name):
+        return False
+    return any(isinstance(t.target, cst.Name) and t.target.value == node.value
+               for a in ctx.within(step, cst.Assign) for t in a.targets)
 
 
 def _factors(value: cst.BaseExpression) -> List[str]:
@@ -96,7 +114,10 @@ class LrWorldSize(ModelRule):
     share each sample would see fewer negatives; `program.batch_coupling`). A loop that reads it
     only as a tensor's shape (GAN noise `torch.randn(args.batch_size, nz)`, labels
     `torch.ones(args.batch_size, 1)`, `out.view(args.batch_size, -1)`) gets
-    `tm.per_rank_batch(args.batch_size)` there too: those tensors are this rank's batch. A program whose
+    `tm.per_rank_batch(args.batch_size)` there too: those tensors are this rank's batch. A
+    training step whose loader is built where this module cannot see it (a trainer class handed
+    the loader, a step function) sizes them `tm.batch_rows(self.batch_size)`: the runtime divides
+    them where a training loader's batch of that size was divided. A program whose
     training batches come from no DataLoader (a hand-made iterator, a loader a library builds)
     gets the TODO at its optimizer. Evaluation loaders keep their batch size.
 
@@ -170,6 +191,8 @@ class LrWorldSize(ModelRule):
         ctx = self.ctx
         for site in batch_sites(ctx):
             self._batch(site)
+        if loaders_carry_batch(ctx):
+            self._shapes_sized_elsewhere()
         self._batches_per_epoch()
         if ctx.options.mode == "ddp" and ctx.options.shard_training:
             self._sample_counters()
@@ -208,6 +231,37 @@ class LrWorldSize(ModelRule):
                                      "keep their meaning (batch policy `global`; `--batch-policy per-gpu` keeps each "
                                      f"rank's batch and scales the learning rate instead){shapes}",
                     edits=edits, imports=[self.ctx.runtime_import()])
+
+    def _shapes_sized_elsewhere(self) -> None:
+        """A training step of this module that makes tensors sized by a configured batch size
+        (`torch.randn(self.batch_size, nz)` noise, `torch.ones(self.batch_size)` labels) while
+        no loader of this module feeds it: the loader is built in another module or a factory,
+        where TM305 divides its batch. The rows become `tm.batch_rows(size)`, which the runtime
+        divides only where a training loader divided a batch of that size, so the made tensors
+        match the rank's real batches, and stay whole where they did not (one process, a loader
+        that kept its batch)."""
+        ctx = self.ctx
+        sites = batch_sites(ctx)
+        handled = {id(use) for site in sites for use in site.shapes}
+        kept = {code(site.size.value) for site in sites if site.size is not None}
+        steps = {id(s): s for call in ctx.nodes(cst.Call) if analysis.is_backward(call)
+                 and (s := ctx.enclosing(call, cst.For, cst.While, cst.FunctionDef)) is not None}
+        for step in steps.values():
+            uses = [n for n in ctx.within(step, cst.Name, cst.Attribute)
+                    if id(n) not in handled and code(n) not in kept and _batch_size_name(n)
+                    and not (isinstance(n, cst.Name) and isinstance(ctx.parent(n), cst.Attribute))
+                    and shape_of_batch(ctx, n) and not _follows_batch(ctx, step, n)]
+            if not uses:
+                continue
+            tm = ctx.tm
+            self.report(uses[0], f"this training step makes tensors sized by `{code(uses[0])}` (noise, labels, "
+                                 f"views) from batches loaded elsewhere: `{tm}.batch_rows` gives them this rank's "
+                                 "share wherever a training loader's batch of that size is divided among the ranks "
+                                 "(batch policy `global`), so they match the rank's real batches",
+                        edits=[replace(use, lambda v: cst.Call(func=cst.parse_expression(f"{tm}.batch_rows"),
+                                                               args=[cst.Arg(v.with_changes(lpar=[], rpar=[]))]))
+                               for use in uses],
+                        imports=[ctx.runtime_import()])
 
     def _batches_per_epoch(self) -> None:
         """`len(loader.dataset) / loader.batch_size` of a loader whose batch is divided: the
