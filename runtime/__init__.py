@@ -2080,13 +2080,17 @@ def all_reduce(*xs, op: str = "sum", over=None):
     ``op``: "sum", "mean", "max" or "min". Python numbers in, numbers out (ints stay ints for
     sum/max/min; mean gives floats); tensors in, new tensors out on the input's device (moved to
     the GPU for nccl and back; fp16/bf16 are reduced in float32; integer/bool mean gives float,
-    bool sum gives int64). Values are packed into one flat buffer per dtype, so one collective runs
-    per dtype (ints travel as int64, exactly; floats as float64). One argument returns one value,
-    several a tuple.
+    bool sum gives int64); a list or tuple of numbers or tensors (per-class counts, one running
+    loss per head) in, a new one of the same type out, reduced element by element (the lengths
+    must agree across ranks). Values are packed into one flat buffer per dtype, so one collective
+    runs per dtype (ints travel as int64, exactly; floats as float64). One argument returns one
+    value, several a tuple.
     1 process: identity (except mean's float conversion). For metrics, not autograd.
     """
     if op not in _OPS:
         raise ValueError(f"all_reduce: op must be one of {sorted(_OPS)}, got {op!r}")
+    if any(isinstance(x, (list, tuple)) for x in xs):
+        return _all_reduce_sequences(xs, op, over)
     world = world_size() if over is None or sharded(over) else 1
     out = list(xs)
     if world > 1:
@@ -2122,6 +2126,30 @@ def all_reduce(*xs, op: str = "sum", over=None):
             out[i] = float(y) / world
         elif isinstance(x, numbers.Integral):
             out[i] = int(y)
+    return out[0] if len(out) == 1 else tuple(out)
+
+
+def _all_reduce_sequences(xs, op: str, over):
+    """``all_reduce`` of arguments some of which are lists or tuples: their elements are reduced
+    with the other values in one call, then put back into a sequence of the input's type."""
+    flat: list = []
+    for x in xs:
+        if isinstance(x, (list, tuple)):
+            if any(isinstance(e, (list, tuple)) for e in x):
+                raise TypeError("all_reduce: expected numbers, tensors or flat lists of them, got a nested list")
+            flat.extend(x)
+        else:
+            flat.append(x)
+    got = all_reduce(*flat, op=op, over=over) if flat else ()
+    got = list(got) if len(flat) > 1 else [got] if flat else []
+    out, at = [], 0
+    for x in xs:
+        if isinstance(x, (list, tuple)):
+            out.append(type(x)(got[at:at + len(x)]) if type(x) in (list, tuple) else list(got[at:at + len(x)]))
+            at += len(x)
+        else:
+            out.append(got[at])
+            at += 1
     return out[0] if len(out) == 1 else tuple(out)
 
 

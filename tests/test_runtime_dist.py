@@ -120,6 +120,8 @@ def test_all_reduce_numbers_and_tensors(collectives):
         assert [v["value"] for v in r["min"]] == [0, -1.0, [0, -1]]
         assert r["bf16"]["value"] == [3.0, 1.0] and r["bf16"]["dtype"] == "torch.bfloat16"
         assert r["input_untouched"]
+        assert r["lists"] == ["list", [1, 4], "tuple", [0.5, 2.0], 1, True]
+        assert r["list_mean"] == [0.5, 1.0]
 
 
 def test_broadcast_object_and_shared_generator_agree_across_ranks(collectives):

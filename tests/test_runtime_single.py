@@ -474,6 +474,12 @@ def test_all_reduce_is_identity_with_types():
     counted = tm.all_reduce(torch.tensor([True, False]))
     assert counted.dtype == torch.int64 and counted.tolist() == [1, 0]
     assert tm.all_reduce(True) == 1
+    per_class = [3, 4]
+    got, heads = tm.all_reduce(per_class, (1.5, 2))
+    assert got == [3, 4] and got is not per_class and type(heads) is tuple and heads == (1.5, 2)
+    assert tm.all_reduce([1, 2], op="mean") == [1.0, 2.0] and tm.all_reduce([]) == []
+    with pytest.raises(TypeError, match="nested"):
+        tm.all_reduce([[1], [2]])
     with pytest.raises(ValueError, match="op"):
         tm.all_reduce(1, op="prod")
 

@@ -16,8 +16,8 @@ from torchmigrate import analysis
 from torchmigrate.finding import Safety, insert_after
 from torchmigrate.syntax.nodes import code, expr
 from torchmigrate.program.loaders import is_pure, refs_at
-from torchmigrate.program.metrics import (dict_sums, leaves_early, loader_expr, loader_loop, loop_sums,
-                                          named_like_loader)
+from torchmigrate.program.metrics import (dict_sums, events_after, initial_value, is_number, iterates_loader,
+                                          leaves_early, loader_expr, loader_loop, loop_sums, named_like_loader)
 from torchmigrate.rule import Context, Example, Rule
 from torchmigrate.program.rank_guards import collective_guard
 from torchmigrate.rules._active import active
@@ -59,6 +59,14 @@ class ReduceCounts(Rule):
     read of a summed entry is a division of summed entries, or a sum over samples shown as it is;
     otherwise (the dict returned whole, a sum of per-batch means shown as it is, PSNR derived
     from a summed MSE) the dict is reported.
+
+    Lists of running sums summed by index (`loss_epoch[idx] += loss.item()`, one running loss
+    per head or module; `correct[c] += ...; total[c] += ...`, per-class counts), set to a list of
+    numbers before the loop (`[0] * n`, `[0.0 for _ in range(n)]`) and also summed from a loop
+    over the heads or classes nested in the batch loop, are reduced element by element
+    (`correct, total = tm.all_reduce(correct, total)`): summed where every value added is a
+    count or a sum over samples, averaged over the ranks (`op="mean"`) where every value is one
+    batch's mean in a training loop; any other list is reported with the line to add.
 
     Only loops over a sharded loader need it. A loader every rank iterates in full (an
     evaluation loader TM203 keeps whole, or one the program's other modules hand this function
@@ -183,6 +191,75 @@ class ReduceCounts(Rule):
                              f"and compute what is derived from them (means, PSNR) afterwards",
                         statement=ctx.statement_of(loop))
 
+    def _list_sums(self) -> Set[str]:
+        """`loss_epoch[idx] += loss.item()` (one running loss per head or module),
+        `correct[c] += ...; total[c] += ...` (per-class counts): a list of running sums, set to
+        a list of numbers before a loop over a sharded loader, summed by index in it (also from
+        a loop over the heads or classes nested in it). The lists of one loop are reduced
+        together after it, element by element: summed where every value added is a count or a
+        sum over samples, averaged over the ranks (`op="mean"`) where every value is one
+        batch's mean loss in a training loop (each rank runs as many batches, so the mean of the
+        ranks' totals is the original's); anything else is reported. The names handled, so the
+        dict path leaves them alone."""
+        ctx = self.ctx
+        by_loop: Dict[cst.For, Dict[str, List[cst.AugAssign]]] = {}
+        for aug in self.dict_augs:
+            name = aug.target.value.value
+            loop = _data_loop(ctx, aug)
+            if loop is None:
+                continue
+            found, value = initial_value(ctx, loop, name)
+            if found and _number_list(value):
+                by_loop.setdefault(loop, {}).setdefault(name, []).append(aug)
+        handled: Set[str] = set()
+        for loop, lists in by_loop.items():
+            handled |= set(lists)
+            sharding = loop_sharding(ctx, loop)
+            if sharding == "whole":
+                continue
+            events = events_after(ctx, loop, set(lists))
+            used = [n for n in lists if events[n].uses or events[n].augs]
+            if not used or any(events[n].collective for n in used):
+                continue  # read by nothing after the loop, or reduced already (a second run)
+            trains = analysis.runs_backward(ctx, loop)
+            groups: Dict[Optional[str], List[str]] = {}
+            for n in used:
+                values = [a.value for a in lists[n]]
+                op = None
+                if _counted(ctx, loop, n):
+                    if all(_PER_SAMPLE_SUM.search(code(v)) for v in values):
+                        op = ""
+                    elif trains and all(_batch_mean(v) for v in values):
+                        op = "mean"
+                groups.setdefault(op, []).append(n)
+            over = code(loader_expr(ctx, loop.iter)) if sharding == "unknown" else None
+            if over is not None and not is_pure(loader_expr(ctx, loop.iter)):
+                over = None
+            guard = collective_guard(ctx, loop)
+            statements = []
+            for op, names in groups.items():
+                listed = ", ".join(f"`{n}`" for n in names)
+                one = len(names) == 1
+                line = _reduce_line(ctx.tm, names, (f', op="{op}"' if op else "") + (f", over={over}" if over else ""))
+                if op is None or guard is not None or leaves_early(ctx, loop):
+                    why = ("this loop runs under a rank guard, where a reduction would hang the other ranks: evaluate "
+                           "on every rank and add" if guard is not None else
+                           "sum them across ranks where they add up samples, average them where they add up one "
+                           "value per batch, by adding")
+                    self.report(loop, f"{listed} {'sums' if one else 'sum'} values by index over this rank's shard "
+                                      f"only: {why} `{line}` after the loop (`op=\"mean\"` for an average)",
+                                statement=ctx.statement_of(loop))
+                    continue
+                statements.append(_reduce_statement(ctx.tm, names, op, over, _depth(ctx, loop)))
+                self.report(loop, f"{listed} {'sums' if one else 'sum'} values by index over this rank's shard only; "
+                                  f"reduce {'it' if one else 'them'} across ranks after the loop, element by element"
+                                  + (" (the ranks' mean: each entry adds one mean per batch, and every rank runs as "
+                                     "many batches)" if op == "mean" else "")
+                                  + (f" (`over={over}`: left as {'it is' if one else 'they are'} where the loader is "
+                                     "not sharded)" if over else ""),
+                            edits=[insert_after(loop, [statements[-1]])], imports=[ctx.runtime_import()])
+        return handled
+
     def visit_AugAssign(self, node: cst.AugAssign) -> None:
         if isinstance(node.operator, cst.AddAssign) and isinstance(node.target, cst.Name):
             self.augs.append(node)
@@ -194,6 +271,8 @@ class ReduceCounts(Rule):
         ctx = self.ctx
         if not active(ctx):
             return
+        lists = self._list_sums()
+        self.dict_augs = [a for a in self.dict_augs if a.target.value.value not in lists]
         self._dict_sums()
         if not self.augs:
             return
@@ -218,7 +297,6 @@ class ReduceCounts(Rule):
                 if isinstance(a.target, cst.Name) and a.target.value == name]
         if not augs or not all(isinstance(a.operator, cst.AddAssign) and _batch_mean(a.value) for a in augs):
             return False
-        from torchmigrate.program.metrics import events_after
         from torchmigrate.rules.model.batch import batch_sites
 
         events = events_after(ctx, loop, {name})[name]
@@ -302,6 +380,50 @@ class ReduceCounts(Rule):
                                    f"across ranks before dividing")
             else:
                 self.report(first, _manual_message(tm, bad_names, den, padded=bool(exact.batches), over=over))
+
+
+# a count or a sum over a batch's samples (`(pred == y).sum().item()`, `y.size(0)`, `len(y)`)
+_PER_SAMPLE_SUM = re.compile(r"\.sum\(|size\(|len\(|shape\[|numel\(|count")
+
+
+def _data_loop(ctx: Context, node: cst.CSTNode) -> Optional[cst.For]:
+    """The loop over data around `node` in its function: the nearest `for` over a loader, or one
+    that runs a training step itself over something other than `range(...)` (a loop over the
+    heads, classes or modules nested in the batch loop is not it)."""
+    for anc in ctx.ancestors(node):
+        if isinstance(anc, (cst.FunctionDef, cst.ClassDef, cst.Lambda)):
+            return None
+        if not isinstance(anc, cst.For):
+            continue
+        ranged = isinstance(anc.iter, cst.Call) and isinstance(anc.iter.func, cst.Name) \
+            and anc.iter.func.value == "range"
+        if iterates_loader(ctx, anc.iter) or (not ranged and analysis.trains_itself(ctx, anc)):
+            return anc
+    return None
+
+
+def _number_list(value: Optional[cst.BaseExpression]) -> bool:
+    """`[0, 0.0]`, `[0] * n`, `[0.0 for _ in range(n)]`: a list of numbers to sum into by index."""
+    if isinstance(value, cst.BinaryOperation) and isinstance(value.operator, cst.Multiply):
+        return _number_list(value.left) or _number_list(value.right)
+    if isinstance(value, cst.List):
+        return bool(value.elements) and all(is_number(e.value) for e in value.elements)
+    return isinstance(value, cst.ListComp) and is_number(value.elt)
+
+
+def _counted(ctx: Context, loop: cst.For, name: str) -> bool:
+    """Inside `loop`, `name` is only summed into by index (`name[i] += v`) and read, never
+    rebound, appended to or written otherwise."""
+    for node in ctx.within(loop.body, cst.AugAssign, cst.Assign, skip_defs=True):
+        targets = [node.target] if isinstance(node, cst.AugAssign) else [t.target for t in node.targets]
+        for t in targets:
+            if isinstance(t, cst.Name) and t.value == name:
+                return False
+            if isinstance(t, cst.Subscript) and isinstance(t.value, cst.Name) and t.value.value == name \
+                    and not (isinstance(node, cst.AugAssign) and isinstance(node.operator, cst.AddAssign)):
+                return False
+    return not any(isinstance(c.func, cst.Attribute) and isinstance(c.func.value, cst.Name)
+                   and c.func.value.value == name for c in ctx.within(loop.body, cst.Call, skip_defs=True))
 
 
 _BATCH_MEAN = re.compile(r"(?i)(loss|err|nll|acc|ppl|mse|mae|psnr|ssim)")

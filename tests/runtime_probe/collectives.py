@@ -98,6 +98,12 @@ def main(outdir):
     res["max"] = [described(v) for v in tm.all_reduce(r, float(-r), torch.tensor([r, -r]), op="max")]
     res["min"] = [described(v) for v in tm.all_reduce(r, float(-r), torch.tensor([r, -r]), op="min")]
     res["bf16"] = described(tm.all_reduce(torch.tensor([1.5, r], dtype=torch.bfloat16)))
+    # lists and tuples: reduced element by element, with the other arguments, same types back
+    per_class, heads = [r, 2 * r + 1], (0.5 * r, 1.0)
+    lists = tm.all_reduce(per_class, heads, r)
+    res["lists"] = [type(lists[0]).__name__, lists[0], type(lists[1]).__name__, list(lists[1]), lists[2],
+                    per_class == [r, 2 * r + 1]]
+    res["list_mean"] = tm.all_reduce([r, 1.0], op="mean")
     inp = torch.tensor([float(r)])
     tm.all_reduce(inp)
     res["input_untouched"] = inp.tolist() == [float(r)]
