@@ -1108,6 +1108,29 @@ def _base(node: cst.BaseExpression) -> Optional[str]:
             return None
 
 
+def _counting_loop(node: cst.CSTNode) -> bool:
+    """`for c in range(n_classes):` inside a batch loop: a loop over indices, whose body works
+    on the batch of the loop around it (per-class counts), not a loop over data of its own."""
+    return isinstance(node, cst.For) and isinstance(node.iter, cst.Call) and isinstance(node.iter.func, cst.Name) \
+        and node.iter.func.value == "range"
+
+
+def _elementwise_bases(node: cst.BaseExpression) -> List[str]:
+    """The variables an operand is computed from elementwise: `y` for `y`, `y.view(-1)`, and for
+    `(y == c)`, `y * w`, `~mask` the operands' own (a tensor met with the model's outputs through
+    `(pred == c) & (y == c)` must be on their device too)."""
+    if isinstance(node, cst.Comparison):
+        parts = [node.left, *(c.comparator for c in node.comparisons)]
+    elif isinstance(node, cst.BinaryOperation):
+        parts = [node.left, node.right]
+    elif isinstance(node, cst.UnaryOperation):
+        parts = [node.expression]
+    else:
+        base = _base(node)
+        return [base] if base is not None else []
+    return [b for part in parts for b in _elementwise_bases(part)]
+
+
 _LOSS_NAME = re.compile(r"loss|crit|objective|distance", re.IGNORECASE)
 
 
@@ -1311,9 +1334,9 @@ class _BatchMoves:
                    for o in operands]
             if any(hot):
                 for o, h in zip(operands, hot):
-                    base = _base(o)
-                    if not h and base in derived:
-                        into.add(derived[base])
+                    for base in _elementwise_bases(o) if not h else ():
+                        if base in derived:
+                            into.add(derived[base])
 
         for node in self._nodes_in(loop):
             if isinstance(node, cst.Call):
@@ -1368,7 +1391,7 @@ class _BatchMoves:
         def go(n: cst.CSTNode) -> None:
             out.append(n)
             for child in n.children:
-                if not isinstance(child, _LOOP_OR_SCOPE):
+                if not isinstance(child, _LOOP_OR_SCOPE) or _counting_loop(child):
                     go(child)
 
         go(loop.body)
