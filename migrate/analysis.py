@@ -28,7 +28,7 @@ from torchmigrate.syntax.imports import dotted, leading_import_anchor
 FILE_WRITERS = frozenset({
     "numpy.save", "numpy.savez", "numpy.savez_compressed", "numpy.savetxt",
     "matplotlib.pyplot.savefig", "imageio.imwrite", "imageio.imsave", "imageio.v2.imwrite",
-    "imageio.v3.imwrite", "cv2.imwrite", "scipy.io.savemat", "scipy.io.wavfile.write",
+    "imageio.v3.imwrite", "cv2.imwrite", "scipy.io.savemat", "scipy.io.wavfile.write", "scipy.sparse.save_npz",
     "soundfile.write", "torchaudio.save", "pickle.dump", "joblib.dump",
 })
 # Methods that write a file whatever object has them (a figure, a DataFrame, a pathlib.Path).

@@ -63,6 +63,7 @@ _WRITERS = frozenset({
     "matplotlib.pyplot.savefig", "matplotlib.pyplot.imsave", "imageio.imwrite", "imageio.imsave",
     "imageio.mimsave", "imageio.mimwrite", "imageio.v2.imwrite", "imageio.v2.mimsave", "imageio.v3.imwrite",
     "cv2.imwrite", "scipy.misc.imsave", "scipy.misc.toimage", "scipy.io.savemat", "scipy.io.wavfile.write",
+    "scipy.sparse.save_npz",
     "soundfile.write", "torchaudio.save", "pickle.dump", "joblib.dump", "json.dump", "yaml.dump",
     "yaml.safe_dump", "torch.save", "torchvision.utils.save_image", "shutil.copy", "shutil.copyfile",
     "shutil.copy2", "shutil.copytree", "shutil.move", "shutil.rmtree", "os.remove", "os.unlink",

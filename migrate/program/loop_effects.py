@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 # Libraries whose calls compute values and keep nothing (their writers are listed below).
 _PURE_LIBRARIES = ("torch.", "numpy.", "math.", "statistics.", "operator.", "functools.", "itertools.",
                    "einops.", "torchvision.transforms.", "torchmigrate.runtime.")
-_WRITERS = ("save", "savez", "savez_compressed", "savetxt", "tofile", "dump", "write", "imwrite", "imsave",
+_WRITERS = ("save", "savez", "savez_compressed", "save_npz", "savetxt", "tofile", "dump", "write", "imwrite", "imsave",
             "save_image", "write_video", "write_png", "write_jpeg")
 _BUILTINS = frozenset({"len", "float", "int", "bool", "str", "max", "min", "sum", "abs", "round", "range",
                        "enumerate", "zip", "list", "tuple", "dict", "set", "sorted", "isinstance", "print",

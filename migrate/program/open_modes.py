@@ -76,10 +76,22 @@ def mode_names_cst(nodes: Iterable["cst.Assign"]) -> Dict[str, str]:
     return {k: v for k, v in found.items() if v}
 
 
+def _joined(parts, of) -> Optional[str]:
+    """The characters of a mode built by concatenation (`mode + self.file_flags`, `"w" + "b"`):
+    the known parts' characters where they include a writing one (whatever the rest adds, the
+    file is written), else where every part is known; None otherwise."""
+    found = [of(part) for part in parts]
+    known = "".join(c for c in found if c is not None)
+    return known if None not in found or writes(known) else None
+
+
 def mode_of_ast(mode: Optional[ast.AST], names: Optional[Dict[str, str]]) -> Optional[str]:
-    """The characters `mode` (a literal, a conditional of literals, or a name of `names`) may hold."""
+    """The characters `mode` (a literal, a conditional of literals, a name of `names`, or a
+    concatenation of those) may hold."""
     if mode is None:
         return None
+    if isinstance(mode, ast.BinOp) and isinstance(mode.op, ast.Add):
+        return _joined((mode.left, mode.right), lambda part: mode_of_ast(part, names))
     chars = _literal_chars_ast(mode)
     if chars is None and names:
         name = dotted_name(mode)
@@ -90,8 +102,12 @@ def mode_of_ast(mode: Optional[ast.AST], names: Optional[Dict[str, str]]) -> Opt
 def mode_of_cst(mode: Optional["cst.BaseExpression"], names: Optional[Dict[str, str]]) -> Optional[str]:
     from torchmigrate.syntax.imports import dotted
 
+    import libcst as cst
+
     if mode is None:
         return None
+    if isinstance(mode, cst.BinaryOperation) and isinstance(mode.operator, cst.Add):
+        return _joined((mode.left, mode.right), lambda part: mode_of_cst(part, names))
     chars = _literal_chars_cst(mode)
     if chars is None and names:
         name = dotted(mode)
