@@ -2025,10 +2025,49 @@ def grad(outputs, inputs, grad_outputs=None, scaler=None, **kwargs):
         live = [s for s in (ref() for ref in _SCALERS) if s is not None and s.is_enabled()]
         scaler = live[-1] if live else None
     if scaler is None or not scaler.is_enabled():
-        return torch.autograd.grad(outputs, inputs, grad_outputs=grad_outputs, **kwargs)
-    scale = scaler.get_scale()
-    grads = torch.autograd.grad(scaler.scale(outputs), inputs, grad_outputs=grad_outputs, **kwargs)
-    return tuple(None if g is None else g * (1.0 / scale) for g in grads)
+        grads = torch.autograd.grad(outputs, inputs, grad_outputs=grad_outputs, **kwargs)
+    else:
+        scale = scaler.get_scale()
+        grads = torch.autograd.grad(scaler.scale(outputs), inputs, grad_outputs=grad_outputs, **kwargs)
+        grads = tuple(None if g is None else g * (1.0 / scale) for g in grads)
+    if kwargs.get("create_graph") and _DDP_WRAPPERS:
+        grads = _reaching_every_parameter(outputs, grads)
+    return grads
+
+
+def _reaching_every_parameter(outputs, grads):
+    """Gradients of a penalty that give every parameter of the DDP models in ``outputs``' graph
+    a gradient when the penalty is backpropagated. The second derivative of a parameter that acts
+    linearly on the output (the last layer's bias) is zero and autograd gives it no gradient at
+    all, so a backward of the penalty alone (``gp.backward()``) would leave DDP waiting for it:
+    "Expected to have finished reduction in the prior iteration" at the next forward. A zero
+    term over those parameters (``0 * p.sum()``) changes no value and lets every gradient be
+    averaged across the ranks."""
+    seen, params, stack = set(), set(), []
+    stack.extend(t.grad_fn for t in (outputs if isinstance(outputs, (list, tuple)) else [outputs])
+                 if isinstance(t, torch.Tensor) and t.grad_fn is not None)
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        variable = getattr(fn, "variable", None)
+        if isinstance(variable, torch.Tensor):
+            params.add(id(variable))
+        stack.extend(next_fn for next_fn, _ in fn.next_functions)
+    touched = []
+    for ref in _DDP_WRAPPERS:
+        wrapper = ref()
+        if wrapper is None:
+            continue
+        own = [p for p in wrapper.module.parameters() if p.requires_grad]
+        if any(id(p) in params for p in own):
+            touched += own
+    first = next((i for i, g in enumerate(grads) if g is not None), None)
+    if not touched or first is None:
+        return grads
+    zero = sum(p.sum() for p in touched) * 0.0
+    return tuple(g + zero.to(g.dtype) if i == first else g for i, g in enumerate(grads))
 
 
 def print(*args, sep=" ", end="\n", file=None, flush=True) -> None:  # noqa: A001 - mirrors builtins.print

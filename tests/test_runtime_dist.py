@@ -354,6 +354,17 @@ def test_cleanup_releases_ddp_wrapper(tmp_path):
         assert r["eval_same"] and r["grads"] and r["unwrap_same"]
 
 
+def test_gradient_penalty_backpropagated_alone_through_ddp(tmp_path):
+    """`gp.backward()` of a penalty from `tm.grad(..., create_graph=True)` through a DDP critic,
+    after the critic's own backward: no "Expected to have finished reduction" at the next
+    forward, and the parameters stay equal across ranks that drew different batches."""
+    run = torchrun("--standalone", "--nproc-per-node=2", PROBES / "penalty.py", tmp_path,
+                   env=clean_env(CUDA_VISIBLE_DEVICES=""), timeout=TIMEOUT, stale=[tmp_path / "*"])
+    assert run.returncode == 0, run.report()
+    r0, r1 = read_ranks(tmp_path, 2)
+    assert r0["params"] == r1["params"]
+
+
 def test_two_nodes_on_localhost(tmp_path):
     """Two torchrun agents (--nnodes=2), one process each, meet through a c10d rendezvous on
     127.0.0.1 (as on a cluster without a fixed master: the first agent hosts the store)."""

@@ -29,9 +29,17 @@ class AmpGradPenalty(Rule):
     the discriminator (or the inner step stops learning). An overflow in the scaled gradient
     gives inf, which reaches the loss, so the scaler skips that step as it should.
 
+    Under `ddp` the call becomes `tm.grad` also without mixed precision: a penalty backpropagated
+    on its own (`gp.backward()` after the critic's loss) gives the parameters that act linearly
+    on the output (the last layer's bias) no gradient at all, and DDP, waiting for them, fails at
+    the next forward ("Expected to have finished reduction in the prior iteration"). `tm.grad`
+    adds a zero term over the parameters of the DDP models in the outputs' graph, so every one
+    gets a gradient and the penalty's gradients are averaged across the ranks.
+
     Calls whose outputs the code already scales (`scaler.scale(out)`) are left alone, and so is a
-    program that gets no mixed precision (`--amp off`, or code TM409 finds unsafe under autocast,
-    such as the adaptive ODE solver whose divergence estimator calls `autograd.grad`).
+    program that gets neither mixed precision nor DDP (`amp --amp off`), and code TM409 finds
+    unsafe under autocast, such as the adaptive ODE solver whose divergence estimator calls
+    `autograd.grad` inside the forward (its loss reaches every parameter directly).
     """
 
     code = "TM411"
@@ -64,9 +72,13 @@ class AmpGradPenalty(Rule):
         grads = analysis.calls_to(ctx, _GRAD)
         if not grads:
             return
+        amp = True
         if ctx.options.migrating:
-            if ctx.options.amp == "off" or ctx.program.amp_hazards:
-                return  # no mixed precision in this program (TM409 says why)
+            if ctx.program.amp_hazards:
+                return  # no mixed precision in this program (TM409 says why): an ODE's own gradients
+            amp = ctx.options.amp != "off"
+            if not amp and ctx.options.mode != "ddp":
+                return  # no mixed precision and no DDP in this program
         elif not analysis.calls_to(ctx, *_SCALERS, RUNTIME_MODULE + ".GradScaler"):
             return  # lint: only files that scale their loss
         for call in grads:
@@ -81,7 +93,10 @@ class AmpGradPenalty(Rule):
                 self.report(call, f"a gradient penalty under mixed precision: its fp16 gradients flush to zero "
                                   f"unless scaled like the loss; use `{ctx.tm}.grad(...)` (the AMP recipe)")
                 continue
-            self.report(call, "a gradient penalty under mixed precision: its fp16 gradients flush to zero unless "
-                              "scaled like the loss; tm.grad scales the outputs and unscales the gradients",
+            why = ("a gradient penalty under mixed precision: its fp16 gradients flush to zero unless scaled like the "
+                   "loss; tm.grad scales the outputs and unscales the gradients" if amp else
+                   "a gradient penalty through a model in DDP: backpropagated on its own, it gives the parameters "
+                   "that act linearly on the output no gradient, which DDP waits for; tm.grad gives them a zero one")
+            self.report(call, why,
                         edits=[replace(call.func, lambda f: cst.parse_expression(f"{ctx.tm}.grad"))],
                         imports=[ctx.runtime_import()])

@@ -551,6 +551,8 @@ class DeviceFromRank(Rule):
             return
         if device is None or self._is_local_rank(device.value):
             return
+        if isinstance(device.value, cst.Call):
+            return  # `.cuda(torch.device(device))`: a device, which the rule makes the process's own where it is made
         self._fix(device.value, f"`.cuda({code(device.value)})` names a fixed GPU, the same on every rank; "
                                 f"`{receiver}` is not known to be a tensor or a module, so its own cuda() is kept "
                                 f"with the process's own GPU index, tm.local_rank()",
