@@ -58,6 +58,24 @@ _PER_SAMPLE_WORDS = ("transform", "augment", "collate", "worker_init", "noise", 
 _PER_SAMPLE_BASES = ("Dataset", "Module", "Sampler", "Transform", "nn.", "Layer", "Loss")
 
 
+def _called_per_sample(klass: cst.ClassDef, name: str) -> bool:
+    """A method of `klass` that its own `__call__`, `__getitem__` or `forward` calls
+    (`self.get_params(...)`, `RandomOrder.get_params(...)`: a transform's parameters drawn for
+    each sample)."""
+    owners = {"self", "cls", klass.name.value}
+    for method in klass.body.body:
+        if not (isinstance(method, cst.FunctionDef) and method.name.value in _PER_SAMPLE_METHODS):
+            continue
+        stack: List[cst.CSTNode] = [method.body]
+        while stack:
+            node = stack.pop()
+            if isinstance(node, cst.Call) and isinstance(node.func, cst.Attribute) and node.func.attr.value == name \
+                    and isinstance(node.func.value, cst.Name) and node.func.value.value in owners:
+                return True
+            stack.extend(node.children)
+    return False
+
+
 def per_sample(ctx, func: cst.FunctionDef) -> bool:
     """`func` runs per sample or per forward (a dataset's `__getitem__`, a transform, a collate
     function, a model's method), maybe in a data-loader worker: its random draws are
@@ -68,7 +86,7 @@ def per_sample(ctx, func: cst.FunctionDef) -> bool:
     for anc in ctx.ancestors(func):
         if isinstance(anc, cst.ClassDef):
             bases = " ".join(dotted(b.value) or "" for b in anc.bases)
-            if any(b in bases for b in _PER_SAMPLE_BASES):
+            if any(b in bases for b in _PER_SAMPLE_BASES) or _called_per_sample(anc, func.name.value):
                 return True
         if isinstance(anc, cst.FunctionDef) and per_sample(ctx, anc):
             return True

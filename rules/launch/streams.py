@@ -99,12 +99,38 @@ def _agreed_draws(ctx: Context) -> List[cst.Call]:
             continue  # drawn once: at import, alike on every rank; in a function of the entry, TM107 shares it
         if func is not None and (per_sample(ctx, func) or _generates(ctx, func)):
             continue
+        if name == "random.sample" and _batch_sized(call):
+            continue
         if collective_guard(ctx, call) is not None:
             continue
         if id(call) in orders or call in shared or ctx.statement_of(call) in shared or in_broadcast(ctx, call) \
                 or _broadcast_next(ctx, call):
             continue
         out.append(call)
+    return out
+
+
+def _batch_sized(call: cst.Call) -> bool:
+    """`random.sample(users, self.batch_size)`: a minibatch drawn from the population at each
+    step, not an order of it. Drawn per rank (each rank's own streams, `tm.seed_per_rank`), the
+    ranks train on independent batches, as data parallelism wants; agreed, every rank would
+    train on the same one."""
+    k = arg(call, "k", 1)
+    if k is None:
+        return False
+    names = [n.value.lower() for n in _names_in(k.value)]
+    return any("batch" in n or n in ("bs", "n_batch") for n in names)
+
+
+def _names_in(node: cst.CSTNode) -> List[cst.Name]:
+    out: List[cst.Name] = []
+
+    def go(n: cst.CSTNode) -> None:
+        if isinstance(n, cst.Name):
+            out.append(n)
+        for child in n.children:
+            go(child)
+    go(node)
     return out
 
 

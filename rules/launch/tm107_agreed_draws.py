@@ -89,8 +89,11 @@ class AgreedDraws(Rule):
     set is another rank's training set. A draw that sets the number of steps of a loop makes
     ranks run different numbers of steps, which hangs DDP.
 
-    Draws in `__getitem__`, `forward`, transforms and collate functions are left alone: there
-    different values per rank are what augmentation and dropout want. Values that only seed a
+    Draws in `__getitem__`, `forward`, transforms and collate functions (and in the methods a
+    transform's `__call__` calls, such as a `get_params` that shuffles the order of its
+    operations) are left alone: there different values per rank are what augmentation and
+    dropout want. So is a minibatch drawn at each step (`random.sample(users, batch_size)`):
+    each rank draws its own, independent batches, as data parallelism wants. Values that only seed a
     generator are left alone too (TM105 is about seeds).
     """
 
