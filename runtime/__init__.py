@@ -2121,8 +2121,8 @@ def all_reduce(*xs, op: str = "sum", over=None):
     the GPU for nccl and back; fp16/bf16 are reduced in float32; integer/bool mean gives float,
     bool sum gives int64); a list or tuple of numbers or tensors (per-class counts, one running
     loss per head) in, a new one of the same type out, reduced element by element (the lengths
-    must agree across ranks). Values are packed into one flat buffer per dtype, so one collective
-    runs per dtype (ints travel as int64, exactly; floats as float64). One argument returns one
+    must agree across ranks); a numpy array in, a numpy array out. Values are packed into one flat
+    buffer per dtype, so one collective runs per dtype (ints travel as int64, exactly; floats as float64). One argument returns one
     value, several a tuple.
     1 process: identity (except mean's float conversion). For metrics, not autograd.
     """
@@ -2130,6 +2130,11 @@ def all_reduce(*xs, op: str = "sum", over=None):
         raise ValueError(f"all_reduce: op must be one of {sorted(_OPS)}, got {op!r}")
     if any(isinstance(x, (list, tuple)) for x in xs):
         return _all_reduce_sequences(xs, op, over)
+    if any(_ndarray(x) for x in xs):  # `loss.detach().cpu().numpy()` and sums of them: numpy back
+        got = all_reduce(*(torch.as_tensor(x) if _ndarray(x) else x for x in xs), op=op, over=over)
+        got = list(got) if len(xs) > 1 else [got]
+        back = [g.cpu().numpy() if _ndarray(x) else g for x, g in zip(xs, got)]
+        return back[0] if len(back) == 1 else tuple(back)
     world = world_size() if over is None or sharded(over) else 1
     out = list(xs)
     if world > 1:
@@ -2166,6 +2171,12 @@ def all_reduce(*xs, op: str = "sum", over=None):
         elif isinstance(x, numbers.Integral):
             out[i] = int(y)
     return out[0] if len(out) == 1 else tuple(out)
+
+
+def _ndarray(x) -> bool:
+    """A numpy array (without importing numpy: a program that never imports it has none)."""
+    kind = type(x)
+    return kind.__name__ == "ndarray" and kind.__module__ == "numpy"
 
 
 def _all_reduce_sequences(xs, op: str, over):

@@ -478,6 +478,10 @@ def test_all_reduce_is_identity_with_types():
     got, heads = tm.all_reduce(per_class, (1.5, 2))
     assert got == [3, 4] and got is not per_class and type(heads) is tuple and heads == (1.5, 2)
     assert tm.all_reduce([1, 2], op="mean") == [1.0, 2.0] and tm.all_reduce([]) == []
+    np = pytest.importorskip("numpy")
+    array = np.asarray(1.5, dtype=np.float32)  # `loss.detach().cpu().numpy()`
+    got = tm.all_reduce(array, op="mean")
+    assert isinstance(got, np.ndarray) and float(got) == 1.5
     with pytest.raises(TypeError, match="nested"):
         tm.all_reduce([[1], [2]])
     with pytest.raises(ValueError, match="op"):

@@ -51,9 +51,12 @@ class GatherListMean(Rule):
     shows the step's loss or batch metric (`print(f"step {i} loss {loss.item():.4f}")`,
     `logger.info("loss %.3f", loss.item())`, `writer.add_scalar("train/loss", loss.item(), step)`,
     `wandb.log({"loss": loss, "acc": acc})` with the step's tensors, `pbar.set_postfix(loss=...)`,
-    `pbar.set_description(f"loss {loss_sum / (i + 1)}")` with a running sum of the step's values)
-    shows the ranks' mean, `tm.all_reduce(loss.item(), op="mean")`: only numbers named like a loss
-    or an averaged metric (and running counts of correct answers divided by a count), only where
+    `pbar.set_description(f"loss {loss_sum / (i + 1)}")` with a running sum of the step's values,
+    a project logger's `logger.log_step(step, {"loss": l})`) shows the ranks' mean,
+    `tm.all_reduce(loss.item(), op="mean")`: only numbers named like a loss or an averaged metric
+    (and running counts of correct answers divided by a count), or whatever their name, numbers
+    bound to the step's loss (`l = loss.item()`) and running sums of it (`interval_loss +=
+    loss.detach().cpu().numpy()`, also averaged in place before it is shown), only where
     every rank shows them in the same steps (under tests of the loop's index, counters and
     settings, not of its data; after no `continue` a rank may take). The same holds in a function
     that runs the training step itself and that the loop calls once per batch
@@ -406,7 +409,7 @@ def logged_step_values(ctx: Context, call: cst.Call, name: Optional[str]) -> Lis
     (it logs through `tm.main_only`, which evaluates the arguments on every rank)."""
     builtin = name is None and isinstance(call.func, cst.Name) and call.func.value == "print"
     method = call.func.attr.value if isinstance(call.func, cst.Attribute) else ""
-    if not (builtin or name in _PRINTS or (name is None and method in ("info", "log")
+    if not (builtin or name in _PRINTS or (name is None and (method in ("info", "log") or method.startswith("log_"))
                                            and "log" in (dotted(call.func.value) or "").lower())
             or method in _SCALAR_LOGS or method in _BAR_SHOWS):
         return []
@@ -440,7 +443,14 @@ def _shown_names(ctx: Context, call: cst.Call, block: cst.CSTNode, data: Set[str
     out = []
     backed = _backward_names(ctx, block)
     for node in ctx.within(call, cst.Name):
-        if node is call.func or node.value not in data or not _RUNNING_NAME.search(node.value):
+        if node is call.func or node.value not in data:
+            continue
+        if not _RUNNING_NAME.search(node.value):
+            # `l = loss.item()` shown as `l`, `running += loss.item()` shown as `running / 4`
+            if (_holds_metric_number(ctx, block, node, backed) or _sums_step_means(ctx, _step_sums(
+                    ctx, block, node.value))) and not _reduced(ctx, node) and all(
+                    isinstance(a, _SHOWN_IN) for a in ctx.ancestors_until(node, call)):
+                out.append(node)
             continue
         chain = ctx.ancestors_until(node, call)
         if not all(isinstance(a, _SHOWN_IN) for a in chain) or _reduced(ctx, node):
@@ -487,9 +497,24 @@ def _step_sums(ctx: Context, block: cst.CSTNode, name: str) -> List[cst.AugAssig
 
 
 def _sums_step_means(ctx: Context, sums: List[cst.AugAssign]) -> bool:
-    """Every one of `sums` adds a loss or batch metric of the step (`loss_val += loss.item()`)."""
-    return bool(sums) and all(isinstance(a.operator, cst.AddAssign) and _number_of_step(ctx, a.value)
-                              and _METRIC_NAME.search(code(a.value)) for a in sums)
+    """Every one of `sums` adds a loss or batch metric of the step (`loss_val += loss.item()`,
+    `interval_loss += loss.detach().cpu().numpy()` of the loss the step backpropagates)."""
+    return bool(sums) and all(isinstance(a.operator, cst.AddAssign) and _METRIC_NAME.search(code(a.value))
+                              and (_number_of_step(ctx, a.value) or _loss_as_numpy(ctx, a)) for a in sums)
+
+
+def _loss_as_numpy(ctx: Context, aug: cst.AugAssign) -> bool:
+    """`aug` adds `loss.detach().cpu().numpy()`, where `loss` is what its loop backpropagates (a
+    scalar: `backward()` takes no gradient argument only for one)."""
+    value = aug.value
+    if not (isinstance(value, cst.Call) and isinstance(value.func, cst.Attribute) and value.func.attr.value == "numpy"
+            and not value.args):
+        return False
+    base: cst.CSTNode = value
+    while isinstance(base, (cst.Attribute, cst.Call, cst.Subscript)):
+        base = base.func if isinstance(base, cst.Call) else base.value
+    loop = ctx.enclosing(aug, cst.For, cst.While, cst.FunctionDef)
+    return isinstance(base, cst.Name) and loop is not None and base.value in _backward_names(ctx, loop)
 
 
 def _numerator(ctx: Context, node: cst.Name, call: cst.Call) -> bool:
@@ -507,6 +532,23 @@ def _holds_step_number(ctx: Context, block: cst.CSTNode, node: cst.Name) -> bool
     bound = [a for a in ctx.within(block, cst.Assign, skip_defs=True)
              if any(isinstance(t.target, cst.Name) and t.target.value == node.value for t in a.targets)]
     return bool(bound) and all(len(a.targets) == 1 and _number_of_step(ctx, a.value) for a in bound)
+
+
+def _holds_metric_number(ctx: Context, block: cst.CSTNode, node: cst.Name, backed: Set[str]) -> bool:
+    """`node`, whatever its name, is bound in `block` only to a number of the step's loss or
+    metric (`l = loss.item()`, `v = float(train_acc)`)."""
+    bound = [a for a in ctx.within(block, cst.Assign, skip_defs=True)
+             if any(isinstance(t.target, cst.Name) and t.target.value == node.value for t in a.targets)]
+    if not bound or not all(len(a.targets) == 1 and _number_of_step(ctx, a.value) for a in bound):
+        return False
+    for a in bound:
+        inner = a.value.func.value if isinstance(a.value.func, cst.Attribute) else a.value.args[0].value
+        base = inner
+        while isinstance(base, (cst.Attribute, cst.Call, cst.Subscript)):
+            base = base.func if isinstance(base, cst.Call) else base.value
+        if not (_METRIC_NAME.search(code(inner)) or isinstance(base, cst.Name) and base.value in backed):
+            return False
+    return True
 
 
 def _training_step_loop(ctx: Context, node: cst.CSTNode, trains: bool = False) -> Optional[cst.For]:

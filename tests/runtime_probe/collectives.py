@@ -104,6 +104,9 @@ def main(outdir):
     res["lists"] = [type(lists[0]).__name__, lists[0], type(lists[1]).__name__, list(lists[1]), lists[2],
                     per_class == [r, 2 * r + 1]]
     res["list_mean"] = tm.all_reduce([r, 1.0], op="mean")
+    import numpy as np
+    summed = tm.all_reduce(np.asarray([r, 1.0]))
+    res["numpy"] = [type(summed).__name__, summed.tolist()]
     inp = torch.tensor([float(r)])
     tm.all_reduce(inp)
     res["input_untouched"] = inp.tolist() == [float(r)]
