@@ -23,6 +23,15 @@ from torchmigrate.rules.data.plan import UNWRAPPED, BatchPlan, training_args
 from torchmigrate.rules.model.batch import DIVIDED, divides_batches
 
 
+def _whole_batches(tm: str, what: str) -> str:
+    """What `tm.shard_batches` does to the global batch, said where the batches are made."""
+    return (f"each rank takes whole batches of `{what}`, so a step trains on `{tm}.world_size()` of the "
+            "original's batches (a global batch world_size times larger, world_size times fewer steps per epoch) "
+            f"with the learning rate unchanged: divide its batch size where it is set "
+            f"(`{tm}.per_rank_batch(batch_size)`; then its `len()` counts the batches of every rank) or scale the "
+            f"learning rate (`lr * {tm}.world_size()`)")
+
+
 class DistSampler(DataRule):
     """
     ## What it does
@@ -71,7 +80,10 @@ class DistSampler(DataRule):
       (`tm.broadcast_object`), so the ranks' batches are disjoint;
     - in a program with no DataLoader, a training loop over any other iterable of batches (a
       generator, a `BatchIterator`, a bucket iterator, a list of batches): `tm.shard_batches(...)`,
-      each rank keeping every W-th batch of a sequence drawn alike on every rank;
+      each rank keeping every W-th batch of a sequence drawn alike on every rank. Its batches
+      stay whole, so a step trains on W of the original's: under the global batch policy a TODO
+      says so where the loop reads them (divide the batch size where it is set, or scale the
+      learning rate);
     - full-batch training (`loss = F.nll_loss(out[idx_train], labels[idx_train])`, a node or edge
       mask of a graph): each rank scores its part of the training indices (`tm.shard_indices`)
       and `tm.shard_mean` weights the parts, so the averaged gradient and the loss are exactly
@@ -336,6 +348,8 @@ class DistSampler(DataRule):
             message = (f"every rank would train on every batch of `{code(found.wrapped)}`: each rank keeps every "
                        f"`{tm}.world_size()`-th batch, drawn in the same order on every rank (`{tm}.shard_batches`, "
                        "the same number of steps on every rank)")
+            if divides_batches(ctx):
+                self.report(found.loop.iter, _whole_batches(tm, code(found.wrapped)))
         orders = [o for o in found.orders if not o.shared]
         methods = [o for o in orders if o.kind == "method"]
         orders = [o for o in orders if o.kind != "method"]
