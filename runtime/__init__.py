@@ -61,7 +61,7 @@ from torch.utils.data import DistributedSampler, RandomSampler, Sampler, Sequent
 __all__ = [
     "Ctx", "setup", "cleanup", "device", "rank", "local_rank", "world_size", "is_main",
     "is_distributed", "wrap_model", "unwrap", "sampler", "eval_sampler", "sharded", "set_epoch", "no_sync",
-    "amp_dtype", "autocast", "GradScaler", "print", "input", "bar_stream", "barrier", "all_reduce", "gather_for_metrics", "gather_list", "broadcast_object", "shared_generator", "grad", "any_rank", "share_params", "sync_grads", "shard_stream",
+    "amp_dtype", "autocast", "GradScaler", "print", "input", "bar_stream", "barrier", "all_reduce", "gather_for_metrics", "gather_list", "broadcast_object", "shared_generator", "grad", "any_rank", "all_ranks", "share_params", "sync_grads", "shard_stream",
     "shard_sampler", "reduce_meter", "per_rank_batch", "batch_rows", "sync_batchnorm", "synced", "to_float32",
     "save", "load", "strip_prefix", "load_state_dict", "seed_everything", "seed_per_rank", "main_only", "main_process_first",
     "shard_range", "shard_indices", "shard_mean", "shard_batches", "agreed", "on_main", "move_into_place", "to_device", "as_device",
@@ -2453,6 +2453,16 @@ def any_rank(flag) -> bool:
     if not is_distributed():
         return bool(flag)
     return all_reduce(int(bool(flag)), op="max") > 0
+
+
+def all_ranks(flag) -> bool:
+    """True on every rank when ``flag`` is true on every rank; 1 process: ``bool(flag)``. For a
+    training step that a rank would take only on its own test (``if tm.all_ranks(loss >
+    threshold): loss.backward()``): DDP's backward is a collective, so the ranks step together or
+    not at all. A collective: call it on every rank."""
+    if not is_distributed():
+        return bool(flag)
+    return all_reduce(int(bool(flag)), op="min") > 0
 
 
 def share_params(model) -> None:

@@ -112,6 +112,7 @@ class RankSkips(Rule):
             for test_if in ctx.within(loop, cst.If, skip_defs=True):
                 if self._loop_of(test_if) is loop:
                     self._skip_if(test_if, data, before=(ctx.position(test_if) or 0) < last)
+                    self._backward_if(test_if, data)
             for attempt in ctx.within(loop, cst.Try, skip_defs=True):
                 if self._loop_of(attempt) is loop and any(is_backward(c) for c in ctx.within(attempt.body, cst.Call)):
                     self._skip_except(attempt)
@@ -188,6 +189,29 @@ class RankSkips(Rule):
         self.report(test_if, f"a rank that takes this `{what}` on its own misses a backward pass while the others "
                              f"wait for it in the gradient all-reduce: take it on every rank when any rank does",
                     edits=[replace(test, lambda t: cst.Call(func=cst.parse_expression(f"{ctx.tm}.any_rank"),
+                                                            args=[cst.Arg(t)]))],
+                    imports=[ctx.runtime_import()])
+
+    def _backward_if(self, test_if: cst.If, data: Set[str]) -> None:
+        """`if loss > threshold: loss.backward(); optimizer.step()` with no backward on the other
+        branch: a rank whose own batch fails the test skips the backward that the others wait
+        for. The step is taken when every rank's test holds, `if tm.all_ranks(<test>):` (a rank
+        skips when any rank would, as for `continue`)."""
+        ctx = self.ctx
+        test = test_if.test
+        if not any(is_backward(c) for c in ctx.within(test_if.body, cst.Call, skip_defs=True)):
+            return
+        if test_if.orelse is not None and any(is_backward(c) for c in ctx.within(test_if.orelse, cst.Call,
+                                                                                   skip_defs=True)):
+            return  # a backward on both branches: every rank takes one
+        if rank_polarity(test) is not None or not (names_in(test) & data) or collective_guard(ctx, test_if) is not None:
+            return
+        if isinstance(test, cst.Call) and (cst.helpers.get_full_name_for_node(test.func) or "").endswith(
+                ("any_rank", "all_ranks")):
+            return
+        self.report(test_if, "a rank whose own test fails here skips this backward pass while the others wait for it "
+                             "in the gradient all-reduce: take the step only when the test holds on every rank",
+                    edits=[replace(test, lambda t: cst.Call(func=cst.parse_expression(f"{ctx.tm}.all_ranks"),
                                                             args=[cst.Arg(t)]))],
                     imports=[ctx.runtime_import()])
 

@@ -306,13 +306,21 @@ class ReduceCounts(Rule):
             loaders = {id(l) for r in refs_at(ctx, loader_expr(ctx, loop.iter)) for l in r.loaders}
         except Exception:  # noqa: BLE001 - without the loader facts, the sum stays a sum
             return False
+        if not loaders:
+            # a training loader handed in (`def train_model(model, train_dataloader, ...)`):
+            # built elsewhere, where this run divides training batches under the global policy
+            from torchmigrate.rules.model.batch import divides_batches
+            return analysis.runs_backward(ctx, loop) and loop_sharding(ctx, loop) == "sharded" \
+                and divides_batches(ctx) and not any(site.kept for site in batch_sites(ctx))
         return any(id(site.loader) in loaders and not site.kept for site in batch_sites(ctx))
 
     def _in_arithmetic(self, use: cst.CSTNode) -> bool:
         """`use` is an operand of arithmetic, also through a conversion (`float(total) / count`)."""
         for anc in self.ctx.ancestors(use):
             if isinstance(anc, cst.BinaryOperation):
-                return True
+                # `"loss %.3f" % (epoch, total)`: formatting, not arithmetic
+                return not (isinstance(anc.operator, cst.Modulo)
+                            and isinstance(anc.left, (cst.SimpleString, cst.ConcatenatedString, cst.FormattedString)))
             if isinstance(anc, (cst.BaseSmallStatement, cst.BaseCompoundStatement)):
                 return False
             if isinstance(anc, cst.Call) and not (isinstance(anc.func, cst.Name) and anc.func.value in ("float", "int")):

@@ -269,12 +269,16 @@ class GatherListMean(Rule):
             top = ctx.parent(top)
         if top not in body:
             return None
-        for s in reversed(body[:body.index(top)]):
+        earlier = body[:body.index(top)]
+        for at in range(len(earlier) - 1, -1, -1):
+            s = earlier[at]
             if isinstance(s, cst.SimpleStatementLine) and len(s.body) == 1 and isinstance(s.body[0], cst.Assign):
                 a = s.body[0]
                 if len(a.targets) == 1 and isinstance(a.targets[0].target, cst.Name) \
                         and a.targets[0].target.value == value.value:
-                    return a.value if _number_of_step(ctx, a.value) else None
+                    if _number_of_step(ctx, a.value) or _library_metric(ctx, a.value):
+                        return a.value
+                    return a.value if _ratio_of_step_numbers(ctx, a.value, earlier[:at]) else None
             if value.value in binds(ctx, s):
                 return None  # bound again, or in a block: not one value of the step
         return None
@@ -531,7 +535,8 @@ def _holds_step_number(ctx: Context, block: cst.CSTNode, node: cst.Name) -> bool
     """`node` is bound in `block` only to a number of the step (`loss_value = loss.item()`)."""
     bound = [a for a in ctx.within(block, cst.Assign, skip_defs=True)
              if any(isinstance(t.target, cst.Name) and t.target.value == node.value for t in a.targets)]
-    return bool(bound) and all(len(a.targets) == 1 and _number_of_step(ctx, a.value) for a in bound)
+    return bool(bound) and all(len(a.targets) == 1 and (_number_of_step(ctx, a.value) or _library_metric(ctx, a.value))
+                               for a in bound)
 
 
 def _holds_metric_number(ctx: Context, block: cst.CSTNode, node: cst.Name, backed: Set[str]) -> bool:
@@ -586,6 +591,29 @@ def _step_block(ctx: Context, node: cst.CSTNode) -> Optional[Tuple[cst.CSTNode, 
                for a in ctx.ancestors_until(site, outer)):
             return None
     return (fn, per_rank_names(ctx, fn)) if sites else None
+
+
+def _library_metric(ctx: Context, value: cst.BaseExpression) -> bool:
+    """`metrics.accuracy_score(y, pred)`, `f1_score(...)`: a metric a library computes over the
+    arguments it is given (this step's batch), one number."""
+    return isinstance(value, cst.Call) and (ctx.resolve(value.func) or "").startswith("sklearn.metrics.")
+
+
+def _ratio_of_step_numbers(ctx: Context, value: cst.BaseExpression, before: List[cst.CSTNode]) -> bool:
+    """`correct / labels.size(0)`, `100.0 * correct / n` where `correct = (...).sum().item()`
+    just before: a batch metric computed from numbers of the step, one number."""
+    if not (isinstance(value, cst.BinaryOperation) and isinstance(value.operator, (cst.Divide, cst.Multiply))):
+        return False
+    numbers = set()
+    for s in before:
+        if isinstance(s, cst.SimpleStatementLine) and len(s.body) == 1 and isinstance(s.body[0], cst.Assign):
+            a = s.body[0]
+            if len(a.targets) == 1 and isinstance(a.targets[0].target, cst.Name) and _number_of_step(ctx, a.value):
+                numbers.add(a.targets[0].target.value)
+    left = value.left
+    while isinstance(left, cst.BinaryOperation) and isinstance(left.operator, (cst.Divide, cst.Multiply)):
+        left = left.right if isinstance(left.left, (cst.Integer, cst.Float)) else left.left
+    return _number_of_step(ctx, left) or isinstance(left, cst.Name) and left.value in numbers
 
 
 def _number_of_step(ctx: Context, value: cst.BaseExpression) -> bool:

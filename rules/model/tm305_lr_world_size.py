@@ -55,6 +55,20 @@ def _follows_batch(ctx, step: cst.CSTNode, node: cst.CSTNode) -> bool:
                for a in ctx.within(step, cst.Assign) for t in a.targets)
 
 
+def _divides_a_sum(ctx, loop: cst.For, counter: str) -> bool:
+    """`counter` is the denominator of a running sum of the same loop (`record_loss_sum /
+    record_batch_size`): it counts what the sum adds up, on this rank, and the mean of the two
+    is TM703's (the ranks' mean of the rank's mean), not a count of the samples trained on."""
+    sums = {code(a.target) for a in ctx.within(loop.body, cst.AugAssign) if isinstance(a.operator, cst.AddAssign)}
+    sums.discard(counter)
+    function = ctx.enclosing(loop, cst.FunctionDef) or ctx.module
+    for op in ctx.within(function, cst.BinaryOperation):
+        if isinstance(op.operator, (cst.Divide, cst.FloorDivide)) and code(op.right).strip("() ") == counter \
+                and any(code(n) in sums for n in ctx.within(op.left, cst.Name, cst.Attribute)):
+            return True
+    return False
+
+
 def _factors(value: cst.BaseExpression) -> List[str]:
     """The factors of a product, as code without spaces: `3 * len(d)` -> ["3", "len(d)"]."""
     if isinstance(value, cst.BinaryOperation) and isinstance(value.operator, cst.Multiply) and not value.lpar:
@@ -317,6 +331,8 @@ class LrWorldSize(ModelRule):
                 continue  # reset for this loop: a metric's count
             if not isinstance(target, (cst.Name, cst.Attribute)):
                 continue
+            if _divides_a_sum(ctx, loop, code(target)):
+                continue  # the count of a running mean (`loss_sum / n_seen`): the mean's, kept per rank
             counted = code(count)
             counted_in.setdefault(loop, {})[code(target)] = counted
             what = ("counts down the samples until something happens (an evaluation, a checkpoint)"

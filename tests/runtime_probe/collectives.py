@@ -208,6 +208,7 @@ def main(outdir):
     res["dataset_part"] = [len(part[i].split()) - 1 for i in range(len(part))]
     res["dataset_part_vocab"] = part.vocab
     res["any_rank"] = [tm.any_rank(r == 1), tm.any_rank(False)]
+    res["all_ranks"] = [tm.all_ranks(r == 1), tm.all_ranks(True)]
     # a hand-made iterator reshuffled per epoch by a method of its own, drawn alike on every rank
     import numpy as np
     np.random.seed(100 + r)  # each rank's own stream (as after tm.seed_per_rank)
