@@ -62,7 +62,7 @@ __all__ = [
     "Ctx", "setup", "cleanup", "device", "rank", "local_rank", "world_size", "is_main",
     "is_distributed", "wrap_model", "unwrap", "sampler", "eval_sampler", "sharded", "set_epoch", "no_sync",
     "amp_dtype", "autocast", "GradScaler", "print", "input", "bar_stream", "barrier", "all_reduce", "gather_for_metrics", "gather_list", "broadcast_object", "shared_generator", "grad", "any_rank", "all_ranks", "share_params", "sync_grads", "shard_stream",
-    "shard_sampler", "reduce_meter", "per_rank_batch", "batch_rows", "sync_batchnorm", "synced", "to_float32",
+    "shard_sampler", "reduce_meter", "reduce_batch_total", "per_rank_batch", "batch_rows", "sync_batchnorm", "synced", "to_float32",
     "save", "load", "strip_prefix", "load_state_dict", "seed_everything", "seed_per_rank", "main_only", "main_process_first",
     "shard_range", "shard_indices", "shard_mean", "shard_batches", "agreed", "on_main", "move_into_place", "to_device", "as_device",
     "set_device",
@@ -1822,6 +1822,22 @@ def batch_rows(batch_size: int) -> int:
     if batch_size is None or world_size() <= 1:
         return batch_size
     return per_rank_batch(batch_size) if int(batch_size) in _DIVIDED_BATCHES else batch_size
+
+
+def reduce_batch_total(total, over):
+    """A total of per-batch means (``epoch_loss += loss.item()`` shown or plotted as it is) over
+    the training loader ``over``, made the original's: the ranks' mean where each rank ran as
+    many batches as one process did (a DataLoader whose batch ``per_rank_batch`` divided), their
+    sum where each ran its share of the batches (whole batches dealt out: a sampler alone, an
+    iterable of batches ``tm.shard_batches`` shares out); the ranks' mean, which is every rank's
+    own total, where a DataLoader was not sharded. A collective: call it on every rank."""
+    if not is_distributed():
+        return total
+    size = getattr(over, "batch_size", None)
+    if size is not None and hasattr(over, "sampler"):  # a DataLoader
+        divided = any(per_rank_batch(d) == size for d in _DIVIDED_BATCHES)
+        return all_reduce(total, op="mean" if divided or not sharded(over) else "sum")
+    return all_reduce(total, op="sum")
 
 
 def eval_sampler(dataset, shuffle: bool = False, seed: int = 0) -> Sampler:

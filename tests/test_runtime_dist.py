@@ -184,6 +184,7 @@ def test_shard_stream_and_any_rank(collectives):
     assert r0["dataset_part_vocab"] == {"a": 0}
     assert r0["any_rank"] == r1["any_rank"] == [True, False]
     assert r0["all_ranks"] == r1["all_ranks"] == [False, True]
+    assert r0["batch_totals"] == r1["batch_totals"] == [1.5, 3.0, 3.0]
     assert r0["agreed"] == r1["agreed"] and r0["agreed"][0] != r0["agreed"][1]  # alike, new each call
     assert sorted(r0["agreed"][0]) == list(range(10)) and r0["agreed_kept_own"] and r1["agreed_kept_own"]
     assert r0["placed"] == r1["placed"] == "rank 0" and r0["temps_left"] == r1["temps_left"] == []

@@ -475,6 +475,7 @@ def test_all_reduce_is_identity_with_types():
     assert counted.dtype == torch.int64 and counted.tolist() == [1, 0]
     assert tm.all_reduce(True) == 1
     assert tm.all_ranks(1) is True and tm.all_ranks(0) is False and tm.any_rank(0) is False
+    assert tm.reduce_batch_total(2.5, over=[1, 2]) == 2.5
     per_class = [3, 4]
     got, heads = tm.all_reduce(per_class, (1.5, 2))
     assert got == [3, 4] and got is not per_class and type(heads) is tuple and heads == (1.5, 2)

@@ -22,7 +22,8 @@ if TYPE_CHECKING:
 _COLLECTIVE_SUFFIXES = ("all_reduce", "all_gather", "all_gather_object", "reduce", "gather", "gather_object",
                         "broadcast", "broadcast_object_list", "barrier", "reduce_scatter",
                         "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all", "gather_for_metrics",
-                        "scatter", "monitored_barrier", "main_process_first")
+                        "scatter", "monitored_barrier", "main_process_first", "reduce_batch_total", "all_ranks",
+                        "any_rank")
 
 
 def is_collective(name: Optional[str]) -> bool:

@@ -104,7 +104,8 @@ _COLLECTIVE_NAMES = frozenset({"all_reduce", "all_gather", "all_gather_object", 
                                "broadcast", "broadcast_object", "broadcast_object_list", "barrier", "reduce_scatter",
                                "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all", "scatter",
                                "gather_for_metrics", "gather_list", "main_process_first", "reduce_meter",
-                               "any_rank", "sync_grads", "share_params", "monitored_barrier"})
+                               "any_rank", "all_ranks", "sync_grads", "share_params", "monitored_barrier",
+                               "reduce_batch_total"})
 _TRAIN_METHODS = frozenset({"backward", "zero_grad"})
 _MUTATORS = frozenset({"append", "extend", "update", "add", "insert", "pop", "clear", "setdefault", "remove",
                        "add_", "copy_", "fill_", "zero_", "load_state_dict"})

@@ -7,7 +7,7 @@ from typing import List, Optional, Tuple
 import libcst as cst
 
 from torchmigrate import analysis
-from torchmigrate.finding import Safety, insert_after, insert_before, replace
+from torchmigrate.finding import Import, Safety, insert_after, insert_before, replace
 from torchmigrate.syntax.imports import dotted
 from torchmigrate.syntax.nodes import arg, code, expr, set_kwarg, stmt
 from torchmigrate.program.checkpoints import follows_save
@@ -177,12 +177,16 @@ class MainOnlyWrites(Rule):
                                   "FileExistsError; pass exist_ok=True",
                             edits=[replace(call, lambda c: set_kwarg(c, "exist_ok", cst.Name("True")))])
             elif name == _MKDIR and self._after_exists_test(call) and len(call.args) == 1:
+                # `os.mkdir(d)` keeps its module's spelling; a bare `mkdir(d)` (`from os import
+                # mkdir`) has none, so it names `os` (imported where the file has no `import os`)
+                spelled = dotted(call.func) or ""
+                module = spelled.rsplit(".", 1)[0] if "." in spelled else "os"
                 self.report(call, "every rank tests for this folder and then creates it: a rank that comes second "
                                   "fails with FileExistsError; use os.makedirs(..., exist_ok=True)",
                             edits=[replace(call, lambda c: set_kwarg(
-                                c.with_changes(func=cst.parse_expression(
-                                    (dotted(c.func) or "os.mkdir").rsplit(".", 1)[0] + ".makedirs")),
-                                "exist_ok", cst.Name("True")))])
+                                c.with_changes(func=cst.parse_expression(module + ".makedirs")),
+                                "exist_ok", cst.Name("True")))],
+                            imports=[] if "." in spelled else [Import("os")])
             elif analysis.opens_file_for_writing(call, name, analysis.open_modes(self.ctx)):
                 self._open(call, withs, handles)
             elif name in _FILE_HANDLERS:

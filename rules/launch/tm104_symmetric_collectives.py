@@ -23,7 +23,7 @@ COLLECTIVES = {
         "reduce", "barrier", "monitored_barrier", "gather", "gather_object", "scatter", "scatter_object_list",
         "all_to_all", "all_to_all_single", "new_group")
 } | {f"{RUNTIME}.{n}" for n in ("all_reduce", "barrier", "gather_for_metrics", "wrap_model", "setup",
-                                "main_process_first")} | {
+                                "main_process_first", "reduce_batch_total", "any_rank", "all_ranks")} | {
     "torch.nn.parallel.DistributedDataParallel", "torch.nn.parallel.distributed.DistributedDataParallel",
 }
 # Helpers from other modules (detectron2's comm, DETR's utils, ...) that communicate.

@@ -59,6 +59,14 @@ class RankSkips(Rule):
       of a model that draws random numbers per rank (dropout, sampling), becomes the ranks'
       mean. A call under a rank guard is reported (the mean is a collective).
 
+    - `if loss > threshold: loss.backward(); optimizer.step()` (a step taken only when this
+      rank's own test holds, with no backward on the other branch) becomes
+      `if tm.all_ranks(loss > threshold):`: the step is taken when the test holds on every rank.
+    - Several backward passes after one forward (`loss1.backward(retain_graph=True)` then
+      `loss2.backward()`, or one loss per head in a loop over the heads) are reported: DDP
+      averages the gradients of the first pass only; summing the losses into one backward pass
+      gives the same gradients.
+
     ## Why is this bad?
     The backward pass of a DDP model is a collective: every rank's gradients are averaged as
     they are computed. A rank that skips a step on its own (a NaN or zero loss, an empty batch,
@@ -113,6 +121,7 @@ class RankSkips(Rule):
                 if self._loop_of(test_if) is loop:
                     self._skip_if(test_if, data, before=(ctx.position(test_if) or 0) < last)
                     self._backward_if(test_if, data)
+            self._retained_backwards(loop, backwards)
             for attempt in ctx.within(loop, cst.Try, skip_defs=True):
                 if self._loop_of(attempt) is loop and any(is_backward(c) for c in ctx.within(attempt.body, cst.Call)):
                     self._skip_except(attempt)
@@ -191,6 +200,31 @@ class RankSkips(Rule):
                     edits=[replace(test, lambda t: cst.Call(func=cst.parse_expression(f"{ctx.tm}.any_rank"),
                                                             args=[cst.Arg(t)]))],
                     imports=[ctx.runtime_import()])
+
+    def _retained_backwards(self, loop: cst.CSTNode, backwards: List[cst.Call]) -> None:
+        """`loss1.backward(retain_graph=True); loss2.backward()` after one forward (a minimax
+        loss, one loss per head or module): DDP reduces the gradients in the first backward pass
+        after a forward only, so what the later ones add stays on each rank and the parameters
+        drift apart with no error. Reported once per loop (the losses are summed into one
+        backward by hand: `(loss1 + loss2).backward()` gives the same gradients)."""
+        if self.ctx.options.mode != "ddp":
+            return
+        own = [c for c in backwards if self._loop_of(c) is loop]
+        retained = [c for c in own if any(a.keyword is not None and a.keyword.value == "retain_graph"
+                                          and code(a.value) == "True" for a in c.args)]
+        if not retained:
+            return
+        first = retained[0]
+        repeated = isinstance(loop, cst.For) and isinstance(loop.iter, cst.Call) \
+            and code(loop.iter.func) == "range" and not any(
+                isinstance(c.func, cst.Attribute) and c.func.attr.value == "step"
+                for c in self.ctx.within(loop.body, cst.Call, skip_defs=True))  # `for idx in range(n_heads):`
+        if not repeated and not [c for c in own if (self.ctx.position(c) or 0) > (self.ctx.position(first) or 0)]:
+            return
+        self.report(first, "several backward passes after one forward of a model in DDP (`retain_graph=True`, then "
+                           "another backward): DDP averages the gradients of the first pass only, so what the later "
+                           "passes add stays on each rank and the ranks' parameters drift apart; sum the losses and "
+                           "take one backward pass (`(loss1 + loss2).backward()` gives the same gradients)")
 
     def _backward_if(self, test_if: cst.If, data: Set[str]) -> None:
         """`if loss > threshold: loss.backward(); optimizer.step()` with no backward on the other

@@ -14,7 +14,7 @@ import libcst as cst
 
 from torchmigrate import analysis
 from torchmigrate.finding import Safety, insert_after
-from torchmigrate.syntax.nodes import code, expr
+from torchmigrate.syntax.nodes import code, expr, stmt
 from torchmigrate.program.loaders import is_pure, refs_at
 from torchmigrate.program.metrics import (dict_sums, events_after, initial_value, is_number, iterates_loader,
                                           leaves_early, loader_expr, loader_loop, loop_sums, named_like_loader)
@@ -306,13 +306,30 @@ class ReduceCounts(Rule):
             loaders = {id(l) for r in refs_at(ctx, loader_expr(ctx, loop.iter)) for l in r.loaders}
         except Exception:  # noqa: BLE001 - without the loader facts, the sum stays a sum
             return False
-        if not loaders:
-            # a training loader handed in (`def train_model(model, train_dataloader, ...)`):
-            # built elsewhere, where this run divides training batches under the global policy
-            from torchmigrate.rules.model.batch import divides_batches
-            return analysis.runs_backward(ctx, loop) and loop_sharding(ctx, loop) == "sharded" \
-                and divides_batches(ctx) and not any(site.kept for site in batch_sites(ctx))
         return any(id(site.loader) in loaders and not site.kept for site in batch_sites(ctx))
+
+    def _handed_total(self, loop: cst.For, name: str) -> Optional[str]:
+        """The loader (a parameter) of a training loop whose `name` is a total of batch means
+        shown as it is, where the loader comes from elsewhere (`def train_model(model,
+        train_dataloader)`): whether each rank ran as many batches as the original (its batch
+        divided) or its share of them, only the run can tell (`tm.reduce_batch_total`)."""
+        ctx = self.ctx
+        node = loader_expr(ctx, loop.iter)
+        if not isinstance(node, cst.Name) or not analysis.runs_backward(ctx, loop):
+            return None
+        augs = [a for a in ctx.within(loop.body, cst.AugAssign, skip_defs=True)
+                if isinstance(a.target, cst.Name) and a.target.value == name]
+        if not augs or not all(isinstance(a.operator, cst.AddAssign) and _batch_mean(a.value) for a in augs):
+            return None
+        events = events_after(ctx, loop, {name})[name]
+        if events.augs or any(self._in_arithmetic(u) for u in events.uses):
+            return None
+        try:
+            if any(r.loaders for r in refs_at(ctx, node)):
+                return None  # a loader of this module: `_total_of_batch_means` knows
+        except Exception:  # noqa: BLE001 - without the loader facts, the run decides
+            pass
+        return node.value
 
     def _in_arithmetic(self, use: cst.CSTNode) -> bool:
         """`use` is an operand of arithmetic, also through a conversion (`float(total) / count`)."""
@@ -346,8 +363,13 @@ class ReduceCounts(Rule):
         if ordered:
             sums = [n for n in ordered if kind.get(n) != "mean"]
             means = [n for n in ordered if kind.get(n) == "mean"]
+            handed = {n: h for n in sums if (h := self._handed_total(loop, n))}
+            sums = [n for n in sums if n not in handed]
             depth = _depth(ctx, loop)
             lines, statements = [], []
+            for n, loader in handed.items():
+                lines.append(f"{n} = {tm}.reduce_batch_total({n}, over={loader})")
+                statements.append(stmt(lines[-1]))
             extra = f", over={over}" if over else ""
             if sums:
                 lines.append(_reduce_line(tm, sums, extra))

@@ -209,6 +209,14 @@ def main(outdir):
     res["dataset_part_vocab"] = part.vocab
     res["any_rank"] = [tm.any_rank(r == 1), tm.any_rank(False)]
     res["all_ranks"] = [tm.all_ranks(r == 1), tm.all_ranks(True)]
+    # a total of batch means: the ranks' mean over a loader whose batch was divided (each rank ran
+    # as many batches as one process), the sum over whole batches dealt out
+    data = torch.utils.data.TensorDataset(torch.arange(16.0))
+    divided = torch.utils.data.DataLoader(data, batch_size=tm.per_rank_batch(8), sampler=tm.sampler(data))
+    whole_batches = torch.utils.data.DataLoader(data, batch_size=8, sampler=tm.sampler(data))
+    res["batch_totals"] = [tm.reduce_batch_total(r + 1.0, over=divided),
+                           tm.reduce_batch_total(r + 1.0, over=whole_batches),
+                           tm.reduce_batch_total(r + 1.0, over=tm.shard_batches([1, 2, 3, 4]))]
     # a hand-made iterator reshuffled per epoch by a method of its own, drawn alike on every rank
     import numpy as np
     np.random.seed(100 + r)  # each rank's own stream (as after tm.seed_per_rank)
