@@ -8,14 +8,14 @@ from typing import Dict, List, Optional, Set, Tuple
 import libcst as cst
 
 from torchmigrate import analysis
-from torchmigrate.finding import Safety, insert_after
+from torchmigrate.finding import Safety, insert_after, replace
 from torchmigrate.syntax.imports import dotted
 from torchmigrate.syntax.nodes import code
 from torchmigrate.program.loaders import is_pure
 from torchmigrate.program.losses import backward_loss
 from torchmigrate.program.loop_ranks import names_in, per_rank_names
-from torchmigrate.program.metrics import (initial_value, is_load, leaves_early, loader_expr, loader_loop,
-                                          reassigned_in, source_index)
+from torchmigrate.program.metrics import (binding_of, initial_value, is_load, leaves_early, loader_expr, loader_loop,
+                                          means_only, reassigned_in, source_index, starts_empty_list)
 from torchmigrate.options import RUNTIME_MODULE as RUNTIME
 from torchmigrate.rule import Context, Example, Rule
 from torchmigrate.program.rank_guards import collective_guard
@@ -39,7 +39,10 @@ class GatherListMean(Rule):
 
         losses = tm.gather_list(losses)
 
-    which concatenates the lists of all ranks (rank order; identity in one process).
+    which concatenates the lists of all ranks (rank order; identity in one process). A list kept
+    across epochs (made before the epoch loop, read as a mean after each batch loop) is gathered
+    where it is read, `np.mean(tm.gather_list(mean_correct))`, so each rank keeps only its own
+    values.
 
     In `ddp`, a list that records one number per training step (`G_losses.append(errG.item())`,
     `history["loss"].append(float(loss))`: a loss history printed, plotted or saved) in a loop
@@ -160,6 +163,7 @@ class GatherListMean(Rule):
         gathered: Set[str] = set()
         for loop, names in loops.items():
             lists = [n for n in names if gathered_for_mean(ctx, loop, n)]
+            self._gather_at_reads(loop, [n for n in names if n not in lists])
             if not lists:
                 continue  # (a loader every rank iterates in full: its means are the whole data's)
             gathered.update(lists)
@@ -171,6 +175,39 @@ class GatherListMean(Rule):
         if ctx.options.mode == "ddp":
             self._step_histories(gathered)
             self._step_prints()
+
+    def _gather_at_reads(self, loop: cst.For, names: List[str]) -> None:
+        """`mean_correct = []` before the epoch loop, `mean_correct.append(acc)` in each batch
+        loop, `np.mean(mean_correct)` after it: a list of per-batch values kept across epochs and
+        read as a mean. Gathered where it is read, `np.mean(tm.gather_list(mean_correct))`, so
+        each rank keeps only its own values (a gather after the loop, assigned back, would hold
+        every rank's earlier values once per rank by the next epoch)."""
+        ctx = self.ctx
+        for name in names:
+            outer = [a for a in ctx.ancestors(loop) if isinstance(a, (cst.For, cst.While))
+                     and ctx.enclosing(a, cst.FunctionDef) is ctx.enclosing(loop, cst.FunctionDef)]
+            if not any(starts_empty_list(ctx, a, name) and not reassigned_in(ctx, a, name) for a in outer):
+                continue
+            if not means_only(ctx, loop, name) or leaves_early(ctx, loop) or loop_sharding(ctx, loop) == "whole" \
+                    or collective_guard(ctx, loop) is not None:
+                continue
+            index = source_index(ctx)
+            begin, scope = index.end[loop], scope_of(ctx, loop)
+            reads = [n for order, n in index.names(name) if order > begin and scope_of(ctx, n) is scope
+                     and is_load(ctx, n) and binding_of(ctx, n) is None and not self._gathered(n)]
+            if not reads:
+                continue
+            tm = ctx.tm
+            self.report(loop, f"the mean of `{name}` covers this rank's batches only (a list kept across epochs): "
+                              "gather every rank's values where it is read",
+                        edits=[replace(n, lambda v: cst.Call(func=cst.parse_expression(f"{tm}.gather_list"),
+                                                             args=[cst.Arg(v)])) for n in reads],
+                        imports=[ctx.runtime_import()])
+
+    def _gathered(self, node: cst.Name) -> bool:
+        parent = self.ctx.parent(node)
+        call = self.ctx.parent(parent) if isinstance(parent, cst.Arg) else None
+        return isinstance(call, cst.Call) and (dotted(call.func) or "").endswith("gather_list")
 
     def _step_histories(self, gathered: Set[str]) -> None:
         """`G_losses.append(errG.item())`, `results["loss"].append(loss.item())` once per step
