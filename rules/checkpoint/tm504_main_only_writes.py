@@ -106,6 +106,9 @@ class MainOnlyWrites(Rule):
     - `logging.FileHandler(path)` (and the rotating ones) becomes
       `(logging.FileHandler(path) if tm.is_main() else logging.NullHandler())`: one log file,
       written by the main process.
+    - `if os.path.exists(folder): raise FileExistsError(...)` (a run that refuses to overwrite)
+      before the folder is made and written gets `tm.barrier()` after it, in `ddp`: every rank
+      tests before any rank writes, so no rank finds the main process's new folder and stops.
     - `os.makedirs(d)` and `pathlib`'s `path.mkdir(parents=True)` without `exist_ok=True`
       (missing, `False` or an expression) get `exist_ok=True`, and `os.mkdir(d)` under
       `if not os.path.isdir(d):` / `os.path.exists(d)` becomes `os.makedirs(d, exist_ok=True)`.
@@ -159,6 +162,8 @@ class MainOnlyWrites(Rule):
             return
         withs: List[cst.CSTNode] = []  # `with open(...)` blocks and statements that write
         handles: List[Tuple[cst.Call, cst.Assign]] = []  # `f = open(path, "a")`
+        if ctx.options.mode == "ddp":
+            self._refusals_before_writes()
         prepared = self._folder_tries()
         for call, name in analysis.facts(ctx).calls:
             if any(t in prepared for t in ctx.ancestors(call)):
@@ -268,6 +273,53 @@ class MainOnlyWrites(Rule):
             elif reads:
                 found.append(after)
         return found
+
+    def _refusals_before_writes(self) -> None:
+        """`if os.path.exists(folder): raise FileExistsError(...)` (a run that refuses to
+        overwrite), then the folder made and written by the main process: every rank runs the
+        test, and a rank that reaches it after the main process made the folder stops the run.
+        `tm.barrier()` after the test lets every rank test before any rank writes."""
+        ctx = self.ctx
+        for test_if in ctx.nodes(cst.If):
+            if test_if.orelse is not None or under_rank_guard(ctx, test_if) or collective_guard(ctx, test_if) is not None:
+                continue
+            if any(isinstance(a, (cst.Try, cst.ExceptHandler, cst.For, cst.While)) for a in ctx.ancestors(test_if)):
+                continue  # a folder prepared in a `try` (`_folder_tries`), or a test repeated in a loop
+            if not any(ctx.resolve(c.func) in effects.EXISTS_TESTS or (
+                    isinstance(c.func, cst.Attribute) and c.func.attr.value == "exists" and not c.args)
+                       for c in ctx.within(test_if.test, cst.Call)):
+                continue
+            body = test_if.body.body
+            last = body[-1] if body else None
+            smalls = list(last.body) if isinstance(last, cst.SimpleStatementLine) else []
+            if not (smalls and (isinstance(smalls[-1], cst.Raise) or (
+                    isinstance(smalls[-1], cst.Expr) and isinstance(smalls[-1].value, cst.Call)
+                    and (dotted(smalls[-1].value.func) or "") in ("sys.exit", "exit", "quit", "os._exit")))):
+                continue
+            home = ctx.enclosing(test_if, cst.FunctionDef) or ctx.module
+            after = ctx.position(test_if) or 0
+            writes = [c for c in ctx.within(home, cst.Call) if (ctx.position(c) or 0) > after
+                      and (ctx.resolve(c.func) in (_MAKEDIRS, _MKDIR, "torch.save", "shutil.copytree")
+                           or _path_mkdir(c, ctx.resolve(c.func)))]
+            if not writes:
+                continue
+            statement = ctx.statement_of(test_if) if not isinstance(test_if, cst.BaseCompoundStatement) else test_if
+            nxt = self._next_statement(statement)
+            if nxt is not None and "barrier(" in code(nxt):
+                continue  # a second run
+            self.report(test_if, "every rank tests whether this path exists and stops if it does, while the main "
+                                 "process creates it afterwards: a rank that tests late stops the run; every rank "
+                                 "tests before any rank writes (`tm.barrier()` after the test)",
+                        edits=[insert_after(statement, [stmt(f"{ctx.tm}.barrier()")])],
+                        imports=[ctx.runtime_import()])
+
+    def _next_statement(self, statement: cst.CSTNode) -> Optional[cst.CSTNode]:
+        parent = self.ctx.parent(statement)
+        body = body_of(parent) if parent is not None else None
+        if not body or statement not in body:
+            return None
+        at = index_in(body, statement)
+        return body[at + 1] if at + 1 < len(body) else None
 
     def _folder_tries(self) -> List[cst.Try]:
         """`try: os.makedirs(out) except FileExistsError: <the program's own answer>` (refuse a

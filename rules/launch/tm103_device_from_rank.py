@@ -84,7 +84,16 @@ def gpu_index(node: cst.CSTNode) -> Optional[str]:
     name = dotted(node) if isinstance(node, (cst.Name, cst.Attribute)) else None
     if name and _GPU_NAME.match(name.rsplit(".", 1)[-1]):
         return EXPR
+    # `gpu_ids[0]`, `opt.gpu_ids[0]`, `self.device_ids[0]`: the first of a list of GPU indices
+    if isinstance(node, cst.Subscript) and len(node.slice) == 1 and isinstance(node.slice[0].slice, cst.Index) \
+            and isinstance(node.slice[0].slice.value, cst.Integer):
+        listed = dotted(node.value) if isinstance(node.value, (cst.Name, cst.Attribute)) else None
+        if listed and _GPU_LIST.match(listed.rsplit(".", 1)[-1]):
+            return EXPR
     return None
+
+
+_GPU_LIST = re.compile(r"^(gpu_?ids|gpus|gpu_?list|device_?ids|devices|cuda_?ids)$", re.IGNORECASE)
 
 
 class DeviceFromRank(Rule):
@@ -103,8 +112,8 @@ class DeviceFromRank(Rule):
       a batch of a data loader, ...). Anything else keeps its own `cuda()` (a loss object of the
       program with a `cuda()` but no `.to()`, a container, an unannotated parameter): after
       `tm.setup()` the current GPU is the process's own, and a GPU index becomes
-      `tm.local_rank()`. `.to("cuda:0")` and `device="cuda"` keywords of torch factories become
-      `tm.device()`.
+      `tm.local_rank()`. `.to("cuda:0")`, `.to(gpu_ids[0])` (the first of a list of GPU indices)
+      and `device="cuda"` keywords of torch factories become `tm.device()`.
     - `device = "cuda"` / `"cuda:0"` string variables become `tm.device()` when every use
       treats them as a device (`.to(device)`, `device=device`); when the script also compares
       or formats the string (`device == "cuda"`, `autocast(device_type=device)`), a

@@ -93,7 +93,8 @@ def _decide(ctx: Context) -> List[BatchSite]:
             continue  # migrated already
         shapes = [u for u in loader.batch_uses if shape_of_batch(ctx, u)]
         divided = bool(shapes) and len(shapes) == len(loader.batch_uses)  # every read a shape
-        kept = _sized_elsewhere(ctx, size) or _rebatched(ctx, args) or _kept(loader, size, args, shapes_divided=divided)
+        kept = _sized_elsewhere(ctx, size) or _rebatched(ctx, args) or _kept(loader, size, args, shapes_divided=divided) \
+            or _sample_indexed(ctx, facts, loader)
         sites.append(BatchSite(loader, size, kept, [] if kept else shapes))
     return sites
 
@@ -181,6 +182,43 @@ def _sharded_here(loader: Loader, decided) -> bool:
     if decided.status == "plain":
         return decided.sampler in ("distributed", "mixed") and not loader.ordered
     return decided.status == "custom" and decided.sampler == "distributed"
+
+
+def _sample_indexed(ctx: Context, facts, loader: Loader) -> str:
+    """A loop over the loader reads one sample of a batch at a fixed position past the first
+    (`img = images.cpu().numpy(); img[2]`, a visualisation of the third sample): a rank's share
+    of the batch may be shorter than that (8 samples on 8 ranks: one each), so the batch stays."""
+    try:
+        loops = facts.consumers(loader)[0]
+    except Exception:  # noqa: BLE001 - without the loops, nothing is known to index the batch
+        return ""
+    for loop in loops:
+        names = {n.value for n in ctx.within(loop.target, cst.Name)}
+        assigns = [a for a in ctx.within(loop.body, cst.Assign, skip_defs=True)]
+        for _ in range(3):  # names computed from the batch: `images = sample['images'].to(device)`
+            for a in assigns:
+                if _root(a.value) in names:
+                    names |= {n.value for t in a.targets for n in ctx.within(t.target, cst.Name)}
+        for sub in ctx.within(loop.body, cst.Subscript, skip_defs=True):
+            index = sub.slice[0].slice if len(sub.slice) == 1 else None
+            if isinstance(sub.value, cst.Name) and sub.value.value in names and isinstance(index, cst.Index) \
+                    and isinstance(index.value, cst.Integer) and int(index.value.value) >= 1:
+                return (f"the loop over it reads sample `{code(sub)}` of a batch at a fixed position, which a rank's "
+                        "share of the batch may not have")
+    return ""
+
+
+def _root(node: cst.CSTNode) -> str:
+    """The variable an expression starts from: `images` for `images.cpu().numpy()`, `batch['x']`."""
+    while True:
+        if isinstance(node, cst.Name):
+            return node.value
+        if isinstance(node, (cst.Attribute, cst.Subscript)):
+            node = node.value
+        elif isinstance(node, cst.Call):
+            node = node.func
+        else:
+            return ""
 
 
 def _rebatched(ctx: Context, args) -> str:

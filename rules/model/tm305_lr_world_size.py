@@ -125,7 +125,9 @@ class LrWorldSize(ModelRule):
     loader's function has its `"batch_size"` entry divided instead) or left at one sample, a
     training loop that reads the batch size as a count (`seen += args.batch_size`), a program
     whose loss compares the samples of a batch with each other (a contrastive loss: over a rank's
-    share each sample would see fewer negatives; `program.batch_coupling`). A loop that reads it
+    share each sample would see fewer negatives; `program.batch_coupling`), a loop that reads one
+    sample of a batch at a fixed position past the first (`img[2]` of a visualisation: a rank's
+    share may be shorter). A loop that reads it
     only as a tensor's shape (GAN noise `torch.randn(args.batch_size, nz)`, labels
     `torch.ones(args.batch_size, 1)`, `out.view(args.batch_size, -1)`) gets
     `tm.per_rank_batch(args.batch_size)` there too: those tensors are this rank's batch. A
