@@ -59,7 +59,9 @@ class GatherListMean(Rule):
     `tm.all_reduce(loss.item(), op="mean")`: only numbers named like a loss or an averaged metric
     (and running counts of correct answers divided by a count), or whatever their name, numbers
     bound to the step's loss (`l = loss.item()`) and running sums of it (`interval_loss +=
-    loss.detach().cpu().numpy()`, also averaged in place before it is shown), only where
+    loss.detach().cpu().numpy()`, also averaged in place before it is shown); a running ratio
+    bound in the loop (`accuracy = float(correct) / float(total)`) is reduced where it is
+    computed, so every later use sees the ranks' value; only where
     every rank shows them in the same steps (under tests of the loop's index, counters and
     settings, not of its data; after no `continue` a rank may take). The same holds in a function
     that runs the training step itself and that the loop calls once per batch
@@ -328,8 +330,10 @@ class GatherListMean(Rule):
         reaches in the same steps (under `if` tests of the loop's index, counters and settings,
         not of its data), in a loop no rank leaves early and no rank guard holds."""
         ctx = self.ctx
+        done: Set[int] = set()
         for call, name in analysis.facts(ctx).calls:
-            values = logged_step_values(ctx, call, name)
+            values = [v for v in logged_step_values(ctx, call, name) if id(v) not in done]
+            done.update(id(v) for v in values)
             if not values:
                 continue
             self.report(call, "this prints this rank's value of the step (its shard's batch): print the ranks' mean",
@@ -501,7 +505,10 @@ def _shown_names(ctx: Context, call: cst.Call, block: cst.CSTNode, data: Set[str
                 and parent.key is node:
             continue
         sums = _step_sums(ctx, block, node.value)
-        if sums:
+        ratio = _running_ratio(ctx, block, node) if not sums else None
+        if ratio is not None:
+            out.append(ratio)  # reduced where it is computed: every later use sees the ranks' value
+        elif sums:
             if _sums_step_means(ctx, sums) or _numerator(ctx, node, call):
                 out.append(node)
         elif _METRIC_NAME.search(node.value) and (_holds_step_number(ctx, block, node) or node.value in backed
@@ -574,6 +581,28 @@ def _holds_step_number(ctx: Context, block: cst.CSTNode, node: cst.Name) -> bool
              if any(isinstance(t.target, cst.Name) and t.target.value == node.value for t in a.targets)]
     return bool(bound) and all(len(a.targets) == 1 and (_number_of_step(ctx, a.value) or _library_metric(ctx, a.value))
                                for a in bound)
+
+
+def _running_ratio(ctx: Context, block: cst.CSTNode, node: cst.Name) -> Optional[cst.BaseExpression]:
+    """The value of `accuracy = float(correct) / float(total)`, bound once directly in the body of
+    the step loop `block` (every rank computes it every step) from two running sums of the loop:
+    the rank's running accuracy, whose ranks' mean is the whole batch's (the shares are equal)."""
+    if not isinstance(block, cst.For) or not isinstance(block.body, cst.IndentedBlock):
+        return None
+    bound = [a for a in ctx.within(block, cst.Assign, skip_defs=True)
+             if any(isinstance(t.target, cst.Name) and t.target.value == node.value for t in a.targets)]
+    if len(bound) != 1 or len(bound[0].targets) != 1 or ctx.parent(ctx.parent(bound[0])) is not block.body:
+        return None
+    value = bound[0].value
+    if not (isinstance(value, cst.BinaryOperation) and isinstance(value.operator, cst.Divide)):
+        return None
+
+    def running(side: cst.BaseExpression) -> bool:
+        while isinstance(side, cst.Call) and isinstance(side.func, cst.Name) and side.func.value in ("float", "int") \
+                and len(side.args) == 1:
+            side = side.args[0].value
+        return isinstance(side, cst.Name) and bool(_step_sums(ctx, block, side.value))
+    return value if running(value.left) and running(value.right) and not _reduced(ctx, value) else None
 
 
 def _holds_metric_number(ctx: Context, block: cst.CSTNode, node: cst.Name, backed: Set[str]) -> bool:
