@@ -554,6 +554,8 @@ def means_only(ctx: Context, loop: cst.For, name: str) -> bool:
             continue
         if binding_of(ctx, n) is not None:
             continue  # `losses = np.mean(losses)`: the target; its value's uses are checked
+        if _deleted(ctx, n):
+            break  # `del losses`: no use, and none after it
         if not _in_mean(ctx, n, name):
             return False
         uses += 1
@@ -561,6 +563,16 @@ def means_only(ctx: Context, loop: cst.For, name: str) -> bool:
         if any(binding_of(ctx, t) is not None for t in ctx.within(statement, cst.Name) if t.value == name):
             break  # rebound here: later uses are of the mean, not the list
     return uses > 0
+
+
+def _deleted(ctx: Context, node: cst.Name) -> bool:
+    """`node` is a target of `del` (`del losses`, `del a, losses`)."""
+    for anc in ctx.ancestors(node):
+        if isinstance(anc, cst.Del):
+            return True
+        if not isinstance(anc, (cst.Tuple, cst.List, cst.Element)):
+            return False
+    return False
 
 
 def _in_mean(ctx: Context, use: cst.Name, name: str) -> bool:
