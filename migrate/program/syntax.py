@@ -297,6 +297,22 @@ def index_in(seq: Sequence[cst.CSTNode], node: cst.CSTNode) -> int:
     return -1
 
 
+def ranged_loop(node: cst.CSTNode) -> bool:
+    """`for c in range(n):`: a loop over indices, not over data (inside a batch loop: the
+    classes, heads or modules the batch's step goes through)."""
+    return isinstance(node, cst.For) and isinstance(node.iter, cst.Call) and isinstance(node.iter.func, cst.Name) \
+        and node.iter.func.value == "range"
+
+
+def next_statement(ctx: Context, statement: cst.CSTNode) -> Optional[cst.CSTNode]:
+    """The statement right after `statement` in its block, or None (the last one, or no block)."""
+    body = body_of(ctx.parent(statement))
+    if body is None:
+        return None
+    i = index_in(body, statement)
+    return body[i + 1] if 0 <= i < len(body) - 1 else None
+
+
 def local_calls(ctx: Context) -> Dict[str, List[cst.Call]]:
     """Calls of this file's functions and methods by name: `name(...)`, `self.name(...)`."""
     found = ctx.facts.get("tm_local_calls")

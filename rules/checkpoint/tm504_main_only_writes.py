@@ -11,7 +11,7 @@ from torchmigrate.finding import Import, Safety, insert_after, insert_before, re
 from torchmigrate.syntax.imports import dotted
 from torchmigrate.syntax.nodes import arg, code, expr, set_kwarg, stmt
 from torchmigrate.program.checkpoints import follows_save
-from torchmigrate.program.syntax import body_of, index_in, unconditional
+from torchmigrate.program.syntax import body_of, next_statement, unconditional
 from torchmigrate.program import effects
 from torchmigrate.program.classes import MODULE, OPTIMIZER, OTHER, TENSOR
 from torchmigrate.program.types import kind_of, made_by
@@ -22,6 +22,7 @@ from torchmigrate.rules.checkpoint.plan import plan
 from torchmigrate.program.collectives import runs_user_code
 from torchmigrate.program.rank_guards import collective_guard, under_rank_guard
 from torchmigrate.rules._active import active
+from torchmigrate.rules.launch.base import ends_process
 from torchmigrate.rules._guards import claim_tests, guard_edit, main_only_call, orphaned, sibling_runs
 
 # Copies into the experiment folder (`create_exp_dir` copying the scripts); right after a
@@ -259,9 +260,7 @@ class MainOnlyWrites(Rule):
             if ctx.resolve(call.func) not in ("os.rename", "os.replace", "shutil.move") or len(call.args) < 2:
                 continue
             moved = {code(a.value) for a in call.args[:2] if not a.star}
-            following = body_of(ctx.parent(statement)) or ()
-            index = index_in(following, statement)
-            after = following[index + 1] if 0 <= index < len(following) - 1 else None
+            after = next_statement(ctx, statement)
             if after is None or after in statements or runs_user_code(ctx, after) or collective_guard(ctx, after):
                 continue
             reads = [c for c in ctx.within(after, cst.Call) if (ctx.resolve(c.func) or dotted(c.func)) == "open" and c.args
@@ -294,7 +293,7 @@ class MainOnlyWrites(Rule):
             smalls = list(last.body) if isinstance(last, cst.SimpleStatementLine) else []
             if not (smalls and (isinstance(smalls[-1], cst.Raise) or (
                     isinstance(smalls[-1], cst.Expr) and isinstance(smalls[-1].value, cst.Call)
-                    and (dotted(smalls[-1].value.func) or "") in ("sys.exit", "exit", "quit", "os._exit")))):
+                    and ends_process(ctx, smalls[-1].value)))):
                 continue
             home = ctx.enclosing(test_if, cst.FunctionDef) or ctx.module
             after = ctx.position(test_if) or 0
@@ -303,23 +302,14 @@ class MainOnlyWrites(Rule):
                            or _path_mkdir(c, ctx.resolve(c.func)))]
             if not writes:
                 continue
-            statement = ctx.statement_of(test_if) if not isinstance(test_if, cst.BaseCompoundStatement) else test_if
-            nxt = self._next_statement(statement)
+            nxt = next_statement(ctx, test_if)
             if nxt is not None and "barrier(" in code(nxt):
                 continue  # a second run
             self.report(test_if, "every rank tests whether this path exists and stops if it does, while the main "
                                  "process creates it afterwards: a rank that tests late stops the run; every rank "
                                  "tests before any rank writes (`tm.barrier()` after the test)",
-                        edits=[insert_after(statement, [stmt(f"{ctx.tm}.barrier()")])],
+                        edits=[insert_after(test_if, [stmt(f"{ctx.tm}.barrier()")])],
                         imports=[ctx.runtime_import()])
-
-    def _next_statement(self, statement: cst.CSTNode) -> Optional[cst.CSTNode]:
-        parent = self.ctx.parent(statement)
-        body = body_of(parent) if parent is not None else None
-        if not body or statement not in body:
-            return None
-        at = index_in(body, statement)
-        return body[at + 1] if at + 1 < len(body) else None
 
     def _folder_tries(self) -> List[cst.Try]:
         """`try: os.makedirs(out) except FileExistsError: <the program's own answer>` (refuse a

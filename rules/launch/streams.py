@@ -99,7 +99,7 @@ def _agreed_draws(ctx: Context) -> List[cst.Call]:
             continue  # drawn once: at import, alike on every rank; in a function of the entry, TM107 shares it
         if func is not None and (per_sample(ctx, func) or _generates(ctx, func)):
             continue
-        if name == "random.sample" and _batch_sized(call):
+        if name == "random.sample" and _batch_sized(ctx, call):
             continue
         if collective_guard(ctx, call) is not None:
             continue
@@ -110,7 +110,7 @@ def _agreed_draws(ctx: Context) -> List[cst.Call]:
     return out
 
 
-def _batch_sized(call: cst.Call) -> bool:
+def _batch_sized(ctx: Context, call: cst.Call) -> bool:
     """`random.sample(users, self.batch_size)`: a minibatch drawn from the population at each
     step, not an order of it. Drawn per rank (each rank's own streams, `tm.seed_per_rank`), the
     ranks train on independent batches, as data parallelism wants; agreed, every rank would
@@ -118,20 +118,8 @@ def _batch_sized(call: cst.Call) -> bool:
     k = arg(call, "k", 1)
     if k is None:
         return False
-    names = [n.value.lower() for n in _names_in(k.value)]
+    names = [n.value.lower() for n in ctx.within(k.value, cst.Name)]
     return any("batch" in n or n in ("bs", "n_batch") for n in names)
-
-
-def _names_in(node: cst.CSTNode) -> List[cst.Name]:
-    out: List[cst.Name] = []
-
-    def go(n: cst.CSTNode) -> None:
-        if isinstance(n, cst.Name):
-            out.append(n)
-        for child in n.children:
-            go(child)
-    go(node)
-    return out
 
 
 def _generates(ctx: Context, func: cst.FunctionDef) -> bool:

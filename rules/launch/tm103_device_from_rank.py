@@ -13,6 +13,7 @@ from torchmigrate.syntax.imports import dotted
 from torchmigrate.syntax.nodes import arg, code, expr, kwarg, stmt, with_args
 from torchmigrate.options import RUNTIME_MODULE as RUNTIME
 from torchmigrate.program.ranks import rank_dependent
+from torchmigrate.program.syntax import ranged_loop
 from torchmigrate.program.types import MODULE, TENSOR, kind_of, result_kind
 from torchmigrate.rule import Context, Example, Rule
 from torchmigrate.rules.launch.base import INIT_PG
@@ -1119,13 +1120,6 @@ def _base(node: cst.BaseExpression) -> Optional[str]:
             return None
 
 
-def _counting_loop(node: cst.CSTNode) -> bool:
-    """`for c in range(n_classes):` inside a batch loop: a loop over indices, whose body works
-    on the batch of the loop around it (per-class counts), not a loop over data of its own."""
-    return isinstance(node, cst.For) and isinstance(node.iter, cst.Call) and isinstance(node.iter.func, cst.Name) \
-        and node.iter.func.value == "range"
-
-
 def _elementwise_bases(node: cst.BaseExpression) -> List[str]:
     """The variables an operand is computed from elementwise: `y` for `y`, `y.view(-1)`, and for
     `(y == c)`, `y * w`, `~mask` the operands' own (a tensor met with the model's outputs through
@@ -1402,7 +1396,7 @@ class _BatchMoves:
         def go(n: cst.CSTNode) -> None:
             out.append(n)
             for child in n.children:
-                if not isinstance(child, _LOOP_OR_SCOPE) or _counting_loop(child):
+                if not isinstance(child, _LOOP_OR_SCOPE) or ranged_loop(child):  # per-class counts
                     go(child)
 
         go(loop.body)

@@ -17,6 +17,7 @@ from torchmigrate.syntax.nodes import code
 from torchmigrate.program.rank_guards import collective_guard
 from torchmigrate.program.loop_ranks import names_in, per_rank_names
 from torchmigrate.program.ranks import rank_polarity
+from torchmigrate.program.syntax import ranged_loop
 from torchmigrate.rules._active import active
 from torchmigrate.rules.launch.base import ends_process
 from torchmigrate.rules.metrics.plan import ranks_mean
@@ -215,10 +216,9 @@ class RankSkips(Rule):
         if not retained:
             return
         first = retained[0]
-        repeated = isinstance(loop, cst.For) and isinstance(loop.iter, cst.Call) \
-            and code(loop.iter.func) == "range" and not any(
-                isinstance(c.func, cst.Attribute) and c.func.attr.value == "step"
-                for c in self.ctx.within(loop.body, cst.Call, skip_defs=True))  # `for idx in range(n_heads):`
+        repeated = ranged_loop(loop) and not any(  # `for idx in range(n_heads):` with no step inside
+            isinstance(c.func, cst.Attribute) and c.func.attr.value == "step"
+            for c in self.ctx.within(loop.body, cst.Call, skip_defs=True))
         if not repeated and not [c for c in own if (self.ctx.position(c) or 0) > (self.ctx.position(first) or 0)]:
             return
         self.report(first, "several backward passes after one forward of a model in DDP (`retain_graph=True`, then "

@@ -20,6 +20,7 @@ from torchmigrate.program.metrics import (dict_sums, events_after, initial_value
                                           leaves_early, loader_expr, loader_loop, loop_sums, named_like_loader)
 from torchmigrate.rule import Context, Example, Rule
 from torchmigrate.program.rank_guards import collective_guard
+from torchmigrate.program.syntax import ranged_loop
 from torchmigrate.rules._active import active
 from torchmigrate.rules.metrics.plan import exact_lens, loop_sharding
 
@@ -293,15 +294,10 @@ class ReduceCounts(Rule):
         total then shown or stored as it is (no division after the loop): summed across ranks it
         would be world_size times the original's total; their mean is the original's."""
         ctx = self.ctx
-        augs = [a for a in ctx.within(loop.body, cst.AugAssign, skip_defs=True)
-                if isinstance(a.target, cst.Name) and a.target.value == name]
-        if not augs or not all(isinstance(a.operator, cst.AddAssign) and _batch_mean(a.value) for a in augs):
+        if not self._shown_total(loop, name):
             return False
         from torchmigrate.rules.model.batch import batch_sites
 
-        events = events_after(ctx, loop, {name})[name]
-        if events.augs or any(self._in_arithmetic(u) for u in events.uses):
-            return False
         try:
             loaders = {id(l) for r in refs_at(ctx, loader_expr(ctx, loop.iter)) for l in r.loaders}
         except Exception:  # noqa: BLE001 - without the loader facts, the sum stays a sum
@@ -315,14 +311,7 @@ class ReduceCounts(Rule):
         divided) or its share of them, only the run can tell (`tm.reduce_batch_total`)."""
         ctx = self.ctx
         node = loader_expr(ctx, loop.iter)
-        if not isinstance(node, cst.Name) or not analysis.runs_backward(ctx, loop):
-            return None
-        augs = [a for a in ctx.within(loop.body, cst.AugAssign, skip_defs=True)
-                if isinstance(a.target, cst.Name) and a.target.value == name]
-        if not augs or not all(isinstance(a.operator, cst.AddAssign) and _batch_mean(a.value) for a in augs):
-            return None
-        events = events_after(ctx, loop, {name})[name]
-        if events.augs or any(self._in_arithmetic(u) for u in events.uses):
+        if not isinstance(node, cst.Name) or not analysis.runs_backward(ctx, loop) or not self._shown_total(loop, name):
             return None
         try:
             if any(r.loaders for r in refs_at(ctx, node)):
@@ -330,6 +319,17 @@ class ReduceCounts(Rule):
         except Exception:  # noqa: BLE001 - without the loader facts, the run decides
             pass
         return node.value
+
+    def _shown_total(self, loop: cst.For, name: str) -> bool:
+        """`name` only adds one batch mean per step in `loop` (`total_loss += loss.item()`) and
+        after it is shown or stored as it is, in no arithmetic and changed no more."""
+        ctx = self.ctx
+        augs = [a for a in ctx.within(loop.body, cst.AugAssign, skip_defs=True)
+                if isinstance(a.target, cst.Name) and a.target.value == name]
+        if not augs or not all(isinstance(a.operator, cst.AddAssign) and _batch_mean(a.value) for a in augs):
+            return False
+        events = events_after(ctx, loop, {name})[name]
+        return not events.augs and not any(self._in_arithmetic(u) for u in events.uses)
 
     def _in_arithmetic(self, use: cst.CSTNode) -> bool:
         """`use` is an operand of arithmetic, also through a conversion (`float(total) / count`)."""
@@ -425,9 +425,7 @@ def _data_loop(ctx: Context, node: cst.CSTNode) -> Optional[cst.For]:
             return None
         if not isinstance(anc, cst.For):
             continue
-        ranged = isinstance(anc.iter, cst.Call) and isinstance(anc.iter.func, cst.Name) \
-            and anc.iter.func.value == "range"
-        if iterates_loader(ctx, anc.iter) or (not ranged and analysis.trains_itself(ctx, anc)):
+        if iterates_loader(ctx, anc.iter) or (not ranged_loop(anc) and analysis.trains_itself(ctx, anc)):
             return anc
     return None
 

@@ -20,7 +20,7 @@ from torchmigrate.options import RUNTIME_MODULE as RUNTIME
 from torchmigrate.rule import Context, Example, Rule
 from torchmigrate.program.rank_guards import collective_guard
 from torchmigrate.program.scopes import scope_of
-from torchmigrate.program.syntax import binds, body_of, index_in, local_calls
+from torchmigrate.program.syntax import binds, local_calls, next_statement, root_name
 from torchmigrate.rules._active import active
 from torchmigrate.rules.metrics.plan import gathered_for_mean, loop_sharding, ranks_mean
 
@@ -196,7 +196,7 @@ class GatherListMean(Rule):
             index = source_index(ctx)
             begin, scope = index.end[loop], scope_of(ctx, loop)
             reads = [n for order, n in index.names(name) if order > begin and scope_of(ctx, n) is scope
-                     and is_load(ctx, n) and binding_of(ctx, n) is None and not self._gathered(n)]
+                     and is_load(ctx, n) and binding_of(ctx, n) is None and not _reduced(ctx, n, "gather_list")]
             if not reads:
                 continue
             tm = ctx.tm
@@ -205,11 +205,6 @@ class GatherListMean(Rule):
                         edits=[replace(n, lambda v: cst.Call(func=cst.parse_expression(f"{tm}.gather_list"),
                                                              args=[cst.Arg(v)])) for n in reads],
                         imports=[ctx.runtime_import()])
-
-    def _gathered(self, node: cst.Name) -> bool:
-        parent = self.ctx.parent(node)
-        call = self.ctx.parent(parent) if isinstance(parent, cst.Arg) else None
-        return isinstance(call, cst.Call) and (dotted(call.func) or "").endswith("gather_list")
 
     def _step_histories(self, gathered: Set[str]) -> None:
         """`G_losses.append(errG.item())`, `results["loss"].append(loss.item())` once per step
@@ -384,7 +379,7 @@ class GatherListMean(Rule):
             if len(made) == 1 and any(_METER.search(n.value) for n in ctx.within(made[0], cst.Name)) \
                     and not reassigned_in(ctx, loop, name) and self._read_after(loop, name):
                 found.append(name)
-        after = _next_sibling(ctx, loop)
+        after = next_statement(ctx, loop)
         found = [n for n in found if not (isinstance(after, cst.For) and code(after.iter) == f"{n}.values()"
                                           and "reduce_meter(" in code(after.body))]  # (an earlier run's)
         if not found:
@@ -427,7 +422,7 @@ class GatherListMean(Rule):
 
     def _reduced_after(self, loop: cst.For, names: List[str]) -> bool:
         """`tm.reduce_meter(meter)` already follows the loop (a second run)."""
-        nxt = _next_sibling(self.ctx, loop)
+        nxt = next_statement(self.ctx, loop)
         return nxt is not None and "reduce_meter(" in code(nxt) and any(n in code(nxt) for n in names)
 
 
@@ -558,11 +553,8 @@ def _loss_as_numpy(ctx: Context, aug: cst.AugAssign) -> bool:
     if not (isinstance(value, cst.Call) and isinstance(value.func, cst.Attribute) and value.func.attr.value == "numpy"
             and not value.args):
         return False
-    base: cst.CSTNode = value
-    while isinstance(base, (cst.Attribute, cst.Call, cst.Subscript)):
-        base = base.func if isinstance(base, cst.Call) else base.value
     loop = ctx.enclosing(aug, cst.For, cst.While, cst.FunctionDef)
-    return isinstance(base, cst.Name) and loop is not None and base.value in _backward_names(ctx, loop)
+    return loop is not None and root_name(value) in _backward_names(ctx, loop)
 
 
 def _numerator(ctx: Context, node: cst.Name, call: cst.Call) -> bool:
@@ -575,10 +567,15 @@ def _numerator(ctx: Context, node: cst.Name, call: cst.Call) -> bool:
     return False
 
 
+def _bindings(ctx: Context, block: cst.CSTNode, name: str) -> List[cst.Assign]:
+    """The assignments in `block` (not in functions defined there) that bind the plain `name`."""
+    return [a for a in ctx.within(block, cst.Assign, skip_defs=True)
+            if any(isinstance(t.target, cst.Name) and t.target.value == name for t in a.targets)]
+
+
 def _holds_step_number(ctx: Context, block: cst.CSTNode, node: cst.Name) -> bool:
     """`node` is bound in `block` only to a number of the step (`loss_value = loss.item()`)."""
-    bound = [a for a in ctx.within(block, cst.Assign, skip_defs=True)
-             if any(isinstance(t.target, cst.Name) and t.target.value == node.value for t in a.targets)]
+    bound = _bindings(ctx, block, node.value)
     return bool(bound) and all(len(a.targets) == 1 and (_number_of_step(ctx, a.value) or _library_metric(ctx, a.value))
                                for a in bound)
 
@@ -589,8 +586,7 @@ def _running_ratio(ctx: Context, block: cst.CSTNode, node: cst.Name) -> Optional
     the rank's running accuracy, whose ranks' mean is the whole batch's (the shares are equal)."""
     if not isinstance(block, cst.For) or not isinstance(block.body, cst.IndentedBlock):
         return None
-    bound = [a for a in ctx.within(block, cst.Assign, skip_defs=True)
-             if any(isinstance(t.target, cst.Name) and t.target.value == node.value for t in a.targets)]
+    bound = _bindings(ctx, block, node.value)
     if len(bound) != 1 or len(bound[0].targets) != 1 or ctx.parent(ctx.parent(bound[0])) is not block.body:
         return None
     value = bound[0].value
@@ -608,16 +604,12 @@ def _running_ratio(ctx: Context, block: cst.CSTNode, node: cst.Name) -> Optional
 def _holds_metric_number(ctx: Context, block: cst.CSTNode, node: cst.Name, backed: Set[str]) -> bool:
     """`node`, whatever its name, is bound in `block` only to a number of the step's loss or
     metric (`l = loss.item()`, `v = float(train_acc)`)."""
-    bound = [a for a in ctx.within(block, cst.Assign, skip_defs=True)
-             if any(isinstance(t.target, cst.Name) and t.target.value == node.value for t in a.targets)]
+    bound = _bindings(ctx, block, node.value)
     if not bound or not all(len(a.targets) == 1 and _number_of_step(ctx, a.value) for a in bound):
         return False
     for a in bound:
         inner = a.value.func.value if isinstance(a.value.func, cst.Attribute) else a.value.args[0].value
-        base = inner
-        while isinstance(base, (cst.Attribute, cst.Call, cst.Subscript)):
-            base = base.func if isinstance(base, cst.Call) else base.value
-        if not (_METRIC_NAME.search(code(inner)) or isinstance(base, cst.Name) and base.value in backed):
+        if not (_METRIC_NAME.search(code(inner)) or root_name(inner) in backed):
             return False
     return True
 
@@ -692,16 +684,9 @@ def _number_of_step(ctx: Context, value: cst.BaseExpression) -> bool:
     return isinstance(func, cst.Name) and func.value == "float" and len(value.args) == 1
 
 
-def _reduced(ctx: Context, value: cst.CSTNode) -> bool:
-    """`value` is already an argument of `tm.all_reduce(...)` (a second run)."""
+def _reduced(ctx: Context, value: cst.CSTNode, helper: str = "all_reduce") -> bool:
+    """`value` is already an argument of `tm.all_reduce(...)` (or of the runtime's `helper`,
+    `tm.gather_list(...)`): a second run."""
     parent = ctx.parent(value)
     call = ctx.parent(parent) if isinstance(parent, cst.Arg) else None
-    return isinstance(call, cst.Call) and ctx.resolve(call.func) == RUNTIME + ".all_reduce"
-
-
-def _next_sibling(ctx: Context, statement: cst.CSTNode) -> Optional[cst.CSTNode]:
-    body = body_of(ctx.parent(statement))
-    if body is None:
-        return None
-    i = index_in(body, statement)
-    return body[i + 1] if i is not None and i + 1 < len(body) else None
+    return isinstance(call, cst.Call) and ctx.resolve(call.func) == f"{RUNTIME}.{helper}"

@@ -31,6 +31,7 @@ import libcst as cst
 
 from torchmigrate.program.loaders import Loader, bind_args, compared_with_rows, loader_facts
 from torchmigrate.program.scopes import assignments, scope_of
+from torchmigrate.program.syntax import root_name
 from torchmigrate.rule import Context
 from torchmigrate.rules.data.plan import data_plan
 from torchmigrate.syntax.nodes import code
@@ -197,7 +198,7 @@ def _sample_indexed(ctx: Context, facts, loader: Loader) -> str:
         assigns = [a for a in ctx.within(loop.body, cst.Assign, skip_defs=True)]
         for _ in range(3):  # names computed from the batch: `images = sample['images'].to(device)`
             for a in assigns:
-                if _root(a.value) in names:
+                if (root_name(a.value) or "").split(".")[0] in names:
                     names |= {n.value for t in a.targets for n in ctx.within(t.target, cst.Name)}
         for sub in ctx.within(loop.body, cst.Subscript, skip_defs=True):
             index = sub.slice[0].slice if len(sub.slice) == 1 else None
@@ -206,19 +207,6 @@ def _sample_indexed(ctx: Context, facts, loader: Loader) -> str:
                 return (f"the loop over it reads sample `{code(sub)}` of a batch at a fixed position, which a rank's "
                         "share of the batch may not have")
     return ""
-
-
-def _root(node: cst.CSTNode) -> str:
-    """The variable an expression starts from: `images` for `images.cpu().numpy()`, `batch['x']`."""
-    while True:
-        if isinstance(node, cst.Name):
-            return node.value
-        if isinstance(node, (cst.Attribute, cst.Subscript)):
-            node = node.value
-        elif isinstance(node, cst.Call):
-            node = node.func
-        else:
-            return ""
 
 
 def _rebatched(ctx: Context, args) -> str:
