@@ -440,7 +440,7 @@ def _batch_count(node: cst.CSTNode, counters: Set[str]) -> bool:
                for a, b in (sides, sides[::-1]))
 
 
-def _divisions_of(ctx: Context, use: cst.Name) -> List[cst.BinaryOperation]:
+def divisions_of(ctx: Context, use: cst.Name) -> List[cst.BinaryOperation]:
     out = []
     for anc in ctx.ancestors(use):
         if isinstance(anc, (cst.BaseSmallStatement, cst.BaseCompoundStatement)):
@@ -511,7 +511,7 @@ def loop_sums(ctx: Context, loop: cst.For, names: List[str], exact: ExactDenomin
             averaged_at = min((ctx.position(a) or 0 for a in ev.augs if isinstance(a.operator, _DIVISION_ASSIGNS)
                                and not isinstance(a.operator, cst.MultiplyAssign)), default=None)
             for use in ev.uses:
-                divisions = _divisions_of(ctx, use)
+                divisions = divisions_of(ctx, use)
                 if not divisions and averaged_at is not None and (ctx.position(use) or 0) > averaged_at:
                     continue
                 if not divisions:
@@ -522,7 +522,7 @@ def loop_sums(ctx: Context, loop: cst.For, names: List[str], exact: ExactDenomin
                     if k is None and bad is None:
                         bad = d
             if bad is None and "mean" in found and found != {"mean"}:
-                bad = next((d for use in ev.uses for d in _divisions_of(ctx, use)), None) or ev.uses[0]
+                bad = next((d for use in ev.uses for d in divisions_of(ctx, use)), None) or ev.uses[0]
             if bad is not None:
                 out.foreign[name] = bad
                 group.discard(name)
@@ -700,7 +700,7 @@ def dict_sums(ctx: Context, loop: cst.For, name: str) -> DictSums:
             return out
         if key not in out.keys:
             continue  # an entry the loop does not sum (`res["epoch"]`)
-        divisions = _divisions_of(ctx, sub)
+        divisions = divisions_of(ctx, sub)
         if not divisions and per_sample[key]:
             continue  # a sum over samples shown as it is: the ranks' sum is the whole data's
         if not divisions or not all(_slots_closed(d, name, out.keys) for d in divisions):

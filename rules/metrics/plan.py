@@ -172,8 +172,12 @@ def exact_lens(ctx: Context, loop: cst.For) -> ExactDenominators:
             out.dataset.add(counted)
         elif isinstance(node, (cst.Name, cst.Attribute)) and _trains(ctx, loop):
             # a loader handed in (`def _train_epoch(self, data_loader)`) that the loop trains on:
-            # reduced `over=` it, exact or within the padding of a training sampler
-            out.dataset.add(f"{code(node).replace(' ', '')}.dataset")
+            # reduced `over=` it, exact or within the padding of a training sampler; a sum of
+            # batch means over `len(loader)` is averaged over the ranks (a padded sampler gives
+            # each as many batches)
+            text = code(node).replace(' ', '')
+            out.dataset.add(f"{text}.dataset")
+            out.batches.add(text)
             out.counters |= _counters(ctx, loop)
         return out
     kinds = {_sharding(ctx, l) for l in loaders}

@@ -16,7 +16,7 @@ from torchmigrate import analysis
 from torchmigrate.finding import Safety, insert_after
 from torchmigrate.syntax.nodes import code, expr, stmt
 from torchmigrate.program.loaders import is_pure, refs_at
-from torchmigrate.program.metrics import (dict_sums, events_after, initial_value, is_number, iterates_loader,
+from torchmigrate.program.metrics import (dict_sums, divisions_of, events_after, initial_value, is_number, iterates_loader,
                                           leaves_early, loader_expr, loader_loop, loop_sums, named_like_loader)
 from torchmigrate.rule import Context, Example, Rule
 from torchmigrate.program.rank_guards import collective_guard
@@ -320,6 +320,15 @@ class ReduceCounts(Rule):
             pass
         return node.value
 
+    def _counts_samples(self, loop: cst.For, name: str) -> bool:
+        """`name` adds a count or sum over each batch's samples in `loop` (`correct += (p ==
+        y).sum().item()`) and is divided after it (by the loop's batch count)."""
+        augs = [a for a in self.ctx.within(loop.body, cst.AugAssign, skip_defs=True)
+                if isinstance(a.target, cst.Name) and a.target.value == name]
+        events = events_after(self.ctx, loop, {name})[name]
+        return any(_PER_SAMPLE_SUM.search(code(a.value)) and not _batch_mean(a.value) for a in augs) \
+            and (bool(events.augs) or any(divisions_of(self.ctx, u) for u in events.uses))
+
     def _shown_total(self, loop: cst.For, name: str) -> bool:
         """`name` only adds one batch mean per step in `loop` (`total_loss += loss.item()`) and
         after it is shown or stored as it is, in no arithmetic and changed no more."""
@@ -354,6 +363,13 @@ class ReduceCounts(Rule):
         kind, foreign = found.kinds, found.foreign
         for name in [n for n, k in kind.items() if k == "sum" and self._total_of_batch_means(loop, n)]:
             kind[name] = "mean"
+        counted = [n for n, k in kind.items() if k == "mean" and self._counts_samples(loop, n)]
+        for name in counted:
+            # `correct / len(loader)`: samples per batch, whose ranks' mean is the original's only
+            # where the batch was not divided; the division is the user's to settle
+            del kind[name]
+            events = events_after(ctx, loop, {name})[name]
+            foreign[name] = next((d for u in events.uses for d in divisions_of(ctx, u)), None) or events.augs[0]
         tm = ctx.tm
         # a loader whose sharding only the run knows: reduce where it turns out sharded
         over = code(loader_expr(ctx, loop.iter)) if sharding == "unknown" else None
@@ -409,7 +425,8 @@ class ReduceCounts(Rule):
                                    f"ranks' mean (`{tm}.all_reduce(value, op=\"mean\")`) or sum both parts "
                                    f"across ranks before dividing")
             else:
-                self.report(first, _manual_message(tm, bad_names, den, padded=bool(exact.batches), over=over))
+                self.report(first, _manual_message(tm, bad_names, den, padded=bool(exact.batches), over=over,
+                                                   counts=all(n in counted for n in bad_names)))
 
 
 # a count or a sum over a batch's samples (`(pred == y).sum().item()`, `y.size(0)`, `len(y)`)
@@ -512,9 +529,11 @@ def _reduce_statement(tm: str, names: List[str], op: str, over: Optional[str], i
     return cst.SimpleStatementLine([cst.Assign([cst.AssignTarget(target)], call)])
 
 
-def _manual_message(tm: str, names: List[str], den: str, padded: bool = False, over: Optional[str] = None) -> str:
+def _manual_message(tm: str, names: List[str], den: str, padded: bool = False, over: Optional[str] = None,
+                    counts: bool = False) -> str:
     """What to do about sums divided by a denominator a reduction would not keep right (with
-    `over`: the loader, when only the run knows whether it is sharded)."""
+    `over`: the loader, when only the run knows whether it is sharded; `counts`: the sums count
+    samples and `den` is the loader's batch count)."""
     listed = ", ".join(f"`{n}`" for n in names)
     joined = ", ".join(names)
     args = joined + (f", over={over}" if over else "")
@@ -526,6 +545,12 @@ def _manual_message(tm: str, names: List[str], den: str, padded: bool = False, o
                 + ("(approximate: the training sampler pads the shards with a few repeated samples)" if padded else
                    f"(exact when the loader is sharded with {tm}.eval_sampler)")
                 + ", or count samples in the loop (`n += y.size(0)`), reduce the count too and divide by it")
+    if counts:
+        return (f"{listed} {'counts' if one else 'count'} this rank's samples but {'is' if one else 'are'} divided "
+                f"by `{den}`, its batch count, a per-batch figure that depends on the batch each rank loads: "
+                f"where the loader's batch is divided across ranks (batch policy global), add `{joined} = "
+                f"{tm}.all_reduce({args})` after the loop; where every rank loads the whole batch, `op=\"mean\"`; "
+                f"or count the samples too and divide by their reduced count")
     if compact.startswith("len(") and named_like_loader(compact[4:-1]):
         return (f"{listed} {'sums' if one else 'sum'} per-batch values over this rank's batches but "
                 f"{'is' if one else 'are'} divided by `{den}`, this rank's batch count: add "
