@@ -667,6 +667,21 @@ def _function_params(func: cst.FunctionDef) -> Tuple[List[str], List[str]]:
     return positional, [x.name.value for x in p.kwonly_params]
 
 
+def _fits(call: cst.Call, func: cst.FunctionDef, method: bool) -> bool:
+    """`call` can be a call of `func`: it gives every parameter without a default (a star
+    argument may give any). `net.train()` is no call of `def train(self, dataset, net)`."""
+    if any(a.star for a in call.args):
+        return True
+    p = func.params
+    required = [x.name.value for x in (*p.posonly_params, *p.params) if x.default is None]
+    if method and required and required[0] == _function_params(func)[0][0]:
+        required = required[1:]
+    given = sum(1 for a in call.args if a.keyword is None)
+    named = {a.keyword.value for a in call.args if a.keyword is not None}
+    return all(i < given or r in named for i, r in enumerate(required)) \
+        and all(x.name.value in named for x in p.kwonly_params if x.default is None)
+
+
 def _call_arg_for(call: cst.Call, func: cst.FunctionDef, param: str, method: bool) -> Optional[cst.BaseExpression]:
     positional, kwonly = _function_params(func)
     if method and positional:
@@ -719,6 +734,8 @@ def _helper_call_sites(ctx: Context, opt: "Optimizer") -> List["Optimizer"]:
                 continue
         elif not (isinstance(f, cst.Name) and f.value == name):
             continue
+        if not _fits(call, func, method):
+            continue  # `net.train()` beside `def train(self, dataset, net)`: another function
         models: List[str] = []
         if self_root and receiver not in (None, "self", "cls") and _model_like(ctx, receiver, f.value):
             models.append(model_root(receiver))

@@ -458,6 +458,8 @@ def wrap_model(model: nn.Module, *, find_unused_parameters: bool = False, sync_b
     that is already DDP is returned as is, so wrapping twice is harmless; a model that holds an
     already wrapped one (``WithLoss(net)`` after ``net = tm.wrap_model(net)``) holds its module
     instead, so no gradient is reduced twice (the inner wrapper still works when called alone).
+    The module of a live wrapper (wrapped by a caller, then wrapped again in the training method it
+    was handed to as the bare module) gets that wrapper back: one module, one reducer.
 
     ``data_parallel=True`` (what ``torchmigrate ddp`` passes where the program used
     ``nn.DataParallel``): in one process the model stays in ``nn.DataParallel``, as the original
@@ -508,6 +510,9 @@ def wrap_model(model: nn.Module, *, find_unused_parameters: bool = False, sync_b
         return model
     if isinstance(model, nn.DataParallel) and is_distributed():
         model = model.module  # a model the program wrapped itself: DDP replaces it
+    wrapped = next((d for d in _live_wrappers() if d.module is model), None)
+    if wrapped is not None:
+        return wrapped
     _unnest(model)
     dev = device()
     model = model.to(dev)

@@ -33,6 +33,7 @@ from typing import Dict, Iterable, List, Optional, Set, Tuple
 
 import libcst as cst
 
+from torchmigrate import analysis
 from torchmigrate.analysis import (Optimizer, _call_arg_for, calls_to, facts, is_distributed, is_variable, model_root,
                                    optimizers)
 from torchmigrate.finding import insert_before, replace
@@ -877,16 +878,20 @@ class Plan:
                     return None  # this file calls fname() with the model: the wrap goes at that call
                 if fname and m in self.models.params(scope) and self._builder_for_others(scope):
                     return None  # another module calls fname() with the model and wraps it there
-                if fname and m in self.models.params(scope):
+                trains_here = fname and m in self.models.params(scope) and self._trains_param(scope, m)
+                if fname and m in self.models.params(scope) and not trains_here:
                     return (f"`{m}` is a parameter of {fname}(), which builds its optimizer: wrap the model with "
                             f"`{tm}.wrap_model(...)` where {fname}() is called")
-                if fname and self.models.definitions(m, ctx.module, None):
+                if trains_here:
+                    pass  # `def fit(self, data, net)` that trains it: wrapped before its optimizer, here
+                elif fname and self.models.definitions(m, ctx.module, None):
                     return (f"`{m}` is a module-level model whose optimizer is built in {fname}(): wrap it with "
                             f"`{m} = {tm}.wrap_model({m})` at module level before {fname}() runs")
-                if self._wraps_itself():
+                elif self._wraps_itself():
                     return None
-                return (f"cannot find where `{m}` is created: wrap it with `{m} = {tm}.wrap_model({m})` "
-                        "before creating its optimizer")
+                else:
+                    return (f"cannot find where `{m}` is created: wrap it with `{m} = {tm}.wrap_model({m})` "
+                            "before creating its optimizer")
             klass = None
             def_stmt = ctx.statement_of(defs[-1][0]) if defs else stmt0
             model_def = def_stmt
@@ -907,6 +912,17 @@ class Plan:
         if not m.startswith(("self.", "cls.")) and deferred is not None:
             placed.dp = deferred
         return placed
+
+    def _trains_param(self, scope: cst.CSTNode, m: str) -> bool:
+        """The function `scope` trains its parameter `m` itself: it runs a backward and calls
+        `m(...)` in a loop. Wrapping `m` there, before the optimizer, puts that forward in DDP
+        whoever calls the function (a caller that wrapped it already gets its wrapper back:
+        `tm.wrap_model` returns the live wrapper of a module it wrapped before)."""
+        if not analysis.runs_backward(self.ctx, scope):
+            return False
+        return any(isinstance(c.func, cst.Name) and c.func.value == m
+                   and self.ctx.enclosing(c, cst.For, cst.While, cst.FunctionDef) is not scope
+                   for c in self.ctx.within(scope, cst.Call, skip_defs=True))
 
     def _created_on_line(self, m: str, scope: cst.CSTNode, klass: Optional[cst.ClassDef],
                          o: Optimizer) -> Optional[cst.BaseSmallStatement]:

@@ -193,6 +193,9 @@ def main(outdir):
         late(torch.randn(6, 4, generator=g)).pow(2).mean().backward()
         opt.step()
     res["late_init"] = flat(late.module)
+    # the bare module of a live wrapper, wrapped again (a training method handed the module): the
+    # same wrapper, so one reducer averages its gradients
+    res["rewrapped"] = tm.wrap_model(tm.unwrap(late)) is late
 
     # a data-dependent init in the first forward, from each rank's own batch
     normed = tm.wrap_model(ActNormed())
