@@ -110,7 +110,7 @@ STYLES = [
             for x, y in val_loader:
                 counts += torch.bincount(model(x).argmax(1), minlength=10)
         print(counts)
-    """, False, "`counts` carries per-batch values"),
+    """, True, ""),
 ]
 
 

@@ -115,6 +115,24 @@ def is_number(node: cst.BaseExpression) -> bool:
     return isinstance(node, cst.UnaryOperation) and isinstance(node.expression, (cst.Integer, cst.Float))
 
 
+def zeros_value(node: cst.BaseExpression) -> bool:
+    """A zero tensor or array to add to (`torch.zeros(rep_dim, device=dev)`, `np.zeros(k)`,
+    `torch.zeros_like(x)`): a sum `tm.all_reduce` reduces like a number."""
+    return isinstance(node, cst.Call) and (dotted(node.func) or "").rsplit(".", 1)[-1] in ("zeros", "zeros_like") \
+        and (dotted(node.func) or "").split(".", 1)[0] in ("torch", "np", "numpy")
+
+
+def _divides_other(ctx: Context, use: cst.CSTNode, group: Set[str]) -> bool:
+    """`use` divides a value outside `group` in place (`c /= n_samples`)."""
+    for anc in ctx.ancestors(use):
+        if isinstance(anc, cst.AugAssign):
+            return isinstance(anc.operator, (cst.DivideAssign, cst.FloorDivideAssign)) \
+                and not (isinstance(anc.target, cst.Name) and anc.target.value in group)
+        if isinstance(anc, (cst.BaseSmallStatement, cst.BaseCompoundStatement)):
+            return False
+    return False
+
+
 def _empty_list(node: cst.BaseExpression) -> bool:
     if isinstance(node, cst.List):
         return not node.elements
@@ -462,20 +480,22 @@ class Sums:
     reduced: Set[str] = field(default_factory=set)  # a collective already runs after the loop
 
 
-def loop_sums(ctx: Context, loop: cst.For, names: List[str], exact: ExactDenominators) -> Sums:
+def loop_sums(ctx: Context, loop: cst.For, names: List[str], exact: ExactDenominators,
+              also: Set[str] = frozenset()) -> Sums:
     """Which of `names` (added to with `+=` in `loop`) are sums that one reduction right after
     the loop makes right: set to a number before the loop (in the same pass of any enclosing
     loop), never rebound in it, used after it, not added to after it, and every division they
     take part in after the loop stays right once they are reduced (`ExactDenominators`). A
     loop that may be left early (`return`, `yield`) has none: some ranks would never reach a
-    reduction after it."""
+    reduction after it. `also`: what a reduction after the loop sums besides (an array summed by
+    index, `matrix / total`), which a division may combine with these."""
     out = Sums()
     if ctx.within(loop.body, cst.Return, cst.Yield, skip_defs=True):
         return out
     candidates = []
     for name in names:
         found, value = initial_value(ctx, loop, name)
-        if found and value is not None and is_number(value) and not reassigned_in(ctx, loop, name):
+        if found and value is not None and (is_number(value) or zeros_value(value)) and not reassigned_in(ctx, loop, name):
             candidates.append(name)
     if not candidates:
         return out
@@ -501,7 +521,7 @@ def loop_sums(ctx: Context, loop: cst.For, names: List[str], exact: ExactDenomin
             bad = None
             for a in ev.augs:
                 if isinstance(a.operator, _DIVISION_ASSIGNS):
-                    k = _classify(a.target, a.value, a.value, group, exact) \
+                    k = _classify(a.target, a.value, a.value, group | also, exact) \
                         if not isinstance(a.operator, cst.MultiplyAssign) else ("sum" if _closed(a.value, group) else None)
                     found.add(k)
                     if k is None and bad is None:
@@ -511,13 +531,16 @@ def loop_sums(ctx: Context, loop: cst.For, names: List[str], exact: ExactDenomin
             averaged_at = min((ctx.position(a) or 0 for a in ev.augs if isinstance(a.operator, _DIVISION_ASSIGNS)
                                and not isinstance(a.operator, cst.MultiplyAssign)), default=None)
             for use in ev.uses:
+                if _divides_other(ctx, use, group) and bad is None:
+                    # `c /= n_samples`: `c` is not reduced here, so neither is its count
+                    bad = ctx.enclosing(use, cst.AugAssign)
                 divisions = divisions_of(ctx, use)
                 if not divisions and averaged_at is not None and (ctx.position(use) or 0) > averaged_at:
                     continue
                 if not divisions:
                     found.add("plain")
                 for d in divisions:
-                    k = _classify(d.left, d.right, d, group, exact)
+                    k = _classify(d.left, d.right, d, group | also, exact)
                     found.add(k)
                     if k is None and bad is None:
                         bad = d

@@ -17,7 +17,8 @@ from torchmigrate.finding import Safety, insert_after
 from torchmigrate.syntax.nodes import code, expr, stmt
 from torchmigrate.program.loaders import is_pure, refs_at
 from torchmigrate.program.metrics import (dict_sums, divisions_of, events_after, initial_value, is_number, iterates_loader,
-                                          leaves_early, loader_expr, loader_loop, loop_sums, named_like_loader)
+                                          leaves_early, loader_expr, loader_loop, loop_sums, named_like_loader,
+                                          zeros_value)
 from torchmigrate.rule import Context, Example, Rule
 from torchmigrate.program.rank_guards import collective_guard
 from torchmigrate.program.syntax import ranged_loop
@@ -143,6 +144,8 @@ class ReduceCounts(Rule):
         super().__init__(ctx)
         self.augs: List[cst.AugAssign] = []
         self.dict_augs: List[cst.AugAssign] = []  # `results['mse'] += ...`
+        # the lists and arrays summed by index that a reduction after a loop now sums (`matrix`)
+        self.reduced_lists: Dict[cst.For, Set[str]] = {}
 
     def _dict_sums(self) -> None:
         """`res["loss"] += loss.item() * n; res["counter"] += n` in a loop over a sharded
@@ -194,8 +197,8 @@ class ReduceCounts(Rule):
 
     def _list_sums(self) -> Set[str]:
         """`loss_epoch[idx] += loss.item()` (one running loss per head or module),
-        `correct[c] += ...; total[c] += ...` (per-class counts): a list of running sums, set to
-        a list of numbers before a loop over a sharded loader, summed by index in it (also from
+        `correct[c] += ...; total[c] += ...` (per-class counts), `matrix[t, p] += 1` (a confusion
+        matrix): a list of running sums, or a zero array or tensor, set to numbers before a loop over a sharded loader, summed by index in it (also from
         a loop over the heads or classes nested in it). The lists of one loop are reduced
         together after it, element by element: summed where every value added is a count or a
         sum over samples, averaged over the ranks (`op="mean"`) where every value is one
@@ -210,7 +213,7 @@ class ReduceCounts(Rule):
             if loop is None:
                 continue
             found, value = initial_value(ctx, loop, name)
-            if found and _number_list(value):
+            if found and (_number_list(value) or zeros_value(value)):
                 by_loop.setdefault(loop, {}).setdefault(name, []).append(aug)
         handled: Set[str] = set()
         for loop, lists in by_loop.items():
@@ -228,7 +231,7 @@ class ReduceCounts(Rule):
                 values = [a.value for a in lists[n]]
                 op = None
                 if _counted(ctx, loop, n):
-                    if all(_PER_SAMPLE_SUM.search(code(v)) for v in values):
+                    if all(_PER_SAMPLE_SUM.search(code(v)) or _one_per_item(ctx, loop, a) for v, a in zip(values, lists[n])):
                         op = ""
                     elif trains and all(_batch_mean(v) for v in values):
                         op = "mean"
@@ -252,6 +255,8 @@ class ReduceCounts(Rule):
                                 statement=ctx.statement_of(loop))
                     continue
                 statements.append(_reduce_statement(ctx.tm, names, op, over, _depth(ctx, loop)))
+                if not op:
+                    self.reduced_lists.setdefault(loop, set()).update(names)
                 self.report(loop, f"{listed} {'sums' if one else 'sum'} values by index over this rank's shard only; "
                                   f"reduce {'it' if one else 'them'} across ranks after the loop, element by element"
                                   + (" (the ranks' mean: each entry adds one mean per batch, and every rank runs as "
@@ -359,7 +364,7 @@ class ReduceCounts(Rule):
         if sharding == "whole":
             return  # every rank iterates the whole loader: its sums are the whole data's already
         exact = exact_lens(ctx, loop)
-        found = loop_sums(ctx, loop, names, exact)
+        found = loop_sums(ctx, loop, names, exact, also=self.reduced_lists.get(loop, set()))
         kind, foreign = found.kinds, found.foreign
         for name in [n for n, k in kind.items() if k == "sum" and self._total_of_batch_means(loop, n)]:
             kind[name] = "mean"
@@ -417,11 +422,12 @@ class ReduceCounts(Rule):
                 by_den.setdefault(_denominator(foreign[n]), []).append(n)
         for den, bad_names in by_den.items():
             first = foreign[bad_names[0]]
-            if isinstance(first, cst.BinaryOperation) and den in bad_names:
+            if isinstance(first, (cst.BinaryOperation, cst.AugAssign)) and den in bad_names:
                 # the count is the denominator of something the loop does not add up in a number
-                # (`sum(losses) / n_samples`, a list of tensors)
+                # (`sum(losses) / n_samples`, a list of tensors, `c /= n` of a cloned tensor)
+                left = first.left if isinstance(first, cst.BinaryOperation) else first.target
                 self.report(first, f"`{code(first)}` is this rank's value only: `{den}` counts this rank's "
-                                   f"shard and `{code(first.left)}` is not a number the loop adds to; report the "
+                                   f"shard and `{code(left)}` is not a number the loop adds to; report the "
                                    f"ranks' mean (`{tm}.all_reduce(value, op=\"mean\")`) or sum both parts "
                                    f"across ranks before dividing")
             else:
@@ -454,6 +460,13 @@ def _number_list(value: Optional[cst.BaseExpression]) -> bool:
     if isinstance(value, cst.List):
         return bool(value.elements) and all(is_number(e.value) for e in value.elements)
     return isinstance(value, cst.ListComp) and is_number(value.elt)
+
+
+def _one_per_item(ctx: Context, loop: cst.For, aug: cst.AugAssign) -> bool:
+    """`matrix[t, p] += 1` in a loop over a batch's items nested in `loop` (a confusion matrix):
+    one count per sample."""
+    inner = ctx.enclosing(aug, cst.For)
+    return isinstance(aug.value, cst.Integer) and aug.value.value == "1" and inner is not None and inner is not loop
 
 
 def _counted(ctx: Context, loop: cst.For, name: str) -> bool:
