@@ -518,15 +518,17 @@ def wrap_model(model: nn.Module, *, find_unused_parameters: bool = False, sync_b
     model = model.to(dev)
     if not is_distributed():
         if data_parallel and not isinstance(model, nn.DataParallel):
-            return _wrapper_class(type(model), _DataParallel)(model)
+            return _ready(_wrapper_class(type(model), _DataParallel, _shadowed(model))(model))
         return model
     if not any(p.requires_grad for p in model.parameters()):
         return model
     _require_pg()
     if sync_bn and dev.type == "cuda":
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    ddp = _wrapper_class(type(model))(model, device_ids=[dev.index] if dev.type == "cuda" else None,
-                                      find_unused_parameters=find_unused_parameters, **ddp_kwargs)
+    ddp = _wrapper_class(type(model), _DDP, _shadowed(model))(
+        model, device_ids=[dev.index] if dev.type == "cuda" else None, find_unused_parameters=find_unused_parameters,
+        **ddp_kwargs)
+    _ready(ddp)
     _DDP_WRAPPERS.append(weakref.ref(ddp))  # cleanup() releases it before destroying the group
     if loss_reduction == "sum" and isinstance(ddp, _DDP):
         ddp._tm_op = "sum"
@@ -593,6 +595,19 @@ class _ModuleFace:
         if args or kwargs.get("prefix") or kwargs.get("destination") is not None:
             return super().state_dict(*args, **kwargs)
         return self.module.state_dict(**kwargs)
+
+    def __setattr__(self, name, value):
+        """An attribute the module has as plain data (``model.batch_size = n``,
+        ``model.hidden_state = h``), or through a property of its class, is set on the module,
+        whose forward reads it, as in one process; the wrapper's own attributes (all set while it
+        is built, before ``_tm_ready``) stay its own."""
+        inner = self.__dict__.get("_modules", {}).get("module") if self.__dict__.get("_tm_ready") else None
+        if inner is not None and name not in self.__dict__ and not name.startswith("_") \
+                and not hasattr(type(self), name) and (
+                name in vars(inner) or isinstance(getattr(type(inner), name, None), property)):
+            setattr(inner, name, value)
+            return
+        super().__setattr__(name, value)
 
     def __getattr__(self, name):
         try:
@@ -873,23 +888,45 @@ def _no_forward(module: nn.Module) -> bool:
 _WRAPPER_CLASSES: dict = {}
 
 
-def _wrapper_class(cls: type, base: type = None) -> type:
+def _wrapper_class(cls: type, base: type = None, shadowed: frozenset = frozenset()) -> type:
     """A ``_DDP`` subclass named after the wrapped module's class: code that names things after
     the model (``type(model).__name__`` in a checkpoint's "arch", a file name) reads what it read
     in one process (a ``base`` of ``_DataParallel`` keeps the name DataParallel, as the original
     had it). A container module (``nn.Sequential``, ``nn.ModuleList``) keeps its indexing, length
     and iteration (``model[-1]``, ``len(model)``, ``for loss in losses``), which DDP and
-    DataParallel themselves do not forward."""
+    DataParallel themselves do not forward. ``shadowed`` (``_shadowed``): attributes of the
+    model that hide a method of ``nn.Module`` (``self.type = "binary"``), read and written on
+    the module, as in one process (on the wrapper, ``model.type`` would be ``Module.type``)."""
     base = base or _DDP
-    made = _WRAPPER_CLASSES.get((cls, base))
+    made = _WRAPPER_CLASSES.get((cls, base, shadowed))
     if made is None:
         name, qualname = (cls.__name__, cls.__qualname__) if base is _DDP else ("DataParallel", "DataParallel")
         namespace = {"__qualname__": qualname, "__module__": __name__, "__doc__": base.__doc__}
         for dunder in ("__getitem__", "__len__", "__iter__"):
             if hasattr(cls, dunder):
                 namespace[dunder] = _delegate(dunder)
-        made = _WRAPPER_CLASSES[(cls, base)] = type(name, (base,), namespace)
+        for attr in shadowed:
+            namespace[attr] = _module_property(attr)
+        made = _WRAPPER_CLASSES[(cls, base, shadowed)] = type(name, (base,), namespace)
     return made
+
+
+def _ready(wrapper):
+    """Mark a built wrapper: from now on, attributes of its module are set on the module."""
+    wrapper.__dict__["_tm_ready"] = True
+    return wrapper
+
+
+def _shadowed(model: nn.Module) -> frozenset:
+    """The model's own data attributes (set on the instance, not callables: a scripted module's
+    ``forward`` is its own) named like a method or attribute of ``nn.Module`` (``type``,
+    ``half``), other than the ones ``nn.Module`` sets itself."""
+    return frozenset(n for n, v in vars(model).items()
+                     if n in _MODULE_API and not n.startswith("_") and n != "training" and not callable(v))
+
+
+def _module_property(attr: str) -> property:
+    return property(lambda self: getattr(self.module, attr), lambda self, value: setattr(self.module, attr, value))
 
 
 def _delegate(dunder: str):

@@ -430,6 +430,8 @@ def test_steps_through_submodules_are_averaged_and_plain_models_keep_ddp(nets):
     assert r0["routed"] == r1["routed"]  # tm.synced(model).encoder(x) runs through DDP's forward
     assert r0["late_init"] == r1["late_init"]  # weights initialised after the wrap: rank 0's at the first step
     assert r0["rewrapped"] is r1["rewrapped"] is True  # wrapping a wrapped model's module again: that wrapper
+    # the model's own `type` (not Module.type) and `batch_size`, set through the wrapper onto the module
+    assert r0["configured"] == r1["configured"] == ["binary", "multi", 3, 3]
 
 
 def test_models_kept_in_a_dict_or_a_list_are_wrapped_in_place_and_train_in_step(nets):

@@ -32,6 +32,20 @@ class TwoHeads(nn.Module):
         return self.head(h), self.aux(h)
 
 
+class Configured(nn.Module):
+    """Attributes of its own: `type` (named like Module.type) chooses the loss, `batch_size` set
+    from outside between steps and read by forward."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+        self.type = kind
+        self.batch_size = 6
+
+    def forward(self, x):
+        return self.fc(x.view(self.batch_size, -1))
+
+
 class Plain(nn.Module):
     def __init__(self):
         super().__init__()
@@ -196,6 +210,20 @@ def main(outdir):
     # the bare module of a live wrapper, wrapped again (a training method handed the module): the
     # same wrapper, so one reducer averages its gradients
     res["rewrapped"] = tm.wrap_model(tm.unwrap(late)) is late
+
+    # the model's own attributes through the wrapper: read (`type` is not Module.type) and set
+    # (on the module, whose forward reads it)
+    configured = tm.wrap_model(Configured("binary"))
+    opt = torch.optim.SGD(configured.parameters(), lr=0.1)
+    seen = [configured.type]
+    for rows in (6, 3):
+        configured.batch_size = rows
+        opt.zero_grad()
+        configured(torch.randn(rows, 4, generator=g)).pow(2).mean().backward()
+        opt.step()
+    configured.type = "multi"
+    seen += [tm.unwrap(configured).type, tm.unwrap(configured).batch_size, configured.batch_size]
+    res["configured"] = seen
 
     # a data-dependent init in the first forward, from each rank's own batch
     normed = tm.wrap_model(ActNormed())
