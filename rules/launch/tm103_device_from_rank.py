@@ -766,7 +766,7 @@ class DeviceFromRank(Rule):
         if not self._wrong(kind):
             return
         target = dotted(assign.targets[0].target)
-        if target is None or target.count(".") > 1:
+        if target is None or target.count(".") > 1 or self._enum_member(assign):
             return
         as_device = self._device_uses_only(target, assign)
         if as_device:
@@ -781,6 +781,14 @@ class DeviceFromRank(Rule):
         message = (f"`{target}` names a hard-coded CUDA device: every rank would use the same GPU; use "
                    f"{code(new)}")
         self._fix_string(value, split, new, message)
+
+    def _enum_member(self, assign: cst.Assign) -> bool:
+        """`CUDA = "cuda"` in the body of an Enum (`class TorchDevice(str, Enum)`): a member's value,
+        which names the member (`TorchDevice("cuda")` looks it up by it), not a device to move to."""
+        klass = self.ctx.enclosing(assign, cst.ClassDef, cst.FunctionDef)
+        return isinstance(klass, cst.ClassDef) and any(
+            (dotted(b.value) or "").rsplit(".", 1)[-1] in ("Enum", "IntEnum", "StrEnum", "Flag", "IntFlag")
+            for b in klass.bases)
 
     def _device_uses_only(self, target: str, assign: cst.Assign) -> bool:
         """Every use of the variable (anywhere in the module, by name) accepts a torch.device."""
