@@ -14,6 +14,7 @@ from torchmigrate.program.loaders import loops_of
 from torchmigrate.program.models import DDP_CLASSES
 from torchmigrate.rule import Example
 from torchmigrate.rules.model.base import ModelRule, wrap_call
+from torchmigrate.rules.model.tm306_data_parallel_to_ddp import dotted_names, dp_condition
 
 
 # DistributedDataParallel's leading parameters, the same in every torch since 1.x.
@@ -133,6 +134,26 @@ class WrapDDP(ModelRule):
         ),
     )
 
+    def _dp_when(self, nw) -> "bool | cst.BaseExpression":
+        """`data_parallel=` of a wrap that replaces a DataParallel the plan deferred to the
+        optimizer: the test the original used it under (`if args.mGPUs:`), where no statement
+        between that `if` and the wrap rebinds what the test reads; else True (none: False)."""
+        if nw.dp is None:
+            return False
+        when = dp_condition(nw.dp)
+        if isinstance(when, cst.BaseExpression):
+            block = self.ctx.parent(nw.dp.target)
+            body = list(getattr(block, "body", ()))
+            if nw.dp.target not in body or nw.anchor not in body:
+                return True
+            read = dotted_names(when)
+            for statement in body[body.index(nw.dp.target) + 1:body.index(nw.anchor) + (1 if nw.after else 0)]:
+                for target in self.ctx.within(statement, cst.AssignTarget, cst.AugAssign):
+                    bound = dotted(target.target) or "?"
+                    if bound == "?" or any(r == bound or r.startswith(bound + ".") for r in read):
+                        return True
+        return when
+
     def leave_Module(self, node: cst.Module) -> None:
         p = self.plan()
         if not p.active[self.code]:
@@ -140,7 +161,7 @@ class WrapDDP(ModelRule):
         tm = self.ctx.tm
         summed = p.sums_losses()
         for nw in p.new:
-            call = wrap_call(tm, expr(nw.name), bool(nw.find_unused), nw.sync_bn, data_parallel=nw.dp is not None,
+            call = wrap_call(tm, expr(nw.name), bool(nw.find_unused), nw.sync_bn, data_parallel=self._dp_when(nw),
                              summed=summed)
             statement = cst.SimpleStatementLine([cst.Assign([cst.AssignTarget(expr(nw.name))], call)])
             edit = (insert_after if nw.after else insert_before)(nw.anchor, [statement])

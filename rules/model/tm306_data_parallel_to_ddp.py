@@ -122,7 +122,7 @@ class DataParallelToDDP(ModelRule):
                            "optimizer (TM301)")
             else:
                 fu, sb = bool(site.find_unused), site.sync_bn
-                when = _dp_condition(site) if site.action in ("replace-if", "move", "collapse") else True
+                when = dp_condition(site) if site.action in ("replace-if", "move", "collapse") else True
 
                 def build(node, fu=fu, sb=sb):
                     inner = strip_moves(node) if isinstance(node, cst.Call) else node
@@ -252,7 +252,7 @@ class DataParallelToDDP(ModelRule):
         return "torch.nn.parallel.DistributedDataParallel", [Import("torch")]
 
 
-def _dp_condition(site: DPSite) -> Union[bool, cst.BaseExpression]:
+def dp_condition(site: DPSite) -> Union[bool, cst.BaseExpression]:
     """The test under which the original used DataParallel (`if not args.cpu and n_gpus > 1:`),
     for `data_parallel=`: one process then keeps DataParallel exactly where the original had it
     (code elsewhere keyed on the same test, `return self.loss if n_gpus == 1 else
@@ -265,7 +265,7 @@ def _dp_condition(site: DPSite) -> Union[bool, cst.BaseExpression]:
     smalls = [x for line in node.body.body if isinstance(line, cst.SimpleStatementLine) for x in line.body]
     if site.small not in smalls:
         return True
-    read = _dotted_names(node.test)
+    read = dotted_names(node.test)
     for statement in node.body.body:
         if not isinstance(statement, cst.SimpleStatementLine):
             return True  # a compound statement: anything may change in it
@@ -278,7 +278,7 @@ def _dp_condition(site: DPSite) -> Union[bool, cst.BaseExpression]:
     return node.test
 
 
-def _dotted_names(node: cst.CSTNode) -> Set[str]:
+def dotted_names(node: cst.CSTNode) -> Set[str]:
     """`args.n_gpus`, `n_gpus`, `torch.cuda.device_count`: the longest dotted names in `node`."""
     found: Set[str] = set()
 
