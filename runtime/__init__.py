@@ -447,8 +447,16 @@ def _finish(clean: bool) -> None:
 
 
 def wrap_model(model: nn.Module, *, find_unused_parameters: bool = False, sync_bn: bool = False,
-               data_parallel: bool = False, loss_reduction: str = "mean", **ddp_kwargs) -> nn.Module:
+               data_parallel: bool = False, loss_reduction: str = "mean", move: bool = True,
+               **ddp_kwargs) -> nn.Module:
     """Move ``model`` to ``device()`` and wrap it in DistributedDataParallel when distributed.
+
+    ``move=False`` (what ``torchmigrate ddp`` passes where the program moves its model to the GPU
+    only under a test, ``if not args.no_cuda: model.cuda()``): the model stays on the device the
+    program put it on, so ``python train.py --no_cuda`` on a GPU machine still runs on the CPU (a
+    model on another rank's GPU still moves to this rank's).
+    Distributed with NCCL, a model left on the CPU cannot be wrapped: the error says to use
+    ``TORCHMIGRATE_BACKEND=gloo``.
 
     1 process, or a model without trainable parameters (frozen teacher, EMA copy): returned
     unwrapped on the device (DDP refuses models with nothing to reduce). gloo:
@@ -501,12 +509,12 @@ def wrap_model(model: nn.Module, *, find_unused_parameters: bool = False, sync_b
     if isinstance(model, (dict, list, tuple)):
         return _wrap_items(model, lambda m: wrap_model(m, find_unused_parameters=find_unused_parameters,
                                                        sync_bn=sync_bn, data_parallel=data_parallel,
-                                                       loss_reduction=loss_reduction, **ddp_kwargs))
+                                                       loss_reduction=loss_reduction, move=move, **ddp_kwargs))
     if not isinstance(model, nn.Module):
         if model is not None and is_distributed():
             _wrap_members(model, lambda m: wrap_model(m, find_unused_parameters=find_unused_parameters, sync_bn=sync_bn,
                                                       data_parallel=data_parallel, loss_reduction=loss_reduction,
-                                                      **ddp_kwargs))
+                                                      move=move, **ddp_kwargs))
         return model
     if isinstance(model, nn.DataParallel) and is_distributed():
         model = model.module  # a model the program wrapped itself: DDP replaces it
@@ -514,8 +522,14 @@ def wrap_model(model: nn.Module, *, find_unused_parameters: bool = False, sync_b
     if wrapped is not None:
         return wrapped
     _unnest(model)
-    dev = device()
-    model = model.to(dev)
+    if move:
+        dev = device()
+        model = model.to(dev)
+    else:
+        dev = next((p.device for p in model.parameters()), device())
+        if dev.type == "cuda" and dev != device():  # a GPU, but another rank's (`.cuda()` left as it was)
+            dev = device()
+            model = model.to(dev)
     if not is_distributed():
         if data_parallel and not isinstance(model, nn.DataParallel):
             return _ready(_wrapper_class(type(model), _DataParallel, _shadowed(model))(model))
@@ -523,6 +537,11 @@ def wrap_model(model: nn.Module, *, find_unused_parameters: bool = False, sync_b
     if not any(p.requires_grad for p in model.parameters()):
         return model
     _require_pg()
+    if dev.type != "cuda" and _nccl():
+        raise RuntimeError(
+            f"torchmigrate.runtime: {type(model).__name__} stays on {dev}, where the program put it (its move to the "
+            "GPU is conditional, e.g. --no_cuda), but the process group uses NCCL, which reduces GPU tensors only: "
+            "set TORCHMIGRATE_BACKEND=gloo to train on CPU ranks")
     if sync_bn and dev.type == "cuda":
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     ddp = _wrapper_class(type(model), _DDP, _shadowed(model))(

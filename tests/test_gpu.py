@@ -118,3 +118,44 @@ def test_two_processes_on_one_gpu(migrated, tmp_path):
     assert [int(e) for e, _ in EPOCH_LINE.findall(gloo.output)] == [0, 1, 2], gloo.output[-3000:]
     assert any(k.startswith("cuda:") for k in autocast_seen(out)), "both ranks ran on the GPU"
 
+
+
+NO_CUDA = """
+import argparse
+import torch
+import torch.nn as nn
+from torch.utils.data import DataLoader, TensorDataset
+
+p = argparse.ArgumentParser()
+p.add_argument("--no_cuda", action="store_true")
+args = p.parse_args()
+model = nn.Linear(3, 3)
+if not args.no_cuda:
+    model = model.cuda()
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+loader = DataLoader(TensorDataset(torch.randn(16, 3)), batch_size=4, shuffle=True)
+for (x,) in loader:
+    if not args.no_cuda:
+        x = x.cuda()
+    loss = (model(x) - x).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+print("trained on", next(model.parameters()).device.type)
+"""
+
+
+def test_a_conditional_move_to_the_gpu_stays_conditional(tmp_path):
+    """`--no_cuda` on a GPU machine: the migrated program trains on the CPU, as the original did
+    (the wrap does not move a model the program left there); without it, on the GPU."""
+    script = tmp_path / "train.py"
+    script.write_text(NO_CUDA)
+    proc = subprocess.run([sys.executable, "-m", "torchmigrate", "ddp", "train.py"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode in (0, 1) and "move=False" in script.read_text(), proc.stdout + proc.stderr
+    out = tmp_path / "out"
+    out.mkdir()
+    for flags, where in ((["--no_cuda"], "cpu"), ([], "cuda")):
+        run = subprocess.run([sys.executable, str(script), *flags], cwd=tmp_path, capture_output=True, text=True,
+                             timeout=300, env=_env(out))
+        assert run.returncode == 0 and f"trained on {where}" in run.stdout, run.stdout + run.stderr

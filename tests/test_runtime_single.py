@@ -228,6 +228,15 @@ def test_wrap_model_one_process_moves_without_wrapping():
     assert tm.wrap_model(frozen) is frozen
 
 
+def test_wrap_model_without_move_keeps_the_programs_device():
+    """`if not args.no_cuda: model.cuda()` then `tm.wrap_model(model, move=False)`: with the flag,
+    the model stays on the CPU even where CUDA is available (its batches stay there too)."""
+    model = small_model()
+    assert tm.wrap_model(model, move=False) is model
+    assert next(model.parameters()).device.type == "cpu"
+    assert tm.wrap_model({"net": model}, move=False)["net"] is model
+
+
 def test_wrap_model_returns_what_is_not_a_module_unchanged():
     """`else: generator = None` then the migration's `generator = tm.wrap_model(generator)`: the
     program's own `if generator is not None` must keep seeing None."""

@@ -36,14 +36,16 @@ class ModelRule(Rule):
 
 
 def wrap_call(tm: str, module: cst.BaseExpression, find_unused: bool, sync_bn: bool,
-              data_parallel: Union[bool, cst.BaseExpression] = False, summed: bool = False) -> cst.Call:
+              data_parallel: Union[bool, cst.BaseExpression] = False, summed: bool = False,
+              move: bool = True) -> cst.Call:
     """`tm.wrap_model(module, ...)` with the keywords the plan chose (TM303, TM304): the one wrap
     statement TM301 inserts or TM306 writes in place of DataParallel. `data_parallel`: the wrap
     replaces an `nn.DataParallel`, which the model keeps in one process (code anywhere that reads
     `model.module` keeps working; `python train.py` still uses every GPU); an expression when the
     original used DataParallel only under that test (`data_parallel=torch.cuda.device_count() > 1`),
     so one process runs as the original did either way. `summed`: the program's losses sum over
-    the batch (`Plan.sums_losses`), so the ranks' gradients are summed."""
+    the batch (`Plan.sums_losses`), so the ranks' gradients are summed. `move=False`: the program
+    moves the model to the GPU only under a test, so the wrap leaves it where it is."""
     args = [cst.Arg(module)]
     if find_unused:
         args.append(kwarg("find_unused_parameters", expr("True")))
@@ -55,6 +57,8 @@ def wrap_call(tm: str, module: cst.BaseExpression, find_unused: bool, sync_bn: b
         args.append(kwarg("data_parallel", expr("True")))
     if summed:
         args.append(kwarg("loss_reduction", expr('"sum"')))
+    if not move:
+        args.append(kwarg("move", expr("False")))
     return with_args(cst.Call(func=expr(f"{tm}.wrap_model")), args)
 
 

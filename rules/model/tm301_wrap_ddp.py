@@ -134,6 +134,44 @@ class WrapDDP(ModelRule):
         ),
     )
 
+    def _moved_under_tests(self, nw) -> bool:
+        """Before the wrap, the program moves the model to a device only inside an `if` (`if not
+        args.no_cuda: model = model.cuda()`): every move of `nw.name` (`.cuda()`, `.to(device)`, on
+        the name or in a value bound to it) in its scope is conditional, so a run that skips them
+        keeps the model on the CPU, with its batches (`tm.wrap_model(..., move=False)`)."""
+        ctx = self.ctx
+        end = ctx.position(nw.anchor) or 0
+        moves = []
+        for call in ctx.within(nw.scope, cst.Call, skip_defs=True):
+            func = call.func
+            if not (isinstance(func, cst.Attribute) and func.attr.value in ("cuda", "to")):
+                continue
+            if (ctx.position(call) or 0) >= end or (func.attr.value == "to" and not _device_arg(call)):
+                continue
+            assign = ctx.enclosing(call, cst.Assign)
+            bound = assign is not None and any(dotted(t.target) == nw.name for t in assign.targets)
+            if dotted(func.value) == nw.name or bound:
+                moves.append(call)
+        around = {id(a) for a in ctx.ancestors(nw.anchor)}
+        return bool(moves) and all(self._under_test(c, around, moves) for c in moves)
+
+    def _under_test(self, node: cst.CSTNode, around: set, moves: list) -> bool:
+        """`node` runs only under a test the wrap does not share (`around`: the wrap's
+        ancestors, so the `if __name__ == "__main__":` both sit in is none): inside an `if` (or a
+        conditional expression) whose other branch has none of `moves` (`if n > 1: m =
+        DP(m).cuda() else: m = m.cuda()` moves on both)."""
+        ids = {id(m) for m in moves}
+        child = node
+        for anc in self.ctx.ancestors(node):
+            if id(anc) in around:
+                return False
+            if isinstance(anc, (cst.If, cst.IfExp)) and child is not anc.test:
+                other = anc.orelse if child is anc.body else anc.body
+                if other is None or not any(id(c) in ids for c in self.ctx.within(other, cst.Call)):
+                    return True
+            child = anc
+        return False
+
     def _dp_when(self, nw) -> "bool | cst.BaseExpression":
         """`data_parallel=` of a wrap that replaces a DataParallel the plan deferred to the
         optimizer: the test the original used it under (`if args.mGPUs:`), where no statement
@@ -162,7 +200,7 @@ class WrapDDP(ModelRule):
         summed = p.sums_losses()
         for nw in p.new:
             call = wrap_call(tm, expr(nw.name), bool(nw.find_unused), nw.sync_bn, data_parallel=self._dp_when(nw),
-                             summed=summed)
+                             summed=summed, move=not self._moved_under_tests(nw))
             statement = cst.SimpleStatementLine([cst.Assign([cst.AssignTarget(expr(nw.name))], call)])
             edit = (insert_after if nw.after else insert_before)(nw.anchor, [statement])
             extra = f" (find_unused_parameters=True: {nw.find_unused})" if nw.find_unused else ""
@@ -265,3 +303,10 @@ def _hardcoded(node: cst.BaseExpression, many: bool) -> bool:
     if isinstance(node, cst.Call) and dotted(node.func) in ("torch.device", "device"):
         return bool(node.args) and all(_hardcoded(a.value, False) for a in node.args)
     return False
+
+
+def _device_arg(call: cst.Call) -> bool:
+    """`.to(device)`, `.to("cuda")`: a move, not a cast (`.to(torch.float16)`)."""
+    first = call.args[0].value if call.args else None
+    name = dotted(first) if first is not None else None
+    return first is not None and not (name and name.startswith("torch.") and name != "torch.device")
