@@ -156,6 +156,9 @@ def shape_of_batch(ctx: Context, use: cst.CSTNode) -> bool:
         return True
     node = use
     parent = ctx.parent(node)
+    comprehension = _range_comprehension(ctx, node)
+    if comprehension is not None:  # `torch.LongTensor([[sos for _ in range(bs)]])`: bs elements
+        node, parent = comprehension, ctx.parent(comprehension)
     # `torch.zeros((bs, 1))`, `torch.randn(bs * 2, nz)`: a dimension made from the batch size
     while isinstance(parent, (cst.Element, cst.Tuple, cst.List)) or (
             isinstance(parent, cst.BinaryOperation) and isinstance(parent.operator, (cst.Multiply, cst.FloorDivide))):
@@ -175,6 +178,20 @@ def shape_of_batch(ctx: Context, use: cst.CSTNode) -> bool:
     if name == "normal":
         return parent.keyword is not None  # normal(mean, std, size=...)
     return True
+
+
+def _range_comprehension(ctx: Context, use: cst.CSTNode) -> Optional[cst.CSTNode]:
+    """The list comprehension or generator that `use` sizes as `range(use)`, its only loop
+    (`[sos for _ in range(bs)]`), else None."""
+    arg = ctx.parent(use)
+    call = ctx.parent(arg) if isinstance(arg, cst.Arg) else None
+    if not (isinstance(call, cst.Call) and isinstance(call.func, cst.Name) and call.func.value == "range"
+            and len(call.args) == 1):
+        return None
+    loop = ctx.parent(call)
+    comp = ctx.parent(loop) if isinstance(loop, cst.CompFor) and loop.iter is call and loop.inner_for_in is None \
+        else None
+    return comp if isinstance(comp, (cst.ListComp, cst.GeneratorExp)) else None
 
 
 def _sharded_here(loader: Loader, decided) -> bool:
