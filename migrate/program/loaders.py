@@ -126,7 +126,7 @@ class Loader:
     # status "unknown": what hides the sampling ("star-args", "no-dataset", "kwargs" (then
     # `kwargs_arg`), "kwargs-shuffle": `shuffle` from a dict and elsewhere)
     unknown: str = ""
-    kwargs_arg: Optional[cst.BaseExpression] = None  # the `**dict` that may set `sampler`/`shuffle`
+    kwargs_arg: Optional[cst.BaseExpression] = None  # the `**dict` that may set `sampler`/`shuffle` (or `batch_size`)
     dataset: Optional[cst.BaseExpression] = None
     shuffle: Optional[cst.BaseExpression] = None
     kwargs_shuffle: Optional[str] = None  # the `**name` dict that may hold `shuffle`
@@ -784,6 +784,12 @@ class LoaderFacts:
         for a in call.args:
             if a.star == "**":
                 keys = self._dict_keys(a.value, call)
+                if keys is None and is_literal(loader.shuffle, "True") and loader.dataset is not None:
+                    # `DataLoader(ds, shuffle=True, **extra)`: the dict cannot hold `shuffle` (given
+                    # twice), `dataset`, or a `sampler`/`batch_sampler` (DataLoader refuses them
+                    # with shuffle=True), so the sampling is this call's own (its batch size may be in it)
+                    loader.kwargs_arg = a.value
+                    continue
                 if keys is None or keys & {"sampler", "batch_sampler", "dataset"} or not keys <= KNOWN_KWARGS:
                     loader.unknown, loader.kwargs_arg = "kwargs", a.value
                     return "unknown"
