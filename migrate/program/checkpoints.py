@@ -116,6 +116,43 @@ def is_open(node: cst.BaseExpression) -> bool:
     return isinstance(node, cst.Call) and (dotted(node.func) or "").split(".")[-1] == "open"
 
 
+def save_through_handle(ctx: Context, with_: cst.CSTNode) -> Optional[Tuple[cst.Call, cst.BaseExpression]]:
+    """`with open(path, "wb") as f: torch.save(obj, f)`, the file opened only to be saved into:
+    (the save, the path), which `tm.save(obj, path)` writes the same way (TM501 rewrites it; TM504
+    leaves it to TM501). None for anything else: several items, another mode, more statements,
+    or the handle used otherwise."""
+    if not isinstance(with_, cst.With) or len(with_.items) != 1 or with_.asynchronous is not None:
+        return None
+    item = with_.items[0]
+    opened = item.item
+    if not (is_open(opened) and item.asname is not None and isinstance(item.asname.name, cst.Name)
+            and len(opened.args) == 2 and all(a.keyword is None and not a.star for a in opened.args)
+            and isinstance(opened.args[1].value, cst.SimpleString)
+            and opened.args[1].value.evaluated_value in ("wb", "bw")):
+        return None
+    body = with_.body.body if isinstance(with_.body, cst.IndentedBlock) else with_.body.body
+    lines = [b for b in body if isinstance(b, cst.SimpleStatementLine)]
+    if len(body) != 1 or len(lines) != 1 or len(lines[0].body) != 1 or not isinstance(lines[0].body[0], cst.Expr):
+        return None
+    call = lines[0].body[0].value
+    handle = item.asname.name.value
+    if not (isinstance(call, cst.Call) and ctx.resolve(call.func) == "torch.save" and len(call.args) >= 2
+            and isinstance(call.args[1].value, cst.Name) and call.args[1].value.value == handle
+            and call.args[1].keyword is None and call.args[0].keyword is None):
+        return None
+    if sum(1 for n in ctx.within(call, cst.Name) if n.value == handle) != 1:
+        return None
+    return call, opened.args[0].value
+
+
+def saves_into(ctx: Context, with_: cst.With) -> bool:
+    """`with open(...) as f:` whose block calls `torch.save(obj, f)`: a checkpoint file, which
+    TM501 writes on the main process (the whole block); other writers leave it alone."""
+    names = {i.asname.name.value for i in with_.items if i.asname is not None and isinstance(i.asname.name, cst.Name)}
+    return any(ctx.resolve(c.func) == "torch.save" and len(c.args) >= 2 and isinstance(c.args[1].value, cst.Name)
+               and c.args[1].value.value in names for c in ctx.within(with_.body, cst.Call))
+
+
 def path_text(ctx: Context, call: cst.Call, file: cst.BaseExpression) -> str:
     """The text of the path a save or load call writes or reads: `p` for a file object from
     `with open(p, ...) as f:` around the call or for `open(p, ...)` itself, else the argument."""

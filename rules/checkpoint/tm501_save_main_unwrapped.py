@@ -16,6 +16,7 @@ from torchmigrate.syntax.imports import dotted
 from torchmigrate.syntax.nodes import arg, code, keep_alignment
 from torchmigrate.program.writes import private_temp_source
 from torchmigrate.program.checkpoints import (LOADS, SAVES, file_handle, is_buffer, is_open, load_events, path_text,
+                                              save_through_handle,
                                               with_binding)
 from torchmigrate.rule import Context, Example, Rule
 from torchmigrate.rules.checkpoint.plan import plan
@@ -266,6 +267,11 @@ class SaveMainUnwrapped(Rule):
             if target is None or is_buffer(ctx, target.value, scope):
                 continue
             is_handle, handle = file_handle(ctx, call, target.value)
+            if is_handle and handle is not None and ctx.options.mode == "ddp" and save_through_handle(ctx, handle) \
+                    and isinstance(ctx.parent(handle), (cst.IndentedBlock, cst.Module)):
+                self._save_by_path(call, handle)
+                self._reload_check(index, call, scope)
+                continue
             if is_handle:
                 self._guard_handle(call, handle)
                 self._reload_check(index, call, scope, automatic=False)
@@ -308,6 +314,23 @@ class SaveMainUnwrapped(Rule):
         for run in sibling_runs(ctx, lines):
             self.report(run[0], "every rank writes the same files; save on the main process only",
                         edits=[guard_edit(ctx, run)], imports=imports)
+
+    def _save_by_path(self, call: cst.Call, handle: cst.With) -> None:
+        """`with open(path, "wb") as f: torch.save(obj, f)` -> `tm.save(obj, path)`: written once,
+        atomically, and a rank that then loads the path waits for that save (as for any path)."""
+        ctx = self.ctx
+        path = save_through_handle(ctx, handle)[1]
+        tm = ctx.tm
+
+        def by_path(updated: cst.With) -> cst.SimpleStatementLine:
+            # from the updated block: the other rules' edits inside the save stay (`tm.unwrap(model)`)
+            save = updated.body.body[0].body[0].value
+            args = [save.args[0], save.args[1].with_changes(value=path.deep_clone()), *save.args[2:]]
+            return cst.SimpleStatementLine([cst.Expr(save.with_changes(func=cached_expr(f"{tm}.save"), args=args))],
+                                           leading_lines=updated.leading_lines)
+
+        self.report(call, "the checkpoint file is opened and written by every rank; tm.save writes it once, on the "
+                          "main process, atomically", edits=[replace(handle, by_path)], imports=[ctx.runtime_import()])
 
     def _guard_handle(self, call: cst.Call, handle: Optional[cst.With]) -> None:
         """`with open(p, "wb") as f: torch.save(obj, f)`: every rank would truncate the file."""
@@ -406,6 +429,31 @@ class SaveMainUnwrapped(Rule):
                         edits=[insert_before(line, [cached_stmt(f"{ctx.tm}.barrier()")])],
                         imports=[ctx.runtime_import()])
 
+    def _save_line(self, save: cst.Call) -> cst.CSTNode:
+        """The statement a barrier after `save` follows: its line, or the `with open(path, "wb")`
+        that `_save_by_path` turns into one `tm.save(obj, path)` line."""
+        ctx = self.ctx
+        target = arg(save, "f", 1)
+        bound = with_binding(ctx, save, target.value.value) if target is not None and isinstance(
+            target.value, cst.Name) else None
+        if bound is not None and ctx.options.mode == "ddp" and save_through_handle(ctx, bound[0]):
+            return bound[0]
+        return ctx.statement_of(save)
+
+    def _load_line(self, call: cst.Call, first: cst.BaseExpression, scope: cst.CSTNode) -> Optional[cst.CSTNode]:
+        """The statement a barrier before the load `call` goes before: its own line, or the
+        `with open(path) as f:` it reads through (a rank that opened the file before the barrier
+        could read the previous save); None where not every rank reaches it."""
+        ctx = self.ctx
+        opened = with_binding(ctx, call, first.value) if isinstance(first, cst.Name) else None
+        if opened is None or not is_open(opened[1]):
+            return ctx.statement_of(call) if self._every_rank_reaches(call, scope) else None
+        line = opened[0]
+        if collective_guard(ctx, call) is None and isinstance(ctx.parent(line), (cst.IndentedBlock, cst.Module)) \
+                and unconditional(ctx, line, scope):
+            return line
+        return None
+
     def _every_rank_reaches(self, call: cst.Call, scope: cst.CSTNode) -> bool:
         """The line of `call` runs on every rank whenever its function runs (no `if`, `while`
         or `try` around it, no rank guard): a barrier right before it cannot hang."""
@@ -461,18 +509,19 @@ class SaveMainUnwrapped(Rule):
                 if path is None and first is not None:
                     path = path_text(ctx, save, arg(save, "f", 1).value)
                 if first is not None and path_text(ctx, call, first.value) == path:
-                    line = ctx.statement_of(save)
-                    if automatic and collective_guard(ctx, save) is None and isinstance(line, cst.SimpleStatementLine) \
+                    line = self._save_line(save)
+                    if automatic and collective_guard(ctx, save) is None \
+                            and isinstance(line, (cst.SimpleStatementLine, cst.With)) \
                             and isinstance(ctx.parent(line), (cst.IndentedBlock, cst.Module)) \
                             and unconditional(ctx, line, scope):
                         self.report(call, "this file is loaded again after the save, which only the main process "
                                           "does: wait for it on every rank",
                                     edits=[insert_after(line, [cached_stmt(f"{ctx.tm}.barrier()")])],
                                     imports=[ctx.runtime_import()])
-                    elif automatic and self._every_rank_reaches(call, scope):
+                    elif automatic and (load_line := self._load_line(call, first.value, scope)) is not None:
                         # the save is conditional (`if args.train:`, a best-epoch test): the
-                        # barrier goes before the load, which every rank runs
-                        load_line = ctx.statement_of(call)
+                        # barrier goes before the load (before the `with open(...)` it reads
+                        # through), which every rank runs
                         self.report(call, "this file is loaded again after a save that only the main process does "
                                           "(on some paths): every rank waits for it before loading",
                                     edits=[insert_before(load_line, [cached_stmt(f"{ctx.tm}.barrier()")])],

@@ -10,7 +10,7 @@ from torchmigrate import analysis
 from torchmigrate.finding import Import, Safety, insert_after, insert_before, replace
 from torchmigrate.syntax.imports import dotted
 from torchmigrate.syntax.nodes import arg, code, expr, set_kwarg, stmt
-from torchmigrate.program.checkpoints import follows_save
+from torchmigrate.program.checkpoints import follows_save, saves_into
 from torchmigrate.program.syntax import body_of, next_statement, unconditional
 from torchmigrate.program import effects
 from torchmigrate.program.classes import MODULE, OPTIMIZER, OTHER, TENSOR
@@ -435,8 +435,8 @@ class MainOnlyWrites(Rule):
         parent = ctx.parent(call)
         handle = ctx.parent(parent)
         if isinstance(handle, cst.With):
-            if handle.items[0].item is call:
-                withs.append(handle)
+            if handle.items[0].item is call and not ("TM501" in ctx.enabled and saves_into(ctx, handle)):
+                withs.append(handle)  # (a checkpoint file, `torch.save(obj, f)` in the block: TM501's)
             return
         if isinstance(parent, cst.Assign) and parent.value is call and len(parent.targets) == 1 \
                 and isinstance(parent.targets[0].target, (cst.Name, cst.Attribute)):
