@@ -199,3 +199,22 @@ def test_a_program_that_trains_where_the_tool_did_not_read_is_not_done(tmp_path,
                      "examples/ranking/recsys/trainer.py": (tmp_path / "lib/recsys/trainer.py").read_text()})
     out = run_cli("ddp", "--dry-run", tmp_path / "examples" / "ranking" / "run.py").output
     assert "no training step" not in out and "done: models wrapped in DDP" in out, out
+
+
+def test_the_main_block_of_an_imported_module_is_not_the_programs(tmp_path, run_cli):
+    """`notes.py` ends with a preprocessing script under `if __name__ == "__main__":`, which never
+    runs when train.py imports it: its writes are not files the program writes on every rank.
+    Run as the entry, the same block is the program's."""
+    write(tmp_path, {"train.py": TRAIN, "notes.py": """
+        import os
+        def remember(out, epoch):
+            pass
+
+        if __name__ == "__main__":
+            with open("vocabulary.txt", "w") as f:  # torchmigrate: ignore[TM504]
+                f.write("a b c")
+        """})
+    out = run_cli("ddp", "--dry-run", tmp_path / "train.py").output
+    assert "NOT DONE: files still written by every rank" not in out and "vocabulary.txt" not in out, out
+    alone = run_cli("ddp", "--dry-run", tmp_path / "notes.py").output
+    assert "NOT DONE: files still written by every rank" in alone and "(open 'vocabulary.txt')" in alone, alone

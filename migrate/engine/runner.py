@@ -96,7 +96,8 @@ def process_file(path: str, job: Job, given: Optional[files.Decoded] = None) -> 
         outcome.signals = signals(result.new_source)
         if options.mode == "ddp":  # what the migrated module still writes on every rank: the report
             outcome.effects = effects.summarize_source(result.new_source, os.path.realpath(path),
-                                                       view.bindings if view is not None else {})
+                                                       view.bindings if view is not None else {},
+                                                       entry=view is None or view.is_entry)
         if job.vendor_runtime and job.write and uses_runtime and not job.together:
             outcome.vendored = vendor_runtime(Path(path).parent)
     except InputError as exc:

@@ -196,9 +196,11 @@ Bindings = Dict[str, Tuple[str, Optional[str]]]  # local name -> (module path, s
 
 # --- one module ---------------------------------------------------------------------------
 
-def summarize(tree: ast.Module, path: str, bindings: Bindings) -> ModuleSummary:
+def summarize(tree: ast.Module, path: str, bindings: Bindings, entry: bool = True) -> ModuleSummary:
     """The direct effects of every scope of `tree` (a module at `path`) and the calls it makes,
-    with `bindings` naming the program's modules and symbols its imports bind."""
+    with `bindings` naming the program's modules and symbols its imports bind. A module the
+    program imports (`entry` false) runs no `if __name__ == "__main__":` block (its self-test or
+    preprocessing script): what that block writes is not the program's."""
     out = ModuleSummary(path)
     aliases = _aliases(tree)
     for node in tree.body:
@@ -228,8 +230,19 @@ def summarize(tree: ast.Module, path: str, bindings: Bindings) -> ModuleSummary:
                 attrs.merge(reader(item, node.name, module_names).bind_only(), only_self=True)
             for item in methods:
                 out.scopes[f"{node.name}.{item.name}"] = reader(item, node.name, attrs).read()
-    out.scopes[MODULE_SCOPE] = reader(tree, None).read()
+    body = tree if entry else ast.Module(body=[s for s in tree.body if not _main_guard(s)], type_ignores=[])
+    out.scopes[MODULE_SCOPE] = reader(body, None).read()
     return out
+
+
+def _main_guard(node: ast.stmt) -> bool:
+    """`if __name__ == "__main__":` (either side)."""
+    if not (isinstance(node, ast.If) and isinstance(node.test, ast.Compare) and len(node.test.ops) == 1
+            and isinstance(node.test.ops[0], ast.Eq)):
+        return False
+    sides = [node.test.left, *node.test.comparators]
+    return any(isinstance(x, ast.Name) and x.id == "__name__" for x in sides) and any(
+        isinstance(x, ast.Constant) and x.value == "__main__" for x in sides)
 
 
 @dataclass
@@ -1055,10 +1068,10 @@ def effect_fields(tree: ast.Module, path: str) -> Dict[str, object]:
             "first_run_builders": frozenset(q for _, q in first_run_builders(found))}
 
 
-def summarize_source(source: str, path: str, bindings: Bindings) -> Optional[ModuleSummary]:
+def summarize_source(source: str, path: str, bindings: Bindings, entry: bool = True) -> Optional[ModuleSummary]:
     """`summarize` of a source text (a migrated module), None where it does not parse."""
     try:
         tree = ast.parse(source)
     except (SyntaxError, ValueError, RecursionError, MemoryError):
         return None
-    return summarize(tree, path, bindings)
+    return summarize(tree, path, bindings, entry)
