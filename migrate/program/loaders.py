@@ -411,8 +411,29 @@ class LoaderFacts:
                 continue
             sites = [site for node, _ref in self.uses(lambda x, loader=loader: x is loader)
                      for site in [_iteration_site(node, ctx)] if isinstance(site, cst.For)]
-            if sites and all(not analysis.runs_backward(ctx, site.body) and self.grad_free(site, 0) for site in sites):
+            if sites and all(not analysis.runs_backward(ctx, site.body)
+                             and (self.grad_free(site, 0) or self._in_eval_mode(site)) for site in sites):
                 loader.kind = "eval"
+
+    def _in_eval_mode(self, loop: cst.For) -> bool:
+        """`model.eval()` earlier in the function of `loop`, which neither steps nor calls anything
+        named for training in its body (AnTao97's feature extraction: `self.model.eval()`, then
+        `feats.append(self.model(x).detach())` over the training set, no `no_grad`)."""
+        ctx = self.ctx
+        fn = ctx.enclosing(loop, cst.FunctionDef)
+        if fn is None:
+            return False
+        start = ctx.position(loop) or 0
+        evals = [c for c in ctx.within(fn.body, cst.Call, skip_defs=True)
+                 if type(c.func) is cst.Attribute and c.func.attr.value == "eval" and not c.args
+                 and (ctx.position(c) or 0) < start]
+        if not evals:
+            return False
+        for c in ctx.within(loop.body, cst.Call, skip_defs=True):
+            name = (dotted(c.func) or "").rsplit(".", 1)[-1].lower()
+            if name in ("step", "train", "backward") or "train" in name or "update" in name or "fit" == name:
+                return False
+        return True
 
     # --- scopes -------------------------------------------------------------------------
     def function_of(self, node: cst.CSTNode) -> cst.CSTNode:
