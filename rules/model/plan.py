@@ -494,6 +494,7 @@ class Plan:
         self.new = self._in_place_order(best.values())
         self._leave_own_group_alone()
         self._other_branches(cands)
+        self._rebuilt_later(cands)
         self._reloaded()
         self._merge_adjacent()
         # A module of a program whose model is trained (and wrapped) elsewhere: its backward
@@ -569,6 +570,31 @@ class Plan:
                     continue
                 extra.append(NewWrap(nw.name, nw.opt, nw.scope, nw.klass, last, after=True, def_stmt=ds,
                                      extra_of=nw, bound=d))
+        if extra:
+            self.new = self._in_place_order([*self.new, *extra])
+
+    def _rebuilt_later(self, cands: Dict[tuple, List[NewWrap]]) -> None:
+        """`if arch == "small": model = Linear(...); fit(model)` then `if arch == "big": model =
+        Sequential(...); fit(model)`: the name is bound to another model after the chosen wrap and
+        trained again, at another optimizer site; that site gets its own wrap (wrapping the same
+        module twice gives its wrapper back, so where both run nothing changes)."""
+        extra: List[NewWrap] = []
+        for nw in list(self.new):
+            if nw.after or nw.extra_of is not None:
+                continue
+            k = (nw.name, nw.klass if nw.name.startswith(("self.", "cls.")) else nw.scope)
+            start = self.models.idx(nw.anchor)
+            defs = [self.models.idx(self.ctx.statement_of(d)) for d, value in
+                    self.models.definitions(nw.name, nw.scope, nw.klass)
+                    if self.models.scope(d) is nw.scope and not _no_model(value)]
+            for c in cands.get(k, ()):
+                if c is nw or c.after or c.extra_of is not None or c in extra:
+                    continue
+                end = self.models.idx(c.anchor)
+                if end > start and any(start < i < end for i in defs) \
+                        and not any(e.anchor is c.anchor for e in [*self.new, *extra]):
+                    c.extra_of = nw
+                    extra.append(c)
         if extra:
             self.new = self._in_place_order([*self.new, *extra])
 
