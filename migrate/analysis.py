@@ -773,7 +773,10 @@ def optimizers(ctx: Context) -> List[Optimizer]:
                 if name and any(x in name for x in _NOT_OPTIMIZER_CALLS):
                     continue
                 args = cst.Tuple([cst.Element(a.value) for a in call.args])
-                models = tuple(parameter_owners(args)) or tuple(_assigned_owners(ctx, call))
+                # the names handed in, by their assignment and what is appended to them
+                # (`paras.append({"params": self.aux.parameters()})` under a flag)
+                models = tuple(parameter_owners(args)) or tuple(dict.fromkeys(
+                    [*_assigned_owners(ctx, call), *_followed_owners(ctx, call, args)]))
                 builder = False
                 if not models:
                     models = tuple(_factory_models(ctx, call, name, functions))

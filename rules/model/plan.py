@@ -1063,11 +1063,17 @@ class Plan:
         """The optimizer is built over a parameter of a module-level function (`def
         get_optimizer(name, parameters, lr): return SGD(parameters, lr=lr)`): a factory whose
         callers hand it a model's parameters, and whose call (`self.optimizer =
-        get_optimizer("sgd", self.params, lr)`) is where the model is known and wrapped."""
+        get_optimizer("sgd", self.params, lr)`) is where the model is known and wrapped. Also a
+        method of a class of the module (a project optimizer wrapper: `class Optimizer: def
+        __init__(self, parameters, lr): self.opt = Adam(parameters, lr=lr)`)."""
         ctx = self.ctx
         scope = ctx.scope_of(o.call)
-        return isinstance(params, cst.Name) and isinstance(scope, cst.FunctionDef) \
-            and ctx.parent(scope) is ctx.module and params.value in self.models.params(scope)
+        if not (isinstance(params, cst.Name) and isinstance(scope, cst.FunctionDef)):
+            return False
+        block = ctx.parent(scope)
+        owner = ctx.parent(block) if isinstance(block, cst.IndentedBlock) else block
+        at_top = block is ctx.module or (isinstance(owner, cst.ClassDef) and ctx.parent(owner) is ctx.module)
+        return at_top and params.value in self.models.params(scope)
 
     def _builder_for_others(self, scope: cst.CSTNode) -> bool:
         """`scope` builds an optimizer over a model parameter and another module calls it
