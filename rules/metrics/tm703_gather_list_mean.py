@@ -542,8 +542,10 @@ def _step_sums(ctx: Context, block: cst.CSTNode, name: str) -> List[cst.AugAssig
 def _sums_step_means(ctx: Context, sums: List[cst.AugAssign]) -> bool:
     """Every one of `sums` adds a loss or batch metric of the step (`loss_val += loss.item()`,
     `interval_loss += loss.detach().cpu().numpy()` of the loss the step backpropagates)."""
-    return bool(sums) and all(isinstance(a.operator, cst.AddAssign) and _METRIC_NAME.search(code(a.value))
-                              and (_number_of_step(ctx, a.value) or _loss_as_numpy(ctx, a)) for a in sums)
+    adds = [a for a in sums if not isinstance(a.operator, (cst.DivideAssign, cst.MultiplyAssign))]
+    # (`running_loss /= interval` before it is shown: the running sum averaged in place)
+    return bool(adds) and all(isinstance(a.operator, cst.AddAssign) and _METRIC_NAME.search(code(a.value))
+                              and (_number_of_step(ctx, a.value) or _loss_as_numpy(ctx, a)) for a in adds)
 
 
 def _loss_as_numpy(ctx: Context, aug: cst.AugAssign) -> bool:
