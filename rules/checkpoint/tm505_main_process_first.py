@@ -10,7 +10,9 @@ from typing import Dict
 
 import libcst as cst
 
-from torchmigrate.finding import Safety, wrap
+from torchmigrate.finding import Safety, replace, wrap
+from torchmigrate.program.writes import asks_exists
+from torchmigrate.syntax.nodes import code
 from torchmigrate.rule import Context, Example, Rule
 from torchmigrate.rules.checkpoint.plan import plan
 
@@ -114,8 +116,36 @@ class MainProcessFirst(Rule):
             else:
                 message = (f"every rank downloads this at once into the same place (a rank can read another's "
                            f"half-written file); download on the main process first with `{tm}.main_process_first()`")
-            self.report(span.report, message, imports=[ctx.runtime_import()],
-                        edits=[wrap(span.first, span.last, _main_first(tm))])
+            edits = [wrap(span.first, span.last, _main_first(tm))]
+            forced = _forced_rebuilds(ctx, span.first) if span.cache else []
+            if forced:
+                # `if rebuild_cache or not exists(p):` the other ranks, after the main process,
+                # would rebuild (delete) the cache it just built: the flag holds on rank 0 alone
+                message += (f"; {' and '.join(f'`{code(f)}`' for f in forced)} forces a rebuild, which only the main "
+                            "process does (the others then find the cache built)")
+                edits += [replace(f, lambda n: cst.BooleanOperation(
+                    left=n.with_changes(lpar=[cst.LeftParen()], rpar=[cst.RightParen()])
+                    if isinstance(n, (cst.BooleanOperation, cst.IfExp)) else n,
+                    operator=cst.And(), right=cst.parse_expression(f"{tm}.is_main()"),
+                    lpar=[cst.LeftParen()], rpar=[cst.RightParen()])) for f in forced]
+            self.report(span.report, message, imports=[ctx.runtime_import()], edits=edits)
+
+
+def _forced_rebuilds(ctx, first: cst.CSTNode) -> list:
+    """The operands of `if force or not os.path.exists(p):` other than the existence tests: what
+    makes the block run where the file exists."""
+    if not isinstance(first, cst.If) or not isinstance(first.test, cst.BooleanOperation):
+        return []
+    operands, stack = [], [first.test]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, cst.BooleanOperation) and isinstance(node.operator, cst.Or) and not node.lpar:
+            stack += [node.right, node.left]
+        else:
+            operands.append(node)
+    if len(operands) < 2 or not any(asks_exists(ctx, o) for o in operands):
+        return []
+    return [o for o in operands if not asks_exists(ctx, o)]
 
 
 _HEADER: Dict[str, cst.With] = {}
