@@ -1865,9 +1865,13 @@ def per_rank_batch(batch_size: int) -> int:
         nearest = f"{low} or {high}" if low else f"{high}"
         if size not in _BATCH_WARNED and is_main():
             _BATCH_WARNED.add(size)
+            advice = (f"A batch size of {nearest} keeps the original's global batch exactly." if size >= world else
+                      f"A batch of {size} cannot be split: where each item is itself a batch (a dataset of buckets "
+                      f"loaded with batch_size=1), divide the bucket size by {world} instead, or scale the learning "
+                      "rate with the world size.")
             _warn(f"the batch size {size} does not divide among {world} processes: each rank loads "
                   f"{-(-size // world)} samples, a global batch of {-(-size // world) * world} instead of {size}. "
-                  f"A batch size of {nearest} keeps the original's global batch exactly.")
+                  + advice)
         return -(-size // world)
     return size // world
 

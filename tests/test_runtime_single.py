@@ -720,7 +720,8 @@ def test_shared_generator_in_one_process_is_the_default_stream():
 
 def test_per_rank_batch_rounds_up_and_names_the_nearest_sizes(monkeypatch, capsys):
     """A size that does not divide must not stop the program (a GAN's batch of 1 on 2 ranks):
-    every rank loads the next size up, and rank 0 says which sizes keep the global batch."""
+    every rank loads the next size up, and rank 0 says which sizes keep the global batch (a batch
+    smaller than the world, a bucket loaded whole, says how to keep it instead)."""
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setattr(tm, "_BATCH_WARNED", set())
@@ -729,7 +730,8 @@ def test_per_rank_batch_rounds_up_and_names_the_nearest_sizes(monkeypatch, capsy
     err = capsys.readouterr().err
     assert err.count("the batch size 10 does not divide among 4 processes") == 1
     assert "a global batch of 12 instead of 10" in err and "A batch size of 8 or 12" in err
-    assert "A batch size of 4 keeps" in err
+    assert "A batch size of 4 keeps" not in err  # 3 samples on 4 ranks: no size near it splits
+    assert "A batch of 3 cannot be split" in err and "divide the bucket size by 4" in err
 
 
 def test_main_only(other_rank, monkeypatch):

@@ -34,6 +34,7 @@ from torchmigrate.program.scopes import assignments, scope_of
 from torchmigrate.program.syntax import root_name
 from torchmigrate.rule import Context
 from torchmigrate.rules.data.plan import data_plan
+from torchmigrate.program.syntax import iter_nodes
 from torchmigrate.syntax.nodes import code
 
 DIVIDED = "per_rank_batch"
@@ -232,10 +233,24 @@ def _rebatched(ctx: Context, args) -> str:
     full-size batches, so dividing the loader's batch would not divide the step's batch."""
     collate = args.get("collate_fn")
     name = code(collate.value).rsplit(".", 1)[-1] if collate is not None else ""
+    if collate is not None and _first_item(collate.value):
+        return (f"its `collate_fn` ({code(collate.value)}) returns the first item of each loaded batch: each item is "
+                "a whole batch (a bucket of samples the dataset groups), which every rank loads whole")
     if name and name in ctx.program.rebatching_collates:
         return (f"its `collate_fn` ({code(collate.value)}) cuts each loaded batch into batches of a configured size, "
                 "so a rank's share would still train on full-size batches")
     return ""
+
+
+def _first_item(node: cst.BaseExpression) -> bool:
+    """`lambda b: b[0]` (also through a call in the body: `lambda x: collect(x[0])`)."""
+    if not isinstance(node, cst.Lambda) or len(node.params.params) != 1:
+        return False
+    param = node.params.params[0].name.value
+    return any(isinstance(n, cst.Subscript) and isinstance(n.value, cst.Name) and n.value.value == param
+               and len(n.slice) == 1 and isinstance(n.slice[0].slice, cst.Index)
+               and isinstance(n.slice[0].slice.value, cst.Integer) and n.slice[0].slice.value.value == "0"
+               for n in iter_nodes(node.body))
 
 
 def _kept(loader: Loader, size: Optional[cst.CSTNode], args, shapes_divided: bool = False) -> str:
