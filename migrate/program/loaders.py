@@ -431,8 +431,8 @@ class LoaderFacts:
             return False
         for c in ctx.within(loop.body, cst.Call, skip_defs=True):
             name = (dotted(c.func) or "").rsplit(".", 1)[-1].lower()
-            if name in ("step", "train", "backward") or "train" in name or "update" in name or "fit" == name:
-                return False
+            if any(word in name for word in ("step", "train", "fit", "update", "backward", "learn", "optim", "loss")):
+                return False  # (`learner.fit_batch(x)`, `self.train_step(batch)`: trains, elsewhere)
         return True
 
     # --- scopes -------------------------------------------------------------------------
