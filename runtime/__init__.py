@@ -549,6 +549,8 @@ def wrap_model(model: nn.Module, *, find_unused_parameters: bool = False, sync_b
         **ddp_kwargs)
     _ready(ddp)
     _DDP_WRAPPERS.append(weakref.ref(ddp))  # cleanup() releases it before destroying the group
+    if len(ddp._tm_params) < sum(1 for _ in model.parameters()):
+        _watch_steps()  # frozen parameters: see `_unfrozen`
     if loss_reduction == "sum" and isinstance(ddp, _DDP):
         ddp._tm_op = "sum"
         ddp.register_comm_hook(None, _sum_hook)
@@ -773,6 +775,7 @@ class _DDP(_ModuleFace, DistributedDataParallel):
         # that went around the wrapper (`_tm_bypassed`); `_before_step` averages them
         self._tm_unsynced = False
         self._tm_params = [p for p in self.module.parameters() if p.requires_grad]
+        self._tm_registered = {id(p) for p in self._tm_params}  # what DDP reduces: see `_unfrozen`
         ref = weakref.ref(self)
         self._tm_hooks = [] if plain else [
             p.register_post_accumulate_grad_hook(functools.partial(_on_grad, ref, i))
@@ -996,6 +999,9 @@ def _before_step(optimizer, _args, _kwargs) -> None:
     averaged across ranks first (every rank takes this step), and rank 0 says so once."""
     mine = {id(p) for g in optimizer.param_groups for p in g["params"]}
     for ddp in _live_wrappers():
+        late = _unfrozen(ddp, mine)
+        if late:
+            _average_grads(late, op=ddp._tm_op)
         if getattr(ddp, "_tm_unsynced", False) and any(id(p) in mine for p in ddp._tm_params):
             ddp._tm_unsynced = False
             _average_grads(ddp._tm_params, op=ddp._tm_op)
@@ -1010,6 +1016,23 @@ def _before_step(optimizer, _args, _kwargs) -> None:
 
 
 _STEP_WARNED: list = []
+_UNFROZEN_WARNED: list = []
+
+
+def _unfrozen(ddp, stepped: set) -> list:
+    """Parameters of the wrapped module that this optimizer steps, that train now but were frozen
+    when the wrapper was built (a backbone unfrozen after some epochs): DDP never registered them,
+    so no backward averages their gradients. `_before_step` averages them by hand (every rank
+    unfreezes the same parameters at the same step), and rank 0 says once that re-wrapping after
+    the unfreeze would let DDP overlap that work."""
+    late = [p for p in ddp.module.parameters()
+            if p.requires_grad and id(p) not in ddp._tm_registered and id(p) in stepped]
+    if late and is_main() and not _UNFROZEN_WARNED:
+        _UNFROZEN_WARNED.append(True)
+        _warn(f"{len(late)} parameter(s) of {type(ddp.module).__name__} were frozen when it was wrapped and train "
+              "now: DDP does not reduce them, so their gradients are averaged across ranks before each optimizer "
+              "step (wrap the model again after unfreezing for DDP's own overlapped reduction)")
+    return late
 
 
 def _average_grads(params, op: str = "mean") -> None:

@@ -211,6 +211,21 @@ def main(outdir):
     # same wrapper, so one reducer averages its gradients
     res["rewrapped"] = tm.wrap_model(tm.unwrap(late)) is late
 
+    # a backbone frozen when the model is wrapped and unfrozen later (fine-tuning): DDP never
+    # registered it, so its gradients are averaged by hand before each step
+    torch.manual_seed(9)
+    tuned = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    tuned[0].requires_grad_(False)
+    tuned = tm.wrap_model(tuned)
+    opt = torch.optim.SGD(tuned.parameters(), lr=0.1)
+    for step in range(4):
+        if step == 2:
+            tm.unwrap(tuned)[0].requires_grad_(True)
+        opt.zero_grad()
+        tuned(torch.randn(6, 4, generator=g)).pow(2).mean().backward()
+        opt.step()
+    res["unfrozen"] = flat(tm.unwrap(tuned))
+
     # the model's own attributes through the wrapper: read (`type` is not Module.type) and set
     # (on the module, whose forward reads it)
     configured = tm.wrap_model(Configured("binary"))
