@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Set
 
 import libcst as cst
 
@@ -249,7 +249,8 @@ class LrWorldSize(ModelRule):
                     edits=edits, imports=[self.ctx.runtime_import()])
 
     def _shapes_sized_elsewhere(self) -> None:
-        """A training step of this module that makes tensors sized by a configured batch size
+        """A training step of this module (or the `__init__` of its class, which makes buffers for
+        it) that makes tensors sized by a configured batch size
         (`torch.randn(self.batch_size, nz)` noise, `torch.ones(self.batch_size)` labels) while
         no loader of this module feeds it: the loader is built in another module or a factory,
         where TM305 divides its batch. The rows become `tm.batch_rows(size)`, which the runtime
@@ -262,11 +263,25 @@ class LrWorldSize(ModelRule):
         kept = {code(site.size.value) for site in sites if site.size is not None}
         steps = {id(s): s for call in ctx.nodes(cst.Call) if analysis.is_backward(call)
                  and (s := ctx.enclosing(call, cst.For, cst.While, cst.FunctionDef)) is not None}
+        # the `__init__` of a class whose method trains: buffers made there for its steps
+        # (`self.real_label = torch.ones(size=(opt.batchsize,))`, GANomaly's), those a training
+        # step reads (not fixed noise for sample images)
+        inits: Dict[int, Set[str]] = {}
+        for step in list(steps.values()):
+            klass = ctx.enclosing(step, cst.ClassDef)
+            init = next((f for f in klass.body.body if isinstance(f, cst.FunctionDef) and f.name.value == "__init__"),
+                        None) if klass is not None and isinstance(klass.body, cst.IndentedBlock) else None
+            if init is not None and init is not step:
+                steps.setdefault(id(init), init)
+                inits.setdefault(id(init), set()).update(
+                    code(a) for a in ctx.within(step, cst.Attribute) if isinstance(a.value, cst.Name)
+                    and a.value.value == "self")
         for step in steps.values():
             uses = [n for n in ctx.within(step, cst.Name, cst.Attribute)
                     if id(n) not in handled and code(n) not in kept and _batch_size_name(n)
                     and not (isinstance(n, cst.Name) and isinstance(ctx.parent(n), cst.Attribute))
-                    and shape_of_batch(ctx, n) and not _follows_batch(ctx, step, n)]
+                    and shape_of_batch(ctx, n) and not _follows_batch(ctx, step, n)
+                    and (id(step) not in inits or self._bound_for(n, inits[id(step)]))]
             if not uses:
                 continue
             tm = ctx.tm
@@ -278,6 +293,12 @@ class LrWorldSize(ModelRule):
                                                                args=[cst.Arg(v.with_changes(lpar=[], rpar=[]))]))
                                for use in uses],
                         imports=[ctx.runtime_import()])
+
+    def _bound_for(self, use: cst.CSTNode, read: Set[str]) -> bool:
+        """`use` sizes the value of an assignment to an attribute a training step reads
+        (`self.real_label = torch.ones(size=(batchsize,))`)."""
+        assign = self.ctx.enclosing(use, cst.Assign)
+        return assign is not None and any(code(t.target) in read for t in assign.targets)
 
     def _batches_per_epoch(self) -> None:
         """`len(loader.dataset) / loader.batch_size` of a loader whose batch is divided: the
