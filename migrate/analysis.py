@@ -855,14 +855,17 @@ def _program_helper_calls(ctx: Context) -> List[Optimizer]:
         found = builders.get(dotted(call.func) or "")
         if found is None:
             continue
-        position, param = found
-        value = next((a.value for a in call.args if a.keyword is not None and a.keyword.value == param), None)
-        positional = [a for a in call.args if a.keyword is None]
-        if value is None and not any(a.star for a in positional) and position < len(positional):
-            value = positional[position].value
-        owner = dotted(value) if value is not None else None
-        if owner is not None and _model_like(ctx, owner, value):
-            out.append(Optimizer(call, ctx.statement_of(call), None, (model_root(owner),), builder=True))
+        models: List[str] = []
+        for position, param in found:  # each model the builder trains (`get_optimizers(d_net, g_net)`)
+            value = next((a.value for a in call.args if a.keyword is not None and a.keyword.value == param), None)
+            positional = [a for a in call.args if a.keyword is None]
+            if value is None and not any(a.star for a in positional) and position < len(positional):
+                value = positional[position].value
+            owner = dotted(value) if value is not None else None
+            if owner is not None and _model_like(ctx, owner, value) and model_root(owner) not in models:
+                models.append(model_root(owner))
+        if models:
+            out.append(Optimizer(call, ctx.statement_of(call), None, tuple(models), builder=True))
     return out
 
 

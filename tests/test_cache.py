@@ -387,7 +387,7 @@ def test_a_module_view_survives_the_cache_unchanged():
     view = ModuleView(is_entry=False, followed=True, wrapped_params={"evaluate": frozenset({"model"})},
                       loader_classes=frozenset({"AudioDataLoader"}), dp_classes={"BalancedDataParallel": 1},
                       forward_outputs={"nets.Net": (frozenset({"body", "cls"}), frozenset({"aux"}))},
-                      iterator_builders={"build_iterator": (0,)}, optimizer_builders={"engine.train": (1, "model")},
+                      iterator_builders={"build_iterator": (0,)}, optimizer_builders={"engine.train": ((1, "model"),)},
                       loader_params={"evaluate": {"loader": frozenset({"eval"})}},
                       flag_args={"make_loader": {"shuffle": frozenset({True, False})}},
                       optimizer_wrappers={"ScheduledOptim": OptimizerWrapper("_optimizer", True)},

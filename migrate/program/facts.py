@@ -428,9 +428,9 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
                                   else target[1])
             if target is None or target[0] == s.module.path or builder not in optimizer_params:
                 continue
-            param = optimizer_params[builder][1]
+            trained = {param for _, param in optimizer_params[builder]}
             for bound, value in _bind(modules[target[0]].functions[target[1]], call, target[2]):
-                name = dotted_name(_strip_moves(value)) if bound == param else None
+                name = dotted_name(_strip_moves(value)) if bound in trained else None
                 if name and not name.startswith("self."):
                     s.models.add(name)
 
@@ -1027,14 +1027,15 @@ def _sampler_classes(modules: Dict[Path, _Module]) -> Set[Tuple[Path, str]]:
     return found
 
 
-def _optimizer_params(modules: Dict[Path, _Module]) -> Dict[Tuple[Path, str], Tuple[int, str]]:
+def _optimizer_params(modules: Dict[Path, _Module]) -> Dict[Tuple[Path, str], Tuple[Tuple[int, str], ...]]:
     """Module-level functions that build an optimizer over a model they receive and do not wrap
     it themselves (`def train(config, model, train_iter): optimizer = Adam(model.parameters())`),
     and classes whose `__init__` does (`class Trainer: def __init__(self, model, loader): self.opt
     = SGD(model.parameters())`, keyed by the class): (position, name) of that parameter among the
-    call's arguments. A caller in another module passes the model, so that is where the DDP wrap
-    belongs (its own module's rules see only a parameter)."""
-    found: Dict[Tuple[Path, str], Tuple[int, str]] = {}
+    call's arguments, one for each model it trains (`get_optimizers(d_net, g_net)` builds two). A
+    caller in another module passes the model, so that is where the DDP wrap belongs (its own
+    module's rules see only a parameter)."""
+    found: Dict[Tuple[Path, str], Tuple[Tuple[int, str], ...]] = {}
     for p, m in modules.items():
         for name, func in m.functions.items():
             if "." in name and not name.endswith(".__init__"):
@@ -1049,7 +1050,7 @@ def _optimizer_params(modules: Dict[Path, _Module]) -> Dict[Tuple[Path, str], Tu
                         if isinstance(n, ast.Assign) and len(n.targets) == 1 and isinstance(n.targets[0], ast.Name)}
             trained = [x for c in calls for x in _optimizer_models(c, assigned) if x in params and x not in wrapped]
             if trained:
-                found[(p, name)] = (params.index(trained[0]), trained[0])
+                found[(p, name)] = tuple((params.index(x), x) for x in dict.fromkeys(trained))
     return found
 
 

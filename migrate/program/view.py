@@ -79,8 +79,8 @@ class ModuleView:
     # spells them -> the positions of the data arguments ((-1,): every positional argument)
     iterator_builders: Dict[str, Tuple[int, ...]] = field(default_factory=dict)
     # functions of other modules that build an optimizer over a model parameter, as this module
-    # spells them -> (position, name) of that parameter: their callers here wrap the model
-    optimizer_builders: Dict[str, Tuple[int, str]] = field(default_factory=dict)
+    # spells them -> (position, name) of each such parameter: their callers here wrap the models
+    optimizer_builders: Dict[str, Tuple[Tuple[int, str], ...]] = field(default_factory=dict)
     program_trains: bool = False  # some module of the program builds an optimizer over a model or runs a backward
     # some module of the program builds a DataLoader (or subclass), or a hand-made batch
     # iterator over training data (which TM201 shards): the global batch grows with the ranks

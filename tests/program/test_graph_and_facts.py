@@ -328,8 +328,8 @@ def test_functions_and_trainer_classes_that_build_an_optimizer_over_a_model_they
     views = build([tmp_path / "train.py"], [tmp_path / "train.py"]).views
     entry = views[str((tmp_path / "train.py").resolve())]
     engine = views[str((tmp_path / "engine.py").resolve())]
-    assert entry.optimizer_builders == {"Trainer": (0, "model"), "fit": (1, "model"),
-                                        "engine.Trainer": (0, "model"), "engine.fit": (1, "model")}
+    assert entry.optimizer_builders == {"Trainer": ((0, "model"),), "fit": ((1, "model"),),
+                                        "engine.Trainer": ((0, "model"),), "engine.fit": ((1, "model"),)}
     assert engine.wrapped_attrs == {"Trainer": frozenset({"model"})}
     assert {"Trainer", "engine.Trainer", "Net"} <= entry.own_classes
     assert {"fit", "engine.fit"} <= entry.own_functions and "run" not in entry.own_functions
