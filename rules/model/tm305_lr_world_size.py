@@ -38,9 +38,17 @@ def _batch_count(value: cst.BaseExpression) -> bool:
 
 
 def _batch_size_name(node: cst.CSTNode) -> bool:
-    """`batch_size`, `args.batch_size`, `self.batch`, `cfg.train_batch_size`, `bs`: a name or
-    attribute that holds a configured batch size (not an evaluation's, not a count of batches)."""
-    leaf = (node.attr.value if isinstance(node, cst.Attribute) else node.value).lower()
+    """`batch_size`, `args.batch_size`, `self.batch`, `cfg.train_batch_size`, `bs`,
+    `config["batch_size"]`: a name, attribute or string-keyed entry that holds a configured batch
+    size (not an evaluation's, not a count of batches)."""
+    if isinstance(node, cst.Subscript):
+        key = node.slice[0].slice.value if len(node.slice) == 1 and isinstance(node.slice[0].slice, cst.Index) \
+            else None
+        if not isinstance(key, cst.SimpleString) or not isinstance(key.evaluated_value, str):
+            return False
+        leaf = key.evaluated_value.lower()
+    else:
+        leaf = (node.attr.value if isinstance(node, cst.Attribute) else node.value).lower()
     if any(word in leaf for word in ("eval", "test", "val", "valid", "num", "n_batches", "batches")):
         return False
     return "batch_size" in leaf or "batchsize" in leaf or leaf in ("batch", "bs", "batch_sz", "mb_size", "mbsize")
@@ -276,8 +284,15 @@ class LrWorldSize(ModelRule):
                 inits.setdefault(id(init), set()).update(
                     code(a) for a in ctx.within(step, cst.Attribute) if isinstance(a.value, cst.Name)
                     and a.value.value == "self")
+        # the statements of a training loop's function before it, which make tensors for it
+        # (`real_gt = torch.ones((config["batch_size"], 1, 1, 1))` once, then used every step)
+        for step in list(steps.values()):
+            fn = ctx.enclosing(step, cst.FunctionDef) if isinstance(step, (cst.For, cst.While)) else None
+            if fn is not None and id(fn) not in steps:
+                steps[id(fn)] = fn
+                inits.setdefault(id(fn), set()).update(code(n) for n in ctx.within(step, cst.Name))
         for step in steps.values():
-            uses = [n for n in ctx.within(step, cst.Name, cst.Attribute)
+            uses = [n for n in ctx.within(step, cst.Name, cst.Attribute, cst.Subscript)
                     if id(n) not in handled and code(n) not in kept and _batch_size_name(n)
                     and not (isinstance(n, cst.Name) and isinstance(ctx.parent(n), cst.Attribute))
                     and shape_of_batch(ctx, n) and not _follows_batch(ctx, step, n)
@@ -295,8 +310,8 @@ class LrWorldSize(ModelRule):
                         imports=[ctx.runtime_import()])
 
     def _bound_for(self, use: cst.CSTNode, read: Set[str]) -> bool:
-        """`use` sizes the value of an assignment to an attribute a training step reads
-        (`self.real_label = torch.ones(size=(batchsize,))`)."""
+        """`use` sizes the value of an assignment to an attribute or name a training step reads
+        (`self.real_label = torch.ones(size=(batchsize,))`, `real_gt = torch.ones((bs, 1))`)."""
         assign = self.ctx.enclosing(use, cst.Assign)
         return assign is not None and any(code(t.target) in read for t in assign.targets)
 
