@@ -63,7 +63,7 @@ __all__ = [
     "is_distributed", "wrap_model", "unwrap", "sampler", "eval_sampler", "sharded", "set_epoch", "no_sync",
     "amp_dtype", "autocast", "GradScaler", "print", "input", "bar_stream", "barrier", "all_reduce", "gather_for_metrics", "gather_list", "broadcast_object", "shared_generator", "grad", "any_rank", "all_ranks", "share_params", "sync_grads", "shard_stream",
     "shard_sampler", "reduce_meter", "reduce_batch_total", "per_rank_batch", "batch_rows", "sync_batchnorm", "synced", "to_float32",
-    "save", "load", "strip_prefix", "load_state_dict", "seed_everything", "seed_per_rank", "main_only", "main_process_first",
+    "save", "load", "strip_prefix", "load_state_dict", "seed_everything", "seed_per_rank", "main_only", "main_process_first", "goes_first",
     "shard_range", "shard_indices", "shard_mean", "shard_batches", "agreed", "on_main", "move_into_place", "to_device", "as_device",
     "set_device",
 ]
@@ -2904,6 +2904,15 @@ def main_process_first(local: bool = False):
     yield
     if first:
         barrier()
+
+
+def goes_first(local: bool = False) -> bool:
+    """True on the process that runs a ``main_process_first`` block first (global rank 0, or with
+    ``local=True`` the first process of each node); true in one process. For a test inside such a
+    block that forces a rebuild (``if (rebuild_cache and tm.goes_first()) or not exists(cache):``):
+    the process that goes first rebuilds, the others then find the cache it built instead of
+    deleting and rebuilding it under it. Collective-free."""
+    return local_rank() == 0 if local else is_main()
 
 
 def main_only(factory, *args, **kwargs):

@@ -734,6 +734,14 @@ def test_per_rank_batch_rounds_up_and_names_the_nearest_sizes(monkeypatch, capsy
     assert "A batch of 3 cannot be split" in err and "divide the bucket size by 4" in err
 
 
+def test_goes_first_is_the_main_process_or_the_node_leader(other_rank, monkeypatch):
+    """`if (rebuild_cache and tm.goes_first()) or not exists(p):` under main_process_first: only
+    the process that goes first rebuilds."""
+    assert not tm.goes_first()
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert tm.goes_first(local=True) and not tm.goes_first()
+
+
 def test_main_only(other_rank, monkeypatch):
     made = []
 

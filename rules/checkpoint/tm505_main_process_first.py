@@ -126,7 +126,7 @@ class MainProcessFirst(Rule):
                 edits += [replace(f, lambda n: cst.BooleanOperation(
                     left=n.with_changes(lpar=[cst.LeftParen()], rpar=[cst.RightParen()])
                     if isinstance(n, (cst.BooleanOperation, cst.IfExp)) else n,
-                    operator=cst.And(), right=cst.parse_expression(f"{tm}.is_main()"),
+                    operator=cst.And(), right=cst.parse_expression(f"{tm}.goes_first()"),
                     lpar=[cst.LeftParen()], rpar=[cst.RightParen()])) for f in forced]
             self.report(span.report, message, imports=[ctx.runtime_import()], edits=edits)
 
