@@ -20,6 +20,7 @@ from torchmigrate.program.metrics import (dict_sums, divisions_of, events_after,
                                           leaves_early, loader_expr, loader_loop, loop_sums, named_like_loader,
                                           zeros_value)
 from torchmigrate.rule import Context, Example, Rule
+from torchmigrate.program.losses import summed_loss
 from torchmigrate.program.rank_guards import collective_guard
 from torchmigrate.program.syntax import ranged_loop
 from torchmigrate.rules._active import active
@@ -325,6 +326,39 @@ class ReduceCounts(Rule):
             pass
         return node.value
 
+    def _sums_batch_means(self, loop: cst.For, name: str) -> bool:
+        """`name` adds one batch mean per step of a training loop (`train_loss += loss.item()`,
+        the loss not surely summed over its batch): `tm.reduce_batch_total` makes the ranks' total
+        the original's, averaged where each rank ran as many batches, summed where it ran its share."""
+        ctx = self.ctx
+        augs = [a for a in ctx.within(loop.body, cst.AugAssign, skip_defs=True)
+                if isinstance(a.target, cst.Name) and a.target.value == name]
+        if not augs or not analysis.runs_backward(ctx, loop):
+            return False
+        for a in augs:
+            if not (isinstance(a.operator, cst.AddAssign) and _batch_mean(a.value)):
+                return False
+            inner = a.value.func.value if isinstance(a.value.func, cst.Attribute) else a.value.args[0].value
+            if summed_loss(ctx, inner):
+                return False
+        # divided by a count of samples only (`/ num_samples`, `/ len(loader.dataset)`): a mean of
+        # batch means over a count of steps (`/ count` with `count += 1`) stays a plain sum
+        uses = events_after(ctx, loop, {name})[name].uses
+        divisions = [d for u in uses for d in divisions_of(ctx, u)]
+        return bool(divisions) and len(divisions) == len(uses) and all(self._samples(loop, d.right) for d in divisions)
+
+    def _samples(self, loop: cst.For, node: cst.BaseExpression) -> bool:
+        """`node` counts samples: `len(X.dataset)`, or a name the loop adds batch sizes to."""
+        text = code(node).replace(" ", "")
+        if text.startswith("len(") and text.endswith(".dataset)"):
+            return True
+        if not isinstance(node, cst.Name):
+            return False
+        augs = [a for a in self.ctx.within(loop.body, cst.AugAssign, skip_defs=True)
+                if isinstance(a.target, cst.Name) and a.target.value == node.value]
+        return bool(augs) and all(isinstance(a.operator, cst.AddAssign) and not isinstance(a.value, cst.Integer)
+                                  and _PER_SAMPLE_SUM.search(code(a.value)) for a in augs)
+
     def _counts_samples(self, loop: cst.For, name: str) -> bool:
         """`name` adds a count or sum over each batch's samples in `loop` (`correct += (p ==
         y).sum().item()`) and is divided after it (by the loop's batch count)."""
@@ -385,6 +419,12 @@ class ReduceCounts(Rule):
             sums = [n for n in ordered if kind.get(n) != "mean"]
             means = [n for n in ordered if kind.get(n) == "mean"]
             handed = {n: h for n in sums if (h := self._handed_total(loop, n))}
+            loader_node = loader_expr(ctx, loop.iter)
+            if isinstance(loader_node, (cst.Name, cst.Attribute)) and is_pure(loader_node):
+                # `train_loss += loss.item()` then `train_loss / num_samples`: a sum of batch
+                # means, which the ranks' sum would count W times where each ran as many batches
+                handed.update({n: code(loader_node) for n in sums
+                               if n not in handed and self._sums_batch_means(loop, n)})
             sums = [n for n in sums if n not in handed]
             depth = _depth(ctx, loop)
             lines, statements = [], []
