@@ -326,13 +326,17 @@ class ReduceCounts(Rule):
             pass
         return node.value
 
+    def _augs(self, loop: cst.For, name: str) -> List[cst.AugAssign]:
+        """The in-place updates of the plain name `name` in `loop`'s body (not in defs there)."""
+        return [a for a in self.ctx.within(loop.body, cst.AugAssign, skip_defs=True)
+                if isinstance(a.target, cst.Name) and a.target.value == name]
+
     def _sums_batch_means(self, loop: cst.For, name: str) -> bool:
         """`name` adds one batch mean per step of a training loop (`train_loss += loss.item()`,
         the loss not surely summed over its batch): `tm.reduce_batch_total` makes the ranks' total
         the original's, averaged where each rank ran as many batches, summed where it ran its share."""
         ctx = self.ctx
-        augs = [a for a in ctx.within(loop.body, cst.AugAssign, skip_defs=True)
-                if isinstance(a.target, cst.Name) and a.target.value == name]
+        augs = self._augs(loop, name)
         if not augs or not analysis.runs_backward(ctx, loop):
             return False
         for a in augs:
@@ -354,16 +358,14 @@ class ReduceCounts(Rule):
             return True
         if not isinstance(node, cst.Name):
             return False
-        augs = [a for a in self.ctx.within(loop.body, cst.AugAssign, skip_defs=True)
-                if isinstance(a.target, cst.Name) and a.target.value == node.value]
+        augs = self._augs(loop, node.value)
         return bool(augs) and all(isinstance(a.operator, cst.AddAssign) and not isinstance(a.value, cst.Integer)
                                   and _PER_SAMPLE_SUM.search(code(a.value)) for a in augs)
 
     def _counts_samples(self, loop: cst.For, name: str) -> bool:
         """`name` adds a count or sum over each batch's samples in `loop` (`correct += (p ==
         y).sum().item()`) and is divided after it (by the loop's batch count)."""
-        augs = [a for a in self.ctx.within(loop.body, cst.AugAssign, skip_defs=True)
-                if isinstance(a.target, cst.Name) and a.target.value == name]
+        augs = self._augs(loop, name)
         events = events_after(self.ctx, loop, {name})[name]
         return any(_PER_SAMPLE_SUM.search(code(a.value)) and not _batch_mean(a.value) for a in augs) \
             and (bool(events.augs) or any(divisions_of(self.ctx, u) for u in events.uses))
@@ -372,8 +374,7 @@ class ReduceCounts(Rule):
         """`name` only adds one batch mean per step in `loop` (`total_loss += loss.item()`) and
         after it is shown or stored as it is, in no arithmetic and changed no more."""
         ctx = self.ctx
-        augs = [a for a in ctx.within(loop.body, cst.AugAssign, skip_defs=True)
-                if isinstance(a.target, cst.Name) and a.target.value == name]
+        augs = self._augs(loop, name)
         if not augs or not all(isinstance(a.operator, cst.AddAssign) and _batch_mean(a.value) for a in augs):
             return False
         events = events_after(ctx, loop, {name})[name]
