@@ -14,7 +14,7 @@ from torchmigrate.program.loaders import loops_of
 from torchmigrate.program.models import DDP_CLASSES
 from torchmigrate.rule import Example
 from torchmigrate.rules.model.base import ModelRule, wrap_call
-from torchmigrate.rules.model.tm306_data_parallel_to_ddp import dotted_names, dp_condition
+from torchmigrate.rules.model.tm306_data_parallel_to_ddp import dotted_names, dp_condition, rebinds
 
 
 # DistributedDataParallel's leading parameters, the same in every torch since 1.x.
@@ -186,10 +186,9 @@ class WrapDDP(ModelRule):
                 return True
             read = dotted_names(when)
             for statement in body[body.index(nw.dp.target) + 1:body.index(nw.anchor) + (1 if nw.after else 0)]:
-                for target in self.ctx.within(statement, cst.AssignTarget, cst.AugAssign):
-                    bound = dotted(target.target) or "?"
-                    if bound == "?" or any(r == bound or r.startswith(bound + ".") for r in read):
-                        return True
+                if any(rebinds(dotted(t.target), read)
+                       for t in self.ctx.within(statement, cst.AssignTarget, cst.AugAssign)):
+                    return True
         return when
 
     def leave_Module(self, node: cst.Module) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Dict, List, Set, Tuple, Union
+from typing import Dict, List, Optional, Set, Tuple, Union
 
 import libcst as cst
 
@@ -272,10 +272,15 @@ def dp_condition(site: DPSite) -> Union[bool, cst.BaseExpression]:
         for small in statement.body:
             targets = [t.target for t in small.targets] if isinstance(small, cst.Assign) else (
                 [small.target] if isinstance(small, (cst.AugAssign, cst.AnnAssign)) else [])
-            for bound in (dotted(t) or "?" for t in targets):
-                if any(r == bound or r.startswith(bound + ".") for r in read) or bound == "?":
-                    return True
+            if any(rebinds(dotted(t), read) for t in targets):
+                return True
     return node.test
+
+
+def rebinds(bound: Optional[str], read: Set[str]) -> bool:
+    """Assigning the dotted name `bound` (None: a target with no dotted name, anything) may change
+    one of the names a test `read`s (`args` rebinds `args.n_gpus`)."""
+    return bound is None or any(r == bound or r.startswith(bound + ".") for r in read)
 
 
 def dotted_names(node: cst.CSTNode) -> Set[str]:
