@@ -30,6 +30,9 @@ from torchmigrate.program.astwalk import walk
 _STDLIB = frozenset(getattr(sys, "stdlib_module_names", ())) | {"__future__"}  # Python >= 3.10
 
 ROOT_MARKERS = ("pyproject.toml", "setup.py", "setup.cfg", ".git")
+# how far above a script with no project marker its own `sys.path` edits may widen the project
+# (`".."`, `"../.."`); further up is the user's home or a shared folder, not this program
+MAX_LEVELS_UP = 2
 
 
 def project_root(script: Path, fs: FileSystem = PLAIN) -> Path:
@@ -291,8 +294,8 @@ def _follow(entries: List[Path], roots: Dict[Path, Path], trees: Dict[Path, ast.
             continue
         if scanned.main_guard:
             graph.main_guards.add(path)
-        scope = _path_scope(root, entry_dir)
         search.add_code(entry_dir, scanned.code_dirs)
+        scope = _path_scope(root, entry_dir, search.code.get(entry_dir, ()), fs)
         resolver = _Resolver(root, fs, [d for d in search.folders(entry_dir, scope) if _inside(d, scope)],
                              search.mapped.get(scope))
         statements = graph.statements[path] = scanned.statements
@@ -477,15 +480,25 @@ class _Search:
         return self._configured[key][2]
 
 
-def _path_scope(root: Path, entry_dir: Path) -> Path:
+def _path_scope(root: Path, entry_dir: Path, added: Sequence[Path] = (), fs: FileSystem = PLAIN) -> Path:
     """Where PYTHONPATH and `sys.path` folders may lead: the project root; for a script with no
     project marker above it (a copy of a repository without its `.git`), the working directory
     when the script lies inside it, as in `PYTHONPATH=src/data torchmigrate ddp src/bin/train.py`
-    run from the repository's top (a recipe's `path.sh`)."""
-    if root != entry_dir:
-        return root
+    run from the repository's top (a recipe's `path.sh`), widened to the folder above that a
+    module of the program puts on `sys.path` itself (`sys.path.append("..")` in
+    `main_training/main.py` beside `utils/`): the program says that folder is its own code."""
+    if root != entry_dir or any(fs.exists(root / marker) for marker in ROOT_MARKERS):
+        return root  # a repository's top: a folder above it is another project
     cwd = Path.cwd().resolve()
-    return cwd if _inside(entry_dir / "x.py", cwd) else root
+    scope = cwd if _inside(entry_dir / "x.py", cwd) else root
+    for folder in added:
+        try:
+            common = Path(os.path.commonpath([entry_dir, folder]))
+        except ValueError:  # another drive
+            continue
+        if len(entry_dir.relative_to(common).parts) <= MAX_LEVELS_UP and _inside(scope / "x.py", common):
+            scope = common
+    return scope
 
 
 def _pythonpath() -> List[Path]:

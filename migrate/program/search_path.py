@@ -96,8 +96,9 @@ class Paths:
         self._busy: set = set()
 
     def of(self, node: ast.AST) -> Optional[Path]:
+        """The folder, absolute: a relative text (`".."`) is taken from the folder the program runs in."""
         value = self._value(node)
-        return value if isinstance(value, Path) else Path(value) if isinstance(value, str) and value else None
+        return self._path(value) if isinstance(value, Path) or (isinstance(value, str) and value) else None
 
     def _value(self, node: ast.AST):
         """A Path for paths, a str for other text, None when unknown."""

@@ -72,6 +72,39 @@ def test_sys_path_outside_the_project_is_not_followed(tmp_path):
     assert names(graph.build([tmp_path / "proj/train.py"]).modules, tmp_path) == ["proj/train.py"]
 
 
+@pytest.mark.parametrize("run_from", ["Code/main_training", "elsewhere"])
+@pytest.mark.parametrize("edit, imported, found", [
+    ("sys.path.append('..')", "from utils.utils import validate", "Code/utils/utils.py"),
+    ("sys.path.insert(0, '../lib')", "from solver import Solver", "Code/lib/solver.py"),
+    ("sys.path.append(os.path.join(os.path.dirname(__file__), '..', '..'))", "from Code.lib.solver import Solver",
+     "Code/lib/solver.py"),
+    ("sys.path += [str(Path(__file__).parent.parent / 'utils')]", "import utils as U", "Code/utils/utils.py"),
+])
+def test_sys_path_above_a_copy_without_project_markers(tmp_path, monkeypatch, run_from, edit, imported, found):
+    """A repository copied without its `.git` (no project marker anywhere): the entry's own
+    `sys.path` edit to a folder above it says where its code is, wherever the tool runs from, as
+    long as it stays within two folders of the script."""
+    write(tmp_path, {
+        "Code/main_training/main.py": f"import os, sys\nfrom pathlib import Path\n{edit}\n{imported}\n",
+        "Code/utils/__init__.py": "",
+        "Code/utils/utils.py": "def validate(net, loader): pass\n",
+        "Code/lib/solver.py": "class Solver: pass\n",
+        "elsewhere/x.txt": "",
+    })
+    monkeypatch.chdir(tmp_path / run_from)
+    assert found in names(graph.build([tmp_path / "Code/main_training/main.py"]).modules, tmp_path)
+
+
+def test_sys_path_far_above_a_copy_without_markers_is_not_followed(tmp_path, monkeypatch):
+    """Three folders up is a home or shared folder, not the program's code."""
+    write(tmp_path, {
+        "a/b/c/train.py": "import sys\nsys.path.append('../../..')\nfrom helper import x\n",
+        "helper.py": "x = 1\n",
+    })
+    monkeypatch.chdir(tmp_path / "a/b/c")
+    assert names(graph.build([tmp_path / "a/b/c/train.py"]).modules, tmp_path) == ["a/b/c/train.py"]
+
+
 # --- PYTHONPATH in launch files ---------------------------------------------------------------
 
 LAYOUTS = {
