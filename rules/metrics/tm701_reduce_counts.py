@@ -504,10 +504,11 @@ def _number_list(value: Optional[cst.BaseExpression]) -> bool:
 
 
 def _one_per_item(ctx: Context, loop: cst.For, aug: cst.AugAssign) -> bool:
-    """`matrix[t, p] += 1` in a loop over a batch's items nested in `loop` (a confusion matrix):
-    one count per sample."""
+    """`matrix[t, p] += 1` (or `+= 1.0`) in a loop over a batch's items nested in `loop` (a
+    confusion matrix): one count per sample."""
     inner = ctx.enclosing(aug, cst.For)
-    return isinstance(aug.value, cst.Integer) and aug.value.value == "1" and inner is not None and inner is not loop
+    one = isinstance(aug.value, (cst.Integer, cst.Float)) and float(aug.value.value.replace("_", "")) == 1
+    return one and inner is not None and inner is not loop
 
 
 def _counted(ctx: Context, loop: cst.For, name: str) -> bool:
