@@ -586,7 +586,8 @@ class Plan:
             start = self.models.idx(nw.anchor)
             defs = [self.models.idx(self.ctx.statement_of(d)) for d, value in
                     self.models.definitions(nw.name, nw.scope, nw.klass)
-                    if self.models.scope(d) is nw.scope and not _no_model(value)]
+                    if self.models.scope(d) is nw.scope and not _no_model(value)
+                    and not (value is not None and dotted(strip_moves(value)) == nw.name)]  # `model = model.train()`: the same module
             for c in cands.get(k, ()):
                 if c is nw or c.after or c.extra_of is not None or c in extra:
                     continue
