@@ -776,6 +776,8 @@ class _DDP(_ModuleFace, DistributedDataParallel):
         self._tm_unsynced = False
         self._tm_params = [p for p in self.module.parameters() if p.requires_grad]
         self._tm_registered = {id(p) for p in self._tm_params}  # what DDP reduces: see `_unfrozen`
+        self._tm_late: set = set()  # parameters `_unfrozen` has made equal across ranks
+        self._tm_count = sum(1 for _ in self.module.parameters())
         ref = weakref.ref(self)
         self._tm_hooks = [] if plain else [
             p.register_post_accumulate_grad_hook(functools.partial(_on_grad, ref, i))
@@ -789,6 +791,12 @@ class _DDP(_ModuleFace, DistributedDataParallel):
         # BatchNorm statistics overwritten in place while the first call's graph still needs them
         # ("modified by an inplace operation" at the backward, with DDP's own broadcast).
         first = not self._tm_armed
+        out = self._tm_step_forward(first, *inputs, **kwargs)
+        if first and self._tm_steps == 1 and sum(1 for _ in self.module.parameters()) > self._tm_count:
+            _watch_steps()  # parameters registered by the first forward, which DDP never saw: see `_unfrozen`
+        return out
+
+    def _tm_step_forward(self, first: bool, *inputs, **kwargs):
         self._tm_armed = True
         if first:
             self._tm_steps += 1
@@ -1027,11 +1035,22 @@ def _unfrozen(ddp, stepped: set) -> list:
     the unfreeze would let DDP overlap that work."""
     late = [p for p in ddp.module.parameters()
             if p.requires_grad and id(p) not in ddp._tm_registered and id(p) in stepped]
+    new = [p for p in late if id(p) not in ddp._tm_late]
+    if new:
+        # first seen: a parameter created after the wrap (registered in the first forward, as
+        # lazily built cells do) holds each rank's own random start; rank 0's, as DDP would have
+        # copied it. A parameter that was only frozen is equal everywhere and is left as it is.
+        ddp._tm_late.update(id(p) for p in new)
+        if _differ_across_ranks(new):
+            _broadcast_tensors(new)
     if late and is_main() and not _UNFROZEN_WARNED:
         _UNFROZEN_WARNED.append(True)
-        _warn(f"{len(late)} parameter(s) of {type(ddp.module).__name__} were frozen when it was wrapped and train "
-              "now: DDP does not reduce them, so their gradients are averaged across ranks before each optimizer "
-              "step (wrap the model again after unfreezing for DDP's own overlapped reduction)")
+        frame = _user_frame(sys._getframe(1))
+        where = f" (optimizer step at {frame.f_code.co_filename}:{frame.f_lineno})" if frame is not None else ""
+        _warn(f"{len(late)} parameter(s) of {type(ddp.module).__name__} were frozen or not yet created when it was "
+              f"wrapped and train now{where}: DDP does not reduce them, so they start from rank 0's values and "
+              "their gradients are averaged across ranks before each optimizer step (wrap the model again after "
+              "unfreezing, or after the forward that creates them, for DDP's own overlapped reduction)")
     return late
 
 

@@ -432,7 +432,10 @@ def test_steps_through_submodules_are_averaged_and_plain_models_keep_ddp(nets):
     assert r0["rewrapped"] is r1["rewrapped"] is True  # wrapping a wrapped model's module again: that wrapper
     # a backbone unfrozen after the wrap trains in step on both ranks, and rank 0 says so once
     assert r0["unfrozen"] == pytest.approx(r1["unfrozen"], rel=1e-6, abs=1e-7)
-    assert nets["output"].count("were frozen when it was wrapped and train now") == 1
+    assert nets["output"].count("were frozen or not yet created when it was wrapped and train now") == 1
+    assert "(optimizer step at " in nets["output"]
+    # a parameter registered in the first forward, after the wrap: rank 0's start, then in step
+    assert r0["lazy"] == pytest.approx(r1["lazy"], rel=1e-6, abs=1e-7)
     # the model's own `type` (not Module.type) and `batch_size`, set through the wrapper onto the module
     assert r0["configured"] == r1["configured"] == ["binary", "multi", 3, 3]
 

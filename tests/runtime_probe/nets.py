@@ -32,6 +32,19 @@ class TwoHeads(nn.Module):
         return self.head(h), self.aux(h)
 
 
+class LazyCell(nn.Module):
+    """Registers its weight in its first forward (a cell sized by the first input it sees)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        if not hasattr(self, "w"):
+            self.register_parameter("w", nn.Parameter(torch.randn(4, 1)))
+        return self.fc(x) @ self.w
+
+
 class Configured(nn.Module):
     """Attributes of its own: `type` (named like Module.type) chooses the loss, `batch_size` set
     from outside between steps and read by forward."""
@@ -119,7 +132,25 @@ def main(outdir):
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(100 + tm.rank())  # each rank its own batches
 
-    heads = tm.wrap_model(TwoHeads())  # sets up the group lazily
+    # first, before anything installs the runtime's optimizer-step hook (this wrap sets up the
+    # group lazily): a parameter registered in the first forward, after the wrap, on ranks seeded
+    # apart, stepped by an optimizer built again after that forward (as such programs do): rank
+    # 0's start, then gradients averaged by hand
+    torch.manual_seed(2000 + tm.rank())
+    lazy = tm.wrap_model(LazyCell())
+    opt = torch.optim.SGD(lazy.parameters(), lr=0.1)
+    own = torch.Generator().manual_seed(300 + tm.rank())
+    for step in range(3):
+        opt.zero_grad()
+        out = lazy(torch.randn(6, 4, generator=own))
+        if step == 0:
+            opt = torch.optim.SGD(lazy.parameters(), lr=0.1)
+        out.pow(2).mean().backward()
+        opt.step()
+    res["lazy"] = flat(tm.unwrap(lazy))
+    torch.manual_seed(0)
+
+    heads = tm.wrap_model(TwoHeads())
     res["rank"] = tm.rank()
     opt = torch.optim.SGD(heads.parameters(), lr=0.1)
     for _ in range(3):
@@ -225,6 +256,7 @@ def main(outdir):
         tuned(torch.randn(6, 4, generator=g)).pow(2).mean().backward()
         opt.step()
     res["unfrozen"] = flat(tm.unwrap(tuned))
+
 
     # the model's own attributes through the wrapper: read (`type` is not Module.type) and set
     # (on the module, whose forward reads it)
