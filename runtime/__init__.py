@@ -2876,13 +2876,17 @@ def seed_everything(seed: int, per_rank: bool = False) -> int:
 
 
 class _Null:
-    """Stand-in returned by ``main_only`` on non-main ranks: absorbs attribute access, calls and
-    ``with`` blocks (each returns the null object again) and is falsy."""
+    """Stand-in returned by ``main_only`` on non-main ranks: absorbs attribute access, calls,
+    indexing (``run["acc"].append(x)``, ``run["params"] = p`` on a neptune run) and ``with`` blocks
+    (each returns the null object again) and is falsy."""
 
     def _self(self, *args, **kwargs):
         return self
 
-    __call__ = __enter__ = _self
+    __call__ = __enter__ = __getitem__ = _self
+
+    def __setitem__(self, key, value):
+        pass
 
     def __getattr__(self, name):
         if name.startswith("__") and name.endswith("__"):

@@ -755,6 +755,8 @@ def test_main_only(other_rank, monkeypatch):
     null.writer.nested.call(1)
     with null as w:
         w.write("x")
+    null["train/acc"].append(0.5)  # a neptune run's fields
+    null["parameters"] = {"lr": 0.1}
     null.close()
     monkeypatch.setenv("RANK", "0")
     real = tm.main_only(factory, "logdir", flush_secs=5)

@@ -80,8 +80,13 @@ PATH_WRITES = frozenset({"touch", "unlink"})
 # happens where one is built; a receiver spelled any way (`importlib.import_module(m).SummaryWriter`)
 # counts by the class's last name.
 _WRITER_CLASS_NAMES = frozenset({"SummaryWriter", "FileWriter"})
+# Experiment trackers' run objects: each one built starts a run (a visdom session, a comet or
+# neptune experiment, an aim run, a ClearML task) that every later call on it logs into.
+TRACKER_RUNS = frozenset({"visdom.Visdom", "comet_ml.Experiment", "comet_ml.OfflineExperiment", "neptune.init_run",
+                          "neptune.init", "neptune.new.init_run", "aim.Run", "clearml.Task.init"})
 _WRITER_CLASSES = frozenset({"tensorboard_logger.Logger", "logging.FileHandler",
-                             "logging.handlers.RotatingFileHandler", "logging.handlers.TimedRotatingFileHandler"})
+                             "logging.handlers.RotatingFileHandler", "logging.handlers.TimedRotatingFileHandler",
+                             *TRACKER_RUNS})
 _MKDIRS = frozenset({"os.makedirs", "os.mkdir", "pathlib.Path.mkdir"})
 # tempfile's calls that make a file or folder of the process's own (`gettempdir()` is shared)
 PRIVATE_TEMPS = frozenset({"tempfile.TemporaryDirectory", "tempfile.mkdtemp", "tempfile.mkstemp",
@@ -92,7 +97,7 @@ READERS = frozenset({"json.load", "pickle.load", "numpy.load", "numpy.loadtxt", 
                      "yaml.safe_load", "PIL.Image.open", "cv2.imread", "imageio.imread", "imageio.v2.imread",
                      "scipy.io.loadmat", "joblib.load", "h5py.File", "os.listdir", "glob.glob"})
 READ_PREFIXES = ("pandas.read_",)
-_OUTPUTS = frozenset({"print", "sys.stdout.write", "sys.stderr.write", "pprint.pprint", "visdom.Visdom"})
+_OUTPUTS = frozenset({"print", "sys.stdout.write", "sys.stderr.write", "pprint.pprint"})
 _OUTPUT_PREFIXES = ("logging.", "tqdm.", "visdom.")
 _LOG_METHODS = frozenset({"info", "debug", "warning", "warn", "error", "critical", "exception", "log"})
 _RANDOM_PREFIXES = ("random.", "numpy.random.")

@@ -249,11 +249,12 @@ def writer_class(ctx: Context, call: cst.Call, name: Optional[str]) -> bool:
     """`call` builds an object that writes event or log files wherever it is used: a
     `SummaryWriter` however reached (`importlib.import_module(m).SummaryWriter(...)`,
     `tbx.SummaryWriter`), tensorboard_logger's `Logger`, or a class of the program derived from
-    one (`class Logger(SummaryWriter)` in another module)."""
+    one (`class Logger(SummaryWriter)` in another module), or an experiment tracker's run
+    (`visdom.Visdom()`, `comet_ml.Experiment(...)`: `effects.TRACKER_RUNS`)."""
     func = call.func
     last = func.attr.value if isinstance(func, cst.Attribute) else func.value if isinstance(func, cst.Name) else None
     return (last in _WRITER_NAMES and (isinstance(func, cst.Attribute) or "." in (name or ""))) \
-        or name in _WRITER_CLASSES or (dotted(func) or "") in ctx.program.writer_classes
+        or name in _WRITER_CLASSES or name in effects.TRACKER_RUNS or (dotted(func) or "") in ctx.program.writer_classes
 
 
 # What may be done with a file opened for writing when it is a null object on the other ranks:

@@ -15,6 +15,7 @@ from torchmigrate.options import RUNTIME_MODULE as RUNTIME
 from torchmigrate.program.collectives import runs_user_code
 from torchmigrate.program.rank_guards import caller_guards, under_rank_guard
 from torchmigrate.program.ranks import rank_dependent
+from torchmigrate.program.effects import TRACKER_RUNS
 from torchmigrate.program.writes import writer_class
 from torchmigrate.rule import Context, Example, Rule
 from torchmigrate.rules._active import active
@@ -28,7 +29,7 @@ SUMMARY_WRITERS = {
     "tensorboardX.SummaryWriter",
     "tensorboardX.writer.SummaryWriter",
 }
-_TRACKER_ROOTS = ("wandb.", "mlflow.", "tensorboard_logger.")
+_TRACKER_ROOTS = ("wandb.", "mlflow.", "tensorboard_logger.", "nni.")
 _TRACKER_FACTORIES = {"mlflow.start_run"}
 
 
@@ -130,13 +131,17 @@ class MainPrint(Rule):
       class of the program derived from one in any module (`class TBLogger(SummaryWriter)`,
       from the program's effects). A
       writer whose attributes the file reads as values (`os.path.join(writer.log_dir, ...)`)
-      is reported instead: the stand-in has no `log_dir` to give.
+      is reported instead: the stand-in has no `log_dir` to give. An experiment tracker's run
+      object is made the same way (`visdom.Visdom(...)`, `comet_ml.Experiment(...)`,
+      `neptune.init_run(...)`, `aim.Run(...)`, `clearml.Task.init(...)`): one run, on rank 0,
+      and `vis.line(...)`, `experiment.log_metric(...)` absorbed elsewhere.
     - `wandb.init(...)` gets `mode=None if tm.is_main() else "disabled"` (an existing `mode=m`
       becomes `m if tm.is_main() else "disabled"`): on the other ranks every wandb call is then a
       no-op and `wandb.config` still holds the values given to init, so `wandb.log(...)` needs no
       guard. (Where this file logs to wandb without initialising it, the statements are guarded.)
-    - `mlflow.*(...)` and `tensorboard_logger.*(...)` statements (`mlflow.log_metric`,
-      `configure(logdir)`, `log_value(...)`, ...) go under `if tm.is_main():`; `with mlflow.start_run():` becomes `with tm.main_only(mlflow.start_run):`.
+    - `mlflow.*(...)`, `tensorboard_logger.*(...)` and `nni.*(...)` statements (`mlflow.log_metric`,
+      `configure(logdir)`, `log_value(...)`, `nni.report_final_result(acc)`, ...) go under
+      `if tm.is_main():` (NNI takes one result per trial); `with mlflow.start_run():` becomes `with tm.main_only(mlflow.start_run):`.
 
     `logging` needs nothing: `tm.setup()` disables INFO and DEBUG records on the other ranks, so
     `logger.info(...)` prints once while warnings and errors still show on every rank.
@@ -255,13 +260,15 @@ class MainPrint(Rule):
                 if caller_guards(ctx, call) is not None or _is_main_only_arg(ctx, call):
                     continue
                 read = _attributes_read(ctx, call)
+                what = (f"start its own {name} run" if name in TRACKER_RUNS
+                        else "write its own TensorBoard event files")
                 if read:
-                    self.report(call, f"every rank would write its own TensorBoard event files, and the writer's "
+                    self.report(call, f"every rank would {what}, and the writer's "
                                       f"`{read[0]}` is read as a value, which tm.main_only's stand-in on the other "
                                       f"ranks cannot give: create the writer under `if {tm}.is_main():` and take "
                                       f"`{read[0]}` from the arguments")
                     continue
-                self.report(call, "every rank would write its own TensorBoard event files; create the "
+                self.report(call, f"every rank would {what}; create the "
                                   "writer on the main process only (tm.main_only)",
                             edits=[replace(call, main_only_call(tm))], imports=imports)
             elif name == "wandb.init" and not any(a.star == "**" for a in call.args):
