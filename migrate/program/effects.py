@@ -67,7 +67,7 @@ _WRITERS = frozenset({
     "soundfile.write", "torchaudio.save", "pickle.dump", "joblib.dump", "json.dump", "yaml.dump",
     "yaml.safe_dump", "torch.save", "torchvision.utils.save_image", "shutil.copy", "shutil.copyfile",
     "shutil.copy2", "shutil.copytree", "shutil.move", "shutil.rmtree", "os.remove", "os.unlink",
-    "os.rename", "os.replace", "logging.FileHandler", "logging.handlers.RotatingFileHandler",
+    "os.rename", "os.replace", "os.symlink", "os.link", "logging.FileHandler", "logging.handlers.RotatingFileHandler",
     "logging.handlers.TimedRotatingFileHandler", "tensorboard_logger.configure", "tensorboard_logger.log_value",
     "tensorboard_logger.log_histogram", "tensorboard_logger.log_images", "wandb.init",
     "tensorflow.summary.create_file_writer", "tensorflow.summary.FileWriter",
@@ -76,6 +76,8 @@ _WRITE_METHODS = frozenset({"savefig", "to_csv", "to_parquet", "to_pickle", "to_
                             "write_text", "write_bytes", "tofile", "save_to_disk", "save_pretrained", "save"})
 # pathlib methods that create or remove the file their receiver names (a run's flag file)
 PATH_WRITES = frozenset({"touch", "unlink"})
+# pathlib methods that make the link their receiver names (`Path(latest).symlink_to(ckpt)`)
+PATH_LINKS = frozenset({"symlink_to", "hardlink_to"})
 # Library classes whose instances write files (a TensorBoard event file, a log): the write
 # happens where one is built; a receiver spelled any way (`importlib.import_module(m).SummaryWriter`)
 # counts by the class's last name.
@@ -686,7 +688,8 @@ class _Reader:
         if name in _WRITERS or (name == "logging.basicConfig" and any(k.arg == "filename" for k in call.keywords)):
             where = {"json.dump": 1, "pickle.dump": 1, "yaml.dump": 1, "yaml.safe_dump": 1, "torch.save": 1,
                      "joblib.dump": 1, "torchvision.utils.save_image": 1, "shutil.copy": 1, "shutil.copyfile": 1,
-                     "shutil.copy2": 1, "shutil.copytree": 1, "shutil.move": 1}.get(name, 0)
+                     "shutil.copy2": 1, "shutil.copytree": 1, "shutil.move": 1, "os.symlink": 1,
+                     "os.link": 1}.get(name, 0)
             if name == "wandb.init" and any(k.arg == "mode" and rank_test(k.value) for k in call.keywords):
                 guarded = True  # `mode=None if tm.is_main() else "disabled"`: a run on the main process only
             self._write(call, name, guarded, ordered, _arg(call, where, "filename" if name == "logging.basicConfig" else None))
@@ -710,8 +713,10 @@ class _Reader:
             if func.attr in _WRITE_METHODS and call.args and receiver not in self.names.instances:
                 self._write(call, f".{func.attr}", guarded, ordered, _arg(call, 0, "path"))
                 return False
-            if func.attr in PATH_WRITES and not call.args and receiver not in self.names.instances:
-                # `Path(flag).touch()`, `Path(flag).unlink()`: the file is the receiver's
+            if (func.attr in PATH_WRITES and not call.args or func.attr in PATH_LINKS and call.args) \
+                    and receiver not in self.names.instances:
+                # `Path(flag).touch()`, `Path(flag).unlink()`, `Path(latest).symlink_to(ckpt)`:
+                # the file is the receiver's
                 self._write(call, f".{func.attr}", guarded, ordered, func.value)
                 return False
         if name in _OUTPUTS or name.startswith(_OUTPUT_PREFIXES) or (

@@ -34,6 +34,9 @@ _COPIES = frozenset({"shutil.copy", "shutil.copyfile", "shutil.copy2", "shutil.c
 _REMOVALS = frozenset({"os.remove", "os.unlink", "shutil.rmtree",
                        # renames too: the second rank finds the source gone
                        "os.rename", "os.replace", "os.renames"})
+# Links made at a shared path (`os.symlink(src, dst)`, `Path(dst).symlink_to(src)`): the second
+# rank to make one finds it there and fails with FileExistsError.
+_LINKS = frozenset({"os.symlink", "os.link"})
 
 # what reading an HDF5 file through its handle uses
 _HDF5_READS = frozenset({"close", "keys", "values", "items", "get", "attrs", "filename", "name", "mode", "visit",
@@ -657,7 +660,8 @@ class MainOnlyWrites(Rule):
         """The path text of the file a write creates or removes: `open(p, "w")`, `os.remove(p)`,
         `Path(p).touch()`."""
         func = call.func
-        if isinstance(func, cst.Attribute) and func.attr.value in effects.PATH_WRITES and not call.args:
+        if isinstance(func, cst.Attribute) and func.attr.value in effects.PATH_WRITES \
+                and not any(a.keyword is None for a in call.args):  # `.unlink(missing_ok=True)` too
             receiver = func.value
             if isinstance(receiver, cst.Call) and receiver.args and (dotted(receiver.func) or "").endswith("Path"):
                 return code(receiver.args[0].value)
@@ -667,6 +671,10 @@ class MainOnlyWrites(Rule):
             return code(path) if path is not None else None
         if name in _REMOVALS and call.args:
             return code(call.args[0].value)
+        if name in _LINKS and len(call.args) > 1:
+            return code(call.args[1].value)
+        if isinstance(func, cst.Attribute) and func.attr.value in effects.PATH_LINKS and call.args:
+            return code(func.value)
         return None
 
     def _written_path(self, run) -> Optional[str]:
@@ -681,7 +689,7 @@ class MainOnlyWrites(Rule):
     def _writer(self, call: cst.Call, name) -> bool:
         if name == "logging.basicConfig":  # with a log file: every rank would append to it
             return any(a.keyword is not None and a.keyword.value == "filename" for a in call.args)
-        if name in _REMOVALS:
+        if name in _REMOVALS or name in _LINKS:
             return self.ctx.options.mode == "ddp" and not follows_save(self.ctx, call)
         if name in _COPIES:
             return not follows_save(self.ctx, call)
@@ -693,8 +701,12 @@ class MainOnlyWrites(Rule):
         if name in analysis.FILE_WRITERS:
             return True
         func = call.func
-        if isinstance(func, cst.Attribute) and func.attr.value in effects.PATH_WRITES and not call.args:
+        if isinstance(func, cst.Attribute) and func.attr.value in effects.PATH_WRITES \
+                and not any(a.keyword is None for a in call.args):  # `.unlink(missing_ok=True)` too
             return self.ctx.options.mode == "ddp"  # `Path(flag).touch()`, `.unlink()`
+        if isinstance(func, cst.Attribute) and func.attr.value in effects.PATH_LINKS and call.args \
+                and name is None:
+            return self.ctx.options.mode == "ddp" and not follows_save(self.ctx, call)  # `Path(dst).symlink_to(src)`
         if not isinstance(func, cst.Attribute) or not call.args:
             return False
         if func.attr.value in analysis.FILE_WRITER_METHODS:
