@@ -148,8 +148,9 @@ def _assigned(statement: cst.CSTNode, name: str) -> Tuple[bool, Optional[cst.Bas
         if isinstance(small, cst.Assign):
             for t in small.targets:
                 target = t.target
-                if isinstance(target, cst.Name) and target.value == name:
-                    found = (True, small.value)
+                if isinstance(target, cst.Name) and target.value == name or (
+                        isinstance(target, cst.Attribute) and "." in name and dotted(target) == name):
+                    found = (True, small.value)  # `losses = []`, `self.running_acc = []`
                 elif isinstance(target, (cst.Tuple, cst.List)):
                     for i, el in enumerate(target.elements):
                         if isinstance(el.value, cst.Name) and el.value.value == name:
@@ -598,7 +599,13 @@ def _deleted(ctx: Context, node: cst.Name) -> bool:
     return False
 
 
-def _in_mean(ctx: Context, use: cst.Name, name: str) -> bool:
+def in_mean(ctx: Context, use: cst.BaseExpression, name: str) -> bool:
+    """`use` (the list `name`, a name or `self.x`) is read as a mean: `np.mean(x)`,
+    `sum(x) / len(x)`, `torch.tensor(x).mean()`, a mean over its items."""
+    return _in_mean(ctx, use, name)
+
+
+def _in_mean(ctx: Context, use: cst.BaseExpression, name: str) -> bool:
     parent = ctx.parent(use)
     if isinstance(parent, cst.CompFor) and parent.iter is use:
         # `np.mean([x["acc"] for x in summ])`: a mean over the (gathered) list's items

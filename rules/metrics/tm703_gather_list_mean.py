@@ -14,8 +14,8 @@ from torchmigrate.syntax.nodes import code
 from torchmigrate.program.loaders import is_pure
 from torchmigrate.program.losses import backward_loss
 from torchmigrate.program.loop_ranks import names_in, per_rank_names
-from torchmigrate.program.metrics import (binding_of, initial_value, is_load, leaves_early, loader_expr, loader_loop,
-                                          means_only, reassigned_in, source_index, starts_empty_list)
+from torchmigrate.program.metrics import (binding_of, in_mean, initial_value, is_load, leaves_early, loader_expr,
+                                          loader_loop, means_only, reassigned_in, source_index, starts_empty_list)
 from torchmigrate.options import RUNTIME_MODULE as RUNTIME
 from torchmigrate.rule import Context, Example, Rule
 from torchmigrate.program.rank_guards import collective_guard
@@ -174,9 +174,55 @@ class GatherListMean(Rule):
                              f"{listed} {'holds' if len(lists) == 1 else 'hold'} this rank's values only, but this "
                              "loop runs under a rank guard, where a gather would hang the other ranks",
                              f"the mean of {listed} covers this rank's batches only; gather every rank's values first")
+        gathered |= self._attribute_lists()
         if ctx.options.mode == "ddp":
             self._step_histories(gathered)
             self._step_prints()
+
+    def _attribute_lists(self) -> Set[str]:
+        """`self.running_acc = []` before a loop over a sharded loader in a trainer's method,
+        `self.running_acc.append(acc)` in it, `np.mean(self.running_acc)` after it (an epoch's
+        metric that picks the best checkpoint): the mean is taken over the gathered values where
+        it is read, `np.mean(tm.gather_list(self.running_acc))`; the attribute itself keeps this
+        rank's values for whatever else reads it. Only reads after the loop in the same method,
+        each one a mean, reached by every rank. Returns the attributes gathered."""
+        ctx = self.ctx
+        seen: Set[Tuple[int, str]] = set()
+        done: Set[str] = set()
+        for call, _name in analysis.facts(ctx).calls:
+            func = call.func
+            if not (type(func) is cst.Attribute and func.attr.value == "append" and type(func.value) is cst.Attribute
+                    and dotted(func.value.value) == "self"):
+                continue
+            name = code(func.value)
+            loop = loader_loop(ctx, call)
+            if loop is None or (id(loop), name) in seen:
+                continue
+            seen.add((id(loop), name))
+            method = ctx.enclosing(loop, cst.FunctionDef)
+            if method is None or not starts_empty_list(ctx, loop, name) or leaves_early(ctx, loop) \
+                    or loop_sharding(ctx, loop) == "whole" or collective_guard(ctx, loop) is not None:
+                continue
+            if any(dotted(t) == name for a in ctx.within(loop.body, cst.Assign, skip_defs=True)
+                   for t in (x.target for x in a.targets)):
+                continue  # bound again in the loop
+            end = ctx.last_position(loop)
+            reads = [n for n in ctx.within(method, cst.Attribute) if dotted(n) == name
+                     and (ctx.position(n) or 0) > end and ctx.enclosing(n, cst.FunctionDef) is method]
+            if not reads or any(not in_mean(ctx, n, name) and not _reduced(ctx, n, "gather_list")
+                                or collective_guard(ctx, n) is not None for n in reads):
+                continue
+            done.add(name)
+            reads = [n for n in reads if not _reduced(ctx, n, "gather_list")]  # (none on a second run)
+            if not reads:
+                continue
+            tm = ctx.tm
+            self.report(loop, f"the mean of `{name}` covers this rank's batches only: gather every rank's values "
+                              "where it is read",
+                        edits=[replace(n, lambda v: cst.Call(func=cst.parse_expression(f"{tm}.gather_list"),
+                                                             args=[cst.Arg(v)])) for n in reads],
+                        imports=[ctx.runtime_import()])
+        return done
 
     def _gather_at_reads(self, loop: cst.For, names: List[str]) -> None:
         """`mean_correct = []` before the epoch loop, `mean_correct.append(acc)` in each batch
