@@ -241,6 +241,13 @@ def is_literal(node: Optional[cst.CSTNode], *values: str) -> bool:
     return isinstance(node, cst.Name) and node.value in values
 
 
+def _same_test(a: str, b: str) -> bool:
+    """Two tests written alike but for spaces and quotes (`x=='train'`, `x == "train"`)."""
+    def norm(t: str) -> str:
+        return t.replace(" ", "").replace("'", '"')
+    return norm(a) == norm(b)
+
+
 def _parenthesize(text: str, node: cst.CSTNode) -> str:
     return f"({text})" if isinstance(node, (cst.IfExp, cst.Lambda, cst.NamedExpr)) and not node.lpar else text
 
@@ -647,6 +654,8 @@ class LoaderFacts:
             if var is None:
                 return "train", None
             cond = f"{var} == {train[0]}" if len(train) == 1 else f"{var} in ({', '.join(train)})"
+            if loader.shuffle is not None and _same_test(code(loader.shuffle.with_changes(lpar=[], rpar=[])), cond):
+                loader.condition_is_shuffle = True  # `shuffle=(x == "train")`: the split test itself
             return "mixed", cond
         if self._read_through_here(call, loader):
             return "eval", None

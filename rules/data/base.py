@@ -43,12 +43,14 @@ class DataRule(Rule):
         decided = plan.of(loader)
         hoist = decided.hoist
         dataset_text = code(loader.dataset) if hoist is None else hoist[1]
+        # the loader's own shuffle=True is kept where it evaluates (an evaluation that breaks
+        # early, or takes `next(iter(loader))` for sample images, sees new batches)
+        keep = loader.shuffle is not None and not (isinstance(loader.shuffle, cst.Name)
+                                                   and loader.shuffle.value in ("False", "None"))
+        shuffle_left = None
         if loader.kind == "eval" and decided.eval_with_grad:
             sampler_text = f"{tm}.sampler({dataset_text}, shuffle=False)"
         elif loader.kind == "eval":
-            keep = loader.shuffle is not None and not (isinstance(loader.shuffle, cst.Name)
-                                                       and loader.shuffle.value in ("False", "None"))
-            # the loader's own shuffle=True is kept (an evaluation that breaks early scores new batches)
             sampler_text = (f"{tm}.eval_sampler({dataset_text}, shuffle={code(loader.shuffle)})" if keep
                             else f"{tm}.eval_sampler({dataset_text})")
         else:
@@ -56,7 +58,14 @@ class DataRule(Rule):
                        else f'{loader.kwargs_shuffle}.get("shuffle", False)' if loader.kwargs_shuffle else "False")
             if loader.kind == "mixed":
                 train_shuffle = "True" if loader.condition_is_shuffle else shuffle
-                evaluation = "None" if plan.eval_whole(loader) else f"{tm}.eval_sampler({dataset_text})"
+                kept = keep and not loader.condition_is_shuffle
+                if plan.eval_whole(loader):
+                    evaluation = "None"
+                    if kept:  # `shuffle=True` for every split: the evaluation branch still shuffles
+                        shuffle_left = expr(f"None if {loader.condition} else {shuffle}")
+                else:
+                    evaluation = (f"{tm}.eval_sampler({dataset_text}, shuffle={shuffle})" if kept
+                                  else f"{tm}.eval_sampler({dataset_text})")
                 sampler_text = (f"{tm}.sampler({dataset_text}, shuffle={train_shuffle}) if {loader.condition} "
                                 f"else {evaluation}")
             else:
@@ -91,14 +100,15 @@ class DataRule(Rule):
                         "of the dataset can end in a partial batch that the full dataset never had)")
 
         def fix(call: cst.Call, sampler=sampler, new_dataset=new_dataset, capture=capture, kw=kw, layout=layout,
-                walrus=hoist is not None and hoist[0] == "walrus", name=hoist and hoist[1], drop_last=drop_last):
+                walrus=hoist is not None and hoist[0] == "walrus", name=hoist and hoist[1], drop_last=drop_last,
+                shuffle_left=shuffle_left):
             if walrus:
                 positional = [a for a in call.args if a.keyword is None and not a.star]
                 current = positional[0] if positional else next(
                     a for a in call.args if a.keyword is not None and a.keyword.value == "dataset")
                 new_dataset = cst.NamedExpr(cst.Name(name), current.value)
             return rewrite_call(call, sampler, dataset=new_dataset, capture=capture, kwargs_shuffle=kw, layout=layout,
-                                drop_last=drop_last)
+                                drop_last=drop_last, shuffle_left=shuffle_left)
 
         edits.append(replace(loader.call, fix))
         if capture is not None:

@@ -229,9 +229,11 @@ def _rest_of_line(args: List[cst.Arg], i: int) -> int:
 
 def rewrite_call(call: cst.Call, sampler: Optional[cst.BaseExpression], *, dataset: Optional[cst.BaseExpression] = None,
                  capture: Optional[List] = None, kwargs_shuffle: Optional[str] = None,
-                 layout: Optional[Tuple[int, int, int]] = None, drop_last: bool = False) -> cst.Call:
+                 layout: Optional[Tuple[int, int, int]] = None, drop_last: bool = False,
+                 shuffle_left: Optional[cst.BaseExpression] = None) -> cst.Call:
     """Give a DataLoader call `sampler=` (or, with sampler None, only drop `shuffle`), and with
-    `drop_last`, `drop_last=True` after it."""
+    `drop_last`, `drop_last=True` after it; with `shuffle_left`, `shuffle=<it>` after the sampler
+    (`None if split == "train" else True`: the splits the sampler leaves to the loader shuffle)."""
     args = _keywordize(list(call.args))
     if dataset is not None:
         for i, a in enumerate(args):
@@ -263,6 +265,10 @@ def rewrite_call(call: cst.Call, sampler: Optional[cst.BaseExpression], *, datas
         _insert_after(args, after, kwarg("sampler", sampler))
         new_arg = args[after + 1]
     placed = _index(args, "sampler")
+    if shuffle_left is not None and placed is not None and _index(args, "shuffle") is None:
+        _insert_after(args, placed, kwarg("shuffle", shuffle_left))
+        new_arg = args[placed]  # (its comma may have changed)
+        placed += 1
     if drop_last and placed is not None and _index(args, "drop_last") is None:
         _insert_after(args, placed, kwarg("drop_last", expr("True")))
         new_arg = args[placed]  # (its comma may have changed)
