@@ -155,6 +155,8 @@ class GatherListMean(Rule):
                 if found is not None and aug.target.value not in found:
                     found.append(aug.target.value)
         fed = self._step_updates() if ctx.options.mode == "ddp" else set()
+        if ctx.options.mode == "ddp":
+            self._collectors(fed)
         for loop, names in meters.items():
             names = [n for n in names if n not in fed]
             if names and not leaves_early(ctx, loop) and loop_sharding(ctx, loop) != "whole":
@@ -380,6 +382,56 @@ class GatherListMean(Rule):
             self.report(call, "this prints this rank's value of the step (its shard's batch): print the ranks' mean",
                         edits=[ranks_mean(ctx, v) for v in values], imports=[ctx.runtime_import()])
 
+    def _collectors(self, fed: Set[str]) -> None:
+        """`train_label = LabelContainer()` before a loop over a sharded loader,
+        `train_label.add(gt, pred)` in it, `train_label.get_acc()` after it: an object of a class
+        this rule cannot see into collects this rank's batches, so what it gives after the loop
+        is this rank's value. Nothing here can reduce it for any class, so it is named (a TODO and
+        a report line) rather than claimed as reduced; only in a training loop over a loader known
+        to be sharded.
+        Meters (`_meters`), loggers fed the step's reduced numbers (`fed`) and libraries that
+        synchronise themselves (torchmetrics, ignite) are not named."""
+        ctx = self.ctx
+        found: Dict[cst.CSTNode, List[str]] = {}  # loop -> what its collectors give after it
+        seen: Set[Tuple[int, str]] = set()
+        for call, _name in analysis.facts(ctx).calls:
+            func = call.func
+            if not (type(func) is cst.Attribute and type(func.value) is cst.Name and func.attr.value in _COLLECTS):
+                continue
+            name = func.value.value
+            loop = loader_loop(ctx, call)
+            if loop is None or (id(loop), name) in seen:
+                continue
+            seen.add((id(loop), name))
+            ok, value = initial_value(ctx, loop, name)
+            if not (ok and isinstance(value, cst.Call)):
+                continue
+            label = (dotted(value.func) or "").rsplit(".", 1)[-1]
+            resolved = ctx.resolve(value.func) or ""
+            if not label[:1].isupper() or _METER.search(label) or resolved.startswith(_SELF_SYNCING):
+                continue
+            if all(a.keyword is not None for a in call.args):
+                continue  # `metric_logger.update(loss=loss_value)`: named numbers of the step, `_step_updates`
+            if name in fed or reassigned_in(ctx, loop, name) or not self._read_after(loop, name) \
+                    or leaves_early(ctx, loop) or not analysis.runs_backward(ctx, loop) \
+                    or loop_sharding(ctx, loop) in ("whole", "unknown"):
+                continue  # (an evaluation loader stays whole, or TM203 names what it collects: --shard-eval)
+            index = source_index(ctx)
+            begin, scope = index.end[loop], scope_of(ctx, loop)
+            reads = [n for order, n in index.names(name) if order > begin and scope_of(ctx, n) is scope and is_load(ctx, n)]
+            if any(_reduced(ctx, n) or _reduced(ctx, n, "gather_list") or _reduced(ctx, n, "reduce_meter") for n in reads):
+                continue
+            read = next((ctx.parent(n) for n in reads if isinstance(ctx.parent(n), cst.Attribute)), None)
+            found.setdefault(loop, []).append(f"`{name}` ({label}" + (f", read as `{code(read)}`)" if read is not None
+                                                                      else ")"))
+        for loop, listed in found.items():
+            one = len(listed) == 1
+            self.report(loop, f"{', '.join(listed)} {'collects' if one else 'collect'} this rank's batches only, so "
+                              f"what {'it gives' if one else 'they give'} after the loop is this rank's value, not the "
+                              f"whole data set's: gather what {'it collects' if one else 'they collect'} across ranks "
+                              f"(`{ctx.tm}.gather_list`) or reduce the counts (`{ctx.tm}.all_reduce`) before reading "
+                              f"{'it' if one else 'them'}", statement=ctx.statement_of(loop))
+
     def _after_loop(self, loop: cst.For, lines: List[str], guarded: str, message: str) -> None:
         """Insert `lines` (collectives) right after `loop`, or, where a rank guard would keep some
         ranks from them and hang the others, say `guarded` and what to add."""
@@ -472,6 +524,11 @@ class GatherListMean(Rule):
         return nxt is not None and "reduce_meter(" in code(nxt) and any(n in code(nxt) for n in names)
 
 
+# methods that hand an object one batch's values to keep (`container.add(gt, pred)`)
+_COLLECTS = frozenset({"add", "update", "append", "extend", "push", "record", "collect", "accumulate", "add_batch",
+                       "feed", "put"})
+# libraries whose collectors reduce across ranks themselves
+_SELF_SYNCING = ("torchmetrics.", "ignite.", "torchmigrate.")
 _PRINTS = frozenset({"print", RUNTIME + ".print", "logging.info", "logging.log", "wandb.log", "sys.stdout.write"})
 # methods that log a step's number to a dashboard: `writer.add_scalar("loss", loss.item(), step)`
 _SCALAR_LOGS = frozenset({"add_scalar", "add_scalars", "log_metrics", "log_metric"})
