@@ -302,10 +302,27 @@ def handle_uses_write_only(ctx: Context, name: str, scope: cst.CSTNode, skip: cs
                 isinstance(c.operator, (cst.Is, cst.IsNot)) and isinstance(c.comparator, cst.Name)
                 and c.comparator.value == "None" for c in parent.comparisons):
             continue  # `if log is not None:` (the null object is not None: every rank runs the block)
+        if isinstance(parent, cst.If) and parent.test is use and parent.orelse is None \
+                and _only_writes_into(parent.body, name):
+            continue  # `if self.record_file:` (the null object is falsy: the other ranks skip a block that only writes)
         if isinstance(parent, (cst.Assign, cst.AssignTarget)) and (
                 isinstance(parent, cst.AssignTarget) or parent.value is not use):
             continue  # the binding (or another one)
         return False
+    return True
+
+
+def _only_writes_into(body: cst.BaseSuite, name: str) -> bool:
+    """Every statement of `body` is a call that names the handle `name` (`f.write(line)`,
+    `print(x, file=f)`), whose use the caller checks: skipping the block skips writes only."""
+    statements = body.body if isinstance(body, cst.IndentedBlock) else [body]
+    for statement in statements:
+        if not isinstance(statement, cst.SimpleStatementLine):
+            return False
+        for small in statement.body:
+            if not (isinstance(small, cst.Expr) and isinstance(small.value, cst.Call)
+                    and any(dotted(n) == name for n in iter_nodes(small.value) if isinstance(n, (cst.Name, cst.Attribute)))):
+                return False
     return True
 
 

@@ -166,6 +166,7 @@ class MainOnlyWrites(Rule):
             return
         withs: List[cst.CSTNode] = []  # `with open(...)` blocks and statements that write
         handles: List[Tuple[cst.Call, cst.Assign]] = []  # `f = open(path, "a")`
+        self._waits: List[cst.CSTNode] = []  # statements given a `tm.barrier()` before them
         if ctx.options.mode == "ddp":
             self._refusals_before_writes()
         prepared = self._folder_tries()
@@ -441,8 +442,13 @@ class MainOnlyWrites(Rule):
             if handle.items[0].item is call and not ("TM501" in ctx.enabled and saves_into(ctx, handle)):
                 withs.append(handle)  # (a checkpoint file, `torch.save(obj, f)` in the block: TM501's)
             return
-        if isinstance(parent, cst.Assign) and parent.value is call and len(parent.targets) == 1 \
-                and isinstance(parent.targets[0].target, (cst.Name, cst.Attribute)):
+        if isinstance(parent, cst.IfExp) and call in (parent.body, parent.orelse):
+            # `self.log = open(path, "w") if path else None`: the handle, or nothing
+            parent = ctx.parent(parent)
+            if not (isinstance(parent, cst.Assign) and isinstance(parent.value, cst.IfExp)):
+                return
+        if isinstance(parent, cst.Assign) and (parent.value is call or isinstance(parent.value, cst.IfExp)) \
+                and len(parent.targets) == 1 and isinstance(parent.targets[0].target, (cst.Name, cst.Attribute)):
             handles.append((call, parent))
             return
         line = ctx.statement_of(call)
@@ -602,15 +608,21 @@ class MainOnlyWrites(Rule):
             first = call.args[0].value if call.args and call.args[0].keyword is None else None
             reads = first is not None and code(first) in written and not writes_file(call, name, analysis.open_modes(ctx)) \
                 and not _only_shows(call, name)
+            kinds = call_kinds(ctx, call) if reads else None
+            if kinds is not None and effects.READ not in kinds:
+                continue  # the program's own code that is handed the path and never reads a file (it appends to it)
             if not (reads or self._shell_reads(call, name, written)):
                 continue
             body = body_of(ctx.parent(run[0])) or ()
             reading = next((a for a in (call, *ctx.ancestors(call)) if any(a is b for b in body)), None)
+            if reading is not None and any(reading is b for b in self._waits):
+                return  # (a second helper of the same line writes it: one wait)
             if reading is None or collective_guard(ctx, run[0]) is not None \
                     or not unconditional(ctx, run[-1], scope) or under_rank_guard(ctx, call):
                 self.report(call, f"every rank reads this file, which only the main process writes now: call "
                                   f"`{ctx.tm}.barrier()` on every rank between the write and this read")
                 return
+            self._waits.append(reading)
             self.report(call, "every rank reads back this file, which only the main process writes now: wait "
                               "until it is complete",
                         edits=[insert_before(reading, [stmt(f"{ctx.tm}.barrier()")])], imports=[ctx.runtime_import()])
