@@ -11,7 +11,7 @@ Built once per module on first use (`output_facts(ctx)`).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, List, Optional, Sequence, Set
+from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Set
 
 import libcst as cst
 
@@ -58,6 +58,16 @@ class OutputFacts:
         bound -= self.losses
         if not bound:
             return None
+        # a conversion before the block's first binding reads the value the name held before it
+        # (`fake = from_pool(fake.cpu().numpy())` after the generator's block made it float32)
+        begin = ctx.position(body[0]) or 0
+        first: Dict[str, int] = {}  # name -> where the block first binds it
+        for s in body:
+            for n in binds(ctx, s):
+                first.setdefault(n, ctx.last_position(s) or 0)
+
+        def before_bound(call: cst.Call, hit: str) -> bool:
+            return begin <= (ctx.position(call) or 0) < first.get(hit, 0)
         scope = scope_of(ctx, body[0])
         if self._appends is None:
             by_method = calls_by_method(ctx)
@@ -76,11 +86,12 @@ class OutputFacts:
             if method_name(call) == "numpy":
                 chain = receiver(call)
                 hit = _chain_hits(chain, bound)
-                if hit:
+                if hit and not before_bound(call, hit):
                     return hit
             elif name and name.split(".")[0] in _NUMPY_LIBRARIES:
                 for a in call.args:
-                    if isinstance(a.value, (cst.Name, cst.Attribute)) and dotted(a.value) in bound:
+                    if isinstance(a.value, (cst.Name, cst.Attribute)) and dotted(a.value) in bound \
+                            and not before_bound(call, dotted(a.value)):
                         return dotted(a.value)
         return None
 
