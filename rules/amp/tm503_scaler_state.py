@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import List, Optional, Set
+from typing import List, Optional, Set, Tuple
 
 import libcst as cst
 
@@ -129,6 +129,7 @@ class ScalerState(AmpRule):
             self._save(d, scaler, known, scaler_names)
         if restored:
             return
+        placed: Set[Tuple[str, int]] = set()  # (checkpoint, function): two optimizers restored there, one scaler
         for call, name in loads:
             if len(call.args) != 1:
                 continue
@@ -141,6 +142,10 @@ class ScalerState(AmpRule):
             if line is None or not scaler_visible(ctx, p.scaler, call):
                 continue
             ckpt = code(arg.value)
+            where = (ckpt, id(ctx.enclosing(call, cst.FunctionDef) or ctx.module))
+            if where in placed:
+                continue
+            placed.add(where)
             text = f'if {ckpt}.get({KEY}):\n    {scaler}.load_state_dict({ckpt}[{KEY}])\n'
             self.report(call, f"restore the loss scale on resume: `{scaler}.load_state_dict({ckpt}[{KEY}])` "
                               "(guarded: older checkpoints have no scaler state)",
