@@ -454,7 +454,7 @@ class Plan:
                 continue
             if o.via is not None and (id(o.via) in own or self._super_site(o)) and not o.models:
                 continue
-            if self.delegated(o):
+            if self.delegated(o) and not self._wrapped_inside(o):
                 continue
             unwrapped = self._unwrapped_owners(o) if not o.models else []
             if unwrapped:
@@ -473,6 +473,8 @@ class Plan:
                     continue  # its models are wrapped; which one this optimizer trains does not matter
                 if self._factory_parameter(o, params):
                     continue  # `def get_optimizer(name, parameters, lr)`: its callers say whose parameters
+                if o.via is not None and self._trains_own_param(o.via):
+                    continue  # `Trainer().train(loader, Net())`: the method that trains its model wraps it
                 if o.via is not None or (params is not None and "param" in code(params).lower()):
                     self.manual301.append((o.call, "cannot tell which model this optimizer trains: wrap that model "
                                            f"with `model = {self.tm}.wrap_model(model)` before creating the optimizer",
@@ -836,6 +838,8 @@ class Plan:
         if m in ("self", "cls"):
             return None
         if not is_variable(m):  # never suggest `True = tm.wrap_model(True)`
+            if o.via is not None and self._trains_own_param(o.via):
+                return None  # `Trainer().train(loader, Net())`: the method that trains it wraps it
             return (f"cannot tell which model this optimizer trains: wrap that model with "
                     f"`model = {tm}.wrap_model(model)` before creating the optimizer")
         if m in _CONFIGISH:
@@ -901,11 +905,13 @@ class Plan:
                        and self.models.scope(_) is scope):
                     return None
                 fname = scope.name.value if isinstance(scope, cst.FunctionDef) else None
-                if fname and m in self.models.params(scope) and any(c.via is o for c in optimizers(ctx)):
+                trains_here = fname and m in self.models.params(scope) and self._trains_param(scope, m)
+                callers = [c for c in optimizers(ctx) if c.via is o]
+                if fname and m in self.models.params(scope) and callers and not (
+                        trains_here and any(not c.models or not all(is_variable(x) for x in c.models) for c in callers)):
                     return None  # this file calls fname() with the model: the wrap goes at that call
                 if fname and m in self.models.params(scope) and self._builder_for_others(scope):
                     return None  # another module calls fname() with the model and wraps it there
-                trains_here = fname and m in self.models.params(scope) and self._trains_param(scope, m)
                 if fname and m in self.models.params(scope) and not trains_here:
                     return (f"`{m}` is a parameter of {fname}(), which builds its optimizer: wrap the model with "
                             f"`{tm}.wrap_model(...)` where {fname}() is called")
@@ -939,6 +945,20 @@ class Plan:
         if not m.startswith(("self.", "cls.")) and deferred is not None:
             placed.dp = deferred
         return placed
+
+    def _wrapped_inside(self, inner: Optimizer) -> bool:
+        """A helper that trains the model it is handed, called here with a model no name holds
+        (`Trainer().train(loader, Net())`): the wrap goes inside it, where the model has a name."""
+        callers = [c for c in optimizers(self.ctx) if c.via is inner]
+        return bool(callers) and self._trains_own_param(inner) and any(
+            not c.models or not all(is_variable(x) for x in c.models) for c in callers)
+
+    def _trains_own_param(self, inner: Optimizer) -> bool:
+        """The function that builds the optimizer `inner` (reached through a call of it) trains
+        the model it is handed itself: it is wrapped there (see `_trains_param`)."""
+        func = self.ctx.enclosing(inner.call, cst.FunctionDef)
+        return func is not None and any(m in self.models.params(func) and self._trains_param(func, m)
+                                        for m in inner.models)
 
     def _trains_param(self, scope: cst.CSTNode, m: str) -> bool:
         """The function `scope` trains its parameter `m` itself: it runs a backward and calls
