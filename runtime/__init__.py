@@ -65,7 +65,7 @@ __all__ = [
     "shard_sampler", "reduce_meter", "reduce_batch_total", "per_rank_batch", "batch_rows", "sync_batchnorm", "synced", "to_float32",
     "save", "load", "strip_prefix", "load_state_dict", "seed_everything", "seed_per_rank", "main_only", "main_process_first", "goes_first",
     "shard_range", "shard_indices", "shard_mean", "shard_batches", "agreed", "on_main", "move_into_place", "to_device", "as_device",
-    "set_device",
+    "set_device", "data_parallel",
 ]
 
 
@@ -2040,6 +2040,22 @@ def autocast(dtype=None, enabled: bool = True) -> torch.autocast:
     policy says off or ``enabled`` is false. A context manager or decorator, in every mode."""
     dt = amp_dtype(dtype)
     return torch.autocast(device().type, dtype=dt, enabled=bool(enabled) and dt is not None)
+
+
+def data_parallel(module, inputs, device_ids=None, output_device=None, dim=0, module_kwargs=None):
+    """``nn.parallel.data_parallel``'s one call across the GPUs, as a plain forward under torchrun.
+
+    Under torchrun each rank owns one GPU and the model (wrapped by ``wrap_model``) averages its
+    gradients itself, so the module is called on this rank's inputs (a tensor or a tuple of
+    them, as ``data_parallel`` takes). In one process the original call runs unchanged. A
+    program's own replicate/scatter/parallel_apply helper (a Tacotron-style
+    ``data_parallel_workaround``) goes through it too: it would otherwise spread every rank's
+    batch over all the node's GPUs, where the other ranks' models live."""
+    if is_distributed():
+        args = inputs if isinstance(inputs, tuple) else (inputs,)
+        return module(*args, **(module_kwargs or {}))
+    return nn.parallel.data_parallel(module, inputs, device_ids=device_ids, output_device=output_device, dim=dim,
+                                     module_kwargs=module_kwargs)
 
 
 def to_float32(value):

@@ -742,6 +742,26 @@ def test_goes_first_is_the_main_process_or_the_node_leader(other_rank, monkeypat
     assert tm.goes_first(local=True) and not tm.goes_first()
 
 
+def test_data_parallel_is_the_forward_under_torchrun(monkeypatch):
+    """One process: nn.parallel.data_parallel as written (on CPU, the module's forward); under
+    torchrun: the module called on this rank's inputs, a tensor or a tuple, with its kwargs."""
+    seen = []
+
+    class Two(torch.nn.Module):
+        def forward(self, a, b=None, scale=1.0):
+            seen.append((a.shape, None if b is None else b.shape, scale))
+            return a * scale
+
+    x, y = torch.ones(4, 2), torch.zeros(4, 3)
+    calls = []
+    monkeypatch.setattr(torch.nn.parallel, "data_parallel", lambda *a, **k: calls.append((a, k)) or "original")
+    assert tm.data_parallel(Two(), x, [0, 1]) == "original" and calls[0][1]["device_ids"] == [0, 1]
+    monkeypatch.setattr(tm, "is_distributed", lambda: True)
+    assert torch.equal(tm.data_parallel(Two(), (x, y), module_kwargs={"scale": 2.0}), 2 * x)
+    assert torch.equal(tm.data_parallel(Two(), x, device_ids=[0, 1], output_device=0), x)
+    assert seen == [((4, 2), (4, 3), 2.0), ((4, 2), None, 1.0)] and len(calls) == 1
+
+
 def test_main_only(other_rank, monkeypatch):
     made = []
 

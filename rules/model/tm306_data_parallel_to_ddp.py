@@ -7,7 +7,7 @@ from typing import Dict, List, Optional, Set, Tuple, Union
 import libcst as cst
 
 from torchmigrate import analysis
-from torchmigrate.finding import Import, Safety, insert_after, remove, replace
+from torchmigrate.finding import Import, Safety, insert_after, insert_before, remove, replace
 from torchmigrate.syntax.imports import dotted
 from torchmigrate.syntax.nodes import code, expr
 from torchmigrate.rule import Example
@@ -15,6 +15,11 @@ from torchmigrate.rules.model.base import ModelRule, report_rewrites, wrap_call
 from torchmigrate.program.models import DDP_CLASSES, DP_CLASSES, strip_moves
 from torchmigrate.rules.model.batch import policy_applied
 from torchmigrate.rules.model.plan import DPSite
+
+
+# the calls a replicating forward helper is made of, and the argument each one names
+_REPLICATE_CALLS = {"torch.nn.parallel.replicate": "module", "torch.nn.parallel.replicate.replicate": "module",
+                    "torch.nn.parallel.scatter": "inputs", "torch.nn.parallel.scatter_gather.scatter": "inputs"}
 
 
 class DataParallelToDDP(ModelRule):
@@ -28,6 +33,11 @@ class DataParallelToDDP(ModelRule):
     batch policy (by default each rank loads `batch_size / world_size`, so the global batch stays
     the one DataParallel split), nothing more is said; otherwise the rule reports that the batch
     size changes meaning. In `lint` it fires on any file; `torchmigrate amp` keeps DataParallel (TM405 moves autocast into `forward`).
+    The functional `nn.parallel.data_parallel(module, x)` becomes `tm.data_parallel(module, x)`,
+    and a program's own forward helper built from `replicate`/`scatter`/`parallel_apply`/`gather`
+    (a Tacotron `data_parallel_workaround(model, *input)`) starts with `if tm.is_distributed():
+    return model(*input)`: under torchrun each rank sees every GPU of the node, and both would
+    spread its batch over the other ranks' GPUs; in one process they run as written.
 
     ## Why is this bad?
     DataParallel is single-process multi-threaded replication: slower than DDP even on one
@@ -166,9 +176,49 @@ class DataParallelToDDP(ModelRule):
         if self.ctx.options.mode == "ddp" and self.ctx.options.migrating and not analysis.is_distributed(self.ctx):
             self._dp_checks()
         for call in p.dp_functional:
-            self.report(call, "nn.parallel.data_parallel() replicates the module on every call: wrap the model once "
-                              f"with `{tm}.wrap_model(model)` and call it directly")
+            self.report(call, f"nn.parallel.data_parallel() spreads the batch over every GPU of the node, where the "
+                              f"other ranks' models live: `{tm}.data_parallel` calls the module on this rank's inputs "
+                              "under torchrun and keeps the original call in one process",
+                        edits=[replace(call.func, lambda _f: expr(f"{tm}.data_parallel"))],
+                        imports=[self.ctx.runtime_import()])
+        if self.ctx.options.mode == "ddp" and self.ctx.options.migrating:
+            self._replicating_helpers()
         report_rewrites(self, p, "TM306")
+
+    # --- the program's own replicate/scatter/parallel_apply helpers -----------------------
+    def _replicating_helpers(self) -> None:
+        """`def data_parallel_workaround(model, *input)` built from `replicate(model, ids)`,
+        `scatter(input, ids)`, `parallel_apply(...)` and `gather(...)` (Tacotron and WaveRNN
+        programs call it where `torch.cuda.device_count() > 1`): under torchrun every rank sees
+        all the node's GPUs, so it would spread each rank's batch over the GPUs of the other
+        ranks. It starts with `if tm.is_distributed(): return model(*input)` (or
+        `tm.data_parallel(model, input)` for inputs given as one value): the forward on this
+        rank's GPU, through the model's DDP wrapper; in one process it runs as written."""
+        ctx, tm = self.ctx, self.ctx.tm
+        by_function: Dict[cst.FunctionDef, Dict[str, str]] = {}
+        for call, name in analysis.facts(ctx).calls:
+            if name not in _REPLICATE_CALLS or not call.args or not isinstance(call.args[0].value, cst.Name):
+                continue
+            func = ctx.enclosing(call, cst.FunctionDef)
+            if func is not None:
+                by_function.setdefault(func, {})[_REPLICATE_CALLS[name]] = call.args[0].value.value
+        for func, roles in by_function.items():
+            module, inputs = roles.get("module"), roles.get("inputs")
+            params = {p.name.value for p in func.params.params} | {p.name.value for p in func.params.kwonly_params}
+            star = func.params.star_arg.name.value if isinstance(func.params.star_arg, cst.Param) else None
+            if module not in params or (inputs not in params and inputs != star):
+                continue
+            body = func.body.body if isinstance(func.body, cst.IndentedBlock) else ()
+            first = next((s for s in body if not (isinstance(s, cst.SimpleStatementLine) and isinstance(
+                s.body[0], cst.Expr) and isinstance(s.body[0].value, cst.SimpleString))), None)
+            if first is None or (isinstance(first, cst.If) and "is_distributed()" in code(first.test)):
+                continue  # (a second run)
+            forward = f"{module}(*{inputs})" if inputs == star else f"{tm}.data_parallel({module}, {inputs})"
+            guard = cst.parse_statement(f"if {tm}.is_distributed():\n    return {forward}  # this rank's GPU only\n")
+            self.report(func, f"{func.name.value}() spreads a batch over every GPU of the node (replicate, scatter, "
+                              f"parallel_apply), where the other ranks' models live under torchrun: it calls "
+                              f"`{forward}` there instead, on this rank's GPU (one process runs it as written)",
+                        edits=[insert_before(first, [guard])], imports=[ctx.runtime_import()])
 
 
     # --- code that tests for a DataParallel -------------------------------------------------
