@@ -65,7 +65,7 @@ __all__ = [
     "shard_sampler", "reduce_meter", "reduce_batch_total", "per_rank_batch", "batch_rows", "sync_batchnorm", "synced", "to_float32",
     "save", "load", "strip_prefix", "load_state_dict", "seed_everything", "seed_per_rank", "main_only", "main_process_first", "goes_first",
     "shard_range", "shard_indices", "shard_mean", "shard_batches", "agreed", "on_main", "move_into_place", "to_device", "as_device",
-    "set_device", "data_parallel",
+    "set_device", "data_parallel", "same_draws",
 ]
 
 
@@ -1832,7 +1832,7 @@ class _ShardedBatches:
         yield from _deal(_chunked(it, streams, 1))
 
 
-_PASSES = {"seed": None, "count": 0, "agreed": 0}  # rank 0's initial seed, shared once; passes so far; `agreed` draws
+_PASSES = {"seed": None, "count": 0, "agreed": 0, "same": 0}  # rank 0's initial seed, shared once; passes so far; `agreed` draws
 
 
 def _shared_seed() -> int:
@@ -1940,11 +1940,23 @@ def reduce_batch_total(total, over):
     own total, where a DataLoader was not sharded. A collective: call it on every rank."""
     if not is_distributed():
         return total
+    over = _under_progress_bar(over)
     size = getattr(over, "batch_size", None)
     if size is not None and hasattr(over, "sampler"):  # a DataLoader
         divided = any(per_rank_batch(d) == size for d in _DIVIDED_BATCHES)
         return all_reduce(total, op="mean" if divided or not sharded(over) else "sum")
     return all_reduce(total, op="sum")
+
+
+def _under_progress_bar(obj):
+    """The loader a progress bar iterates (``tqdm(loader)``'s ``.iterable``, nested bars too), or
+    ``obj`` itself: a loop over the bar runs the loader's batches."""
+    for _ in range(4):
+        inner = getattr(obj, "iterable", None)
+        if inner is None or inner is obj or hasattr(obj, "sampler"):
+            return obj
+        obj = inner
+    return obj
 
 
 def eval_sampler(dataset, shuffle: bool = False, seed: int = 0) -> Sampler:
@@ -1971,7 +1983,7 @@ def sharded(loader) -> bool:
     if world_size() <= 1:
         return False
     seen = 0
-    todo = [loader]
+    todo = [_under_progress_bar(loader)]
     while todo and seen < 8:
         obj = todo.pop()
         seen += 1
@@ -2568,6 +2580,64 @@ def move_into_place(src, dst) -> None:
             pass
 
 
+def same_draws(loader):
+    """``loader`` (a DataLoader every rank reads whole: an evaluation set) drawing the same random
+    numbers on every rank while it is iterated: a random crop, a random subset of points or
+    frames, a dataset that samples, workers' seeds. Once training starts each rank draws its own
+    numbers (``seed_per_rank``), and without this every rank would compute a different
+    validation loss from the same set and choose its own best model, learning rate or early
+    stop. Each pass draws anew from streams seeded alike (rank 0's ``torch.initial_seed()``,
+    shared when ``seed_per_rank`` runs, plus a pass count), the program's own generators put
+    back after; no collective. The same object is returned (its class a subclass of its own,
+    so ``isinstance`` and every attribute hold). 1 process: ``loader`` as it is."""
+    if world_size() <= 1 or getattr(type(loader), "_tm_same_draws", False):
+        return loader
+    loader.__class__ = _same_draws_class(type(loader))
+    return loader
+
+
+_SAME_DRAWS_CLASSES: dict = {}
+
+
+def _same_draws_class(cls):
+    if cls not in _SAME_DRAWS_CLASSES:
+        def __iter__(self):
+            if not _PER_RANK_STREAMS or _PASSES["seed"] is None or _in_worker_process():
+                return cls.__iter__(self)  # every rank draws alike already (or one process)
+            _PASSES["same"] += 1
+            return _SameDrawsIterator(cls.__iter__, self, _Streams(_PASSES["seed"] + 7_919 * _PASSES["same"]))
+
+        _SAME_DRAWS_CLASSES[cls] = type(cls.__name__, (cls,), {
+            "__iter__": __iter__, "_tm_same_draws": True, "__module__": cls.__module__,
+            "__qualname__": cls.__qualname__})
+    return _SAME_DRAWS_CLASSES[cls]
+
+
+class _SameDrawsIterator:
+    """The loader's own iterator, started and advanced under streams seeded alike on every rank
+    (the workers' seeds are drawn when it starts; a dataset in the main process draws in
+    ``__next__``); between batches the program draws from its own. Anything else (``len``)
+    goes to the loader's iterator."""
+
+    def __init__(self, start, loader, streams: "_Streams") -> None:
+        self._tm_streams = streams
+        with streams:
+            self._tm_it = start(loader)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        with self._tm_streams:
+            return next(self._tm_it)
+
+    def __len__(self) -> int:
+        return len(self._tm_it)
+
+    def __getattr__(self, name):
+        return getattr(self.__dict__["_tm_it"], name)
+
+
 def agreed(draw, *args, **kwargs):
     """``draw(*args, **kwargs)`` with Python's, numpy's and torch's global generators seeded alike
     on every rank, for a reordering that a hand-made batch iterator makes before it is read
@@ -2858,6 +2928,7 @@ def seed_per_rank() -> None:
     me = rank()
     if world_size() > 1:
         _PER_RANK_STREAMS = True
+        _shared_seed()  # (a collective, while every rank is here: `same_draws` needs it, and has none)
     if me == 0 or world_size() <= 1:
         return
     base = int(torch.randint(0, 2 ** 62, (1,)).item())

@@ -96,7 +96,7 @@ def test_the_json_report_lists_the_writes_left(tmp_path, run_cli):
 
 
 def test_an_evaluation_loader_kept_whole_is_not_reported_as_sharded(tmp_path, run_cli):
-    # the kept-whole loader gets a shared generator (an edit of TM203), which shards nothing
+    # the kept-whole loader draws alike on every rank (`tm.same_draws`, an edit of TM203), which shards nothing
     write(tmp_path, {"train.py": """
         import torch
         from torch.utils.data import DataLoader, TensorDataset
@@ -126,7 +126,7 @@ def test_an_evaluation_loader_kept_whole_is_not_reported_as_sharded(tmp_path, ru
             main()
         """})
     out = run_cli("ddp", "--dry-run", tmp_path / "train.py").output
-    assert "val_loader = DataLoader(data, batch_size=4, shuffle=True, generator=tm.shared_generator())" in out, out
+    assert "val_loader = DataLoader(data, batch_size=4, shuffle=True)\n+    tm.same_draws(val_loader)" in out, out
     assert "evaluation loaders sharded" not in out, out
     assert "done: training data sharded" in out, out
 

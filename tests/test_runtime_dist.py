@@ -184,8 +184,15 @@ def test_shard_stream_and_any_rank(collectives):
     assert r0["dataset_part_vocab"] == {"a": 0}
     assert r0["any_rank"] == r1["any_rank"] == [True, False]
     assert r0["all_ranks"] == r1["all_ranks"] == [False, True]
-    assert r0["batch_totals"] == r1["batch_totals"] == [1.5, 3.0, 3.0]
+    assert r0["batch_totals"] == r1["batch_totals"] == [1.5, 3.0, 3.0, 1.5, True]  # a progress bar: its loader
     assert r0["agreed"] == r1["agreed"] and r0["agreed"][0] != r0["agreed"][1]  # alike, new each call
+    # an evaluation set that draws, read whole: alike on every rank (also through workers), new
+    # each pass, the rank's own stream kept; the loader keeps its class and attributes
+    assert r0["same_draws"] == r1["same_draws"] and r0["same_draws"][0] != r0["same_draws"][1]
+    assert r0["same_draws_workers"] == r1["same_draws_workers"]
+    assert r0["own_draws"] != r1["own_draws"]  # (without it each rank draws its own, after seed_per_rank)
+    assert r0["same_draws_kept_own"] and r1["same_draws_kept_own"]
+    assert r0["same_draws_loader"] == [True, 2, 2, "DataLoader", True]
     assert sorted(r0["agreed"][0]) == list(range(10)) and r0["agreed_kept_own"] and r1["agreed_kept_own"]
     assert r0["placed"] == r1["placed"] == "rank 0" and r0["temps_left"] == r1["temps_left"] == []
 

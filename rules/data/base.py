@@ -7,8 +7,8 @@ from typing import List
 
 import libcst as cst
 
-from torchmigrate.finding import Edit, replace
-from torchmigrate.syntax.nodes import code, expr, set_kwarg
+from torchmigrate.finding import Edit, insert_after, replace
+from torchmigrate.syntax.nodes import code, expr, set_kwarg, stmt
 from torchmigrate.program.rank_guards import collective_guard
 from torchmigrate.program.loaders import Loader, LoaderFacts, loader_facts
 from torchmigrate.rule import Rule
@@ -129,6 +129,8 @@ class DataRule(Rule):
                                  "did, so its numbers agree across ranks (the cost: each rank does the whole "
                                  f"evaluation's work). Not sharded because {self.plan.of(loader).unproven}; "
                                  "`--shard-eval` shards it anyway", advice=True)
+        if self._same_draws(loader):
+            return
         if loader.kind != "mixed" and _shuffles_by_itself(loader.call) and collective_guard(self.ctx, loader.call) is None:
             tm = self.ctx.tm
             self.report(loader.call, f"{what} shuffles with each rank's own random stream, which differs per rank once "
@@ -138,6 +140,33 @@ class DataRule(Rule):
                         edits=[replace(loader.call, lambda c: set_kwarg(
                             c, "generator", cst.parse_expression(f"{tm}.shared_generator()")))],
                         imports=[self.ctx.runtime_import()])
+
+    def _same_draws(self, loader: Loader) -> bool:
+        """A whole evaluation loader bound to a name: `tm.same_draws(val_loader)` after it, so
+        every rank draws the same random numbers while it is iterated (a random crop or subset
+        of points in the dataset, its shuffle, its workers' seeds). Once training starts each
+        rank draws its own (`tm.seed_per_rank()`), and the ranks would compute different numbers
+        from the same set, each choosing its own best model, learning rate or early stop. Only in
+        `ddp`; a loader built for both splits is left to its shuffle (its training half must
+        draw per rank)."""
+        ctx = self.ctx
+        if ctx.options.mode != "ddp" or loader.kind != "eval" or not loader.target:
+            return False
+        line = loader.statement
+        if not (isinstance(line, cst.SimpleStatementLine) and len(line.body) == 1 and isinstance(
+                line.body[0], (cst.Assign, cst.AnnAssign)) and line.body[0].value is loader.call):
+            return False
+        text = f"{ctx.tm}.same_draws({loader.target})"
+        body = ctx.parent(line)
+        siblings = list(body.body) if isinstance(body, (cst.IndentedBlock, cst.Module)) else []
+        at = next((i for i, s in enumerate(siblings) if s is line), None)
+        if at is not None and at + 1 < len(siblings) and code(siblings[at + 1]).strip() == text:
+            return True  # (a second run)
+        self.report(loader.call, f"`{loader.target}` is read whole by every rank: it draws the same random numbers "
+                                 f"on every rank while it is iterated (`{text}`), so the ranks compute the same "
+                                 "numbers from it once each draws its own for training",
+                    edits=[insert_after(line, [stmt(text)])], imports=[ctx.runtime_import()])
+        return True
 
     def sharded_unproven(self, loader: Loader) -> None:
         """An evaluation loader sharded by `--shard-eval` although the program model cannot prove

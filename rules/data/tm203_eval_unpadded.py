@@ -33,7 +33,11 @@ class EvalUnpadded(DataRule):
     did, so every rank computes the same numbers and the metrics rules reduce nothing over it
     (a reduction would count each sample once per rank). The report's notes say so in one line,
     with the reason. Its cost: each rank does the whole evaluation's work, so evaluation takes as
-    long as in one process instead of 1/N of it (training is still sharded).
+    long as in one process instead of 1/N of it (training is still sharded). In `ddp`, a whole
+    evaluation loader bound to a name is followed by `tm.same_draws(loader)`: once training
+    starts each rank draws its own random numbers (`tm.seed_per_rank()`), so a dataset that
+    crops, samples points or frames at random, or a shuffled loader, would give each rank other
+    numbers from the same set; while it is iterated every rank draws alike instead.
 
     `--shard-eval` (or `shard-eval = true` in `[tool.torchmigrate]`) shards evaluation loaders
     anyway and leaves a TODO naming the value that is not proven reduced. In `lint`, in files

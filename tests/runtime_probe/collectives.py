@@ -212,11 +212,20 @@ def main(outdir):
     # a total of batch means: the ranks' mean over a loader whose batch was divided (each rank ran
     # as many batches as one process), the sum over whole batches dealt out
     data = torch.utils.data.TensorDataset(torch.arange(16.0))
+    class Bar:  # a progress bar around a loader (tqdm keeps it in `.iterable`)
+        def __init__(self, iterable):
+            self.iterable = iterable
+
+        def __iter__(self):
+            return iter(self.iterable)
+
     divided = torch.utils.data.DataLoader(data, batch_size=tm.per_rank_batch(8), sampler=tm.sampler(data))
     whole_batches = torch.utils.data.DataLoader(data, batch_size=8, sampler=tm.sampler(data))
     res["batch_totals"] = [tm.reduce_batch_total(r + 1.0, over=divided),
                            tm.reduce_batch_total(r + 1.0, over=whole_batches),
-                           tm.reduce_batch_total(r + 1.0, over=tm.shard_batches([1, 2, 3, 4]))]
+                           tm.reduce_batch_total(r + 1.0, over=tm.shard_batches([1, 2, 3, 4])),
+                           tm.reduce_batch_total(r + 1.0, over=Bar(Bar(divided))),
+                           tm.sharded(Bar(divided))]
     # a hand-made iterator reshuffled per epoch by a method of its own, drawn alike on every rank
     import numpy as np
     np.random.seed(100 + r)  # each rank's own stream (as after tm.seed_per_rank)
@@ -240,6 +249,26 @@ def main(outdir):
             return tm.agreed(random.random) + tm.on_main(float, i)
 
     res["worker_draws"] = len([b for b in DataLoader(Drawing(), batch_size=1, num_workers=1)])
+    # same_draws: an evaluation set that draws (a random crop), read whole by every rank after
+    # seed_per_rank: alike on every rank, new each pass, the ranks' own streams put back
+    class Cropping(torch.utils.data.Dataset):
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, i):
+            return torch.tensor([random.random(), float(np.random.rand()), torch.rand(1).item()])
+
+    def passes(loader):
+        return [[b.tolist() for b in loader] for _ in range(2)]
+
+    same = tm.same_draws(DataLoader(Cropping(), batch_size=2))
+    own_state = torch.get_rng_state()
+    res["same_draws"] = passes(same)
+    res["same_draws_kept_own"] = torch.equal(own_state, torch.get_rng_state())
+    res["same_draws_loader"] = [isinstance(same, DataLoader), len(iter(same)), len(same), type(same).__name__,
+                                tm.same_draws(same) is same]
+    res["own_draws"] = passes(DataLoader(Cropping(), batch_size=2))
+    res["same_draws_workers"] = passes(tm.same_draws(DataLoader(Cropping(), batch_size=2, num_workers=1)))
     # on_main: a free run folder picked by probing, once (nested calls run in place), errors and
     # results that do not pickle
     def free_folder(root):
