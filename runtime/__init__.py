@@ -36,6 +36,7 @@ import copy
 import datetime
 import functools
 import gc
+import hashlib
 import io
 import itertools
 import logging
@@ -204,6 +205,33 @@ def _restart_store(env: dict, timeout) -> dict:
             "rank": env["RANK"], "world_size": env["WORLD_SIZE"]}
 
 
+def _same_hash_seed(env: dict, caller) -> None:
+    """Every rank hashes strings alike. Each Python process salts ``hash(str)`` at random, so
+    under torchrun each rank iterates a set of strings in its own order: a vocabulary or a label
+    map built from ``list(set(words))`` gives each rank other ids for the same words (DDP then
+    averages rows that mean different words), and a split by ``hash(name) % 10`` gives each rank
+    other data. Only the start of a process can choose the salt, so the first ``setup()``, called
+    by the program itself (the line the migration puts at its top), starts the process again in
+    place (same PID, same command line) with ``PYTHONHASHSEED`` set alike on every rank: from
+    torchrun's run id (SLURM's job id, else the rendezvous address), so it still differs from
+    run to run. Not where the program sets ``PYTHONHASHSEED`` itself, for ``python -c`` or an
+    interactive session, on Windows, or with ``TORCHMIGRATE_SAME_HASH=0``."""
+    if os.environ.get("PYTHONHASHSEED", "random") != "random" or os.environ.get("TORCHMIGRATE_SAME_HASH") == "0":
+        return
+    argv = getattr(sys, "orig_argv", None)  # Python >= 3.10: the command line as given, `-m` included
+    main = sys.modules.get("__main__")
+    if os.name == "nt" or not argv or not getattr(main, "__file__", None) or _in_worker_process() \
+            or caller is None or os.path.normcase(os.path.abspath(caller.f_code.co_filename)) == _RUNTIME_FILE:
+        return  # (a helper of this runtime setting the group up on first use, mid-program: no restart)
+    key = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("SLURM_JOB_ID") or \
+        f"{env.get('MASTER_ADDR', os.environ.get('MASTER_ADDR'))}:{env.get('MASTER_PORT', os.environ.get('MASTER_PORT'))}"
+    os.environ["PYTHONHASHSEED"] = str(int(hashlib.sha256(str(key).encode()).hexdigest()[:8], 16) % 4294967295 + 1)
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os.execv(sys.executable, argv)
+
+
 def setup(backend: str | None = None, timeout=None) -> Ctx:
     """Initialise distributed training once and return a ``Ctx``; later calls return the same Ctx.
 
@@ -225,6 +253,8 @@ def setup(backend: str | None = None, timeout=None) -> Ctx:
     if _CTX is not None and (_pg() or not _CTX.world_size > 1):
         return _CTX
     env = _env()
+    if _CTX is None and env["WORLD_SIZE"] > 1 and not _pg():
+        _same_hash_seed(env, sys._getframe(1))
     if env["slurm"]:
         for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
             os.environ[k] = str(env[k])

@@ -186,6 +186,9 @@ def test_shard_stream_and_any_rank(collectives):
     assert r0["all_ranks"] == r1["all_ranks"] == [False, True]
     assert r0["batch_totals"] == r1["batch_totals"] == [1.5, 3.0, 3.0, 1.5, True]  # a progress bar: its loader
     assert r0["agreed"] == r1["agreed"] and r0["agreed"][0] != r0["agreed"][1]  # alike, new each call
+    # one hash salt for every rank (set iteration order, hash(str)), chosen from the run
+    assert r0["set_order"] == r1["set_order"] and r0["hash_seed"] == r1["hash_seed"]
+    assert r0["hash_seed"][0] not in (None, "random", "0")
     # an evaluation set that draws, read whole: alike on every rank (also through workers), new
     # each pass, the rank's own stream kept; the loader keeps its class and attributes
     assert r0["same_draws"] == r1["same_draws"] and r0["same_draws"][0] != r0["same_draws"][1]

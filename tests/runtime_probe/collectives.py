@@ -78,6 +78,11 @@ def main(outdir):
            "pg_world": dist.get_world_size(), "is_distributed": tm.is_distributed()}
 
     res["first_draws"] = first_draws
+    # strings hash alike on every rank (setup restarted the process with a shared PYTHONHASHSEED):
+    # a vocabulary built from a set gives every rank the same ids
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
+    res["set_order"] = list(set(words))
+    res["hash_seed"] = [os.environ.get("PYTHONHASHSEED"), hash("alpha")]
     tm.seed_per_rank()
     res["draws_after_seed_per_rank"] = [random.random(), float(np.random.random()), torch.rand(1).item()]
 
