@@ -1926,12 +1926,22 @@ def per_rank_batch(batch_size: int) -> int:
     ``batch_size``. A size that does not divide by the number of processes (a batch of 1 on 2
     ranks, 50 on 8) gets the next size up, ``ceil(batch_size / world_size())`` on every rank (each
     rank must run as many steps as the others), and rank 0 warns once, naming the nearest sizes
-    that keep the original's global batch exactly."""
+    that keep the original's global batch exactly. A batch of several samples is never divided
+    down to one per rank: BatchNorm cannot train on a single sample (a BatchNorm1d head, or one
+    after a global pooling, raises "Expected more than 1 value per channel"), so each rank then
+    loads 2, and rank 0 says so."""
     world = world_size()
     if batch_size is None or world <= 1:
         return batch_size
     size = int(batch_size)
     _DIVIDED_BATCHES.add(size)
+    if 2 <= size <= world:
+        if size not in _BATCH_WARNED and is_main():
+            _BATCH_WARNED.add(size)
+            _warn(f"a batch of {size} divided among {world} processes would leave one sample per rank, on which "
+                  f"BatchNorm cannot train: each rank loads 2 samples, a global batch of {2 * world} instead of "
+                  f"{size} (scale the learning rate, or run on {size // 2} process(es) to keep it)")
+        return 2
     if size % world:
         low, high = size - size % world, size + world - size % world
         nearest = f"{low} or {high}" if low else f"{high}"

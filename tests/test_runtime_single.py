@@ -726,12 +726,25 @@ def test_per_rank_batch_rounds_up_and_names_the_nearest_sizes(monkeypatch, capsy
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setattr(tm, "_BATCH_WARNED", set())
     assert tm.per_rank_batch(10) == 3 and tm.per_rank_batch(10) == 3
-    assert tm.per_rank_batch(3) == 1
+    assert tm.per_rank_batch(1) == 1
     err = capsys.readouterr().err
     assert err.count("the batch size 10 does not divide among 4 processes") == 1
     assert "a global batch of 12 instead of 10" in err and "A batch size of 8 or 12" in err
-    assert "A batch size of 4 keeps" not in err  # 3 samples on 4 ranks: no size near it splits
-    assert "A batch of 3 cannot be split" in err and "divide the bucket size by 4" in err
+    assert "A batch size of 4 keeps" not in err  # 1 sample on 4 ranks: no size near it splits
+    assert "A batch of 1 cannot be split" in err and "divide the bucket size by 4" in err
+
+
+def test_per_rank_batch_never_leaves_one_sample_of_several(monkeypatch, capsys):
+    """BatchNorm cannot train on one sample ("Expected more than 1 value per channel"): a batch
+    of 2 to world_size samples gives each rank 2 (a larger global batch, said once), never 1."""
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(tm, "_BATCH_WARNED", set())
+    assert [tm.per_rank_batch(n) for n in (2, 3, 4, 4, 5, 8)] == [2, 2, 2, 2, 2, 2]
+    err = capsys.readouterr().err
+    assert err.count("one sample per rank") == 3 and "a global batch of 8 instead of 2" in err
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4)).train()
+    model(torch.randn(tm.per_rank_batch(2), 3))  # (one row would raise)
 
 
 def test_goes_first_is_the_main_process_or_the_node_leader(other_rank, monkeypatch):

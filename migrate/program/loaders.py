@@ -1085,7 +1085,9 @@ class LoaderFacts:
                 bodies.append(home)
             for body in bodies:
                 uses = [n for n in ctx.within(body, type(size.value)) if code(n) == text and not _name_part(ctx, n)
-                        and not _logged(ctx, n) and (body is not home or n in compared)]
+                        and not _logged(ctx, n) and (body is not home or n in compared)
+                        and not any(a is loader.call for a in ctx.ancestors(n))]  # (the loader's own argument,
+                # where a loop builds it afresh each epoch: `batch_iterator = iter(DataLoader(ds, batch_size))`)
                 if uses:
                     loader.batch_read = text
                     known = {id(u) for u in loader.batch_uses}
