@@ -65,7 +65,9 @@ def agreed_names(ctx: Context, loop: cst.CSTNode) -> Set[str]:
         if isinstance(aug.target, cst.Name) and isinstance(aug.value, (cst.Integer, cst.Float)):
             stepped.add(aug.target.value)
     assigns = ctx.within(loop, cst.Assign, skip_defs=True)
-    agreed = stepped - {n for a in assigns for t in a.targets for n in names_in(t.target)}
+    steps = [a for a in assigns if _steps_by_constant(a)]  # `iter_num = iter_num + 1`
+    stepped |= {a.targets[0].target.value for a in steps}
+    agreed = stepped - {n for a in assigns if a not in steps for t in a.targets for n in names_in(t.target)}
     for call in ctx.within(loop, cst.Call, skip_defs=True):
         name = cst.helpers.get_full_name_for_node(call.func) or ""
         if name.rsplit(".", 1)[-1] in _AGREEING and call.args and isinstance(call.args[0].value, cst.Name):
@@ -74,3 +76,15 @@ def agreed_names(ctx: Context, loop: cst.CSTNode) -> Set[str]:
         if names_in(a.value) and names_in(a.value) <= agreed:
             agreed |= {n for t in a.targets for n in names_in(t.target)}
     return agreed
+
+
+def _steps_by_constant(assign: cst.Assign) -> bool:
+    """`n = n + 1` (or `n = 1 + n`): a counter stepped by a constant, as `n += 1` is."""
+    if len(assign.targets) != 1 or not isinstance(assign.targets[0].target, cst.Name):
+        return False
+    name, value = assign.targets[0].target.value, assign.value
+    if not (isinstance(value, cst.BinaryOperation) and isinstance(value.operator, cst.Add)):
+        return False
+    sides = (value.left, value.right)
+    return any(isinstance(a, cst.Name) and a.value == name for a in sides) and any(
+        isinstance(b, (cst.Integer, cst.Float)) for b in sides)
