@@ -165,6 +165,12 @@ def imported_files(statements: List[ast.stmt], importer: Path, resolver: _Resolv
             package = resolver.package_of(importer, node.level)
             if node.module:
                 found = resolver.module_file(package, node.module)
+                folder = package.joinpath(*node.module.split(".")) if found is None else None
+                if folder is not None and resolver.fs.exists(folder) and not resolver.fs.is_file(folder):
+                    # `from .functions import *`, functions/ a folder without `__init__.py` (a
+                    # namespace package): found; its named modules are followed (`*` names none)
+                    out += _submodules(resolver, folder, node.names)
+                    continue
                 if found is None:
                     misses.append((node.lineno, "." * node.level + node.module))
                     continue
@@ -177,9 +183,8 @@ def imported_files(statements: List[ast.stmt], importer: Path, resolver: _Resolv
             found = resolver.absolute(importer, node.module, entry_dir)
             if not found and node.module.split(".")[0] not in _STDLIB:
                 folder = resolver.namespace(importer, node.module, entry_dir)
-                modules = _submodules(resolver, folder, node.names) if folder is not None else []
-                if modules:  # `from pkg import helper`, pkg a folder without `__init__.py`
-                    out += modules
+                if folder is not None:  # `from pkg import helper`, pkg a folder without `__init__.py`
+                    out += _submodules(resolver, folder, node.names)
                     continue
                 misses.append((node.lineno, node.module))
             out += found

@@ -105,6 +105,22 @@ def test_sys_path_far_above_a_copy_without_markers_is_not_followed(tmp_path, mon
     assert names(graph.build([tmp_path / "a/b/c/train.py"]).modules, tmp_path) == ["a/b/c/train.py"]
 
 
+@pytest.mark.parametrize("line", ["from .functions import *", "from layers.functions import *",
+                                  "from .functions import prior_box", "from .functions.prior_box import PriorBox"])
+def test_a_namespace_package_imported_whole_is_found(tmp_path, line):
+    """`from .functions import *` where functions/ has no `__init__.py`: a namespace package,
+    found (a star names no module of it), not an import left unfollowed."""
+    write(tmp_path, {
+        ".git": "",
+        "train.py": "from layers import *\nfrom layers.functions.prior_box import PriorBox\n",
+        "layers/__init__.py": line + "\n",
+        "layers/functions/prior_box.py": "class PriorBox: pass\n",
+    })
+    built = graph.build([tmp_path / "train.py"])
+    assert not built.unresolved, built.unresolved
+    assert "layers/functions/prior_box.py" in names(built.modules, tmp_path)
+
+
 # --- PYTHONPATH in launch files ---------------------------------------------------------------
 
 LAYOUTS = {
