@@ -713,8 +713,8 @@ class LoaderFacts:
     def _set_by_split(self, fn: cst.CSTNode, shuffle: cst.BaseExpression) -> bool:
         """`shuffle=shuffle`, a local of the function that builds the loader, set to `True` under a
         test naming the training split and to `False` under one naming evaluation splits (`if flag
-        in ("val", "test"): shuffle = False elif flag == "train": shuffle = True`): one factory
-        builds every split, and the local says which a call builds."""
+        in ("val", "test"): shuffle = False elif flag == "train": shuffle = True`, or in the `else:`
+        of such a test): one factory builds every split, and the local says which a call builds."""
         if type(shuffle) is not cst.Name or not isinstance(fn, cst.FunctionDef):
             return False
         seen = set()
@@ -724,9 +724,15 @@ class LoaderFacts:
             if len(assign.targets) != 1 or not is_literal(assign.value, "True", "False"):
                 return False
             branch = self.ctx.enclosing(assign, cst.If, cst.Else, cst.FunctionDef)
-            if not isinstance(branch, cst.If) or assign not in self.ctx.within(branch.body, cst.Assign, skip_defs=True):
+            if isinstance(branch, cst.Else) and isinstance(self.ctx.parent(branch), cst.If) \
+                    and self.ctx.parent(branch).orelse is branch:
+                # `if split in ["valid", "test"]: shuffle = False else: shuffle = True`
+                opposite = {"train": "eval", "eval": "train"}
+                verdict = opposite.get(splits.verdict(_expression_words(self.ctx.parent(branch).test)) or "")
+            elif isinstance(branch, cst.If) and assign in self.ctx.within(branch.body, cst.Assign, skip_defs=True):
+                verdict = splits.verdict(_expression_words(branch.test))
+            else:
                 return False
-            verdict = splits.verdict(_expression_words(branch.test))
             value = assign.value.value == "True"
             if verdict != ("train" if value else "eval"):
                 return False
