@@ -216,7 +216,8 @@ def test_ddp_migrates_single_gpu_file():
     assert "sampler=tm.sampler(train_ds, shuffle=True)" in result.new_source
     # no loop over `val_loader` here proves what it computes reduced: every rank evaluates it all
     assert "val_loader = DataLoader(val_ds, batch_size=32)\n" in result.new_source
-    assert [f.advice for f in result.findings if f.code == "TM203"] == [True]
+    assert [f.advice for f in result.findings if f.code == "TM203"] == [True, False]
+    assert "val_loader = DataLoader(val_ds, batch_size=32)\ntm.same_draws(val_loader)\n" in result.new_source
     assert "    tm.set_epoch(train_loader, epoch)\n" in result.new_source
 
 
