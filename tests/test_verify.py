@@ -331,3 +331,17 @@ def test_a_sampler_drawing_with_replacement_is_not_judged_for_overlap():
         rec["loaders"]["train.py:10"]["replacement"] = True
     assert checks.sharded(Run([rank0, rank1], ["", ""])).status == "skip"
     assert checks.sharded(Run([_record([[0, 3, 3, 5]]), _record([[3, 1, 5, 5]])], ["", ""])).status == "fail"
+
+
+def test_verify_counts_no_bytecode_cache_or_installed_package_as_a_write(tmp_path, monkeypatch):
+    """A library that imports its submodules lazily writes their `.pyc` files into site-packages on
+    first use, from whichever rank gets there: no file of the program, so no "other ranks wrote"
+    failure; a file of the program still counts."""
+    import torchmigrate.cli.verify_probe as probe
+
+    monkeypatch.setattr(probe, "record", {**probe.record, "writes": {}})
+    for path in ("/usr/lib/python3/site-packages/librosa/core/__pycache__",
+                 str(tmp_path / "lib" / "__pycache__" / "util.cpython-311.pyc"),
+                 "/opt/venv/lib/python3.11/dist-packages/numba/cache.nbi", str(tmp_path / "metrics.csv")):
+        probe._note_write(path, "open")
+    assert list(probe.record["writes"]) == [str(tmp_path / "metrics.csv")]

@@ -258,7 +258,9 @@ def _patch_sync_grads() -> None:
 def _note_write(path, how: str) -> None:
     try:
         path = os.path.abspath(os.fsdecode(path))
-        if not path.startswith((os.path.abspath(OUT), "/dev/", "/proc/")):
+        # (a library that imports lazily writes its bytecode cache on first use: no file of the program)
+        if not path.startswith((os.path.abspath(OUT), "/dev/", "/proc/")) and "__pycache__" not in path \
+                and not path.endswith(".pyc") and "site-packages" not in path and "dist-packages" not in path:
             record["writes"].setdefault(path, {"path": path, "how": how, "where": _where()})
     except Exception:
         _probe_failed(f"recording a write ({how})")
