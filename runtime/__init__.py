@@ -2968,19 +2968,29 @@ def seed_per_rank() -> None:
     me = rank()
     if world_size() > 1:
         _PER_RANK_STREAMS = True
-        _shared_seed()  # (a collective, while every rank is here: `same_draws` needs it, and has none)
+        if _pg():
+            _shared_seed()  # (a collective, while every rank is here: `same_draws` needs it, and has none)
     if me == 0 or world_size() <= 1:
         return
     base = int(torch.randint(0, 2 ** 62, (1,)).item())
-    seed = (base ^ (me * 0x9E3779B97F4A7C15)) % 2 ** 63  # a different seed for every rank
-    random.seed(seed)
-    try:
-        import numpy as np
-    except ImportError:
-        pass
-    else:
-        np.random.seed(seed % 2 ** 32)
-    torch.manual_seed(seed)  # also seeds every CUDA device (lazily)
+    _reseed((base ^ (me * 0x9E3779B97F4A7C15)) % 2 ** 63)  # a different seed for every rank
+
+
+def _reseed(seed: int) -> None:
+    """Seed Python's, numpy's (if installed) and torch's global generators (CPU and every GPU,
+    lazily) through the generators themselves, not the module functions a program may have
+    assigned over (`random.seed = 42`, a slip for a call, leaves the generator and breaks the
+    name)."""
+    random.Random.seed(random._inst, seed)
+    numpy = sys.modules.get("numpy")
+    if numpy is None:
+        try:
+            import numpy
+        except ImportError:
+            numpy = None
+    if numpy is not None:
+        numpy.random.mtrand._rand.seed(seed % 2 ** 32)
+    torch.manual_seed(seed)
 
 
 def seed_everything(seed: int, per_rank: bool = False) -> int:
@@ -2991,14 +3001,7 @@ def seed_everything(seed: int, per_rank: bool = False) -> int:
     seed = int(seed) + (rank() if per_rank else 0)
     if per_rank and world_size() > 1:
         _PER_RANK_STREAMS = True
-    random.seed(seed)
-    try:
-        import numpy as np
-    except ImportError:
-        pass
-    else:
-        np.random.seed(seed % 2 ** 32)
-    torch.manual_seed(seed)  # also seeds every CUDA device (lazily)
+    _reseed(seed)
     return seed
 
 
