@@ -967,8 +967,21 @@ def _wrapper_class(cls: type, base: type = None, shadowed: frozenset = frozenset
                 namespace[dunder] = _delegate(dunder)
         for attr in shadowed:
             namespace[attr] = _module_property(attr)
+        namespace["__new__"] = _new_model_or_wrapper(cls, base)
         made = _WRAPPER_CLASSES[(cls, base, shadowed)] = type(name, (base,), namespace)
     return made
+
+
+def _new_model_or_wrapper(cls: type, base: type):
+    """``type(model)(**params)`` on a wrapped model (a fresh copy for early stopping, a model
+    rebuilt with the same settings) makes what it made in one process, a new plain ``cls``;
+    only a call given a module first builds a wrapper (the runtime's own)."""
+    def __new__(wrapper_cls, *args, **kwargs):
+        first = args[0] if args else kwargs.get("module")
+        if not isinstance(first, nn.Module):
+            return cls(*args, **kwargs)  # (not an instance of the wrapper: no wrapper __init__ runs)
+        return base.__new__(wrapper_cls)
+    return __new__
 
 
 def _ready(wrapper):

@@ -428,6 +428,7 @@ def nets(tmp_path_factory):
 def test_a_head_the_loss_never_reads_trains_identically_with_one_warning(nets):
     r0, r1 = nets["r"]
     assert r0["heads_mode"] == r1["heads_mode"] == "manual"
+    assert r0["fresh"] == r1["fresh"] == ["TwoHeads", False, True]  # type(model)() builds a plain model
     assert r0["heads"] == r1["heads"]  # a parameter used outside forward is averaged too
     warnings_ = [line for line in nets["output"].splitlines() if "got no gradient" in line and "TwoHeads" in line]
     assert len(warnings_) == 1 and "aux.weight, aux.bias" in warnings_[0]

@@ -127,7 +127,7 @@ def _size_in_kwargs(ctx: Context, call: cst.Call):
 # Calls whose positional arguments (or `size=`) give a tensor's shape: the batch size there is
 # the number of rows of this rank's batch (`torch.ones(args.batch_size, 1)` labels, GAN noise,
 # `out.view(args.batch_size, -1)`, `torch.arange(args.batch_size)` contrastive targets).
-_SHAPE_FUNCS = frozenset({"view", "reshape", "expand", "randn", "rand", "zeros", "ones", "empty", "full",
+_SHAPE_FUNCS = frozenset({"view", "reshape", "expand", "repeat", "randn", "rand", "zeros", "ones", "empty", "full",
                           "new_zeros", "new_ones", "new_empty", "new_full", "randint", "normal", "arange",
                           "randperm", "eye", "FloatTensor", "LongTensor", "Tensor"})
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+import sys
 from typing import Dict, List, Optional, Set
 
 import libcst as cst
@@ -16,6 +18,13 @@ from torchmigrate.syntax.imports import dotted
 from torchmigrate.syntax.nodes import code
 
 # Schedulers that set the learning rate from arguments of their own, not from the optimizer's.
+# the keywords a helper takes the batch size by, and the helpers that build loaders (`get_loader(...)`)
+_BATCH_KEYWORDS = frozenset({"batch_size", "batchsize", "bs", "batch"})
+_LIBRARIES = frozenset({"torch", "torchvision", "torchaudio", "torchtext", "numpy", "np", "scipy", "sklearn", "PIL",
+                        "cv2", "pandas", "transformers", "datasets", "timm", "albumentations", "skimage", "matplotlib",
+                        "einops", "torchmigrate", "lightning", "pytorch_lightning", "tensorflow", "jax", "dgl",
+                        "torch_geometric", "monai", "kornia", "librosa", "soundfile", "h5py", "tqdm", "wandb"})
+_LOADERISH = re.compile(r"(?i)(loader|dataset|iterator|sampler|batches)")
 _OWN_LR_SCHEDULERS = ("torch.optim.lr_scheduler.OneCycleLR", "torch.optim.lr_scheduler.CyclicLR")
 # Expressions that `x * y` may take as its left operand without parentheses.
 _TIGHT = (cst.Name, cst.Attribute, cst.Integer, cst.Float, cst.Call, cst.Subscript)
@@ -287,7 +296,7 @@ class LrWorldSize(ModelRule):
         # the statements of a training loop's function before it, which make tensors for it
         # (`real_gt = torch.ones((config["batch_size"], 1, 1, 1))` once, then used every step)
         for step in list(steps.values()):
-            fn = ctx.enclosing(step, cst.FunctionDef) if isinstance(step, (cst.For, cst.While)) else None
+            fn = (ctx.enclosing(step, cst.FunctionDef) or ctx.module) if isinstance(step, (cst.For, cst.While)) else None
             if fn is not None and id(fn) not in steps:
                 steps[id(fn)] = fn
                 inits.setdefault(id(fn), set()).update(code(n) for n in ctx.within(step, cst.Name))
@@ -295,8 +304,9 @@ class LrWorldSize(ModelRule):
             uses = [n for n in ctx.within(step, cst.Name, cst.Attribute, cst.Subscript)
                     if id(n) not in handled and code(n) not in kept and _batch_size_name(n)
                     and not (isinstance(n, cst.Name) and isinstance(ctx.parent(n), cst.Attribute))
-                    and shape_of_batch(ctx, n) and not _follows_batch(ctx, step, n)
-                    and (id(step) not in inits or self._bound_for(n, inits[id(step)]))]
+                    and not _follows_batch(ctx, step, n)
+                    and (shape_of_batch(ctx, n) and (id(step) not in inits or self._bound_for(n, inits[id(step)]))
+                         or isinstance(step, (cst.FunctionDef, cst.Module)) and self._sizes_helper_tensor(step, n))]
             if not uses:
                 continue
             tm = ctx.tm
@@ -308,6 +318,38 @@ class LrWorldSize(ModelRule):
                                                                args=[cst.Arg(v.with_changes(lpar=[], rpar=[]))]))
                                for use in uses],
                         imports=[ctx.runtime_import()])
+
+    def _sizes_helper_tensor(self, fn: cst.CSTNode, use: cst.CSTNode) -> bool:
+        """`style_img = utils.prepare_img(path, batch_size=config["batch_size"])` before the
+        training loop of `fn`: a helper of the program's other modules makes a batch-sized tensor
+        (an image repeated to the batch, whose Gram matrices the style loss compares with each
+        step's batch). Only a keyword `batch_size=` of a call to the program's own code whose
+        result is bound to a name that nothing iterates or hands to a DataLoader (a helper
+        building the training loader divides its batch itself)."""
+        ctx = self.ctx
+        arg = ctx.parent(use)
+        if not (isinstance(arg, cst.Arg) and arg.value is use and arg.keyword is not None
+                and arg.keyword.value in _BATCH_KEYWORDS):
+            return False
+        call = ctx.parent(arg)
+        spelled = dotted(call.func) if isinstance(call, cst.Call) else None
+        if spelled is None or _LOADERISH.search(spelled):
+            return False
+        root = (ctx.resolve(call.func) or spelled).split(".")[0]
+        if spelled not in ctx.program.own_functions and (root in _LIBRARIES or root in sys.stdlib_module_names
+                                                         or root == "self"):
+            return False  # a library's (or a method whose class this rule does not see)
+        assign = ctx.parent(call)
+        if not (isinstance(assign, cst.Assign) and assign.value is call and len(assign.targets) == 1
+                and isinstance(assign.targets[0].target, cst.Name)):
+            return False
+        name = assign.targets[0].target.value
+        loops = [l for l in ctx.within(fn, cst.For, cst.CompFor)]
+        if any(name in {n.value for n in ctx.within(l.iter, cst.Name)} for l in loops):
+            return False
+        return not any(isinstance(c.func, (cst.Name, cst.Attribute)) and _LOADERISH.search(code(c.func))
+                       and any(isinstance(a.value, cst.Name) and a.value.value == name for a in c.args)
+                       for c in ctx.within(fn, cst.Call))
 
     def _bound_for(self, use: cst.CSTNode, read: Set[str]) -> bool:
         """`use` sizes the value of an assignment to an attribute or name a training step reads

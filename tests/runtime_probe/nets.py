@@ -161,6 +161,10 @@ def main(outdir):
         opt.step()
     res["heads_mode"] = heads._tm_mode
     res["type_name"] = type(heads).__name__  # "TwoHeads", as in one process
+    # `type(model)()` (a fresh copy for early stopping): a plain TwoHeads, as in one process
+    fresh = type(heads)()
+    res["fresh"] = [type(fresh).__name__, isinstance(fresh, nn.parallel.DistributedDataParallel),
+                    sorted(fresh.state_dict()) == sorted(tm.unwrap(heads).state_dict())]
     seq = tm.wrap_model(nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 1)))
     res["sequential"] = [len(seq), type(seq[-1]).__name__, [type(m).__name__ for m in seq]]
     res["heads"] = flat(heads.module)
