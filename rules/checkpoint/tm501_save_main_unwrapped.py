@@ -14,7 +14,7 @@ from torchmigrate import analysis
 from torchmigrate.finding import Safety, insert_after, insert_before, replace
 from torchmigrate.syntax.imports import dotted
 from torchmigrate.syntax.nodes import arg, code, keep_alignment
-from torchmigrate.program.writes import private_temp_source
+from torchmigrate.program.writes import in_private_temp, private_temp_source
 from torchmigrate.program.checkpoints import (LOADS, SAVES, file_handle, is_buffer, is_open, load_events, path_text,
                                               save_through_handle,
                                               with_binding)
@@ -126,7 +126,9 @@ class SaveMainUnwrapped(Rule):
       `torchvision.utils.save_image(...)` statements go under `if tm.is_main():` (not when
       their arguments run model or helper code, which must run on every rank: reported).
 
-    `torch.save` into an in-memory buffer (`io.BytesIO`) is left alone: every rank reads it back.
+    `torch.save` into an in-memory buffer (`io.BytesIO`) is left alone: every rank reads it back;
+    so is one into a temporary folder each process makes for itself (`with TemporaryDirectory() as
+    tempdir:`, the best weights kept there and loaded back after training): every rank's own.
     Keys stay free of `module.` because TM302 saves `tm.unwrap(model).state_dict()`.
 
     ## Why is this bad?
@@ -266,6 +268,8 @@ class SaveMainUnwrapped(Rule):
             target = arg(call, "f", 1)
             if target is None or is_buffer(ctx, target.value, scope):
                 continue
+            if in_private_temp(ctx, call):
+                continue  # a file in a TemporaryDirectory() each process made for itself: each rank's own
             is_handle, handle = file_handle(ctx, call, target.value)
             if is_handle and handle is not None and ctx.options.mode == "ddp" and save_through_handle(ctx, handle) \
                     and isinstance(ctx.parent(handle), (cst.IndentedBlock, cst.Module)):
