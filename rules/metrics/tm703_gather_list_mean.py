@@ -592,11 +592,11 @@ def _shown_names(ctx: Context, call: cst.Call, block: cst.CSTNode, data: Set[str
             # `l = loss.item()` shown as `l`, `running += loss.item()` shown as `running / 4`
             if (_holds_metric_number(ctx, block, node, backed) or _sums_step_means(ctx, _step_sums(
                     ctx, block, node.value))) and not _reduced(ctx, node) and all(
-                    isinstance(a, _SHOWN_IN) for a in ctx.ancestors_until(node, call)):
+                    _shown_in(a) for a in ctx.ancestors_until(node, call)):
                 out.append(node)
             continue
         chain = ctx.ancestors_until(node, call)
-        if not all(isinstance(a, _SHOWN_IN) for a in chain) or _reduced(ctx, node):
+        if not all(_shown_in(a) for a in chain) or _reduced(ctx, node):
             continue
         parent = ctx.parent(node)
         if isinstance(parent, cst.Arg) and parent.keyword is node or isinstance(parent, cst.DictElement) \
@@ -613,6 +613,20 @@ def _shown_names(ctx: Context, call: cst.Call, block: cst.CSTNode, data: Set[str
                                                   or kind_of(ctx, node) == TENSOR):
             out.append(node)
     return out
+
+
+def _shown_in(node: cst.CSTNode) -> bool:
+    """`node` may hold a shown number and still show that one number: `_SHOWN_IN`, or a call that
+    only formats it (`"{:.2f}".format(loss_sum / n)`, `round(loss_sum / n, 4)`; not `float(loss)`,
+    itself one number of the step, made the ranks' mean whole)."""
+    if isinstance(node, _SHOWN_IN):
+        return True
+    if not isinstance(node, cst.Call):
+        return False
+    func = node.func
+    return isinstance(func, cst.Attribute) and func.attr.value == "format" and isinstance(
+        func.value, (cst.SimpleString, cst.ConcatenatedString, cst.FormattedString)) or isinstance(
+        func, cst.Name) and func.value == "round"
 
 
 def _backward_names(ctx: Context, block: cst.CSTNode) -> Set[str]:
@@ -648,7 +662,20 @@ def _sums_step_means(ctx: Context, sums: List[cst.AugAssign]) -> bool:
     adds = [a for a in sums if not isinstance(a.operator, (cst.DivideAssign, cst.MultiplyAssign))]
     # (`running_loss /= interval` before it is shown: the running sum averaged in place)
     return bool(adds) and all(isinstance(a.operator, cst.AddAssign) and _METRIC_NAME.search(code(a.value))
-                              and (_number_of_step(ctx, a.value) or _loss_as_numpy(ctx, a)) for a in adds)
+                              and (_number_of_step(ctx, a.value) or _loss_as_numpy(ctx, a) or _loss_tensor(ctx, a))
+                              for a in adds)
+
+
+def _loss_tensor(ctx: Context, aug: cst.AugAssign) -> bool:
+    """`aug` adds a loss tensor of the step (`content_loss_sum += content_loss`, a term of the
+    loss it backpropagates, or that loss itself)."""
+    from torchmigrate.program.types import TENSOR, kind_of
+
+    value = aug.value
+    if not isinstance(value, cst.Name):
+        return False
+    loop = ctx.enclosing(aug, cst.For, cst.While, cst.FunctionDef)
+    return loop is not None and (value.value in _backward_names(ctx, loop) or kind_of(ctx, value) == TENSOR)
 
 
 def _loss_as_numpy(ctx: Context, aug: cst.AugAssign) -> bool:
