@@ -127,6 +127,9 @@ class Paths:
         if isinstance(node, ast.Attribute) and node.attr == "parent":
             inner = self._value(node.value)
             return self._path(inner).parent if inner is not None else None
+        if isinstance(node, ast.Subscript) and dotted_name(node.value) == "sys.path" and isinstance(
+                node.slice, ast.Constant) and node.slice.value == 0:
+            return self.cwd  # `sys.path[0]`: the folder of the script Python runs
         if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Attribute) and node.value.attr == "parents":
             inner, index = self._value(node.value.value), node.slice
             if inner is not None and isinstance(index, ast.Constant) and isinstance(index.value, int):

@@ -35,6 +35,7 @@ def modules(tmp_path, entry="train.py"):
     "HERE = os.path.dirname(__file__)\nsys.path += [f'{HERE}/../lib']",
     "site.addsitedir(os.path.join(os.path.dirname(__file__), '..', 'lib'))",
     "sys.path.insert(0, os.path.realpath(os.path.join(os.getcwd(), '..', 'lib')))",
+    "sys.path.insert(1, os.path.join(sys.path[0], '../lib'))",
 ])
 def test_sys_path_spellings_in_the_entry(tmp_path, edit):
     write(tmp_path, {
