@@ -166,7 +166,7 @@ class GatherListMean(Rule):
                 self._meter_dicts(loop, names)
         gathered: Set[str] = set()
         for loop, names in loops.items():
-            lists = [n for n in names if gathered_for_mean(ctx, loop, n)]
+            lists = [n for n in names if gathered_for_mean(ctx, loop, n) and not self._shown_each_step(loop, n)]
             self._gather_at_reads(loop, [n for n in names if n not in lists])
             if not lists:
                 continue  # (a loader every rank iterates in full: its means are the whole data's)
@@ -254,6 +254,37 @@ class GatherListMean(Rule):
                                                              args=[cst.Arg(v)])) for n in reads],
                         imports=[ctx.runtime_import()])
 
+    def _shown_each_step(self, loop: cst.For, name: str) -> bool:
+        """The list `name` of a training loop (`loss_G_train += [loss_G.item()]`) is also read in
+        the loop, as a mean shown each step (`print(... mean(loss_G_train))`): a gather after the
+        loop would leave those lines rank 0's, so `_step_histories` records each step's value as
+        the ranks' mean instead, which every later mean over the list keeps right. Only where
+        every record of it is one of those (a step's number, in the loop's body itself)."""
+        ctx = self.ctx
+        if ctx.options.mode != "ddp" or not analysis.runs_backward(ctx, loop):
+            return False
+        records = self._records(loop, name)
+        if not records or not all(ctx.parent(ctx.statement_of(r)) is loop.body and (_number_of_step(ctx, v) or (
+                isinstance(v, cst.Call) and ctx.resolve(v.func) == RUNTIME + ".all_reduce")) for r, v in records):
+            return False  # (the ranks' mean already: a second run)
+        statements = {id(ctx.statement_of(r)) for r, _ in records}
+        return any(n.value == name and is_load(ctx, n) and id(ctx.statement_of(n)) not in statements
+                   for n in ctx.within(loop.body, cst.Name, skip_defs=True))
+
+    def _records(self, loop: cst.CSTNode, name: str) -> List[Tuple[cst.CSTNode, cst.BaseExpression]]:
+        """`name.append(v)` and `name += [v]` in `loop`: (the call or augmented assignment, v)."""
+        ctx = self.ctx
+        out: List[Tuple[cst.CSTNode, cst.BaseExpression]] = []
+        for c in ctx.within(loop, cst.Call, skip_defs=True):
+            if type(c.func) is cst.Attribute and c.func.attr.value == "append" and code(c.func.value) == name \
+                    and len(c.args) == 1:
+                out.append((c, c.args[0].value))
+        for a in ctx.within(loop, cst.AugAssign, skip_defs=True):
+            if isinstance(a.operator, cst.AddAssign) and code(a.target) == name and type(a.value) is cst.List \
+                    and len(a.value.elements) == 1:
+                out.append((a, a.value.elements[0].value))
+        return out
+
     def _step_histories(self, gathered: Set[str]) -> None:
         """`G_losses.append(errG.item())`, `results["loss"].append(loss.item())` once per step
         of a training loop over a sharded loader (the DCGAN tutorial's loss history, plotted or
@@ -288,6 +319,19 @@ class GatherListMean(Rule):
             self.report(call, f"`{owner}` records this rank's value each training step (a history that is "
                               f"printed, plotted or saved): record the ranks' mean",
                         edits=[ranks_mean(ctx, value)], imports=[ctx.runtime_import()])
+        for aug in ctx.nodes(cst.AugAssign):  # `loss_G_train += [loss_G.item()]`, shown each step
+            if not (isinstance(aug.operator, cst.AddAssign) and type(aug.target) is cst.Name
+                    and type(aug.value) is cst.List and len(aug.value.elements) == 1):
+                continue
+            loop = _training_step_loop(ctx, aug)
+            owner, value = aug.target.value, aug.value.elements[0].value
+            if owner in gathered or loop is None or not _number_of_step(ctx, value) \
+                    or not self._shown_each_step(loop, owner) \
+                    or collective_guard(ctx, loop) is not None or _skipped_before(ctx, loop, aug):
+                continue
+            self.report(aug, f"`{owner}` records this rank's value each training step and shows its mean each "
+                             f"step: record the ranks' mean", edits=[ranks_mean(ctx, value)],
+                        imports=[ctx.runtime_import()])
 
     def _step_updates(self) -> Set[str]:
         """`meter.update(loss.item(), n)`, `metric_logger.update(loss=loss_value)` (with
