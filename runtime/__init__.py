@@ -37,6 +37,7 @@ import datetime
 import functools
 import gc
 import hashlib
+import importlib
 import io
 import itertools
 import logging
@@ -2479,10 +2480,34 @@ def broadcast_object(value, src: int = 0):
     if not _pg():
         setup()
     box = [_to_cpu(value) if rank() == src else None]
-    dist.broadcast_object_list(box, src=src)
+    if _has_numpy():
+        dist.broadcast_object_list(box, src=src)
+    else:  # (torch's object broadcast reads the bytes back through numpy)
+        box = [pickle.loads(_broadcast_bytes(pickle.dumps(box[0]) if rank() == src else b"", src))]
     if isinstance(value, torch.Tensor):
         return box[0].to(value.device)
     return box[0]
+
+
+def _has_numpy() -> bool:
+    try:
+        importlib.import_module("numpy")
+    except ImportError:
+        return False
+    return True
+
+
+def _broadcast_bytes(data: bytes, src: int) -> bytes:
+    """Rank ``src``'s ``data`` on every rank, with two tensor broadcasts (its length, then its
+    bytes): an object broadcast that needs no numpy."""
+    comm = device() if _nccl() else torch.device("cpu")
+    size = torch.tensor([len(data)], dtype=torch.int64, device=comm)
+    dist.broadcast(size, src=src)
+    buf = torch.empty(int(size.item()), dtype=torch.uint8, device=comm)
+    if rank() == src and data:
+        buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    dist.broadcast(buf, src=src)
+    return bytes(buf.cpu().tolist())
 
 
 _ON_MAIN = [0]  # depth of `on_main` calls running on this process

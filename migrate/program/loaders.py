@@ -241,6 +241,14 @@ def is_literal(node: Optional[cst.CSTNode], *values: str) -> bool:
     return isinstance(node, cst.Name) and node.value in values
 
 
+def _drawing_alike(ctx, node: cst.CSTNode) -> bool:
+    """`tm.same_draws(loader)`, which TM203 adds after a whole evaluation loader (an earlier run):
+    the loader itself, not a use of it."""
+    arg = ctx.parent(node)
+    call = ctx.parent(arg) if isinstance(arg, cst.Arg) else None
+    return isinstance(call, cst.Call) and ctx.resolve(call.func) == RUNTIME + ".same_draws"
+
+
 def _same_test(a: str, b: str) -> bool:
     """Two tests written alike but for spaces and quotes (`x=='train'`, `x == "train"`)."""
     def norm(t: str) -> str:
@@ -753,7 +761,7 @@ class LoaderFacts:
             return False
         if loader.target:
             uses = [n for n in ctx.named(loader.target) if ctx.enclosing(n, cst.FunctionDef) is fn
-                    and not isinstance(ctx.parent(n), cst.AssignTarget)]
+                    and not isinstance(ctx.parent(n), cst.AssignTarget) and not _drawing_alike(ctx, n)]
             read = [n for n in uses if self._iterated(n)]
             if not read or len(read) != len(uses) or not all(self._without_gradients(n) for n in read):
                 return False  # returned, passed on, stored (it leaves here), or read where it may train

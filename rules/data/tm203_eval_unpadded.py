@@ -104,7 +104,9 @@ class EvalUnpadded(DataRule):
             import torch
             from sklearn.metrics import f1_score
             from torch.utils.data import DataLoader
+            import torchmigrate.runtime as tm
             val_loader = DataLoader(val_ds, batch_size=128, shuffle=False)
+            tm.same_draws(val_loader)
             with torch.no_grad():
                 preds = [model(x).argmax(1) for x, _ in val_loader]
             print(f1_score(val_ds.targets, torch.cat(preds), average="macro"))
