@@ -2480,7 +2480,7 @@ def broadcast_object(value, src: int = 0):
     if not _pg():
         setup()
     box = [_to_cpu(value) if rank() == src else None]
-    if _has_numpy():
+    if _numpy() is not None:
         dist.broadcast_object_list(box, src=src)
     else:  # (torch's object broadcast reads the bytes back through numpy)
         box = [pickle.loads(_broadcast_bytes(pickle.dumps(box[0]) if rank() == src else b"", src))]
@@ -2489,12 +2489,12 @@ def broadcast_object(value, src: int = 0):
     return box[0]
 
 
-def _has_numpy() -> bool:
+def _numpy():
+    """The numpy module, imported if it is installed, else None (the runtime runs without it)."""
     try:
-        importlib.import_module("numpy")
+        return importlib.import_module("numpy")
     except ImportError:
-        return False
-    return True
+        return None
 
 
 def _broadcast_bytes(data: bytes, src: int) -> bytes:
@@ -3020,12 +3020,7 @@ def _reseed(seed: int) -> None:
     assigned over (`random.seed = 42`, a slip for a call, leaves the generator and breaks the
     name)."""
     random.Random.seed(random._inst, seed)
-    numpy = sys.modules.get("numpy")
-    if numpy is None:
-        try:
-            import numpy
-        except ImportError:
-            numpy = None
+    numpy = _numpy()
     if numpy is not None:
         numpy.random.mtrand._rand.seed(seed % 2 ** 32)
     torch.manual_seed(seed)

@@ -1168,8 +1168,8 @@ class LoaderFacts:
             call = ctx.parent(parent)
             if type(call) is cst.Call and dotted(call.func) == "len":
                 return f"`{code(call)}` counts its batches, which sharding changes"
-            if type(call) is cst.Call and ctx.resolve(call.func) == RUNTIME + ".same_draws":
-                return ""  # (what TM203 added on an earlier run: the loader itself, drawing alike)
+            if _drawing_alike(ctx, node):
+                return ""
             if type(call) is cst.Call and any(param for callee, skip in self.callees(call)
                                               for param, value in bind_params(callee, call, skip) if value is node):
                 return ""  # a parameter of a function of this module: its uses are followed

@@ -580,7 +580,7 @@ def means_only(ctx: Context, loop: cst.For, name: str) -> bool:
             continue  # `losses = np.mean(losses)`: the target; its value's uses are checked
         if _deleted(ctx, n):
             break  # `del losses`: no use, and none after it
-        if not _in_mean(ctx, n, name):
+        if not in_mean(ctx, n, name):
             return False
         uses += 1
         statement = ctx.statement_of(n)
@@ -602,10 +602,6 @@ def _deleted(ctx: Context, node: cst.Name) -> bool:
 def in_mean(ctx: Context, use: cst.BaseExpression, name: str) -> bool:
     """`use` (the list `name`, a name or `self.x`) is read as a mean: `np.mean(x)`,
     `sum(x) / len(x)`, `torch.tensor(x).mean()`, a mean over its items."""
-    return _in_mean(ctx, use, name)
-
-
-def _in_mean(ctx: Context, use: cst.BaseExpression, name: str) -> bool:
     parent = ctx.parent(use)
     if isinstance(parent, cst.CompFor) and parent.iter is use:
         # `np.mean([x["acc"] for x in summ])`: a mean over the (gathered) list's items

@@ -58,6 +58,20 @@ _SHOWING = frozenset({"print", "str", "repr", "int", "float", "len", "format", "
                       "warn", "error", "log", "add_scalar", "add_scalars", "set_description", "set_postfix"})
 
 
+def _path_method(call: cst.Call) -> Optional[str]:
+    """"write" for a pathlib call that creates or removes the file its receiver names
+    (`Path(flag).touch()`, `.unlink(missing_ok=True)`: no positional argument), "link" for one
+    that makes the link it names (`Path(latest).symlink_to(ckpt)`), else None."""
+    func = call.func
+    if not isinstance(func, cst.Attribute):
+        return None
+    if func.attr.value in effects.PATH_WRITES and not any(a.keyword is None for a in call.args):
+        return "write"
+    if func.attr.value in effects.PATH_LINKS and call.args:
+        return "link"
+    return None
+
+
 def _only_shows(call: cst.Call, name: Optional[str]) -> bool:
     func = call.func
     last = func.attr.value if isinstance(func, cst.Attribute) else func.value if isinstance(func, cst.Name) else ""
@@ -672,8 +686,7 @@ class MainOnlyWrites(Rule):
         """The path text of the file a write creates or removes: `open(p, "w")`, `os.remove(p)`,
         `Path(p).touch()`."""
         func = call.func
-        if isinstance(func, cst.Attribute) and func.attr.value in effects.PATH_WRITES \
-                and not any(a.keyword is None for a in call.args):  # `.unlink(missing_ok=True)` too
+        if _path_method(call) == "write":
             receiver = func.value
             if isinstance(receiver, cst.Call) and receiver.args and (dotted(receiver.func) or "").endswith("Path"):
                 return code(receiver.args[0].value)
@@ -685,7 +698,7 @@ class MainOnlyWrites(Rule):
             return code(call.args[0].value)
         if name in _LINKS and len(call.args) > 1:
             return code(call.args[1].value)
-        if isinstance(func, cst.Attribute) and func.attr.value in effects.PATH_LINKS and call.args:
+        if _path_method(call) == "link":
             return code(func.value)
         return None
 
@@ -713,11 +726,9 @@ class MainOnlyWrites(Rule):
         if name in analysis.FILE_WRITERS:
             return True
         func = call.func
-        if isinstance(func, cst.Attribute) and func.attr.value in effects.PATH_WRITES \
-                and not any(a.keyword is None for a in call.args):  # `.unlink(missing_ok=True)` too
+        if _path_method(call) == "write":
             return self.ctx.options.mode == "ddp"  # `Path(flag).touch()`, `.unlink()`
-        if isinstance(func, cst.Attribute) and func.attr.value in effects.PATH_LINKS and call.args \
-                and name is None:
+        if _path_method(call) == "link" and name is None:
             return self.ctx.options.mode == "ddp" and not follows_save(self.ctx, call)  # `Path(dst).symlink_to(src)`
         if not isinstance(func, cst.Attribute) or not call.args:
             return False

@@ -218,12 +218,8 @@ class GatherListMean(Rule):
             reads = [n for n in reads if not _reduced(ctx, n, "gather_list")]  # (none on a second run)
             if not reads:
                 continue
-            tm = ctx.tm
             self.report(loop, f"the mean of `{name}` covers this rank's batches only: gather every rank's values "
-                              "where it is read",
-                        edits=[replace(n, lambda v: cst.Call(func=cst.parse_expression(f"{tm}.gather_list"),
-                                                             args=[cst.Arg(v)])) for n in reads],
-                        imports=[ctx.runtime_import()])
+                              "where it is read", edits=_gathered_where_read(ctx, reads), imports=[ctx.runtime_import()])
         return done
 
     def _gather_at_reads(self, loop: cst.For, names: List[str]) -> None:
@@ -247,11 +243,8 @@ class GatherListMean(Rule):
                      and is_load(ctx, n) and binding_of(ctx, n) is None and not _reduced(ctx, n, "gather_list")]
             if not reads:
                 continue
-            tm = ctx.tm
             self.report(loop, f"the mean of `{name}` covers this rank's batches only (a list kept across epochs): "
-                              "gather every rank's values where it is read",
-                        edits=[replace(n, lambda v: cst.Call(func=cst.parse_expression(f"{tm}.gather_list"),
-                                                             args=[cst.Arg(v)])) for n in reads],
+                              "gather every rank's values where it is read", edits=_gathered_where_read(ctx, reads),
                         imports=[ctx.runtime_import()])
 
     def _shown_each_step(self, loop: cst.For, name: str) -> bool:
@@ -858,6 +851,12 @@ def _number_of_step(ctx: Context, value: cst.BaseExpression) -> bool:
     if isinstance(func, cst.Attribute) and func.attr.value == "item" and not value.args:
         return True
     return isinstance(func, cst.Name) and func.value == "float" and len(value.args) == 1
+
+
+def _gathered_where_read(ctx: Context, reads: List[cst.CSTNode]) -> List:
+    """The edits that read every rank's values of a list at each of `reads`: `tm.gather_list(x)`."""
+    gather = cst.parse_expression(f"{ctx.tm}.gather_list")
+    return [replace(n, lambda v: cst.Call(func=gather, args=[cst.Arg(v)])) for n in reads]
 
 
 def _reduced(ctx: Context, value: cst.CSTNode, helper: str = "all_reduce") -> bool:

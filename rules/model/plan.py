@@ -128,6 +128,12 @@ def _project_bases(klass: cst.ClassDef) -> List[str]:
     return [code(b.value) for b in klass.bases if (dotted(b.value) or "").rsplit(".", 1)[-1] not in ("Module", "object")]
 
 
+def _handed_unnamed(callers: List[Optimizer]) -> bool:
+    """One of these calls of a helper that builds an optimizer hands it a model no name holds
+    (`fit(Net(), loader)`): the wrap cannot go at that call."""
+    return any(not c.models or not all(is_variable(x) for x in c.models) for c in callers)
+
+
 def _no_model(value: Optional[cst.BaseExpression]) -> bool:
     """`value` is surely not a module: `None` or another literal."""
     return isinstance(value, (cst.Name,)) and value.value in ("None", "False", "True") or isinstance(
@@ -908,7 +914,7 @@ class Plan:
                 trains_here = fname and m in self.models.params(scope) and self._trains_param(scope, m)
                 callers = [c for c in optimizers(ctx) if c.via is o]
                 if fname and m in self.models.params(scope) and callers and not (
-                        trains_here and any(not c.models or not all(is_variable(x) for x in c.models) for c in callers)):
+                        trains_here and _handed_unnamed(callers)):
                     return None  # this file calls fname() with the model: the wrap goes at that call
                 if fname and m in self.models.params(scope) and self._builder_for_others(scope):
                     return None  # another module calls fname() with the model and wraps it there
@@ -950,8 +956,7 @@ class Plan:
         """A helper that trains the model it is handed, called here with a model no name holds
         (`Trainer().train(loader, Net())`): the wrap goes inside it, where the model has a name."""
         callers = [c for c in optimizers(self.ctx) if c.via is inner]
-        return bool(callers) and self._trains_own_param(inner) and any(
-            not c.models or not all(is_variable(x) for x in c.models) for c in callers)
+        return bool(callers) and self._trains_own_param(inner) and _handed_unnamed(callers)
 
     def _trains_own_param(self, inner: Optimizer) -> bool:
         """The function that builds the optimizer `inner` (reached through a call of it) trains

@@ -204,8 +204,8 @@ class WrapDDP(ModelRule):
             edit = (insert_after if nw.after else insert_before)(nw.anchor, [statement])
             extra = f" (find_unused_parameters=True: {nw.find_unused})" if nw.find_unused else ""
             if summed:
-                extra += (f"; loss_reduction=\"sum\": the training loss sums over its batch, so the ranks' "
-                          f"gradients summed make the original's step over the whole global batch")
+                extra += ("; loss_reduction=\"sum\": the training loss sums over its batch, so the ranks' "
+                          "gradients summed make the original's step over the whole global batch")
             if nw.reloaded:
                 self.report(nw.bound, f"`{nw.name}` is loaded again as a whole model after its wrap (a resume): "
                                       f"wrapped again, `{nw.name} = {tm}.wrap_model({nw.name})`, or it would train "
