@@ -88,6 +88,7 @@ _GROUPS_MADE = 0  # process groups setup() has created in this process (see _res
 _FAILED = False  # an uncaught exception is ending this process (set by the failure hook)
 _AT_EXIT = False  # cleanup() is registered to run at interpreter exit
 _LOG_DISABLED = False
+_ON_CPU = False  # setup(device="cpu"): this process computes on the CPU even where CUDA is available
 _DDP_WRAPPERS: list = []  # weak references to wrap_model's DDPs, oldest first; released by cleanup()
 
 
@@ -153,12 +154,17 @@ def is_distributed() -> bool:
 
 def device() -> torch.device:
     """``cuda:LOCAL_RANK`` when CUDA is available (modulo the visible GPU count, for SLURM jobs
-    that give each task one GPU), else ``cpu``. Does not create a CUDA context."""
-    if _CTX is not None:
-        return _CTX.device
-    if torch.cuda.is_available():
-        return torch.device("cuda", local_rank() % max(torch.cuda.device_count(), 1))
-    return torch.device("cpu")
+    that give each task one GPU), else ``cpu``; ``cpu`` too after ``setup(device="cpu")`` or
+    with ``TORCHMIGRATE_DEVICE=cpu``. Does not create a CUDA context."""
+    return _CTX.device if _CTX is not None else _rank_device()
+
+
+def _rank_device() -> torch.device:
+    """The device ``setup()`` gives this process (see ``device``)."""
+    if _ON_CPU or os.environ.get("TORCHMIGRATE_DEVICE", "").strip().lower() == "cpu" \
+            or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", local_rank() % max(torch.cuda.device_count(), 1))
 
 
 def _require_pg() -> None:
@@ -233,7 +239,7 @@ def _same_hash_seed(env: dict, caller) -> None:
     os.execv(sys.executable, argv)
 
 
-def setup(backend: str | None = None, timeout=None) -> Ctx:
+def setup(backend: str | None = None, timeout=None, device: str | None = None) -> Ctx:
     """Initialise distributed training once and return a ``Ctx``; later calls return the same Ctx.
 
     1 process: no process group (also for torchrun with WORLD_SIZE=1); on CUDA the current device
@@ -249,8 +255,22 @@ def setup(backend: str | None = None, timeout=None) -> Ctx:
     ``_restart_store``); a ``MASTER_PORT`` already in use is an error that says so. The first
     process group it creates gives every rank rank 0's random streams (``_share_random_streams``),
     so what the program draws before training starts agrees across ranks, as in the original.
+
+    ``device="cpu"`` (what ``torchmigrate ddp`` passes to a program that names no device
+    anywhere, so every tensor it makes stays on the CPU): ``device()`` is the CPU for the rest of
+    the process, also on a GPU host, and the group is gloo, so ``wrap_model`` keeps the model
+    beside the program's tensors. ``TORCHMIGRATE_DEVICE=cpu`` does the same for any program.
     """
-    global _CTX, _OWN_PG, _LOG_DISABLED, _GROUPS_MADE, _AT_EXIT
+    global _CTX, _OWN_PG, _LOG_DISABLED, _GROUPS_MADE, _AT_EXIT, _ON_CPU
+    choice = device if device is not None else os.environ.get("TORCHMIGRATE_DEVICE")
+    if choice is not None:
+        if str(choice).strip().lower() != "cpu":
+            raise ValueError(f"torchmigrate.runtime: setup(device={choice!r}): only 'cpu' can be chosen "
+                             "(by default each rank takes its own GPU, cuda:LOCAL_RANK, where CUDA is available)")
+        if not _ON_CPU and _CTX is not None and _CTX.device.type != "cpu":
+            raise RuntimeError("torchmigrate.runtime: setup(device='cpu') after the process was set up on "
+                               f"{_CTX.device}: call it first, before any other torchmigrate helper")
+        _ON_CPU = True
     if _CTX is not None and (_pg() or not _CTX.world_size > 1):
         return _CTX
     env = _env()
@@ -259,7 +279,7 @@ def setup(backend: str | None = None, timeout=None) -> Ctx:
     if env["slurm"]:
         for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
             os.environ[k] = str(env[k])
-    dev = device()
+    dev = _rank_device()
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     if env["WORLD_SIZE"] > 1 and not _pg():

@@ -125,6 +125,41 @@ def one_fake_gpu(monkeypatch):
     return calls
 
 
+@pytest.mark.parametrize("how", ["argument", "environment"])
+def test_setup_on_the_cpu_where_cuda_is_available(one_fake_gpu, monkeypatch, how):
+    """A program that names no device (`tm.setup(device="cpu")`, or TORCHMIGRATE_DEVICE=cpu):
+    on a GPU host its ranks stay on the CPU, with gloo, and its model is not moved to a GPU,
+    so it stays beside the tensors the program makes on the CPU."""
+    monkeypatch.setattr(tm, "_ON_CPU", False)
+    for k, v in {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    assert tm.device() == torch.device("cuda", 0)  # (one fake GPU: local rank 1 modulo 1)
+    monkeypatch.setattr(tm, "_same_hash_seed", lambda *a: None)
+    monkeypatch.setattr(tm, "_install_failure_hook", lambda *a: None)
+    monkeypatch.setattr(tm, "_share_random_streams", lambda: None)
+    monkeypatch.setattr(tm, "_watch_writes", lambda: None)
+    monkeypatch.setattr(tm, "_wait_for_saves", lambda: None)
+    monkeypatch.setattr(tm, "rank", lambda: 1)
+    monkeypatch.setattr(tm, "world_size", lambda: 2)
+    if how == "argument":
+        ctx = tm.setup(device="cpu")
+    else:
+        monkeypatch.setenv("TORCHMIGRATE_DEVICE", "cpu")
+        ctx = tm.setup()
+    monkeypatch.setattr(tm, "_CTX", None)  # (the fake group is gone; cleanup() must not destroy it)
+    monkeypatch.setattr(tm, "_OWN_PG", False)
+    assert ctx.device == torch.device("cpu")
+    assert one_fake_gpu == [("init", "gloo", None)]  # no set_device, no NCCL
+    assert tm.device() == torch.device("cpu")
+
+
+def test_setup_device_other_than_cpu_is_refused(monkeypatch):
+    monkeypatch.setattr(tm, "_ON_CPU", False)
+    with pytest.raises(ValueError, match=r"setup\(device='cuda:1'\): only 'cpu'"):
+        tm.setup(device="cuda:1")
+
+
 @pytest.mark.parametrize("local_world, fails", [("2", True), ("1", False)])
 def test_nccl_needs_a_gpu_per_process_on_the_node(one_fake_gpu, monkeypatch, local_world, fails):
     """torchrun --nproc-per-node=2 on a 1-GPU node: a clear error before NCCL's "Duplicate GPU

@@ -25,6 +25,7 @@ from typing import Dict, FrozenSet, Iterable, List, Optional, Set, Tuple
 
 from torchmigrate.program import amp_hazards, batch_coupling, collates, effects, inherited, splits
 from torchmigrate.program.classes import MODULE, OTHER, argument_kind, class_kinds, optimizer_wrapper
+from torchmigrate.program.devices import names_device
 from torchmigrate.program.generators import endless_generators
 from torchmigrate.program.graph import Graph
 from torchmigrate.program.search_path import dotted_name
@@ -494,6 +495,7 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
              if len(outs := forward_outputs(c)) > 1}
     builders = _iterator_builders(modules)
     torch_programs = _torch_programs(graph, modules)
+    devices = names_device(m.tree for m in modules.values())
     loader_names = {"DataLoader"} | {name for _, name in loader_classes}
     builds_loaders = any((dotted_name(c.func) or "").rsplit(".", 1)[-1] in loader_names
                          and not _own_non_loader(s, modules, c) for s in scopes for c in s.calls)
@@ -568,6 +570,7 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
             program_dataloaders=builds_dataloaders,
             program_torch=path in torch_programs,
             print_override=path in overridden,
+            program_devices=devices,
             called_elsewhere=frozenset(q for p, q in called if p == path),
             builders_for_others=frozenset(q for p, q in optimizer_params if p == path
                                           and any(_spellings(other, modules, {(p, q)})

@@ -100,6 +100,9 @@ class ModuleView:
     # the program replaces `builtins.print` (DeiT/DETR's `setup_for_distributed`, MoCo's
     # `print_pass`) on a path this module runs in: its prints are already rank-aware
     print_override: bool = False
+    # some module of the program names a device (`program.devices`): where none does, the
+    # program runs on the CPU and its ranks stay there (`tm.setup(device="cpu")`)
+    program_devices: bool = True
     # functions and methods ("f", "Cls.m") of this module that other modules call, and those
     # of them that every such call reaches only under a rank guard (`if utils.is_main_process():
     # utils.save_checkpoint(...)`)

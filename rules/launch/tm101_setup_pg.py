@@ -303,24 +303,37 @@ class SetupProcessGroup(Rule):
             return
         tm = ctx.tm
         message = f"insert {tm}.setup()/{tm}.cleanup() so the script runs under torchrun (process group, one GPU per process)"
+        if not ctx.program.program_devices:
+            message = (f"insert {tm}.setup(device=\"cpu\")/{tm}.cleanup() so the script runs under torchrun: the "
+                       "program names no device anywhere, so it builds its model and every tensor on the CPU, and "
+                       "each rank stays there (gloo), as its one process did; to train on GPUs, move the model and "
+                       f"the batches to `{tm}.device()` and drop `device=\"cpu\"`")
         if plan.kind == "main-guard":
             guard = plan.guard
             edits = [replace(guard, lambda g: self._fix_guard(g, plan.setup_in_guard))]
             if plan.setup_after is not None:
-                edits.append(insert_after(plan.setup_after, [stmt(f"{tm}.setup()")]))
+                edits.append(insert_after(plan.setup_after, [self._setup()]))
             elif plan.setup_before is not None:
-                edits.append(insert_before(plan.setup_before, [stmt(f"{tm}.setup()")]))
+                edits.append(insert_before(plan.setup_before, [self._setup()]))
             self.report(guard, message, edits=edits, imports=[ctx.runtime_import()])
             return
         entry = plan.entry
         edits = []
-        setup = stmt(f"{tm}.setup()")
+        setup = self._setup()
         if entry.setup_after is not None:
             edits.append(insert_after(entry.setup_after, [setup]))
         else:
             edits.append(insert_before(entry.setup_before, [setup]))
         edits.append(self._cleanup_edit(entry))
         self.report(entry.setup_after or entry.setup_before, message, edits=edits, imports=[ctx.runtime_import()])
+
+    def _setup(self) -> cst.SimpleStatementLine:
+        """`tm.setup()`, or `tm.setup(device="cpu")` for a program that names no device anywhere
+        (`program.devices`): its tensors are all made on the CPU, so its ranks must stay there
+        even on a GPU host, where `tm.device()` would otherwise be the rank's GPU."""
+        if self.ctx.program.program_devices:
+            return stmt(f"{self.ctx.tm}.setup()")
+        return stmt(f'{self.ctx.tm}.setup(device="cpu")')
 
     def _cleanup_edit(self, entry: analysis.Entry):
         """`tm.cleanup()` after the last statement of a top-level script (before its plain exit,
@@ -419,7 +432,7 @@ class SetupProcessGroup(Rule):
         else:
             stmts = list(body.body)
             block = body
-        setup, cleanup = stmt(f"{tm}.setup()"), stmt(f"{tm}.cleanup()")
+        setup, cleanup = self._setup(), stmt(f"{tm}.cleanup()")
         first_exit = next((i for i, s in enumerate(stmts) if _may_exit(self.ctx, s)), None)
         if first_exit is None:
             new = [*stmts, cleanup]

@@ -721,8 +721,8 @@ class DeviceFromRank(Rule):
 
     # --- batches --------------------------------------------------------------------------------
     def _batch_moves(self) -> None:
-        if moves_to_devices(self.ctx):
-            return
+        if moves_to_devices(self.ctx) or not self.ctx.program.program_devices:
+            return  # (a program that names no device stays on the CPU: `tm.setup(device="cpu")`, TM101)
         from torchmigrate.rules.model.plan import plan as model_plan
 
         models = {w.name for w in model_plan(self.ctx).new}
