@@ -13,7 +13,7 @@ from typing import Dict, Iterable, List, Sequence, Set
 import libcst as cst
 
 from torchmigrate.finding import Edit, EditKind, Import
-from torchmigrate.syntax.imports import ImportTable, leading_import_anchor
+from torchmigrate.syntax.imports import ImportTable, new_import_anchor
 from torchmigrate.syntax.walk import child_fields
 
 TODO_PREFIX = "# TODO(torchmigrate): "
@@ -31,7 +31,7 @@ def apply_edits(
         by_target[edit.target].append(edit)
     new_imports = _missing_imports(imports, table or ImportTable.from_module(module))
     if new_imports:
-        anchor = leading_import_anchor(module)
+        anchor = new_import_anchor(module)
         stmts = [_import_statement(spec) for spec in new_imports]
         if anchor is None:
             by_target[module].append(Edit(EditKind.REPLACE, module, fn=_prepend(stmts)))

@@ -60,7 +60,11 @@ _EVAL_WORDS = frozenset({"val", "valid", "validation", "test", "testing", "eval"
 # Wrappers whose first argument is the sequence a loop iterates.
 _PASS_THROUGH = frozenset({"enumerate", "tqdm", "tqdm.tqdm", "tqdm.auto.tqdm", "tqdm.notebook.tqdm", "iter"})
 # Iterables that are counters, not data.
-_COUNTERS = frozenset({"range", "itertools.count", "itertools.repeat", "count", "repeat"})
+# ... and tqdm's ranges (`trange(start, n_iters)`), which count steps like `range` but are no
+# sequence that `tm.shard_range` could share out
+_COUNTERS = frozenset({"range", "itertools.count", "itertools.repeat", "count", "repeat",
+                       "trange", "tnrange", "tqdm.trange", "tqdm.auto.trange", "tqdm.notebook.trange",
+                       "tqdm.tnrange", "tqdm.notebook.tnrange", "tqdm.std.trange"})
 # Losses that average over their samples by default (torch.nn.functional and the nn classes).
 MEAN_LOSSES = frozenset({"nll_loss", "cross_entropy", "mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss",
                          "binary_cross_entropy", "binary_cross_entropy_with_logits", "soft_margin_loss",

@@ -194,6 +194,20 @@ def leading_import_anchor(module: cst.Module) -> Optional[cst.CSTNode]:
     return anchor
 
 
+def new_import_anchor(module: cst.Module) -> Optional[cst.CSTNode]:
+    """Where the engine adds imports: after the first run of import lines (`leading_import_anchor`),
+    unless code comes before that run (`device = "cuda"` above `import torch` in a settings
+    module): a rewrite of that code (`device = tm.device()`) would run before an import placed
+    below it, so the imports go after the docstring, or first. (No `from __future__` import can
+    follow such code, so the top is always a valid place.)"""
+    for stmt in module.body:
+        if is_import_line(stmt) or isinstance(stmt, (cst.FunctionDef, cst.ClassDef)):
+            break
+        if not _is_docstring(stmt) or stmt is not module.body[0]:
+            return module.body[0] if _is_docstring(module.body[0]) else None
+    return leading_import_anchor(module)
+
+
 def last_import_before_defs(module: cst.Module) -> Optional[cst.CSTNode]:
     """The last top-level import line before the module's first def or class (unlike
     `leading_import_anchor`, past code between import blocks), or None."""
