@@ -362,7 +362,9 @@ def test_scripts_data_rules_compile_and_are_idempotent(script):
     result = run(source)
     if "DataLoader" in source and "DistributedSampler" not in source:
         assert "tm.sampler(" in result.new_source
-        assert "tm.set_epoch(" in result.new_source
+        # (a loader read again whenever it runs out, `except StopIteration:`, starts passes that
+        # only its sampler can number: tm.sampler does, and nothing is added)
+        assert ("tm.set_epoch(" in result.new_source) != ("except StopIteration" in source)
     assert not [f for f in result.findings if f.safety.value == "manual" and not f.advice]
 
 

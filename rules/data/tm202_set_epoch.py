@@ -225,7 +225,20 @@ class SetEpoch(DataRule):
         ctx = self.ctx
         loop = self._epoch_loop(loops)
         key = (id(loop), loader.index)
+        statement = ctx.statement_of(node)
+        if iter_call and statement is not None and isinstance(ctx.parent(statement), cst.IndentedBlock) \
+                and ctx.parent(statement) is not loop.body and not self._contains_set_epoch(loop):
+            # `except StopIteration: it = iter(loader)` in a loop of steps: a new pass starts
+            # whenever the loader runs out, which no loop counter numbers (a set_epoch with the
+            # outer counter would replay one order for every pass within it): the runtime's
+            # samplers number the passes themselves; anything else gets a TODO
+            self.insertions[key] = _Insertion(loop, loader, text, statement, "before", None, (
+                "its iterator is made again whenever it runs out, inside a loop whose counter does not count "
+                "the passes: count them and call set_epoch with that count before each `iter(...)`"))
+            return
         if key in self.insertions:
+            if self.insertions[key] is not None and self.insertions[key].problem.startswith("its iterator is made"):
+                return
             held = self.insertions[key]
             if held is None or _names_eval(text) or not _names_eval(held.text):
                 return
@@ -247,10 +260,6 @@ class SetEpoch(DataRule):
         if not isinstance(body, cst.IndentedBlock):
             problem = problem or "the loop body is on one line"
         anchor, where = (body.body[0] if isinstance(body, cst.IndentedBlock) else loop), "before"
-        statement = ctx.statement_of(node)
-        if iter_call and statement is not None and isinstance(ctx.parent(statement), cst.IndentedBlock) \
-                and loop is loops[0] and ctx.parent(statement) is not body:
-            anchor = statement  # an iterator re-created inside a step loop (`except StopIteration:`)
         binding = self._binding_in(loop, loader, text, node)
         if binding is not None:
             anchor, where = binding, "after"
