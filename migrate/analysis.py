@@ -549,8 +549,9 @@ def _assigned_owners(ctx: Context, call: cst.Call) -> List[str]:
 
 def _followed_owners(ctx: Context, call: cst.Call, params: cst.BaseExpression) -> List[str]:
     """Models behind names passed as parameters: `params = [p for p in model.parameters() if
-    p.requires_grad]`, `groups = [{"params": decay}, ...]` with `decay.append(p)` in a `for n, p in
-    model.named_parameters()` loop, all in the same scope (followed a few names deep)."""
+    p.requires_grad]`, `groups = [{"params": decay}, ...]` with `decay.append(p)` (or `params +=
+    [{"params": [p]}]`) in a `for n, p in model.named_parameters()` loop, all in the same scope
+    (followed a few names deep)."""
     names = set(_names_in(params))
     if not names:
         return []
@@ -577,6 +578,9 @@ def _followed_owners(ctx: Context, call: cst.Call, params: cst.BaseExpression) -
                     and ctx.scope_of(aug) is scope:
                 seen.add(aug)
                 add(container_owners(ctx, aug.value))
+                loop = ctx.enclosing(aug, cst.For, cst.FunctionDef)  # `params += [{"params": [v]}]` per parameter
+                if isinstance(loop, cst.For):
+                    add(container_owners(ctx, loop.iter) or _unwrapped_owners(ctx, loop.iter))
         for other, _ in facts(ctx).calls:
             func = other.func
             if (other not in seen and isinstance(func, cst.Attribute)
