@@ -288,6 +288,28 @@ class BatchFacts:
                     if any(name in _names(c) for c in ctx.within(value, cst.Call)) and self._starts_before(loop, name):
                         return name
             assigned |= names
+        return self._detached_in_place(loop)
+
+    def _detached_in_place(self, loop: cst.For) -> Optional[str]:
+        """A state the model updates in place, which the loop only cuts from the previous
+        batch's graph: `hidden.detach_()`, or `for h in H: h.detach_()` over a list the
+        forward writes into (`H[0] = self.cell(x, H[0])`), made before the loop."""
+        ctx = self.ctx
+        for call in ctx.within(loop.body, cst.Call, skip_defs=True):
+            func = call.func
+            if type(func) is not cst.Attribute or func.attr.value != "detach_":
+                continue
+            name = dotted(func.value)
+            if name is None:
+                continue
+            inner = next((f for f in ctx.ancestors(call) if isinstance(f, cst.For) and f is not loop
+                          and any(a is loop for a in ctx.ancestors(f)) and name in _target_names(f.target)), None)
+            if inner is not None:
+                name = dotted(inner.iter)
+                if name is None:
+                    continue
+            if self._starts_before(loop, name.split("[")[0]):
+                return name
         return None
 
     def _starts_before(self, loop: cst.For, name: str) -> bool:
