@@ -66,7 +66,7 @@ __all__ = [
     "amp_dtype", "autocast", "GradScaler", "print", "input", "bar_stream", "barrier", "all_reduce", "gather_for_metrics", "gather_list", "broadcast_object", "shared_generator", "grad", "any_rank", "all_ranks", "share_params", "sync_grads", "shard_stream",
     "shard_sampler", "reduce_meter", "reduce_batch_total", "per_rank_batch", "batch_rows", "sync_batchnorm", "synced", "to_float32",
     "save", "load", "strip_prefix", "load_state_dict", "seed_everything", "seed_per_rank", "main_only", "main_process_first", "goes_first",
-    "shard_range", "shard_indices", "shard_mean", "shard_batches", "agreed", "on_main", "move_into_place", "to_device", "as_device",
+    "shard_range", "shard_indices", "shard_mean", "shard_batches", "agreed", "on_main", "move_into_place", "to_device", "as_device", "device_arg",
     "set_device", "data_parallel", "same_draws",
 ]
 
@@ -2186,6 +2186,19 @@ def as_device(spec) -> torch.device:
         "cuda" if isinstance(spec, int) and not isinstance(spec, bool) and spec >= 0 else
         spec.split(":", 1)[0] if isinstance(spec, str) else None)
     return device() if kind == "cuda" else torch.device(spec)
+
+
+def device_arg(spec: str) -> str:
+    """``argparse``'s ``type=`` for a device option (``add_argument("--device", default="cuda:0",
+    type=tm.device_arg)``, what ``torchmigrate ddp`` makes of a string device option): any GPU the
+    command line or the default names (``-d cuda:0``, ``--device cuda``) is this process's own,
+    as a string (``"cuda:1"`` on local rank 1; the CPU where there is no GPU); ``cpu`` and other
+    devices stay as given. Every rank may then be started with the same ``-d cuda:0``. A value
+    that names no device is argparse's "invalid device_arg value" error."""
+    try:
+        return str(as_device(spec))
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"not a device: {spec!r}") from exc
 
 
 def to_device(*values):

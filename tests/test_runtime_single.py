@@ -154,6 +154,22 @@ def test_setup_on_the_cpu_where_cuda_is_available(one_fake_gpu, monkeypatch, how
     assert tm.device() == torch.device("cpu")
 
 
+def test_device_arg_makes_any_gpu_the_ranks_own(monkeypatch):
+    """`add_argument("-d", default="cuda:0", type=tm.device_arg)`: the default and a `-d cuda:0`
+    given to every rank both mean local rank 1's GPU on rank 1; the CPU stays the CPU."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    parser = argparse.ArgumentParser()
+    parser.add_argument("-d", "--device", default="cuda:0", type=tm.device_arg)
+    assert parser.parse_args([]).device == "cuda:1"
+    assert parser.parse_args(["-d", "cuda:0"]).device == "cuda:1"
+    assert parser.parse_args(["-d", "cuda"]).device == "cuda:1"
+    assert parser.parse_args(["-d", "cpu"]).device == "cpu"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["-d", "gpu please"])
+
+
 def test_setup_device_other_than_cpu_is_refused(monkeypatch):
     monkeypatch.setattr(tm, "_ON_CPU", False)
     with pytest.raises(ValueError, match=r"setup\(device='cuda:1'\): only 'cpu'"):

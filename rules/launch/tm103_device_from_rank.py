@@ -18,6 +18,7 @@ from torchmigrate.program.types import MODULE, TENSOR, kind_of, result_kind
 from torchmigrate.rule import Context, Example, Rule
 from torchmigrate.rules.launch.base import INIT_PG
 from torchmigrate.rules.launch.plan import legacy_launch, setup_plan
+from torchmigrate.rules.logging.base import add_kwarg
 
 SET_DEVICE = "torch.cuda.set_device"
 DEVICE_CTX = "torch.cuda.device"
@@ -671,7 +672,10 @@ class DeviceFromRank(Rule):
             self._fix(value, message + "; use tm.device()", replace_with(value, self._tm_device()))
 
     def _argparse_default(self, call: cst.Call) -> None:
-        """`add_argument("--device", default="cuda:0")`: a string option, so `str(tm.device())`."""
+        """`add_argument("--device", default="cuda:0")`: a string option. With no `type=` (or
+        `type=str`) it gets `type=tm.device_arg`, which reads any GPU named by the default or on
+        the command line (`-d cuda:0`, as the README says to start it) as the rank's own; with
+        another `type=`, only its default becomes `str(tm.device())`."""
         default = arg(call, "default")
         if default is None:
             return
@@ -679,6 +683,13 @@ class DeviceFromRank(Rule):
         split = self._split(value, string=True) if isinstance(value, cst.IfExp) else None
         kind = split[0] if split else cuda_string(value)
         if kind != LITERAL or not self._wrong(kind):
+            return
+        given = arg(call, "type")
+        if given is None or code(given.value) == "str":
+            new_type = expr(f"{self.ctx.tm}.device_arg")
+            self._fix(call, "device option naming a fixed GPU: every rank would use it, also when given on the command "
+                            f"line; `type={self.ctx.tm}.device_arg` makes any GPU it names the rank's own",
+                      replace(call, lambda c: add_kwarg(c, "type", new_type)))
             return
         new = expr(f"str({self.ctx.tm}.device())")
         message = "command-line default names a fixed GPU: every rank would use it; default to str(tm.device())"
