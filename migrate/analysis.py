@@ -719,7 +719,7 @@ def _helper_call_sites(ctx: Context, opt: "Optimizer") -> List["Optimizer"]:
     params = set(positional[1:] if method else positional) | set(kwonly)
     wanted = [m for m in opt.models if m in params]
     self_root = method and positional[0] in opt.models
-    params_arg = None if opt.builder else _params_arg(opt.call)
+    params_arg = None if opt.builder else _handed_params(ctx, opt)
     params_name = params_arg.value if isinstance(params_arg, cst.Name) and params_arg.value in params else None
     if not (wanted or self_root or params_name):
         return []
@@ -755,6 +755,24 @@ def _helper_call_sites(ctx: Context, opt: "Optimizer") -> List["Optimizer"]:
                     models.append(owner)
         out.append(Optimizer(call, ctx.statement_of(call), _assign_target(ctx, call), tuple(models), via=opt))
     return out
+
+
+def _handed_params(ctx: Context, opt: "Optimizer") -> Optional[cst.BaseExpression]:
+    """The parameter list `opt.call` builds its optimizer over: the constructor's first argument,
+    or, for a call of a helper that builds it (`opt.via`), the argument that call hands the
+    helper's parameter list. Not simply the helper call's first argument: `fetch_optimizer(args,
+    model)` hands `args`, a configuration, not parameters."""
+    if opt.via is None:
+        return _params_arg(opt.call)
+    inner = ctx.enclosing(opt.via.call, cst.FunctionDef, cst.Lambda)
+    if not isinstance(inner, cst.FunctionDef) or opt.via.builder:
+        return None
+    positional, kwonly = _function_params(inner)
+    method = isinstance(ctx.parent(ctx.parent(inner)), cst.ClassDef) and bool(positional)
+    handed = _handed_params(ctx, opt.via)
+    if not (isinstance(handed, cst.Name) and handed.value in {*(positional[1:] if method else positional), *kwonly}):
+        return None
+    return _call_arg_for(opt.call, inner, handed.value, method)
 
 
 def optimizers(ctx: Context) -> List[Optimizer]:

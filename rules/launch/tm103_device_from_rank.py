@@ -685,6 +685,8 @@ class DeviceFromRank(Rule):
         if kind != LITERAL or not self._wrong(kind):
             return
         given = arg(call, "type")
+        if given is not None and self.ctx.resolve(given.value) == f"{RUNTIME}.device_arg":
+            return  # migrated already: the type reads the default
         if given is None or code(given.value) == "str":
             new_type = expr(f"{self.ctx.tm}.device_arg")
             self._fix(call, "device option naming a fixed GPU: every rank would use it, also when given on the command "
