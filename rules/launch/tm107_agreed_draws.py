@@ -253,7 +253,7 @@ class AgreedDraws(Rule):
         Only where every rank runs the assignment in step (not per sample, not in a loop, not
         under a rank guard), in any module of the program."""
         ctx = self.ctx
-        if len(assign.targets) != 1 or self._loops_between(assign):
+        if len(assign.targets) != 1 or self._loops_between(assign) or self._elapsed(read):
             return
         target = dotted(assign.targets[0].target)
         always_a_name = (self.ctx.resolve(read.func) or "") in _IDENTIFIERS
@@ -273,6 +273,13 @@ class AgreedDraws(Rule):
                     edits=[replace(shared, lambda v: cst.Call(
                         func=cst.parse_expression(f"{ctx.tm}.broadcast_object"), args=[cst.Arg(v)]))],
                     imports=[ctx.runtime_import()])
+
+    def _elapsed(self, read: cst.Call) -> bool:
+        """The clock read is one side of a difference (`time.time() - self.start`): a duration,
+        shown or logged, never the name of a run (and a broadcast of it, in a timer's method,
+        would be a collective wherever the program asks how long it has run)."""
+        parent = self.ctx.parent(read)
+        return isinstance(parent, cst.BinaryOperation) and isinstance(parent.operator, cst.Subtract)
 
     def _named_part(self, value: cst.BaseExpression, read: cst.Call) -> cst.BaseExpression:
         """What to share: the value itself (a string, a path), or, where the value is an object
