@@ -259,7 +259,7 @@ def writer_class(ctx: Context, call: cst.Call, name: Optional[str]) -> bool:
 
 # What may be done with a file opened for writing when it is a null object on the other ranks:
 # methods that write into it, and library calls that only write into a file they are given.
-_HANDLE_METHODS = frozenset({"write", "writelines", "flush", "close"})
+_HANDLE_METHODS = frozenset({"write", "writelines", "flush", "close", "writerow", "writerows", "writeheader"})
 _HANDLE_SINKS = frozenset({"print", "json.dump", "pickle.dump", "yaml.dump", "yaml.safe_dump", "csv.writer",
                            "csv.DictWriter", "numpy.savetxt", "joblib.dump", "pprint.pprint"})
 

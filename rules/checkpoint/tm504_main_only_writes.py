@@ -58,6 +58,10 @@ _SHOWING = frozenset({"print", "str", "repr", "int", "float", "len", "format", "
                       "warn", "error", "log", "add_scalar", "add_scalars", "set_description", "set_postfix"})
 
 
+# objects that write rows into the file they wrap, which TM504 treats as that file's handle
+_WRITER_OBJECTS = frozenset({"csv.writer", "csv.DictWriter"})
+
+
 def _path_method(call: cst.Call) -> Optional[str]:
     """"write" for a pathlib call that creates or removes the file its receiver names
     (`Path(flag).touch()`, `.unlink(missing_ok=True)`: no positional argument), "link" for one
@@ -461,7 +465,13 @@ class MainOnlyWrites(Rule):
             parent = ctx.parent(parent)
             if not (isinstance(parent, cst.Assign) and isinstance(parent.value, cst.IfExp)):
                 return
-        if isinstance(parent, cst.Assign) and (parent.value is call or isinstance(parent.value, cst.IfExp)) \
+        if isinstance(parent, cst.Arg) and isinstance(handle, cst.Call) and handle.args and handle.args[0] is parent \
+                and (ctx.resolve(handle.func) or "") in _WRITER_OBJECTS:
+            # `log = csv.writer(open(path, "a", 1))` ... `log.writerow(row)`: the writer is the handle
+            parent = ctx.parent(handle)
+            if not (isinstance(parent, cst.Assign) and parent.value is handle):
+                return
+        if isinstance(parent, cst.Assign) and (parent.value in (call, handle) or isinstance(parent.value, cst.IfExp)) \
                 and len(parent.targets) == 1 and isinstance(parent.targets[0].target, (cst.Name, cst.Attribute)):
             handles.append((call, parent))
             return
