@@ -119,16 +119,18 @@ class DataRule(Rule):
         self.report(loader.call, self.plan.of(loader).reason)
 
 
-    def keep_whole(self, loader: Loader) -> None:
+    def keep_whole(self, loader: Loader, because: str = "") -> None:
         """An evaluation loader (or the evaluation half of a mixed one) whose shards the program
-        model cannot prove reduced: every rank evaluates the whole set, and the report's notes
-        say so, with why and what it costs."""
+        model cannot prove reduced, or that the tool cannot shard (`because`: its own batch
+        sampler): every rank evaluates the whole set, and the report's notes say so, with why
+        and what it costs."""
         what = f"`{loader.target}`" if loader.target else "this DataLoader"
         half = "'s evaluation branch" if loader.kind == "mixed" else ""
+        why = (f"Not sharded because {because}: share its batches out by rank by hand for a speed-up" if because else
+               f"Not sharded because {self.plan.of(loader).unproven}; `--shard-eval` shards it anyway")
         self.report(loader.call, f"{what}{half} kept whole: every rank evaluates the whole set, as the original "
                                  "did, so its numbers agree across ranks (the cost: each rank does the whole "
-                                 f"evaluation's work). Not sharded because {self.plan.of(loader).unproven}; "
-                                 "`--shard-eval` shards it anyway", advice=True)
+                                 f"evaluation's work). {why}", advice=True)
         if self._same_draws(loader):
             return
         if loader.kind != "mixed" and _shuffles_by_itself(loader.call) and collective_guard(self.ctx, loader.call) is None:
