@@ -66,7 +66,7 @@ __all__ = [
     "amp_dtype", "autocast", "GradScaler", "print", "input", "bar_stream", "barrier", "all_reduce", "gather_for_metrics", "gather_list", "broadcast_object", "shared_generator", "grad", "any_rank", "all_ranks", "share_params", "sync_grads", "shard_stream",
     "shard_sampler", "reduce_meter", "reduce_batch_total", "per_rank_batch", "batch_rows", "sync_batchnorm", "synced", "to_float32",
     "save", "load", "strip_prefix", "load_state_dict", "seed_everything", "seed_per_rank", "main_only", "main_process_first", "goes_first",
-    "shard_range", "shard_indices", "shard_mean", "shard_batches", "agreed", "on_main", "move_into_place", "to_device", "as_device", "device_arg",
+    "shard_range", "rank_part", "shard_indices", "shard_mean", "shard_batches", "agreed", "on_main", "move_into_place", "to_device", "as_device", "device_arg",
     "set_device", "data_parallel", "same_draws",
 ]
 
@@ -1771,6 +1771,26 @@ def shard_range(batches):
     if share * world == n or n == 0:
         return mine
     return list(mine) + [batches[j % n] for j in range(me + len(mine) * world, share * world, world)]
+
+
+def rank_part(batch):
+    """This rank's part of a batch every rank reads alike: rows ``r*n//W`` to ``(r+1)*n//W`` of its
+    ``n`` (a tensor, a numpy array, a list), so the ranks' parts make up the batch, each row once,
+    and parts differ in size by at most one. What ``torchmigrate ddp`` wraps around a batch read at
+    a cursor the loop moves itself (``rays[i_batch:i_batch + N_rand]``): every rank reads the same
+    batch (its order drawn alike on every rank), trains on its part, and the averaged gradient is
+    the original's step over the whole batch. A batch of fewer rows than ranks gives each rank
+    one row (some twice), never none (an empty part's mean loss would be NaN on every rank once
+    averaged). 1 process: ``batch`` itself."""
+    world = world_size()
+    if world <= 1:
+        return batch
+    n, me = len(batch), rank()
+    if n == 0:
+        return batch
+    if n < world:
+        return batch[me % n:me % n + 1]
+    return batch[me * n // world:(me + 1) * n // world]
 
 
 def shard_indices(idx):

@@ -569,6 +569,15 @@ def test_shard_range_and_indices_split_disjointly_with_equal_step_counts(shards)
     assert not any(a and b for a, b in zip(r0["mask"], r1["mask"]))
 
 
+def test_rank_part_splits_a_batch_into_contiguous_parts(shards):
+    """A batch every rank reads alike (at a cursor): each rank trains on its contiguous part, the
+    parts make up the batch; a batch of fewer rows than ranks gives each rank a row, never none."""
+    r0, r1 = shards
+    assert (r0["parts"][0], r1["parts"][0]) == ([0, 1], [2, 3, 4])
+    assert r0["parts"][1] + r1["parts"][1] == list(range(7))
+    assert (r0["parts"][2], r1["parts"][2]) == ([0], [0])
+
+
 def test_shard_batches_of_a_shuffling_generator_agrees_on_the_order_and_splits_it(shards):
     r0, r1 = shards
     for p in range(2):

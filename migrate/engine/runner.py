@@ -108,8 +108,9 @@ def process_file(path: str, job: Job, given: Optional[files.Decoded] = None) -> 
     return outcome
 
 
-# training data that no DataLoader carries, once sharded (hand-made batch loops, full-batch indices)
-_HAND_MADE = ("shard_range(", "shard_batches(", "shard_indices(")
+# training data that no DataLoader carries, once sharded (hand-made batch loops, batches read at a
+# cursor, full-batch indices)
+_HAND_MADE = ("shard_range(", "shard_batches(", "shard_indices(", "rank_part(")
 # signal -> any of these in a migrated source
 _SIGNALS = {
     "trains": (".backward(",),

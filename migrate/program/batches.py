@@ -90,9 +90,10 @@ class Order:
 @dataclass(eq=False)
 class BatchLoop:
     loop: cst.For
-    kind: str  # "range", "iterable" or "drawn"
+    kind: str  # "range", "iterable", "drawn" or "cursor"
     wrapped: cst.BaseExpression
     sliced: Tuple[str, ...] = ()
+    slices: Tuple[cst.Subscript, ...] = ()  # "cursor": the batches read at the cursor, `X[c:c + bs]`
     orders: List[Order] = field(default_factory=list)
     unknown_order: Optional[str] = None
     carried: Optional[str] = None
@@ -189,18 +190,64 @@ class BatchFacts:
             if variable is None:
                 return None
             sliced = self._sliced_by(loop, variable)
-            if not sliced:
-                return None  # a counter of steps (`for step in range(n_steps)`), not batches
+            if not sliced:  # a counter of steps (`for step in range(n_steps)`), not batches
+                return None if generator else self._cursor_loop(loop)
             found = BatchLoop(loop, "range", wrapped, sliced=tuple(sliced))
             found.carried = self._carried(loop)
             for name in sliced:
                 self._orders(loop, name, found)
             return found
-        if generator or not self._iterates_data(loop, wrapped):
+        if generator:
             return None
+        if not self._iterates_data(loop, wrapped):
+            return self._cursor_loop(loop) if _is_counter(ctx, wrapped) else None
         refs = loader_facts(ctx).refs_at(wrapped) if loader_facts(ctx).scan is not None else []
         found = BatchLoop(loop, "iterable", wrapped, loader=bool(refs), carried=self._carried(loop))
         found.orders.extend(self._reorders(loop, wrapped))
+        return found
+
+    def _cursor_loop(self, loop: cst.For) -> Optional[BatchLoop]:
+        """A loop that counts steps and reads each batch at a cursor it moves itself (`batch =
+        rays[i_batch:i_batch + N_rand]`, `i_batch += N_rand`, the cursor set before the loop):
+        kind ``"cursor"``, ``slices`` the batches read at it. Sharded, each rank takes its part of
+        every batch (`tm.rank_part`), so a step still trains on the original's batch."""
+        ctx = self.ctx
+        steps: Dict[str, str] = {}
+        for move in ctx.within(loop.body, cst.AugAssign, cst.Assign, skip_defs=True):
+            if isinstance(move, cst.AugAssign):
+                if isinstance(move.operator, cst.AddAssign) and isinstance(move.target, cst.Name):
+                    steps[move.target.value] = code(move.value)
+                continue
+            # `c = c + bs`, also `c = c + bs if c + 2 * bs <= n else 0` (back to the start)
+            value = move.value.body if isinstance(move.value, cst.IfExp) else move.value
+            if len(move.targets) == 1 and isinstance(move.targets[0].target, cst.Name) \
+                    and isinstance(value, cst.BinaryOperation) and isinstance(value.operator, cst.Add):
+                cursor = move.targets[0].target.value
+                for one, other in ((value.left, value.right), (value.right, value.left)):
+                    if isinstance(one, cst.Name) and one.value == cursor:
+                        steps[cursor] = code(other)
+        if not steps:
+            return None
+        slices: List[cst.Subscript] = []
+        sliced: List[str] = []
+        sharded = False
+        for sub in ctx.within(loop.body, cst.Subscript, skip_defs=True):
+            cursor = _cursor_slice(sub, steps)
+            if cursor is None or not self._starts_before(loop, cursor):
+                continue
+            if _SEQUENCE_WORDS.search(steps[cursor]) or _SEQUENCE_WORDS.search(code(sub.value)):
+                return None  # `data[p:p + seq_length]`: one sequence of a stream, which no rank may split
+            holder = ctx.parent(ctx.parent(sub))
+            if isinstance(holder, cst.Call) and (dotted(holder.func) or "").endswith(".rank_part"):
+                sharded = True
+            slices.append(sub)
+            sliced.append(code(sub.value))
+        if not slices:
+            return None
+        found = BatchLoop(loop, "cursor", loop.iter, sliced=tuple(dict.fromkeys(sliced)), slices=tuple(slices),
+                          carried=self._carried(loop), sharded=sharded)
+        for name in found.sliced:
+            self._orders(loop, name, found)
         return found
 
     def _reorders(self, loop: cst.For, wrapped: cst.BaseExpression) -> List[Order]:
@@ -466,6 +513,36 @@ def _helper(call: cst.Call) -> Optional[str]:
     """`tm.shard_range(...)` and the like: which of the runtime's shard helpers `call` is."""
     name = (dotted(call.func) or "").rsplit(".", 1)[-1]
     return name if name in SHARD_HELPERS else None
+
+
+# a window of a token stream or a time series, not a batch of samples: its size, or the data
+# it is read from, says so
+_SEQUENCE_WORDS = re.compile(r"seq|bptt|block|context|window|chunk|len|time|token|text|corpus|char|word|ids\b",
+                             re.IGNORECASE)
+
+
+def _is_counter(ctx, node: cst.BaseExpression) -> bool:
+    """`trange(start, n_iters)`, `itertools.count()`: an iterable of step numbers."""
+    return isinstance(node, cst.Call) and (ctx.resolve(node.func) or dotted(node.func) or "") in _COUNTERS
+
+
+def _cursor_slice(sub: cst.Subscript, steps: Dict[str, str]) -> Optional[str]:
+    """The cursor of `X[c:c + n]` where the loop moves `c` by that same `n` (`c += n`)."""
+    if len(sub.slice) != 1 or not isinstance(sub.slice[0].slice, cst.Slice):
+        return None
+    part = sub.slice[0].slice
+    lower, upper = part.lower, part.upper
+    if part.step is not None or not isinstance(lower, cst.Name) or lower.value not in steps \
+            or not isinstance(upper, cst.BinaryOperation) or not isinstance(upper.operator, cst.Add):
+        return None
+    cursor = lower.value
+    if isinstance(upper.left, cst.Name) and upper.left.value == cursor:
+        size = upper.right
+    elif isinstance(upper.right, cst.Name) and upper.right.value == cursor:
+        size = upper.left
+    else:
+        return None
+    return cursor if code(size) == steps[cursor] else None
 
 
 def _unwrap(node: cst.BaseExpression) -> Tuple[Optional[cst.BaseExpression], int]:

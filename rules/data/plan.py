@@ -145,7 +145,7 @@ class DataPlan:
                 "consecutive chunks), so giving each rank every other batch would break it, and every rank "
                 "trains on the same batches: cut the data into one contiguous part per rank before it is "
                 f"batched (`{ctx.tm}.shard_stream(data)`)"))
-        if found.kind == "range":
+        if found.kind in ("range", "cursor"):
             if found.unknown_order:
                 return BatchPlan("manual", (
                     f"the order of {', '.join(f'`{n}`' for n in found.sliced)} comes from {found.unknown_order}, "

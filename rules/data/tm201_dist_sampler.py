@@ -319,7 +319,14 @@ class DistSampler(DataRule):
             return cst.Call(func=expr(f"{tm}.{helper}"), args=[cst.Arg(w)])
 
         edits = [replace(wrapped, shard)]
-        if found.kind == "drawn":
+        if found.kind == "cursor":
+            edits = [replace(sub, lambda n: cst.Call(func=expr(f"{tm}.rank_part"), args=[cst.Arg(n)]))
+                     for sub in found.slices]
+            data = ", ".join(f"`{n}`" for n in found.sliced)
+            message = (f"this loop reads every batch of {data} at a cursor it moves itself, which every rank "
+                       f"would read alike: each rank takes its part of every batch (`{tm}.rank_part`), so a step "
+                       "still trains on the original's batch (the same samples, split among the ranks)")
+        elif found.kind == "drawn":
             self.report(found.loop.iter, (
                 f"this loop counts steps and draws its batches with `next()` from `{code(wrapped)}`, which every "
                 f"rank would read alike: each rank draws every `{tm}.world_size()`-th batch of it, in the same "
@@ -330,7 +337,7 @@ class DistSampler(DataRule):
                     cst.Call(func=expr(f"{tm}.shard_batches"), args=[cst.Arg(w)]))]))],
                 imports=[ctx.runtime_import()])
             return
-        if found.kind == "range":
+        elif found.kind == "range":
             data = ", ".join(f"`{n}`" for n in found.sliced)
             message = (f"this loop gives every rank every batch of {data}: each rank takes every "
                        f"`{tm}.world_size()`-th batch (`{tm}.shard_range`, the same number of steps on every rank)")

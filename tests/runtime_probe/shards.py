@@ -47,6 +47,8 @@ def main(outdir):
     res["range"] = list(tm.shard_range(range(0, 10, 2)))  # 5 batch starts: padded to 3 each
     res["indices"] = tm.shard_indices(torch.arange(7)).tolist()
     res["mask"] = tm.shard_indices(torch.tensor([1, 0, 1, 1, 0, 1, 1], dtype=torch.bool)).tolist()
+    rows = torch.arange(7)
+    res["parts"] = [tm.rank_part(rows[0:5]).tolist(), tm.rank_part(list(range(7))), tm.rank_part(rows[:1]).tolist()]
 
     random.seed(100 + ctx.rank)  # every rank its own stream, as with per-rank seeds
     batches = tm.shard_batches(shuffling_batches(9, 2))
