@@ -139,7 +139,7 @@ class ScalerState(AmpRule):
             if not (isinstance(arg, cst.Subscript) and isinstance(arg.value, (cst.Name, cst.Attribute))):
                 continue
             line = line_of(ctx, call)
-            if line is None or not scaler_visible(ctx, p.scaler, call):
+            if line is None or not scaler_visible(ctx, p.scaler, call) or self._bound_later(p, line):
                 continue
             ckpt = code(arg.value)
             where = (ckpt, id(ctx.enclosing(call, cst.FunctionDef) or ctx.module))
@@ -150,6 +150,21 @@ class ScalerState(AmpRule):
             self.report(call, f"restore the loss scale on resume: `{scaler}.load_state_dict({ckpt}[{KEY}])` "
                               "(guarded: older checkpoints have no scaler state)",
                         edits=[insert_after(line, [stmt(text)])])
+
+    def _bound_later(self, p, line: cst.CSTNode) -> bool:
+        """The scaler is made further down the restore's own function or module (a resume block
+        before `scaler = GradScaler()`): a restore there would read an unbound name (an
+        UnboundLocalError on every resume from a GPU checkpoint, whose scaler state is not
+        empty). Then the state is saved but not restored: a resumed run starts from the default
+        loss scale, which only costs it a few skipped steps."""
+        ctx, info = self.ctx, p.scaler
+        if info.text.startswith("self."):
+            return False
+        made = [ctx.statement_of(call) for text, call in p.existing_scalers if text == info.text]
+        made += [n for n in (info.after, info.before) if n is not None]
+        here = ctx.position(line) or 0
+        scope = ctx.scope_of(line)
+        return any(m is not None and ctx.scope_of(m) is scope and (ctx.position(m) or 0) > here for m in made)
 
     def _save(self, d: cst.Dict, scaler: str, known: Set[str], scaler_names: Set[str]) -> None:
         ctx = self.ctx
