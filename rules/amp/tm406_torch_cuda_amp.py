@@ -231,10 +231,24 @@ class TorchCudaAmp(AmpRule):
             for imp in self.deferred:
                 self._deferred_import(imp, refs)
         for ref in self._bare_references():
-            if ref not in self.handled:
+            if ref not in self.handled and not self._follows_the_import(ref):
                 found = _deprecated(self.ctx.resolve(ref))
                 self.report(ref, f"reference to deprecated torch.{found[0]}.amp.{found[1]}: "
                                  f"use torch.amp.{found[1]} with the device argument")
+
+    def _follows_the_import(self, ref: cst.BaseExpression) -> bool:
+        """A name that needs nothing once its import is migrated: an annotation (`scaler:
+        amp.GradScaler`, never called), or `amp.GradScaler` through `from torch.cuda import amp`,
+        which becomes `from torch import amp` (whose GradScaler defaults to CUDA)."""
+        ctx = self.ctx
+        if any(isinstance(a, cst.Annotation) for a in ctx.ancestors(ref)):
+            return True
+        root = ref
+        while isinstance(root, cst.Attribute):
+            root = root.value
+        found = _deprecated(ctx.resolve(ref))
+        return bool(found) and found[1] == "GradScaler" and isinstance(root, cst.Name) \
+            and ctx.imports.names.get(root.value) in _OLD_MODULES
 
     def _bare_references(self) -> List[cst.BaseExpression]:
         """Whole dotted names (`torch.cuda.amp.autocast`, `ac`) naming a deprecated autocast,
