@@ -681,7 +681,12 @@ class _Reader:
             return False
         if name == "open" or (name.endswith(".open") and isinstance(func, ast.Attribute) and name != "PIL.Image.open"):
             if _opens_for_writing(call, self.modes):
-                self._write(call, "open", guarded, ordered, _arg(call, 0, "file") if name == "open" else func.value)
+                # `codecs.open(p, "w")`, `gzip.open(p, "wb")`: a module's open takes the path first;
+                # `Path(p).open("w")` is the path's own
+                module = name != "open" and isinstance(func.value, ast.Name) and func.value.id in self.aliases \
+                    and func.value.id not in self.locals and func.value.id not in self.params
+                self._write(call, "open", guarded, ordered,
+                            _arg(call, 0, "filename" if module else "file") if name == "open" or module else func.value)
             else:
                 kinds.add(READ)
             return False
