@@ -45,7 +45,8 @@ class EvalUnpadded(DataRule):
     `DistributedSampler`.
 
     An evaluation loader the tool cannot shard at all (its own `sampler=`/`batch_sampler=`, such
-    as a few-shot episode sampler, or an IterableDataset) is kept whole the same way in `ddp`,
+    as a few-shot episode sampler, an IterableDataset, arguments from `**kwargs`) is kept whole
+    the same way in `ddp`,
     with `tm.same_draws`, and a note; in `lint` it is reported.
 
     An evaluation loader whose batch size is a computed group size (`batch_size=num_neg + 1`:
@@ -163,12 +164,12 @@ class EvalUnpadded(DataRule):
                     self.add_sampler(loader, f"{what} gives every rank the whole evaluation set: shard it without "
                                              f"padding (`sampler={tm}.eval_sampler(...)`) so each sample counts once")
                 self.sharded_unproven(loader)
-            elif status in ("custom", "iterable") and not facts.distributed and self.ctx.options.migrating:
-                # its own (batch) sampler makes the batches (episodes of a few-shot evaluation), or
-                # its dataset streams them: every rank evaluates them all, drawing alike, so the
-                # numbers agree
-                self.keep_whole(loader, f"its own `{loader.custom_param}=` makes its batches" if status == "custom"
-                                else "its dataset is an IterableDataset, which takes no sampler")
+            elif status in ("custom", "iterable", "unknown", "unhoistable") and not facts.distributed \
+                    and self.ctx.options.migrating:
+                # its own (batch) sampler makes the batches (episodes of a few-shot evaluation), its
+                # dataset streams them, or its arguments are out of sight: every rank evaluates
+                # them all, drawing alike, so the numbers agree
+                self.keep_whole(loader, _unshardable(loader, status))
             elif status in ("custom", "iterable", "unknown", "unhoistable") and not facts.distributed:
                 self.manual(loader)
             elif status == "distributed" and not self.ctx.options.migrating and self._padded(loader):
@@ -192,3 +193,13 @@ class EvalUnpadded(DataRule):
                     return True
         return False
 
+
+def _unshardable(loader: Loader, status: str) -> str:
+    """Why the tool cannot shard an evaluation loader (it is kept whole)."""
+    if status == "custom":
+        return f"its own `{loader.custom_param}=` makes its batches"
+    if status == "iterable":
+        return "its dataset is an IterableDataset, which takes no sampler"
+    if status == "unhoistable":
+        return "its dataset expression cannot be moved out of the statement to take a sampler"
+    return "its arguments are out of sight (`*args`, `**kwargs` or no dataset)"
