@@ -66,7 +66,7 @@ __all__ = [
     "amp_dtype", "autocast", "GradScaler", "print", "input", "bar_stream", "barrier", "all_reduce", "gather_for_metrics", "gather_list", "broadcast_object", "shared_generator", "grad", "any_rank", "all_ranks", "share_params", "sync_grads", "shard_stream",
     "shard_sampler", "reduce_meter", "reduce_batch_total", "per_rank_batch", "batch_rows", "sync_batchnorm", "synced", "to_float32",
     "save", "load", "strip_prefix", "load_state_dict", "seed_everything", "seed_per_rank", "main_only", "main_process_first", "goes_first",
-    "shard_range", "rank_part", "shard_indices", "shard_mean", "shard_batches", "agreed", "on_main", "move_into_place", "to_device", "as_device", "device_arg",
+    "shard_range", "rank_part", "shard_indices", "shard_mean", "shard_batches", "agreed", "on_main", "move_into_place", "to_device", "as_device", "device_arg", "all_rows",
     "set_device", "data_parallel", "same_draws",
 ]
 
@@ -2498,6 +2498,26 @@ def gather_for_metrics(x, total_len: int | None = None, over=None):
         keep = torch.arange(longest)[:, None] < sizes[None, :]  # (position, rank)
         x = torch.stack(parts, dim=1)[keep.to(comm)].to(x.device)
     return x if total_len is None else x[:total_len]
+
+
+def all_rows(x):
+    """Every rank's rows of ``x`` (a tensor or numpy array: a batch's sample indices, or the rows
+    computed for them), in the same order on every rank, for a state tensor written at a batch's
+    indices: ``state[tm.all_rows(index)] = tm.all_rows(rows)`` applies every rank's update on
+    every rank, so the ranks' copies of the state stay identical as the shards change (what
+    ``torchmigrate ddp`` writes for a per-sample target of a loss, a memory bank, class centers).
+    Indices and rows gathered by two calls pair up (same per-rank lengths, same order). Rows are
+    detached. A collective while gradients are enabled (a training step); under
+    ``torch.no_grad()`` (an evaluation, whose loops may differ in length between ranks) and in
+    one process, ``x`` itself."""
+    if not is_distributed() or not torch.is_grad_enabled():
+        return x
+    if not isinstance(x, torch.Tensor):
+        np = _numpy()
+        if np is not None and isinstance(x, np.ndarray):
+            return all_rows(torch.from_numpy(x)).numpy()
+        raise TypeError(f"all_rows: expected a tensor or a numpy array, got {type(x).__name__}")
+    return gather_for_metrics(x)
 
 
 def gather_list(values, over=None) -> list:

@@ -569,6 +569,12 @@ def test_shard_range_and_indices_split_disjointly_with_equal_step_counts(shards)
     assert not any(a and b for a, b in zip(r0["mask"], r1["mask"]))
 
 
+def test_all_rows_writes_every_ranks_rows_of_a_state_on_every_rank(shards):
+    r0, r1 = shards
+    assert r0["state"] == r1["state"] == [1.0, 2.0, 0.0, 0.0, 5.0, 0.0]
+    assert (r0["state_no_grad"], r1["state_no_grad"]) == ([0, 1], [4])
+
+
 def test_rank_part_splits_a_batch_into_contiguous_parts(shards):
     """A batch every rank reads alike (at a cursor): each rank trains on its contiguous part, the
     parts make up the batch; a batch of fewer rows than ranks gives each rank a row, never none."""

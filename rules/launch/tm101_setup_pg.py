@@ -205,7 +205,7 @@ class SetupProcessGroup(Rule):
 
             if __name__ == "__main__":
                 args = parser.parse_args()
-                main(args)
+                main(args, device="cuda")
             """,
             after="""
             import torch
@@ -214,7 +214,7 @@ class SetupProcessGroup(Rule):
             if __name__ == "__main__":
                 tm.setup()
                 args = parser.parse_args()
-                main(args)
+                main(args, device="cuda")
                 tm.cleanup()
             """,
         ),
@@ -224,7 +224,7 @@ class SetupProcessGroup(Rule):
             import torch
 
             if __name__ == "__main__":
-                sys.exit(main())
+                sys.exit(main(torch.device("cuda")))
             """,
             after="""
             import sys
@@ -234,7 +234,7 @@ class SetupProcessGroup(Rule):
             if __name__ == "__main__":
                 tm.setup()
                 try:
-                    sys.exit(main())
+                    sys.exit(main(torch.device("cuda")))
                 finally:
                     tm.cleanup()
             """,

@@ -48,6 +48,11 @@ def main(outdir):
     res["indices"] = tm.shard_indices(torch.arange(7)).tolist()
     res["mask"] = tm.shard_indices(torch.tensor([1, 0, 1, 1, 0, 1, 1], dtype=torch.bool)).tolist()
     rows = torch.arange(7)
+    state, mine = torch.zeros(6), torch.tensor([0, 1] if ctx.rank == 0 else [4])
+    state[tm.all_rows(mine)] = tm.all_rows(mine.float() + 1)  # every rank's rows, on every rank
+    res["state"] = state.tolist()
+    with torch.no_grad():
+        res["state_no_grad"] = tm.all_rows(mine).tolist()  # (an evaluation: no collective)
     res["parts"] = [tm.rank_part(rows[0:5]).tolist(), tm.rank_part(list(range(7))), tm.rank_part(rows[:1]).tolist()]
 
     random.seed(100 + ctx.rank)  # every rank its own stream, as with per-rank seeds
