@@ -2237,7 +2237,10 @@ def GradScaler(enabled=None, dtype=None, **kwargs) -> torch.amp.GradScaler:
     """``torch.amp.GradScaler`` for ``device()``'s type. By default enabled only for fp16 on CUDA
     (fp16 gradients underflow without loss scaling); with bf16, off or on CPU it is disabled, so
     ``scale(loss)`` returns ``loss`` and ``step(opt)`` is ``opt.step()``. ``dtype`` mirrors
-    ``autocast``'s (a script forced to fp16 gets a scaler); an explicit ``enabled`` wins."""
+    ``autocast``'s (a script forced to fp16 gets a scaler); an explicit ``enabled`` wins. Its
+    ``step``/``unscale_`` also take a project's optimizer wrapper (no ``param_groups``, a torch
+    optimizer held inside, its own ``step()``): the held optimizer's gradients are unscaled and
+    the wrapper's ``step()`` runs, or is skipped on an overflow."""
     dev_type = device().type
     if enabled is None:
         enabled = dev_type == "cuda" and amp_dtype(dtype) == torch.float16
@@ -2257,9 +2260,30 @@ class _Scaler(torch.amp.GradScaler):
     recorded prior to update")."""
 
     def step(self, optimizer, *args, **kwargs):
+        optimizer = self._view(optimizer)
         if self.is_enabled() and not any(p.grad is not None for g in optimizer.param_groups for p in g["params"]):
             return None
         return super().step(optimizer, *args, **kwargs)
+
+    def unscale_(self, optimizer):
+        return super().unscale_(self._view(optimizer))
+
+    def _view(self, optimizer):
+        """A project's optimizer wrapper (`TransformerOptimizer(Adam(...))`: a `step()` that sets
+        the learning rate and steps the torch optimizer it holds, but no `param_groups`) as the
+        scaler sees it: the held optimizer's parameters, the wrapper's own `step()`. One view
+        per wrapper, so `unscale_` and `step` of one iteration meet the same object."""
+        if not self.is_enabled() or hasattr(optimizer, "param_groups"):
+            return optimizer
+        views = self.__dict__.setdefault("_tm_views", {})
+        if id(optimizer) not in views:
+            inner = next((v for v in vars(optimizer).values() if isinstance(v, torch.optim.Optimizer)), None) \
+                if hasattr(optimizer, "__dict__") else None
+            if inner is None:
+                raise TypeError(f"GradScaler: {type(optimizer).__name__} has no param_groups and holds no torch "
+                                "optimizer: step the optimizer it wraps through the scaler")
+            views[id(optimizer)] = (optimizer, _WrapperView(optimizer, inner))
+        return views[id(optimizer)][1]
 
     def update(self, new_scale=None):
         if self.is_enabled() and new_scale is None and self._scale is not None and not any(
@@ -2269,6 +2293,24 @@ class _Scaler(torch.amp.GradScaler):
             self._per_optimizer_states = collections.defaultdict(_refresh_per_optimizer_state)
             return  # nothing was stepped through the scaler: its scale stays
         return super().update(new_scale)
+
+
+class _WrapperView:
+    """An optimizer wrapper as ``GradScaler`` sees it (see ``_Scaler._view``)."""
+
+    def __init__(self, wrapper, inner) -> None:
+        self._wrapper, self._inner = wrapper, inner
+
+    @property
+    def param_groups(self):
+        return self._inner.param_groups
+
+    @property
+    def state(self):
+        return self._inner.state
+
+    def step(self, *args, **kwargs):
+        return self._wrapper.step(*args, **kwargs)
 
 
 def grad(outputs, inputs, grad_outputs=None, scaler=None, **kwargs):

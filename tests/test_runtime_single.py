@@ -1047,6 +1047,36 @@ def test_grad_scaler_lets_a_step_without_gradients_pass():
     assert scaler.get_scale() >= scale
 
 
+def test_grad_scaler_steps_a_projects_optimizer_wrapper():
+    """`scaler.step(optimizer)` where `optimizer` is the project's own wrapper (a warm-up
+    schedule around Adam, no `param_groups`): the scaler unscales the held optimizer's
+    gradients and calls the wrapper's own `step()` (its schedule too), and skips it on an
+    overflow, as it would a torch optimizer."""
+    class Warmup:
+        def __init__(self, optimizer):
+            self.optimizer, self.steps = optimizer, 0
+
+        def step(self):
+            self.steps += 1
+            for group in self.optimizer.param_groups:
+                group["lr"] = 0.5
+            self.optimizer.step()
+
+    scaler = tm.GradScaler(enabled=True)
+    w = torch.nn.Parameter(torch.ones(2))
+    wrapped = Warmup(torch.optim.SGD([w], lr=0.0))
+    scaler.scale((w * 2).sum()).backward()
+    scaler.unscale_(wrapped)  # (gradient clipping reads unscaled gradients)
+    scaler.step(wrapped)
+    scaler.update()
+    assert wrapped.steps == 1 and torch.allclose(w.detach(), torch.ones(2) - 0.5 * 2)
+    w.grad = None
+    scaler.scale((w * float("inf")).sum()).backward()
+    scaler.step(wrapped)  # an overflow: skipped, the scale shrinks
+    scaler.update()
+    assert wrapped.steps == 1
+
+
 def test_as_device_reads_any_gpu_as_this_process_own():
     for spec in (0, 3, "cuda", "cuda:1", torch.device("cuda", 2)):
         assert tm.as_device(spec) == tm.device()
