@@ -145,6 +145,7 @@ class ReduceCounts(Rule):
         super().__init__(ctx)
         self.augs: List[cst.AugAssign] = []
         self.dict_augs: List[cst.AugAssign] = []  # `results['mse'] += ...`
+        self.averages: List[cst.Assign] = []  # `loss_avg = loss_avg * 0.8 + float(loss) * 0.2`
         # the lists and arrays summed by index that a reduction after a loop now sums (`matrix`)
         self.reduced_lists: Dict[cst.For, Set[str]] = {}
 
@@ -267,6 +268,11 @@ class ReduceCounts(Rule):
                             edits=[insert_after(loop, [statements[-1]])], imports=[ctx.runtime_import()])
         return handled
 
+    def visit_Assign(self, node: cst.Assign) -> None:
+        if len(node.targets) == 1 and isinstance(node.targets[0].target, cst.Name) \
+                and _moving_average(node.value, node.targets[0].target.value):
+            self.averages.append(node)
+
     def visit_AugAssign(self, node: cst.AugAssign) -> None:
         if isinstance(node.operator, cst.AddAssign) and isinstance(node.target, cst.Name):
             self.augs.append(node)
@@ -281,6 +287,8 @@ class ReduceCounts(Rule):
         lists = self._list_sums()
         self.dict_augs = [a for a in self.dict_augs if a.target.value.value not in lists]
         self._dict_sums()
+        for average in self.averages:
+            self._moving_average_after(average)
         if not self.augs:
             return
         loops: Dict[cst.CSTNode, List[str]] = {}
@@ -293,6 +301,35 @@ class ReduceCounts(Rule):
                 names.append(aug.target.value)
         for loop, names in loops.items():
             self._loop(loop, names)
+
+    def _moving_average_after(self, assign: cst.Assign) -> None:
+        """`loss_avg = loss_avg * 0.8 + float(loss) * 0.2` over a sharded loader, read after the
+        loop (a results file, a printed epoch line): the ranks' mean right after the loop. An
+        exponential moving average is linear in what it averages, so the mean of the ranks'
+        averages is the average of the steps' means over the ranks' parts: the original's
+        average over whole batches. (Its reads inside the loop stay each rank's own.)"""
+        ctx = self.ctx
+        name = assign.targets[0].target.value
+        loop = loader_loop(ctx, assign)
+        if loop is None or loop_sharding(ctx, loop) == "whole" or leaves_early(ctx, loop):
+            return
+        found, value = initial_value(ctx, loop, name)
+        if not (found and value is not None and is_number(value)):
+            return
+        bindings = [n for n in ctx.within(loop.body, cst.Assign, cst.AugAssign, skip_defs=True)
+                    if any(isinstance(t, cst.Name) and t.value == name
+                           for t in ([x.target for x in n.targets] if isinstance(n, cst.Assign) else [n.target]))]
+        if bindings != [assign]:
+            return
+        events = events_after(ctx, loop, {name})[name]
+        if events.collective or events.augs or not events.uses or collective_guard(ctx, loop) is not None:
+            return
+        tm = ctx.tm
+        self.report(assign, f"`{name}` is a moving average of this rank's batches only: it is made the ranks' mean "
+                            f"after the loop (`{tm}.all_reduce({name}, op=\"mean\")`), the average over whole "
+                            "batches that one process computes",
+                    edits=[insert_after(loop, [_reduce_statement(tm, [name], "mean", None, _depth(ctx, loop))])],
+                    imports=[ctx.runtime_import()])
 
     def _total_of_batch_means(self, loop: cst.For, name: str) -> bool:
         """`total_loss += loss.item()` over the batches of a loader whose batch this run divides
@@ -478,6 +515,34 @@ class ReduceCounts(Rule):
 
 # a count or a sum over a batch's samples (`(pred == y).sum().item()`, `y.size(0)`, `len(y)`)
 _PER_SAMPLE_SUM = re.compile(r"\.sum\(|size\(|len\(|shape\[|numel\(|count")
+
+
+def _moving_average(value: cst.BaseExpression, name: str) -> bool:
+    """`name * a + b * float(loss)`, `a * name + (1 - a) * loss.item()`: `name` once, scaled by
+    a number, plus a term of a per-batch value (a call) without it."""
+    if not (isinstance(value, cst.BinaryOperation) and isinstance(value.operator, cst.Add)):
+        return False
+    for kept, new in ((value.left, value.right), (value.right, value.left)):
+        if isinstance(kept, cst.BinaryOperation) and isinstance(kept.operator, cst.Multiply) and any(
+                isinstance(side, cst.Name) and side.value == name for side in (kept.left, kept.right)) \
+                and any(isinstance(side, (cst.Float, cst.Integer, cst.Name)) and not (
+                    isinstance(side, cst.Name) and side.value == name) for side in (kept.left, kept.right)):
+            mentions = [n for n in _names(new) if n == name]
+            return not mentions and "(" in code(new)
+    return False
+
+
+def _names(node: cst.CSTNode) -> List[str]:
+    out: List[str] = []
+
+    def go(n: cst.CSTNode) -> None:
+        if isinstance(n, cst.Name):
+            out.append(n.value)
+        for child in n.children:
+            go(child)
+
+    go(node)
+    return out
 
 
 def _data_loop(ctx: Context, node: cst.CSTNode) -> Optional[cst.For]:
