@@ -20,6 +20,7 @@ from torchmigrate.program.metrics import (dict_sums, divisions_of, events_after,
                                           leaves_early, loader_expr, loader_loop, loop_sums, named_like_loader,
                                           zeros_value)
 from torchmigrate.rule import Context, Example, Rule
+from torchmigrate.program.batches import batch_facts
 from torchmigrate.program.losses import summed_loss
 from torchmigrate.program.rank_guards import collective_guard
 from torchmigrate.program.syntax import ranged_loop
@@ -347,6 +348,24 @@ class ReduceCounts(Rule):
             return False
         return any(id(site.loader) in loaders and not site.kept for site in batch_sites(ctx))
 
+    def _steps_alike(self, loop: cst.For, name: str) -> bool:
+        """`_l_g += loss_gen.item()` in a loop over a count of steps that every rank runs in full
+        (`for i in range(args.n_dis):`, whose batches come from a sharded loader one `next()` at a
+        time; no batch loop the data rules share out): each rank adds as many batch means as one
+        process, so the ranks' mean of the totals is the original's total (their sum would be
+        world_size times it)."""
+        ctx = self.ctx
+        if not _counter(loop.iter) or any(b.loop is loop for b in batch_facts(ctx).loops):
+            return False
+        augs = self._augs(loop, name)
+        for a in augs:
+            if not (isinstance(a.operator, cst.AddAssign) and _batch_mean(a.value)):
+                return False
+            inner = a.value.func.value if isinstance(a.value.func, cst.Attribute) else a.value.args[0].value
+            if summed_loss(ctx, inner):
+                return False
+        return bool(augs)
+
     def _handed_total(self, loop: cst.For, name: str) -> Optional[str]:
         """The loader (a parameter) of a training loop whose `name` is a total of batch means
         shown as it is, where the loader comes from elsewhere (`def train_model(model,
@@ -438,7 +457,8 @@ class ReduceCounts(Rule):
         exact = exact_lens(ctx, loop)
         found = loop_sums(ctx, loop, names, exact, also=self.reduced_lists.get(loop, set()))
         kind, foreign = found.kinds, found.foreign
-        for name in [n for n, k in kind.items() if k == "sum" and self._total_of_batch_means(loop, n)]:
+        for name in [n for n, k in kind.items() if k == "sum" and (self._total_of_batch_means(loop, n)
+                                                                    or self._steps_alike(loop, n))]:
             kind[name] = "mean"
         counted = [n for n, k in kind.items() if k == "mean" and self._counts_samples(loop, n)]
         for name in counted:
@@ -515,6 +535,13 @@ class ReduceCounts(Rule):
 
 # a count or a sum over a batch's samples (`(pred == y).sum().item()`, `y.size(0)`, `len(y)`)
 _PER_SAMPLE_SUM = re.compile(r"\.sum\(|size\(|len\(|shape\[|numel\(|count")
+
+
+def _counter(node: cst.BaseExpression) -> bool:
+    """`range(n)`, `trange(n)`, `tqdm(range(n))`, `enumerate(range(n))`: a count of steps."""
+    while isinstance(node, cst.Call) and code(node.func).rsplit(".", 1)[-1] in ("tqdm", "enumerate") and node.args:
+        node = node.args[0].value
+    return isinstance(node, cst.Call) and code(node.func).rsplit(".", 1)[-1] in ("range", "trange")
 
 
 def _moving_average(value: cst.BaseExpression, name: str) -> bool:
