@@ -180,15 +180,18 @@ def torchrun_lines(outcomes: Sequence[Outcome], unresolved: Sequence[str] = ()) 
     applied = [r for o in outcomes for r in o.records if r.applied]
     lines = []
     missing = not_done(outcomes, unresolved)
-    partly = any(m.startswith("files still written by every rank") for m in missing)
+    # (writes the run left to the user, as TODOs, are not done either: never claim them)
+    listed = any(m.startswith("files still written by every rank") for m in missing)
+    partly = listed or any(r.code in ("TM501", "TM504", "TM505") and not r.applied and not r.advice
+                           for o in outcomes for r in o.records)
     for what, codes, *words in _DONE:
         where = [r.location for r in applied if r.code in codes and all(
             (w[1:] not in r.message) if w.startswith("!") else (w in r.message) for w in words)]
         if where:
             shown = ", ".join(where[:3]) + (f", +{len(where) - 3} more" if len(where) > 3 else "")
             if what == WRITES_DONE and partly:  # never claim more than was done
-                lines.append(f"  partly done: some writes, saves and logs moved to rank 0 ({shown}), "
-                             f"NOT all (see below)")
+                lines.append(f"  partly done: some writes, saves and logs moved to rank 0 ({shown}), NOT all "
+                             + ("(see below)" if listed else "(see the TM501/TM504/TM505 findings that need attention)"))
             else:
                 lines.append(f"  done: {what}: {shown}")
     lines += [f"  NOT DONE: {m}" for m in missing]
