@@ -76,7 +76,8 @@ def _is_main_only_arg(ctx: Context, node: cst.CSTNode) -> bool:
 
 def _attributes_read(ctx: Context, call: cst.Call) -> List[str]:
     """Attributes of the writer `call` creates (`writer = SummaryWriter(...)`, `self.writer = ...`)
-    that the file reads as values (`writer.log_dir`), not calls (`writer.add_scalar(...)`)."""
+    that the file reads as values (`writer.log_dir`), not calls (`writer.add_scalar(...)`, nor a
+    method of an attribute called as a statement, `writer.file_writer.flush()`)."""
     parent = ctx.parent(call)
     if not isinstance(parent, cst.Assign) or len(parent.targets) != 1:
         return []
@@ -89,8 +90,13 @@ def _attributes_read(ctx: Context, call: cst.Call) -> List[str]:
         attribute = ctx.parent(owner)
         if not isinstance(attribute, cst.Attribute) or attribute.value is not owner or dotted(owner) != target:
             continue
-        used = ctx.parent(attribute)
-        if not (isinstance(used, cst.Call) and used.func is attribute) and attribute.attr.value not in read:
+        used, chain = ctx.parent(attribute), attribute
+        while isinstance(used, cst.Attribute) and used.value is chain:  # `writer.file_writer.flush()`
+            used, chain = ctx.parent(used), used
+        called = isinstance(used, cst.Call) and used.func is chain
+        if chain is not attribute and called and isinstance(ctx.parent(used), cst.Expr):
+            continue  # a method of an attribute, called for its effect: the stand-in absorbs it
+        if not called and attribute.attr.value not in read:
             read.append(attribute.attr.value)
     return read
 
