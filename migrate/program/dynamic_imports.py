@@ -101,7 +101,7 @@ def scan(tree: ast.Module, module: Path, cwd: Path) -> Loads:
             loaded = (_absolute(n, package) for n in written)
             out.append(Site(node.lineno, "literal", tuple(n for n in loaded if n), text))
             continue
-        prefix = _literal_prefix(arg)
+        prefix = _literal_prefix(_assigned_once(tree, arg))
         if prefix and prefix.endswith(".") and _DOTTED.fullmatch(prefix[:-1] + ".x"):
             out.append(Site(node.lineno, "prefix", (prefix[:-1],), text))
         else:
@@ -163,8 +163,19 @@ def _absolute(name: str, package: Optional[str]) -> str:
     return ".".join([*parts[: len(parts) - level + 1], name.lstrip(".")]).strip(".")
 
 
+def _assigned_once(tree: ast.Module, node: ast.AST) -> ast.AST:
+    """What a name passed to the loader holds where the module assigns it exactly once
+    (`spec_path = ".".join(["model", tdir, recommender])`), else `node` itself."""
+    if not isinstance(node, ast.Name):
+        return node
+    values = [n.value for n in walk(tree) if isinstance(n, ast.Assign) and len(n.targets) == 1
+              and isinstance(n.targets[0], ast.Name) and n.targets[0].id == node.id]
+    return values[0] if len(values) == 1 else node
+
+
 def _literal_prefix(node: ast.AST) -> Optional[str]:
-    """`"models." + arch` or `f"models.{arch}"`: the literal text before the run-time part."""
+    """`"models." + arch`, `f"models.{arch}"` or `".".join(["models", kind, arch])`: the literal
+    text before the run-time part."""
     if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
         left = node.left
         while isinstance(left, ast.BinOp) and isinstance(left.op, ast.Add):
@@ -172,6 +183,11 @@ def _literal_prefix(node: ast.AST) -> Optional[str]:
         return left.value if isinstance(left, ast.Constant) and isinstance(left.value, str) else None
     if isinstance(node, ast.JoinedStr) and node.values and isinstance(node.values[0], ast.Constant):
         return node.values[0].value
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "join" \
+            and isinstance(node.func.value, ast.Constant) and isinstance(node.func.value.value, str) \
+            and len(node.args) == 1 and isinstance(node.args[0], (ast.List, ast.Tuple)) and node.args[0].elts \
+            and isinstance(node.args[0].elts[0], ast.Constant) and isinstance(node.args[0].elts[0].value, str):
+        return node.args[0].elts[0].value + node.func.value.value  # `".".join(["model", tdir, name])`
     if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "format" \
             and isinstance(node.func.value, ast.Constant) and isinstance(node.func.value.value, str):
         return node.func.value.value.split("{", 1)[0]

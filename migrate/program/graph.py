@@ -385,12 +385,22 @@ def _package_modules(resolver: _Resolver, package: str, entry_dir: Path, config)
         bases = dict.fromkeys((entry_dir, resolver.root, *resolver.extra))
         folders = [b.joinpath(*package.split(".")) for b in bases]
     for folder in folders:
-        names = [n[:-3] for n in resolver.fs.listing(folder).split("\n")
-                 if n.endswith(".py") and n != "__init__.py" and n[:-3].isidentifier()]
+        names = _modules_in(resolver, folder)
         if names:
             chosen = [n for n in names if n in config.words] or names
             return init + [resolver.fs.resolve(folder / f"{n}.py") for n in sorted(chosen)]
+        # `".".join(["model", kind, name])`: the modules of its subpackages, one level down
+        nested = [(folder / sub[:-1], n) for sub in resolver.fs.listing(folder).split("\n")
+                  if sub.endswith("/") and sub[:-1].isidentifier() for n in _modules_in(resolver, folder / sub[:-1])]
+        if nested:
+            chosen = [(f, n) for f, n in nested if n in config.words] or nested
+            return init + [resolver.fs.resolve(f / f"{n}.py") for f, n in sorted(chosen)]
     return []
+
+
+def _modules_in(resolver: _Resolver, folder: Path) -> List[str]:
+    return [n[:-3] for n in resolver.fs.listing(folder).split("\n")
+            if n.endswith(".py") and n != "__init__.py" and n[:-3].isidentifier()]
 
 
 class _Search:
