@@ -218,13 +218,36 @@ def _sample_indexed(ctx: Context, facts, loader: Loader) -> str:
             for a in assigns:
                 if (root_name(a.value) or "").split(".")[0] in names:
                     names |= {n.value for t in a.targets for n in ctx.within(t.target, cst.Name)}
+        views = _holders_of_batches(ctx, loop)
         for sub in ctx.within(loop.body, cst.Subscript, skip_defs=True):
             index = sub.slice[0].slice if len(sub.slice) == 1 else None
             if isinstance(sub.value, cst.Name) and sub.value.value in names and isinstance(index, cst.Index) \
-                    and isinstance(index.value, cst.Integer) and int(index.value.value) >= 1:
+                    and isinstance(index.value, cst.Integer) and int(index.value.value) >= 1 \
+                    and sub.value.value not in views:
                 return (f"the loop over it reads sample `{code(sub)}` of a batch at a fixed position, which a rank's "
                         "share of the batch may not have")
     return ""
+
+
+def _holders_of_batches(ctx: Context, loop: cst.CSTNode) -> set:
+    """Names whose items are batches themselves: the loop reads the batch size off one of them
+    (`N = data[0].shape[0]`, `len(views[0])`, `x[0].size(0)`), so `data[1]` is a second view of
+    the batch (two augmentations of a contrastive pair), not its second sample."""
+    out = set()
+    for sub in ctx.within(loop.body, cst.Subscript, skip_defs=True):
+        index = sub.slice[0].slice if len(sub.slice) == 1 else None
+        if not (isinstance(sub.value, cst.Name) and isinstance(index, cst.Index) and isinstance(index.value, cst.Integer)):
+            continue
+        parent = ctx.parent(sub)
+        sized = (isinstance(parent, cst.Attribute) and parent.value is sub and (
+            (parent.attr.value == "shape" and isinstance(ctx.parent(parent), cst.Subscript))
+            or (parent.attr.value == "size" and isinstance(ctx.parent(parent), cst.Call))))
+        if not sized and isinstance(parent, cst.Arg):
+            call = ctx.parent(parent)
+            sized = isinstance(call, cst.Call) and isinstance(call.func, cst.Name) and call.func.value == "len"
+        if sized:
+            out.add(sub.value.value)
+    return out
 
 
 def _rebatched(ctx: Context, args) -> str:
