@@ -403,6 +403,8 @@ class DeviceFromRank(Rule):
                 self._set_device(call)
             elif name == DEVICE_CTX:
                 self._device_ctx(call)
+            elif name == "torch.set_default_tensor_type" and self.converting:
+                self._default_tensor_type(call)
             elif name is None and isinstance(call.func, cst.Attribute):
                 attr = call.func.attr.value
                 if attr == "cuda":
@@ -670,6 +672,24 @@ class DeviceFromRank(Rule):
             return
         if self._wrong(cuda_string(value)):
             self._fix(value, message + "; use tm.device()", replace_with(value, self._tm_device()))
+
+    def _default_tensor_type(self, call: cst.Call) -> None:
+        """`torch.set_default_tensor_type("torch.cuda.FloatTensor")`: new tensors on the current
+        GPU (the rank's own after `tm.setup()`), where there is one; the CPU type on CPU ranks
+        (`torchmigrate verify`, gloo), where the CUDA type raises."""
+        if len(call.args) != 1 or call.args[0].keyword is not None:
+            return
+        value = call.args[0].value
+        if not isinstance(value, (cst.SimpleString, cst.Attribute)):
+            return  # (a choice already: migrated, or the program's own)
+        text = value.evaluated_value if isinstance(value, cst.SimpleString) else code(value)
+        if not isinstance(text, str) or not text.startswith("torch.cuda.") or not text.endswith("Tensor"):
+            return
+        cpu = "torch." + text[len("torch.cuda."):]
+        new = cst.parse_expression(f"{code(value)} if {self.ctx.tm}.device().type == \"cuda\" else "
+                                   + (repr(cpu).replace("'", '"') if isinstance(value, cst.SimpleString) else cpu))
+        self._fix(value, "the default tensor type is a CUDA one, which the CPU ranks cannot make: the CPU type "
+                         "where this process has no GPU", replace_with(value, new))
 
     def _argparse_default(self, call: cst.Call) -> None:
         """`add_argument("--device", default="cuda:0")`: a string option. With no `type=` (or
