@@ -24,7 +24,7 @@ import libcst as cst
 from torchmigrate.finding import Edit, Finding, Import, Safety
 from torchmigrate.options import COMMANDS, RUNTIME_MODULE, Options
 from torchmigrate.program.view import ModuleView
-from torchmigrate.syntax.imports import ImportTable
+from torchmigrate.syntax.imports import ImportTable, dotted
 from torchmigrate.syntax.walk import child_nodes
 
 # (types) -> {node type: issubclass(node type, types)}, for Context.enclosing and _NodeIndex.spots
@@ -395,12 +395,6 @@ RuleType = Type[Rule]
 def _imports_torch(small: cst.BaseSmallStatement) -> bool:
     """`import torch.x` / `from torch.x import y` (the library itself, not a project module)."""
     if isinstance(small, cst.Import):
-        return all(_dotted_root(a.name) == "torch" for a in small.names)
+        return all((dotted(a.name) or "").split(".")[0] == "torch" for a in small.names)
     return isinstance(small, cst.ImportFrom) and not small.relative and small.module is not None \
-        and _dotted_root(small.module) == "torch"
-
-
-def _dotted_root(node: cst.BaseExpression) -> str:
-    while isinstance(node, cst.Attribute):
-        node = node.value
-    return node.value if isinstance(node, cst.Name) else ""
+        and (dotted(small.module) or "").split(".")[0] == "torch"

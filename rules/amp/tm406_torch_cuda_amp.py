@@ -243,12 +243,9 @@ class TorchCudaAmp(AmpRule):
         ctx = self.ctx
         if any(isinstance(a, cst.Annotation) for a in ctx.ancestors(ref)):
             return True
-        root = ref
-        while isinstance(root, cst.Attribute):
-            root = root.value
         found = _deprecated(ctx.resolve(ref))
-        return bool(found) and found[1] == "GradScaler" and isinstance(root, cst.Name) \
-            and ctx.imports.names.get(root.value) in _OLD_MODULES
+        return bool(found) and found[1] == "GradScaler" \
+            and ctx.imports.names.get((dotted(ref) or "").split(".")[0]) in _OLD_MODULES
 
     def _bare_references(self) -> List[cst.BaseExpression]:
         """Whole dotted names (`torch.cuda.amp.autocast`, `ac`) naming a deprecated autocast,

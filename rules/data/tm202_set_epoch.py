@@ -111,6 +111,7 @@ class SetEpoch(DataRule):
             return
         facts, plan = self.facts, self.plan
         self.insertions: Dict[Tuple[int, int], _Insertion] = {}
+        self.uncounted: Set[Tuple[int, int]] = set()  # loaders re-read whenever they run out (no epoch counter)
         self.problems: List[Tuple[cst.CSTNode, str, Optional[Loader]]] = []
         self.seen: Set[Tuple[int, int]] = set()
         if not any(plan.of(x).needs_epoch for x in facts.loaders):
@@ -235,10 +236,11 @@ class SetEpoch(DataRule):
             self.insertions[key] = _Insertion(loop, loader, text, statement, "before", None, (
                 "its iterator is made again whenever it runs out, inside a loop whose counter does not count "
                 "the passes: count them and call set_epoch with that count before each `iter(...)`"))
+            self.uncounted.add(key)
+            return
+        if key in self.uncounted:
             return
         if key in self.insertions:
-            if self.insertions[key] is not None and self.insertions[key].problem.startswith("its iterator is made"):
-                return
             held = self.insertions[key]
             if held is None or _names_eval(text) or not _names_eval(held.text):
                 return

@@ -354,15 +354,19 @@ class ReduceCounts(Rule):
         time; no batch loop the data rules share out): each rank adds as many batch means as one
         process, so the ranks' mean of the totals is the original's total (their sum would be
         world_size times it)."""
-        ctx = self.ctx
-        if not _counter(loop.iter) or any(b.loop is loop for b in batch_facts(ctx).loops):
+        if not _counter(loop.iter) or any(b.loop is loop for b in batch_facts(self.ctx).loops):
             return False
+        return self._adds_batch_means(loop, name)
+
+    def _adds_batch_means(self, loop: cst.For, name: str) -> bool:
+        """Every update of `name` in `loop` adds one batch mean (`+= loss.item()`, the loss not
+        surely summed over its batch), and there is one."""
         augs = self._augs(loop, name)
         for a in augs:
             if not (isinstance(a.operator, cst.AddAssign) and _batch_mean(a.value)):
                 return False
             inner = a.value.func.value if isinstance(a.value.func, cst.Attribute) else a.value.args[0].value
-            if summed_loss(ctx, inner):
+            if summed_loss(self.ctx, inner):
                 return False
         return bool(augs)
 
@@ -392,15 +396,8 @@ class ReduceCounts(Rule):
         the loss not surely summed over its batch): `tm.reduce_batch_total` makes the ranks' total
         the original's, averaged where each rank ran as many batches, summed where it ran its share."""
         ctx = self.ctx
-        augs = self._augs(loop, name)
-        if not augs or not analysis.runs_backward(ctx, loop):
+        if not analysis.runs_backward(ctx, loop) or not self._adds_batch_means(loop, name):
             return False
-        for a in augs:
-            if not (isinstance(a.operator, cst.AddAssign) and _batch_mean(a.value)):
-                return False
-            inner = a.value.func.value if isinstance(a.value.func, cst.Attribute) else a.value.args[0].value
-            if summed_loss(ctx, inner):
-                return False
         # divided by a count of samples only (`/ num_samples`, `/ len(loader.dataset)`): a mean of
         # batch means over a count of steps (`/ count` with `count += 1`) stays a plain sum
         uses = events_after(ctx, loop, {name})[name].uses
@@ -554,8 +551,7 @@ def _moving_average(value: cst.BaseExpression, name: str) -> bool:
                 isinstance(side, cst.Name) and side.value == name for side in (kept.left, kept.right)) \
                 and any(isinstance(side, (cst.Float, cst.Integer, cst.Name)) and not (
                     isinstance(side, cst.Name) and side.value == name) for side in (kept.left, kept.right)):
-            mentions = [n for n in _names(new) if n == name]
-            return not mentions and "(" in code(new)
+            return name not in _names(new) and "(" in code(new)
     return False
 
 
