@@ -67,7 +67,7 @@ __all__ = [
     "shard_sampler", "reduce_meter", "reduce_batch_total", "per_rank_batch", "batch_rows", "sync_batchnorm", "synced", "to_float32",
     "save", "load", "strip_prefix", "load_state_dict", "seed_everything", "seed_per_rank", "main_only", "main_process_first", "goes_first",
     "shard_range", "rank_part", "shard_indices", "shard_mean", "shard_batches", "agreed", "on_main", "move_into_place", "to_device", "as_device", "device_arg", "all_rows",
-    "set_device", "data_parallel", "same_draws",
+    "set_device", "data_parallel", "same_draws", "visible_devices",
 ]
 
 
@@ -162,7 +162,7 @@ def device() -> torch.device:
 def _rank_device() -> torch.device:
     """The device ``setup()`` gives this process (see ``device``)."""
     if _ON_CPU or os.environ.get("TORCHMIGRATE_DEVICE", "").strip().lower() == "cpu" \
-            or not torch.cuda.is_available():
+            or torch.cuda.device_count() == 0:
         return torch.device("cpu")
     return torch.device("cuda", local_rank() % max(torch.cuda.device_count(), 1))
 
@@ -242,8 +242,9 @@ def _same_hash_seed(env: dict, caller) -> None:
 def setup(backend: str | None = None, timeout=None, device: str | None = None) -> Ctx:
     """Initialise distributed training once and return a ``Ctx``; later calls return the same Ctx.
 
-    1 process: no process group (also for torchrun with WORLD_SIZE=1); on CUDA the current device
-    is set. gloo (CPU): ``init_process_group("gloo")``. nccl (CUDA): ``torch.cuda.set_device(
+    1 process: no process group (also for torchrun with WORLD_SIZE=1), and CUDA is not started
+    (GPUs are counted through NVML where it can), so a ``CUDA_VISIBLE_DEVICES`` the program sets
+    after ``setup()`` still chooses its GPU, as in the original. gloo (CPU): ``init_process_group("gloo")``. nccl (CUDA): ``torch.cuda.set_device(
     local_rank)`` *before* ``init_process_group("nccl", device_id=device)``, so every rank owns its
     GPU and NCCL initialises eagerly; more processes on the node than visible GPUs is an error
     that says what to change. ``backend`` (or ``TORCHMIGRATE_BACKEND``) overrides the
@@ -280,7 +281,7 @@ def setup(backend: str | None = None, timeout=None, device: str | None = None) -
         for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
             os.environ[k] = str(env[k])
     dev = _rank_device()
-    if dev.type == "cuda":
+    if dev.type == "cuda" and env["WORLD_SIZE"] > 1:
         torch.cuda.set_device(dev)
     if env["WORLD_SIZE"] > 1 and not _pg():
         backend = backend or os.environ.get("TORCHMIGRATE_BACKEND") or (
@@ -2219,6 +2220,51 @@ def device_arg(spec: str) -> str:
         return str(as_device(spec))
     except (RuntimeError, TypeError) as exc:
         raise ValueError(f"not a device: {spec!r}") from exc
+
+
+def _processes_on_node() -> int:
+    """How many of the job's processes share this node: torchrun's ``LOCAL_WORLD_SIZE``, else
+    SLURM's tasks per node (``8`` or ``8(x2)``), else the world size (1 alone)."""
+    e = os.environ
+    for key in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):
+        match = re.match(r"\s*(\d+)", e.get(key, ""))
+        if match:
+            return int(match.group(1))
+    return _env()["WORLD_SIZE"]
+
+
+_VISIBLE_WARNED: set = set()
+
+
+def visible_devices(value, *, if_unset: bool = False) -> None:
+    """``os.environ["CUDA_VISIBLE_DEVICES"] = str(value)``, as the program wrote it, where that
+    still gives every process on this node a GPU of its own; ``if_unset=True`` is
+    ``os.environ.setdefault``'s form.
+
+    A single-GPU program picks its GPU this way (``"0"``, ``args.gpu``), and as one process it
+    still does. Under torchrun or SLURM with N processes on the node, the same line would show
+    all N processes that one GPU: NCCL refuses two ranks on one device, and gloo would train
+    them all there. Each process uses ``device()`` = ``cuda:LOCAL_RANK`` of what is visible, so
+    the program's list is kept when it names at least N GPUs (``"0,1,2,3"`` for 4 processes) or
+    none (``""``, ``"-1"``: a CPU run on every rank), and otherwise the launcher's GPUs stay
+    visible and rank 0 warns once for the line. Set before CUDA starts, as the original's
+    assignment has to be."""
+    text = str(value)
+    if if_unset and "CUDA_VISIBLE_DEVICES" in os.environ:
+        return
+    listed = [v for v in text.split(",") if v.strip()]
+    hidden = not listed or listed[0].strip() == "-1"
+    local = _processes_on_node()
+    if local <= 1 or hidden or len(listed) >= local:
+        os.environ["CUDA_VISIBLE_DEVICES"] = text
+        return
+    frame = _user_frame(sys._getframe(1))
+    where = f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}" if frame else "the program"
+    if where not in _VISIBLE_WARNED and is_main():
+        _VISIBLE_WARNED.add(where)
+        _warn(f"{where} sets CUDA_VISIBLE_DEVICES={text!r} ({len(listed)} GPU(s)) for {local} processes on this "
+              "node; kept the launcher's GPUs instead, so that each process has its own (device() = "
+              "cuda:LOCAL_RANK). Choose GPUs for a distributed run with CUDA_VISIBLE_DEVICES on the launch line.")
 
 
 def to_device(*values):

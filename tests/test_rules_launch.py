@@ -205,13 +205,13 @@ def test_tm103_string_device_kept_when_compared():
     assert not result.changed and found(result) == []
 
 
-def test_tm103_cuda_visible_devices_is_manual():
-    result = run("""
+def test_tm103_cuda_visible_devices_kept_per_process():
+    migrated = run("""
         import os, torch
         os.environ["CUDA_VISIBLE_DEVICES"] = args.gpus
         """, "TM103")
-    assert [f.safety for f in result.findings] == [Safety.MANUAL]
-    assert "# TODO(torchmigrate): TM103" in result.new_source
+    assert [f.safety for f in migrated.findings] == [Safety.SAFE]
+    assert "tm.visible_devices(args.gpus)\n" in migrated.new_source and "TODO" not in migrated.new_source
 
 
 _BATCH_SCRIPT = """

@@ -194,6 +194,43 @@ def test_nccl_needs_a_gpu_per_process_on_the_node(one_fake_gpu, monkeypatch, loc
     monkeypatch.setattr(tm, "_CTX", None)  # nothing was really initialised
 
 
+def test_one_process_setup_leaves_cuda_unstarted(one_fake_gpu, monkeypatch):
+    """`python train.py` of a program that sets CUDA_VISIBLE_DEVICES after the inserted
+    `tm.setup()` (`os.environ["CUDA_VISIBLE_DEVICES"] = args.gpu` once the options are parsed):
+    setup must not start CUDA (`is_available()` and `set_device` do), or the program's choice of
+    GPU is ignored and it runs on GPU 0."""
+    def starts_cuda():
+        raise AssertionError("setup() started CUDA in one process")
+    monkeypatch.setattr(torch.cuda, "is_available", starts_cuda)
+    ctx = tm.setup()
+    monkeypatch.setattr(tm, "_CTX", None)
+    assert ctx.device == torch.device("cuda", 0) and one_fake_gpu == []
+
+
+@pytest.mark.parametrize("env, value, if_unset, visible, warned", [
+    ({}, "3", False, "3", False),  # one process: the program's choice, as in the original
+    ({"LOCAL_WORLD_SIZE": "2"}, "0", False, "4,5", True),  # two ranks on one GPU: the launcher's kept
+    ({"LOCAL_WORLD_SIZE": "2"}, 1, False, "4,5", True),
+    ({"LOCAL_WORLD_SIZE": "2"}, "2,3", False, "2,3", False),  # a GPU for each process: kept
+    ({"LOCAL_WORLD_SIZE": "2"}, "-1", False, "-1", False),  # no GPU for anyone: a CPU run
+    ({"SLURM_NTASKS_PER_NODE": "4(x2)"}, "0,1", False, "4,5", True),
+    ({}, "3", True, "4,5", False),  # setdefault's form: something is set already
+])
+def test_visible_devices_keeps_a_gpu_for_each_process(monkeypatch, capsys, env, value, if_unset, visible, warned):
+    """`os.environ["CUDA_VISIBLE_DEVICES"] = args.gpu` becomes `tm.visible_devices(args.gpu)`."""
+    for k in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")
+    monkeypatch.setattr(tm, "_VISIBLE_WARNED", set())
+    tm.visible_devices(value, if_unset=if_unset)
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == visible
+    err = capsys.readouterr().err
+    assert ("test_runtime_single.py:" in err and "CUDA_VISIBLE_DEVICES=" in err
+            and "kept the launcher's GPUs" in err) == warned
+
+
 def test_gloo_may_share_one_gpu(one_fake_gpu, monkeypatch):
     for k, v in {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
                  "TORCHMIGRATE_BACKEND": "gloo"}.items():

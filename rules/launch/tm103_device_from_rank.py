@@ -127,8 +127,11 @@ class DeviceFromRank(Rule):
       library's call becomes `str(tm.device())` (the wrap moved the model to this process's GPU).
     - `torch.cuda.set_device(...)` is removed in files that get `tm.setup()` (which pins the
       GPU before anything is allocated) and otherwise gets `tm.device()` as its argument.
-    - `os.environ["CUDA_VISIBLE_DEVICES"] = ...` writes and `torch.cuda.device(N)` blocks are
-      reported for a manual change.
+    - In `ddp`, `os.environ["CUDA_VISIBLE_DEVICES"] = v` and its `setdefault` become
+      `tm.visible_devices(v)`: the program's GPUs as one process, and under a launcher only where
+      they give each process on the node a GPU of its own (else the launcher's, with a warning).
+      Writes whose value is used again (`a = os.environ[...] = v`), `os.putenv` and
+      `torch.cuda.device(N)` blocks are reported for a manual change.
     - In `ddp`, `torch.device(x)` of a value this file cannot see (a loop over the program's
       device list, a parameter) becomes `tm.as_device(x)`: any GPU it names is the rank's own.
     - GPU indices where a device is expected: `.to(0)`, `.to(args.gpu)`, `torch.device(args.gpu)`
@@ -430,9 +433,32 @@ class DeviceFromRank(Rule):
         for write in self.env_writes:
             if self._per_rank_or_none(write):
                 continue
+            kept = self._visible_devices(write) if self.converting and self.ctx.options.mode == "ddp" else None
+            if kept is not None:
+                self._fix(write, "CUDA_VISIBLE_DEVICES set in the script would show every rank the same GPUs: "
+                                 "tm.visible_devices keeps the program's choice as one process (and where it lists a "
+                                 "GPU for each process on the node), else the launcher's GPUs, so that each process "
+                                 "uses its own tm.device() = cuda:LOCAL_RANK", replace_with(write, kept))
+                continue
             self.report(write, "CUDA_VISIBLE_DEVICES set in the script: every rank sees the same GPUs (with one "
                                "visible GPU all ranks share it); let torchrun/the scheduler choose, each process "
                                "uses tm.device() = cuda:LOCAL_RANK")
+
+    def _visible_devices(self, write: cst.CSTNode) -> Optional[cst.CSTNode]:
+        """`tm.visible_devices(value)` for `os.environ["CUDA_VISIBLE_DEVICES"] = value` (one
+        target) and `os.environ.setdefault("CUDA_VISIBLE_DEVICES", value)` used as a statement;
+        None for the forms whose value or result the program goes on to use (`a = os.environ[...]
+        = v`, `os.putenv`)."""
+        tm = self.ctx.tm
+        if isinstance(write, cst.Assign):
+            if len(write.targets) != 1:
+                return None
+            return cst.Expr(cst.Call(cst.parse_expression(f"{tm}.visible_devices"), [cst.Arg(write.value)]))
+        if isinstance(write, cst.Call) and self.ctx.resolve(write.func) == "os.environ.setdefault" \
+                and len(write.args) == 2 and isinstance(self.ctx.parent(write), cst.Expr):
+            call = cst.parse_expression(f"{tm}.visible_devices(_, if_unset=True)")
+            return call.with_changes(args=[cst.Arg(write.args[1].value), call.args[1]])
+        return None
 
     def _ifexp_devices(self, handled: Set[cst.CSTNode]) -> None:
         """`torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")` as a whole."""
