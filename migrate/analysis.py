@@ -140,6 +140,9 @@ class Optimizer:
     # (`model = SessionGraph(opt, n)`, `ModuleView.self_trained`): `models` is the name it is
     # bound to, wrapped right after the call.
     made: bool = False
+    # A call of another module's function that steps the model's parameters by hand, building
+    # no optimizer (`ModuleView.hand_steppers`): nothing is rebuilt on each call.
+    by_hand: bool = False
 
 
 @dataclass
@@ -887,7 +890,8 @@ def _program_helper_calls(ctx: Context) -> List[Optimizer]:
             if owner is not None and _model_like(ctx, owner, value) and model_root(owner) not in models:
                 models.append(model_root(owner))
         if models:
-            out.append(Optimizer(call, ctx.statement_of(call), None, tuple(models), builder=True))
+            out.append(Optimizer(call, ctx.statement_of(call), None, tuple(models), builder=True,
+                                 by_hand=dotted(call.func) in ctx.program.hand_steppers))
     return out
 
 

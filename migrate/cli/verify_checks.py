@@ -233,7 +233,7 @@ def params_in_sync(run: Run) -> Check:
     title = "parameters identical on all ranks"
     records = [rec for rec in run.records if rec]
     optimizers = list(_by_optimizer(run))
-    if not optimizers or not any(rec["steps"] for rec in records):
+    if not (optimizers or records and records[0]["ddp"]) or not any(rec["steps"] for rec in records):
         return Check("params", title, SKIP, "no optimizer step ran")
     if not any(rec["process_group"] for rec in records):
         return Check("params", title, FAIL,
@@ -261,6 +261,9 @@ def params_in_sync(run: Run) -> Check:
                      "no model is wrapped in DDP: each rank trains its own copy, and the parameters agree only because "
                      "every rank does the same work on the same data (no speed-up; see the migration report's NOT DONE "
                      "lines)", notes, [w for _, w, _ in optimizers if w])
+    if not optimizers:  # parameters stepped by hand: the DDP models are the trained ones
+        return Check("params", title, PASS, f"{len(records[0]['ddp'])} DDP model(s), stepped without an optimizer, "
+                                            "equal on every rank", notes)
     return Check("params", title, PASS, f"{len(optimizers)} optimised model(s) equal on every rank", notes)
 
 

@@ -8,7 +8,8 @@ It patches torch and `open` before the script runs, then runs the script as `__m
 script ends, however it ends:
 - the indices every DataLoader iteration draws (its whole epoch, read from the sampler before the
   first batch) and how many optimizer steps ran while it was the loader being read; a loader read
-  while optimizers step is a training loader;
+  while optimizers step is a training loader (in a program with no optimizer, whose parameters
+  are stepped by hand, each backward counts as a step);
 - a hash of the parameters and the learning rates of every optimizer, and of every DDP module;
 - every file opened for writing and every `torch.save` (with any `module.`/`_orig_mod.` keys);
 - every `torch.load` path, and `ReduceLROnPlateau.step` arguments (the usual per-rank metric);
@@ -232,9 +233,18 @@ def _patch_training() -> None:
             _probe_failed("recording ReduceLROnPlateau.step")
         return plateau_step(self, metrics, *args, **kwargs)
 
+    real_backward = torch.autograd.backward
+
+    def backward(*args, **kwargs):  # what `loss.backward()` calls, looked up at each call
+        out = real_backward(*args, **kwargs)
+        if not _optimizers:  # parameters stepped by hand (no optimizer at all): each backward is a step
+            stepped(None, args, kwargs)
+        return out
+
     torch.optim.Optimizer.__init__, DistributedDataParallel.__init__ = optimizer_init, ddp_module_init
     ReduceLROnPlateau.step = plateau
     register_optimizer_step_post_hook(stepped)
+    torch.autograd.backward = backward
     _patch_sync_grads()
 
 

@@ -421,7 +421,7 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
     # a model passed to another module's function that builds its optimizer is wrapped by the
     # caller (TM301 there): it is one of the caller's models, and the function's parameter
     # receives the wrapped model like any other
-    optimizer_params = _optimizer_params(modules)
+    optimizer_params, hand_steppers = _optimizer_params(modules)
     for s in scopes:
         for call in s.calls:
             target = _callee(s.module, modules, call)
@@ -563,6 +563,7 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
                                for spelled in _spellings(m, modules, {key})},
             optimizer_builders={spelled: optimizer_params[key] for key in optimizer_params if key[0] != path
                                 for spelled in _spellings(m, modules, {key})},
+            hand_steppers=frozenset(_spellings(m, modules, {k for k in hand_steppers if k[0] != path})),
             program_trains=trains,
             program_loaders=builds_loaders,
             program_distributed=distributed,
@@ -1030,15 +1031,53 @@ def _sampler_classes(modules: Dict[Path, _Module]) -> Set[Tuple[Path, str]]:
     return found
 
 
-def _optimizer_params(modules: Dict[Path, _Module]) -> Dict[Tuple[Path, str], Tuple[Tuple[int, str], ...]]:
+def _hand_stepped(func: ast.AST) -> List[str]:
+    """Models whose parameters `func` steps by hand from their gradients, with no optimizer
+    (`for p in model.parameters(): p.data.add_(p.grad, alpha=-lr)`; TM301's `_trained_by_hand`):
+    the root name of each, for `_optimizer_params`."""
+    out = []
+    for loop in walk(func):
+        it = loop.iter if isinstance(loop, ast.For) else None
+        if not (isinstance(it, ast.Call) and isinstance(it.func, ast.Attribute)
+                and it.func.attr in ("parameters", "named_parameters")):
+            continue
+        target = loop.target
+        if it.func.attr == "named_parameters":
+            target = target.elts[1] if isinstance(target, ast.Tuple) and len(target.elts) == 2 else None
+        owner = dotted_name(it.func.value)
+        if not isinstance(target, ast.Name) or not owner:
+            continue
+        p = target.id
+
+        def is_p(n: ast.AST) -> bool:
+            return isinstance(n, ast.Name) and n.id == p or (
+                isinstance(n, ast.Attribute) and n.attr == "data" and isinstance(n.value, ast.Name) and n.value.id == p)
+
+        body = [n for stmt in loop.body for n in walk(stmt)]
+        reads_grad = any(isinstance(n, ast.Attribute) and n.attr == "grad" and isinstance(n.value, ast.Name)
+                         and n.value.id == p for n in body)
+        steps = any(isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr.endswith("_")
+                    and not n.func.attr.startswith("_") and n.func.attr not in ("zero_", "requires_grad_")
+                    and is_p(n.func.value) or isinstance(n, ast.AugAssign) and is_p(n.target)
+                    or isinstance(n, ast.Assign) and any(isinstance(t, ast.Attribute) and is_p(t) for t in n.targets)
+                    for n in body)
+        if reads_grad and steps:
+            out.append(owner.split(".")[0])
+    return out
+
+
+def _optimizer_params(modules: Dict[Path, _Module]) -> Tuple[Dict[Tuple[Path, str], Tuple[Tuple[int, str], ...]],
+                                                              Set[Tuple[Path, str]]]:
     """Module-level functions that build an optimizer over a model they receive and do not wrap
     it themselves (`def train(config, model, train_iter): optimizer = Adam(model.parameters())`),
     and classes whose `__init__` does (`class Trainer: def __init__(self, model, loader): self.opt
     = SGD(model.parameters())`, keyed by the class): (position, name) of that parameter among the
     call's arguments, one for each model it trains (`get_optimizers(d_net, g_net)` builds two). A
     caller in another module passes the model, so that is where the DDP wrap belongs (its own
-    module's rules see only a parameter)."""
+    module's rules see only a parameter). A function that steps the model's parameters by hand
+    (`_hand_stepped`) counts too; those that build no optimizer at all are also returned apart."""
     found: Dict[Tuple[Path, str], Tuple[Tuple[int, str], ...]] = {}
+    hand_only: Set[Tuple[Path, str]] = set()
     for p, m in modules.items():
         for name, func in m.functions.items():
             if "." in name and not name.endswith(".__init__"):
@@ -1052,9 +1091,12 @@ def _optimizer_params(modules: Dict[Path, _Module]) -> Dict[Tuple[Path, str], Tu
             assigned = {n.targets[0].id: n.value for n in walk(func)
                         if isinstance(n, ast.Assign) and len(n.targets) == 1 and isinstance(n.targets[0], ast.Name)}
             trained = [x for c in calls for x in _optimizer_models(c, assigned) if x in params and x not in wrapped]
-            if trained:
-                found[(p, name)] = tuple((params.index(x), x) for x in dict.fromkeys(trained))
-    return found
+            by_hand = [x for x in _hand_stepped(func) if x in params and x not in wrapped and x not in trained]
+            if trained or by_hand:
+                found[(p, name)] = tuple((params.index(x), x) for x in dict.fromkeys(trained + by_hand))
+            if by_hand and not trained:
+                hand_only.add((p, name))
+    return found, hand_only
 
 
 def iterator_builders_of(definitions: Iterable[ast.stmt]) -> Dict[str, Tuple[int, ...]]:

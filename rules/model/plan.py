@@ -161,6 +161,43 @@ class Wrap:
         return self.kind.rsplit("-", 1)[-1] in ("new", "tm", "apex", "dp")
 
 
+def _loop_param(target: cst.BaseAssignTargetExpression, named: bool) -> Optional[str]:
+    """The name a loop over `parameters()` (`p`) or `named_parameters()` (`name, p`) binds
+    each parameter to."""
+    if named:
+        if isinstance(target, (cst.Tuple, cst.List)) and len(target.elements) == 2:
+            target = target.elements[1].value
+        else:
+            return None
+    return target.value if isinstance(target, cst.Name) else None
+
+
+def _steps_by_grad(ctx: Context, loop: cst.For, p: str) -> bool:
+    """The loop's body changes the parameter `p` in place from its gradient: `p.data.add_(p.grad,
+    alpha=-lr)`, `p.data -= lr * p.grad.data`, `p.sub_(lr * p.grad)`, `p.data = p.data - lr * p.grad`."""
+    def is_p(node: cst.CSTNode) -> bool:
+        return isinstance(node, cst.Name) and node.value == p or (
+            isinstance(node, cst.Attribute) and node.attr.value == "data" and isinstance(node.value, cst.Name)
+            and node.value.value == p)
+
+    reads_grad = any(a.attr.value == "grad" and isinstance(a.value, cst.Name) and a.value.value == p
+                     for a in ctx.within(loop.body, cst.Attribute))
+    if not reads_grad:
+        return False
+    for node in ctx.within(loop.body, cst.Call, cst.AugAssign, cst.Assign):
+        if isinstance(node, cst.Call):
+            f = node.func
+            if isinstance(f, cst.Attribute) and f.attr.value.endswith("_") and not f.attr.value.startswith("_") \
+                    and f.attr.value not in ("zero_", "requires_grad_") and is_p(f.value):
+                return True
+        elif isinstance(node, cst.AugAssign):
+            if is_p(node.target):
+                return True
+        elif any(is_p(t.target) and isinstance(t.target, cst.Attribute) for t in node.targets):
+            return True
+    return False
+
+
 @dataclass
 class NewWrap:
     name: str
@@ -246,6 +283,7 @@ class Plan:
         self._delegated: Optional[Set[cst.CSTNode]] = None
         self._final: Optional[List[Wrap]] = None
         self.wraps: List[Wrap] = []
+        self.hand_trained = False  # a loop steps some model's parameters from their gradients (`_trained_by_hand`)
         # functions and methods of the file that return a wrapped model (name -> kind of wrap)
         self.returning_wrap: Dict[str, str] = {}
         self.covered: Set[Tuple[str, cst.CSTNode]] = set()  # wrapped by anything
@@ -498,6 +536,8 @@ class Plan:
                 old = best.get(k)
                 if old is None or self._prefer(placed, old):
                     best[k] = placed
+        if not opts and self.ctx.options.mode == "ddp" and not self.wraps:
+            self._trained_by_hand(best)
         self._for_subclasses(best)
         self.new = self._in_place_order(best.values())
         self._leave_own_group_alone()
@@ -508,8 +548,117 @@ class Plan:
         # A module of a program whose model is trained (and wrapped) elsewhere: its backward
         # runs through the wrapper the caller passes in.
         elsewhere = self.ctx.program.followed and self.ctx.program.program_trains
-        if not opts and self.ctx.options.mode == "ddp" and not self.wraps and not elsewhere:
+        if not opts and self.ctx.options.mode == "ddp" and not self.wraps and not elsewhere and not self.new \
+                and not self.hand_trained:
             self._no_optimizer()
+
+    def _trained_by_hand(self, best: Dict[tuple, NewWrap]) -> None:
+        """`for p in model.parameters(): p.data.add_(p.grad, alpha=-lr)` after a backward: a model
+        trained without an optimizer (hand-written SGD, an RNN language model's classic loop). DDP
+        averages gradients in `backward()` whatever steps them, so the model is wrapped right
+        after the one assignment that creates it, before the first forward. A function's loop over
+        a model of the module (`model = Net()` at the top, read in `train()`) wraps it at module
+        level; over a model it is handed (`def train_epoch(model, loader, lr)`), where this file's
+        callers make the model they pass (another module's callers: `ModuleView.optimizer_builders`).
+        A model made in several places, or by nobody this file sees, gets a TODO."""
+        ctx = self.ctx
+        for call, _ in self.f.calls:
+            func = call.func
+            loop = ctx.parent(call)
+            if not (isinstance(func, cst.Attribute) and func.attr.value in ("parameters", "named_parameters")
+                    and isinstance(loop, cst.For) and loop.iter is call):
+                continue
+            m = dotted(func.value)
+            param = _loop_param(loop.target, func.attr.value == "named_parameters")
+            if not m or not is_variable(m) or m in ("self", "cls") or param is None \
+                    or not _steps_by_grad(ctx, loop, param) or not analysis.runs_backward(ctx, self.models.scope(call)):
+                continue
+            self.hand_trained = True
+            sites = self._made_where(m, call, 0)
+            if isinstance(sites, str):
+                self.manual301.append((call, f"`{m}` is trained by hand (its parameters stepped from their gradients, "
+                                       f"no optimizer) but {sites}: wrap it with `{m} = {self.tm}.wrap_model({m})` "
+                                       "where it is made, so that DDP averages its gradients", ctx.statement_of(call)))
+                continue
+            for name, klass, made, value in sites:
+                scope = self.models.scope(made)
+                key = (name, klass if klass is not None else scope)
+                if key not in best and key not in self.covered:
+                    opt = Optimizer(value, made, None, (name,))  # the model's creation stands for the optimizer
+                    best[key] = NewWrap(name, opt, scope, klass, made, after=True, def_stmt=made)
+
+    def _made_where(self, m: str, node: cst.CSTNode, depth: int):
+        """Where the model `m`, as `node`'s scope reads it, is made: (name, class, statement, value)
+        of each assignment to wrap after, following this file's callers of a function that is handed
+        the model (up to three calls deep); [] where another module's callers do it; else why not."""
+        ctx = self.ctx
+        scope = self.models.scope(node)
+        klass = self.models.class_of(node) if m.startswith(("self.", "cls.")) else None
+        if m.startswith(("self.", "cls.")) and klass is None:
+            return "is not made in a class of this file"
+        root = m.split(".")[0]
+        before = self.models.idx(ctx.statement_of(node))
+        if isinstance(scope, cst.FunctionDef) and klass is None and root in self.models.params(scope) \
+                and not self.models.assigned_in(scope, m):
+            return self._handed(scope, root, m, depth)
+        if klass is None and isinstance(scope, cst.FunctionDef) and not self.models.assigned_in(scope, m):
+            scope, before = ctx.module, None  # a model of the module's, which the function reads
+        defs = [(d, v) for d, v in self.models.definitions(m, scope, klass, before=before) if not _no_model(v)]
+        if not defs or defs[-1][1] is None:
+            return "is not made in this scope"
+        if klass is not None and len({self.models.scope(d) for d, _ in defs}) > 1:
+            return "is made in several methods"
+        made = self._after_all(defs, self.models.scope(defs[0][0]))
+        if made is None:
+            return "is made in several places"
+        return [(m, klass, made, defs[-1][1])]
+
+    def _after_all(self, defs, scope: cst.CSTNode) -> Optional[cst.CSTNode]:
+        """The statement after which every assignment in `defs` has run: in the innermost block
+        that holds them all, the one that holds the last (`model = Net()` then `if cuda: model =
+        model.cuda()`: the `if`)."""
+        chains = [self._blocks(self.ctx.statement_of(d), scope) for d, _ in defs]
+        for block, _ in chains[0]:
+            if all(any(b is block for b, _ in chain) for chain in chains):
+                return next(child for b, child in chains[-1] if b is block)
+        return None
+
+    def _handed(self, func: cst.FunctionDef, param: str, m: str, depth: int):
+        """`_made_where` for `m` (`param` or an attribute of it) handed to `func` by its callers."""
+        ctx = self.ctx
+        names = [p.name.value for p in (*func.params.posonly_params, *func.params.params)]
+        klass = self.models.class_of(func)
+        method = klass is not None and ctx.parent(ctx.parent(func)) is klass
+        position = names.index(param) - (1 if method else 0) if param in names else None
+        sites, callers = [], 0
+        for call, _ in self.f.calls:
+            f = call.func
+            if method:
+                if not (isinstance(f, cst.Attribute) and f.attr.value == func.name.value
+                        and isinstance(f.value, cst.Name) and f.value.value == "self"
+                        and self.models.class_of(call) is klass):
+                    continue
+            elif not (isinstance(f, cst.Name) and f.value == func.name.value):
+                continue
+            callers += 1
+            value = next((a.value for a in call.args if a.keyword is not None and a.keyword.value == param), None)
+            positional = [a for a in call.args if a.keyword is None]
+            if value is None and position is not None and position < len(positional) \
+                    and not any(a.star for a in positional[:position + 1]):
+                value = positional[position].value
+            handed = dotted(value) if value is not None else None
+            if handed is None or not is_variable(handed) or depth >= 3:
+                return f"is handed to {func.name.value}() in a way this file cannot follow"
+            found = self._made_where(handed + m[len(param):], call, depth + 1)
+            if isinstance(found, str):
+                return found
+            sites.extend(found)
+        if callers:
+            return sites
+        qual = func.name.value if ctx.parent(ctx.parent(func)) is ctx.module else None
+        if qual is not None and qual in ctx.program.builders_for_others:
+            return []  # another module calls it with the model, and wraps it there
+        return f"is a parameter of {func.name.value}(), which nobody in this file calls"
 
     def _for_subclasses(self, best: Dict[tuple, NewWrap]) -> None:
         """Attributes this module's classes assign and a subclass trains (`ModuleView.base_wraps`:

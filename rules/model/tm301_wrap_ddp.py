@@ -36,7 +36,10 @@ class WrapDDP(ModelRule):
     wrapped where the program makes it (`model = SessionGraph(opt, n)`, in any module): DDP keeps
     the Parameter objects that optimizer already holds. A model created on its optimizer's own
     line (`model = Net(); opt = SGD(model.parameters())`) is wrapped between the two, on that
-    line. When a same-file helper builds the optimizer from a model it receives
+    line. A model with no optimizer whose parameters the program steps by hand after a backward
+    (`for p in model.parameters(): p.data.add_(p.grad, alpha=-lr)`) is wrapped right after it
+    is made (where the loop's function is handed it: where its callers make it, in any module):
+    DDP averages the gradients in `backward()`, whatever steps them. When a same-file helper builds the optimizer from a model it receives
     (`optimizer = build_optimizer(model, cfg)`), the wrap goes before that call. When the
     optimizer is built again on every pass of a loop (repeats, folds) while the model is wrapped
     once before it, `tm.share_params(model)` goes before each pass's optimizer: weights the pass
@@ -241,7 +244,7 @@ class WrapDDP(ModelRule):
         ctx = self.ctx
         statement = nw.opt.statement
         loops = loops_of(statement, ctx, None)
-        if not loops or not isinstance(statement, cst.SimpleStatementLine) or any(
+        if nw.opt.by_hand or not loops or not isinstance(statement, cst.SimpleStatementLine) or any(
                 a is loops[-1] for a in ctx.ancestors(nw.anchor)):
             return
         share = cst.parse_statement(f"{ctx.tm}.share_params({nw.name})")
