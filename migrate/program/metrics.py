@@ -671,6 +671,9 @@ class DictSums:
     used_after: bool = False
     reduced: bool = False  # a collective already follows the loop (a second run)
     why: str = ""
+    # entries only ever incremented by a whole number (`state["itr"] += 1`): a count of steps,
+    # the same on every rank where every rank runs as many (a training loop)
+    counters: List[str] = field(default_factory=list)
 
 
 def dict_sums(ctx: Context, loop: cst.For, name: str) -> DictSums:
@@ -689,6 +692,7 @@ def dict_sums(ctx: Context, loop: cst.For, name: str) -> DictSums:
             if isinstance(t, cst.Subscript) and isinstance(t.value, cst.Name) and t.value.value == name:
                 writes.append((node, t))
     per_sample: Dict[str, bool] = {}
+    counting: Dict[str, bool] = {}
     for node, target in writes:
         key = _constant_key(target)
         if not isinstance(node, cst.AugAssign) or not isinstance(node.operator, cst.AddAssign) or key is None:
@@ -697,6 +701,8 @@ def dict_sums(ctx: Context, loop: cst.For, name: str) -> DictSums:
         if key not in out.keys:
             out.keys.append(key)
         per_sample[key] = per_sample.get(key, True) and bool(_PER_SAMPLE.search(code(node.value)))
+        counting[key] = counting.get(key, True) and isinstance(node.value, cst.Integer)
+    out.counters = [k for k in out.keys if counting[k]]
     events = events_after(ctx, loop, {name})[name]
     out.used_after = bool(events.uses or events.augs)
     found, value = initial_value(ctx, loop, name)

@@ -228,7 +228,8 @@ class AgreedDraws(Rule):
 
     def _draw(self, assign: cst.Assign) -> None:
         ctx = self.ctx
-        if len(assign.targets) != 1 or not self._agreed_place(assign) or self._batch_order(assign):
+        if len(assign.targets) != 1 or not self._agreed_place(assign) or self._batch_order(assign) \
+                or self._in_batch_iterator(assign):
             return
         target = dotted(assign.targets[0].target)
         if target is None:
@@ -399,7 +400,8 @@ class AgreedDraws(Rule):
         if not (isinstance(ctx.parent(call), cst.Expr) and isinstance(statement, cst.SimpleStatementLine)
                 and len(statement.body) == 1 and len(call.args) == 1 and not call.args[0].star):
             return
-        if not self._agreed_place(call) or self._loops_between(call) or self._batch_order(statement):
+        if not self._agreed_place(call) or self._loops_between(call) or self._batch_order(statement) \
+                or self._in_batch_iterator(call):
             return
         if self._next_is_broadcast(statement):
             return
@@ -465,6 +467,22 @@ class AgreedDraws(Rule):
         train on the same batches."""
         draws = batch_facts(self.ctx).order_draws
         return id(node) in draws or any(id(c) in draws for c in self.ctx.within(node, cst.Call))
+
+    def _in_batch_iterator(self, node: cst.CSTNode) -> bool:
+        """`node` lies in a hand-made batch iterator or its builder (`class BatchGen: def
+        __init__(self, data, bs): ... random.shuffle(batches)`; `ModuleView.iterator_builders`):
+        it orders the data it is handed, which TM201 shards where it is built (`BatchGen(
+        tm.shard_stream(train), 8)`). Each rank orders its own part; rank 0's order of rank 0's
+        batches on every rank would make all ranks train on the same data."""
+        from torchmigrate.rules.data.plan import data_plan
+
+        builders = data_plan(self.ctx).iterator_builders
+        if not builders:
+            return False
+        for anc in self.ctx.ancestors(node):
+            if isinstance(anc, (cst.ClassDef, cst.FunctionDef)) and self.ctx.parent(anc) is self.ctx.module:
+                return anc.name.value in builders
+        return False
 
     def _next_is_broadcast(self, statement: cst.CSTNode) -> bool:
         block = self.ctx.parent(statement)

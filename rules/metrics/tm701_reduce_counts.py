@@ -176,6 +176,8 @@ class ReduceCounts(Rule):
             trains = analysis.runs_backward(ctx, loop)
             if trains and not found.used_after:
                 continue  # a training loop's running sums that nothing reads afterwards
+            if trains and found.keys and found.counters == found.keys:
+                continue  # `state["itr"] += 1`: a step count, alike on ranks that run as many steps
             over = code(loader_expr(ctx, loop.iter)) if sharding == "unknown" else None
             if over is not None and not is_pure(loader_expr(ctx, loop.iter)):
                 over = None
@@ -271,11 +273,14 @@ class ReduceCounts(Rule):
 
     def visit_Assign(self, node: cst.Assign) -> None:
         if len(node.targets) == 1 and isinstance(node.targets[0].target, cst.Name) \
-                and _moving_average(node.value, node.targets[0].target.value):
+                and _running_average(node.value, node.targets[0].target.value):
             self.averages.append(node)
 
     def visit_AugAssign(self, node: cst.AugAssign) -> None:
-        if isinstance(node.operator, cst.AddAssign) and isinstance(node.target, cst.Name):
+        if isinstance(node.operator, cst.AddAssign) and isinstance(node.target, cst.Name) \
+                and _incremental_step(node.value, node.target.value):
+            self.averages.append(node)  # `avg += (loss.item() - avg) / i`: a running mean, not a sum
+        elif isinstance(node.operator, cst.AddAssign) and isinstance(node.target, cst.Name):
             self.augs.append(node)
         elif isinstance(node.operator, cst.AddAssign) and isinstance(node.target, cst.Subscript) \
                 and isinstance(node.target.value, cst.Name):
@@ -303,14 +308,15 @@ class ReduceCounts(Rule):
         for loop, names in loops.items():
             self._loop(loop, names)
 
-    def _moving_average_after(self, assign: cst.Assign) -> None:
-        """`loss_avg = loss_avg * 0.8 + float(loss) * 0.2` over a sharded loader, read after the
-        loop (a results file, a printed epoch line): the ranks' mean right after the loop. An
-        exponential moving average is linear in what it averages, so the mean of the ranks'
-        averages is the average of the steps' means over the ranks' parts: the original's
-        average over whole batches. (Its reads inside the loop stay each rank's own.)"""
+    def _moving_average_after(self, assign) -> None:
+        """`loss_avg = loss_avg * 0.8 + float(loss) * 0.2` (or a running mean, `avg += (loss.item()
+        - avg) / i`) over a sharded loader, read after the loop (a results file, a printed epoch
+        line): the ranks' mean right after the loop. Both averages are linear in what they
+        average, and every rank runs as many batches, so the mean of the ranks' averages is the
+        average of the steps' means over the ranks' parts: the original's average over whole
+        batches. (Its reads inside the loop stay each rank's own.)"""
         ctx = self.ctx
-        name = assign.targets[0].target.value
+        name = assign.target.value if isinstance(assign, cst.AugAssign) else assign.targets[0].target.value
         loop = loader_loop(ctx, assign)
         if loop is None or loop_sharding(ctx, loop) == "whole" or leaves_early(ctx, loop):
             return
@@ -539,6 +545,34 @@ def _counter(node: cst.BaseExpression) -> bool:
     while isinstance(node, cst.Call) and code(node.func).rsplit(".", 1)[-1] in ("tqdm", "enumerate") and node.args:
         node = node.args[0].value
     return isinstance(node, cst.Call) and code(node.func).rsplit(".", 1)[-1] in ("range", "trange")
+
+
+def _running_average(value: cst.BaseExpression, name: str) -> bool:
+    """The value of `name = ...` updates an average of per-batch values: an exponential moving
+    average (`_moving_average`), or a running mean, `avg + (x - avg) / i` or `(avg * (i - 1) + x) / i`."""
+    if _moving_average(value, name):
+        return True
+    if not isinstance(value, cst.BinaryOperation):
+        return False
+    if isinstance(value.operator, cst.Add):
+        return any(isinstance(kept, cst.Name) and kept.value == name and _incremental_step(step, name)
+                   for kept, step in ((value.left, value.right), (value.right, value.left)))
+    if isinstance(value.operator, cst.Divide) and isinstance(value.left, cst.BinaryOperation) \
+            and isinstance(value.left.operator, cst.Add):
+        total = value.left
+        return any(isinstance(kept, cst.BinaryOperation) and isinstance(kept.operator, cst.Multiply)
+                   and any(isinstance(side, cst.Name) and side.value == name for side in (kept.left, kept.right))
+                   and name not in _names(new) and name not in _names(value.right)
+                   for kept, new in ((total.left, total.right), (total.right, total.left)))
+    return False
+
+
+def _incremental_step(value: cst.BaseExpression, name: str) -> bool:
+    """`(x - name) / i`: the step a running mean takes toward the next value (`name += ...`)."""
+    return isinstance(value, cst.BinaryOperation) and isinstance(value.operator, cst.Divide) \
+        and isinstance(value.left, cst.BinaryOperation) and isinstance(value.left.operator, cst.Subtract) \
+        and isinstance(value.left.right, cst.Name) and value.left.right.value == name \
+        and name not in _names(value.left.left) and name not in _names(value.right)
 
 
 def _moving_average(value: cst.BaseExpression, name: str) -> bool:
