@@ -422,6 +422,7 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
     # caller (TM301 there): it is one of the caller's models, and the function's parameter
     # receives the wrapped model like any other
     optimizer_params, hand_steppers = _optimizer_params(modules)
+    training_params = _training_params(modules)
     for s in scopes:
         for call in s.calls:
             target = _callee(s.module, modules, call)
@@ -564,6 +565,8 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
             optimizer_builders={spelled: optimizer_params[key] for key in optimizer_params if key[0] != path
                                 for spelled in _spellings(m, modules, {key})},
             hand_steppers=frozenset(_spellings(m, modules, {k for k in hand_steppers if k[0] != path})),
+            training_params={spelled: training_params[key] for key in training_params if key[0] != path
+                             for spelled in _spellings(m, modules, {key})},
             program_trains=trains,
             program_loaders=builds_loaders,
             program_distributed=distributed,
@@ -1028,6 +1031,36 @@ def _sampler_classes(modules: Dict[Path, _Module]) -> Set[Tuple[Path, str]]:
                     found.add((target[0], target[1][:-len(".__init__")]))
                 elif isinstance(call.func, ast.Name) and call.func.id in m.classes:
                     found.add((path, call.func.id))
+    return found
+
+
+def _training_params(modules: Dict[Path, _Module]) -> Dict[Tuple[Path, str], Tuple[Tuple[int, str], ...]]:
+    """Module-level functions that train on data they are handed (`def train_model(model, db_gen,
+    optimizer): for x, y in db_gen: ... loss.backward(); optimizer.step()`): (position, name) of
+    each such parameter. A loader the caller hands there is a training loader, whatever its name
+    says (`devset_gen`: VoxCeleb's "dev" split is its training set)."""
+    found: Dict[Tuple[Path, str], Tuple[Tuple[int, str], ...]] = {}
+    for p, m in modules.items():
+        for name, func in m.functions.items():
+            if "." in name:
+                continue
+            params = [a.arg for a in (*func.args.posonlyargs, *func.args.args)]  # type: ignore[attr-defined]
+            trained = []
+            for loop in walk(func):
+                if not isinstance(loop, ast.For):
+                    continue
+                it = loop.iter
+                while isinstance(it, ast.Call) and it.args and (dotted_name(it.func) or "").rsplit(".", 1)[-1] in (
+                        "enumerate", "iter", "tqdm", "trange", "tqdm_notebook"):
+                    it = it.args[0]
+                if not (isinstance(it, ast.Name) and it.id in params):
+                    continue
+                calls = [n for stmt in loop.body for n in walk(stmt) if isinstance(n, ast.Call)
+                         and isinstance(n.func, ast.Attribute)]
+                if any(c.func.attr == "backward" for c in calls) and any(c.func.attr == "step" for c in calls):
+                    trained.append(it.id)
+            if trained:
+                found[(p, name)] = tuple((params.index(x), x) for x in dict.fromkeys(trained))
     return found
 
 

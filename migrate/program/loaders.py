@@ -411,9 +411,24 @@ class LoaderFacts:
                 if isinstance(site, cst.For) and analysis.runs_backward(ctx, site.body) \
                         and any(type(c.func) is cst.Attribute and c.func.attr.value == "step"
                                 for c in ctx.within(site.body, cst.Call, skip_defs=True)) \
-                        and not self.grad_free(site, 0):
+                        and not self.grad_free(site, 0) or self._handed_to_training(node):
                     loader.kind = "train"
                     break
+
+    def _handed_to_training(self, node: cst.CSTNode) -> bool:
+        """`node` is an argument of a call to another module's function that trains on that
+        parameter (`train_model(model=model, db_gen=devset_gen, optimizer=optimizer)`;
+        `ModuleView.training_params`)."""
+        argument = self.ctx.parent(node)
+        call = self.ctx.parent(argument) if isinstance(argument, cst.Arg) and argument.value is node else None
+        trained = self.ctx.program.training_params.get(dotted(call.func) or "") if isinstance(call, cst.Call) else None
+        if not trained:
+            return False
+        if argument.keyword is not None:
+            return any(argument.keyword.value == name for _, name in trained)
+        positional = [a for a in call.args if a.keyword is None]
+        index = next((i for i, a in enumerate(positional) if a is argument), -1)
+        return index >= 0 and not any(a.star for a in positional[:index + 1]) and any(index == position for position, _ in trained)
 
     def _only_evaluated(self) -> None:
         """A loader over the training set that no loop trains on (`example_loader =

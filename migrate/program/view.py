@@ -83,6 +83,9 @@ class ModuleView:
     optimizer_builders: Dict[str, Tuple[Tuple[int, str], ...]] = field(default_factory=dict)
     # ... those of them that build no optimizer but step the model's parameters by hand
     hand_steppers: FrozenSet[str] = frozenset()
+    # functions of other modules that train on data they are handed, as this module spells them
+    # -> (position, name) of each such parameter: a loader handed there is a training loader
+    training_params: Dict[str, Tuple[Tuple[int, str], ...]] = field(default_factory=dict)
     program_trains: bool = False  # some module of the program builds an optimizer over a model or runs a backward
     # some module of the program builds a DataLoader (or subclass), or a hand-made batch
     # iterator over training data (which TM201 shards): the global batch grows with the ranks
