@@ -67,7 +67,7 @@ __all__ = [
     "shard_sampler", "reduce_meter", "reduce_batch_total", "per_rank_batch", "batch_rows", "sync_batchnorm", "synced", "to_float32",
     "save", "load", "strip_prefix", "load_state_dict", "seed_everything", "seed_per_rank", "main_only", "main_process_first", "goes_first",
     "shard_range", "rank_part", "shard_indices", "shard_mean", "shard_batches", "agreed", "on_main", "move_into_place", "to_device", "as_device", "device_arg", "all_rows",
-    "set_device", "data_parallel", "same_draws", "visible_devices",
+    "set_device", "data_parallel", "same_draws", "visible_devices", "parallel_part", "ParallelPart",
 ]
 
 
@@ -2163,6 +2163,30 @@ def data_parallel(module, inputs, device_ids=None, output_device=None, dim=0, mo
         return module(*args, **(module_kwargs or {}))
     return nn.parallel.data_parallel(module, inputs, device_ids=device_ids, output_device=output_device, dim=dim,
                                      module_kwargs=module_kwargs)
+
+
+class ParallelPart(nn.Module):
+    """What ``parallel_part`` returns under torchrun: the submodule under a ``module`` attribute,
+    called as it is, like the ``nn.DataParallel`` it replaces (no scattering)."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, *inputs, **kwargs):
+        return self.module(*inputs, **kwargs)
+
+
+def parallel_part(module: nn.Module, *args, **kwargs) -> nn.Module:
+    """``nn.DataParallel(module, ...)`` for a part of a model (``model.features =
+    nn.DataParallel(model.features)``, pytorch/examples' AlexNet and VGG) in one process, as the
+    original wrote it. Under torchrun each rank has one GPU and the whole model is wrapped in DDP,
+    so the part is held by a ``ParallelPart`` instead: the forward runs on this rank's GPU, and
+    the ``.module`` level stays, so ``state_dict`` keys (``features.module.0.weight``), code that
+    reads ``model.features.module`` and checkpoints written by the original all still match."""
+    if is_distributed():
+        return ParallelPart(module)
+    return nn.DataParallel(module, *args, **kwargs)
 
 
 def to_float32(value):

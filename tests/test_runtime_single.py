@@ -1149,3 +1149,23 @@ def test_set_device_is_a_no_op_off_cuda(monkeypatch):
     called = []
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: called.append(d))
     assert tm.set_device() == torch.device("cpu") and called == []
+
+
+def test_parallel_part_keeps_the_module_level(monkeypatch):
+    """`model.features = nn.DataParallel(model.features)` becomes `tm.parallel_part(...)`:
+    DataParallel in one process, a plain holder under torchrun; both save `features.module.*`,
+    the original's keys, and run the submodule's forward unchanged."""
+    def build(part):
+        torch.manual_seed(0)
+        net = nn.Sequential()
+        net.features = part(nn.Linear(3, 2))
+        return net
+
+    alone = build(tm.parallel_part)
+    assert isinstance(alone.features, nn.DataParallel)
+    monkeypatch.setattr(tm, "world_size", lambda: 2)
+    ranked = build(tm.parallel_part)
+    assert isinstance(ranked.features, tm.ParallelPart)
+    assert list(ranked.state_dict()) == list(alone.state_dict()) == ["features.module.weight", "features.module.bias"]
+    x = torch.randn(4, 3)
+    assert torch.equal(ranked.features(x), alone.features(x))

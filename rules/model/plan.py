@@ -1371,13 +1371,16 @@ class Plan:
                 site.note_stmt = self.ctx.statement_of(site.outer)
                 continue
             if root != w.name:
-                # `model.features = DataParallel(model.features)`: under DDP the whole model is
-                # wrapped, so the submodule's DataParallel just goes
+                # `model.features = DataParallel(model.features)` (pytorch/examples' AlexNet/VGG):
+                # under DDP the whole model is wrapped, so the submodule's DataParallel becomes
+                # `tm.parallel_part(...)`, which keeps its `.module` level (and the checkpoints'
+                # `features.module.*` keys) and runs the forward on the rank's own GPU
                 nw = by_key.get(self.key(root, w.call))
                 small = self.ctx.enclosing(site.outer, cst.BaseSmallStatement)
-                if nw is not None and w.name == w.arg and self._is_dp_assign(site) and small is not None:
-                    site.action, site.target, site.small = "remove", small, small
-                    site.note_stmt = self._next_statement(self.ctx.statement_of(site.outer)) or nw.anchor
+                if w.name == w.arg and self._is_dp_assign(site) and small is not None:
+                    site.action, site.target, site.small = "part", w.call, small
+                    site.note_stmt = self._next_statement(self.ctx.statement_of(site.outer)) or (
+                        nw.anchor if nw is not None else self.ctx.statement_of(site.outer))
                 else:
                     site.action = "manual"
                     site.reason = (f"DataParallel of the submodule `{w.name}`: under torchrun drop it and wrap the "

@@ -29,7 +29,12 @@ class DataParallelToDDP(ModelRule):
     optimizer, `model = nn.DataParallel(model, device_ids=...)` is removed (with its
     `if torch.cuda.device_count() > 1:` guard when that is all the `if` holds); otherwise it
     becomes `tm.wrap_model(model)` in place (after the guard, never inside it). `model.module` becomes
-    `tm.unwrap(model)`. DataParallel's batch was the global batch: where TM305 decides the
+    `tm.unwrap(model)`. A DataParallel of a submodule (`model.features =
+    nn.DataParallel(model.features)`, pytorch/examples' AlexNet and VGG, also on a backbone handed
+    to the trained model) becomes `tm.parallel_part(model.features)`: DataParallel in one process,
+    and under torchrun, where the whole model is in DDP, a holder that runs the part on the rank's
+    GPU and keeps its `.module` level, so checkpoints keep the original's `features.module.*` keys.
+    DataParallel's batch was the global batch: where TM305 decides the
     batch policy (by default each rank loads `batch_size / world_size`, so the global batch stays
     the one DataParallel split), nothing more is said; otherwise the rule reports that the batch
     size changes meaning. In `lint` it fires on any file; `torchmigrate amp` keeps DataParallel (TM405 moves autocast into `forward`).
@@ -125,6 +130,12 @@ class DataParallelToDDP(ModelRule):
                 message = (f"remove nn.DataParallel: `{w.name}` is wrapped in DDP before its optimizer (TM301), "
                            f"after the weights of `{w.arg}` are loaded or initialised (DDP copies rank 0's weights "
                            "to every rank when it is built)")
+            elif site.action == "part":
+                edits.append(replace(w.call, lambda n: n.with_changes(func=expr(f"{tm}.parallel_part"))
+                                     if isinstance(n, cst.Call) else n))
+                message = (f"nn.DataParallel of the submodule `{w.name}` becomes `{tm}.parallel_part(...)`: "
+                           "DataParallel as written in one process; under torchrun (the whole model in DDP, one GPU "
+                           "per rank) a plain holder that keeps its `.module` level, so saved keys stay as they were")
             elif site.action == "remove" or (site.action == "collapse" and not site.wrap_after):
                 edits.append(remove(site.target) if site.action == "remove" else
                              replace(site.target, lambda n: _else_body(n, [])))
