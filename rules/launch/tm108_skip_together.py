@@ -189,6 +189,16 @@ class RankSkips(Rule):
         if isinstance(test, cst.Call) and (cst.helpers.get_full_name_for_node(test.func) or "").endswith("any_rank"):
             return
         last = smalls[-1]
+        outer = self._per_rank_branch(test_if, data)
+        if outer is not None:
+            # `if acc > best: ... else: patience += 1; if patience > 2: break`: only the ranks that
+            # took the other branch would reach a collective here, and the rest would never join it
+            self.report(test_if, f"a rank that takes this `{code(last)}` on its own leaves the others waiting in the "
+                                 f"gradient all-reduce, and it is reached only where this rank's `{code(outer.test)}` "
+                                 "chose the branch, so no collective can decide it here: make the value that test "
+                                 f"reads the same on every rank (`{ctx.tm}.all_reduce(value, op=\"mean\")` where it "
+                                 "is computed, or evaluate on the whole data)")
+            return
         if not all(isinstance(s, cst.Expr) and isinstance(s.value, cst.Call) for s in smalls[:-1]):
             # more than a message before the exit (`nan_steps += 1`): every rank would run it
             self.report(test_if, f"a rank that takes this `{code(last)}` on its own misses a backward pass while the "
@@ -201,6 +211,20 @@ class RankSkips(Rule):
                     edits=[replace(test, lambda t: cst.Call(func=cst.parse_expression(f"{ctx.tm}.any_rank"),
                                                             args=[cst.Arg(t)]))],
                     imports=[ctx.runtime_import()])
+
+    def _per_rank_branch(self, node: cst.CSTNode, data: Set[str]):
+        """The nearest `if`/`while` between `node` and its loop whose test reads per-rank values
+        (`data`) and is not already decided on every rank (`tm.any_rank(...)`): a branch some
+        ranks take and others do not. None where every rank reaches `node` alike."""
+        loop = self._loop_of(node)
+        for anc in self.ctx.ancestors(node):
+            if anc is loop:
+                return None
+            if isinstance(anc, (cst.If, cst.While)) and anc is not node and names_in(anc.test) & data \
+                    and rank_polarity(anc.test) is None and not (
+                        isinstance(anc.test, cst.Call) and (dotted(anc.test.func) or "").endswith(("any_rank", "all_ranks"))):
+                return anc
+        return None
 
     def _retained_backwards(self, loop: cst.CSTNode, backwards: List[cst.Call]) -> None:
         """`loss1.backward(retain_graph=True); loss2.backward()` after one forward (a minimax
