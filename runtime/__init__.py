@@ -310,6 +310,8 @@ def setup(backend: str | None = None, timeout=None, device: str | None = None) -
             atexit.register(_cleanup_at_exit)
             _AT_EXIT = True
     _CTX = Ctx(rank(), env["LOCAL_RANK"], world_size(), dev, rank() == 0)
+    if _CTX.world_size > 1 and not _CTX.is_main:
+        _hydra_quiet_on_other_ranks()
     if not _CTX.is_main and not _LOG_DISABLED:
         logging.disable(logging.INFO)
         _LOG_DISABLED = True
@@ -317,6 +319,24 @@ def setup(backend: str | None = None, timeout=None, device: str | None = None) -
         _watch_writes()
         _wait_for_saves()
     return _CTX
+
+
+_HYDRA_QUIET = ("hydra.output_subdir=null", "hydra/job_logging=disabled", "hydra/hydra_logging=disabled")
+
+
+def _hydra_quiet_on_other_ranks() -> None:
+    """On ranks other than 0 of a Hydra program (a ``@hydra.main`` function in ``__main__``, which
+    ``setup()`` runs before): Hydra's copies of the config (``.hydra/*.yaml``) and its log files
+    are left to rank 0, by the overrides ``hydra.output_subdir=null hydra/job_logging=disabled
+    hydra/hydra_logging=disabled`` added to ``sys.argv`` (those the command line sets itself are
+    kept). The run folder itself is the launch line's to fix (``hydra.run.dir=...``)."""
+    main = sys.modules.get("__main__")
+    marker = os.path.join("hydra", "main.py")
+    if main is None or not any(getattr(getattr(f, "__code__", None), "co_filename", "").endswith(marker)
+                               for f in list(vars(main).values()) if callable(f)):
+        return
+    given = {a.split("=", 1)[0].lstrip("+~") for a in sys.argv[1:]}
+    sys.argv.extend(a for a in _HYDRA_QUIET if a.split("=", 1)[0] not in given)
 
 
 _PER_RANK_STREAMS = False  # seed_per_rank() or seed_everything(per_rank=True) set the ranks apart

@@ -12,6 +12,7 @@ import random
 import shutil
 import subprocess
 import sys
+import types
 from collections import OrderedDict
 from pathlib import Path
 
@@ -1169,3 +1170,21 @@ def test_parallel_part_keeps_the_module_level(monkeypatch):
     assert list(ranked.state_dict()) == list(alone.state_dict()) == ["features.module.weight", "features.module.bias"]
     x = torch.randn(4, 3)
     assert torch.equal(ranked.features(x), alone.features(x))
+
+
+def test_hydra_config_copies_and_logs_left_to_rank_0(monkeypatch):
+    """A `@hydra.main` program under torchrun: on ranks other than 0, setup() adds the overrides
+    that keep Hydra's `.hydra/*.yaml` and log files to rank 0, keeping any the command line sets;
+    a program without a Hydra main keeps its command line."""
+    namespace = {}
+    exec(compile("def decorated_main(cfg=None):\n    return cfg\n", os.path.join("site", "hydra", "main.py"), "exec"),
+         namespace)
+    fake_main = types.ModuleType("__main__")
+    monkeypatch.setitem(sys.modules, "__main__", fake_main)
+    monkeypatch.setattr(sys, "argv", ["train.py", "lr=0.1", "hydra/job_logging=colorlog"])
+    tm._hydra_quiet_on_other_ranks()
+    assert sys.argv == ["train.py", "lr=0.1", "hydra/job_logging=colorlog"]  # no Hydra main
+    fake_main.train_model = namespace["decorated_main"]
+    tm._hydra_quiet_on_other_ranks()
+    assert sys.argv == ["train.py", "lr=0.1", "hydra/job_logging=colorlog", "hydra.output_subdir=null",
+                        "hydra/hydra_logging=disabled"]

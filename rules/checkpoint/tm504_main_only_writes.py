@@ -178,6 +178,23 @@ class MainOnlyWrites(Rule):
         ),
     )
 
+    def _hydra_runs(self) -> None:
+        """`@hydra.main(...)`: Hydra makes a run folder (`outputs/<date>/<time>`) and may move into
+        it, on every rank; ranks that start in different seconds get different folders. Only the
+        launch can choose one folder for all ranks, so it is named where the decorator is (its
+        `.hydra/*.yaml` and `<job>.log` the runtime leaves to rank 0: `tm.setup()`)."""
+        ctx = self.ctx
+        for func in analysis.facts(ctx).functions.values():
+            for decorator in func.decorators:
+                target = decorator.decorator.func if isinstance(decorator.decorator, cst.Call) else decorator.decorator
+                if ctx.resolve(target) == "hydra.main":
+                    self.report(decorator, "Hydra makes a run folder named after the time on every rank, so ranks "
+                                           "that start in different seconds get different folders (and working "
+                                           "directories): give every rank the same folder on the launch line "
+                                           "(`torchrun ... train.py hydra.run.dir=outputs/run1`). (tm.setup() leaves "
+                                           "Hydra's config copies and log files to rank 0.)",
+                                statement=ctx.statement_of(func))
+
     def leave_Module(self, node: cst.Module) -> None:
         ctx = self.ctx
         if not active(ctx):
@@ -188,6 +205,7 @@ class MainOnlyWrites(Rule):
         if ctx.options.mode == "ddp":
             self._refusals_before_writes()
         prepared = self._folder_tries()
+        self._hydra_runs()
         for call, name in analysis.facts(ctx).calls:
             if any(t in prepared for t in ctx.ancestors(call)):
                 continue  # a folder prepared on the main process only, as a whole (`_folder_tries`)
