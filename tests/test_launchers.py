@@ -195,6 +195,23 @@ def test_ddp_rewrites_the_launch_files_of_the_script_it_migrates(project, run_cl
     assert again.exit_code == 0 or "would be changed" not in again.output, again.output
 
 
+def test_a_sibling_copys_readme_is_not_this_programs(tmp_path, run_cli, monkeypatch):
+    """Two copies of one repository side by side (`orig/` and `mig/`, each a package with
+    `__init__.py`, so the project reaches their common folder): `python train.py` in
+    orig/README.md starts orig/train.py, so migrating mig/train.py leaves it alone."""
+    for copy in ("orig", "mig"):
+        (tmp_path / copy).mkdir()
+        (tmp_path / copy / "__init__.py").write_text("")
+        (tmp_path / copy / "train.py").write_text(TRAIN)
+        (tmp_path / copy / "README.md").write_text("```bash\n" + LAUNCH + "```\n")
+    monkeypatch.chdir(tmp_path / "mig")
+    result = run_cli("ddp", "train.py")
+    assert result.exit_code in (0, 1), result.output
+    assert (tmp_path / "mig" / "README.md").read_text() == "```bash\n" + TORCHRUN + "```\n"
+    assert (tmp_path / "orig" / "README.md").read_text() == "```bash\n" + LAUNCH + "```\n"
+    assert "orig" not in result.output, result.output
+
+
 def test_dry_run_and_check_cover_launch_files(project, run_cli, monkeypatch):
     monkeypatch.chdir(project)
     assert run_cli("ddp", "src/train.py").exit_code in (0, 1)  # the Python file is migrated

@@ -4,7 +4,9 @@ each command that starts a file of the program.
 A command is this rule's business only when its script resolves to a file of the program
 (migrated by `ddp`, or linted): tried against the launch file's folder, the folder of the last
 `cd` before it, the project root and the working directory, then, for README commands written
-from another folder, as the unique program file whose path ends the same way. A launcher whose
+from another folder, as the unique program file whose path ends the same way. A script that
+exists beside the launch file (or where its `cd` went) but is not the program's is that
+command's, and ends the search: a sibling copy's README does not start this program. A launcher whose
 script only the shell knows (`$SCRIPT`, options in `$DIST_ARGS`, a launcher kept in a variable)
 is reported with the torchrun command to use, never guessed at.
 
@@ -53,10 +55,15 @@ class Program:
         """The resolved path of the program file that `word` names, or None."""
         candidates = tails(word, module)
         for tail in candidates:
-            for base in bases:
+            for i, base in enumerate(bases):
                 real = os.path.realpath(os.path.join(base, tail))
                 if real in self.files or self.any_script and real.endswith(".py") and os.path.isfile(real):
                     return real
+                if i == 0 and os.path.isfile(real):
+                    # beside the launch file (or where its `cd` went) the command finds a script
+                    # of its own: another copy or another project (`../orig/README.md`'s
+                    # `python train.py` starts orig/train.py), never this program's
+                    return None
         parts = [p for p in PurePath(candidates[0]).parts if p not in (".", "")]
         if not parts or ".." in parts or os.path.isabs(candidates[0]):
             return None
