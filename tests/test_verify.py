@@ -167,6 +167,17 @@ def test_a_missing_set_epoch_is_named():
     assert check.status == "fail" and "set_epoch is not called" in check.evidence[0] and check.where == ["train.py:10"]
 
 
+def test_the_runtimes_same_inputs_warning_fails_the_sharding_check():
+    """Hand-made batches (no DataLoader verify can read) that every rank takes alike: the
+    runtime's check of the model's inputs says so, and verify must not pass the program."""
+    warning = ("torchmigrate.runtime: Net got the same inputs on every rank at two training steps (step 2): "
+               "if they come from the training data, every rank trains on the same samples\n")
+    no_loader = _record([]) | {"loaders": {}}
+    check = checks.sharded(Run([no_loader, no_loader], [warning, ""]))
+    assert check.status == "fail" and "same inputs on every rank" in check.evidence[0]
+    assert checks.sharded(Run([no_loader, no_loader], ["", ""])).status == "skip"
+
+
 def test_ranks_that_together_miss_samples_are_named():
     run = Run([_record([[0, 2]]), _record([[1, 3]])], ["", ""])
     check = checks.sharded(run)

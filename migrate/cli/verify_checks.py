@@ -153,12 +153,22 @@ def _training(run: Run) -> dict:
     return sites
 
 
+# what the runtime prints when the wrapped model got the same inputs on every rank (`_check_drift`)
+_SAME_INPUTS = "got the same inputs on every rank"
+
+
 def sharded(run: Run) -> Check:
     """In each epoch the ranks draw disjoint samples of a training loader (up to the padding a
     DistributedSampler adds so every rank gets as many) and, unless it drops the last samples,
     together every sample."""
     title = "training loaders are sharded"
     sites = _training(run)
+    same = [line.strip() for out in run.outputs for line in out.splitlines() if _SAME_INPUTS in line][:1]
+    if same:
+        # the runtime compares what the wrapped model is fed on every rank: the same batches on
+        # every rank, whatever loader (or hand-made batches) they came from
+        return Check("sharded", title, FAIL, "every rank trained on the same inputs (the runtime's check of the "
+                                             "model's inputs)", same)
     if not sites:
         return Check("sharded", title, SKIP, "no training loader seen (no optimizer step while a DataLoader was read)")
     evidence, where = [], []
