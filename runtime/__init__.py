@@ -776,11 +776,14 @@ def sync_batchnorm(model: nn.Module) -> nn.Module:
 
 def _unnest(model: nn.Module) -> None:
     """Replace the DistributedDataParallel submodules of `model` by their modules: the outer
-    wrapper about to be built reduces every gradient once, and the same parameters."""
+    wrapper about to be built reduces every gradient once, and the same parameters. The inner
+    wrapper (still held by the program: `fwd` in `net = Trainer(fwd, loss)`) is released to a
+    pass-through (`_release_ddp`), so its gradient hooks no longer expect forwards of their own."""
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, DistributedDataParallel):
                 setattr(parent, name, child.module)
+                _release_ddp(child)
 
 
 # nn.Module's own API, reached on the wrapper as DDP's (never resolved from the inner module).

@@ -998,6 +998,8 @@ class Plan:
             return (f"cannot tell which model this optimizer trains: wrap that model with "
                     f"`model = {tm}.wrap_model(model)` before creating the optimizer")
         if m in _CONFIGISH:
+            if self._holds_a_wrap(o):
+                return None  # `config["net"] = Trainer(fwd, loss)` around the wrapped `fwd`
             return (f"the optimizer trains parameters reached through `{m}`: wrap that model with "
                     f"`{tm}.wrap_model(...)` before creating the optimizer")
         if functional_model(ctx, m):
@@ -1100,6 +1102,26 @@ class Plan:
         if not m.startswith(("self.", "cls.")) and deferred is not None:
             placed.dp = deferred
         return placed
+
+    def _holds_a_wrap(self, o: Optimizer) -> bool:
+        """`Adam(config["net"].parameters())` where the function set `config["net"] =
+        Trainer(fwd, calc_loss)` and `fwd` is a model wrapped in this function (a DataParallel
+        that TM306 turns into `tm.wrap_model`): the holder's forward runs through the wrapper, so
+        its gradients are averaged; nothing more to wrap."""
+        ctx = self.ctx
+        scope = self.models.scope(o.call)
+        wrapped = {w.name for w in self.wraps if w.scope is scope}
+        if not wrapped:
+            return False
+        reached = {code(c.func.value) for c in ctx.within(o.call, cst.Call)
+                   if isinstance(c.func, cst.Attribute) and c.func.attr.value == "parameters"}
+        for assign in ctx.within(scope, cst.Assign, skip_defs=True):
+            if len(assign.targets) != 1 or code(assign.targets[0].target) not in reached \
+                    or not isinstance(assign.value, cst.Call):
+                continue
+            if any(dotted(a.value) in wrapped for a in assign.value.args):
+                return True
+        return False
 
     def _wrapped_inside(self, inner: Optimizer) -> bool:
         """A helper that trains the model it is handed, called here with a model no name holds

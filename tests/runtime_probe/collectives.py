@@ -395,9 +395,11 @@ def main(outdir):
     frozen = tm.wrap_model(nn.Linear(2, 2).requires_grad_(False))
     res["frozen_wrapped"] = isinstance(frozen, DistributedDataParallel)
     # a module holding an already wrapped one: one wrapper, around the plain module
-    holder = nn.Sequential(tm.wrap_model(nn.Linear(4, 4)), nn.Linear(4, 1))
+    inner = tm.wrap_model(nn.Linear(4, 4))
+    holder = nn.Sequential(inner, nn.Linear(4, 1))
     outer = tm.wrap_model(holder)
     res["nested_ddp"] = sum(isinstance(m, DistributedDataParallel) for m in outer.modules())
+    res["inner_released"] = inner.reducer is None  # (the program's own reference: a pass-through now)
     outer(torch.randn(2, 4).to(dev)).sum().backward()
     res["nested_grads"] = flat(p.grad for p in outer.parameters())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
