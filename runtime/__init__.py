@@ -67,7 +67,7 @@ __all__ = [
     "shard_sampler", "reduce_meter", "reduce_batch_total", "per_rank_batch", "batch_rows", "sync_batchnorm", "synced", "to_float32",
     "save", "load", "strip_prefix", "load_state_dict", "seed_everything", "seed_per_rank", "main_only", "main_process_first", "goes_first",
     "shard_range", "rank_part", "shard_indices", "shard_mean", "shard_batches", "agreed", "on_main", "move_into_place", "to_device", "as_device", "device_arg", "all_rows",
-    "set_device", "data_parallel", "same_draws", "visible_devices", "parallel_part", "ParallelPart",
+    "set_device", "data_parallel", "same_draws", "visible_devices", "parallel_part", "ParallelPart", "unsharded",
 ]
 
 
@@ -1509,11 +1509,35 @@ def sampler(dataset, shuffle=True, seed: int | None = None, drop_last: bool = Fa
     calls it, see ``_EpochSampler``; each sampler its own seed, see ``_own_seed``, the same on
     every rank). 1 process: ``RandomSampler`` (global torch RNG, like ``shuffle=True``) if
     ``shuffle`` is truthy, else ``SequentialSampler``."""
+    if is_distributed() and _WHOLE_DATA:
+        # built for evaluation through a factory that also builds the training loader
+        # (`tm.unsharded(get_loader, ...)`): the whole set on every rank, in the same order
+        return RandomSampler(dataset, generator=torch.Generator().manual_seed(_own_seed(seed))) if shuffle \
+            else SequentialSampler(dataset)
     if is_distributed():
         return _EpochSampler(dataset, num_replicas=world_size(), rank=rank(),
                              shuffle=bool(shuffle), seed=_own_seed(seed) if shuffle else int(seed or 0),
                              drop_last=drop_last)
     return RandomSampler(dataset) if shuffle else SequentialSampler(dataset)
+
+
+_WHOLE_DATA = 0  # depth of `unsharded` calls in progress
+
+
+def unsharded(factory, *args, **kwargs):
+    """``factory(*args, **kwargs)`` with the training sampler and batch of the migrated program
+    left whole: inside it, ``sampler(...)`` draws every sample of the dataset (shuffled alike on
+    every rank where it shuffles) and ``per_rank_batch(n)`` is ``n``. For a program's one loader
+    factory that builds both its training loader (sharded) and its evaluation loaders
+    (``dev_loader = tm.unsharded(get_loader, dev_file, batch_size, shuffle=True)``): every rank
+    evaluates the whole set, so the numbers computed from it agree across ranks and choose the
+    same best model or early stop. 1 process: the plain call."""
+    global _WHOLE_DATA
+    _WHOLE_DATA += 1
+    try:
+        return factory(*args, **kwargs)
+    finally:
+        _WHOLE_DATA -= 1
 
 
 class _StridedSampler(Sampler):
@@ -2009,7 +2033,7 @@ def per_rank_batch(batch_size: int) -> int:
     after a global pooling, raises "Expected more than 1 value per channel"), so each rank then
     loads 2, and rank 0 says so."""
     world = world_size()
-    if batch_size is None or world <= 1:
+    if batch_size is None or world <= 1 or _WHOLE_DATA:
         return batch_size
     size = int(batch_size)
     _DIVIDED_BATCHES.add(size)

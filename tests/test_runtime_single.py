@@ -1188,3 +1188,27 @@ def test_hydra_config_copies_and_logs_left_to_rank_0(monkeypatch):
     tm._hydra_quiet_on_other_ranks()
     assert sys.argv == ["train.py", "lr=0.1", "hydra/job_logging=colorlog", "hydra.output_subdir=null",
                         "hydra/hydra_logging=disabled"]
+
+
+def test_unsharded_builds_whole_evaluation_loaders(monkeypatch):
+    """`dev = tm.unsharded(get_loader, dev_file, 8)` for the factory that also builds the
+    training loader: inside it the sampler draws every sample, in the same order on every rank
+    where it shuffles, and the batch is not divided; outside it the factory shards as before."""
+    monkeypatch.setattr(tm, "world_size", lambda: 2)
+    monkeypatch.setattr(tm, "rank", lambda: 1)
+    monkeypatch.setattr(tm, "_SAMPLERS_MADE", 0)
+    data = list(range(10))
+
+    def get_loader(dataset, batch_size, shuffle=True):
+        return tm.sampler(dataset, shuffle=shuffle), tm.per_rank_batch(batch_size)
+
+    sharded, per_rank = get_loader(data, 8)
+    assert len(list(sharded)) == 5 and per_rank == 4
+    whole, batch = tm.unsharded(get_loader, data, 8)
+    assert sorted(whole) == data and batch == 8
+    in_order, _ = tm.unsharded(get_loader, data, 8, shuffle=False)
+    assert list(in_order) == data
+    monkeypatch.setattr(tm, "_SAMPLERS_MADE", 1)
+    first = list(tm.unsharded(get_loader, data, 8)[0])
+    monkeypatch.setattr(tm, "_SAMPLERS_MADE", 1)
+    assert list(tm.unsharded(get_loader, data, 8)[0]) == first  # the same order wherever it is built alike

@@ -474,6 +474,7 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
     made_here = _made_classes(modules, scopes, self_trained)
     loader_params = _loader_params(modules, scopes)
     flags = _flag_args(modules, scopes)
+    factories = _loader_factories(modules, flags)
     summing = {(p, name) for p, m in modules.items() for name, c in m.classes.items() if summing_forward(c)}
     endless = frozenset().union(*(endless_generators(m.tree) for m in modules.values()))
     loader_classes = {(p, name) for p, m in modules.items() for name, c in m.classes.items() if _loader_subclass(c)}
@@ -567,6 +568,7 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
             hand_steppers=frozenset(_spellings(m, modules, {k for k in hand_steppers if k[0] != path})),
             training_params={spelled: training_params[key] for key in training_params if key[0] != path
                              for spelled in _spellings(m, modules, {key})},
+            loader_factories=frozenset(_spellings(m, modules, {k for k in factories if k[0] != path})),
             program_trains=trains,
             program_loaders=builds_loaders,
             program_distributed=distributed,
@@ -1031,6 +1033,41 @@ def _sampler_classes(modules: Dict[Path, _Module]) -> Set[Tuple[Path, str]]:
                     found.add((target[0], target[1][:-len(".__init__")]))
                 elif isinstance(call.func, ast.Name) and call.func.id in m.classes:
                     found.add((path, call.func.id))
+    return found
+
+
+def _loader_factories(modules: Dict[Path, _Module],
+                      flags: Dict[Tuple[Path, str], Dict[str, Set[bool]]]) -> Set[Tuple[Path, str]]:
+    """Module-level functions not named for evaluation that return a DataLoader they build with no
+    sampler of their own, shuffling (`shuffle=True`, or a `shuffle` parameter that no call of the
+    program sets to False: `def get_loader(file, batch_size, shuffle=True): ... return
+    DataLoader(dataset, batch_size, shuffle=shuffle)`): a training loader, which TM201 shards
+    where it is built, so a caller that asks it for evaluation data gets it whole
+    (`tm.unsharded(get_loader, ...)`). One whose calls pass both True and False builds both
+    splits by its flag, which its own module handles."""
+    found: Set[Tuple[Path, str]] = set()
+    for p, m in modules.items():
+        for name, func in m.functions.items():
+            if "." in name or splits.verdict(splits.words(name)) == "eval":
+                continue
+            built = {}
+            for n in walk(func):
+                if isinstance(n, ast.Assign) and len(n.targets) == 1 and isinstance(n.targets[0], ast.Name) \
+                        and isinstance(n.value, ast.Call):
+                    built[n.targets[0].id] = n.value
+            for n in walk(func):
+                if not isinstance(n, ast.Return) or n.value is None:
+                    continue
+                value = built.get(n.value.id) if isinstance(n.value, ast.Name) else n.value
+                if not isinstance(value, ast.Call) or (dotted_name(value.func) or "").rsplit(".", 1)[-1] != "DataLoader":
+                    continue
+                keywords = {k.arg: k.value for k in value.keywords}
+                shuffle = keywords.get("shuffle", value.args[2] if len(value.args) > 2 else None)
+                if "sampler" in keywords or "batch_sampler" in keywords or len(value.args) > 3:
+                    continue
+                if isinstance(shuffle, ast.Constant) and shuffle.value is True or isinstance(shuffle, ast.Name) \
+                        and False not in flags.get((p, name), {}).get(shuffle.id, {True}):
+                    found.add((p, name))
     return found
 
 

@@ -64,6 +64,7 @@ TM_SAMPLER = RUNTIME + ".sampler"
 TM_EVAL_SAMPLER = RUNTIME + ".eval_sampler"
 TM_SHARD_SAMPLER = RUNTIME + ".shard_sampler"
 TM_SET_EPOCH = RUNTIME + ".set_epoch"
+TM_UNSHARDED = RUNTIME + ".unsharded"
 ITERABLE_BASES = ("torch.utils.data.IterableDataset", "torch.utils.data.dataset.IterableDataset",
                   "torch.utils.data.IterDataPipe", "torch.utils.data.datapipes.datapipe.IterDataPipe",
                   "torchdata.datapipes.iter.IterDataPipe", "datasets.IterableDataset")
@@ -279,6 +280,17 @@ def bind_args(call: cst.Call) -> Optional[Dict[str, cst.Arg]]:
     return out
 
 
+def asks_for_evaluation(call: cst.Call, target: cst.CSTNode) -> bool:
+    """`dev_loader = get_loader(...)`, `test_dl = make_loader(args.test_file, bs)`: the name it is
+    bound to, else its arguments' names, say evaluation data."""
+    said = splits.verdict(splits.words(code(target)))
+    if said is not None:
+        return said == "eval"
+    found = [w for a in call.args for n in (a.value,) if type(n) in (cst.Name, cst.Attribute, cst.SimpleString)
+             for w in splits.words(code(n))]
+    return splits.verdict(found) == "eval"
+
+
 def _func_name(call: cst.Call) -> Optional[str]:
     tp = type(call.func)
     if tp is cst.Name:
@@ -360,6 +372,10 @@ class LoaderFacts:
         self._words_of_dataset: Dict[int, List[str]] = {}  # see `_dataset_words`
         self.distributed = analysis.is_distributed(ctx)
         self.skip_file = any(ctx.imports.imports_module(m) for m in SELF_SHARDING)
+        # calls of a loader factory that builds training loaders, made for evaluation data
+        # (`dev_loader = get_loader(dev_file, bs)`): TM201 makes them `tm.unsharded(get_loader, ...)`
+        self.whole_sites: List[Tuple[cst.Call, List["Loader"]]] = []
+        self._eval_sites: List[Tuple[cst.Call, List["Loader"]]] = []
         subclasses = ctx.program.loader_classes  # the program's own DataLoader subclasses
         calls = [c for c, name in self.facts.calls
                  if name in DATALOADERS or (subclasses and dotted(c.func) in subclasses)]
@@ -396,6 +412,8 @@ class LoaderFacts:
         self._only_evaluated()
         self._order_bound()
         self._sized_by_batch()
+        self.whole_sites = [(c, found) for c, found in self._eval_sites
+                            if all(x.kind == "train" and x.status == "plain" for x in found)]
 
     def _trained_on(self) -> None:
         """A loader whose name says evaluation (`valid_loader`) but that a loop of this module
@@ -1314,7 +1332,9 @@ class LoaderFacts:
         pairs: List[Tuple[cst.CSTNode, List[Loader]]] = []
         branches: Set[str] = {"unknown"}
         if type(value) is cst.Call and id(value) not in self.by_call:
-            name = _func_name(value)
+            unsharded = self.ctx.resolve(value.func) == TM_UNSHARDED and value.args \
+                and type(value.args[0].value) in (cst.Name, cst.Attribute)
+            name = dotted(value.args[0].value).rsplit(".", 1)[-1] if unsharded else _func_name(value)
             result = returns.get(name) if name else None
             if result:
                 if isinstance(target, (cst.Tuple, cst.List)):
@@ -1324,6 +1344,12 @@ class LoaderFacts:
                 elif None in result:
                     pairs.append((target, result[None]))
                     branches = self._branch_built(value, result[None])
+                    if unsharded or (branches == {"unknown"} and asks_for_evaluation(value, target)):
+                        branches = {"eval"}  # a whole evaluation loader from the training loaders' factory
+                        if not unsharded and all(x.scope is not self.ctx.enclosing(value, cst.FunctionDef)
+                                                 for x in result[None]) \
+                                and not any(c is value for c, _ in self._eval_sites):
+                            self._eval_sites.append((value, result[None]))
         elif type(value) in _REFERENCES:
             found = self._loaders_of(value)
             if found:

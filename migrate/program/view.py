@@ -86,6 +86,9 @@ class ModuleView:
     # functions of other modules that train on data they are handed, as this module spells them
     # -> (position, name) of each such parameter: a loader handed there is a training loader
     training_params: Dict[str, Tuple[Tuple[int, str], ...]] = field(default_factory=dict)
+    # functions of other modules that return a DataLoader they build with no sampler of their own
+    # (sharded there by TM201), as this module spells them
+    loader_factories: FrozenSet[str] = frozenset()
     program_trains: bool = False  # some module of the program builds an optimizer over a model or runs a backward
     # some module of the program builds a DataLoader (or subclass), or a hand-made batch
     # iterator over training data (which TM201 shards): the global batch grows with the ranks

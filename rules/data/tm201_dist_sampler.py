@@ -15,7 +15,7 @@ from torchmigrate.program.batches import BatchLoop, FullBatchLoss
 from torchmigrate.program.facts import training_text
 from torchmigrate.program.effects import NUMPY, TRAIN
 from torchmigrate.program.syntax import local_callee
-from torchmigrate.program.loaders import Loader
+from torchmigrate.program.loaders import Loader, asks_for_evaluation
 from torchmigrate.program.writes import call_kinds
 from torchmigrate.rule import Example
 from torchmigrate.rules.data.base import DataRule
@@ -139,11 +139,46 @@ class DistSampler(DataRule):
         ),
     )
 
+    def _whole_for_evaluation(self) -> None:
+        """`dev_loader = get_loader(dev_file, bs)`, a call for evaluation data of the factory that
+        also builds the training loader, whose sampler this run shards (`LoaderFacts.whole_sites`):
+        `tm.unsharded(get_loader, dev_file, bs)`, so every rank evaluates the whole set and the
+        numbers computed from it agree across ranks (they choose the best model, the early stop);
+        `tm.same_draws(dev_loader)` after it where it is bound to a name."""
+        ctx, plan = self.ctx, self.plan
+        sites = list(self.facts.whole_sites)
+        factories = ctx.program.loader_factories
+        if factories and ctx.options.shard_training:
+            # another module's factory (`dev_dataloader = get_loader(args.dev_file, bs)`)
+            for assign in analysis.facts(ctx).assigns:
+                call = assign.value
+                if isinstance(call, cst.Call) and dotted(call.func) in factories and len(assign.targets) == 1 \
+                        and asks_for_evaluation(call, assign.targets[0].target):
+                    sites.append((call, []))
+        for call, found in sites:
+            if not all(plan.of(x).status == "plain" for x in found) or any(a.star for a in call.args):
+                continue
+            line = ctx.statement_of(call)
+            assign = line.body[0] if isinstance(line, cst.SimpleStatementLine) and len(line.body) == 1 else None
+            target = code(assign.targets[0].target) if isinstance(assign, cst.Assign) and assign.value is call \
+                and len(assign.targets) == 1 and isinstance(assign.targets[0].target, cst.Name) else None
+            edits = [replace(call, lambda c: c.with_changes(
+                func=cst.parse_expression(f"{ctx.tm}.unsharded"), args=[cst.Arg(c.func), *c.args]))]
+            if target is not None:
+                edits.append(insert_after(line, [cst.parse_statement(f"{ctx.tm}.same_draws({target})")]))
+            what = f"`{target}`" if target else "this loader"
+            self.report(call, f"{what} is evaluation data built by `{code(call.func)}`, which also builds the training "
+                              f"loader that is sharded now: every rank takes the whole set "
+                              f"(`{ctx.tm}.unsharded({code(call.func)}, ...)`), drawn alike, so the numbers computed "
+                              "from it agree across ranks", edits=edits, imports=[ctx.runtime_import()])
+
     def leave_Module(self, node: cst.Module) -> None:
         streams, iterators = self._shard_streams(), self._shard_iterators()
         covered = self._shard_batch_data()
         if not (streams or iterators):
             self._no_loader_anywhere(covered)
+        if self.ctx.options.mode == "ddp" and not self.facts.skip_file and not self.facts.distributed:
+            self._whole_for_evaluation()
         if not self.active():
             return
         facts, plan = self.facts, self.plan

@@ -15,6 +15,7 @@ from torchmigrate.rule import Example, Rule
 from torchmigrate.syntax.imports import dotted
 from torchmigrate.syntax.nodes import code
 from torchmigrate.program.rank_guards import collective_guard
+from torchmigrate.program.loaders import loader_expr, refs_at
 from torchmigrate.program.loop_ranks import names_in, per_rank_names
 from torchmigrate.program.ranks import rank_polarity
 from torchmigrate.program.syntax import ranged_loop
@@ -213,18 +214,70 @@ class RankSkips(Rule):
                     imports=[ctx.runtime_import()])
 
     def _per_rank_branch(self, node: cst.CSTNode, data: Set[str]):
-        """The nearest `if`/`while` between `node` and its loop whose test reads per-rank values
-        (`data`) and is not already decided on every rank (`tm.any_rank(...)`): a branch some
-        ranks take and others do not. None where every rank reaches `node` alike."""
+        """The nearest `if`/`while` between `node` and its loop whose test reads values computed
+        per rank in the loop from data (`_computed_here`) and is not already decided on every
+        rank (`tm.any_rank(...)`): a branch some ranks take and others do not. None where every
+        rank reaches `node` alike."""
         loop = self._loop_of(node)
+        computed = self._computed_here(loop, data)
         for anc in self.ctx.ancestors(node):
             if anc is loop:
                 return None
-            if isinstance(anc, (cst.If, cst.While)) and anc is not node and names_in(anc.test) & data \
+            if isinstance(anc, (cst.If, cst.While)) and anc is not node and names_in(anc.test) & computed \
                     and rank_polarity(anc.test) is None and not (
                         isinstance(anc.test, cst.Call) and (dotted(anc.test.func) or "").endswith(("any_rank", "all_ranks"))):
                 return anc
         return None
+
+    def _computed_here(self, loop: cst.CSTNode, data: Set[str]) -> Set[str]:
+        """Of the loop's per-rank names, those it computes itself from data each rank reads in
+        part: what reads a batch the loop's `for` takes (`loss = criterion(model(x), y)`), `acc =
+        sum(... for x, y in dev_loader) / n` over a sharded loader, and what follows from them
+        (`best = acc`). A value a call returns (`val_loss = validate(model, loader)`)
+        is the metrics family's, reduced or named where it is computed, and a constant or a
+        comprehension over data every rank reads whole agrees already."""
+        from torchmigrate.rules.metrics.plan import _branch_sharding
+
+        ctx = self.ctx
+        values: dict = {}
+        for node in ctx.within(loop, cst.Assign, cst.AugAssign, skip_defs=True):
+            pairs = ([(node.target, node.value)] if isinstance(node, cst.AugAssign) else
+                     [(t.target, node.value) for t in node.targets])
+            for target, value in pairs:
+                if isinstance(target, (cst.Tuple, cst.List)) and isinstance(value, (cst.Tuple, cst.List)) \
+                        and len(target.elements) == len(value.elements):
+                    pairs += [(a.value, b.value) for a, b in zip(target.elements, value.elements)]
+                    continue
+                for n in names_in(target):
+                    values.setdefault(n, []).append(value)
+
+        batches = set()  # what the loop's `for`s bind from their data (not a range's index)
+        for f in [loop, *ctx.within(loop, cst.For, skip_defs=True)] if isinstance(loop, cst.For) else \
+                ctx.within(loop, cst.For, skip_defs=True):
+            if not ranged_loop(f):
+                batches |= names_in(f.target)
+
+        def from_data(value: cst.BaseExpression) -> bool:
+            own = set().union(*(names_in(c.target) for c in ctx.within(value, cst.CompFor)))
+            if (names_in(value) - own) & batches:
+                return True  # `loss = criterion(model(x), y)`: this rank's batch
+            for comp in ctx.within(value, cst.CompFor):
+                try:
+                    whole = all(_branch_sharding(ctx, x, r.branch) == "whole"
+                                for r in refs_at(ctx, loader_expr(ctx, comp.iter)) for x in r.loaders) \
+                        and bool(refs_at(ctx, loader_expr(ctx, comp.iter)))
+                except Exception:  # noqa: BLE001 - unknown loaders count as per rank
+                    whole = False
+                if not whole:
+                    return True
+            return False
+
+        computed = {n for n in data if any(from_data(v) for v in values.get(n, ()))}
+        while True:
+            more = {n for n in data - computed if any(names_in(v) & computed for v in values.get(n, ()))}
+            if not more:
+                return computed
+            computed |= more
 
     def _retained_backwards(self, loop: cst.CSTNode, backwards: List[cst.Call]) -> None:
         """`loss1.backward(retain_graph=True); loss2.backward()` after one forward (a minimax

@@ -79,6 +79,8 @@ def _branch_sharding(ctx: Context, loader, branch: Optional[str]) -> Optional[st
     if branch is not None and ((loader.kind == "mixed" and data_plan(ctx).eval_whole(loader)
                                 and _sharding(ctx, loader) is None) or conditional_sampler(loader) is not None):
         return "whole" if branch == "eval" else "distributed"
+    if branch == "eval" and loader.kind == "train":
+        return "whole"  # `dev = tm.unsharded(get_loader, ...)` from the training loaders' factory
     return _sharding(ctx, loader)
 
 
