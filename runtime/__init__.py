@@ -714,6 +714,29 @@ class _ModuleFace:
     def _tm_from_module(self, inner: nn.Module, name: str):
         return getattr(inner, name)
 
+    def _tm_seen_through(self, name: str) -> bool:
+        """`name` is found on the wrapper only through its module (`__getattr__`), not as its own."""
+        d = self.__dict__
+        return name not in d and not hasattr(type(self), name) and not any(
+            name in d.get(k, ()) for k in ("_parameters", "_buffers", "_modules"))
+
+    def register_buffer(self, name, tensor, persistent: bool = True):
+        """A buffer of the wrapper's own even where the module has one of that name: a profiler
+        that counts per module (thop's `model.apply(lambda m: m.register_buffer("total_ops",
+        ...))` reaches the wrapper after its children) would otherwise be told the name exists."""
+        if isinstance(name, str) and self._tm_seen_through(name):
+            self._buffers[name] = tensor
+            (self._non_persistent_buffers_set.discard if persistent else self._non_persistent_buffers_set.add)(name)
+            return
+        super().register_buffer(name, tensor, persistent)
+
+    def register_parameter(self, name, param):
+        """As `register_buffer`, for a parameter."""
+        if isinstance(name, str) and param is not None and self._tm_seen_through(name):
+            self._parameters[name] = param
+            return
+        super().register_parameter(name, param)
+
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
         """The module's own names (`layers.0.weight`, not `module.layers.0.weight`), as in one
         process: code that matches parameters by name across models (an EMA copy made from

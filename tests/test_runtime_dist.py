@@ -310,6 +310,7 @@ def test_ddp_keeps_ranks_identical(collectives):
     assert r0["is_ddp"] and r1["is_ddp"]
     assert r0["wrap_twice_same"] and r0["unwrap_is_plain"] and not r0["frozen_wrapped"]
     assert r0["nested_ddp"] == r1["nested_ddp"] == 1  # a wrapped model inside another: unwrapped there
+    assert r0["counters_everywhere"] and r1["counters_everywhere"]  # thop-style per-module buffers
     assert r0["inner_released"] and r1["inner_released"]  # and the inner wrapper no longer waits for forwards
     assert r0["nested_grads"] == r1["nested_grads"]  # reduced once, the same on both ranks
     assert r0["params_init"] != r1["params_init"]  # seeded per rank before wrapping

@@ -392,6 +392,12 @@ def main(outdir):
     res["is_ddp"] = isinstance(model, DistributedDataParallel)
     res["wrap_twice_same"] = tm.wrap_model(model) is model
     res["unwrap_is_plain"] = tm.unwrap(model) is plain
+    # a profiler's per-module counters (thop: model.apply registers `total_ops` on each module,
+    # the wrapper last, after its module already has one), then removed again
+    model.apply(lambda m: m.register_buffer("total_ops", torch.zeros(1)))
+    res["counters_everywhere"] = all("total_ops" in m._buffers for m in model.modules())
+    for m in model.modules():
+        m._buffers.pop("total_ops")
     frozen = tm.wrap_model(nn.Linear(2, 2).requires_grad_(False))
     res["frozen_wrapped"] = isinstance(frozen, DistributedDataParallel)
     # a module holding an already wrapped one: one wrapper, around the plain module
