@@ -1735,6 +1735,9 @@ def _chunked(it, streams: "_Streams", size: int):
 _END = object()
 
 
+_STREAM_WARNED: set = set()
+
+
 def shard_stream(data):
     """This rank's part of the data a hand-made training iterator reads, cut on its first
     dimension, equal in length on every rank (DDP's backward is a collective: every rank must run
@@ -1758,6 +1761,15 @@ def shard_stream(data):
     if isinstance(data, torch.utils.data.DataLoader) or not (hasattr(data, "__len__") and hasattr(data, "__getitem__")):
         # a loader (sharded by its sampler, or not: the runtime's checks say so) or an iterator
         # cannot be cut by offsets: left as it is
+        if not isinstance(data, torch.utils.data.DataLoader) and not hasattr(data, "__iter__"):
+            # not data at all (the options handed to a `batchify(args, data, bsz)`): say where
+            frame = _user_frame(sys._getframe(1))
+            where = f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}" if frame else "the program"
+            if where not in _STREAM_WARNED and is_main():
+                _STREAM_WARNED.add(where)
+                _warn(f"{where}: shard_stream was handed a {type(data).__name__}, which is no data it can cut: "
+                      "every rank reads the whole stream there. Hand it the stream itself (the tensor or list "
+                      "of samples the iterator reads).")
         return data
     n, me = len(data), rank()
     if not _sliceable(data):

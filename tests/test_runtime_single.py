@@ -1212,3 +1212,16 @@ def test_unsharded_builds_whole_evaluation_loaders(monkeypatch):
     first = list(tm.unsharded(get_loader, data, 8)[0])
     monkeypatch.setattr(tm, "_SAMPLERS_MADE", 1)
     assert list(tm.unsharded(get_loader, data, 8)[0]) == first  # the same order wherever it is built alike
+
+
+def test_shard_stream_names_what_it_cannot_cut(monkeypatch, capsys):
+    """`batchify(tm.shard_stream(args), data, bsz)`: options instead of data are returned as they
+    are, and rank 0 says where, once."""
+    monkeypatch.setattr(tm, "world_size", lambda: 2)
+    monkeypatch.setattr(tm, "rank", lambda: 0)
+    monkeypatch.setattr(tm, "_STREAM_WARNED", set())
+    options = argparse.Namespace(bsz=4)
+    assert tm.shard_stream(options) is options and tm.shard_stream(options) is options
+    err = capsys.readouterr().err
+    assert err.count("shard_stream was handed a Namespace") == 1 and "test_runtime_single.py:" in err
+    assert tm.shard_stream(iter([1, 2])) is not None and "handed a list_iterator" not in capsys.readouterr().err

@@ -244,7 +244,12 @@ class DistSampler(DataRule):
             if not (isinstance(value, cst.Call) and value.args and not value.args[0].star
                     and "batchify" in (dotted(value.func) or "").rsplit(".", 1)[-1].lower()):
                 continue
-            first = value.args[0].value
+            if any(_is_shard(a.value) for a in value.args):
+                sharded = True  # migrated already
+                continue
+            first = self._stream_argument(value)
+            if first is None:
+                continue
             if _is_shard(first):
                 sharded = True  # migrated already
                 continue
@@ -261,6 +266,29 @@ class DistSampler(DataRule):
                         imports=[ctx.runtime_import()])
             sharded = True
         return sharded
+
+    def _stream_argument(self, call: cst.Call) -> Optional[cst.BaseExpression]:
+        """The token stream among the arguments of `batchify(...)`: where this file defines it,
+        the parameter it reads as a tensor (`data.size(0)`, `data.narrow(...)`, `data.view(...)`,
+        `len(data)`, `data[...]`: `def batchify(args, data, bsz)`); else the argument named for
+        training data (`corpus.train`), else the first that is neither a number nor the
+        program's configuration (`args`, `config`)."""
+        positional = [a for a in call.args if a.keyword is None and not a.star]
+        fn = analysis.facts(self.ctx).functions.get(dotted(call.func) or "")
+        if fn is not None:
+            names = [p.name.value for p in fn.params.params]
+            for i, name in enumerate(names):
+                if i < len(positional) and _read_as_tensor(self.ctx, fn, name):
+                    return positional[i].value
+        for a in positional:
+            if training_text(code(a.value)):
+                return a.value
+        for a in positional:
+            root = (dotted(a.value) or "").split(".")[0]
+            if root and root not in ("args", "opt", "opts", "cfg", "config", "conf", "hparams", "params", "flags",
+                                     "FLAGS", "settings", "options", "device"):
+                return a.value
+        return None
 
     def _shard_iterators(self) -> bool:
         """A hand-made batch iterator of the program (a class with `__next__`, a function that
@@ -500,6 +528,21 @@ class DistSampler(DataRule):
                                f"`{tm}.shard_sampler` shares it out by rank (same seed on every rank)",
                     edits=[replace(arg.value, lambda v: cst.Call(func=expr(f"{tm}.shard_sampler"), args=[cst.Arg(v)]))],
                     imports=[self.ctx.runtime_import()])
+
+
+def _read_as_tensor(ctx, fn: cst.FunctionDef, name: str) -> bool:
+    """`fn` reads its parameter `name` as a tensor or sequence: `name.size(0)`, `.narrow(...)`,
+    `.view(...)`, `.shape`, `len(name)`, `name[...]`."""
+    for node in ctx.within(fn.body, cst.Attribute, cst.Subscript, cst.Call):
+        if isinstance(node, cst.Attribute) and isinstance(node.value, cst.Name) and node.value.value == name \
+                and node.attr.value in ("size", "narrow", "view", "shape", "reshape", "numel"):
+            return True
+        if isinstance(node, cst.Subscript) and isinstance(node.value, cst.Name) and node.value.value == name:
+            return True
+        if isinstance(node, cst.Call) and isinstance(node.func, cst.Name) and node.func.value == "len" \
+                and node.args and isinstance(node.args[0].value, cst.Name) and node.args[0].value.value == name:
+            return True
+    return False
 
 
 def _is_shard(node: cst.BaseExpression) -> bool:
