@@ -101,6 +101,8 @@ class OutputFacts:
         ctx = self.ctx
         outputs: Set[str] = set()
         for call in forwards:
+            if self._leaves_inline(call):
+                return True
             assign = ctx.enclosing(call, cst.Assign)
             if assign is not None:
                 for t in assign.targets:
@@ -119,6 +121,31 @@ class OutputFacts:
                 continue
             if any(n.value in outputs for a in use.args for n in ctx.within(a, cst.Name)) or any(
                     isinstance(a.value, cst.Name) and a.value.value in outputs for a in use.args):
+                return True
+        return False
+
+    def _leaves_inline(self, forward: cst.Call) -> bool:
+        """The forward's output leaves torch in the expression that calls it: `preds.append(
+        model(x).cpu().numpy())` (bf16 has no numpy dtype), `metric_np(model(x), y)` with a function
+        that is not torch's, `preds.append(model(x))` (a list converted later), as an output bound
+        to a name would."""
+        ctx = self.ctx
+        for anc in ctx.ancestors(forward):
+            if isinstance(anc, (cst.BaseSmallStatement, cst.BaseCompoundStatement, cst.Lambda)):
+                return False
+            if not isinstance(anc, cst.Call):
+                continue
+            func = anc.func
+            if isinstance(func, cst.Attribute) and func.attr.value in _SAFE_CONVERSIONS | _ORDER_READS \
+                    and any(forward is c for c in ctx.within(func.value, cst.Call)):
+                return False  # `model(x).argmax(1).tolist()`: no longer a half-precision value
+            if isinstance(func, cst.Attribute) and func.attr.value == "numpy":
+                return True
+            if isinstance(func, cst.Attribute) and not isinstance(func.value, (cst.Name, cst.Attribute)):
+                continue  # a method of a computed value: `model(x).detach()`
+            name = ctx.resolve(func) or dotted(func) or ""
+            if name and not name.startswith(("torch.", "builtins.")) and name not in _TENSOR_BUILTINS \
+                    and any(forward is a.value or any(forward is c for c in ctx.within(a, cst.Call)) for a in anc.args):
                 return True
         return False
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 import re
 from typing import Iterable, List, Optional
 
-_EVAL_WORDS = r"val|valid|validation|validate|test|tests|testing|eval|evaluate|evaluation|dev|holdout|heldout"
+_EVAL_WORDS = (r"val|valid|validation|validate|test|tests|testing|eval|evaluate|evaluation|dev|holdout|heldout"
+               r"|pred|predict|prediction|infer|inference")
 _TRAIN_WORDS = r"train|training|trainval|trn"
 _SUFFIX = r"(?:loader|loaders|set|sets|ds|data|dataset|datasets|dl|iter|gen|batches|split)?"
 _EVAL_RE = re.compile(rf"^(?:{_EVAL_WORDS}){_SUFFIX}$")
