@@ -339,6 +339,8 @@ class AgreedDraws(Rule):
             # (a helper returning the formatted name: its callers share what it returns)
             return not isinstance(self.ctx.parent(self.ctx.parent(parent)), cst.Return)
         for anc in self.ctx.ancestors(use):
+            if isinstance(anc, cst.BinaryOperation) and isinstance(anc.operator, cst.Subtract):
+                return False  # `(time.time() - time_now) / iters`: a duration, not a name
             if isinstance(anc, cst.BinaryOperation) and isinstance(anc.operator, cst.Divide):
                 return True
             if isinstance(anc, cst.Call):
