@@ -16,6 +16,7 @@ from torchmigrate.program.collectives import runs_user_code
 from torchmigrate.program.rank_guards import caller_guards, under_rank_guard
 from torchmigrate.program.ranks import rank_dependent
 from torchmigrate.program.effects import TRACKER_RUNS
+from torchmigrate.program.loaders import TQDM_CALLS
 from torchmigrate.program.writes import writer_class
 from torchmigrate.rule import Context, Example, Rule
 from torchmigrate.rules._active import active
@@ -237,6 +238,13 @@ class MainPrint(Rule):
                 if line is not None and caller_guards(ctx, call) is None and not under_rank_guard(ctx, call):
                     pretty_lines.append(line)
                 continue
+            if isinstance(ctx.parent(call), cst.Expr) and self._tqdm_write(call, name):
+                # `tqdm.write(msg)` / `pbar.write(msg)`: a print that keeps the bars intact, on every
+                # rank (tqdm's `disable=` hides a bar, not what is written through it)
+                line = guardable_line(ctx, call)
+                if line is not None and caller_guards(ctx, call) is None and not under_rank_guard(ctx, call):
+                    pretty_lines.append(line)
+                continue
             if name is None and isinstance(func, cst.Name) and func.value == "print":
                 if shadowed is None:
                     shadowed = _print_shadowed(ctx)
@@ -297,8 +305,26 @@ class MainPrint(Rule):
             self.report(run[0], "experiment-tracker calls run on every rank; log from the main process only",
                         edits=[guard_edit(ctx, run)], imports=imports)
         for run in sibling_runs(ctx, pretty_lines):
-            self.report(run[0], "pprint prints on every rank; print from the main process only",
+            self.report(run[0], "pprint and tqdm.write print on every rank; print from the main process only",
                         edits=[guard_edit(ctx, run)], imports=imports)
+
+    def _tqdm_write(self, call: cst.Call, name) -> bool:
+        """`tqdm.write(...)` (any of tqdm's modules), or `.write(...)` on a name bound to a
+        `tqdm(...)` bar in this file (`pbar = tqdm(loader)`, `for x in (pbar := tqdm(...))`)."""
+        func = call.func
+        if not (isinstance(func, cst.Attribute) and func.attr.value == "write"):
+            return False
+        if name and name.rsplit(".", 1)[0] in TQDM_CALLS:
+            return True
+        bar = dotted(func.value)
+        if bar is None:
+            return False
+        bars = self.ctx.facts.get("tm_tqdm_bars")
+        if bars is None:
+            bars = self.ctx.facts["tm_tqdm_bars"] = frozenset(
+                dotted(t.target) for a in analysis.facts(self.ctx).assigns if isinstance(a.value, cst.Call)
+                and self.ctx.resolve(a.value.func) in TQDM_CALLS for t in a.targets) - {None}
+        return bar in bars
 
     def _wandb_disabled_elsewhere(self) -> bool:
         """The file calls `wandb.init(...)` in a form this rule gives a rank-dependent `mode=`."""
