@@ -99,7 +99,7 @@ def _agreed_draws(ctx: Context) -> List[cst.Call]:
             continue  # drawn once: at import, alike on every rank; in a function of the entry, TM107 shares it
         if func is not None and (per_sample(ctx, func) or _generates(ctx, func)):
             continue
-        if name == "random.sample" and _batch_sized(ctx, call):
+        if name == "random.sample" and _batch_sized(ctx, call) or batch_permutation(ctx, call):
             continue
         if collective_guard(ctx, call) is not None:
             continue
@@ -120,6 +120,49 @@ def _batch_sized(ctx: Context, call: cst.Call) -> bool:
         return False
     names = [n.value.lower() for n in ctx.within(k.value, cst.Name)]
     return any("batch" in n or n in ("bs", "n_batch") for n in names)
+
+
+def batch_permutation(ctx: Context, call: cst.Call) -> bool:
+    """`torch.randperm(x.size(0))`, `np.random.permutation(batch_size)`, `perm = torch.randperm(b)`
+    after `b = x.shape[0]`: an order of the samples of one batch (a mixup or CutMix partner, a
+    shuffled pairing), drawn for each step. Each rank draws its own, as augmentation wants; it
+    orders no data that sharding cuts, and shares no configuration."""
+    if (ctx.resolve(call.func) or "") not in ("torch.randperm", "numpy.random.permutation") or not call.args:
+        return False
+    size = call.args[0].value
+    if isinstance(size, cst.Name):
+        func = ctx.enclosing(call, cst.FunctionDef)
+        for a in ctx.within(func, cst.Assign) if func is not None else ():
+            if any(isinstance(t.target, cst.Name) and t.target.value == size.value for t in a.targets):
+                size = a.value
+                break
+        else:
+            if isinstance(size, cst.Name):
+                word = size.value.lower()
+                return "batch" in word or word in ("bs", "b", "n_batch", "nb")
+    return _sizes_a_batch(size)
+
+
+def _sizes_a_batch(node: cst.CSTNode) -> bool:
+    """`x.size(0)`, `x.shape[0]`, or a name that says batch (`batch_size`, `bs`); not `len(rows)`,
+    which also sizes whole datasets (real and fake rows permuted for a discriminator's epoch)."""
+    for n in [node, *[c for c in _walk(node)]]:
+        if isinstance(n, cst.Call) and isinstance(n.func, cst.Attribute) and n.func.attr.value == "size" \
+                and n.args and isinstance(n.args[0].value, cst.Integer) and n.args[0].value.value == "0":
+            return True
+        if isinstance(n, cst.Subscript) and isinstance(n.value, cst.Attribute) and n.value.attr.value == "shape":
+            return True
+        if isinstance(n, (cst.Name, cst.Attribute)):
+            word = (n.value if isinstance(n, cst.Name) else n.attr.value).lower()
+            if "batch" in word or word in ("bs", "n_batch"):
+                return True
+    return False
+
+
+def _walk(node: cst.CSTNode):
+    for child in node.children:
+        yield child
+        yield from _walk(child)
 
 
 def _generates(ctx: Context, func: cst.FunctionDef) -> bool:

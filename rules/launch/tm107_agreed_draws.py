@@ -18,7 +18,7 @@ from torchmigrate.program.rank_guards import collective_guard
 from torchmigrate.program.writes import call_kinds
 from torchmigrate.rules._active import active
 from torchmigrate.rules.launch.base import SEEDERS, per_sample
-from torchmigrate.rules.launch.streams import agreed_draws, in_broadcast
+from torchmigrate.rules.launch.streams import agreed_draws, batch_permutation, in_broadcast
 from torchmigrate.rules._guards import claim_tests
 
 _RANDOM = ("random.", "numpy.random.")
@@ -212,6 +212,21 @@ class AgreedDraws(Rule):
                 return False
         return True
 
+    def _called_in_a_loop(self, func: Optional[cst.FunctionDef]) -> bool:
+        """A function of this file that its callers here call inside a loop (a helper of the
+        training step): what it draws is drawn again at every call, not configuration."""
+        ctx = self.ctx
+        if func is None:
+            return False
+        for name in ctx.named(func.name.value):
+            call = ctx.parent(name)
+            if isinstance(call, cst.Call) and call.func is name and self._loops_between(call):
+                return True
+            if isinstance(call, cst.Attribute) and call.attr is name and isinstance(ctx.parent(call), cst.Call) \
+                    and ctx.parent(call).func is call and self._loops_between(call):
+                return True
+        return False
+
     def _per_sample(self, func: cst.FunctionDef) -> bool:
         return per_sample(self.ctx, func)
 
@@ -229,7 +244,8 @@ class AgreedDraws(Rule):
     def _draw(self, assign: cst.Assign) -> None:
         ctx = self.ctx
         if len(assign.targets) != 1 or not self._agreed_place(assign) or self._batch_order(assign) \
-                or self._in_batch_iterator(assign):
+                or self._in_batch_iterator(assign) \
+                or any(batch_permutation(self.ctx, c) for c in self.ctx.within(assign.value, cst.Call)):
             return
         target = dotted(assign.targets[0].target)
         if target is None:
@@ -240,6 +256,8 @@ class AgreedDraws(Rule):
         loops = self._loops_between(assign)
         if loops and not self._sets_step_count(loops[0], target):
             return
+        if not loops and self._called_in_a_loop(ctx.enclosing(assign, cst.FunctionDef)):
+            return  # drawn again at each step (mixup's `lam` in a helper the step calls): each rank its own
         why = ("sets how many steps this loop takes, so ranks would run different numbers of steps (DDP hangs)"
                if loops else "is configuration that would differ on each rank")
         self.report(assign, f"`{target}` is drawn at random on every rank and {why}: rank 0 draws and "
