@@ -178,6 +178,19 @@ def test_the_runtimes_same_inputs_warning_fails_the_sharding_check():
     assert checks.sharded(Run([no_loader, no_loader], ["", ""])).status == "skip"
 
 
+def test_a_sampler_with_a_budget_is_judged_by_its_budget():
+    """An iteration-budget sampler (`InfiniteSampler(len(ds), iterations * batch)` cut by rank)
+    draws fewer samples than the dataset holds by design: disjoint shares that together make
+    the budget pass; shares that miss part of the budget still fail."""
+    budget = [_record([[0, 2]]), _record([[1, 3]])]
+    for rec in budget:
+        rec["loaders"]["train.py:10"]["sampler_len"] = 2
+    assert checks.sharded(Run(budget, ["", ""])).status == "pass"
+    for rec in budget:
+        rec["loaders"]["train.py:10"]["sampler_len"] = 3
+    assert checks.sharded(Run(budget, ["", ""])).status == "fail"
+
+
 def test_ranks_that_together_miss_samples_are_named():
     run = Run([_record([[0, 2]]), _record([[1, 3]])], ["", ""])
     check = checks.sharded(run)

@@ -192,9 +192,13 @@ def sharded(run: Run) -> Check:
                 where.append(site)
                 break
             drawn_all = set().union(*map(set, drawn.values()))
-            if n and not info["loader"]["drop_last"] and len(drawn_all) < n:
+            budget = info["loader"].get("sampler_len")
+            # a sampler that draws a set number of samples per epoch (`InfiniteSampler(n,
+            # iterations * batch)` cut by rank): together the ranks draw that many, not the dataset
+            wanted = min(n, budget * world) if n and budget else n
+            if wanted and not info["loader"]["drop_last"] and len(drawn_all) < wanted:
                 evidence.append(f"DataLoader created at {site}: the ranks together drew {len(drawn_all)} of "
-                                f"{n} samples in epoch {epoch}")
+                                f"{wanted} samples in epoch {epoch}")
                 where.append(site)
                 break
     if evidence:

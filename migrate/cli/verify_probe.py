@@ -148,6 +148,7 @@ def _loader(loader) -> dict:
         "shuffle": getattr(sampler, "shuffle", isinstance(sampler, torch.utils.data.RandomSampler)),
         "replacement": bool(getattr(sampler, "replacement", False)),  # draws repeat samples by design
         "dataset_len": _len(loader.dataset),
+        "sampler_len": _len(sampler),  # this rank's draws per epoch (fewer than the dataset: a budget)
         "drop_last": bool(loader.drop_last or getattr(sampler, "drop_last", False)),
         "iterations": []})
 
