@@ -7,6 +7,10 @@ Under DDP each rank computes such a loss over its own share of the batch only, s
 (W - 1) / W fewer negatives than in the original, silently: the loss means something else. TM305
 keeps each rank's batch at the configured size there and says so (`rules/model/batch.py`).
 
+A function couples its batch too when it orders the per-sample losses of the batch to keep part of
+it (Co-teaching's and JoCoR's small-loss selection: `np.argsort(loss.data)` over a loss with
+`reduction="none"`): over a rank's share it would keep the smallest of fewer samples.
+
 A function couples its batch when it builds a matrix of every sample against every other one,
 - `z @ z.t()`, `torch.mm(a, b.t())`, `torch.matmul(a, b.T)`, `a @ b.transpose(0, 1)`,
   `torch.einsum("nc,mc->nm", a, b)`, `cosine_similarity(z.unsqueeze(1), z.unsqueeze(0))`,
@@ -81,19 +85,37 @@ def _pairwise(node: ast.AST) -> bool:
     return False
 
 
+def _per_sample_losses(nodes) -> bool:
+    """A loss computed per sample (`reduction="none"`, the old `reduce=False`)."""
+    return any(isinstance(n, ast.keyword) and (
+        n.arg == "reduction" and isinstance(n.value, ast.Constant) and n.value.value == "none"
+        or n.arg == "reduce" and isinstance(n.value, ast.Constant) and n.value.value is False) for n in nodes)
+
+
+def _ranks_losses(node: ast.AST) -> bool:
+    """`np.argsort(loss.data)`, `loss_1.sort()`, `torch.topk(losses, k)`: the samples of a batch
+    ordered by their losses (Co-teaching's and JoCoR's small-loss selection keeps the smallest)."""
+    if not (isinstance(node, ast.Call) and _last(node.func) in ("argsort", "sort", "topk")):
+        return False
+    operands = [*node.args, node.func.value] if isinstance(node.func, ast.Attribute) else list(node.args)
+    return any("loss" in ast.unparse(o).lower() for o in operands[:2])
+
+
 def coupled_losses(trees: Dict[Path, ast.Module]) -> Optional[str]:
     """`file:line name()` of the first function of the program that compares the samples of a
-    batch with each other (see the module's docstring), or None."""
+    batch with each other (see the module's docstring), or that keeps part of each batch by
+    ranking its samples' losses (a small-loss selection), or None."""
     for path in sorted(trees):
         tree = trees[path]
         scopes = [(n.name + "()", list(walk(n))) for n in walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
         scopes.append(("the script's top level", _top_level(tree)))
         for name, nodes in scopes:
             pairwise = next((n for n in nodes if _pairwise(n)), None)
-            if pairwise is None:
-                continue
-            if any(isinstance(n, ast.Call) and _last(n.func) in _INDEXING for n in nodes):
+            if pairwise is not None and any(isinstance(n, ast.Call) and _last(n.func) in _INDEXING for n in nodes):
                 return f"{path.name}:{pairwise.lineno} {name}"
+            ranked = next((n for n in nodes if _ranks_losses(n)), None)
+            if ranked is not None and _per_sample_losses(nodes):
+                return f"{path.name}:{ranked.lineno} {name}"
     return None
 
 

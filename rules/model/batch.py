@@ -145,8 +145,9 @@ def _sized_elsewhere(ctx: Context, size: Optional[cst.CSTNode]) -> str:
         return (f"the program also builds something sized by `{leaf}` ({where}), which a rank's share of the batch "
                 "would not match")
     for coupled in sorted(ctx.program.batch_coupled):
-        return (f"the program compares the samples of a batch with each other ({coupled}: a contrastive loss, each "
-                "sample's negatives are the rest of its batch), which over a rank's share would see fewer of them")
+        return (f"the program compares the samples of a batch with each other ({coupled}: a contrastive loss whose "
+                "negatives are the rest of the batch, hard-example mining, a selection of the samples with the "
+                "smallest losses), which over a rank's share would see fewer of them")
     return ""
 
 
