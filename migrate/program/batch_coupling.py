@@ -85,6 +85,14 @@ def _pairwise(node: ast.AST) -> bool:
     return False
 
 
+def _over_parameters(nodes) -> bool:
+    """The function loops over a model's parameters (`for param in model.parameters(): w =
+    param.view(...); torch.mm(w, w.t()) * (1 - torch.eye(n))`, BigGAN's orthogonal
+    regularisation): its matrices compare weights, not the samples of a batch."""
+    return any(isinstance(n, ast.For) and isinstance(n.iter, ast.Call) and _last(n.iter.func) in (
+        "parameters", "named_parameters") for n in nodes)
+
+
 def _per_sample_losses(nodes) -> bool:
     """A loss computed per sample (`reduction="none"`, the old `reduce=False`)."""
     return any(isinstance(n, ast.keyword) and (
@@ -111,7 +119,8 @@ def coupled_losses(trees: Dict[Path, ast.Module]) -> Optional[str]:
         scopes.append(("the script's top level", _top_level(tree)))
         for name, nodes in scopes:
             pairwise = next((n for n in nodes if _pairwise(n)), None)
-            if pairwise is not None and any(isinstance(n, ast.Call) and _last(n.func) in _INDEXING for n in nodes):
+            if pairwise is not None and any(isinstance(n, ast.Call) and _last(n.func) in _INDEXING for n in nodes) \
+                    and not _over_parameters(nodes):
                 return f"{path.name}:{pairwise.lineno} {name}"
             ranked = next((n for n in nodes if _ranks_losses(n)), None)
             if ranked is not None and _per_sample_losses(nodes):
