@@ -161,6 +161,10 @@ class Wrap:
         return self.kind.rsplit("-", 1)[-1] in ("new", "tm", "apex", "dp")
 
 
+# `_made_where`'s answer for a model copied for each task or pass (`fast = copy.deepcopy(model)`)
+_PER_TASK_COPY = "a copy made for each task or pass"
+
+
 def _loop_param(target: cst.BaseAssignTargetExpression, named: bool) -> Optional[str]:
     """The name a loop over `parameters()` (`p`) or `named_parameters()` (`name, p`) binds
     each parameter to."""
@@ -575,6 +579,13 @@ class Plan:
                 continue
             self.hand_trained = True
             sites = self._made_where(m, call, 0)
+            if sites == _PER_TASK_COPY:
+                self.manual301.append((call, f"`{m}` is a copy made for each task or pass and stepped by hand here: each "
+                                       "rank adapts its own copy to its own data, as meta-learning does, but the update "
+                                       "these copies make to the model they were copied from must be averaged across "
+                                       f"ranks (`{self.tm}.all_reduce(..., op=\"mean\")` of the update, or of the "
+                                       "outer gradients), or the ranks' models part", ctx.statement_of(call)))
+                continue
             if isinstance(sites, str):
                 self.manual301.append((call, f"`{m}` is trained by hand (its parameters stepped from their gradients, "
                                        f"no optimizer) but {sites}: wrap it with `{m} = {self.tm}.wrap_model({m})` "
@@ -611,7 +622,22 @@ class Plan:
         made = self._after_all(defs, self.models.scope(defs[0][0]))
         if made is None:
             return "is made in several places"
+        if any(self.ctx.resolve(c.func) in ("copy.deepcopy", "copy.copy")
+               for c in self.ctx.within(defs[-1][1], cst.Call)) or any(
+                isinstance(a, (cst.For, cst.While)) for a in self._blocks_between(made, self.models.scope(made))):
+            # a copy made for each task or pass (MAML/Reptile's `fast = deepcopy(model)`, stepped by
+            # hand on one task's data): averaging its gradients across ranks would mix the tasks
+            return _PER_TASK_COPY
         return [(m, klass, made, defs[-1][1])]
+
+    def _blocks_between(self, node: cst.CSTNode, scope: cst.CSTNode) -> List[cst.CSTNode]:
+        """The compound statements between `node` and its `scope`."""
+        out = []
+        for anc in self.ctx.ancestors(node):
+            if anc is scope:
+                break
+            out.append(anc)
+        return out
 
     def _after_all(self, defs, scope: cst.CSTNode) -> Optional[cst.CSTNode]:
         """The statement after which every assignment in `defs` has run: in the innermost block
