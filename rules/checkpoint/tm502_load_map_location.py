@@ -21,6 +21,36 @@ from torchmigrate.rule import Example, Rule
 from torchmigrate.rules._active import active
 from torchmigrate.rules.launch.tm103_device_from_rank import cuda_string
 from torchmigrate.rules.model.plan import wrapped_models
+from torchmigrate.program.models import DDP_CLASSES, DP_CLASSES
+from torchmigrate.syntax.nodes import code
+
+
+def _seven(node) -> bool:
+    """`7` or `len("module.")`: the length of DataParallel's key prefix."""
+    if isinstance(node, cst.Integer):
+        return node.value == "7"
+    return isinstance(node, cst.Call) and isinstance(node.func, cst.Name) and node.func.value == "len" \
+        and len(node.args) == 1 and isinstance(node.args[0].value, cst.SimpleString) \
+        and node.args[0].value.evaluated_value == "module."
+
+
+def _key_of_items(ctx, node: cst.CSTNode, name: str) -> bool:
+    """`name` is the key a comprehension or `for` around `node` takes from `X.items()` /
+    `X.keys()` / `X` (a state dict's entries)."""
+    for anc in ctx.ancestors(node):
+        fors = [anc] if isinstance(anc, cst.For) else list(ctx.within(anc, cst.CompFor)) if isinstance(
+            anc, (cst.DictComp, cst.ListComp, cst.SetComp, cst.GeneratorExp)) else []
+        for f in fors:
+            target = f.target
+            first = target.elements[0].value if isinstance(target, (cst.Tuple, cst.List)) and target.elements \
+                else target
+            it = f.iter
+            if isinstance(first, cst.Name) and first.value == name and isinstance(it, cst.Call) \
+                    and isinstance(it.func, cst.Attribute) and it.func.attr.value in ("items", "keys"):
+                return True
+        if isinstance(anc, (cst.FunctionDef, cst.ClassDef)):
+            return False
+    return False
 
 
 class LoadMapLocation(Rule):
@@ -138,6 +168,33 @@ class LoadMapLocation(Rule):
                                       f"plain values (e.g. vars(args))")
         if ctx.options.mode == "ddp":
             self._strip_prefix(lsd)
+            self._prefix_slices()
+
+    def _prefix_slices(self) -> None:
+        """`{k[7:]: v for k, v in ckpt["state_dict"].items()}` (or `name = k[7:]` in a loop over a
+        state dict's items): the program cuts DataParallel's `module.` off every key it loads.
+        The migrated program saves the plain model's keys, so the cut would eat the first seven
+        characters of each: `k.removeprefix("module.")` cuts it only where it is there (old
+        checkpoints load as before). Only in a file that speaks of `module.` keys or wraps a
+        model in DataParallel/DDP, whose saves the migration changes."""
+        ctx = self.ctx
+        text_has_prefix = any(isinstance(n.evaluated_value, str) and n.evaluated_value.startswith("module")
+                              for n in ctx.nodes(cst.SimpleString))
+        if not text_has_prefix and not any(name in DP_CLASSES or name in DDP_CLASSES for _, name in analysis.facts(ctx).calls):
+            return
+        for sub in ctx.nodes(cst.Subscript):
+            key = sub.value
+            if not (isinstance(key, cst.Name) and len(sub.slice) == 1 and isinstance(sub.slice[0].slice, cst.Slice)):
+                continue
+            cut = sub.slice[0].slice
+            if cut.upper is not None or cut.step is not None or not _seven(cut.lower):
+                continue
+            if not _key_of_items(ctx, sub, key.value):
+                continue
+            self.report(sub, f"`{code(sub)}` cuts DataParallel's `module.` off each key, but the migrated program "
+                             "saves the plain model's keys: cut the prefix only where it is there",
+                        edits=[replace(sub, lambda s: cst.parse_expression(
+                            f'{code(s.value)}.removeprefix("module.")'))])
 
     def _strip_prefix(self, lsd: List[cst.Call]) -> None:
         ctx = self.ctx
