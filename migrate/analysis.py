@@ -410,6 +410,14 @@ def _unwrapped_owners(ctx: Context, node: cst.CSTNode) -> List[str]:
     return found
 
 
+def _picks_parameters(ctx: Context, func: cst.FunctionDef) -> bool:
+    """A function of this file that reads a model's parameters (`def decay_groups(model, wd): for n,
+    p in model.named_parameters(): ...`), not one that builds the model (`def build_model(config,
+    device)`, whose arguments are no model)."""
+    return any(isinstance(c.func, cst.Attribute) and c.func.attr.value in ("parameters", "named_parameters")
+               for c in ctx.within(func, cst.Call))
+
+
 def _param_method_owners(ctx: Context, params: cst.BaseExpression) -> List[str]:
     """Models whose parameters come through a method or helper that picks them: `X` for
     `Adam(X.get_params())`, `SGD(self.net.trainable_parameters())`, `Adam(get_parameter_groups(X,
@@ -432,7 +440,8 @@ def _param_method_owners(ctx: Context, params: cst.BaseExpression) -> List[str]:
                         ctx.resolve(receiver.func) == "torchmigrate.runtime.unwrap":
                     receiver = receiver.args[0].value
                 candidates = [receiver]
-            elif (isinstance(func, cst.Name) and (named or label in own)) or (named and not method):
+            elif (isinstance(func, cst.Name) and (named or label in own and _picks_parameters(ctx, own[label]))) \
+                    or (named and not method):
                 # `get_param_groups(net, wd)`, also a module's `util.get_param_groups(net, wd)`
                 candidates = [a.value for a in n.args if not a.star and a.keyword is None]
             for value in candidates:
