@@ -707,6 +707,11 @@ class LoaderFacts:
             # whatever the words of its dataset say (`Dataset.build(data, load_train=load_train)`)
             loader.condition_is_shuffle = True
             return "mixed", _parenthesize(code(shuffle), shuffle)
+        if shuffle is not None and not is_literal(shuffle, "True", "False", "None") and self._set_by_split(fn, shuffle):
+            # `if flag == "test": shuffle_flag = False ... else: shuffle_flag = True`: the factory
+            # builds every split, whatever the words of the dataset it picks (`Data = Dataset_Pred`)
+            loader.condition_is_shuffle = True
+            return "mixed", _parenthesize(code(shuffle), shuffle)
         sources: List[List[str]] = []
         if loader.target:
             sources.append(splits.words(loader.target.split(".")[-1]))
