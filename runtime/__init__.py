@@ -1758,10 +1758,12 @@ def shard_stream(data):
     world = world_size()
     if world <= 1:
         return data
-    if isinstance(data, torch.utils.data.DataLoader) or not (hasattr(data, "__len__") and hasattr(data, "__getitem__")):
+    if isinstance(data, (str, bytes, os.PathLike)) or isinstance(data, torch.utils.data.DataLoader) or not (
+            hasattr(data, "__len__") and hasattr(data, "__getitem__")):
         # a loader (sharded by its sampler, or not: the runtime's checks say so) or an iterator
-        # cannot be cut by offsets: left as it is
-        if not isinstance(data, torch.utils.data.DataLoader) and not hasattr(data, "__iter__"):
+        # cannot be cut by offsets: left as it is; nor can a file name (the iterator reads the file)
+        if isinstance(data, (str, bytes, os.PathLike)) or (
+                not isinstance(data, torch.utils.data.DataLoader) and not hasattr(data, "__iter__")):
             # not data at all (the options handed to a `batchify(args, data, bsz)`): say where
             frame = _user_frame(sys._getframe(1))
             where = f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}" if frame else "the program"

@@ -1225,3 +1225,5 @@ def test_shard_stream_names_what_it_cannot_cut(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert err.count("shard_stream was handed a Namespace") == 1 and "test_runtime_single.py:" in err
     assert tm.shard_stream(iter([1, 2])) is not None and "handed a list_iterator" not in capsys.readouterr().err
+    path = "dataset/tacred/train.json"  # a file the iterator reads: never cut as characters
+    assert tm.shard_stream(path) == path and "handed a str" in capsys.readouterr().err

@@ -3,6 +3,7 @@ carries (token streams, hand-made batches, full-batch indices) its share by rank
 
 from __future__ import annotations
 
+import re
 from typing import List, Optional, Set
 
 import libcst as cst
@@ -320,6 +321,8 @@ class DistSampler(DataRule):
             if not any(training_text(code(a.value)) for a in args) and not (
                     function is not None and training_text(function.name.value)):
                 continue
+            if all(file_name(ctx, a.value) for a in args):
+                continue  # the iterator reads a file it is named (`DataLoader(data_dir + "/train.json", ...)`)
             shown = ", ".join(f"`{code(a.value)}`" for a in args)
             if not ctx.options.shard_training:
                 self.report(call, f"{shown} (a hand-made batch iterator's data) {UNWRAPPED}")
@@ -528,6 +531,32 @@ class DistSampler(DataRule):
                                f"`{tm}.shard_sampler` shares it out by rank (same seed on every rank)",
                     edits=[replace(arg.value, lambda v: cst.Call(func=expr(f"{tm}.shard_sampler"), args=[cst.Arg(v)]))],
                     imports=[self.ctx.runtime_import()])
+
+
+_FILE_SUFFIX = re.compile(r"\.(json|jsonl|txt|csv|tsv|pkl|pickle|npy|npz|h5|hdf5|pt|pth|tar|zip|gz|conll|xml|yaml|yml)$",
+                          re.IGNORECASE)
+_FILE_WORDS = re.compile(r"(?i)(file|path|dir|fname|filename)$")
+
+
+def file_name(ctx, node: cst.BaseExpression) -> bool:
+    """`node` names a file or folder rather than holding data: a string with a path or a file
+    suffix (`data_dir + "/train.json"`, an f-string), `os.path.join(...)`, `Path(...)`, or a
+    name that says so (`opt.train_file`, `data_path`)."""
+    for s in ctx.within(node, cst.SimpleString):
+        value = s.evaluated_value
+        if isinstance(value, str) and ("/" in value or _FILE_SUFFIX.search(value)):
+            return True
+    for s in ctx.within(node, cst.FormattedStringText):
+        if "/" in s.value or _FILE_SUFFIX.search(s.value):
+            return True
+    if isinstance(node, cst.Call) and (ctx.resolve(node.func) or "") in (
+            "os.path.join", "pathlib.Path", "pathlib.PurePath"):
+        return True
+    leaf = node.attr.value if isinstance(node, cst.Attribute) else node.value if isinstance(node, cst.Name) else ""
+    if isinstance(node, cst.Subscript) and len(node.slice) == 1 and isinstance(node.slice[0].slice, cst.Index) \
+            and isinstance(node.slice[0].slice.value, cst.SimpleString):
+        leaf = str(node.slice[0].slice.value.evaluated_value)
+    return bool(leaf) and bool(_FILE_WORDS.search(leaf))
 
 
 def _read_as_tensor(ctx, fn: cst.FunctionDef, name: str) -> bool:
