@@ -191,6 +191,15 @@ def test_a_sampler_with_a_budget_is_judged_by_its_budget():
     assert checks.sharded(Run(budget, ["", ""])).status == "fail"
 
 
+def test_a_sampler_drawing_more_than_the_dataset_may_repeat_samples():
+    """Repeated augmentation (DeiT's RASampler with `len_factor=3`): each rank's share of an epoch
+    is longer than its part of the dataset, so samples repeat across ranks by design."""
+    rec = [_record([[0, 1, 2, 3, 4, 5]], n=8), _record([[6, 7, 0, 1, 2, 3]], n=8)]
+    for r in rec:
+        r["loaders"]["train.py:10"]["sampler_len"] = 6
+    assert checks.sharded(Run(rec, ["", ""])).status == "pass"
+
+
 def test_ranks_that_together_miss_samples_are_named():
     run = Run([_record([[0, 2]]), _record([[1, 3]])], ["", ""])
     check = checks.sharded(run)

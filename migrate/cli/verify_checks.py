@@ -183,6 +183,11 @@ def sharded(run: Run) -> Check:
             if any(d is None for d in drawn.values()):
                 break  # an IterableDataset: the dataset itself decides what each rank reads
             padding = (-n) % world if n else 0  # a DistributedSampler repeats this many to even out
+            budget = info["loader"].get("sampler_len")
+            if n and budget and budget * world > n:
+                # a sampler that draws more than the dataset per epoch (repeated augmentation,
+                # `len_factor=3`): samples repeat across the ranks' shares by design
+                padding = max(padding, budget * world - n)
             common = set.intersection(*(set(d) for d in drawn.values()))
             if len(common) > padding:
                 whole = n is not None and all(len(set(d)) >= n for d in drawn.values())
@@ -192,7 +197,6 @@ def sharded(run: Run) -> Check:
                 where.append(site)
                 break
             drawn_all = set().union(*map(set, drawn.values()))
-            budget = info["loader"].get("sampler_len")
             # a sampler that draws a set number of samples per epoch (`InfiniteSampler(n,
             # iterations * batch)` cut by rank): together the ranks draw that many, not the dataset
             wanted = min(n, budget * world) if n and budget else n
