@@ -222,13 +222,14 @@ class MainOnlyWrites(Rule):
                 self.report(call, "every rank creates this folder: a rank that comes second fails with "
                                   "FileExistsError; pass exist_ok=True",
                             edits=[replace(call, lambda c: set_kwarg(c, "exist_ok", cst.Name("True")))])
-            elif name == _MKDIR and self._after_exists_test(call) and len(call.args) == 1:
+            elif name == _MKDIR and len(call.args) == 1 and (self._after_exists_test(call) or self._bare_mkdir(call)):
                 # `os.mkdir(d)` keeps its module's spelling; a bare `mkdir(d)` (`from os import
                 # mkdir`) has none, so it names `os` (imported where the file has no `import os`)
                 spelled = dotted(call.func) or ""
                 module = spelled.rsplit(".", 1)[0] if "." in spelled else "os"
-                self.report(call, "every rank tests for this folder and then creates it: a rank that comes second "
-                                  "fails with FileExistsError; use os.makedirs(..., exist_ok=True)",
+                what = "tests for this folder and then creates it" if self._after_exists_test(call) else "creates this folder"
+                self.report(call, f"every rank {what}: a rank that comes second fails with FileExistsError; use "
+                                  "os.makedirs(..., exist_ok=True)",
                             edits=[replace(call, lambda c: set_kwarg(
                                 c.with_changes(func=cst.parse_expression(module + ".makedirs")),
                                 "exist_ok", cst.Name("True")))],
@@ -808,6 +809,22 @@ class MainOnlyWrites(Rule):
         params = set(positional) | set(keyword_only)
         return any(isinstance(n, cst.Call) and isinstance(n.func, cst.Name) and n.func.value in params
                    for n in self.ctx.within(handle, cst.Call, skip_defs=True))
+
+    def _bare_mkdir(self, call: cst.Call) -> bool:
+        """`os.mkdir(d)` that every rank runs, with no `try` around it that expects the folder to
+        be there (`except FileExistsError:`/`OSError`): the rank that comes second fails
+        (`mkdir(f"vaemodels-{rndstr()}")`, a name every rank draws alike)."""
+        ctx = self.ctx
+        if under_rank_guard(ctx, call):
+            return False
+        for anc in ctx.ancestors(call):
+            if isinstance(anc, cst.Try) and any(h.type is None or any(
+                    n.value in ("FileExistsError", "OSError", "IOError", "Exception", "BaseException")
+                    for n in ctx.within(h.type, cst.Name)) for h in anc.handlers):
+                return False
+            if isinstance(anc, (cst.FunctionDef, cst.ClassDef)):
+                break
+        return True
 
     def _after_exists_test(self, call: cst.Call) -> bool:
         """`os.mkdir(d)` as the body of `if not os.path.isdir(d):` (or `exists`), or anywhere under

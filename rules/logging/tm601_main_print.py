@@ -245,6 +245,12 @@ class MainPrint(Rule):
                 if line is not None and caller_guards(ctx, call) is None and not under_rank_guard(ctx, call):
                     pretty_lines.append(line)
                 continue
+            if name == "builtins.print" and isinstance(func, cst.Attribute) and caller_guards(ctx, call) is None:
+                # the program's own print (`def print(*args, **kwargs): builtins.print(*args, flush=True)`,
+                # imported everywhere in place of the builtin): its one real print, once
+                self.report(call, "print runs on every rank; tm.print prints once, on the main process",
+                            edits=[replace(func, lambda _f: expr(f"{tm}.print"))], imports=imports)
+                continue
             if name is None and isinstance(func, cst.Name) and func.value == "print":
                 if shadowed is None:
                     shadowed = _print_shadowed(ctx)
