@@ -319,6 +319,7 @@ class Plan:
             self._plan_dp()
             self._unused_and_bn()
             self._attributes()
+            self._partial_methods()
             self._lr_notes()
             names: List[str] = []
             for w in self.final_wraps():
@@ -1907,6 +1908,20 @@ class Plan:
         return self.ctx.statement_of(defs[-1][0]) if defs else None
 
     # --- attribute rewrites (TM302, and TM306 for DataParallel names) --------------------
+    def _partial_methods(self) -> None:
+        """A model whose method computes a loss through DDP (`tm.synced(self.critic).Q1(s, a)`,
+        TD3's actor loss on one of the critic's two heads) may leave parameters without a gradient
+        in that backward (the other head): DDP then refuses the next forward ("Expected to have
+        finished reduction in the prior iteration") unless it looks for unused parameters."""
+        for rw in self.rewrites:
+            if not rw.synced:
+                continue
+            for owner in [*self.new, *self.dp_sites]:
+                name = owner.name if isinstance(owner, NewWrap) else owner.wrap.name
+                if name == rw.name and not owner.find_unused:
+                    owner.find_unused = (f"`{rw.name}.{rw.attr}()` runs through DDP's forward and may use only part "
+                                         "of the model")
+
     def _attributes(self) -> None:
         owner302 = self.active["TM302"]
         owner306 = self.active["TM306"]
