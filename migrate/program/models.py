@@ -592,6 +592,46 @@ class ModelFacts:
                                     return False
         return True
 
+    def method_leaves_out(self, klass: cst.ClassDef, method: str) -> List[str]:
+        """The submodules assigned in `klass.__init__` that its method `method` (and the methods
+        of the class it calls on `self`) never mentions: TD3's `Critic.Q1` runs `l1`, `l2` but not
+        `l4`, `l5`. Empty where the method calls the model itself (`self(x)`, `self.forward(x)`)."""
+        if not isinstance(klass.body, cst.IndentedBlock):
+            return []
+        methods = {f.name.value: f for f in klass.body.body if isinstance(f, cst.FunctionDef)}
+        init, first = methods.get("__init__"), methods.get(method)
+        if init is None or first is None or not isinstance(init.body, cst.IndentedBlock):
+            return []
+        texts, todo, seen = [], [first], set()
+        while todo:
+            fn = todo.pop()
+            if fn.name.value in seen:
+                continue
+            seen.add(fn.name.value)
+            text = self.text(fn)
+            if "self(" in text or "self.forward(" in text:
+                return []
+            texts.append(text)
+            todo += [methods[n] for n in methods if n not in seen and f"self.{n}(" in text]
+        text = "\n".join(texts)
+        left = []
+        for s in iter_statements(init.body.body):
+            for small in s.body if isinstance(s, cst.SimpleStatementLine) else ():
+                if not isinstance(small, cst.Assign):
+                    continue
+                pairs = [(t.target, small.value) for t in small.targets]
+                pairs += [(a.value, b.value) for t in small.targets if isinstance(t.target, cst.Tuple)
+                          and isinstance(small.value, cst.Tuple) and len(t.target.elements) == len(small.value.elements)
+                          for a, b in zip(t.target.elements, small.value.elements)]
+                for target, value in pairs:
+                    name = dotted(target)
+                    if not (isinstance(value, cst.Call) and name and name.startswith("self.") and name.count(".") == 1):
+                        continue
+                    func = (self.ctx.resolve(value.func) or dotted(value.func) or "").rsplit(".", 1)[-1]
+                    if func[:1].isupper() and not _PARAMLESS.search(func) and not mentions(text, name):
+                        left.append(name)
+        return left
+
     def discarded_heads(self, origin: Optional[Origin], name: str) -> Tuple[str, List[str]]:
         """(class, submodules) where the submodules feed only outputs of the model class's
         `forward()` (of any module of the program) which every training call of the model `name`

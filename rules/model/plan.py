@@ -1916,6 +1916,10 @@ class Plan:
         for rw in self.rewrites:
             if not rw.synced:
                 continue
+            klasses = [k for k in self.f.classes.values() if isinstance(k.body, cst.IndentedBlock) and any(
+                isinstance(f, cst.FunctionDef) and f.name.value == rw.attr for f in k.body.body)]
+            if len(klasses) != 1 or not self.models.method_leaves_out(klasses[0], rw.attr):
+                continue  # the method uses every submodule (or its class is not this file's to read)
             for owner in [*self.new, *self.dp_sites]:
                 name = owner.name if isinstance(owner, NewWrap) else owner.wrap.name
                 if name == rw.name and not owner.find_unused:
