@@ -57,6 +57,25 @@ def apply_edits(
     return result
 
 
+# keyword statements whose expression may have been written against the keyword (`if(x):`,
+# `while(x):`, `return(x)`, `assert(x)`): the field that holds the space after the keyword
+_KEYWORD_SPACE = {cst.If: ("test", "whitespace_before_test"), cst.While: ("test", "whitespace_after_while"),
+                  cst.Return: ("value", "whitespace_after_return"), cst.Assert: ("test", "whitespace_after_assert")}
+
+
+def _keyword_space(original: cst.CSTNode, changes: dict) -> dict:
+    """`if(not exists(p)):` whose test an edit replaced by an expression without the parentheses:
+    a space after the keyword, which the rewritten test now needs (`if not ...`)."""
+    fields = _KEYWORD_SPACE.get(type(original))
+    if fields is None or fields[0] not in changes:
+        return {}
+    new = changes[fields[0]]
+    space = getattr(original, fields[1], None)
+    if new is None or getattr(new, "lpar", None) or not isinstance(space, cst.SimpleWhitespace) or space.value:
+        return {}
+    return {fields[1]: cst.SimpleWhitespace(" ")}
+
+
 class _Rebuilder:
     def __init__(self, edits: Dict[cst.CSTNode, List[Edit]], dirty: Set[cst.CSTNode],
                  wraps: Dict[cst.CSTNode, List[Edit]]) -> None:
@@ -84,6 +103,7 @@ class _Rebuilder:
             if any(isinstance(v, cst.RemovalSentinel) for v in changes.values()):
                 # an emptied line goes, but insertions anchored on it must survive
                 return self.own_edits(original, cst.RemovalSentinel.REMOVE)
+            changes.update(_keyword_space(original, changes))
             updated = original.with_changes(**changes)
         return self.own_edits(original, updated)
 
