@@ -67,6 +67,10 @@ class LoadMapLocation(Rule):
       `tm.strip_prefix(sd)`, which drops `module.` / `_orig_mod.` key prefixes written by
       `nn.DataParallel`, DDP or `torch.compile` models (TM302 turns `model.load_state_dict`
       into `tm.unwrap(model).load_state_dict`).
+    - `{k[7:]: v for k, v in sd.items()}` (or `k[len("module."):]` in a loop over a state
+      dict's items), DataParallel's prefix cut by position, becomes `k.removeprefix("module.")`
+      in a file that speaks of `module.` keys or wraps a model: the migrated program saves the
+      plain model's keys, which the cut would maim.
     - `weights_only` is never changed. When this file saves non-tensor objects in its
       checkpoints (`args`, a config object, a whole model), a note says that `torch.load`
       defaults to `weights_only=True` since torch 2.6 and raises `UnpicklingError` on them.

@@ -133,7 +133,8 @@ class MainOnlyWrites(Rule):
       tests before any rank writes, so no rank finds the main process's new folder and stops.
     - `os.makedirs(d)` and `pathlib`'s `path.mkdir(parents=True)` without `exist_ok=True`
       (missing, `False` or an expression) get `exist_ok=True`, and `os.mkdir(d)` under
-      `if not os.path.isdir(d):` / `os.path.exists(d)` becomes `os.makedirs(d, exist_ok=True)`.
+      `if not os.path.isdir(d):` / `os.path.exists(d)`, or on its own where every rank runs it,
+      becomes `os.makedirs(d, exist_ok=True)`.
       Where the folder is created in `try:` and its `except FileExistsError:` is the program's
       own logic (refuse a non-empty folder, wipe it with `--fresh`), the whole statement runs
       on the main process, then `tm.barrier()` (a handler that does nothing is left alone).

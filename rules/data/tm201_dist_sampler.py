@@ -42,6 +42,11 @@ class DistSampler(DataRule):
     return them and in trainer-class methods are all handled, under any import spelling of
     `DataLoader`. A dataset given as an expression (`DataLoader(MyDataset(root), ...)`) is first
     assigned to a variable (`train_dataset = MyDataset(root)`) so it is built only once.
+    A factory that builds the training loader and is also called for evaluation data
+    (`dev_loader = get_loader(dev_file, bs)`, by the name it is bound to or the files it is
+    given, in any module) is called there as `tm.unsharded(get_loader, ...)`, followed by
+    `tm.same_draws(dev_loader)`: every rank evaluates the whole set, so the numbers that choose
+    the best model or stop training agree across ranks.
 
     ## Why is this bad?
     DDP does not shard inputs: without a distributed sampler every rank iterates the whole

@@ -49,7 +49,9 @@ class RankSkips(Rule):
       pass (or `break`, `return`, `raise`, `sys.exit(1)` anywhere in the loop, after calls that
       print or log why) becomes `if tm.any_rank(<test>): ...`: when any rank skips the step (or
       leaves the loop, or ends the run: DeiT's `if not math.isfinite(loss_value): sys.exit(1)`),
-      every rank does.
+      every rank does. An exit under a branch that this rank's own data chose (`if acc > best:
+      ... else: patience += 1; if patience > 2: break`, with `acc` computed here from a shard) is
+      reported instead: only the ranks that took the branch would reach a collective there.
     - A `try:` around the forward/backward whose `except` skips the step (`continue`, the
       classic out-of-memory handler) is reported: one rank skipping leaves the others waiting.
     - `scheduler.step(val_loss)` of a `ReduceLROnPlateau` (built in this file, or a receiver

@@ -153,6 +153,10 @@ class MainPrint(Rule):
     `logging` needs nothing: `tm.setup()` disables INFO and DEBUG records on the other ranks, so
     `logger.info(...)` prints once while warnings and errors still show on every rank.
 
+    `tqdm.write(...)` and a bar's `.write(...)` (which `disable=` does not silence) go under
+    `if tm.is_main():`, and `builtins.print(...)` (the program's own `print` function over the
+    builtin) becomes `tm.print(...)`.
+
     Output already under a rank guard (`if tm.is_main():`, `if rank == 0:`,
     `if args.local_rank in [-1, 0]:`, ...) is left alone, and so is a `print` that the file
     redefines or imports from elsewhere.
