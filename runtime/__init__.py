@@ -2990,15 +2990,34 @@ def agreed(draw, *args, **kwargs):
     on every rank, for a reordering that a hand-made batch iterator makes before it is read
     (``tm.agreed(train_loader.shuffle)`` before ``tm.shard_batches(train_loader.get_iterator())``):
     every rank makes the same permutation, so the every-W-th batches the ranks keep are disjoint.
-    Each call draws anew (rank 0's ``torch.initial_seed()``, shared once, plus a call count, so it
+    Before the ranks' streams part (no ``seed_per_rank`` yet, and the program's generators alike on
+    every rank, as ``setup()`` leaves them), the draw comes from the program's own generators: the
+    same numbers as in one process (a split drawn once under ``random.seed(args.seed)``). Otherwise
+    each call draws anew (rank 0's ``torch.initial_seed()``, shared once, plus a call count, so it
     is new each epoch and fixed when the program seeds torch); the program's own generators
     are put back after, untouched. 1 process: ``draw(*args, **kwargs)`` itself. A collective on
     its first call: call it on every rank."""
     if world_size() <= 1 or _in_worker_process():  # (a data-loader worker is no rank: its own draw)
         return draw(*args, **kwargs)
+    if not _PER_RANK_STREAMS and _own_streams_agree():
+        # before the streams part (a split drawn once before training, with `random.seed(args.seed)`):
+        # the program's own streams are alike on every rank, and drawing from them gives the very
+        # numbers `python train.py` draws
+        return draw(*args, **kwargs)
     _PASSES["agreed"] += 1
     with _Streams(_shared_seed() + 1_000_003 * _PASSES["agreed"]):
         return draw(*args, **kwargs)
+
+
+def _own_streams_agree() -> bool:
+    """The program's own generators (Python's, numpy's if loaded, torch's CPU one) are in the same
+    state on every rank: their digests compared across ranks (a collective)."""
+    numpy = sys.modules.get("numpy")
+    digest = hashlib.sha1(pickle.dumps((random.getstate(), numpy.random.get_state() if numpy is not None else None)))
+    digest.update(torch.get_rng_state().numpy().tobytes())
+    mine = float(int(digest.hexdigest()[:12], 16))  # 48 bits: exact in a float64
+    high, low = all_reduce(torch.tensor([mine, -mine], dtype=torch.float64), op="max").tolist()
+    return high == mine and low == -mine
 
 
 def any_rank(flag) -> bool:

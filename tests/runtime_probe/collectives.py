@@ -238,6 +238,16 @@ def main(outdir):
     np.random.seed(100 + r)
     res["agreed"] = [tm.agreed(np.random.permutation, 10).tolist() for _ in range(2)]
     res["agreed_kept_own"] = np.random.rand() == before  # the rank's own stream untouched
+    # streams alike on every rank (a split drawn once before training under the program's seed):
+    # the program's own draw, the numbers one process draws
+    parted, tm._PER_RANK_STREAMS = tm._PER_RANK_STREAMS, False  # (as before seed_per_rank)
+    kept = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    random.seed(7), np.random.seed(7), torch.manual_seed(7)
+    res["agreed_own"] = tm.agreed(np.random.permutation, 10).tolist()
+    np.random.seed(7)
+    res["agreed_own_expected"] = np.random.permutation(10).tolist()
+    tm._PER_RANK_STREAMS = parted
+    random.setstate(kept[0]), np.random.set_state(kept[1]), torch.set_rng_state(kept[2])
     # gather_list: predictions of a sharded loop gathered in rank order; of a whole loader, kept
     whole_ds = TensorDataset(torch.arange(6.0))
     shared_loader = DataLoader(whole_ds, batch_size=2, sampler=tm.sampler(whole_ds, shuffle=False))
