@@ -1738,6 +1738,17 @@ _END = object()
 _STREAM_WARNED: set = set()
 
 
+def _names_a_file(data) -> bool:
+    """A path (`os.PathLike`), or a string that reads as one (an existing path, or one line with a
+    folder separator or a file suffix: `"dataset/tacred/train.json"`), not the text of a corpus,
+    which a character-level model's stream is."""
+    if isinstance(data, os.PathLike):
+        return True
+    if not isinstance(data, str) or "\n" in data or len(data) > 4096:
+        return False
+    return os.path.exists(data) or bool(re.search(r"[/\\]|\.[A-Za-z0-9]{2,5}$", data))
+
+
 def shard_stream(data):
     """This rank's part of the data a hand-made training iterator reads, cut on its first
     dimension, equal in length on every rank (DDP's backward is a collective: every rank must run
@@ -1758,11 +1769,11 @@ def shard_stream(data):
     world = world_size()
     if world <= 1:
         return data
-    if isinstance(data, (str, bytes, os.PathLike)) or isinstance(data, torch.utils.data.DataLoader) or not (
+    if _names_a_file(data) or isinstance(data, torch.utils.data.DataLoader) or not (
             hasattr(data, "__len__") and hasattr(data, "__getitem__")):
         # a loader (sharded by its sampler, or not: the runtime's checks say so) or an iterator
         # cannot be cut by offsets: left as it is; nor can a file name (the iterator reads the file)
-        if isinstance(data, (str, bytes, os.PathLike)) or (
+        if _names_a_file(data) or (
                 not isinstance(data, torch.utils.data.DataLoader) and not hasattr(data, "__iter__")):
             # not data at all (the options handed to a `batchify(args, data, bsz)`): say where
             frame = _user_frame(sys._getframe(1))

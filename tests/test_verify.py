@@ -194,10 +194,14 @@ def test_a_sampler_with_a_budget_is_judged_by_its_budget():
 def test_a_sampler_drawing_more_than_the_dataset_may_repeat_samples():
     """Repeated augmentation (DeiT's RASampler with `len_factor=3`): each rank's share of an epoch
     is longer than its part of the dataset, so samples repeat across ranks by design."""
-    rec = [_record([[0, 1, 2, 3, 4, 5]], n=8), _record([[6, 7, 0, 1, 2, 3]], n=8)]
+    rec = [_record([[0, 1, 2, 3, 4, 5, 0, 1]], n=8), _record([[6, 7, 0, 1, 2, 3, 6, 7]], n=8)]
     for r in rec:
-        r["loaders"]["train.py:10"]["sampler_len"] = 6
+        r["loaders"]["train.py:10"]["sampler_len"] = 8
     assert checks.sharded(Run(rec, ["", ""])).status == "pass"
+    whole = [_record([list(range(8))], n=8), _record([list(range(8))], n=8)]  # every rank reads it all
+    for r in whole:
+        r["loaders"]["train.py:10"]["sampler_len"] = 8
+    assert checks.sharded(Run(whole, ["", ""])).status == "fail"
 
 
 def test_ranks_that_together_miss_samples_are_named():

@@ -184,9 +184,10 @@ def sharded(run: Run) -> Check:
                 break  # an IterableDataset: the dataset itself decides what each rank reads
             padding = (-n) % world if n else 0  # a DistributedSampler repeats this many to even out
             budget = info["loader"].get("sampler_len")
-            if n and budget and budget * world > n:
-                # a sampler that draws more than the dataset per epoch (repeated augmentation,
-                # `len_factor=3`): samples repeat across the ranks' shares by design
+            if n and budget and budget * world > n and any(len(d) > len(set(d)) for d in drawn.values()):
+                # a sampler that draws more than the dataset per epoch and repeats samples within
+                # each rank's share too (repeated augmentation, `len_factor=3`): samples repeat
+                # across the ranks' shares by design
                 padding = max(padding, budget * world - n)
             common = set.intersection(*(set(d) for d in drawn.values()))
             if len(common) > padding:
