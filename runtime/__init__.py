@@ -3022,13 +3022,12 @@ def agreed(draw, *args, **kwargs):
 
 def _own_streams_agree() -> bool:
     """The program's own generators (Python's, numpy's if loaded, torch's CPU one) are in the same
-    state on every rank: their digests compared across ranks (a collective)."""
+    state on every rank: their digests compared across ranks (`_differ_across_ranks`, collectives)."""
     numpy = sys.modules.get("numpy")
     digest = hashlib.sha1(pickle.dumps((random.getstate(), numpy.random.get_state() if numpy is not None else None)))
     digest.update(torch.get_rng_state().numpy().tobytes())
     mine = float(int(digest.hexdigest()[:12], 16))  # 48 bits: exact in a float64
-    high, low = all_reduce(torch.tensor([mine, -mine], dtype=torch.float64), op="max").tolist()
-    return high == mine and low == -mine
+    return not _differ_across_ranks([torch.tensor([mine], dtype=torch.float64)])
 
 
 def any_rank(flag) -> bool:

@@ -42,6 +42,7 @@ from torchmigrate.syntax.nodes import arg as call_arg
 from torchmigrate.syntax.nodes import code, expr, set_kwarg, stmt
 from torchmigrate.program.checkpoints import LOADS
 from torchmigrate.program.losses import backward_loss, summed_loss
+from torchmigrate.program.loaders import loops_of
 from torchmigrate.program.metrics import binding_of, is_load, loader_loop, source_index
 from torchmigrate.program.models import assign_targets, functional_model, mentions, model_facts, strip_moves
 from torchmigrate.program.training import training_facts
@@ -624,21 +625,11 @@ class Plan:
         if made is None:
             return "is made in several places"
         if any(self.ctx.resolve(c.func) in ("copy.deepcopy", "copy.copy")
-               for c in self.ctx.within(defs[-1][1], cst.Call)) or any(
-                isinstance(a, (cst.For, cst.While)) for a in self._blocks_between(made, self.models.scope(made))):
+               for c in self.ctx.within(defs[-1][1], cst.Call)) or loops_of(made, self.ctx, self.models.scope(made)):
             # a copy made for each task or pass (MAML/Reptile's `fast = deepcopy(model)`, stepped by
             # hand on one task's data): averaging its gradients across ranks would mix the tasks
             return _PER_TASK_COPY
         return [(m, klass, made, defs[-1][1])]
-
-    def _blocks_between(self, node: cst.CSTNode, scope: cst.CSTNode) -> List[cst.CSTNode]:
-        """The compound statements between `node` and its `scope`."""
-        out = []
-        for anc in self.ctx.ancestors(node):
-            if anc is scope:
-                break
-            out.append(anc)
-        return out
 
     def _after_all(self, defs, scope: cst.CSTNode) -> Optional[cst.CSTNode]:
         """The statement after which every assignment in `defs` has run: in the innermost block
