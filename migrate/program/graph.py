@@ -275,8 +275,10 @@ def _scan(path: Path, entry_dir: Path, trees: Dict[Path, ast.Module], fs: FileSy
         if tree is None:
             return None
         trees[path] = tree
-    found = ModuleScan(search_path.code_dirs(tree, path, entry_dir), import_statements(tree),
-                       dynamic_imports.scan(tree, path, entry_dir), has_main_guard(tree))
+    statements = import_statements(tree)
+    code_dirs = search_path.code_dirs(tree, path, entry_dir) + search_path.run_from_dirs(
+        statements, entry_dir, MAX_LEVELS_UP)
+    found = ModuleScan(code_dirs, statements, dynamic_imports.scan(tree, path, entry_dir), has_main_guard(tree))
     if key is not None:
         scans.put(key, found)
     return found

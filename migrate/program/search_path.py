@@ -7,6 +7,8 @@ folders are never migrated while the report says the program is done:
 - the code edits `sys.path` (`sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))`,
   `sys.path.append(str(Path(__file__).resolve().parents[1] / "lib"))`, `site.addsitedir(...)`),
   in the entry or in a module it imports (`code_dirs`);
+- the code imports the entry's own folder by name (`from src.models import Net` in
+  `src/train.py`): it is run from the folder above (`python -m src.train`: `run_from_dirs`);
 - a launch file sets `PYTHONPATH` (`PYTHONPATH=src python train.py` in a shell script or a
   Makefile recipe, `export PYTHONPATH=$PWD/src` in the README or an sbatch file: `launch_dirs`);
 - the project keeps its packages under `src/` (`src_layout`) or is installed in place
@@ -70,6 +72,21 @@ def code_dirs(tree: ast.Module, module: Path, cwd: Path) -> List[Path]:
             if folder is not None:
                 out.append(Path(os.path.normpath(folder)))
     return out
+
+
+def run_from_dirs(statements: List[ast.stmt], cwd: Path, levels: int) -> List[Path]:
+    """The folder above the entry's own folder (or one of its `levels` parents) where the code
+    imports that folder by name: `src/train.py` with `from src.models import Net` runs only as
+    `python -m src.train` (or with PYTHONPATH) from the folder that holds `src`, so that folder
+    is on its path as surely as a `sys.path` edit would put it there."""
+    folders = {f.name: f.parent for f in (cwd, *list(cwd.parents)[:levels]) if f.name}
+    tops = set()
+    for node in statements:
+        if isinstance(node, ast.Import):
+            tops.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            tops.add(node.module.split(".")[0])
+    return [folders[top] for top in sorted(tops) if top in folders]
 
 
 def _elements(node: ast.AST) -> List[ast.AST]:

@@ -39,6 +39,26 @@ def test_follows_siblings_packages_relative_and_star_imports(tmp_path):
                                           "scripts/helpers.py", "scripts/train.py"]
 
 
+def test_an_entry_that_imports_its_own_folder_by_name_is_run_from_the_folder_above(tmp_path):
+    """`src/train.py` importing `from src.models import Net` (no `__init__.py`, no markers) only
+    runs as `python -m src.train` or with PYTHONPATH from the folder above `src`: its imports are
+    found from there (also `utils/` beside `src/`), two levels up at most (`src/tools/train.py` importing `src.data`)."""
+    write(tmp_path, {
+        "copy/src/models.py": "", "copy/src/data.py": "",
+        "copy/src/train.py": "from src.models import Net\nimport src.data\nimport torch\nfrom utils.ops import f\n",
+        "copy/src/tools/run.py": "from src.data import f\nimport torch\n",
+        "copy/utils/ops.py": "",
+        "copy/other/x.py": "",
+    })
+    g = graph.build([tmp_path / "copy/src/train.py"])
+    assert names(g.modules, tmp_path / "copy") == ["src/data.py", "src/models.py", "src/train.py", "utils/ops.py"]
+    g = graph.build([tmp_path / "copy/src/tools/run.py"])
+    assert names(g.modules, tmp_path / "copy") == ["src/data.py", "src/tools/run.py"]
+    # a folder named like the import but not one the entry sits in is not a place it runs from
+    write(tmp_path, {"copy/other/train.py": "from src.models import Net\nimport torch\n"})
+    assert names(graph.build([tmp_path / "copy/other/train.py"]).modules, tmp_path / "copy") == ["other/train.py"]
+
+
 def test_installed_and_standard_modules_are_not_followed(tmp_path):
     write(tmp_path, {"train.py": "import os\nimport torch\nimport json\nfrom torch.utils.data import DataLoader\n"})
     assert names(graph.build([tmp_path / "train.py"]).modules, tmp_path) == ["train.py"]
