@@ -155,7 +155,7 @@ def is_batch_source(ctx: Context, node: cst.BaseExpression, depth: int = 0) -> b
         func = dotted(node.func) or ""
         if func.rsplit(".", 1)[-1] in _THROUGH:
             return any(is_batch_source(ctx, a.value, depth + 1) for a in node.args if a.keyword is None)
-        return False
+        return _makes_loader(ctx, node, func, depth)
     if not isinstance(node, (cst.Name, cst.Attribute)):
         return False
     if refs_at(ctx, node):
@@ -169,6 +169,25 @@ def is_batch_source(ctx: Context, node: cst.BaseExpression, depth: int = 0) -> b
         return any(value is not None and is_batch_source(ctx, value, depth + 1)
                    for value, _ in _bindings(ctx, node) if value is not _PARAM)
     return False
+
+
+def _makes_loader(ctx: Context, call: cst.Call, func: str, depth: int) -> bool:
+    """`for x, y in get_loader(args):`: a call of the program's own function that returns a
+    loader: spelled like one (`loader()`, `build_dataloader(cfg)`, `get_batches(data, bs)`), a
+    training-loader factory of another module, or a function of this module whose every
+    `return` gives a loader (`def data(): return DataLoader(ds, 8)`)."""
+    if not func:
+        return False
+    if _LOADER_NAME.search(func.rsplit(".", 1)[-1]) or func in ctx.program.loader_factories:
+        return True
+    if "." in func or ctx.resolve(call.func) is not None:
+        return False
+    defs = [d for d in ctx.nodes(cst.FunctionDef) if d.name.value == func and ctx.enclosing(d, cst.FunctionDef,
+                                                                                              cst.ClassDef) is None]
+    if len(defs) != 1:
+        return False
+    returns = [r for r in ctx.within(defs[0], cst.Return, skip_defs=True) if r.value is not None]
+    return bool(returns) and all(is_batch_source(ctx, r.value, depth + 1) for r in returns)
 
 
 _PARAM = cst.Name("__param__")  # marks a parameter among a name's bindings
