@@ -103,7 +103,7 @@ _DONE = (  # (what, rule codes whose applied changes show it[, words their messa
     (WRITES_DONE, ("TM501", "TM504", "TM505", "TM601", "TM602")),
     ("metrics reduced across ranks", ("TM701", "TM703")),
     ("random configuration drawn once and shared by every rank", ("TM107",), "!drawn alike on every rank"),
-    ("orders drawn again each epoch, alike on every rank (tm.agreed): one order, which sharding cuts into disjoint shares",
+    ("orders and splits drawn alike on every rank (tm.agreed): one draw, which sharding cuts into disjoint shares",
      ("TM107",), "drawn alike on every rank"),
     ("the original's global batch kept: each rank loads batch_size / world_size (batch policy global)",
      ("TM305",), "per_rank_batch"),
