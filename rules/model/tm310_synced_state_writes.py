@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 import libcst as cst
 
 from torchmigrate import analysis
 from torchmigrate.finding import Safety, replace
 from torchmigrate.program.rank_guards import collective_guard
+from torchmigrate.program.types import is_batch_source
 from torchmigrate.rule import Example, Rule
 from torchmigrate.rules._active import active
 from torchmigrate.syntax.imports import dotted
@@ -25,8 +26,10 @@ class SyncedStateWrites(Rule):
     rows` (a per-sample target of a noisy-label loss, a memory bank of features, class centers),
     gets every rank's write on every rank: `state[tm.all_rows(index)] = tm.all_rows(rows)`. The
     state is a tensor the program makes once with a size it computes (`self.target =
-    torch.zeros(num_examp, num_classes)` in a loss's `__init__`, `bank = torch.randn(n, dim)`),
-    and the index a name (a batch's sample indices, its labels). Not under a rank guard.
+    torch.zeros(num_examp, num_classes)` in a loss's `__init__`, `bank = torch.randn(n, dim)`
+    before the loop over batches), and the index a name (a batch's sample indices, its labels),
+    not a loop's counter (`for i in range(k): buf[i] = ...`). A local the function makes and fills
+    in one call (a forward's scratch buffer) is no state. Not under a rank guard.
 
     ## Why is this bad?
     Once the training data is sharded, each rank sees only its part of every epoch, so it would
@@ -87,7 +90,8 @@ class SyncedStateWrites(Rule):
             target = assign.targets[0].target
             state = dotted(target.value)
             index = _index(target)
-            if state is None or index is None or not self._same_state(assign, state, states):
+            owner = self._owner(assign, state, states) if state is not None and index is not None else None
+            if owner is None or _loop_counter(ctx, assign, index) or not self._outlives_step(assign, state, owner):
                 continue
             if collective_guard(ctx, assign) is not None or ctx.enclosing(assign, cst.FunctionDef) is None:
                 continue
@@ -98,11 +102,11 @@ class SyncedStateWrites(Rule):
                                 f"(`{tm}.all_rows`)",
                         edits=[replace(assign, lambda a: _gathered(a, tm))], imports=[ctx.runtime_import()])
 
-    def _states(self) -> Dict[str, cst.CSTNode]:
+    def _states(self) -> Dict[str, List[cst.CSTNode]]:
         """Names (`x`, `self.x`) bound to a torch factory whose first size is not a literal,
-        with the class (for `self.`) or scope they belong to."""
+        with the classes (for `self.`) or scopes they belong to."""
         ctx = self.ctx
-        out: Dict[str, cst.CSTNode] = {}
+        out: Dict[str, List[cst.CSTNode]] = {}
         for assign in ctx.nodes(cst.Assign):
             if len(assign.targets) != 1:
                 continue
@@ -116,17 +120,63 @@ class SyncedStateWrites(Rule):
                 continue  # a fixed-size buffer, not one row per sample or class
             owner = ctx.enclosing(assign, cst.ClassDef) if name.startswith("self.") else ctx.scope_of(assign)
             if owner is not None:
-                out[name] = owner
+                out.setdefault(name, []).append(owner)
         return out
 
-    def _same_state(self, assign: cst.Assign, name: str, states: Dict[str, cst.CSTNode]) -> bool:
+    def _owner(self, assign: cst.Assign, name: str, states: Dict[str, List[cst.CSTNode]]) -> Optional[cst.CSTNode]:
+        """The class or scope whose state `name` the write at `assign` writes, if any."""
         ctx = self.ctx
-        owner = states.get(name)
-        if owner is None:
-            return False
-        if name.startswith("self."):
-            return ctx.enclosing(assign, cst.ClassDef) is owner
-        return ctx.scope_of(assign) is owner or (isinstance(owner, cst.Module) and name not in _local_names(ctx, assign))
+        for owner in states.get(name, ()):
+            if name.startswith("self."):
+                if ctx.enclosing(assign, cst.ClassDef) is owner:
+                    return owner
+            elif ctx.scope_of(assign) is owner or (isinstance(owner, cst.Module) and name not in _local_names(ctx, assign)):
+                return owner
+        return None
+
+
+    def _outlives_step(self, assign: cst.Assign, name: str, owner: cst.CSTNode) -> bool:
+        """The state lives longer than one step: an attribute or a module's global does; a local
+        of a function only where that function runs the steps itself, the write inside a loop
+        over batches or one that steps (`bank = torch.zeros(n, d)` before `for x, y, idx in
+        loader:`), not a scratch buffer a forward makes and fills on every call (`folded =
+        torch.zeros(k, b, d)` filled row by row)."""
+        if name.startswith("self.") or isinstance(owner, cst.Module):
+            return True
+        for loop in self.ctx.ancestors_until(assign, owner):
+            if isinstance(loop, cst.For) and is_batch_source(self.ctx, loop.iter) or isinstance(
+                    loop, (cst.For, cst.While)) and _steps(self.ctx, loop):
+                return True
+        return False
+
+
+def _steps(ctx, loop: cst.CSTNode) -> bool:
+    """The loop's body runs a training step: a `.backward()` or an `optimizer.step()`."""
+    for call in ctx.within(loop, cst.Call, skip_defs=True):
+        func = call.func
+        if isinstance(func, cst.Attribute) and (func.attr.value == "backward" or func.attr.value == "step"
+                                                and "optim" in (dotted(func.value) or "").lower()):
+            return True
+    return False
+
+
+def _loop_counter(ctx, assign: cst.Assign, index: cst.BaseExpression) -> bool:
+    """`state[i] = ...` with `i` a loop's counter (`for i in range(k)`, `for i, _ in
+    enumerate(...)`): a position the code walks, the same on every rank, not the batch's
+    sample indices; gathering an int is meaningless."""
+    if not isinstance(index, cst.Name):
+        return False
+    for loop in ctx.ancestors(assign):
+        if not isinstance(loop, cst.For) or not isinstance(loop.iter, cst.Call):
+            continue
+        func = dotted(loop.iter.func)
+        target = loop.target
+        if func == "range" and isinstance(target, cst.Name) and target.value == index.value:
+            return True
+        if func == "enumerate" and isinstance(target, (cst.Tuple, cst.List)) and target.elements \
+                and isinstance(target.elements[0].value, cst.Name) and target.elements[0].value.value == index.value:
+            return True
+    return False
 
 
 def _factory_call(ctx, value: cst.BaseExpression) -> Optional[cst.Call]:
