@@ -513,6 +513,27 @@ def trains_itself(ctx: Context, loop: cst.CSTNode) -> bool:
     return loop in training_loops(ctx)
 
 
+def _followed_names(node: cst.CSTNode) -> List[str]:
+    """`_names_in`, where an attribute of the instance is named whole (`self.log_alpha`, not
+    `self`): `Adam([self.log_alpha])` is over that tensor, not over every attribute the method
+    assigns (`self.policy = Net()` beside it)."""
+    out: List[str] = []
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        text = dotted(n) if isinstance(n, cst.Attribute) else None
+        if text is not None and text.split(".", 1)[0] in ("self", "cls"):
+            found = [text]
+        elif isinstance(n, (cst.Name, cst.Attribute)):
+            found = _names_in(n)
+        else:
+            if not isinstance(n, cst.Lambda):
+                stack.extend(reversed(n.children))
+            continue
+        out.extend(f for f in found if f not in out)
+    return out
+
+
 def _names_in(node: cst.CSTNode) -> List[str]:
     """Plain names read in an expression (not attribute names, not inside lambdas)."""
     out: List[str] = []
@@ -564,7 +585,7 @@ def _followed_owners(ctx: Context, call: cst.Call, params: cst.BaseExpression) -
     p.requires_grad]`, `groups = [{"params": decay}, ...]` with `decay.append(p)` (or `params +=
     [{"params": [p]}]`) in a `for n, p in model.named_parameters()` loop, all in the same scope
     (followed a few names deep)."""
-    names = set(_names_in(params))
+    names = set(_followed_names(params))
     if not names:
         return []
     scope = ctx.scope_of(call)
@@ -581,10 +602,10 @@ def _followed_owners(ctx: Context, call: cst.Call, params: cst.BaseExpression) -
         for assign in facts(ctx).assigns:
             if assign in seen or ctx.scope_of(assign) is not scope:
                 continue
-            if any(n in names for t in assign.targets for n in _names_in(t.target)):
+            if any(n in names for t in assign.targets for n in _followed_names(t.target)):
                 seen.add(assign)
                 add(container_owners(ctx, assign.value) or _param_method_owners(ctx, assign.value))
-                new_names.update(_names_in(assign.value))
+                new_names.update(_followed_names(assign.value))
         for aug in ctx.nodes(cst.AugAssign):  # `params += list(net.parameters())` in a loop
             if aug not in seen and isinstance(aug.target, cst.Name) and aug.target.value in names \
                     and ctx.scope_of(aug) is scope:
@@ -597,7 +618,7 @@ def _followed_owners(ctx: Context, call: cst.Call, params: cst.BaseExpression) -
             func = other.func
             if (other not in seen and isinstance(func, cst.Attribute)
                     and func.attr.value in ("append", "extend", "add", "update", "insert")
-                    and names.intersection(_names_in(func.value)) and ctx.scope_of(other) is scope):
+                    and names.intersection(_followed_names(func.value)) and ctx.scope_of(other) is scope):
                 seen.add(other)
                 add(container_owners(ctx, other))
                 loop = ctx.enclosing(other, cst.For, cst.FunctionDef)
