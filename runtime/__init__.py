@@ -3001,31 +3001,55 @@ def agreed(draw, *args, **kwargs):
     on every rank, for a reordering that a hand-made batch iterator makes before it is read
     (``tm.agreed(train_loader.shuffle)`` before ``tm.shard_batches(train_loader.get_iterator())``):
     every rank makes the same permutation, so the every-W-th batches the ranks keep are disjoint.
-    Before the ranks' streams part (no ``seed_per_rank`` yet, and the program's generators alike on
-    every rank, as ``setup()`` leaves them), the draw comes from the program's own generators: the
-    same numbers as in one process (a split drawn once under ``random.seed(args.seed)``). Otherwise
+    Where the generators the draw uses are alike on every rank (before ``seed_per_rank``, as
+    ``setup()`` leaves them, or seeded again by the program after it: ``random.seed(seed)`` just
+    before ``random.shuffle``), the draw comes from the program's own generators: the same numbers
+    as in one process (a split drawn under ``random.seed(args.seed)``). Otherwise
     each call draws anew (rank 0's ``torch.initial_seed()``, shared once, plus a call count, so it
     is new each epoch and fixed when the program seeds torch); the program's own generators
     are put back after, untouched. 1 process: ``draw(*args, **kwargs)`` itself. A collective on
     its first call: call it on every rank."""
     if world_size() <= 1 or _in_worker_process():  # (a data-loader worker is no rank: its own draw)
         return draw(*args, **kwargs)
-    if not _PER_RANK_STREAMS and _own_streams_agree():
-        # before the streams part (a split drawn once before training, with `random.seed(args.seed)`):
-        # the program's own streams are alike on every rank, and drawing from them gives the very
-        # numbers `python train.py` draws
+    if _own_streams_agree(_streams_of(draw)):
+        # the generators the draw uses are alike on every rank (a split drawn once before training
+        # under `random.seed(args.seed)`, or seeded again just before it after the streams
+        # parted): drawing from them gives the very numbers `python train.py` draws
         return draw(*args, **kwargs)
     _PASSES["agreed"] += 1
     with _Streams(_shared_seed() + 1_000_003 * _PASSES["agreed"]):
         return draw(*args, **kwargs)
 
 
-def _own_streams_agree() -> bool:
-    """The program's own generators (Python's, numpy's if loaded, torch's CPU one) are in the same
-    state on every rank: their digests compared across ranks (`_differ_across_ranks`, collectives)."""
+_STREAMS = ("random", "numpy", "torch")
+
+
+def _streams_of(draw) -> tuple:
+    """The global generators ``draw`` uses where it says: ``random.shuffle`` (a method of
+    Python's global generator) Python's, ``np.random.permutation`` numpy's, ``torch.randperm``
+    torch's; anything else (a project's ``loader.shuffle``) may use any of them."""
+    owner = getattr(draw, "__self__", None)
     numpy = sys.modules.get("numpy")
-    digest = hashlib.sha1(pickle.dumps((random.getstate(), numpy.random.get_state() if numpy is not None else None)))
-    digest.update(torch.get_rng_state().numpy().tobytes())
+    if owner is not None and owner is getattr(random, "_inst", None):
+        return ("random",)
+    if numpy is not None and owner is not None and owner is getattr(numpy.random.mtrand, "_rand", None):
+        return ("numpy",)
+    if owner is None and getattr(draw, "__module__", None) == "torch":
+        return ("torch",)
+    return _STREAMS
+
+
+def _own_streams_agree(streams: tuple = _STREAMS) -> bool:
+    """The program's own generators among ``streams`` (Python's, numpy's if loaded, torch's CPU
+    one) are in the same state on every rank: their digests compared across ranks
+    (`_differ_across_ranks`, collectives). After ``seed_per_rank`` they differ, unless the
+    program seeded them again."""
+    numpy = sys.modules.get("numpy")
+    states = (random.getstate() if "random" in streams else None,
+              numpy.random.get_state() if numpy is not None and "numpy" in streams else None)
+    digest = hashlib.sha1(pickle.dumps(states))
+    if "torch" in streams:
+        digest.update(torch.get_rng_state().numpy().tobytes())
     mine = float(int(digest.hexdigest()[:12], 16))  # 48 bits: exact in a float64
     return not _differ_across_ranks([torch.tensor([mine], dtype=torch.float64)])
 

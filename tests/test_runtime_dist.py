@@ -198,6 +198,7 @@ def test_shard_stream_and_any_rank(collectives):
     assert r0["same_draws_loader"] == [True, 2, 2, "DataLoader", True]
     assert sorted(r0["agreed"][0]) == list(range(10)) and r0["agreed_kept_own"] and r1["agreed_kept_own"]
     assert r0["agreed_own"] == r1["agreed_own"] == r0["agreed_own_expected"]  # as `python train.py` draws
+    assert r0["agreed_reseeded"] == r1["agreed_reseeded"] == r0["agreed_reseeded_expected"]  # seeded again
     assert r0["placed"] == r1["placed"] == "rank 0" and r0["temps_left"] == r1["temps_left"] == []
 
 

@@ -247,6 +247,16 @@ def main(outdir):
     np.random.seed(7)
     res["agreed_own_expected"] = np.random.permutation(10).tolist()
     tm._PER_RANK_STREAMS = parted
+    # after the streams parted (torch's and numpy's per rank), Python's seeded again just before a
+    # split (a Trainer built a second time): that generator agrees, so the program's own draw
+    torch.manual_seed(100 + r), np.random.seed(100 + r), random.seed(11)
+    nodes = list(range(10))
+    tm.agreed(random.shuffle, nodes)
+    res["agreed_reseeded"] = nodes
+    random.seed(11)
+    expected = list(range(10))
+    random.shuffle(expected)
+    res["agreed_reseeded_expected"] = expected
     random.setstate(kept[0]), np.random.set_state(kept[1]), torch.set_rng_state(kept[2])
     # gather_list: predictions of a sharded loop gathered in rank order; of a whole loader, kept
     whole_ds = TensorDataset(torch.arange(6.0))
