@@ -621,8 +621,7 @@ def wrap_model(model: nn.Module, *, find_unused_parameters: bool = False, sync_b
         **ddp_kwargs)
     _ready(ddp)
     _DDP_WRAPPERS.append(weakref.ref(ddp))  # cleanup() releases it before destroying the group
-    if len(ddp._tm_params) < sum(1 for _ in model.parameters()):
-        _watch_steps()  # frozen parameters: see `_unfrozen`
+    _watch_steps()  # frozen parameters (`_unfrozen`), parameters trained beside it (`_average_stray`)
     if loss_reduction == "sum" and isinstance(ddp, _DDP):
         ddp._tm_op = "sum"
         ddp.register_comm_hook(None, _sum_hook)
@@ -1117,7 +1116,12 @@ def _before_step(optimizer, _args, _kwargs) -> None:
     of the model). Each rank would apply its own gradients and the models drift apart. They are
     averaged across ranks first (every rank takes this step), and rank 0 says so once."""
     mine = {id(p) for g in optimizer.param_groups for p in g["params"]}
-    for ddp in _live_wrappers():
+    wrappers = _live_wrappers()
+    if not wrappers:
+        return
+    _average_stray(optimizer, mine, wrappers)
+    optimizer.__dict__.pop("_tm_stray_synced", None)  # the next step's gradients are new
+    for ddp in wrappers:
         late = _unfrozen(ddp, mine)
         if late:
             _average_grads(late, op=ddp._tm_op)
@@ -1136,6 +1140,55 @@ def _before_step(optimizer, _args, _kwargs) -> None:
 
 _STEP_WARNED: list = []
 _UNFROZEN_WARNED: list = []
+_STRAY_WARNED: list = []
+
+
+def _stray_params(optimizer, mine: set, wrappers: list) -> list:
+    """Parameters this optimizer steps together with a wrapped model's that belong to no wrapper:
+    a loss module's own parameters (proxies, class centres, a learnable temperature) built by a
+    helper and added to the model's optimizer, which DDP never saw. Kept per optimizer until its
+    parameter groups or the wrappers change. An optimizer of such parameters alone (a SAC
+    temperature, a per-task copy adapted on each rank) is left to the program."""
+    key = (len(wrappers), len(mine))
+    kept = optimizer.__dict__.get("_tm_stray")
+    if kept is not None and kept[0] == key:
+        return kept[1]
+    owned = {id(p) for ddp in wrappers for p in ddp.module.parameters()}
+    stray = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in owned] if owned & mine else []
+    optimizer.__dict__["_tm_stray"] = (key, stray)
+    return stray
+
+
+def _average_stray(optimizer, mine: set | None = None, wrappers: list | None = None) -> None:
+    """Average the gradients of the optimizer's stray parameters (`_stray_params`) across ranks,
+    once per step (a GradScaler does it before its inf check, so every rank sees the same
+    overflow and skips the same steps): each rank computed them from its own shard, and left
+    alone each rank's copy would drift apart while the model's stay equal. Rank 0's values are
+    taken first where they differ (made after the ranks' streams parted). Every rank steps a
+    wrapped model's optimizer together, so this collective is met on every rank."""
+    if optimizer.__dict__.get("_tm_stray_synced"):
+        return
+    wrappers = _live_wrappers() if wrappers is None else wrappers
+    if not wrappers:
+        return
+    mine = {id(p) for g in optimizer.param_groups for p in g["params"]} if mine is None else mine
+    stray = [p for p in _stray_params(optimizer, mine, wrappers) if p.requires_grad]
+    if not stray:
+        return
+    optimizer.__dict__["_tm_stray_synced"] = True
+    if not optimizer.__dict__.get("_tm_stray_seen"):
+        optimizer.__dict__["_tm_stray_seen"] = True
+        if _differ_across_ranks([p.detach() for p in stray]):
+            with torch.no_grad():
+                _broadcast_tensors([p.data for p in stray])
+        if is_main() and not _STRAY_WARNED:
+            _STRAY_WARNED.append(True)
+            shapes = ", ".join(str(tuple(p.shape)) for p in stray[:4]) + (", ..." if len(stray) > 4 else "")
+            _warn(f"{len(stray)} parameter(s) stepped by {type(optimizer).__name__} together with a wrapped model's "
+                  f"belong to no DDP wrapper (a loss module's own parameters? shapes {shapes}): their gradients are "
+                  "averaged across ranks before each step (wrap the module that holds them with tm.wrap_model to let "
+                  "DDP overlap that work)")
+    _average_grads(stray, op=wrappers[0]._tm_op)
 
 
 def _unfrozen(ddp, stepped: set) -> list:
@@ -2428,10 +2481,17 @@ class _Scaler(torch.amp.GradScaler):
         optimizer = self._view(optimizer)
         if self.is_enabled() and not any(p.grad is not None for g in optimizer.param_groups for p in g["params"]):
             return None
+        if self.is_enabled() and is_distributed():
+            _average_stray(optimizer)  # before the inf check: every rank skips the same steps
+            self.__dict__.setdefault("_tm_averaged", []).append(optimizer)
         return super().step(optimizer, *args, **kwargs)
 
     def unscale_(self, optimizer):
-        return super().unscale_(self._view(optimizer))
+        optimizer = self._view(optimizer)
+        if self.is_enabled() and is_distributed():
+            _average_stray(optimizer)
+            self.__dict__.setdefault("_tm_averaged", []).append(optimizer)
+        return super().unscale_(optimizer)
 
     def _view(self, optimizer):
         """A project's optimizer wrapper (`TransformerOptimizer(Adam(...))`: a `step()` that sets
@@ -2451,6 +2511,8 @@ class _Scaler(torch.amp.GradScaler):
         return views[id(optimizer)][1]
 
     def update(self, new_scale=None):
+        for optimizer in self.__dict__.pop("_tm_averaged", ()):  # a step skipped on an overflow keeps its mark
+            optimizer.__dict__.pop("_tm_stray_synced", None)
         if self.is_enabled() and new_scale is None and self._scale is not None and not any(
                 state["found_inf_per_device"] for state in self._per_optimizer_states.values()):
             from torch.amp.grad_scaler import _refresh_per_optimizer_state

@@ -157,6 +157,14 @@ def test_bar_stream_counts_on_every_rank_and_draws_on_the_main_one(collectives):
     assert (r0["bar_stream"], r1["bar_stream"]) == ("default", "null")
 
 
+def test_parameters_stepped_beside_a_wrapped_model_are_averaged(collectives):
+    """A loss module's parameter in the wrapped model's optimizer stays equal on every rank;
+    one with an optimizer of its own is the program's to keep per rank."""
+    r0, r1 = collectives["r"]
+    assert r0["stray_proxy"] == pytest.approx(r1["stray_proxy"])
+    assert r0["stray_alone"] != r1["stray_alone"]
+
+
 def test_share_params_and_sync_grads_do_what_ddp_does(collectives):
     r0, r1 = collectives["r"]
     assert r0["shared_params"] == r1["shared_params"]

@@ -437,6 +437,20 @@ def main(outdir):
         nn.functional.mse_loss(model(x), y).backward()
         opt.step()
     res["params_after"] = flat(model.parameters())
+    # a loss module's own parameter (a proxy) stepped by the model's optimizer: no wrapper holds it,
+    # its gradient averaged before each step (and rank 0's value taken first: each rank drew its own);
+    # a parameter with an optimizer of its own (a SAC temperature, a per-task copy): left per rank
+    proxy = nn.Parameter(torch.randn(1, 4).to(dev))
+    alone = nn.Parameter(torch.zeros(1).to(dev))
+    embed = tm.wrap_model(nn.Linear(4, 1).to(dev))
+    both = torch.optim.SGD([{"params": embed.parameters()}, {"params": [proxy]}], lr=0.1)
+    solo = torch.optim.SGD([alone], lr=0.1)
+    for _ in range(2):
+        both.zero_grad(), solo.zero_grad()
+        (nn.functional.mse_loss(embed(x), y) + (proxy * x).sum().pow(2) * 1e-3 + (alone - y.mean()) ** 2).backward()
+        both.step(), solo.step()
+    res["stray_proxy"] = flat([proxy])
+    res["stray_alone"] = flat([alone])
 
     # no_sync: local grads inside, all-reduced accumulated grads after a synced backward
     opt.zero_grad()
