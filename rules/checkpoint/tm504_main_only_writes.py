@@ -579,11 +579,14 @@ class MainOnlyWrites(Rule):
     def _helper_reread(self, call: cst.Call) -> None:
         """`write_results(results, path)` (the program's own code, in any module, that writes
         files and guards them on the main process: see the effects) followed by every rank
-        reading `path`: the same wait as for a write of this file."""
+        reading `path`: the same wait as for a write of this file. Also where the helper runs
+        on every rank and guards only its write (`extract(path, net, loader)`: a forward over
+        the model, then `savemat(path, ...)` on the main process), read back by another helper
+        (`score(path)`)."""
         ctx = self.ctx
         kinds = call_kinds(ctx, call)
         line = ctx.statement_of(call)
-        if not kinds or effects.WRITE not in kinds or kinds & _EVERY_RANK or under_rank_guard(ctx, call) \
+        if not kinds or effects.WRITE not in kinds or under_rank_guard(ctx, call) \
                 or not isinstance(line, cst.SimpleStatementLine) or not in_body(ctx, line) \
                 or plan(ctx).orders(ctx, call):
             return
