@@ -2816,8 +2816,10 @@ def broadcast_object(value, src: int = 0):
     values drawn at random that every rank must agree on: a learning rate or epoch count picked
     at random, a shuffled file list or a permutation that splits train from validation. Sets up
     the process group first if the program has not yet (the draw may come before the code that
-    does). Tensors come back on the device they were on. A collective: call it on every rank."""
-    if world_size() <= 1 or (not _pg() and _in_worker_process()):
+    does). Tensors come back on the device they were on. Inside ``on_main`` (a helper the main
+    process runs alone) it is ``value``: the others are not there to receive. A collective: call
+    it on every rank."""
+    if world_size() <= 1 or _ON_MAIN[0] or (not _pg() and _in_worker_process()):
         return value
     if not _pg():
         setup()

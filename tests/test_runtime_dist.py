@@ -229,7 +229,7 @@ def test_on_main_picks_once_for_every_rank(collectives):
     """A helper that probes for a free folder runs on the main process alone: every rank gets
     `run-01`, then `run-02` and `run-03` from a helper that calls it twice (nested calls run in
     place), and no other folder is made; an error on the main process is raised on every rank; a
-    result that does not pickle is made by each rank for itself."""
+    result that does not pickle is made by each rank for itself; a broadcast inside is in place."""
     r0, r1 = collectives["r"]
     runs = str(collectives["outdir"] / "runs")
     picks = [os.path.join(runs, f"run-0{k}") for k in (1, 2, 3)]
@@ -237,6 +237,7 @@ def test_on_main_picks_once_for_every_rank(collectives):
     assert r0["on_main_folders"] == r1["on_main_folders"] == ["run-01", "run-02", "run-03"]
     assert r0["on_main_error"] == r1["on_main_error"] == "KeyError('missing')"
     assert r0["on_main_local"] == r1["on_main_local"] == [1, False]
+    assert r0["on_main_broadcast"] == r1["on_main_broadcast"] == "from rank 0"  # no collective inside
     assert r0["worker_draws"] == r1["worker_draws"] == 2  # in a data-loader worker: run in place
 
 

@@ -15,6 +15,7 @@ from torchmigrate.program.batches import batch_facts
 from torchmigrate.program.metrics import is_load
 from torchmigrate.program.effects import CLOCK, EXISTS_TESTS, MKDIR, NUMPY, OUTPUT, PROBE, READ, RANDOM, WRITE
 from torchmigrate.program.rank_guards import collective_guard
+from torchmigrate.program.syntax import next_statement
 from torchmigrate.program.writes import call_kinds
 from torchmigrate.rules._active import active
 from torchmigrate.rules.launch.base import SEEDERS, per_sample
@@ -70,13 +71,17 @@ class AgreedDraws(Rule):
       testing in a loop which paths exist (and may make the folder it finds), becomes
       `save_dir = tm.on_main(util.get_save_dir, base, name)`: the main process picks, every
       rank gets its pick (run on every rank, the first rank makes `name-01` and the next finds
-      it taken and makes `name-02`).
+      it taken and makes `name-02`). The same search written inline (`while
+      os.path.exists(folder): folder = f"{base}_{n}"; n += 1`) is followed by `folder =
+      tm.broadcast_object(folder)`: every rank takes rank 0's pick.
     - `random_split(dataset, lengths)` without a generator gets
       `generator=tm.shared_generator()`, seeded alike on every rank.
     - `run_id = datetime.now().strftime("%m%d_%H%M%S")` (a read of the clock, a process id or
       a uuid that the program turns into a name: formatted, or part of a path), in any module of
       the program, becomes `run_id = tm.broadcast_object(datetime.now().strftime(...))`: every
-      rank names the same run folder. Reads of the clock for timing are left alone.
+      rank names the same run folder. Also where the name is built in steps (`date =
+      datetime.now()`, `stamp = "{}-{}".format(date.hour, date.minute)`, `folder = root + stamp`).
+      Reads of the clock for timing are left alone.
     - `answer = input("dataset? ")`, in any module (also at import time), becomes
       `tm.input("dataset? ")`: the main process asks, every rank gets its answer (under
       torchrun every rank reads the same stdin, and they would compete for its lines).
@@ -129,6 +134,8 @@ class AgreedDraws(Rule):
         if not active(ctx) or not analysis.facts(ctx).calls:
             return
         done: Set[cst.CSTNode] = set()
+        if ctx.options.migrating:
+            self._probe_loops()
         made_agreed = agreed_draws(ctx)
         for call in made_agreed:
             self._agree(call)
@@ -276,8 +283,7 @@ class AgreedDraws(Rule):
             return
         target = dotted(assign.targets[0].target)
         always_a_name = (self.ctx.resolve(read.func) or "") in _IDENTIFIERS
-        if target is None or not (always_a_name or self._names(assign.value)
-                                  or any(self._names_use(u) for u in self._uses_after(assign, target))):
+        if target is None or not (always_a_name or self._names(assign.value) or self._flows_to_name(assign, target)):
             return
         func = ctx.enclosing(assign, cst.FunctionDef)
         if func is not None and (self._per_sample(func) or (ctx.program.is_entry and not self._called_in_step(func))):
@@ -346,6 +352,70 @@ class AgreedDraws(Rule):
             if isinstance(op.operator, (cst.Modulo, cst.Add)) and isinstance(op.left, (cst.SimpleString, cst.FormattedString)):
                 return True
         return False
+
+    def _flows_to_name(self, assign: cst.Assign, target: str, depth: int = 0) -> bool:
+        """A read of `target` names something, directly (`_names_use`) or through names built
+        from it in the same scope: `date = datetime.now()`, `stamp = "{}-{}".format(date.hour,
+        date.minute)`, `folder = root + "/run_" + stamp`, `os.makedirs(folder)`."""
+        for use in self._uses_after(assign, target):
+            if self._names_use(use):
+                return True
+            if depth >= 3:
+                continue
+            statement = self.ctx.statement_of(use)
+            inner = statement.body[0] if isinstance(statement, cst.SimpleStatementLine) and len(statement.body) == 1 \
+                else None
+            if isinstance(inner, cst.Assign) and len(inner.targets) == 1 and _inside(self.ctx, use, inner.value) \
+                    and self._builds_text(inner.value):
+                name = dotted(inner.targets[0].target)
+                if name is not None and name != target and self._flows_to_name(inner, name, depth + 1):
+                    return True
+        return False
+
+    def _builds_text(self, value: cst.BaseExpression) -> bool:
+        """`value` builds a string: formatting (`_names`) or a concatenation with a literal
+        (`root + "/run_" + stamp`)."""
+        if self._names(value) or isinstance(value, (cst.SimpleString, cst.ConcatenatedString)):
+            return True
+        return any(isinstance(op.operator, cst.Add) and (isinstance(op.left, (cst.SimpleString, cst.FormattedString))
+                                                         or isinstance(op.right, (cst.SimpleString, cst.FormattedString)))
+                   for op in self.ctx.within(value, cst.BinaryOperation))
+
+    def _probe_loops(self) -> None:
+        """`while os.path.exists(folder): folder = base + "_" + str(counter); counter += 1`
+        written inline (not in a helper of its own, `_on_main`): every rank probes on its own,
+        and a rank that probes after the main process made its folder picks the next name, so
+        its run writes elsewhere (or the main process's does). After the loop, every rank takes
+        rank 0's pick: `folder = tm.broadcast_object(folder)`. Only where every rank runs the
+        loop in step (not per sample, not in a loop, not under a rank guard)."""
+        ctx = self.ctx
+        for loop in ctx.nodes(cst.While):
+            test = loop.test
+            while isinstance(test, cst.BooleanOperation):  # `while exists(p) and n < 100:`
+                test = test.left
+            if not isinstance(test, cst.Call):
+                continue
+            if ctx.resolve(test.func) in _EXISTS and test.args:
+                probed = dotted(test.args[0].value)
+            elif isinstance(test.func, cst.Attribute) and test.func.attr.value in ("exists", "is_dir") and not test.args:
+                probed = dotted(test.func.value)
+            else:
+                continue
+            if probed is None or not any(dotted(t.target) == probed for a in ctx.within(loop.body, cst.Assign)
+                                         for t in a.targets):
+                continue  # a wait for a file another process makes, not a search for a free name
+            after = next_statement(ctx, loop)
+            if after is not None and "broadcast_object" in ctx.module.code_for_node(after):
+                continue  # shared already
+            func = ctx.enclosing(loop, cst.FunctionDef)
+            if self._loops_between(loop) or (func is not None and self._per_sample(func)) \
+                    or collective_guard(ctx, loop) is not None or self._in_file_write(loop):
+                continue
+            self.report(loop, f"every rank probes for a free name here on its own: a rank that tests after the main "
+                              f"process has made `{probed}` picks another one. Every rank takes rank 0's pick",
+                        edits=[insert_after(loop, [cst.parse_statement(
+                            f"{probed} = {ctx.tm}.broadcast_object({probed})")])],
+                        imports=[ctx.runtime_import()])
 
     def _names_use(self, use: cst.CSTNode) -> bool:
         """A read of the value in a path: `os.path.join(root, run_id)`, `Path(root) / run_id`,

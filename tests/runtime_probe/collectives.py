@@ -308,6 +308,8 @@ def main(outdir):
 
     runs = os.path.join(outdir, "runs")
     res["on_main"] = [tm.on_main(free_folder, runs), tm.on_main(outer, runs)]
+    # a pick the helper shares itself (`tm.broadcast_object` after an inline probe loop): in place
+    res["on_main_broadcast"] = tm.on_main(lambda: tm.broadcast_object(f"from rank {tm.rank()}"))
     try:
         tm.on_main(lambda: {}["missing"])
     except KeyError as exc:
