@@ -99,6 +99,26 @@ class AccumNoSync(AmpRule):
                 self.report(node_, message)
 
 
+def _called_instances(ctx: Context, statements) -> List[str]:
+    """Names called like a model in the forward (`model(x)`, `self.net(x)`) that are neither a
+    library's function nor a function or class of the program: where no model of this module is
+    known (one built and wrapped by another module's `build(args)`), the model the window's
+    backward runs through."""
+    f = analysis.facts(ctx)
+    out: List[str] = []
+    for s in statements:
+        for c in calls_in(ctx, s):
+            func = c.func
+            name = dotted(func)
+            if name is None or ctx.resolve(func) is not None or name in f.functions or name in f.classes:
+                continue
+            if isinstance(func, cst.Attribute) and dotted(func.value) != "self":
+                continue  # a method (`loss.backward()`, `x.view(...)`)
+            if name not in out:
+                out.append(name)
+    return out
+
+
 def accumulation(ctx: Context, p: Plan) -> List[tuple]:
     """(kind, ...) items for TM404: ("fix", first, last, model, condition, site) or
     ("manual", node, message)."""
@@ -167,6 +187,8 @@ def accumulation(ctx: Context, p: Plan) -> List[tuple]:
                 d = dotted(c.func)
                 if d and d in models and d not in region_models:
                     region_models.append(d)
+        if not models and not region_models:
+            region_models = _called_instances(ctx, body[body.index(first): index + 1])
         if len(region_models) == 1:
             model = region_models[0]
         elif not region_models and len(models) == 1:
