@@ -29,7 +29,7 @@ from torchmigrate.program.devices import names_device
 from torchmigrate.program.generators import endless_generators
 from torchmigrate.program.graph import Graph
 from torchmigrate.program.search_path import dotted_name
-from torchmigrate.program.summing_modules import summing_forward
+from torchmigrate.program.summing_modules import WHOLE, summing_outputs
 from torchmigrate.program.view import ModuleView
 from torchmigrate.program.astwalk import walk
 
@@ -475,7 +475,9 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
     loader_params = _loader_params(modules, scopes)
     flags = _flag_args(modules, scopes)
     factories = _loader_factories(modules, flags)
-    summing = {(p, name) for p, m in modules.items() for name, c in m.classes.items() if summing_forward(c)}
+    outputs = {(p, name): summing_outputs(c) for p, m in modules.items() for name, c in m.classes.items()}
+    summing = {key for key, found in outputs.items() if WHOLE in found}
+    summing_parts = {key: found for key, found in outputs.items() if found and WHOLE not in found}
     endless = frozenset().union(*(endless_generators(m.tree) for m in modules.values()))
     loader_classes = {(p, name) for p, m in modules.items() for name, c in m.classes.items() if _loader_subclass(c)}
     # DataLoader subclasses whose calls cannot take a `sampler=` (their __init__ builds the
@@ -538,6 +540,8 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
                        for (mp, q), params in flags.items() if mp == path},
             endless_generators=endless,
             summing_modules=frozenset(_spellings(m, modules, summing)),
+            summing_parts={spelled: found for key, found in summing_parts.items()
+                           for spelled in _spellings(m, modules, {key})},
             instance_attrs={spelled: frozenset(a) for key, a in instance_attrs.items()
                             for spelled in _spellings(m, modules, {key})},
             self_trained=frozenset(_spellings(m, modules, self_trained)),

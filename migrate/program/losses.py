@@ -58,7 +58,9 @@ def summed_loss(ctx: Context, node: cst.BaseExpression, depth: int = 0) -> bool:
         return False
     if isinstance(node, cst.Name):
         value = _last_value(ctx, node)
-        return value is not None and summed_loss(ctx, value, depth + 1)
+        if value is None:
+            return _summed_part(ctx, node)
+        return summed_loss(ctx, value, depth + 1)
     if isinstance(node, cst.Call):
         return _summing_call(ctx, node, depth)
     return False
@@ -115,13 +117,34 @@ def _criterion(ctx: Context, name: str) -> Optional[cst.Call]:
     return built[0]
 
 
-def _summing_instance(ctx: Context, name: str) -> bool:
-    """Every assignment of `name` in this file builds one of the program's modules whose forward
-    returns a loss summed over the batch (`diffusion = GaussianDiffusion(model).to(device)`,
-    `ModuleView.summing_modules`)."""
-    classes = ctx.program.summing_modules
-    if not classes:
+def _summed_part(ctx: Context, name: cst.Name) -> bool:
+    """`name` was last bound by unpacking the output of one of the program's modules whose
+    forward returns a tuple with a summed loss at its position (`kld, nll, _, _ = model(x)`,
+    `ModuleView.summing_parts`)."""
+    parts = ctx.program.summing_parts
+    scope = ctx.enclosing(name, cst.FunctionDef)
+    if not parts or scope is None:
         return False
+    where = ctx.position(name) or 0
+    best, best_at = None, -1
+    for assign in ctx.within(scope, cst.Assign, skip_defs=True):
+        at = ctx.position(assign) or 0
+        target = assign.targets[0].target if len(assign.targets) == 1 else None
+        if best_at < at < where and isinstance(target, (cst.Tuple, cst.List)) \
+                and not any(isinstance(e, cst.StarredElement) for e in target.elements):
+            index = next((i for i, e in enumerate(target.elements)
+                          if isinstance(e.value, cst.Name) and e.value.value == name.value), None)
+            if index is not None:
+                best, best_at = (assign.value, index), at
+    if best is None or not isinstance(best[0], cst.Call):
+        return False
+    callee = dotted(best[0].func)
+    return callee is not None and any(best[1] in parts[c] for c in _built_by(ctx, callee, set(parts)))
+
+
+def _built_by(ctx: Context, name: str, classes) -> List[str]:
+    """The classes among `classes` that every assignment of `name` in this file builds (moved
+    or not: `model = VRNN(...).to(device)`), or none where one assignment builds another."""
     built = []
     for assign in ctx.nodes(cst.Assign):
         if any(dotted(t.target) == name for t in assign.targets):
@@ -129,8 +152,18 @@ def _summing_instance(ctx: Context, name: str) -> bool:
             while isinstance(value, cst.Call) and isinstance(value.func, cst.Attribute) \
                     and value.func.attr.value in ("to", "cuda", "cpu", "train"):
                 value = value.func.value
-            built.append(isinstance(value, cst.Call) and dotted(value.func) in classes)
-    return bool(built) and all(built)
+            if dotted(value) == name:
+                continue  # `model = model.to(device)`: the same module, moved
+            built.append(dotted(value.func) if isinstance(value, cst.Call) else None)
+    return [built[0]] if built and built[0] in classes and len(set(built)) == 1 else []
+
+
+def _summing_instance(ctx: Context, name: str) -> bool:
+    """Every assignment of `name` in this file builds one of the program's modules whose forward
+    returns a loss summed over the batch (`diffusion = GaussianDiffusion(model).to(device)`,
+    `ModuleView.summing_modules`)."""
+    classes = ctx.program.summing_modules
+    return bool(classes) and bool(_built_by(ctx, name, classes))
 
 
 def _own_function(ctx: Context, func: cst.BaseExpression) -> Optional[cst.FunctionDef]:

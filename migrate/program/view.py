@@ -36,6 +36,9 @@ class ModuleView:
     # the program's modules (as this module spells them) whose forward returns a loss summed
     # over the batch (`program.summing_modules`)
     summing_modules: FrozenSet[str] = frozenset()
+    # the program's modules (as spelled here) whose forward returns a tuple with losses summed
+    # over the batch at these positions (`kld, nll, stats = vrnn(x)`)
+    summing_parts: Dict[str, FrozenSet[int]] = field(default_factory=dict)
     # the program's classes (as this module spells them) -> `self.` attributes their instances
     # hold wrapped (`program.facts._instance_attrs`): `trainer.model` of `trainer = Trainer(cfg)`
     instance_attrs: Dict[str, FrozenSet[str]] = field(default_factory=dict)

@@ -21,7 +21,7 @@ from torchmigrate.program.ranks import rank_polarity
 from torchmigrate.program.syntax import ranged_loop
 from torchmigrate.rules._active import active
 from torchmigrate.rules.launch.base import ends_process
-from torchmigrate.rules.metrics.plan import ranks_mean
+from torchmigrate.rules.metrics.plan import ranks_value
 
 _LOOP_EXITS = (cst.Continue, cst.Break, cst.Return, cst.Raise)
 
@@ -166,7 +166,7 @@ class RankSkips(Rule):
             self.report(call, f"`{code(call)}`: each rank's metric can differ (a shard, a model that samples), and a "
                               "plateau scheduler given different metrics sets different learning rates: step it with "
                               "the ranks' mean",
-                        edits=[ranks_mean(ctx, value)],
+                        edits=[ranks_value(ctx, value)],
                         imports=[ctx.runtime_import()])
 
     def _loop_of(self, node: cst.CSTNode):

@@ -28,6 +28,7 @@ from torchmigrate.program import splits
 from torchmigrate.program.loaders import DIST_SAMPLERS, bind_params, conditional_sampler, loaders, refs_at
 from torchmigrate.program.metrics import (ExactDenominators, leaves_early, loader_expr, means_only, reassigned_in,
                                           starts_empty_list)
+from torchmigrate.program.losses import summed_loss
 from torchmigrate.program.syntax import local_callee
 from torchmigrate.rule import Context
 from torchmigrate.rules.data.plan import data_plan
@@ -240,10 +241,11 @@ def gathered_for_mean(ctx: Context, loop: cst.For, name: str) -> bool:
         and not leaves_early(ctx, loop) and loop_sharding(ctx, loop) != "whole"
 
 
-def ranks_mean(ctx: Context, node: cst.BaseExpression) -> Edit:
-    """The edit that makes `node` the ranks' mean, `tm.all_reduce(<node>, op="mean")` (its outer
-    parentheses dropped; inside an f-string the other quote, which before Python 3.12 its
-    expressions cannot reuse). A collective: for values every rank computes at that point."""
+def ranks_value(ctx: Context, node: cst.BaseExpression) -> Edit:
+    """The edit that makes `node` the ranks' mean, `tm.all_reduce(<node>, op="mean")`, or their
+    sum where it is a loss summed over each rank's share of the original batch (`_summed_share`)
+    (its outer parentheses dropped; inside an f-string the other quote, which before Python 3.12
+    its expressions cannot reuse). A collective: for values every rank computes at that point."""
     quote = '"'
     for anc in ctx.ancestors(node):
         if isinstance(anc, cst.FormattedString):
@@ -251,9 +253,30 @@ def ranks_mean(ctx: Context, node: cst.BaseExpression) -> Edit:
             break
         if isinstance(anc, cst.BaseStatement):
             break
-    template = cst.parse_expression(f"{ctx.tm}.all_reduce(_, op={quote}mean{quote})")
+    op = "sum" if _summed_share(ctx, node) else "mean"
+    template = cst.parse_expression(f"{ctx.tm}.all_reduce(_, op={quote}{op}{quote})")
 
     def fix(value: cst.BaseExpression) -> cst.Call:
         return template.with_changes(args=[cst.Arg(value.with_changes(lpar=[], rpar=[]), comma=template.args[0].comma),
                                            template.args[1]])
     return replace(node, fix)
+
+
+def _summed_share(ctx: Context, node: cst.BaseExpression) -> bool:
+    """`node` (`kld_loss`, `loss.item()`, `float(loss)`) is a loss summed over the batch in a
+    training loop whose loader the migration shards with the original's global batch kept: each
+    rank sums its share of the batch, so the original's value is the ranks' sum."""
+    while True:
+        if isinstance(node, cst.Call) and isinstance(node.func, cst.Attribute) \
+                and node.func.attr.value in ("item", "detach", "cpu") and not node.args:
+            node = node.func.value
+        elif isinstance(node, cst.Call) and isinstance(node.func, cst.Name) and node.func.value == "float" \
+                and len(node.args) == 1:
+            node = node.args[0].value
+        elif isinstance(node, cst.Attribute) and node.attr.value == "data":
+            node = node.value
+        else:
+            break
+    loop = ctx.enclosing(node, cst.For)
+    return ctx.options.batch_policy == "global" and loop is not None and loop_sharding(ctx, loop) == "sharded" \
+        and summed_loss(ctx, node)

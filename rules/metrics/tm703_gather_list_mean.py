@@ -22,7 +22,7 @@ from torchmigrate.program.rank_guards import collective_guard
 from torchmigrate.program.scopes import scope_of
 from torchmigrate.program.syntax import binds, local_calls, next_statement, root_name
 from torchmigrate.rules._active import active
-from torchmigrate.rules.metrics.plan import gathered_for_mean, loop_sharding, ranks_mean
+from torchmigrate.rules.metrics.plan import gathered_for_mean, loop_sharding, ranks_value
 
 
 # `AverageMeter()`, `RunningAverage()`, `LossTracker()`: objects that keep a running sum and count
@@ -311,7 +311,7 @@ class GatherListMean(Rule):
                 continue
             self.report(call, f"`{owner}` records this rank's value each training step (a history that is "
                               f"printed, plotted or saved): record the ranks' mean",
-                        edits=[ranks_mean(ctx, value)], imports=[ctx.runtime_import()])
+                        edits=[ranks_value(ctx, value)], imports=[ctx.runtime_import()])
         for aug in ctx.nodes(cst.AugAssign):  # `loss_G_train += [loss_G.item()]`, shown each step
             if not (isinstance(aug.operator, cst.AddAssign) and type(aug.target) is cst.Name
                     and type(aug.value) is cst.List and len(aug.value.elements) == 1):
@@ -323,7 +323,7 @@ class GatherListMean(Rule):
                     or collective_guard(ctx, loop) is not None or _skipped_before(ctx, loop, aug):
                 continue
             self.report(aug, f"`{owner}` records this rank's value each training step and shows its mean each "
-                             f"step: record the ranks' mean", edits=[ranks_mean(ctx, value)],
+                             f"step: record the ranks' mean", edits=[ranks_value(ctx, value)],
                         imports=[ctx.runtime_import()])
 
     def _step_updates(self) -> Set[str]:
@@ -356,7 +356,7 @@ class GatherListMean(Rule):
                 continue
             if len(values) + len(already) == len([a for a in call.args if self._is_value(a)]):
                 fed.add(code(func.value))
-            edits = [ranks_mean(ctx, v) for v in values if v not in done and not _reduced(ctx, v)]
+            edits = [ranks_value(ctx, v) for v in values if v not in done and not _reduced(ctx, v)]
             done.update(values)
             if edits:
                 self.report(call, f"`{code(func.value)}` averages this rank's value each training step: record the "
@@ -417,7 +417,7 @@ class GatherListMean(Rule):
             if not values:
                 continue
             self.report(call, "this prints this rank's value of the step (its shard's batch): print the ranks' mean",
-                        edits=[ranks_mean(ctx, v) for v in values], imports=[ctx.runtime_import()])
+                        edits=[ranks_value(ctx, v) for v in values], imports=[ctx.runtime_import()])
 
     def _collectors(self, fed: Set[str]) -> None:
         """`train_label = LabelContainer()` before a loop over a sharded loader,
