@@ -1209,6 +1209,9 @@ def _iterator_class(klass: ast.ClassDef) -> bool:
         return False
     methods = {f.name: f for f in klass.body if isinstance(f, FUNC_TYPES)}
     init = methods.get("__init__")
+    if any(isinstance(n, ast.Call) and (dotted_name(n.func) or "").rsplit(".", 1)[-1] == "DataLoader"
+           for n in walk(klass)):
+        return False  # iterates a DataLoader it builds (`Batches(dataset, bs, shuffle)`): sharded where built
     return ("__next__" in methods or "__iter__" in methods) and init is not None and len(_params(init)) > 1
 
 

@@ -76,10 +76,12 @@ def _called_per_sample(klass: cst.ClassDef, name: str) -> bool:
     return False
 
 
-def per_sample(ctx, func: cst.FunctionDef) -> bool:
+def per_sample(ctx, func: cst.FunctionDef, depth: int = 0) -> bool:
     """`func` runs per sample or per forward (a dataset's `__getitem__`, a transform, a collate
-    function, a model's method), maybe in a data-loader worker: its random draws are
-    augmentation, dropout or noise, meant to differ per rank, and no collective can run there."""
+    function, a model's method, or a function of the module that only these call: MAE's
+    `random_indexes(T)` drawing each sample's patch mask in `PatchShuffle.forward`), maybe in a
+    data-loader worker: its random draws are augmentation, dropout, masks or noise, meant to
+    differ per rank, and no collective can run there."""
     name = func.name.value.lower()
     if func.name.value in _PER_SAMPLE_METHODS or any(w in name for w in _PER_SAMPLE_WORDS):
         return True
@@ -88,6 +90,22 @@ def per_sample(ctx, func: cst.FunctionDef) -> bool:
             bases = " ".join(dotted(b.value) or "" for b in anc.bases)
             if any(b in bases for b in _PER_SAMPLE_BASES) or _called_per_sample(anc, func.name.value):
                 return True
-        if isinstance(anc, cst.FunctionDef) and per_sample(ctx, anc):
+        if isinstance(anc, cst.FunctionDef) and per_sample(ctx, anc, depth):
             return True
-    return False
+    return ctx.parent(func) is ctx.module and depth < 3 and _only_called_per_sample(ctx, func, depth)
+
+
+def _only_called_per_sample(ctx, func: cst.FunctionDef, depth: int) -> bool:
+    """Every use of the module-level function `func` in its module is a call made in code that
+    runs per sample (`per_sample`), and there is at least one."""
+    calls = 0
+    for name in ctx.named(func.name.value):
+        if name is func.name:
+            continue
+        call = ctx.parent(name)
+        caller = ctx.enclosing(name, cst.FunctionDef)
+        if not (isinstance(call, cst.Call) and call.func is name) or caller is None \
+                or not per_sample(ctx, caller, depth + 1):
+            return False
+        calls += 1
+    return calls > 0
