@@ -91,6 +91,8 @@ _EMA = re.compile(r"EMA|Ema|AveragedModel|MovingAverage")
 _NOT_HOLDERS = re.compile(rf"{_EMA.pattern}|Averag|DataParallel|Writer|Summary|Profiler|Scheduler|Optim|Scaler")
 
 
+# classes an `isinstance` asks about to learn whether a model is wrapped, not what it is
+_WRAPPER_CLASSES = frozenset({"Module", "DataParallel", "DistributedDataParallel", "DDP", "object"})
 _CONTAINERS = (cst.Dict, cst.List, cst.Tuple, cst.DictComp, cst.ListComp)
 
 
@@ -1969,7 +1971,9 @@ class Plan:
         # copy the DDP wrapper: copy the module itself.
         for call, qualified in self.f.calls:
             label = (qualified or dotted(call.func) or "").rsplit(".", 1)[-1]
-            if not (label == "deepcopy" or _EMA.search(label)):
+            if qualified is None and label == "isinstance" and self._asks_model_class(call):
+                pass  # `isinstance(model, LatentODE)`: the wrapper is no LatentODE; ask the module
+            elif not (label == "deepcopy" or _EMA.search(label)):
                 continue
             a = call_arg(call, None, 0)
             name = dotted(a.value) if a is not None else None
@@ -1979,6 +1983,17 @@ class Plan:
             if any(self.applies(w, call, statement) for w in by_name[name]):
                 self.rewrites.append(AttrRewrite(a.value, name, "", "TM302"))
         self._whole_model_uses(by_name)
+
+    def _asks_model_class(self, call: cst.Call) -> bool:
+        """`isinstance(model, Cls)` with `Cls` a class of the program or a library's model class,
+        not the wrappers' and modules' own (`nn.Module`, `DataParallel`, DDP: the program asks
+        whether it wrapped), nor a tuple that names one of those."""
+        if len(call.args) != 2 or any(a.keyword is not None or a.star for a in call.args):
+            return False
+        kinds = call.args[1].value
+        names = [e.value for e in kinds.elements] if isinstance(kinds, cst.Tuple) else [kinds]
+        spelled = [self.ctx.resolve(n) or dotted(n) or "" for n in names]
+        return all(n and n.rsplit(".", 1)[-1] not in _WRAPPER_CLASSES for n in spelled)
 
     def _container(self, name: str, node: cst.CSTNode) -> bool:
         """`name` holds a dict, list or tuple of models wherever it is made (`nets = {"rep": ...}`,

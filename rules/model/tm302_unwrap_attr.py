@@ -27,7 +27,9 @@ class UnwrapAttr(ModelRule):
     - the model itself where the wrapper must not go: copies (`copy.deepcopy(model)`, EMA),
       whole-model checkpoints (`torch.save(model, f)`, a value of the saved dict, list or tuple,
       also through `state = {"net": net}`) and `writer.add_graph(model, ...)` get
-      `tm.unwrap(model)` (for the wraps the migration makes).
+      `tm.unwrap(model)` (for the wraps the migration makes);
+    - `isinstance(model, LatentODE)` (a class other than the wrappers' and `nn.Module`) asks
+      `tm.unwrap(model)`: the wrapper is no LatentODE, and the branch would never run.
 
     An instance's attribute that its class holds wrapped counts as the wrapped model too:
     `trainer.model.state_dict()` after `trainer = Trainer(cfg)`, where `Trainer` (of this file or
