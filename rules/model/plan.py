@@ -106,12 +106,15 @@ def _constructs(call: cst.Call) -> bool:
 
 def _binds_on_every_path(node: cst.If, name: str) -> bool:
     """Every branch of the `if` (an `else` included) assigns `name` in its own block, or holds
-    an `if` that does."""
+    an `if` that does, or leaves (`raise`, `assert False`, `sys.exit(...)`: an unknown choice
+    that ends the run)."""
     def block_binds(block: cst.BaseSuite) -> bool:
         for statement in getattr(block, "body", ()):
             if isinstance(statement, cst.SimpleStatementLine):
                 for small in statement.body:
                     if isinstance(small, cst.Assign) and any(dotted(t.target) == name for t in small.targets):
+                        return True
+                    if _ends_run(small):
                         return True
             elif isinstance(statement, cst.If) and _binds_on_every_path(statement, name):
                 return True
@@ -123,6 +126,19 @@ def _binds_on_every_path(node: cst.If, name: str) -> bool:
             return False
         branch = branch.orelse
     return isinstance(branch, cst.Else) and block_binds(branch.body)
+
+
+def _ends_run(small: cst.BaseSmallStatement) -> bool:
+    """`raise ...`, `assert False` / `assert(False)`, `sys.exit(...)`, `exit(...)`, `quit()`."""
+    if isinstance(small, cst.Raise):
+        return True
+    if isinstance(small, cst.Assert):
+        test = small.test
+        return isinstance(test, cst.Name) and test.value == "False" or (
+            isinstance(test, cst.Integer) and test.value == "0")
+    if isinstance(small, cst.Expr) and isinstance(small.value, cst.Call):
+        return (dotted(small.value.func) or "") in ("sys.exit", "exit", "quit", "os._exit")
+    return False
 
 
 def _project_bases(klass: cst.ClassDef) -> List[str]:
@@ -1495,6 +1511,12 @@ class Plan:
                 outer_if = owner
                 while isinstance(self.ctx.parent(outer_if), cst.If):
                     outer_if = self.ctx.parent(outer_if)
+                widest = self._widest_binding_if(owner, w.name) if "." not in w.name else None
+                if widest is not None and widest is not outer_if and self._falls_through(outer_if, widest):
+                    # `if net == "ResNet": <build>; if big_data: net = DataParallel(net)` inside one
+                    # branch of a chain that builds the model on every path: every rank wraps
+                    # whichever model it built, after the whole chain
+                    outer_if = widest
                 site.action, site.target = "move", outer_if
                 site.note_stmt = outer_if
                 boundary = outer_if
@@ -1510,6 +1532,21 @@ class Plan:
                         # past the `if` is wrapped too (wrapping twice returns the same DDP)
                         site.ensure_after = owner
             w.boundary, w.inclusive = boundary, False
+
+    def _falls_through(self, inner: cst.CSTNode, outer: cst.CSTNode) -> bool:
+        """`outer` holds `inner`, and no statement after it in a block between them leaves the
+        block (`return`, `raise`, `break`, `continue`): a wrap after `outer` runs on that path."""
+        node = inner
+        for anc in self.ctx.ancestors(inner):
+            if anc is outer:
+                return True
+            if isinstance(anc, cst.BaseSuite) and _exits_after(anc, node):
+                return False
+            if isinstance(anc, (cst.FunctionDef, cst.ClassDef, cst.Module)):
+                return False
+            if isinstance(anc, cst.BaseStatement):
+                node = anc
+        return False
 
     def _rebound_between(self, name: str, nw: NewWrap, line: cst.CSTNode) -> bool:
         """`name` is bound again between the DataParallel at `line` and the new wrap's anchor
