@@ -190,6 +190,10 @@ def _makes_loader(ctx: Context, call: cst.Call, func: str, depth: int) -> bool:
     return bool(returns) and all(is_batch_source(ctx, r.value, depth + 1) for r in returns)
 
 
+def _inside_node(ctx: Context, node: cst.CSTNode, container: cst.CSTNode) -> bool:
+    return any(anc is container for anc in ctx.ancestors(node))
+
+
 _PARAM = cst.Name("__param__")  # marks a parameter among a name's bindings
 
 
@@ -331,7 +335,7 @@ class _Kinds:
         ctx = self.ctx
         if node.value in ("self", "cls", "True", "False", "None") or ctx.resolve(node) is not None:
             return None  # an import, a constant
-        if self.batch_element(node):
+        if self.batch_element(node) or self._batch_here(node):
             return TENSOR
         kinds = [self.binding_kind(value, how) for value, how in _bindings(ctx, node)]
         found = _join(kinds) if kinds and None not in kinds else None
@@ -340,6 +344,29 @@ class _Kinds:
             if used is not None:
                 return used
         return found
+
+    def _batch_here(self, node: cst.Name) -> bool:
+        """`node` reads what the innermost loop over a data loader that binds it gave, rebound
+        nowhere in that loop before it (`for x, fx, y in test_loader: x, fx, y = x.cuda(), ...`),
+        whatever else the name holds elsewhere in its function (`x = np.linspace(0, 1, s)` above
+        the loop)."""
+        ctx = self.ctx
+        where = ctx.position(node)
+        if where is None:
+            return False
+        for loop in ctx.ancestors(node):
+            if isinstance(loop, (cst.FunctionDef, cst.ClassDef, cst.Lambda)):
+                return False
+            if not isinstance(loop, cst.For) or not any(
+                    n.value == node.value for n in ctx.within(loop.target, cst.Name)):
+                continue
+            if not is_batch_source(ctx, loop.iter):
+                return False
+            start = ctx.position(loop.body) or 0
+            return not any(start <= (ctx.position(n) or 0) < where and _binding(ctx, n) is not None
+                           and ctx.statement_of(n) is not ctx.statement_of(node)
+                           for n in ctx.named(node.value) if n is not node and _inside_node(ctx, n, loop.body))
+        return False
 
     def binding_kind(self, value, how) -> Optional[str]:
         if value is _PARAM:
