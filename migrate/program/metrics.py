@@ -386,8 +386,10 @@ def metric_name(ctx: Context, call: cst.Call) -> Optional[str]:
     if last in _NOT_METRICS:
         return None
     lower = last.lower()
-    if name.startswith(_METRIC_MODULES) or set(lower.split("_")) & _METRIC_TOKENS or any(w in lower for w in _METRIC_WORDS):
-        return last
+    tokens = set(lower.split("_"))
+    if name.startswith(_METRIC_MODULES) or tokens & _METRIC_TOKENS or any(w in lower for w in _METRIC_WORDS) \
+            or any(t.startswith("accu") and not t.startswith("accum") for t in tokens):
+        return last  # (`calculate_accuray`: an accuracy, misspelt; not `accumulate`)
     return None
 
 
