@@ -620,10 +620,13 @@ class _Reader:
         seeds = {n.optional_vars.id for n in nodes if isinstance(n, ast.withitem)
                  and isinstance(n.context_expr, ast.Call) and self._resolve(n.context_expr.func) in PRIVATE_TEMPS
                  and isinstance(n.optional_vars, ast.Name)}
-        bindings = [({t.id for t in a.targets if isinstance(t, ast.Name)},
-                     isinstance(a.value, ast.Call) and self._resolve(a.value.func) in PRIVATE_TEMPS,
+        removed = {n.args[0].id for n in nodes if isinstance(n, ast.Call) and self._resolve(n.func) == "shutil.rmtree"
+                   and n.args and isinstance(n.args[0], ast.Name)}
+        bindings = [(targets, isinstance(a.value, ast.Call) and self._resolve(a.value.func) in PRIVATE_TEMPS
+                     and not kept_run_folder(self._resolve(a.value.func), _dir_given(a.value), bool(targets & removed)),
                      {n.id for n in walk(a.value) if isinstance(n, ast.Name)})
-                    for a in nodes if isinstance(a, ast.Assign)]
+                    for a in nodes if isinstance(a, ast.Assign)
+                    for targets in [{t.id for t in a.targets if isinstance(t, ast.Name)}]]
         return temp_names(seeds, bindings)
 
     def _write(self, call: ast.Call, how: str, guarded: bool, ordered: bool, target: Optional[ast.AST] = None) -> None:
@@ -1030,6 +1033,20 @@ def spelled_effects(effects: ProgramEffects, path: str) -> Dict[str, FrozenSet[s
                 key = f"{qual}|{spelled}"
                 out[key] = frozenset(kinds | out.get(key, frozenset()))
     return out
+
+
+def kept_run_folder(func: Optional[str], dir_given: bool, removed: bool) -> bool:
+    """`run_path = tempfile.mkdtemp(prefix=run_id, dir=experiment_dir)`: a folder with a fresh
+    name made inside the program's own output folder and never removed is the run's output
+    folder, not a private scratch folder: the ranks must share one (rank 0's), and only the main
+    process writes into it. A `mkdtemp()` in the system's temporary folder, or one removed again
+    (`shutil.rmtree(tmp)`), is each process's own."""
+    return func == "tempfile.mkdtemp" and dir_given and not removed
+
+
+def _dir_given(call: ast.Call) -> bool:
+    """`mkdtemp(suffix, prefix, dir)`: the folder is named (keyword or third positional)."""
+    return len(call.args) >= 3 or any(k.arg == "dir" for k in call.keywords)
 
 
 def temp_names(seeds: Set[str], bindings: List[Tuple[Set[str], bool, Set[str]]]) -> Set[str]:

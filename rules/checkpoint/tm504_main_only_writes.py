@@ -115,7 +115,9 @@ class MainOnlyWrites(Rule):
       also one written by a helper of any module, from the program's effects) gets
       `tm.barrier()` before the read, where every rank reaches it.
     - Files in a temporary file or folder a process made for itself (`TemporaryDirectory()`,
-      `mkdtemp()`, and paths built from them) are left to every rank. An atomic save, each
+      `mkdtemp()`, and paths built from them) are left to every rank; not those in a run's
+      output folder made with `mkdtemp(prefix=run_id, dir=experiment_dir)` and never removed,
+      which the main process makes for every rank (TM107) and alone writes into. An atomic save, each
       process's own temporary file moved onto a shared path (`tmp = NamedTemporaryFile(dir=d,
       delete=False); torch.save(obj, tmp); os.replace(tmp.name, path)`), moves through
       `tm.move_into_place(tmp.name, path)`: the main process's file is moved into place, the other

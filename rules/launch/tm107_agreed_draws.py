@@ -16,7 +16,8 @@ from torchmigrate.program.metrics import is_load
 from torchmigrate.program.effects import CLOCK, EXISTS_TESTS, MKDIR, NUMPY, OUTPUT, PROBE, READ, RANDOM, WRITE
 from torchmigrate.program.rank_guards import collective_guard
 from torchmigrate.program.syntax import next_statement
-from torchmigrate.program.writes import call_kinds
+from torchmigrate.program import effects
+from torchmigrate.program.writes import call_kinds, mkdtemp_dir_given
 from torchmigrate.rules._active import active
 from torchmigrate.rules.launch.base import SEEDERS, per_sample
 from torchmigrate.rules.launch.streams import agreed_draws, batch_permutation, in_broadcast
@@ -74,6 +75,9 @@ class AgreedDraws(Rule):
       it taken and makes `name-02`). The same search written inline (`while
       os.path.exists(folder): folder = f"{base}_{n}"; n += 1`) is followed by `folder =
       tm.broadcast_object(folder)`: every rank takes rank 0's pick.
+    - `run_path = mkdtemp(prefix=run_id, dir=experiment_dir)` (a fresh run folder in the program's
+      output folder, never removed) becomes `tm.on_main(mkdtemp, prefix=run_id,
+      dir=experiment_dir)`: one folder, made by the main process, named alike on every rank.
     - `random_split(dataset, lengths)` without a generator gets
       `generator=tm.shared_generator()`, seeded alike on every rank.
     - `run_id = datetime.now().strftime("%m%d_%H%M%S")` (a read of the clock, a process id or
@@ -158,7 +162,9 @@ class AgreedDraws(Rule):
                 continue
             if not name:
                 continue
-            if name == _SPLIT:
+            if name == "tempfile.mkdtemp":
+                self._run_folder(call)
+            elif name == _SPLIT:
                 self._split(call)
             elif name in _SHUFFLES:
                 self._shuffle(call)
@@ -530,6 +536,31 @@ class AgreedDraws(Rule):
         self.report(call, f"`{what}(...)` looks for a free name by testing which paths exist: every rank would probe "
                           "on its own, and once one has made its folder the next finds it taken and picks another. "
                           "The main process picks and every rank gets its pick",
+                    edits=[_handed_to(call, f"{ctx.tm}.on_main")], imports=[ctx.runtime_import()])
+
+    def _run_folder(self, call: cst.Call) -> None:
+        """`run_path = tempfile.mkdtemp(prefix=run_id, dir=experiment_dir)`, the run's output folder
+        (`effects.kept_run_folder`: named inside the program's folders, never removed): each rank
+        would make a folder of its own and write its run there. `tm.on_main(tempfile.mkdtemp,
+        ...)`: the main process makes it, every rank gets its name."""
+        ctx = self.ctx
+        assign = ctx.parent(call)
+        if not (isinstance(assign, cst.Assign) and assign.value is call and len(assign.targets) == 1
+                and isinstance(assign.targets[0].target, cst.Name)) or any(a.star for a in call.args):
+            return
+        target = assign.targets[0].target.value
+        scope = ctx.enclosing(call, cst.FunctionDef) or ctx.module
+        removed = any(ctx.resolve(c.func) == "shutil.rmtree" and c.args and dotted(c.args[0].value) == target
+                      for c in ctx.within(scope, cst.Call, skip_defs=True))
+        if not effects.kept_run_folder("tempfile.mkdtemp", mkdtemp_dir_given(call), removed):
+            return
+        func = ctx.enclosing(call, cst.FunctionDef)
+        if (func is not None and self._per_sample(func)) or collective_guard(ctx, call) is not None \
+                or self._loops_between(call):
+            return
+        self.report(call, f"`{target}` is a fresh folder made in the run's output folder (its name differs per call): "
+                          "every rank would make one of its own and write its run there. The main process makes it "
+                          "and every rank gets its name",
                     edits=[_handed_to(call, f"{ctx.tm}.on_main")], imports=[ctx.runtime_import()])
 
     def _split(self, call: cst.Call) -> None:
