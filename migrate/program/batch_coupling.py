@@ -11,7 +11,9 @@ A function couples its batch too when it orders the per-sample losses of the bat
 it (Co-teaching's and JoCoR's small-loss selection: `np.argsort(loss.data)` over a loss with
 `reduction="none"`): over a rank's share it would keep the smallest of fewer samples.
 
-A function couples its batch when it builds a matrix of every sample against every other one,
+A function couples its batch when it takes the distances between every two samples of the batch
+(`torch.pdist(x)`: a uniformity loss), or when it builds a matrix of every sample against every
+other one,
 - `z @ z.t()`, `torch.mm(a, b.t())`, `torch.matmul(a, b.T)`, `a @ b.transpose(0, 1)`,
   `torch.einsum("nc,mc->nm", a, b)`, `cosine_similarity(z.unsqueeze(1), z.unsqueeze(0))`,
   `torch.cdist(a, b)`,
@@ -85,6 +87,13 @@ def _pairwise(node: ast.AST) -> bool:
     return False
 
 
+def _all_pairs(node: ast.AST) -> bool:
+    """`torch.pdist(x)` (`F.pdist`): the distances between every two rows of the batch's values
+    (a uniformity loss over the batch, `pdist(x).pow(2).mul(-t).exp().mean().log()`), not of
+    weights an object holds."""
+    return isinstance(node, ast.Call) and _last(node.func) == "pdist" and bool(node.args) and not _held(node.args[0])
+
+
 def _over_parameters(nodes) -> bool:
     """The function loops over a model's parameters (`for param in model.parameters(): w =
     param.view(...); torch.mm(w, w.t()) * (1 - torch.eye(n))`, BigGAN's orthogonal
@@ -118,6 +127,9 @@ def coupled_losses(trees: Dict[Path, ast.Module]) -> Optional[str]:
         scopes = [(n.name + "()", list(walk(n))) for n in walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
         scopes.append(("the script's top level", _top_level(tree)))
         for name, nodes in scopes:
+            spread = next((n for n in nodes if _all_pairs(n)), None)
+            if spread is not None and not _over_parameters(nodes):
+                return f"{path.name}:{spread.lineno} {name}"
             pairwise = next((n for n in nodes if _pairwise(n)), None)
             if pairwise is not None and any(isinstance(n, ast.Call) and _last(n.func) in _INDEXING for n in nodes) \
                     and not _over_parameters(nodes):

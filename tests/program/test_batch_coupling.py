@@ -17,6 +17,9 @@ CASES = {
     "script_top_level": ("for z1, z2 in loader:\n    logits = z1 @ z2.t() / 0.1\n"
                          "    loss = F.cross_entropy(logits, torch.arange(z1.size(0)))\n", True),
     "batch_hard_triplet": ("def f(e):\n    d = torch.cdist(e, e)\n    d.fill_diagonal_(0)\n    return d.max(1)\n", True),
+    "uniformity_pdist": ("def uniform_loss(x, t=2):\n    return torch.pdist(x, p=2).pow(2).mul(-t).exp().mean().log()\n",
+                         True),
+    "prototype_spread": ("class M:\n    def spread(self):\n        return F.pdist(self.prototypes).mean()\n", False),
     # a Gram matrix of one sample's channels (style transfer): no per-sample targets or masks
     "style_gram": ("def gram(x):\n    b, c, h, w = x.size()\n    f = x.view(b * c, h * w)\n"
                    "    return torch.mm(f, f.t()) / (b * c * h * w)\n", False),
