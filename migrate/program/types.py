@@ -202,11 +202,35 @@ def _bindings(ctx: Context, use: cst.Name) -> List[tuple]:
     "=" (the value itself), "unpack" (an element of the value), "for" (an element of the
     iterable value), "?" (unknown); a parameter is (`_PARAM`, its `cst.Param`). Module-level
     bindings count for a name a function never binds."""
+    own = _comprehension_binding(ctx, use)
+    if own is not None:
+        return [own]
     scope = ctx.scope_of(use)
     found = _scope_bindings(ctx, use.value, scope)
     if not found and not isinstance(scope, cst.Module):
         found = _scope_bindings(ctx, use.value, ctx.module)
     return found
+
+
+_COMPREHENSIONS = (cst.ListComp, cst.SetComp, cst.GeneratorExp, cst.DictComp)
+
+
+def _comprehension_binding(ctx: Context, use: cst.Name) -> Optional[tuple]:
+    """(iterable, "for") where `use` reads the variable of a comprehension around it (`[x.cuda()
+    for x in batch]`): a scope of its own, whatever else the function binds to `x` (`[x.train()
+    for x in (net, head)]` elsewhere)."""
+    for anc in ctx.ancestors(use):
+        if isinstance(anc, (cst.FunctionDef, cst.ClassDef, cst.Lambda, cst.BaseStatement)):
+            return None
+        if isinstance(anc, _COMPREHENSIONS):
+            comp: Optional[cst.CompFor] = anc.for_in
+            while comp is not None:
+                if any(n.value == use.value for n in ctx.within(comp.target, cst.Name)):
+                    if isinstance(comp.target, cst.Name):
+                        return comp.iter, "for"
+                    return None  # unpacked (`for k, v in d.items()`): not known here
+                comp = comp.inner_for_in
+    return None
 
 
 def _scope_bindings(ctx: Context, name: str, scope: cst.CSTNode) -> List[tuple]:
