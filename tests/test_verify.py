@@ -382,3 +382,14 @@ def test_verify_counts_no_bytecode_cache_or_installed_package_as_a_write(tmp_pat
                  "/opt/venv/lib/python3.11/dist-packages/numba/cache.nbi", str(tmp_path / "metrics.csv")):
         probe._note_write(path, "open")
     assert list(probe.record["writes"]) == [str(tmp_path / "metrics.csv")]
+
+
+def test_ranks_stopped_at_the_timeout_a_step_apart_are_not_compared():
+    """A run stopped from outside: one rank a step ahead holds other parameters, rightly."""
+    opt = {"where": "train.py:12", "name": "SGD", "in_ddp": True, "lrs": [0.1]}
+    ranks = [_record([[0, 2]]) | {"steps": 7, "optimizers": [opt | {"hash": "a"}]},
+             _record([[1, 3]]) | {"steps": 6, "optimizers": [opt | {"hash": "b"}]}]
+    check = checks.params_in_sync(Run(ranks, ["", ""], timed_out=True, timeout=45))
+    assert check.status == "skip" and "different numbers of optimizer steps (7, 6)" in check.message
+    ranks[1]["steps"] = 7
+    assert checks.params_in_sync(Run(ranks, ["", ""], timed_out=True, timeout=45)).status == "fail"
