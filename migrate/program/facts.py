@@ -196,7 +196,9 @@ def _init_of(modules: Dict[Path, "_Module"], target: Tuple[Path, str]) -> Option
     return modules[target[0]].functions.get(f"{target[1]}.__init__") if target[0] in modules else None
 
 
-_CONFIG_RECEIVERS = frozenset({"args", "opt", "opts", "config", "cfg", "conf", "flags", "hparams", "hp", "params",
+# names a program gives its configuration (`args.lr`, `cfg.model`): what is read off them is a setting,
+# not a model or data (compared lower-cased)
+CONFIG_RECEIVERS = frozenset({"args", "opt", "opts", "config", "cfg", "conf", "flags", "hparams", "hp", "params",
                                "options", "settings", "hyperparams"})
 
 
@@ -224,7 +226,7 @@ def _reads_param(modules: Dict[Path, "_Module"], target: Tuple[Path, str], init:
     for m in modules.values():
         for n in walk(m.tree):
             if isinstance(n, ast.Attribute) and n.attr in stored and isinstance(n.ctx, ast.Load) and not (
-                    isinstance(n.value, ast.Name) and n.value.id.lower() in _CONFIG_RECEIVERS):
+                    isinstance(n.value, ast.Name) and n.value.id.lower() in CONFIG_RECEIVERS):
                 return True
     return False
 
@@ -328,7 +330,7 @@ def _optimizer_models(call: ast.Call, assigned: Optional[Dict[str, ast.AST]] = N
             if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and (n.func.attr in (
                     "parameters", "named_parameters") or any(w in n.func.attr.lower() for w in ("param", "group"))):
                 owner = dotted_name(_strip_moves(n.func.value))
-                if owner and owner.split(".")[0] in _CONFIG_RECEIVERS:
+                if owner and owner.split(".")[0] in CONFIG_RECEIVERS:
                     continue
                 if owner:
                     out.append(owner.split(".")[0] if not owner.startswith("self.") else ".".join(owner.split(".")[:2]))

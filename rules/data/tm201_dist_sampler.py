@@ -13,7 +13,7 @@ from torchmigrate.finding import Safety, insert_after, replace
 from torchmigrate.syntax.imports import dotted
 from torchmigrate.syntax.nodes import code, expr, kwarg, with_args
 from torchmigrate.program.batches import BatchLoop, FullBatchLoss
-from torchmigrate.program.facts import training_text
+from torchmigrate.program.facts import CONFIG_RECEIVERS, training_text
 from torchmigrate.program.effects import NUMPY, TRAIN
 from torchmigrate.program.syntax import local_callee
 from torchmigrate.program.loaders import Loader, asks_for_evaluation
@@ -291,8 +291,7 @@ class DistSampler(DataRule):
                 return a.value
         for a in positional:
             root = (dotted(a.value) or "").split(".")[0]
-            if root and root not in ("args", "opt", "opts", "cfg", "config", "conf", "hparams", "params", "flags",
-                                     "FLAGS", "settings", "options", "device"):
+            if root and root.lower() not in CONFIG_RECEIVERS and root != "device":
                 return a.value
         return None
 

@@ -238,7 +238,7 @@ class RankSkips(Rule):
         (`best = acc`). A value a call returns (`val_loss = validate(model, loader)`)
         is the metrics family's, reduced or named where it is computed, and a constant or a
         comprehension over data every rank reads whole agrees already."""
-        from torchmigrate.rules.metrics.plan import _branch_sharding
+        from torchmigrate.rules.metrics.plan import branch_sharding
 
         ctx = self.ctx
         values: dict = {}
@@ -265,7 +265,7 @@ class RankSkips(Rule):
                 return True  # `loss = criterion(model(x), y)`: this rank's batch
             for comp in ctx.within(value, cst.CompFor):
                 try:
-                    whole = all(_branch_sharding(ctx, x, r.branch) == "whole"
+                    whole = all(branch_sharding(ctx, x, r.branch) == "whole"
                                 for r in refs_at(ctx, loader_expr(ctx, comp.iter)) for x in r.loaders) \
                         and bool(refs_at(ctx, loader_expr(ctx, comp.iter)))
                 except Exception:  # noqa: BLE001 - unknown loaders count as per rank

@@ -73,7 +73,7 @@ def _sharding(ctx: Context, loader) -> Optional[str]:
     return None
 
 
-def _branch_sharding(ctx: Context, loader, branch: Optional[str]) -> Optional[str]:
+def branch_sharding(ctx: Context, loader, branch: Optional[str]) -> Optional[str]:
     """`_sharding` of a loader as one reference holds it: the branch of a mixed loader that a
     factory call builds (`test_dl = make_loader(test_ds, False)`) is known where its evaluation
     half stays whole."""
@@ -119,7 +119,7 @@ def loop_sharding(ctx: Context, loop: cst.For) -> str:
     node = loader_expr(ctx, loop.iter)
     states: Set[Optional[str]] = set()
     try:
-        states |= {_branch_sharding(ctx, x, r.branch) for r in refs_at(ctx, node) for x in r.loaders}
+        states |= {branch_sharding(ctx, x, r.branch) for r in refs_at(ctx, node) for x in r.loaders}
     except Exception:  # noqa: BLE001 - an optional refinement: without it the runtime decides
         states.add(None)
     fn = ctx.enclosing(loop, cst.FunctionDef)

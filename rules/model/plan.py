@@ -34,6 +34,7 @@ from typing import Dict, Iterable, List, Optional, Set, Tuple
 import libcst as cst
 
 from torchmigrate import analysis
+from torchmigrate.program.facts import CONFIG_RECEIVERS
 from torchmigrate.analysis import (Optimizer, _call_arg_for, calls_to, facts, is_distributed, is_variable, model_root,
                                    optimizers)
 from torchmigrate.finding import insert_before, replace
@@ -76,8 +77,7 @@ _MODULE_API = {
     "bucket_bytes_cap", "module",
 }
 STATE_METHODS = ("state_dict", "load_state_dict")
-_CONFIGISH = {"args", "opt", "opts", "cfg", "config", "conf", "hparams", "hp", "params", "flags", "FLAGS",
-              "settings", "options", "self.args", "self.cfg", "self.config", "self.opt", "self.hparams",
+_CONFIGISH = {*CONFIG_RECEIVERS, "FLAGS", "self.args", "self.cfg", "self.config", "self.opt", "self.hparams",
               "self.params", "self.options"}
 _FREEZE = re.compile(r"requires_grad\s*=\s*False|requires_grad_\(\s*(requires_grad\s*=\s*)?False\s*\)")
 _UNFREEZE = re.compile(r"requires_grad\s*=\s*True|requires_grad_\(\s*(requires_grad\s*=\s*)?(True)?\s*\)")
