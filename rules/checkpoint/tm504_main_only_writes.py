@@ -328,10 +328,13 @@ class MainOnlyWrites(Rule):
                 continue
             if any(isinstance(a, (cst.Try, cst.ExceptHandler, cst.For, cst.While)) for a in ctx.ancestors(test_if)):
                 continue  # a folder prepared in a `try` (`_folder_tries`), or a test repeated in a loop
-            if not any(ctx.resolve(c.func) in effects.EXISTS_TESTS or (
-                    isinstance(c.func, cst.Attribute) and c.func.attr.value == "exists" and not c.args)
-                       for c in ctx.within(test_if.test, cst.Call)):
+            tests = [c for c in ctx.within(test_if.test, cst.Call) if ctx.resolve(c.func) in effects.EXISTS_TESTS or (
+                isinstance(c.func, cst.Attribute) and c.func.attr.value == "exists" and not c.args)]
+            if not tests:
                 continue
+            # the names the tested paths are built from (`"model_files/" + folder`: `folder`)
+            tested = {n.value for c in tests for n in ctx.within(c.args[0].value if c.args else c.func.value, cst.Name)
+                      if ctx.resolve(n) is None}
             body = test_if.body.body
             last = body[-1] if body else None
             smalls = list(last.body) if isinstance(last, cst.SimpleStatementLine) else []
@@ -343,16 +346,20 @@ class MainOnlyWrites(Rule):
             after = ctx.position(test_if) or 0
             writes = [c for c in ctx.within(home, cst.Call) if (ctx.position(c) or 0) > after
                       and (ctx.resolve(c.func) in (_MAKEDIRS, _MKDIR, "torch.save", "shutil.copytree")
-                           or _path_mkdir(c, ctx.resolve(c.func)))]
+                           or _path_mkdir(c, ctx.resolve(c.func)))
+                      and (not tested or tested & {n.value for n in ctx.within(c, cst.Name)})]  # the path tested
             if not writes:
                 continue
-            nxt = next_statement(ctx, test_if)
+            chain = test_if  # an `elif` refusal: after the whole `if`/`elif` chain
+            while isinstance(ctx.parent(chain), cst.If) and ctx.parent(chain).orelse is chain:
+                chain = ctx.parent(chain)
+            nxt = next_statement(ctx, chain)
             if nxt is not None and "barrier(" in code(nxt):
                 continue  # a second run
             self.report(test_if, "every rank tests whether this path exists and stops if it does, while the main "
                                  "process creates it afterwards: a rank that tests late stops the run; every rank "
                                  "tests before any rank writes (`tm.barrier()` after the test)",
-                        edits=[insert_after(test_if, [stmt(f"{ctx.tm}.barrier()")])],
+                        edits=[insert_after(chain, [stmt(f"{ctx.tm}.barrier()")])],
                         imports=[ctx.runtime_import()])
 
     def _folder_tries(self) -> List[cst.Try]:
