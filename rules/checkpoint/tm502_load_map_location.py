@@ -6,7 +6,7 @@ This rule edits `torch.load` calls and the *argument* of `load_state_dict`; the
 
 from __future__ import annotations
 
-from typing import List
+from typing import List, Optional
 
 import libcst as cst
 
@@ -232,6 +232,17 @@ class LoadMapLocation(Rule):
             value = a.value
             if isinstance(value, cst.Call) and ctx.resolve(value.func) in (RUNTIME + ".strip_prefix",):
                 continue
+            source = self._merged_source(call, value)
+            if source is not None:
+                # `model_dict = model.state_dict(); ...; model_dict.update(sd)`: the loaded keys are
+                # compared and merged with the plain model's before the load: strip them where loaded
+                self.report(source, "the checkpoint's keys are compared and merged with the plain model's keys "
+                                    "(`module.` prefixes of a DataParallel/DDP checkpoint would match none): "
+                                    "tm.strip_prefix where it is loaded",
+                            edits=[replace(source, lambda v: cst.Call(func=cached_expr(f"{tm}.strip_prefix"),
+                                                                      args=[cst.Arg(value=v)]))],
+                            imports=[ctx.runtime_import()])
+                continue
 
             def fix(node: cst.Arg) -> cst.Arg:
                 return node.with_changes(value=cst.Call(func=cached_expr(f"{tm}.strip_prefix"), args=[cst.Arg(value=node.value)]))
@@ -239,6 +250,42 @@ class LoadMapLocation(Rule):
             self.report(a.value, "checkpoints from DataParallel/DDP/compiled models carry `module.`/`_orig_mod.` "
                                  "key prefixes; tm.strip_prefix loads them into the plain model",
                         edits=[replace(a, fix)], imports=[ctx.runtime_import()])
+
+    def _merged_source(self, call: cst.Call, value: cst.BaseExpression) -> Optional[cst.BaseExpression]:
+        """`model.load_state_dict(model_dict)` where `model_dict = model.state_dict()` took in a
+        loaded dict (`model_dict.update(sd)`, TSM's fine-tuning with its `.net` key remapping):
+        the value of `sd`'s last assignment from the checkpoint before the function first reads it
+        (`sd = sd["state_dict"]`, `sd = torch.load(path)`), where a strip makes its keys the
+        model's; None otherwise (or already stripped)."""
+        ctx = self.ctx
+        scope = ctx.enclosing(call, cst.FunctionDef) or ctx.module
+        if not isinstance(value, cst.Name):
+            return None
+        assigns = [a for a in ctx.within(scope, cst.Assign, skip_defs=True) if len(a.targets) == 1]
+        own = [a for a in assigns if dotted(a.targets[0].target) == value.value]
+        if not own or not all(isinstance(a.value, cst.Call) and isinstance(a.value.func, cst.Attribute)
+                              and a.value.func.attr.value == "state_dict" for a in own):
+            return None
+        merged = [c.args[0].value for c in ctx.within(scope, cst.Call, skip_defs=True)
+                  if isinstance(c.func, cst.Attribute) and c.func.attr.value == "update" and dotted(c.func.value) == value.value
+                  and len(c.args) == 1 and isinstance(c.args[0].value, cst.Name)]
+        if len({m.value for m in merged}) != 1:
+            return None
+        name = merged[0].value
+        loads = ("torch.load", RUNTIME + ".load")
+        bound = [a for a in assigns if dotted(a.targets[0].target) == name]
+        if any(isinstance(a.value, cst.Call) and ctx.resolve(a.value.func) == RUNTIME + ".strip_prefix" for a in bound):
+            return None  # stripped already (a second run)
+        chosen = None
+        for a in sorted(bound, key=lambda a: ctx.position(a) or 0):
+            v = a.value
+            inner = v.value if isinstance(v, cst.Subscript) else v
+            from_load = isinstance(inner, cst.Call) and ctx.resolve(inner.func) in loads or (
+                isinstance(inner, cst.Name) and inner.value == name and chosen is not None)
+            if not from_load:
+                break
+            chosen = v
+        return chosen
 
     def _placed_in_other_branch(self, call: cst.Call, loads: List[cst.Call]) -> bool:
         """`if args.gpu is None: torch.load(p)` / `else: torch.load(p, map_location=loc)` (the
