@@ -6,7 +6,7 @@ This rule edits `torch.load` calls and the *argument* of `load_state_dict`; the
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import libcst as cst
 
@@ -232,7 +232,9 @@ class LoadMapLocation(Rule):
             value = a.value
             if isinstance(value, cst.Call) and ctx.resolve(value.func) in (RUNTIME + ".strip_prefix",):
                 continue
-            source = self._merged_source(call, value)
+            merged, source = self._merged_source(call, value)
+            if merged and source is None:
+                continue  # its source is stripped already
             if source is not None:
                 # `model_dict = model.state_dict(); ...; model_dict.update(sd)`: the loaded keys are
                 # compared and merged with the plain model's before the load: strip them where loaded
@@ -251,31 +253,32 @@ class LoadMapLocation(Rule):
                                  "key prefixes; tm.strip_prefix loads them into the plain model",
                         edits=[replace(a, fix)], imports=[ctx.runtime_import()])
 
-    def _merged_source(self, call: cst.Call, value: cst.BaseExpression) -> Optional[cst.BaseExpression]:
+    def _merged_source(self, call: cst.Call, value: cst.BaseExpression) -> Tuple[bool, Optional[cst.BaseExpression]]:
         """`model.load_state_dict(model_dict)` where `model_dict = model.state_dict()` took in a
         loaded dict (`model_dict.update(sd)`, TSM's fine-tuning with its `.net` key remapping):
         the value of `sd`'s last assignment from the checkpoint before the function first reads it
         (`sd = sd["state_dict"]`, `sd = torch.load(path)`), where a strip makes its keys the
-        model's; None otherwise (or already stripped)."""
+        model's. (whether the load is of such a merged dict, that value or None: not found or
+        stripped already)."""
         ctx = self.ctx
         scope = ctx.enclosing(call, cst.FunctionDef) or ctx.module
         if not isinstance(value, cst.Name):
-            return None
+            return False, None
         assigns = [a for a in ctx.within(scope, cst.Assign, skip_defs=True) if len(a.targets) == 1]
         own = [a for a in assigns if dotted(a.targets[0].target) == value.value]
         if not own or not all(isinstance(a.value, cst.Call) and isinstance(a.value.func, cst.Attribute)
                               and a.value.func.attr.value == "state_dict" for a in own):
-            return None
+            return False, None
         merged = [c.args[0].value for c in ctx.within(scope, cst.Call, skip_defs=True)
                   if isinstance(c.func, cst.Attribute) and c.func.attr.value == "update" and dotted(c.func.value) == value.value
                   and len(c.args) == 1 and isinstance(c.args[0].value, cst.Name)]
         if len({m.value for m in merged}) != 1:
-            return None
+            return False, None
         name = merged[0].value
         loads = ("torch.load", RUNTIME + ".load")
         bound = [a for a in assigns if dotted(a.targets[0].target) == name]
         if any(isinstance(a.value, cst.Call) and ctx.resolve(a.value.func) == RUNTIME + ".strip_prefix" for a in bound):
-            return None  # stripped already (a second run)
+            return True, None  # stripped already (a second run)
         chosen = None
         for a in sorted(bound, key=lambda a: ctx.position(a) or 0):
             v = a.value
@@ -285,7 +288,7 @@ class LoadMapLocation(Rule):
             if not from_load:
                 break
             chosen = v
-        return chosen
+        return True, chosen
 
     def _placed_in_other_branch(self, call: cst.Call, loads: List[cst.Call]) -> bool:
         """`if args.gpu is None: torch.load(p)` / `else: torch.load(p, map_location=loc)` (the
