@@ -67,7 +67,7 @@ __all__ = [
     "shard_sampler", "reduce_meter", "reduce_batch_total", "per_rank_batch", "batch_rows", "sync_batchnorm", "synced", "to_float32",
     "save", "load", "strip_prefix", "load_state_dict", "seed_everything", "seed_per_rank", "main_only", "main_process_first", "goes_first",
     "shard_range", "rank_part", "shard_indices", "shard_mean", "shard_batches", "agreed", "on_main", "move_into_place", "to_device", "as_device", "device_arg", "all_rows",
-    "set_device", "data_parallel", "same_draws", "visible_devices", "parallel_part", "ParallelPart", "unsharded",
+    "set_device", "data_parallel", "same_draws", "visible_devices", "gpu_ids", "parallel_part", "ParallelPart", "unsharded",
 ]
 
 
@@ -157,6 +157,19 @@ def device() -> torch.device:
     that give each task one GPU), else ``cpu``; ``cpu`` too after ``setup(device="cpu")`` or
     with ``TORCHMIGRATE_DEVICE=cpu``. Does not create a CUDA context."""
     return _CTX.device if _CTX is not None else _rank_device()
+
+
+def gpu_ids() -> list:
+    """The GPU indices this process may use: ``[LOCAL_RANK's GPU]`` when distributed (one GPU per
+    rank), every visible GPU in one process (``list(range(torch.cuda.device_count()))``, what a
+    single-GPU program's DataParallel ``device_ids`` or ``f"cuda:{ids[0]}"`` reads), ``[]`` on
+    CPU ranks. For a program that keeps a list of its GPUs instead of one device."""
+    dev = device()
+    if dev.type != "cuda":
+        return []
+    if is_distributed():
+        return [dev.index]
+    return list(range(torch.cuda.device_count()))
 
 
 def _rank_device() -> torch.device:

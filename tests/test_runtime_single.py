@@ -171,6 +171,21 @@ def test_device_arg_makes_any_gpu_the_ranks_own(monkeypatch):
         parser.parse_args(["-d", "gpu please"])
 
 
+def test_gpu_ids_are_the_ranks_own_gpu_or_every_gpu_in_one_process(monkeypatch):
+    """`tm.gpu_ids()` for a program's `list(range(torch.cuda.device_count()))`: rank 1 of a
+    torchrun launch lists its own GPU only; one process lists every GPU; the CPU lists none."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(tm, "_ON_CPU", False)
+    monkeypatch.delenv("TORCHMIGRATE_DEVICE", raising=False)
+    assert tm.gpu_ids() == [0, 1, 2, 3]
+    for k, v in {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(k, v)
+    assert tm.gpu_ids() == [1]
+    monkeypatch.setenv("TORCHMIGRATE_DEVICE", "cpu")
+    assert tm.gpu_ids() == []
+
+
 def test_setup_device_other_than_cpu_is_refused(monkeypatch):
     monkeypatch.setattr(tm, "_ON_CPU", False)
     with pytest.raises(ValueError, match=r"setup\(device='cuda:1'\): only 'cpu'"):

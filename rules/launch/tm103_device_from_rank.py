@@ -116,6 +116,9 @@ class DeviceFromRank(Rule):
       `tm.setup()` the current GPU is the process's own, and a GPU index becomes
       `tm.local_rank()`. `.to("cuda:0")`, `.to(gpu_ids[0])` (the first of a list of GPU indices)
       and `device="cuda"` keywords of torch factories become `tm.device()`.
+    - In `ddp`, `list(range(torch.cuda.device_count()))` (a program's list of its GPUs, read as
+      `f"cuda:{ids[0]}"` or DataParallel's `device_ids`) becomes `tm.gpu_ids()`: the rank's own
+      GPU under torchrun, every visible GPU in one process.
     - `device = "cuda"` / `"cuda:0"` string variables become `tm.device()` when every use
       treats them as a device (`.to(device)`, `device=device`); when the script also compares
       or formats the string (`device == "cuda"`, `autocast(device_type=device)`), a
@@ -408,6 +411,9 @@ class DeviceFromRank(Rule):
                 self._device_ctx(call)
             elif name == "torch.set_default_tensor_type" and self.converting:
                 self._default_tensor_type(call)
+            elif name is None and isinstance(call.func, cst.Name) and call.func.value == "list" \
+                    and self.converting and self.ctx.options.mode == "ddp":
+                self._gpu_list(call)
             elif name is None and isinstance(call.func, cst.Attribute):
                 attr = call.func.attr.value
                 if attr == "cuda":
@@ -698,6 +704,22 @@ class DeviceFromRank(Rule):
             return
         if self._wrong(cuda_string(value)):
             self._fix(value, message + "; use tm.device()", replace_with(value, self._tm_device()))
+
+    def _gpu_list(self, call: cst.Call) -> None:
+        """`device = list(range(torch.cuda.device_count()))`, the program's list of its GPUs (then
+        `f"cuda:{device[0]}"`, `DataParallel(model, device_ids=device)`): every rank would name
+        GPU 0 first while its model sits on its own GPU. `tm.gpu_ids()`: the rank's own GPU
+        under torchrun, every visible GPU in one process."""
+        if len(call.args) != 1 or not isinstance(call.args[0].value, cst.Call):
+            return
+        inner = call.args[0].value
+        if self.ctx.resolve(inner.func) is not None or dotted(inner.func) != "range" or len(inner.args) != 1 \
+                or not isinstance(inner.args[0].value, cst.Call) \
+                or self.ctx.resolve(inner.args[0].value.func) != "torch.cuda.device_count":
+            return
+        self._fix(call, "a list of every visible GPU names GPU 0 first on every rank, while the rank's model is on its "
+                        "own GPU: tm.gpu_ids() lists the rank's own GPU under torchrun, every GPU in one process",
+                  replace_with(call, expr(f"{self.ctx.tm}.gpu_ids()")))
 
     def _default_tensor_type(self, call: cst.Call) -> None:
         """`torch.set_default_tensor_type("torch.cuda.FloatTensor")`: new tensors on the current
