@@ -186,8 +186,27 @@ def initial_value(ctx: Context, loop: cst.CSTNode, name: str) -> Tuple[bool, Opt
 
 
 def starts_empty_list(ctx: Context, loop: cst.CSTNode, name: str) -> bool:
+    """`name = []` before `loop` in the same pass of any enclosing loop; or emptied at the end of
+    each pass of the enclosing loop instead, having started empty before it (`train_losses = []`
+    above `for epoch`, then `train_losses = []` after the mean at the end of each epoch)."""
     found, value = initial_value(ctx, loop, name)
-    return found and value is not None and _empty_list(value)
+    if found:
+        return value is not None and _empty_list(value)
+    outer = next((a for a in ctx.ancestors(loop) if isinstance(a, (cst.For, cst.While, cst.FunctionDef, cst.Module))),
+                 None)
+    if not isinstance(outer, (cst.For, cst.While)) or not isinstance(outer.body, cst.IndentedBlock):
+        return False
+    body = list(outer.body.body)
+    inner = next((s for s in body if s is loop or any(a is s for a in ctx.ancestors(loop))), None)
+    if inner is None:
+        return False
+    emptied = False
+    for s in body[body.index(inner) + 1:]:
+        found, value = _assigned(s, name)
+        if found:
+            emptied = value is not None and _empty_list(value)
+    before, start = initial_value(ctx, outer, name)
+    return emptied and before and start is not None and _empty_list(start)
 
 
 _SPANNED = (cst.For, cst.Assign, cst.AnnAssign, cst.AugAssign)
