@@ -190,10 +190,6 @@ def _makes_loader(ctx: Context, call: cst.Call, func: str, depth: int) -> bool:
     return bool(returns) and all(is_batch_source(ctx, r.value, depth + 1) for r in returns)
 
 
-def _inside_node(ctx: Context, node: cst.CSTNode, container: cst.CSTNode) -> bool:
-    return any(anc is container for anc in ctx.ancestors(node))
-
-
 _PARAM = cst.Name("__param__")  # marks a parameter among a name's bindings
 
 
@@ -386,10 +382,11 @@ class _Kinds:
                 continue
             if not is_batch_source(ctx, loop.iter):
                 return False
+            # source order: what lies between the body's start and the read lies inside the body
             start = ctx.position(loop.body) or 0
             return not any(start <= (ctx.position(n) or 0) < where and _binding(ctx, n) is not None
                            and ctx.statement_of(n) is not ctx.statement_of(node)
-                           for n in ctx.named(node.value) if n is not node and _inside_node(ctx, n, loop.body))
+                           for n in ctx.named(node.value) if n is not node)
         return False
 
     def binding_kind(self, value, how) -> Optional[str]:
