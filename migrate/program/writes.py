@@ -382,20 +382,25 @@ def _private_temp_names(ctx: Context, scope: cst.CSTNode) -> Set[str]:
     seeds = {item.asname.name.value for w in ctx.within(scope, cst.With, skip_defs=True) for item in w.items
              if isinstance(item.item, cst.Call) and ctx.resolve(item.item.func) in effects.PRIVATE_TEMPS
              and item.asname is not None and isinstance(item.asname.name, cst.Name)}
-    removed = {c.args[0].value.value for c in ctx.within(scope, cst.Call, skip_defs=True)
-               if ctx.resolve(c.func) == "shutil.rmtree" and c.args and isinstance(c.args[0].value, cst.Name)}
-    bindings = [(targets,  # `fd, path = mkstemp()`
+    bindings = [({n.value for t in a.targets for n in _bound_names(t.target)},  # `fd, path = mkstemp()`
                  isinstance(a.value, cst.Call) and ctx.resolve(a.value.func) in effects.PRIVATE_TEMPS
-                 and not effects.kept_run_folder(ctx.resolve(a.value.func), mkdtemp_dir_given(a.value),
-                                                 bool(targets & removed)),
+                 and not kept_run_folder(ctx, a),
                  {n.value for n in iter_nodes(a.value) if isinstance(n, cst.Name)})
-                for a in ctx.within(scope, cst.Assign, skip_defs=True)
-                for targets in [{n.value for t in a.targets for n in _bound_names(t.target)}]]
+                for a in ctx.within(scope, cst.Assign, skip_defs=True)]
     return effects.temp_names(seeds, bindings)
 
 
-def mkdtemp_dir_given(call: cst.Call) -> bool:
-    """`mkdtemp(suffix, prefix, dir)`: the folder is named (keyword or third positional)."""
-    return len([a for a in call.args if a.keyword is None]) >= 3 or any(
+def kept_run_folder(ctx: Context, assign: cst.Assign) -> bool:
+    """`run_path = tempfile.mkdtemp(prefix=run_id, dir=experiment_dir)` whose names its scope never
+    removes (`shutil.rmtree(run_path)`): the run's output folder (`effects.kept_run_folder`)."""
+    call = assign.value
+    if not isinstance(call, cst.Call):
+        return False
+    targets = {n.value for t in assign.targets for n in _bound_names(t.target)}
+    scope = ctx.enclosing(assign, cst.FunctionDef) or ctx.module
+    removed = any(ctx.resolve(c.func) == "shutil.rmtree" and c.args and isinstance(c.args[0].value, cst.Name)
+                  and c.args[0].value.value in targets for c in ctx.within(scope, cst.Call, skip_defs=True))
+    dir_given = len([a for a in call.args if a.keyword is None]) >= 3 or any(
         a.keyword is not None and a.keyword.value == "dir" for a in call.args)
+    return effects.kept_run_folder(ctx.resolve(call.func), dir_given, removed)
 

@@ -16,8 +16,7 @@ from torchmigrate.program.metrics import is_load
 from torchmigrate.program.effects import CLOCK, EXISTS_TESTS, MKDIR, NUMPY, OUTPUT, PROBE, READ, RANDOM, WRITE
 from torchmigrate.program.rank_guards import collective_guard
 from torchmigrate.program.syntax import next_statement
-from torchmigrate.program import effects
-from torchmigrate.program.writes import call_kinds, mkdtemp_dir_given
+from torchmigrate.program.writes import call_kinds, kept_run_folder
 from torchmigrate.rules._active import active
 from torchmigrate.rules.launch.base import SEEDERS, per_sample
 from torchmigrate.rules.launch.streams import agreed_draws, batch_permutation, in_broadcast
@@ -540,7 +539,7 @@ class AgreedDraws(Rule):
 
     def _run_folder(self, call: cst.Call) -> None:
         """`run_path = tempfile.mkdtemp(prefix=run_id, dir=experiment_dir)`, the run's output folder
-        (`effects.kept_run_folder`: named inside the program's folders, never removed): each rank
+        (`writes.kept_run_folder`: named inside the program's folders, never removed): each rank
         would make a folder of its own and write its run there. `tm.on_main(tempfile.mkdtemp,
         ...)`: the main process makes it, every rank gets its name."""
         ctx = self.ctx
@@ -549,10 +548,7 @@ class AgreedDraws(Rule):
                 and isinstance(assign.targets[0].target, cst.Name)) or any(a.star for a in call.args):
             return
         target = assign.targets[0].target.value
-        scope = ctx.enclosing(call, cst.FunctionDef) or ctx.module
-        removed = any(ctx.resolve(c.func) == "shutil.rmtree" and c.args and dotted(c.args[0].value) == target
-                      for c in ctx.within(scope, cst.Call, skip_defs=True))
-        if not effects.kept_run_folder("tempfile.mkdtemp", mkdtemp_dir_given(call), removed):
+        if not kept_run_folder(ctx, assign):
             return
         func = ctx.enclosing(call, cst.FunctionDef)
         if (func is not None and self._per_sample(func)) or collective_guard(ctx, call) is not None \
