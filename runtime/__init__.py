@@ -845,6 +845,10 @@ class _DDP(_ModuleFace, DistributedDataParallel):
       called, but its submodules or methods were reached through it (``model.encoder(x)``,
       ``model.compute_loss(batch)``), is averaged the same way. A backward through
       ``tm.unwrap(model)`` alone is left alone, as DDP would (it may run on one rank only).
+    - a forward that runs backwards itself (a model whose ``forward(x, mode)`` performs the
+      generator's or the discriminator's update) is never served by DDP's reducer, which is
+      armed only when the forward returns: from the first such backward, each backward's
+      gradients are averaged when it ends, and rank 0 says once where it runs.
     - a module with no ``forward`` of its own (an ``nn.ModuleList``/``nn.ModuleDict`` of what
       the optimizer trains, a holder class) is never called: the program calls its members
       through other references (``module_list[0](x)`` where ``trainable_list`` was wrapped).
@@ -877,6 +881,8 @@ class _DDP(_ModuleFace, DistributedDataParallel):
             "manual" if self._tm_container else "probe")
         self._tm_armed = False  # the wrapper's forward ran (with gradients) since the last backward
         self._tm_outside = False  # a submodule or method was reached through the wrapper since then
+        self._tm_forwarding = 0  # forwards of this wrapper under way (a backward inside one: `_tm_inner`)
+        self._tm_inner = False  # a backward ran inside the last forward: the next forward starts a step
         self._tm_queued = False  # the end-of-backward callback is queued
         self._tm_touched: set = set()
         self._tm_steps = 0
@@ -900,8 +906,13 @@ class _DDP(_ModuleFace, DistributedDataParallel):
         # backward (a GAN's discriminator on real and fake batches) would otherwise have its
         # BatchNorm statistics overwritten in place while the first call's graph still needs them
         # ("modified by an inplace operation" at the backward, with DDP's own broadcast).
-        first = not self._tm_armed
-        out = self._tm_step_forward(first, *inputs, **kwargs)
+        first = not self._tm_armed or self._tm_inner
+        self._tm_inner = False
+        self._tm_forwarding += 1
+        try:
+            out = self._tm_step_forward(first, *inputs, **kwargs)
+        finally:
+            self._tm_forwarding -= 1
         if first and self._tm_steps == 1 and sum(1 for _ in self.module.parameters()) > self._tm_count:
             _watch_steps()  # parameters registered by the first forward, which DDP never saw: see `_unfrozen`
         return out
@@ -942,7 +953,16 @@ class _DDP(_ModuleFace, DistributedDataParallel):
     def _tm_after_backward(self) -> None:
         """End of a backward that reached this model's parameters (queued by ``_on_grad``)."""
         touched, self._tm_touched, self._tm_queued = self._tm_touched, set(), False
-        armed, outside, self._tm_armed, self._tm_outside = self._tm_armed, self._tm_outside, False, False
+        inside = self._tm_forwarding > 0 and self._tm_armed
+        # a backward inside the forward (the model runs its own update) leaves the forward armed:
+        # more may follow in it, and a loss it returns may be backpropagated after it
+        armed, outside, self._tm_armed, self._tm_outside = self._tm_armed, self._tm_outside, inside, False
+        if inside:
+            self._tm_inner = True
+            if self._tm_mode != "manual":
+                self._tm_backward_inside_forward()
+            _average_grads(self._tm_params, op=self._tm_op)
+            return
         if not (armed or outside or self._tm_container):
             if self._tm_steps == 0:
                 # the program trains around the wrapper (a training loop in a method of the model
@@ -958,6 +978,26 @@ class _DDP(_ModuleFace, DistributedDataParallel):
         if self._tm_mode == "probe":
             self._tm_decide(touched)
         _average_grads(self._tm_params, op=self._tm_op)
+
+    def _tm_backward_inside_forward(self) -> None:
+        """A backward ran inside the wrapper's forward: the model's forward runs its own update
+        (``loss.backward()`` per mode, a GAN's generator and discriminator steps). DDP's reducer
+        is armed only when its forward returns, so it averages none of these, or the wrong step's.
+        The wrapper averages every such backward by hand from now on ("manual"), weights taken
+        from rank 0 first where they differ (the first step: no optimizer has stepped), and rank 0
+        says once where."""
+        if self._tm_steps <= 1:
+            params = list(self.module.parameters())
+            if _differ_across_ranks(params):
+                _broadcast_tensors(params)
+        self._tm_mode = "manual"
+        if is_main():
+            frame = _user_frame(sys._getframe(2))
+            where = f" at {frame.f_code.co_filename}:{frame.f_lineno}" if frame is not None else ""
+            _warn(f"a backward{where} runs inside the forward of {type(self.module).__name__}, which DDP's reducer "
+                  "cannot average (it is armed when the forward returns): each such backward's gradients are "
+                  "averaged across ranks when it ends instead (correct, without DDP's overlap of communication "
+                  "and backward)")
 
     def _tm_warn_bypass(self) -> None:
         """The first backward to reach the parameters came before any training forward through

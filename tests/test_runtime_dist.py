@@ -499,6 +499,14 @@ def test_a_summed_loss_sums_gradients_to_the_one_process_step(nets):
         assert r["summed"] == pytest.approx(r["summed_reference"], rel=1e-5, abs=1e-6)
 
 
+def test_a_forward_that_runs_its_own_backwards_is_averaged_like_one_process(nets):
+    for r in nets["r"]:
+        assert r["self_updating_mode"] == "manual"
+        assert r["self_updating"] == pytest.approx(r["self_updating_reference"], rel=1e-5, abs=1e-6)
+    lines = [line for line in nets["output"].splitlines() if "runs inside the forward of" in line]
+    assert len(lines) == 1 and "SelfUpdating" in lines[0] and "nets.py:" in lines[0]
+
+
 def test_a_model_trained_around_its_wrapper_is_named_once(nets):
     lines = [line for line in nets["output"].splitlines() if "before any training forward" in line]
     assert len(lines) == 1 and "Bypassed" in lines[0] and "nets.py:" in lines[0]

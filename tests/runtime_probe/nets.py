@@ -119,6 +119,41 @@ class SparseGraph(nn.Module):
         return self.fc(torch.sparse.mm(features, torch.eye(4)))
 
 
+class SelfUpdating(nn.Module):
+    """A GAN whose forward runs its own backward passes, per mode (FUNIT's shape): the
+    discriminator's two, the second after a retained graph, and the generator's one."""
+
+    def __init__(self):
+        super().__init__()
+        self.gen, self.dis = nn.Linear(4, 4), nn.Linear(4, 1)
+
+    def forward(self, x, mode):
+        if mode == "dis":
+            real = self.dis(x).mean()
+            real.backward(retain_graph=True)
+            fake = self.dis(self.gen(x).detach()).mean()
+            (-fake).backward()
+            return (real - fake).detach()
+        loss = -self.dis(self.gen(x)).mean()
+        loss.backward()
+        return loss.detach()
+
+
+def self_updating_steps(model, batches):
+    """Alternating discriminator and generator steps, each optimizer stepping what the forward
+    left in the gradients."""
+    plain = tm.unwrap(model)
+    d_opt = torch.optim.SGD(plain.dis.parameters(), lr=0.1)
+    g_opt = torch.optim.SGD(plain.gen.parameters(), lr=0.1)
+    for x in batches:
+        d_opt.zero_grad()
+        model(x, "dis")
+        d_opt.step()
+        g_opt.zero_grad()
+        model(x, "gen")
+        g_opt.step()
+
+
 class Bypassed(nn.Linear):
     """A model the probe trains around its wrapper."""
 
@@ -364,6 +399,18 @@ def main(outdir):
         torch.nn.functional.mse_loss(reference(x), y, reduction="sum").backward()
         ref_opt.step()
     res["summed"], res["summed_reference"], res["summed_mode"] = flat(tm.unwrap(summed)), flat(reference), summed._tm_mode
+
+    # a forward that runs its own backwards: each rank's half of the batch, averaged, makes the
+    # steps one process takes on the whole batch (the losses are means)
+    torch.manual_seed(13)
+    reference = SelfUpdating()
+    updating = tm.wrap_model(copy.deepcopy(reference))
+    shared = torch.Generator().manual_seed(17)
+    batches = [torch.randn(6, 4, generator=shared) for _ in range(3)]
+    self_updating_steps(updating, [x[3 * tm.rank():3 * tm.rank() + 3] for x in batches])
+    self_updating_steps(reference, batches)
+    res["self_updating"], res["self_updating_reference"] = flat(tm.unwrap(updating)), flat(reference)
+    res["self_updating_mode"] = updating._tm_mode
 
     # trained through another reference (an alias the wrap did not rebind): said once, on rank 0
     bypassed_plain = Bypassed(4, 1)
