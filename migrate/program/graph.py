@@ -31,8 +31,14 @@ _STDLIB = frozenset(getattr(sys, "stdlib_module_names", ())) | {"__future__"}  #
 
 ROOT_MARKERS = ("pyproject.toml", "setup.py", "setup.cfg", ".git")
 # how far above a script with no project marker its own `sys.path` edits may widen the project
-# (`".."`, `"../.."`); further up is the user's home or a shared folder, not this program
+# (`".."`, `"../.."`); further up is the user's home or a shared folder, not this program,
+# unless that folder is the top of a repository copied without its `.git` (`REPOSITORY_FILES`)
 MAX_LEVELS_UP = 2
+# files at the top of a repository's copy (an archive, a download): with one of them, a folder
+# far above the script that the program puts on its `sys.path` (`'../../../../'` from
+# `experiments/<dataset>/<method>/<backbone>/train.py`) is the program's own code
+REPOSITORY_FILES = ("README.md", "README.rst", "README.txt", "README", "LICENSE", "LICENSE.md", "LICENSE.txt",
+                    "requirements.txt", "environment.yml", ".gitignore")
 
 
 def project_root(script: Path, fs: FileSystem = PLAIN) -> Path:
@@ -315,6 +321,7 @@ def _follow(entries: List[Path], roots: Dict[Path, Path], trees: Dict[Path, ast.
             imported = []
         local = [(line, name) for line, name in misses
                  if name.startswith(".") or name.split(".")[0] in search.names(scope)]
+        local += _beyond_scope(misses, local, search.code.get(entry_dir, ()), scope, root, fs, path, entry_dir)
         if any(not name.startswith(".") for _, name in local):
             search.look_further(scope)  # the project's own code, found nowhere yet
         if local or unknown:
@@ -497,6 +504,27 @@ class _Search:
         return self._configured[key][2]
 
 
+def _beyond_scope(misses: List[Tuple[int, str]], local: List[Tuple[int, str]], added: Sequence[Path],
+                  scope: Path, root: Path, fs: FileSystem, path: Path, entry_dir: Path) -> List[Tuple[int, str]]:
+    """Missed imports found in a folder the program puts on `sys.path` outside what the tool
+    takes for the project (a home or shared folder far above the script): not followed, and
+    named with that folder, so the report never says the program is done without them."""
+    outside = [d for d in added if not _inside(d / "x.py", scope)]
+    if not outside:
+        return []
+    resolver = _Resolver(root, fs, outside)
+    out = []
+    for line, name in misses:
+        if (line, name) in local or name.startswith("."):
+            continue
+        for folder in outside:
+            if resolver.module_file(folder, name) is not None or fs.exists(folder.joinpath(*name.split("."))):
+                out.append((line, f"{name} (in {folder}, which the program puts on sys.path outside the project "
+                                  f"the tool found: run it from that folder to migrate them together)"))
+                break
+    return out
+
+
 def _path_scope(root: Path, entry_dir: Path, added: Sequence[Path] = (), fs: FileSystem = PLAIN) -> Path:
     """Where PYTHONPATH and `sys.path` folders may lead: the project root; for a script with no
     project marker above it (a copy of a repository without its `.git`), the working directory
@@ -513,9 +541,19 @@ def _path_scope(root: Path, entry_dir: Path, added: Sequence[Path] = (), fs: Fil
             common = Path(os.path.commonpath([entry_dir, folder]))
         except ValueError:  # another drive
             continue
-        if len(entry_dir.relative_to(common).parts) <= MAX_LEVELS_UP and _inside(scope / "x.py", common):
+        if _inside(scope / "x.py", common) and (
+                len(entry_dir.relative_to(common).parts) <= MAX_LEVELS_UP or _repository_top(common, fs)):
             scope = common
     return scope
+
+
+def _repository_top(folder: Path, fs: FileSystem = PLAIN) -> bool:
+    """The folder holds what a repository's top holds (`REPOSITORY_FILES`) and is not the
+    user's home, the file system's root or a folder above the home."""
+    home = Path.home().resolve()
+    if folder.parent == folder or folder == home or _inside(home / "x.py", folder):
+        return False
+    return any(fs.exists(folder / name) for name in REPOSITORY_FILES)
 
 
 def _pythonpath() -> List[Path]:

@@ -96,14 +96,40 @@ def test_sys_path_above_a_copy_without_project_markers(tmp_path, monkeypatch, ru
     assert found in names(graph.build([tmp_path / "Code/main_training/main.py"]).modules, tmp_path)
 
 
-def test_sys_path_far_above_a_copy_without_markers_is_not_followed(tmp_path, monkeypatch):
-    """Three folders up is a home or shared folder, not the program's code."""
+def test_sys_path_far_above_a_copy_without_markers_is_not_followed_and_is_named(tmp_path, monkeypatch):
+    """Three folders up, in a folder with nothing of a repository's top, is a home or shared
+    folder, not the program's code: not followed, and listed as not followed with that folder."""
     write(tmp_path, {
-        "a/b/c/train.py": "import sys\nsys.path.append('../../..')\nfrom helper import x\n",
+        "a/b/c/train.py": "import sys\nsys.path.append('../../..')\nfrom helper import x\nimport numpy\n",
         "helper.py": "x = 1\n",
     })
     monkeypatch.chdir(tmp_path / "a/b/c")
-    assert names(graph.build([tmp_path / "a/b/c/train.py"]).modules, tmp_path) == ["a/b/c/train.py"]
+    built = graph.build([tmp_path / "a/b/c/train.py"])
+    assert names(built.modules, tmp_path) == ["a/b/c/train.py"]
+    [(line, name)] = built.unresolved[tmp_path / "a/b/c/train.py"]  # numpy is not listed
+    assert line == 3 and name.startswith(f"helper (in {tmp_path}, which the program puts on sys.path")
+
+
+@pytest.mark.parametrize("top_file", ["README.md", ".gitignore", "requirements.txt", "LICENSE"])
+@pytest.mark.parametrize("edit", ["sys.path.append('../../../../')",
+                                  "sys.path.insert(0, str(Path(__file__).resolve().parents[4]))"])
+def test_sys_path_far_above_to_the_top_of_a_repository_copy_is_followed(tmp_path, monkeypatch, top_file, edit):
+    """`experiments/<dataset>/<method>/<backbone>/train.py` putting the repository's top on its
+    path, four folders up, in a copy without `.git`: that top holds a README, a licence, a
+    requirements file or a .gitignore, so it is the program's code, followed from any folder."""
+    write(tmp_path, {
+        top_file: "",
+        "experiments/cub/frn/conv4/train.py": f"import sys\nfrom pathlib import Path\n{edit}\n"
+                                              "from trainers import trainer\nfrom models.frn import FRN\n",
+        "trainers/trainer.py": "def train(): pass\n",
+        "models/__init__.py": "",
+        "models/frn.py": "class FRN: pass\n",
+    })
+    monkeypatch.chdir(tmp_path / "experiments/cub/frn/conv4")
+    built = graph.build([tmp_path / "experiments/cub/frn/conv4/train.py"])
+    assert names(built.modules, tmp_path) == [
+        "experiments/cub/frn/conv4/train.py", "models/__init__.py", "models/frn.py", "trainers/trainer.py"]
+    assert not built.unresolved
 
 
 @pytest.mark.parametrize("line", ["from .functions import *", "from layers.functions import *",
