@@ -209,7 +209,7 @@ def starts_empty_list(ctx: Context, loop: cst.CSTNode, name: str) -> bool:
     return emptied and before and start is not None and _empty_list(start)
 
 
-_SPANNED = (cst.For, cst.Assign, cst.AnnAssign, cst.AugAssign)
+_SPANNED = (cst.For, cst.While, cst.Assign, cst.AnnAssign, cst.AugAssign)
 
 
 class SourceIndex:

@@ -167,7 +167,7 @@ class GatherListMean(Rule):
         gathered: Set[str] = set()
         for loop, names in loops.items():
             lists = [n for n in names if gathered_for_mean(ctx, loop, n) and not self._shown_each_step(loop, n)]
-            self._gather_at_reads(loop, [n for n in names if n not in lists])
+            gathered |= self._gather_at_reads(loop, [n for n in names if n not in lists])
             if not lists:
                 continue  # (a loader every rank iterates in full: its means are the whole data's)
             gathered.update(lists)
@@ -222,13 +222,15 @@ class GatherListMean(Rule):
                               "where it is read", edits=_gathered_where_read(ctx, reads), imports=[ctx.runtime_import()])
         return done
 
-    def _gather_at_reads(self, loop: cst.For, names: List[str]) -> None:
+    def _gather_at_reads(self, loop: cst.For, names: List[str]) -> Set[str]:
         """`mean_correct = []` before the epoch loop, `mean_correct.append(acc)` in each batch
         loop, `np.mean(mean_correct)` after it: a list of per-batch values kept across epochs and
         read as a mean. Gathered where it is read, `np.mean(tm.gather_list(mean_correct))`, so
         each rank keeps only its own values (a gather after the loop, assigned back, would hold
-        every rank's earlier values once per rank by the next epoch)."""
+        every rank's earlier values once per rank by the next epoch). Returns the lists gathered
+        (their values are not also averaged as they are recorded: `_step_histories`)."""
         ctx = self.ctx
+        done: Set[str] = set()
         for name in names:
             outer = [a for a in ctx.ancestors(loop) if isinstance(a, (cst.For, cst.While))
                      and ctx.enclosing(a, cst.FunctionDef) is ctx.enclosing(loop, cst.FunctionDef)]
@@ -243,9 +245,11 @@ class GatherListMean(Rule):
                      and is_load(ctx, n) and binding_of(ctx, n) is None and not _reduced(ctx, n, "gather_list")]
             if not reads:
                 continue
+            done.add(name)
             self.report(loop, f"the mean of `{name}` covers this rank's batches only (a list kept across epochs): "
                               "gather every rank's values where it is read", edits=_gathered_where_read(ctx, reads),
                         imports=[ctx.runtime_import()])
+        return done
 
     def _shown_each_step(self, loop: cst.For, name: str) -> bool:
         """The list `name` of a training loop (`loss_G_train += [loss_G.item()]`) is also read in
