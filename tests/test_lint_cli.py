@@ -406,6 +406,37 @@ def test_rule_crash_is_reported_and_the_rest_processed(tmp_path, run_cli, fake_r
     assert names[9].read_text() == "import torch\ntorch.crash()\n"
 
 
+def test_a_rule_that_fails_on_a_file_is_skipped_there_and_the_other_rules_changes_kept(tmp_path, run_cli, fake_rules):
+    """One rule's bug must not cost the file every other rule's change: the failing rule is
+    left out of that file's run, the error names it, and the exit code still says so."""
+    name = tmp_path / "train.py"
+    name.write_text(AMP_SCRIPT.read_text() + "torch.crash()\n")
+    result = run_cli("lint", "--fix", "--select", "TM406,TM992", name)
+    assert result.exit_code == 2
+    [err] = result.stderr.splitlines()
+    assert "internal error (ValueError: boom) in TM992, which was skipped for this file" in err
+    assert name.read_text() == AMP_EXPECTED.read_text() + "torch.crash()\n"
+
+
+def test_a_migration_names_what_a_failing_rule_left_undone(tmp_path, run_cli, fake_rules, monkeypatch):
+    """Under `ddp`, the report says the file was processed without the rule and counts what it
+    does as NOT DONE; the data is still sharded and the model wrapped by the other rules."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / ".git").write_text("")
+    (tmp_path / "train.py").write_text(
+        "import torch\nfrom torch.utils.data import DataLoader, TensorDataset\n\n"
+        "model = torch.nn.Linear(4, 1)\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "loader = DataLoader(TensorDataset(torch.randn(8, 4), torch.randn(8, 1)), batch_size=2, shuffle=True)\n"
+        "for x, y in loader:\n    loss = ((model(x) - y) ** 2).mean()\n    opt.zero_grad()\n"
+        "    loss.backward()\n    opt.step()\ntorch.crash()\n")
+    result = run_cli("ddp", "--select", "TM101,TM201,TM301,TM992", "train.py")
+    assert result.exit_code == 2, result.output
+    text = (tmp_path / "train.py").read_text()
+    assert "tm.sampler(" in text and "tm.wrap_model(" in text
+    assert "TM992 failed on train.py (an internal error, see errors above) and was skipped there" in result.output
+    assert "1 file processed without a rule that failed on it" in result.output
+
+
 def test_parallel_output_is_deterministic(tmp_path):
     src = tmp_path / "src"
     names = _mixed_tree(src)

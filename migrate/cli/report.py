@@ -47,7 +47,8 @@ def summary_line(outcomes: Sequence[Outcome], dry_run: bool, ddp: bool = False,
     n_files = sum(1 for o in outcomes if o.changed)
     attention = sum(len(o.open_records) for o in outcomes)
     missing = len(not_done(outcomes, unresolved)) if ddp else 0
-    n_errors = sum(1 for o in outcomes if o.error)
+    n_errors = sum(1 for o in outcomes if o.error and not o.skipped_rules)
+    n_partial = sum(1 for o in outcomes if o.skipped_rules)
     checked = len(outcomes) - n_errors
     need = f"{_plural(attention, 'finding')} {'needs' if attention == 1 else 'need'} attention"
     if not n_files:
@@ -63,6 +64,8 @@ def summary_line(outcomes: Sequence[Outcome], dry_run: bool, ddp: bool = False,
         line += f" NOT DONE under torchrun: {missing} (see above)."
     if n_errors:
         line += f" {_plural(n_errors, 'file')} could not be processed (see errors above)."
+    if n_partial:
+        line += f" {_plural(n_partial, 'file')} processed without a rule that failed on it (see errors above)."
     return line
 
 
@@ -85,7 +88,8 @@ def program_lines(outcomes: Sequence[Outcome], followed: Sequence[Path]) -> List
     imported = [o for o in outcomes if os.path.realpath(o.path) in keys]
     lines = [f"Program: {len(outcomes)} files ({_plural(len(imported), 'module')} found through imports)"]
     for o in outcomes:
-        state = "error" if o.error else ("changed" if o.changed else "unchanged")
+        state = "error" if o.error and not o.skipped_rules else ("changed" if o.changed else "unchanged")
+        state += f", without {', '.join(o.skipped_rules)}" if o.skipped_rules else ""
         how = "launch commands" if o.launch else "imported" if o in imported else "given"
         lines.append(f"  {o.path}  [{how}, {state}]")
     return lines
@@ -144,6 +148,11 @@ def not_done(outcomes: Sequence[Outcome], unresolved: Sequence[str] = ()) -> Lis
     if unresolved:
         out.append(f"{_plural(len(unresolved), 'import')} of the program's own code not followed (see \"Not "
                    "followed\"): whatever those modules train, load, save or print is NOT migrated")
+    for o in outcomes:
+        if o.skipped_rules:
+            out.append(f"{', '.join(o.skipped_rules)} failed on {o.path} (an internal error, see errors above) and "
+                       f"{'was' if len(o.skipped_rules) == 1 else 'were'} skipped there: what "
+                       f"{'it does' if len(o.skipped_rules) == 1 else 'they do'} is NOT done in that file")
     writes = every_rank_writes(outcomes)
     if writes:
         shown = ", ".join(writes[:6]) + (f", +{len(writes) - 6} more" if len(writes) > 6 else "")

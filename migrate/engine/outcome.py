@@ -36,6 +36,9 @@ class Outcome:
     written: bool = False
     diff: str = ""
     error: Optional[Tuple[int, int, str]] = None
+    # rules that failed on this file and were left out of its run (`error` says how): the other
+    # rules' changes were kept, and what these do is not done in this file
+    skipped_rules: Tuple[str, ...] = ()
     vendored: Optional[str] = None
     # with `Job.together`: the new bytes and the read's stamp, for `write_together`
     pending: Optional[Tuple[bytes, Tuple[int, int, int]]] = None

@@ -66,7 +66,19 @@ def process_file(path: str, job: Job, given: Optional[files.Decoded] = None) -> 
         rules = [get_rule(code) for code in codes]
         decoded = given or files.read(Path(path))
         view = job.program.get(os.path.realpath(path)) if job.program else None
-        result = process_source(decoded.text, path, options, rules, view, job.fix_edits)
+        skipped: List[Tuple[str, Exception]] = []
+        while True:
+            try:
+                result = process_source(decoded.text, path, options, rules, view, job.fix_edits)
+                break
+            except InputError:
+                raise
+            except Exception as exc:
+                failing = _failing_rule(exc, rules)
+                if failing is None or len(skipped) >= MAX_SKIPPED_RULES:
+                    raise
+                skipped.append((failing.code, exc))
+                rules = [r for r in rules if r is not failing]
         # a migration's findings are found on the source as read; once it is written (or
         # printed), they point into the file the user opens next
         where = (line_map(result.source, result.new_source)
@@ -100,6 +112,12 @@ def process_file(path: str, job: Job, given: Optional[files.Decoded] = None) -> 
                                                        entry=view is None or view.is_entry)
         if job.vendor_runtime and job.write and uses_runtime and not job.together:
             outcome.vendored = vendor_runtime(Path(path).parent)
+        if skipped:
+            outcome.skipped_rules = tuple(code for code, _ in skipped)
+            outcome.error = (1, 0, "; ".join(
+                f"internal error ({type(exc).__name__}: {_short(exc)}) in {code}, which was skipped for this file "
+                f"(what it does is NOT done here; the other rules' changes were kept); please report it"
+                for code, exc in skipped))
     except InputError as exc:
         _failed(outcome, exc.line, exc.col, exc.message)
     except Exception as exc:  # a bug in a rule or the engine: report it, keep going
@@ -140,7 +158,7 @@ def write_together(outcomes: Sequence[Outcome], job: Job, groups: Sequence[Seque
     sets = [list(g) for g in groups] + [[p] for p in by_path if p not in grouped]
     for group in sets:
         ready = [by_path[os.path.realpath(p)] for p in group if os.path.realpath(p) in by_path]
-        ready = [o for o in ready if o.pending is not None and o.error is None]
+        ready = [o for o in ready if o.pending is not None and (o.error is None or o.skipped_rules)]
         try:
             files.write_all([(Path(o.path), o.pending[0], o.pending[1]) for o in ready])
         except files.ChangeSetError as exc:
@@ -158,6 +176,34 @@ def write_together(outcomes: Sequence[Outcome], job: Job, groups: Sequence[Seque
             o.written = True
             if job.vendor_runtime and o.uses_runtime:
                 o.vendored = vendor_runtime(Path(o.path).parent)
+
+
+# rules that may fail on one file before it is given up (left unchanged, as for any other failure)
+MAX_SKIPPED_RULES = 3
+
+
+def _failing_rule(exc: Exception, rules: Sequence[type]) -> Optional[type]:
+    """The rule whose code raised `exc`: the innermost frame of its traceback whose `self` is
+    one of `rules` (a helper or a family's plan called from the rule sits deeper, without one).
+    None for a failure of the engine or of the shared facts: then no rule can be blamed, and
+    the file is left as it was. Read only after a failure: nothing is wrapped on the way."""
+    kinds = tuple(rules)
+    found = None
+    tb = exc.__traceback__
+    while tb is not None:
+        owner = tb.tb_frame.f_locals.get("self")
+        if kinds and isinstance(owner, kinds):
+            found = type(owner)
+        tb = tb.tb_next
+    return found
+
+
+def _short(exc: Exception) -> str:
+    """The exception's message, one line of at most 120 characters (a KeyError of a syntax node
+    prints the whole node)."""
+    text = str(exc).strip().splitlines()
+    line = text[0] if text else ""
+    return line if len(line) <= 120 else line[:117] + "..."
 
 
 def _failed(outcome: Outcome, line: int, col: int, message: str) -> None:
