@@ -240,8 +240,43 @@ def _calls_by_name(f: Facts) -> Dict[str, List[int]]:
 
 
 def is_distributed(ctx: Context) -> bool:
-    """The file already sets up or uses torch.distributed / DDP / the runtime."""
-    return _cached(ctx, "is_distributed", lambda: bool(calls_to(ctx, *DISTRIBUTED_MARKERS)))
+    """The file already sets up or uses torch.distributed / DDP / the runtime. In a migration, a
+    DistributedSampler built only behind the program's own flag (`DistributedSampler(ds) if
+    args.ngpu > 1 else None`, `if args.distributed: sampler = ...`) does not count: that flag is
+    off in the run being migrated, so the file shards nothing and places nothing by rank."""
+    def markers() -> bool:
+        calls = calls_to(ctx, *DISTRIBUTED_MARKERS)
+        if ctx.options.migrating:
+            calls = [c for c in calls if not _flagged_sampler(ctx, c)]
+        return bool(calls)
+
+    return _cached(ctx, "is_distributed", markers)
+
+
+_SAMPLERS = frozenset({"torch.utils.data.DistributedSampler", "torch.utils.data.distributed.DistributedSampler"})
+
+
+def _flagged_sampler(ctx: Context, call: cst.Call) -> bool:
+    """A DistributedSampler built in a branch of a conditional expression or under an `if` of its
+    function (not the `if __name__ == "__main__":` guard)."""
+    if ctx.resolve(call.func) not in _SAMPLERS:
+        return False
+    node: cst.CSTNode = call
+    while True:
+        parent = ctx.parent(node)
+        if parent is None or isinstance(parent, (cst.FunctionDef, cst.ClassDef, cst.Module)):
+            return False
+        if isinstance(parent, cst.IfExp) and node is not parent.test:
+            return True
+        if isinstance(parent, (cst.If, cst.Else)) and node is not getattr(parent, "test", None) \
+                and not _main_guard(parent):
+            return True
+        node = parent
+
+
+def _main_guard(node: cst.CSTNode) -> bool:
+    test = getattr(node, "test", None)
+    return isinstance(test, cst.Comparison) and "__name__" in cst.Module(body=[]).code_for_node(test)
 
 
 # --- optimizers and trained models ---------------------------------------------------------

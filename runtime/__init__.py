@@ -1728,7 +1728,9 @@ def shard_sampler(sampler, seed: int | None = None, dataset=None, shuffle=False)
     ``sampler`` may be None where the program chooses one only sometimes (``sampler=train_sampler,
     shuffle=(train_sampler is None)``): then ``sampler(dataset, shuffle=shuffle)``, the loader's own
     order shared out by rank (``torchmigrate ddp`` passes the loader's dataset and its ``shuffle``,
-    and gives the loader ``shuffle=False``, as a loader with a sampler needs).
+    and gives the loader ``shuffle=False``, as a loader with a sampler needs). A sampler that
+    already takes the rank (``DistributedSampler(ds) if args.distributed else None`` where the
+    flag is on) is kept as it is.
 
     Distributed: each pass draws the sampler's whole sequence under the same seed on every rank
     (``seed + epoch``: its ``generator`` if it has one, and torch's, Python's and numpy's global
@@ -1743,6 +1745,8 @@ def shard_sampler(sampler, seed: int | None = None, dataset=None, shuffle=False)
         return _training_sampler(dataset, shuffle=bool(shuffle), seed=seed)
     if not is_distributed():
         return sampler
+    if sharded(sampler):
+        return sampler  # a DistributedSampler the program's own flag built: already this rank's share
     return _ShardedSampler(sampler, _own_seed(seed))
 
 

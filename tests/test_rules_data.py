@@ -142,7 +142,10 @@ def test_function_name_classifies():
 
 @pytest.mark.parametrize("source,status", [
     ("loader = DataLoader(ds, sampler=DistributedSampler(ds))", "distributed"),
-    ("s = DistributedSampler(ds) if d else None\nloader = DataLoader(ds, sampler=s)", "distributed"),
+    # behind the program's flag, in a file that is not distributed otherwise: off in the run migrated
+    ("s = DistributedSampler(ds) if d else None\nloader = DataLoader(ds, sampler=s)", "custom"),
+    ("torch.distributed.init_process_group('nccl')\ns = DistributedSampler(ds) if d else None\n"
+     "loader = DataLoader(ds, sampler=s)", "distributed"),
     ("loader = DataLoader(ds, sampler=tm.sampler(ds, shuffle=True))", "distributed"),
     ("loader = DataLoader(ds, sampler=WeightedRandomSampler(w, 10))", "custom"),
     ("loader = DataLoader(ds, batch_sampler=my_batches)", "custom"),

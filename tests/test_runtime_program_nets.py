@@ -129,6 +129,17 @@ def test_shard_sampler_reads_like_the_sampler_it_wraps():
             s.no_such_attribute
 
 
+def test_shard_sampler_keeps_a_sampler_that_already_takes_the_rank():
+    """`DistributedSampler(ds) if args.distributed else None` with the flag on: not sharded twice."""
+    from unittest import mock
+    from torch.utils.data import DistributedSampler
+
+    with mock.patch.object(tm, "world_size", lambda: 2), mock.patch.object(tm, "is_distributed", lambda: True):
+        s = DistributedSampler(range(10), num_replicas=2, rank=1)
+        assert tm.shard_sampler(s) is s
+        assert len(list(tm.shard_sampler(None, dataset=range(10), shuffle=True))) == 5
+
+
 def test_shard_sampler_is_the_sampler_itself_in_one_process():
     from torch.utils.data import RandomSampler
 

@@ -46,6 +46,7 @@ import libcst as cst
 from torchmigrate import analysis
 from torchmigrate.program import effects, splits
 from torchmigrate.program.writes import call_kinds
+from torchmigrate.program.syntax import unparen
 from torchmigrate.syntax.imports import dotted
 from torchmigrate.syntax.nodes import code
 from torchmigrate.syntax.walk import child_nodes
@@ -1001,6 +1002,8 @@ class LoaderFacts:
             return found
 
         if calls_in(node):
+            if self._behind_a_flag() and not self._always_distributed(node):
+                return False  # `DistributedSampler(ds) if args.distributed else None`: see below
             loader.sampler_shuffles = any(shuffles)
             loader.inline_distributed = isinstance(node, cst.Call) and self.ctx.resolve(node.func) in DIST_SAMPLERS
             return True
@@ -1010,12 +1013,36 @@ class LoaderFacts:
         assigns = self.assigns_at(loader.call, k)
         if not any(calls_in(a.value) for a in assigns):
             return False
+        if self._behind_a_flag() and not all(self._always_distributed(a.value) for a in assigns):
+            # a sampler that shards only behind the program's own flag (`if args.ngpu > 1`,
+            # `if args.distributed`), off in the run the migration is for: the loader is treated
+            # as one with a sampler of its own that may be None (`tm.shard_sampler`, which keeps
+            # a DistributedSampler the flag did build, and shards the loader's order otherwise)
+            return False
         loader.sampler_shuffles = any(shuffles)
         unconditional = all(isinstance(a.value, cst.Call) and self.ctx.resolve(a.value.func) in DIST_SAMPLERS
                             for a in assigns)
         if unconditional and isinstance(node, cst.Name):
             loader.sampler_name = (self.function_of(assigns[0]), node.value)
         return True
+
+    def _behind_a_flag(self) -> bool:
+        """In a migration of a file that is not distributed otherwise (no process group, no DDP,
+        no DistributedSampler built unconditionally: `analysis.is_distributed`), a sampler built
+        behind the program's flag shards nothing in the run being migrated."""
+        return self.ctx.options.migrating and not self.distributed
+
+    def _always_distributed(self, node: cst.CSTNode) -> bool:
+        """Every value `node` can take is a DistributedSampler (not `DistributedSampler(ds) if
+        flag else None`, nor a name also bound to another sampler), or it holds a sampler of the
+        runtime (a migration's own choice between a training and an evaluation sampler)."""
+        runtime = (TM_SAMPLER, TM_EVAL_SAMPLER, TM_SHARD_SAMPLER)
+        if any(self.ctx.resolve(c.func) in runtime for c in calls_within(self.ctx, node)):
+            return True
+        node = unparen(node)
+        if isinstance(node, cst.IfExp):
+            return self._always_distributed(node.body) and self._always_distributed(node.orelse)
+        return isinstance(node, cst.Call) and self.ctx.resolve(node.func) in DIST_SAMPLERS
 
     def _iterable(self, node: cst.CSTNode, at: cst.CSTNode) -> bool:
         def iterable_call(n: cst.CSTNode) -> bool:
