@@ -1721,7 +1721,7 @@ class _EpochSampler(DistributedSampler):
 _training_sampler = sampler  # (`shard_sampler`'s parameter hides the name)
 
 
-def shard_sampler(sampler, seed: int | None = None, dataset=None, shuffle=False):
+def shard_sampler(sampler, seed: int | None = None, dataset=None, shuffle=False, batch_size: int | None = None):
     """Any sampler or batch sampler (``WeightedRandomSampler``, ``RandomSampler(replacement=True)``,
     a bucketing batch sampler of the project), shared out by rank. 1 process: ``sampler`` itself.
 
@@ -1738,7 +1738,13 @@ def shard_sampler(sampler, seed: int | None = None, dataset=None, shuffle=False)
     program's own streams are restored after each draw), so the ranks agree on it, and rank r keeps items r, r+W, r+2W, ... of
     it, padded from its start to a multiple of W so every rank runs the same number of steps.
     The epoch advances on each pass, or follows ``set_epoch`` once called (forwarded to the
-    sampler too). Like Accelerate's sharded samplers, it works whatever the sampler does."""
+    sampler too). Like Accelerate's sharded samplers, it works whatever the sampler does.
+
+    ``batch_size`` (the loader's, as the original program wrote it) deals the sequence in blocks
+    of that many items instead of one at a time: rank r keeps blocks r, r+W, ... A sampler that
+    yields groups meant to share a batch (K images of one identity after another, for a triplet
+    or binomial loss; a bucket of similar lengths) keeps its groups whole on one rank, where
+    dealing single items would give each rank one image per identity and no positive pair."""
     if sampler is None:
         if dataset is None:
             raise TypeError("shard_sampler: no sampler and no dataset to sample")
@@ -1747,14 +1753,15 @@ def shard_sampler(sampler, seed: int | None = None, dataset=None, shuffle=False)
         return sampler
     if sharded(sampler):
         return sampler  # a DistributedSampler the program's own flag built: already this rank's share
-    return _ShardedSampler(sampler, _own_seed(seed))
+    return _ShardedSampler(sampler, _own_seed(seed), block=batch_size)
 
 
 class _ShardedSampler(Sampler):
     """See ``shard_sampler``."""
 
-    def __init__(self, inner, seed: int) -> None:
+    def __init__(self, inner, seed: int, block: int | None = None) -> None:
         self.inner, self.seed = inner, int(seed)
+        self.block = max(1, int(block)) if isinstance(block, int) and not isinstance(block, bool) else 1
         self.epoch, self._explicit, self._passes = 0, False, 0
 
     def __getattr__(self, name):
@@ -1769,7 +1776,7 @@ class _ShardedSampler(Sampler):
             inner_set(epoch)
 
     def __len__(self) -> int:
-        return -(-len(self.inner) // world_size())
+        return -(-len(self.inner) // (world_size() * self.block)) * self.block
 
     def _start(self, streams: "_Streams"):
         """The sampler's iterator, and its first item, drawn under ``seed + epoch``: its own
@@ -1805,20 +1812,22 @@ class _ShardedSampler(Sampler):
         it, first = self._start(streams)
         if first is _END:
             return
-        yield from _deal(itertools.chain((first,), _chunked(it, streams, world_size() * 64)), share)
+        yield from _deal(itertools.chain((first,), _chunked(it, streams, world_size() * 64 * self.block)), share,
+                         self.block)
 
 
-def _deal(items, share: int | None = None):
-    """This rank's part of ``items``: rank r keeps items r, r+W, r+2W, ... (at most ``share`` of
-    them); where they do not fill W equal shares (``share`` each, else as many as the items
-    need), the first items pad the last round, as ``DistributedSampler`` pads, so every rank runs
-    the same number of steps."""
+def _deal(items, share: int | None = None, block: int = 1):
+    """This rank's part of ``items``, dealt in blocks of ``block`` items: rank r keeps blocks r,
+    r+W, r+2W, ... (at most ``share`` items); where they do not fill W equal shares (``share``
+    each, else as many whole blocks as the items need), the first items pad the last round, as
+    ``DistributedSampler`` pads, so every rank runs the same number of steps."""
     world, me = world_size(), rank()
+    span = world * block
     head, kept, total = [], 0, 0
     for item in items:
-        if total < world:
+        if total < span:
             head.append(item)
-        if total % world == me:
+        if (total // block) % world == me:
             yield item
             kept += 1
             if kept == share:
@@ -1826,10 +1835,13 @@ def _deal(items, share: int | None = None):
         total += 1
     if not head:
         return
-    share = -(-total // world) if share is None else share
-    for j in range(total, share * world):  # padding
-        if j % world == me:
+    share = -(-total // span) * block if share is None else share
+    j = total
+    while kept < share:  # padding
+        if (j // block) % world == me:
             yield head[(j - total) % len(head)]
+            kept += 1
+        j += 1
 
 
 def _chunked(it, streams: "_Streams", size: int):

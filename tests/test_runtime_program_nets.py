@@ -86,7 +86,7 @@ def test_gather_list_is_the_identity_in_one_process():
     assert tm.gather_list(values) is values
 
 
-def _shards(inner, world=2, passes=2):
+def _shards(inner, world=2, passes=2, **kwargs):
     """What each rank of `world` draws from `shard_sampler(inner)` in `passes` passes."""
     from unittest import mock
 
@@ -94,7 +94,7 @@ def _shards(inner, world=2, passes=2):
     with mock.patch.object(tm, "world_size", lambda: world), mock.patch.object(tm, "is_distributed", lambda: True):
         for r in range(world):  # each rank a process of its own: its samplers counted from 0
             with mock.patch.object(tm, "rank", lambda r=r: r), mock.patch.object(tm, "_SAMPLERS_MADE", 0):
-                s = tm.shard_sampler(inner)
+                s = tm.shard_sampler(inner, **kwargs)
                 out.append([list(s) for _ in range(passes)] + [len(s)])
     return out
 
@@ -127,6 +127,34 @@ def test_shard_sampler_reads_like_the_sampler_it_wraps():
         assert copy.copy(s).inner is s.inner
         with pytest.raises(AttributeError):
             s.no_such_attribute
+
+
+class _IdentityBatches(torch.utils.data.Sampler):
+    """P identities, K images each, one identity's images after another (a PK sampler for a
+    triplet or binomial loss): index i shows identity i // 10."""
+
+    def __init__(self, identities=5, k=2):
+        self.identities, self.k = identities, k
+
+    def __iter__(self):
+        for c in torch.randperm(self.identities).tolist():
+            yield from (10 * c + j for j in range(self.k))
+
+    def __len__(self):
+        return self.identities * self.k
+
+
+def test_shard_sampler_deals_blocks_of_the_batch_so_groups_stay_on_one_rank():
+    (a0, a1, n0), (b0, b1, n1) = _shards(_IdentityBatches(), batch_size=4)
+    assert n0 == n1 == 8 and len(a0) == len(b0) == 8  # 10 items in blocks of 4: 2 blocks each, padded
+    for drawn in (a0, a1, b0, b1):
+        for batch in (drawn[:4], drawn[4:]):
+            ids = [i // 10 for i in batch]
+            assert ids[0] == ids[1] and ids[2] == ids[3]  # both images of an identity in one batch
+    assert set(a0) | set(b0) == {10 * c + j for c in range(5) for j in range(2)}  # every item dealt
+    # one item at a time (no batch size), as before: rank r keeps items r, r+W, ...
+    (c0, _, m0), (d0, _, m1) = _shards(_IdentityBatches())
+    assert m0 == m1 == 5 and all(x // 10 == y // 10 for x, y in zip(c0, d0))  # each identity split
 
 
 def test_shard_sampler_keeps_a_sampler_that_already_takes_the_rank():

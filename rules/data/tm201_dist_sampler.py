@@ -16,7 +16,7 @@ from torchmigrate.program.batches import BatchLoop, FullBatchLoss
 from torchmigrate.program.facts import CONFIG_RECEIVERS, training_text
 from torchmigrate.program.effects import NUMPY, TRAIN
 from torchmigrate.program.syntax import local_callee
-from torchmigrate.program.loaders import Loader, asks_for_evaluation
+from torchmigrate.program.loaders import Loader, asks_for_evaluation, bind_args, is_literal, is_pure
 from torchmigrate.program.writes import call_kinds
 from torchmigrate.rule import Example
 from torchmigrate.rules.data.base import DataRule
@@ -514,6 +514,7 @@ class DistSampler(DataRule):
         arg = loader.custom_arg
         name = arg.keyword.value if arg.keyword is not None else "sampler"
         tm = self.ctx.tm
+        block = _batch_block(loader) if name == "sampler" else []
         shuffle = next((a for a in loader.call.args if a.keyword is not None and a.keyword.value == "shuffle"), None)
         optional = name == "sampler" and shuffle is not None and not (
             isinstance(shuffle.value, cst.Name) and shuffle.value.value == "False")
@@ -527,14 +528,29 @@ class DistSampler(DataRule):
             self.report(arg.value, f"this DataLoader's own `sampler=` (or, where it is None, its shuffled order) is "
                                    f"iterated in full by every rank: `{tm}.shard_sampler` shares it out by rank",
                         edits=[replace(arg.value, lambda v: with_args(cst.Call(func=expr(f"{tm}.shard_sampler")), [
-                            cst.Arg(v), kwarg("dataset", dataset), kwarg("shuffle", order)])),
+                            cst.Arg(v), kwarg("dataset", dataset), kwarg("shuffle", order), *block])),
                                replace(shuffle.value, lambda v: cst.Name("False"))],
                         imports=[self.ctx.runtime_import()])
             return
         self.report(arg.value, f"this DataLoader's own `{name}=` is iterated in full by every rank: "
                                f"`{tm}.shard_sampler` shares it out by rank (same seed on every rank)",
-                    edits=[replace(arg.value, lambda v: cst.Call(func=expr(f"{tm}.shard_sampler"), args=[cst.Arg(v)]))],
+                    edits=[replace(arg.value, lambda v: with_args(cst.Call(func=expr(f"{tm}.shard_sampler")),
+                                                                   [cst.Arg(v), *block]))],
                     imports=[self.ctx.runtime_import()])
+
+
+def _batch_block(loader: Loader) -> List[cst.Arg]:
+    """`batch_size=<the loader's batch size>` for `tm.shard_sampler`, which then deals the
+    sampler's sequence in blocks of a batch: a sampler that yields K samples of one identity in
+    a row (a PK sampler for a triplet loss) keeps them on one rank. Only a literal or a plain
+    name or attribute (read twice), as the original wrote it."""
+    bound = bind_args(loader.call)
+    size = bound.get("batch_size") if bound else None
+    if size is None or not (isinstance(size.value, cst.Integer) or (
+            isinstance(size.value, (cst.Name, cst.Attribute)) and is_pure(size.value)
+            and not is_literal(size.value, "None"))):
+        return []
+    return [kwarg("batch_size", size.value.deep_clone())]
 
 
 _FILE_SUFFIX = re.compile(r"\.(json|jsonl|txt|csv|tsv|pkl|pickle|npy|npz|h5|hdf5|pt|pth|tar|zip|gz|conll|xml|yaml|yml)$",
