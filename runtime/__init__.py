@@ -964,7 +964,9 @@ class _DDP(_ModuleFace, DistributedDataParallel):
             _average_grads(self._tm_params, op=self._tm_op)
             return
         if not (armed or outside or self._tm_container):
-            if self._tm_steps == 0:
+            if self._tm_steps == 0 or self._tm_bypassed:
+                # (and once it has, for good: a forward through the wrapper for evaluation does
+                # not make the training backwards that keep going around it averaged by DDP)
                 # the program trains around the wrapper (a training loop in a method of the model
                 # calling self(x)): averaged before the optimizer's step instead (`_before_step`)
                 self._tm_unsynced = True
@@ -1549,7 +1551,9 @@ def _check_drift(ddp: DistributedDataParallel, when: str, inputs=None) -> None:
         return
     ddp._tm_drifted = True  # (on the object: an id can be reused by another wrapper on one rank only)
     if is_main():
-        _warn(f"the parameters of {type(ddp.module).__name__} differ across ranks {when}: something "
+        frame = _user_frame(sys._getframe(1))
+        where = f" (checked at {frame.f_code.co_filename}:{frame.f_lineno})" if frame else ""
+        _warn(f"the parameters of {type(ddp.module).__name__} differ across ranks {when}{where}: something "
               "updates them outside DistributedDataParallel (an optimizer over another copy of the "
               "model, a learning rate or a step that differs between ranks, a per-rank metric "
               "steering training). Every rank now trains a different model.")

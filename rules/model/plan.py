@@ -104,6 +104,23 @@ def _constructs(call: cst.Call) -> bool:
     return bool(name) and name[0].isupper() and not name.isupper() and not _NOT_HOLDERS.search(name)
 
 
+def _holds(value: cst.BaseExpression, m: str) -> bool:
+    """`value` keeps a reference to the model `m` itself: an object built over it
+    (`GaussianDiffusion(model)`, `Trainer(model=model)`: `_constructs`), or a dict, list or tuple
+    that holds it (`kwargs = {"model": model, "data": data}`, later `run(**kwargs)`;
+    `dict(model=model)`; `nets = [model, critic]`)."""
+    if isinstance(value, cst.Call):
+        name = dotted(value.func)
+        if not (_constructs(value) or name == "dict"):
+            return False
+        return any(a.star == "" and dotted(a.value) == m for a in value.args)
+    if isinstance(value, cst.Dict):
+        return any(isinstance(e, cst.DictElement) and dotted(e.value) == m for e in value.elements)
+    if isinstance(value, (cst.List, cst.Tuple)):
+        return any(isinstance(e, cst.Element) and dotted(e.value) == m for e in value.elements)
+    return False
+
+
 def _binds_on_every_path(node: cst.If, name: str) -> bool:
     """Every branch of the `if` (an `else` included) assigns `name` in its own block, or holds
     an `if` that does, or leaves (`raise`, `assert False`, `sys.exit(...)`: an unknown choice
@@ -1217,12 +1234,9 @@ class Plan:
             if not isinstance(statement, cst.SimpleStatementLine) or len(statement.body) != 1:
                 continue
             small = statement.body[0]
-            if not isinstance(small, cst.Assign) or not isinstance(small.value, cst.Call):
+            if not isinstance(small, cst.Assign) or any(dotted(t.target) == m for t in small.targets):
                 continue
-            call = small.value
-            if any(dotted(t.target) == m for t in small.targets) or not _constructs(call):
-                continue
-            if any(a.star == "" and dotted(a.value) == m for a in call.args):
+            if _holds(small.value, m):
                 return statement
         return anchor
 

@@ -416,10 +416,12 @@ def main(outdir):
     bypassed_plain = Bypassed(4, 1)
     kept = tm.wrap_model(bypassed_plain)  # noqa: F841 (bound, as the alias of the program was)
     opt = torch.optim.SGD(bypassed_plain.parameters(), lr=0.1)
-    for _ in range(2):
+    for step in range(4):
         opt.zero_grad()
         bypassed_plain(torch.randn(3, 4, generator=g)).sum().backward()
         opt.step()
+        if step == 1:  # an evaluation through the wrapper, with gradients on: training still goes around it
+            kept(torch.randn(3, 4, generator=g))
     res["bypassed"] = flat(bypassed_plain)  # averaged before each step: equal on every rank
 
     buffer = io.BytesIO()
