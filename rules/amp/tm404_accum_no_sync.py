@@ -147,7 +147,7 @@ def accumulation(ctx: Context, p: Plan) -> List[tuple]:
         # a step right after the backward, also on the same line (`loss.backward(); opt.step()`)
         direct = [s for s in body[index:] if any(ctx.statement_of(st.call) is s or line_of(ctx, st.call) is s
                                                  for st in steps)]
-        if direct:
+        if direct or any(_steps_each_one(ctx, s, st.call) for s in later for st in steps):
             continue
         holder = None
         for s in later:
@@ -206,6 +206,19 @@ def accumulation(ctx: Context, p: Plan) -> List[tuple]:
                         "to the condition if that is not intended"))
     ctx.facts["amp_accumulation"] = out
     return out
+
+
+def _steps_each_one(ctx, statement: cst.CSTNode, step: cst.Call) -> bool:
+    """`for optimizer in optimizers: optimizer.step()` after the backward: a loop that steps each
+    of several optimizers (an encoder's and a decoder's) in every iteration, under no `if` of its
+    own, is an unconditional step, not a gradient-accumulation window."""
+    if not isinstance(statement, cst.For):
+        return False
+    chain = list(ctx.ancestors(step))
+    if statement not in chain:
+        return False
+    inside = chain[:chain.index(statement)]
+    return not any(isinstance(a, (cst.If, cst.IfExp, cst.While, cst.Try)) for a in inside)
 
 
 def _is_no_sync(ctx: Context, node: cst.CSTNode) -> bool:
