@@ -29,11 +29,18 @@ from torchmigrate.rules.metrics.plan import gathered_for_mean, loop_sharding, ra
 _METER = re.compile(r"(?i)(meter|average|avg|tracker|accumulator)$")
 
 
+def _tolist(node: cst.BaseExpression) -> bool:
+    """`x.tolist()`: the values of a tensor or array as a list (what `errs += ...` extends by)."""
+    return type(node) is cst.Call and type(node.func) is cst.Attribute and node.func.attr.value == "tolist" \
+        and not node.args
+
+
 class GatherListMean(Rule):
     """
     ## What it does
     For a list filled with one value per batch in a loop over a data loader (`losses = []`,
-    `losses.append(loss.item())`) whose every use after the loop is its mean —
+    `losses.append(loss.item())`), or with each sample's values (`errs.extend(err.tolist())`,
+    `errs += err.tolist()`), whose every use after the loop is its mean —
     `sum(losses) / len(losses)`, `np.mean(losses)`, `statistics.mean(losses)`,
     `torch.tensor(losses).mean()` — inserts right after the loop:
 
@@ -136,9 +143,10 @@ class GatherListMean(Rule):
         meter_dicts: Dict[cst.CSTNode, List[str]] = {}  # `meters[key].update(v, n)`: a dict of meters
         for call, _name in analysis.facts(ctx).calls:
             func = call.func
-            if type(func) is cst.Attribute and func.attr.value in ("append", "update") and type(func.value) is cst.Name:
+            if type(func) is cst.Attribute and func.attr.value in ("append", "extend", "update") \
+                    and type(func.value) is cst.Name:
                 loop = loader_loop(ctx, call)
-                found = (loops if func.attr.value == "append" else meters).setdefault(loop, []) if loop else None
+                found = (meters if func.attr.value == "update" else loops).setdefault(loop, []) if loop else None
                 if found is not None and func.value.value not in found:
                     found.append(func.value.value)
             elif type(func) is cst.Attribute and func.attr.value == "update" and type(func.value) is cst.Subscript \
@@ -147,9 +155,9 @@ class GatherListMean(Rule):
                 found = meter_dicts.setdefault(loop, []) if loop else None
                 if found is not None and func.value.value.value not in found:
                     found.append(func.value.value.value)
-        for aug in ctx.nodes(cst.AugAssign):  # `losses += [loss.item()]`: an append
+        for aug in ctx.nodes(cst.AugAssign):  # `losses += [loss.item()]`, `errs += err.tolist()`: an append, an extend
             if isinstance(aug.operator, cst.AddAssign) and type(aug.target) is cst.Name \
-                    and type(aug.value) is cst.List and len(aug.value.elements) == 1:
+                    and (type(aug.value) is cst.List and len(aug.value.elements) == 1 or _tolist(aug.value)):
                 loop = loader_loop(ctx, aug)
                 found = loops.setdefault(loop, []) if loop else None
                 if found is not None and aug.target.value not in found:
