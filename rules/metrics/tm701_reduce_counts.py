@@ -28,6 +28,17 @@ from torchmigrate.rules._active import active
 from torchmigrate.rules.metrics.plan import exact_lens, loop_sharding
 
 
+def _reads(node: cst.CSTNode, name: str) -> bool:
+    """`name` is read somewhere in `node`."""
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if isinstance(n, cst.Name) and n.value == name:
+            return True
+        stack.extend(n.children)
+    return False
+
+
 class ReduceCounts(Rule):
     """
     ## What it does
@@ -71,6 +82,12 @@ class ReduceCounts(Rule):
     (`correct, total = tm.all_reduce(correct, total)`): summed where every value added is a
     count or a sum over samples, averaged over the ranks (`op="mean"`) where every value is one
     batch's mean in a training loop; any other list is reported with the line to add.
+
+    An average finished inside the loop from its accumulators (`dice_avg = dice_sum / seen`, or
+    `loss_sum / (batch_size * (i - 1) + len(x))` at the last batch) and read after it (the epoch's
+    metric, returned and compared with the best one) is made the ranks' mean after the loop,
+    `dice_avg = tm.all_reduce(dice_avg, op="mean")`: every rank runs as many batches of as many
+    samples, so that is the average over the whole data.
 
     Only loops over a sharded loader need it. A loader every rank iterates in full (an
     evaluation loader TM203 keeps whole, or one the program's other modules hand this function
@@ -147,6 +164,7 @@ class ReduceCounts(Rule):
         self.augs: List[cst.AugAssign] = []
         self.dict_augs: List[cst.AugAssign] = []  # `results['mse'] += ...`
         self.averages: List[cst.Assign] = []  # `loss_avg = loss_avg * 0.8 + float(loss) * 0.2`
+        self.quotients: List[cst.Assign] = []  # `dice_avg = dice_sum / n_seen`, inside a loop: see `_finished_means`
         # the lists and arrays summed by index that a reduction after a loop now sums (`matrix`)
         self.reduced_lists: Dict[cst.For, Set[str]] = {}
 
@@ -275,6 +293,9 @@ class ReduceCounts(Rule):
         if len(node.targets) == 1 and isinstance(node.targets[0].target, cst.Name) \
                 and _running_average(node.value, node.targets[0].target.value):
             self.averages.append(node)
+        elif len(node.targets) == 1 and isinstance(node.targets[0].target, cst.Name) \
+                and isinstance(node.value, cst.BinaryOperation) and isinstance(node.value.operator, cst.Divide):
+            self.quotients.append(node)
 
     def visit_AugAssign(self, node: cst.AugAssign) -> None:
         if isinstance(node.operator, cst.AddAssign) and isinstance(node.target, cst.Name) \
@@ -307,6 +328,45 @@ class ReduceCounts(Rule):
                 names.append(aug.target.value)
         for loop, names in loops.items():
             self._loop(loop, names)
+        self._finished_means(loops)
+
+    def _finished_means(self, loops: Dict[cst.CSTNode, List[str]]) -> None:
+        """`train_dice_avg = dice_sum / (batch_size * (i - 1) + len(images))` at the last batch
+        (or at every one), read after the loop (returned as the epoch's metric, compared with
+        the best one to keep a checkpoint or stop early): an average of this rank's shard, made
+        the ranks' mean right after the loop (every rank runs as many batches of as many
+        samples, so it is the average over the whole data). Only names bound in the loop by
+        such quotients alone, each dividing an accumulator of the loop (`dice_sum += ...`, set
+        to a number before it)."""
+        ctx = self.ctx
+        found: Dict[cst.CSTNode, List[str]] = {}
+        for assign in self.quotients:
+            loop = loader_loop(ctx, assign)
+            name = assign.targets[0].target.value
+            if loop is None or loop not in loops or name in loops[loop] or name in found.get(loop, []):
+                continue
+            sums = [n for n in loops[loop] if _reads(assign.value.left, n)]
+            if not any(initial_value(ctx, loop, n)[0] and is_number(initial_value(ctx, loop, n)[1]) for n in sums):
+                continue
+            bindings = [n for n in ctx.within(loop.body, cst.Assign, cst.AugAssign, skip_defs=True)
+                        if any(isinstance(t, cst.Name) and t.value == name for t in (
+                            [x.target for x in n.targets] if isinstance(n, cst.Assign) else [n.target]))]
+            if not all(b in self.quotients and any(_reads(b.value.left, n) for n in loops[loop]) for b in bindings):
+                continue
+            if loop_sharding(ctx, loop) == "whole" or leaves_early(ctx, loop) or collective_guard(ctx, loop) is not None:
+                continue
+            events = events_after(ctx, loop, {name})[name]
+            if events.collective or events.augs or not events.uses:
+                continue
+            found.setdefault(loop, []).append(name)
+        tm = ctx.tm
+        for loop, names in found.items():
+            listed = ", ".join(f"`{n}`" for n in names)
+            self.report(loop, f"{listed} {'is an average' if len(names) == 1 else 'are averages'} of this rank's shard "
+                              "only, finished inside the loop and read after it (an epoch's metric, compared or "
+                              "returned): made the ranks' mean after the loop",
+                        edits=[insert_after(loop, [_reduce_statement(tm, names, "mean", None, _depth(ctx, loop))])],
+                        imports=[ctx.runtime_import()])
 
     def _moving_average_after(self, assign) -> None:
         """`loss_avg = loss_avg * 0.8 + float(loss) * 0.2` (or a running mean, `avg += (loss.item()
