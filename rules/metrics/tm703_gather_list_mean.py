@@ -410,9 +410,27 @@ class GatherListMean(Rule):
                     if _number_of_step(ctx, a.value) or _library_metric(ctx, a.value):
                         return a.value
                     return a.value if _ratio_of_step_numbers(ctx, a.value, earlier[:at]) else None
+                if self._beside_the_loss(loop, a, value.value):
+                    return value
             if value.value in binds(ctx, s):
                 return None  # bound again, or in a block: not one value of the step
         return None
+
+    def _beside_the_loss(self, loop: cst.For, assign: cst.Assign, name: str) -> bool:
+        """`loss, acc, pos_sim, neg_sim = criterion(out, y)`: `name` is unpacked from the call
+        that gives the loss this step backpropagates, so it is one of the step's batch metrics
+        (fed to a meter beside the loss's)."""
+        if len(assign.targets) != 1 or not isinstance(assign.targets[0].target, (cst.Tuple, cst.List)) \
+                or not isinstance(assign.value, cst.Call):
+            return False
+        names = [e.value.value for e in assign.targets[0].target.elements if isinstance(e.value, cst.Name)]
+        if name not in names:
+            return False
+        backwards = [c for c in self.ctx.within(loop.body, cst.Call, skip_defs=True)
+                     if isinstance(c.func, cst.Attribute) and c.func.attr.value == "backward"]
+        return any(root_name(c.func.value) in names and root_name(c.func.value) != name
+                   or any(isinstance(n, cst.Name) and n.value in names and n.value != name
+                          for n in self.ctx.within(c.func.value, cst.Name)) for c in backwards)
 
     def _step_prints(self) -> None:
         """`print(f"step {i} loss {loss.item():.4f}")` every N steps of a training loop over a
