@@ -68,6 +68,7 @@ __all__ = [
     "save", "load", "strip_prefix", "load_state_dict", "seed_everything", "seed_per_rank", "main_only", "main_process_first", "goes_first",
     "shard_range", "rank_part", "shard_indices", "shard_mean", "shard_batches", "agreed", "on_main", "move_into_place", "to_device", "as_device", "device_arg", "all_rows",
     "set_device", "data_parallel", "same_draws", "visible_devices", "gpu_ids", "parallel_part", "ParallelPart", "unsharded",
+    "fill_value",
 ]
 
 
@@ -2368,6 +2369,30 @@ def autocast(dtype=None, enabled: bool = True) -> torch.autocast:
     policy says off or ``enabled`` is false. A context manager or decorator, in every mode."""
     dt = amp_dtype(dtype)
     return torch.autocast(device().type, dtype=dt, enabled=bool(enabled) and dt is not None)
+
+
+def fill_value(value, like=None):
+    """A fill constant beyond half precision's range (``scores.masked_fill(mask, -1e9)``, the
+    attention mask of most transformer code), made to fit the tensor it fills: under fp16
+    autocast the attention scores are fp16, whose largest finite value is 65504, and
+    ``masked_fill`` raises "value cannot be converted to type c10::Half without overflow" at the
+    first step. The value is clamped to the finite range of ``like``'s dtype (the tensor filled),
+    or, without it, of the autocast dtype while autocast runs. ``exp(-65504)`` is 0 as
+    ``exp(-1e9)`` is, so a softmax mask keeps its meaning. Anywhere else (float32, AMP off, the
+    CPU) the value comes back unchanged."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return value
+    if isinstance(like, torch.Tensor):
+        dtype = like.dtype
+    else:
+        kind = device().type
+        if not torch.is_autocast_enabled(kind):
+            return value
+        dtype = torch.get_autocast_dtype(kind)
+    if not dtype.is_floating_point:
+        return value
+    limit = torch.finfo(dtype).max
+    return max(-limit, min(limit, value)) if abs(value) != float("inf") else value
 
 
 def data_parallel(module, inputs, device_ids=None, output_device=None, dim=0, module_kwargs=None):

@@ -418,3 +418,30 @@ def test_autocast_starts_at_the_forward():
     body = out[out.index("with tm.autocast():"):]
     assert body.startswith("with tm.autocast():\n        pred = model(imgs)\n        loss = F.cross_entropy")
     assert out.index("plot_images(imgs)") < out.index("with tm.autocast():")
+
+
+def test_fill_constants_fitted_by_tm412_run_under_fp16_autocast():
+    """The attention module of TM412's fixture fails under fp16 autocast as written ("value cannot
+    be converted to type c10::Half without overflow") and runs once migrated (CPU autocast in
+    float16 stands for a GPU without bf16)."""
+    import importlib.util
+
+    import torch
+
+    def load(name):
+        spec = importlib.util.spec_from_file_location(name, FIXTURES / "TM412" / f"attention_masks.{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    torch.manual_seed(0)
+    x, mask = torch.randn(2, 5, 8), torch.randint(0, 6, (2, 5, 5))
+    pad = torch.zeros(2, 5, 5, dtype=torch.bool)
+    original, migrated = load("in").Attention(8), load("out").Attention(8)
+    migrated.load_state_dict(original.state_dict())
+    with torch.autocast("cpu", dtype=torch.float16):
+        with pytest.raises(RuntimeError, match="without overflow"):
+            original(x, mask, pad)
+        out = migrated(x, mask, pad)
+    assert out.dtype == torch.float16 and bool(torch.isfinite(out).all())
+    assert torch.allclose(migrated(x, mask, pad), original(x, mask, pad))  # float32: unchanged

@@ -75,7 +75,7 @@ How a run goes, and where each step lives:
    - `rules/amp/`: `plan.py` decides where autocast goes, the one GradScaler and where it is
      created, where `unscale_` goes, from the training facts, `--amp` and the rules enabled;
      `apex.py` what the two apex rules share; `tm401_autocast_forward.py` ...
-     `tm411_amp_grad_penalty.py`, `tm503_scaler_state.py`, `tm604_item_sync.py`;
+     `tm412_half_fill_overflow.py`, `tm503_scaler_state.py`, `tm604_item_sync.py`;
    - `rules/checkpoint/`: `plan.py` decides which statements go under `main_process_first`;
      `tm501_save_main_unwrapped.py` ... `tm505_main_process_first.py`;
    - `rules/logging/`: `tm601_main_print.py`, `tm602_tqdm_main.py`;

@@ -1,7 +1,8 @@
-"""TM401-TM411, TM503, TM604: mixed precision (autocast, one GradScaler, unscaling before
+"""TM401-TM412, TM503, TM604: mixed precision (autocast, one GradScaler, unscaling before
 clipping, DDP accumulation without needless all-reduces, DataParallel's replica threads, the
 deprecated `torch.cuda.amp`, apex's amp and parallel modules, unsafe ops, the runtime's dtype
-policy, gradient penalties, the scaler's state in checkpoints, host syncs in the step).
+policy, gradient penalties, fill constants beyond float16, the scaler's state in checkpoints, host
+syncs in the step).
 
 Read in this order:
 
@@ -19,5 +20,6 @@ Read in this order:
 - one rule per file: `tm401_autocast_forward`, `tm402_grad_scaler`, `tm403_unscale_before_clip`,
   `tm404_accum_no_sync`, `tm405_dp_autocast`, `tm406_torch_cuda_amp`, `tm407_apex_amp`,
   `tm408_apex_ddp`, `tm409_amp_unsafe_op`, `tm410_amp_dtype`, `tm411_amp_grad_penalty`,
+  `tm412_half_fill_overflow`,
   `tm503_scaler_state`, `tm604_item_sync`, each with its documentation and examples.
 """
