@@ -87,7 +87,7 @@ def open_mode(call: cst.Call, names: Optional[Dict[str, str]] = None) -> Optiona
 
 def open_modes(ctx: Context) -> Dict[str, str]:
     """The module's variables that only ever hold open modes (`open_type = "a" if ... else "w"`)."""
-    return _cached(ctx, "open_modes", lambda: open_modes_lib.mode_names_cst(ctx.nodes(cst.Assign)))
+    return _cached(ctx, "open_modes", lambda: open_modes_lib.mode_names_cst(ctx.nodes(cst.Assign), ctx.nodes(cst.With)))
 
 
 def opened_path(call: cst.Call) -> Optional[cst.BaseExpression]:

@@ -50,9 +50,17 @@ def _merge(found: Dict[str, Optional[str]], name: str, chars: Optional[str]) -> 
     found[name] = None if chars is None else (found.get(name) or "") + chars
 
 
+# what a file handle is written with: its own methods, and calls that take it as where to write
+_HANDLE_WRITES = frozenset({"write", "writelines"})
+_WRITES_INTO = frozenset({"json.dump", "pickle.dump", "yaml.dump", "yaml.safe_dump", "csv.writer",
+                          "csv.DictWriter", "np.save", "numpy.save", "np.savetxt", "numpy.savetxt", "torch.save"})
+
+
 def mode_names_ast(tree: ast.AST) -> Dict[str, str]:
     """Names (`mode`, `self.open_type`) of `tree` assigned only short string literals, each with
-    the characters of all its literals."""
+    the characters of all its literals; and a mode no literal shows (`self.mode`, set from a
+    constructor's argument) where a handle opened with it is written in the module (`with
+    open(self.filepath, self.mode) as f: f.write(line)`): a writing mode, whatever it holds."""
     found: Dict[str, Optional[str]] = {}
     for node in ast.walk(tree):
         if isinstance(node, ast.Assign):
@@ -60,11 +68,56 @@ def mode_names_ast(tree: ast.AST) -> Dict[str, str]:
                 name = dotted_name(target)
                 if name is not None:
                     _merge(found, name, _literal_chars_ast(node.value))
-    return {k: v for k, v in found.items() if v}
+    out = {k: v for k, v in found.items() if v}
+    uses: Dict[str, bool] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.With, ast.AsyncWith)):
+            for item in node.items:
+                handle = dotted_name(item.optional_vars) if item.optional_vars is not None else None
+                mode = _mode_arg_ast(item.context_expr)
+                name = dotted_name(mode) if mode is not None else None
+                if handle and name and name not in out:
+                    uses[name] = uses.get(name, True) and _written_ast(node.body, handle)
+    return {**out, **_written_modes(uses)}
 
 
-def mode_names_cst(nodes: Iterable["cst.Assign"]) -> Dict[str, str]:
-    """The same for the assignments of a LibCST module."""
+def _written_modes(uses: Dict[str, bool]) -> Dict[str, str]:
+    """Mode names whose every handle is written (a name also used for a handle that is only
+    read, a parameter of the same name in another function, stays unknown: guarding a read
+    would starve the other ranks)."""
+    return {name: "w" for name, written in uses.items() if written}
+
+
+def _mode_arg_ast(call: ast.AST) -> Optional[ast.AST]:
+    """The mode argument of `open(path, mode)` / `open(path, mode=...)`, else None."""
+    if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id == "open"):
+        return None
+    for k in call.keywords:
+        if k.arg == "mode":
+            return k.value
+    return call.args[1] if len(call.args) >= 2 else None
+
+
+def _written_ast(body, handle: str) -> bool:
+    """`handle.write(...)`, `print(..., file=handle)`, `json.dump(x, handle)` in `body`."""
+    for statement in body:
+        for node in ast.walk(statement):
+            if not isinstance(node, ast.Call):
+                continue
+            func = node.func
+            if isinstance(func, ast.Attribute) and func.attr in _HANDLE_WRITES and dotted_name(func.value) == handle:
+                return True
+            if any(k.arg == "file" and dotted_name(k.value) == handle for k in node.keywords):
+                return True
+            if dotted_name(func) in _WRITES_INTO and any(dotted_name(a) == handle for a in node.args):
+                return True
+    return False
+
+
+def mode_names_cst(nodes: Iterable["cst.Assign"], withs: Iterable["cst.With"] = ()) -> Dict[str, str]:
+    """The same for the assignments (and `with` statements) of a LibCST module."""
+    import libcst as cst
+
     from torchmigrate.syntax.imports import dotted  # (LibCST only where the rules run)
 
     found: Dict[str, Optional[str]] = {}
@@ -73,7 +126,42 @@ def mode_names_cst(nodes: Iterable["cst.Assign"]) -> Dict[str, str]:
             name = dotted(target.target)
             if name is not None:
                 _merge(found, name, _literal_chars_cst(node.value))
-    return {k: v for k, v in found.items() if v}
+    out = {k: v for k, v in found.items() if v}
+    uses: Dict[str, bool] = {}
+    for node in withs:
+        for item in node.items:
+            call = item.item
+            if not (isinstance(call, cst.Call) and isinstance(call.func, cst.Name) and call.func.value == "open"
+                    and item.asname is not None):
+                continue
+            mode = next((a.value for a in call.args if a.keyword is not None and a.keyword.value == "mode"), None)
+            if mode is None and len(call.args) >= 2 and call.args[1].keyword is None:
+                mode = call.args[1].value
+            name = dotted(mode) if mode is not None else None
+            handle = dotted(item.asname.name)
+            if handle and name and name not in out:
+                uses[name] = uses.get(name, True) and _written_cst(node.body, handle)
+    return {**out, **_written_modes(uses)}
+
+
+def _written_cst(body: "cst.CSTNode", handle: str) -> bool:
+    import libcst as cst
+
+    from torchmigrate.syntax.imports import dotted
+
+    stack = [body]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, cst.Call):
+            func = node.func
+            if isinstance(func, cst.Attribute) and func.attr.value in _HANDLE_WRITES and dotted(func.value) == handle:
+                return True
+            if any(a.keyword is not None and a.keyword.value == "file" and dotted(a.value) == handle for a in node.args):
+                return True
+            if dotted(func) in _WRITES_INTO and any(a.keyword is None and dotted(a.value) == handle for a in node.args):
+                return True
+        stack.extend(node.children)
+    return False
 
 
 def _joined(parts, of) -> Optional[str]:
