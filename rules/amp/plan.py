@@ -212,7 +212,8 @@ class _Planner:
     def hazard_blockers(self) -> None:
         """Code elsewhere in the program whose numbers change meaning under autocast
         (`ModuleView.amp_hazards`): no autocast and no scaler here, and TM409 says why at the first
-        training backward, as a TODO when a change would allow it (a BCE loss), else as a note."""
+        training backward, as a note (also where a change would allow it, a BCE loss: the program
+        trains in float32 as it did, so nothing is left to do for its distribution)."""
         ctx, p = self.ctx, self.p
         found = ctx.program.amp_hazards
         if not (p.adding and p.sites and found):
@@ -222,7 +223,7 @@ class _Planner:
         more = f" (and {len(reasons) - 3} more)" if len(reasons) > 3 else ""
         message = f"mixed precision is not added: {'; '.join(reasons[:3])}{more}"
         p.blockers.append(("TM409", first, message))
-        p.hazards.append((first, message, not any(found.values())))
+        p.hazards.append((first, message, True))
 
     def type_blockers(self) -> None:
         """A GradScaler scales a loss tensor and steps a torch optimizer (it reads
