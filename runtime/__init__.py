@@ -1349,10 +1349,19 @@ def _checks_on() -> bool:
     return os.environ.get("TORCHMIGRATE_CHECKS", "1").strip().lower() not in ("0", "off", "false", "no")
 
 
+_LOCATED = re.compile(r"\.py:\d+")
+
+
 def _warn(message: str) -> None:
     """One line on stderr, whatever the program's warning filters say (research code often
-    silences ``warnings``)."""
+    silences ``warnings``). A message that names no place of the program gets the line of the
+    program's own code that led to it (`[train.py:57]`: the loader built with that batch, the
+    step or forward where it was seen), so the user can act on it."""
     with contextlib.suppress(Exception):
+        if not _LOCATED.search(message):
+            frame = _user_frame(sys._getframe(1))
+            if frame is not None:
+                message += f" [{frame.f_code.co_filename}:{frame.f_lineno}]"
         sys.stderr.write(f"torchmigrate.runtime: {message}\n")
         sys.stderr.flush()
 
