@@ -74,6 +74,11 @@ MEAN_LOSS_CLASSES = frozenset({"NLLLoss", "CrossEntropyLoss", "MSELoss", "L1Loss
 SHARD_HELPERS = ("shard_range", "shard_batches", "shard_indices", "shard_mean")
 
 
+_CONTAINERS = (cst.Dict, cst.List, cst.Set, cst.DictComp, cst.ListComp, cst.SetComp)
+_CONTAINER_CALLS = frozenset({"dict", "list", "set", "collections.defaultdict", "defaultdict", "OrderedDict",
+                              "collections.OrderedDict"})
+
+
 @dataclass(eq=False)
 class Order:
     """A draw that sets a batch loop's order: ``call`` to wrap (``"draw"``), the in-place
@@ -162,7 +167,25 @@ class BatchFacts:
         for c in calls:
             name = (dotted(c.func) or "").rsplit(".", 1)[-1]
             fn = self.facts.functions.get(name)
-            if fn is not None and self._function_is_step(fn, depth):
+            if fn is not None and not self._container_method(c) and self._function_is_step(fn, depth):
+                return True
+        return False
+
+    def _container_method(self, call: cst.Call) -> bool:
+        """`stats.update(...)`, `history.append(...)` on a dict, list or set the function built
+        (a literal, a comprehension, `dict()`): the container's own method, not the module's
+        function of that name (a model's `update(batch)` training step)."""
+        func = call.func
+        if type(func) is not cst.Attribute or type(func.value) is not cst.Name:
+            return False
+        ctx = self.ctx
+        scope = ctx.enclosing(call, cst.FunctionDef) or ctx.module
+        name = func.value.value
+        for assign in ctx.within(scope, cst.Assign, skip_defs=True):
+            value = assign.value
+            if not any(type(t.target) is cst.Name and t.target.value == name for t in assign.targets):
+                continue
+            if isinstance(value, _CONTAINERS) or (isinstance(value, cst.Call) and dotted(value.func) in _CONTAINER_CALLS):
                 return True
         return False
 
