@@ -1620,10 +1620,11 @@ class _Synced:
 
 
 def unwrap(model):
-    """The user's own module under any DDP, ``nn.DataParallel`` and ``torch.compile`` wrappers
-    (``_orig_mod``), nested in any order. Same in every mode; non-modules are returned as is."""
+    """The user's own module under any DDP, ``nn.DataParallel`` (or the ``ParallelPart`` that
+    stands for it under torchrun) and ``torch.compile`` wrappers (``_orig_mod``), nested in any
+    order. Same in every mode; non-modules are returned as is."""
     while isinstance(model, nn.Module):
-        if isinstance(model, (DistributedDataParallel, nn.DataParallel)):
+        if isinstance(model, (DistributedDataParallel, nn.DataParallel, ParallelPart)):
             model = model.module
         elif isinstance(getattr(model, "_orig_mod", None), nn.Module):
             model = model._orig_mod

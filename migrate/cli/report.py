@@ -97,7 +97,7 @@ def program_lines(outcomes: Sequence[Outcome], followed: Sequence[Path]) -> List
 
 WRITES_DONE = "writes, saves and logs on rank 0 only"
 _DONE = (  # (what, rule codes whose applied changes show it[, words their message holds, or "!" + lacks])
-    ("models wrapped in DDP (gradients averaged)", ("TM301", "TM306", "TM407")),
+    ("models wrapped in DDP (gradients averaged)", ("TM301", "TM306", "TM407"), "!parallel_part"),
     ("a loss summed over its batch keeps its step: the ranks' gradients summed, not averaged",
      ("TM301",), "loss_reduction=\"sum\""),
     ("functional models kept in sync (tm.share_params, gradients averaged by tm.sync_grads)", ("TM309",)),

@@ -271,6 +271,7 @@ class DPSite:
     # tm.wrap_model(name)` goes after that `if` too, so the single-device branch is wrapped
     ensure_after: Optional[cst.CSTNode] = None
     reason: str = ""  # why a "manual" site is left to the user
+    loading_copy: bool = False  # a "part" in a model's own method: a copy built to load a checkpoint
     bn: bool = False
     sync_bn: bool = False
     find_unused: str = ""
@@ -1460,6 +1461,15 @@ class Plan:
                     site.note_stmt = self.ctx.statement_of(site.outer)
                 continue
             small = self.ctx.enclosing(site.outer, cst.BaseSmallStatement)
+            if w.name == w.arg and "." not in w.name and self._is_dp_assign(site) and small is not None \
+                    and self._in_module_class(w.call):
+                # `m = DataParallel(ASTModel(...)); m.load_state_dict(sd); self.v = m.module.v` in a
+                # model's own __init__: a copy built to load a checkpoint with `module.` keys, never
+                # trained as it is (the model that holds its parts is wrapped where it is trained).
+                # `tm.parallel_part` keeps the `.module` level those lines read, with no DDP inside.
+                site.action, site.target, site.small = "part", w.call, small
+                site.note_stmt, site.loading_copy = self.ctx.statement_of(site.outer), True
+                continue
             container = self.ctx.parent(small) if small is not None else None
             if small is None or not isinstance(container, (cst.SimpleStatementLine, cst.SimpleStatementSuite)):
                 # e.g. inside a decorator or a compound statement's header: convert in place
@@ -1546,6 +1556,16 @@ class Plan:
                         # past the `if` is wrapped too (wrapping twice returns the same DDP)
                         site.ensure_after = owner
             w.boundary, w.inclusive = boundary, False
+
+    def _in_module_class(self, node: cst.CSTNode) -> bool:
+        """`node` lies in a method of a model class (one that defines `forward`, or derives from
+        a class named `...Module`)."""
+        klass = self.ctx.enclosing(node, cst.ClassDef)
+        if klass is None or self.ctx.enclosing(node, cst.FunctionDef) is None:
+            return False
+        if any((dotted(b.value) or "").endswith("Module") for b in klass.bases):
+            return True
+        return any(isinstance(s, cst.FunctionDef) and s.name.value == "forward" for s in klass.body.body)
 
     def _falls_through(self, inner: cst.CSTNode, outer: cst.CSTNode) -> bool:
         """`outer` holds `inner`, and no statement after it in a block between them leaves the

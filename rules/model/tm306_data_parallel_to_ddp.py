@@ -108,7 +108,7 @@ class DataParallelToDDP(ModelRule):
         # none where TM305 decides the global batch (each rank loads its share of DataParallel's batch)
         noted: Dict[cst.CSTNode, DPSite] = {}
         for site in p.dp_sites if not policy_applied(self.ctx) else ():
-            if site.action != "keep":
+            if site.action != "keep" and not site.loading_copy:  # (a copy built to load a checkpoint splits no batch)
                 scope = p.models.scope(site.wrap.call)
                 first = noted.get(scope)
                 if first is None or p.models.idx(site.note_stmt) < p.models.idx(first.note_stmt):
