@@ -121,6 +121,17 @@ def _holds(value: cst.BaseExpression, m: str) -> bool:
     return False
 
 
+def _target_names(target: cst.CSTNode) -> Set[str]:
+    """The names an assignment target binds (`a`, `a, (b, c)`, `*rest`)."""
+    if isinstance(target, cst.Name):
+        return {target.value}
+    if isinstance(target, (cst.Tuple, cst.List)):
+        return {n for e in target.elements for n in _target_names(e.value)}
+    if isinstance(target, cst.StarredElement):
+        return _target_names(target.value)
+    return set()
+
+
 def _binds_on_every_path(node: cst.If, name: str) -> bool:
     """Every branch of the `if` (an `else` included) assigns `name` in its own block, or holds
     an `if` that does, or leaves (`raise`, `assert False`, `sys.exit(...)`: an unknown choice
@@ -1527,11 +1538,8 @@ class Plan:
                 continue
             # Converted in place: `tm.wrap_model(<module>)` where the DataParallel was, but never
             # inside a `device_count() > 1` guard (the wrap must run on every rank).
-            if in_if and alone and assign:
-                site.action, site.target = "replace-if", owner
-                site.note_stmt = owner
-                boundary = owner
-            elif in_if and assign and w.name == w.arg and not _exits_after(block, container):
+            outer_if, moved = None, False
+            if in_if and assign and w.name == w.arg and not (alone and assign) and not _exits_after(block, container):
                 outer_if = owner
                 while isinstance(self.ctx.parent(outer_if), cst.If):
                     outer_if = self.ctx.parent(outer_if)
@@ -1541,6 +1549,13 @@ class Plan:
                     # branch of a chain that builds the model on every path: every rank wraps
                     # whichever model it built, after the whole chain
                     outer_if = widest
+                # a wrap after the `if` reads the name on every path: bound before it, or by every branch
+                moved = "." in w.name or widest is outer_if or self._bound_before(w.name, outer_if)
+            if in_if and alone and assign:
+                site.action, site.target = "replace-if", owner
+                site.note_stmt = owner
+                boundary = owner
+            elif moved:
                 site.action, site.target = "move", outer_if
                 site.note_stmt = outer_if
                 boundary = outer_if
@@ -1556,6 +1571,26 @@ class Plan:
                         # past the `if` is wrapped too (wrapping twice returns the same DDP)
                         site.ensure_after = owner
             w.boundary, w.inclusive = boundary, False
+
+    def _bound_before(self, name: str, statement: cst.CSTNode) -> bool:
+        """`name` is bound before `statement` in its scope: by an assignment, loop or `with`
+        target earlier in the source, or as a parameter of its function."""
+        ctx = self.ctx
+        scope = ctx.enclosing(statement, cst.FunctionDef) or ctx.module
+        if isinstance(scope, cst.FunctionDef) and any(
+                p.name.value == name for p in (*scope.params.params, *scope.params.posonly_params,
+                                               *scope.params.kwonly_params)):
+            return True
+        start = ctx.position(statement) or 0
+        for node in ctx.within(scope, cst.Assign, cst.AnnAssign, cst.For, cst.With, skip_defs=True):
+            if (ctx.position(node) or 0) >= start:
+                continue
+            targets = ([t.target for t in node.targets] if isinstance(node, cst.Assign) else
+                       [node.target] if isinstance(node, (cst.AnnAssign, cst.For)) else
+                       [i.asname.name for i in node.items if i.asname is not None])
+            if any(name in _target_names(t) for t in targets):
+                return True
+        return False
 
     def _in_module_class(self, node: cst.CSTNode) -> bool:
         """`node` lies in a method of a model class (one that defines `forward`, or derives from
