@@ -622,7 +622,8 @@ class TrainingFacts:
         return cached
 
     def bce_functions(self) -> Set[str]:
-        """Same-file functions that compute a BCE loss (one level)."""
+        """Same-file functions that compute a BCE loss (one level); methods as `self.name`
+        (`self.backward_D(netD, real, fake)` of a GAN trainer whose loss is in the method)."""
         cached = getattr(self, "_bce_funcs", None)
         if cached is None:
             cached = set()
@@ -631,8 +632,8 @@ class TrainingFacts:
             calls = analysis.calls_to(self.ctx, *BCE_FUNCS, *BCE_CLASSES) + calls_spelled(self.ctx, self.bce_names())
             for call in calls:
                 func = self.ctx.enclosing(call, cst.FunctionDef)
-                if func is not None and class_of(self.ctx, func) is None:
-                    cached.add(func.name.value)
+                if func is not None:
+                    cached.add(func.name.value if class_of(self.ctx, func) is None else "self." + func.name.value)
             self._bce_funcs = cached
         return cached
 
@@ -646,7 +647,7 @@ class TrainingFacts:
                 name = self.ctx.resolve(call.func)
                 d = dotted(call.func)
                 if name in BCE_FUNCS or name in BCE_CLASSES or (d and d in bce) or (
-                        isinstance(call.func, cst.Name) and call.func.value in local_funcs):
+                        isinstance(call.func, (cst.Name, cst.Attribute)) and d in local_funcs):
                     return True
         return False
 

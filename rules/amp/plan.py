@@ -117,7 +117,7 @@ class Plan:
     scaler_owner: Optional[str] = None  # "TM402" or "TM407": creates the scaler, converts steps
     regions: List[Region] = field(default_factory=list)
     region_manual: List[Tuple[cst.CSTNode, str]] = field(default_factory=list)
-    bce: List[Tuple[cst.CSTNode, str]] = field(default_factory=list)  # TM409 findings
+    bce: List[Tuple[cst.CSTNode, str, bool]] = field(default_factory=list)  # TM409 findings (node, message, a note?)
     hazards: List[Tuple[cst.CSTNode, str, bool]] = field(default_factory=list)  # TM409: (node, why, a note)
     scale_calls: List[cst.Call] = field(default_factory=list)  # backward calls to scale
     step_calls: List[Step] = field(default_factory=list)  # steps to route through the scaler
@@ -212,8 +212,9 @@ class _Planner:
     def hazard_blockers(self) -> None:
         """Code elsewhere in the program whose numbers change meaning under autocast
         (`ModuleView.amp_hazards`): no autocast and no scaler here, and TM409 says why at the first
-        training backward, as a note (also where a change would allow it, a BCE loss: the program
-        trains in float32 as it did, so nothing is left to do for its distribution)."""
+        training backward: in `ddp`, as a note (also where a change would allow it, a BCE loss: the
+        program trains in float32 as it did, so nothing is left to do for its distribution); in
+        `amp`, which asks for mixed precision, as a TODO where a change would allow it."""
         ctx, p = self.ctx, self.p
         found = ctx.program.amp_hazards
         if not (p.adding and p.sites and found):
@@ -223,7 +224,9 @@ class _Planner:
         more = f" (and {len(reasons) - 3} more)" if len(reasons) > 3 else ""
         message = f"mixed precision is not added: {'; '.join(reasons[:3])}{more}"
         p.blockers.append(("TM409", first, message))
-        p.hazards.append((first, message, True))
+        # `ddp`: a note (mixed precision comes as a bonus there); `amp` asked for it: a TODO where a
+        # change would allow it (a BCE loss)
+        p.hazards.append((first, message, ctx.options.mode == "ddp" or not any(found.values())))
 
     def type_blockers(self) -> None:
         """A GradScaler scales a loss tensor and steps a torch optimizer (it reads
@@ -887,12 +890,20 @@ class _Planner:
         will_autocast = p.adding and not p.blockers and bool(p.sites)
         for call, name in self.facts.calls:
             if name in BCE_CLASSES or name in BCE_FUNCS:
-                if will_autocast or self.training.covered(call) or self.training.used_under_autocast(call):
+                under = self.training.covered(call) or self.training.used_under_autocast(call)
+                if will_autocast or under:
                     what = "nn.BCELoss" if name in BCE_CLASSES else "F.binary_cross_entropy"
                     better = "nn.BCEWithLogitsLoss" if name in BCE_CLASSES else "F.binary_cross_entropy_with_logits"
+                    # a TODO where the program's own autocast runs it (it raises there); else a note:
+                    # no autocast is added around it, and the program trains in float32 as it did
                     p.bce.append((call, f"`{what}` raises under CUDA autocast (unsafe in fp16): drop the final "
                                         f"sigmoid and use `{better}` on the logits, then put the forward and "
-                                        "loss under `with tm.autocast():` and scale the loss with `tm.GradScaler()`"))
+                                        "loss under `with tm.autocast():` and scale the loss with `tm.GradScaler()`"
+                                  if under or self.ctx.options.mode != "ddp" else
+                                  f"mixed precision is not added where `{what}` computes the loss (it raises under "
+                                  f"CUDA autocast): to add it, drop the final sigmoid and use `{better}` on the "
+                                  "logits, then put the forward and loss under `with tm.autocast():` and scale the "
+                                  "loss with `tm.GradScaler()`", not under and self.ctx.options.mode == "ddp"))
 
     def existing_autocast_checks(self) -> None:
         ctx, p = self.ctx, self.p

@@ -58,7 +58,7 @@ class AmpUnsafeOp(AmpRule):
         p = plan(self.ctx)
         if p.skip or (self.ctx.options.migrating and self.ctx.options.amp == "off"):
             return
-        for node_, message in p.bce:
-            self.report(node_, message)
+        for node_, message, note in p.bce:
+            self.report(node_, message, advice=note)
         for node_, message, note in p.hazards:
             self.report(node_, message, advice=note)
