@@ -495,7 +495,10 @@ class Sums:
     """The numbers a loop adds to (`correct += ...`, `total += y.size(0)`) and what a reduction
     after the loop would make of them (`loop_sums`)."""
 
-    # reducible: name -> "sum" (`tm.all_reduce(x)`) or "mean" (`op="mean"`, a sum over len(loader))
+    # reducible: name -> "sum" (`tm.all_reduce(x)`) or "mean" (`op="mean"`, a sum over len(loader));
+    # "mean-or-sum": also read as it is before `x /= len(loader)` (compared, printed): the ranks'
+    # mean where each rank runs the original's number of batches (its batch divided), for the rule
+    # to settle
     kinds: Dict[str, str] = field(default_factory=dict)
     # a division after the loop that a reduction would make wrong: name -> that division (or `x /= d`)
     foreign: Dict[str, cst.CSTNode] = field(default_factory=dict)
@@ -566,6 +569,9 @@ def loop_sums(ctx: Context, loop: cst.For, names: List[str], exact: ExactDenomin
                     found.add(k)
                     if k is None and bad is None:
                         bad = d
+            if bad is None and found == {"mean", "plain"}:
+                kinds[name] = "mean-or-sum"  # a sum of batch means read as it is, then over len(loader)
+                continue
             if bad is None and "mean" in found and found != {"mean"}:
                 bad = next((d for use in ev.uses for d in divisions_of(ctx, use)), None) or ev.uses[0]
             if bad is not None:

@@ -523,6 +523,12 @@ class ReduceCounts(Rule):
         for name in [n for n, k in kind.items() if k == "sum" and (self._total_of_batch_means(loop, n)
                                                                     or self._steps_alike(loop, n))]:
             kind[name] = "mean"
+        for name in [n for n, k in kind.items() if k == "mean-or-sum"]:
+            # `train_loss < min_train_loss` before `train_loss /= len(loader)`: the ranks' mean, so
+            # every rank takes the same decision (which best model it saves and returns); the raw
+            # sum of batch means is also the original's where each rank runs as many batches as it
+            # did (its batch divided), else it is that sum over this rank's share of the batches
+            kind[name] = "mean"
         counted = [n for n, k in kind.items() if k == "mean" and self._counts_samples(loop, n)]
         for name in counted:
             # `correct / len(loader)`: samples per batch, whose ranks' mean is the original's only
