@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import List, Optional, Tuple
 
 import libcst as cst
@@ -205,6 +206,7 @@ class MainOnlyWrites(Rule):
         withs: List[cst.CSTNode] = []  # `with open(...)` blocks and statements that write
         handles: List[Tuple[cst.Call, cst.Assign]] = []  # `f = open(path, "a")`
         self._waits: List[cst.CSTNode] = []  # statements given a `tm.barrier()` before them
+        self._unordered: List[cst.CSTNode] = []  # helper calls writing files no argument names
         if ctx.options.mode == "ddp":
             self._refusals_before_writes()
         prepared = self._folder_tries()
@@ -288,6 +290,8 @@ class MainOnlyWrites(Rule):
             self._handle(call, assign)
         for call, name in analysis.facts(ctx).calls:
             self._helper_reread(call)
+        for line in self._unordered:
+            self._wait_for_any_read(line)
 
     def _reads_of_moved(self, statements: List[cst.CSTNode]) -> List[cst.CSTNode]:
         """The statement right after a rename that reads the renamed file (`os.rename(path, old);
@@ -602,8 +606,49 @@ class MainOnlyWrites(Rule):
         positions, keywords = ctx.program.call_writes.get(f"{scope_qual(ctx, call)}|{dotted(call.func)}", ((), ()))
         paths = {code(a.value) for i, a in enumerate(call.args)
                  if (a.keyword is None and not a.star and i in positions) or (a.keyword is not None and a.keyword.value in keywords)}
+        # the run's settings (`args.save_dir` inside the helper) name where it writes, but every
+        # call handed the settings would read "that file": not a path to follow
+        paths = {t for t in paths if not _SETTINGS.match(t)}
+        waits = len(self._waits)
         self._wait_for_reread([line], paths)
+        if len(self._waits) == waits:
+            self._unordered.append(line)  # `_wait_for_any_read`, once every other wait is known
         self._wait_for_readers(line, paths)
+
+    def _wait_for_any_read(self, line: cst.SimpleStatementLine) -> None:
+        """`select_reliable(checkpoints, loader, args)` (a helper that writes files it names itself,
+        `reliable_ids.txt` under a folder of the settings, now on the main process only), then
+        `SemiDataset(..., cur_unlabeled_id_path)` reading one of them in another module: where no
+        read of an argument the helper writes follows, the next statement of the same block that
+        reads any file (the program's code that reads, or a library reader) waits at a
+        `tm.barrier()`, where every rank reaches it. A barrier that was not needed costs one
+        collective; a rank reading before the file is complete crashed, or read last run's."""
+        ctx = self.ctx
+        body = list(body_of(ctx.parent(line)) or ())
+        if line not in body or collective_guard(ctx, line) is not None or under_rank_guard(ctx, line):
+            return  # (an `if` on the settings is taken alike by every rank: the barrier is met there)
+        for statement in body[body.index(line) + 1:]:
+            if isinstance(statement, cst.FunctionDef) or isinstance(statement, cst.ClassDef):
+                continue
+            if any(statement is b for b in self._waits):
+                return  # every rank already waits before it
+            for call, name in self._calls_in(statement):
+                if name and name.endswith(".barrier"):
+                    return
+                kinds = call_kinds(ctx, call)
+                if kinds and effects.WRITE in kinds:
+                    continue  # (another writer: its own reads are its business)
+                if name in ("open", "io.open") and not writes_file(call, name, analysis.open_modes(ctx)) \
+                        or name in _READERS or (name or "").startswith(effects.READ_PREFIXES) \
+                        or (kinds is not None and effects.READ in kinds):
+                    if under_rank_guard(ctx, call):
+                        return
+                    self._waits.append(statement)
+                    self.report(call, f"`{code(line)[:60]}` writes files on the main process only now, and this "
+                                      "reads a file: every rank waits until they are complete",
+                                edits=[insert_before(statement, [stmt(f"{ctx.tm}.barrier()")])],
+                                imports=[ctx.runtime_import()])
+                    return
 
     def _wait_for_readers(self, line: cst.SimpleStatementLine, written: set) -> None:
         """A file every rank read earlier in the same function (`check = load_from_json(params_file)`
@@ -873,6 +918,7 @@ def _catches_exists(handler: cst.ExceptHandler) -> bool:
 
 # library calls that read a file (the program's effects' list, and numpy's text reader)
 _READERS = effects.READERS | {"numpy.genfromtxt"}
+_SETTINGS = re.compile(r"^(self\.)?(args|opts?|options|cfg|config|conf|hparams|hps?|params|flags|FLAGS|settings)$")
 
 
 def _ignores(handler: cst.ExceptHandler) -> bool:
