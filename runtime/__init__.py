@@ -1736,7 +1736,8 @@ class _EpochSampler(DistributedSampler):
 _training_sampler = sampler  # (`shard_sampler`'s parameter hides the name)
 
 
-def shard_sampler(sampler, seed: int | None = None, dataset=None, shuffle=False, batch_size: int | None = None):
+def shard_sampler(sampler, seed: int | None = None, dataset=None, shuffle=False, batch_size: int | None = None,
+                  split_batches: bool = False):
     """Any sampler or batch sampler (``WeightedRandomSampler``, ``RandomSampler(replacement=True)``,
     a bucketing batch sampler of the project), shared out by rank. 1 process: ``sampler`` itself.
 
@@ -1759,7 +1760,14 @@ def shard_sampler(sampler, seed: int | None = None, dataset=None, shuffle=False,
     of that many items instead of one at a time: rank r keeps blocks r, r+W, ... A sampler that
     yields groups meant to share a batch (K images of one identity after another, for a triplet
     or binomial loss; a bucket of similar lengths) keeps its groups whole on one rank, where
-    dealing single items would give each rank one image per identity and no positive pair."""
+    dealing single items would give each rank one image per identity and no positive pair.
+
+    ``split_batches`` (a batch sampler, where the migration keeps the original's global batch):
+    every batch the sampler yields is split among the ranks, rank r taking its contiguous part
+    (a batch of fewer items than ranks lends its first items to the ranks it cannot fill). The
+    loader keeps its number of batches, so a loop that draws a fixed number of them with
+    ``next()`` (FixMatch's ``n_iters`` over a sampler sized for them) does not run out halfway,
+    and each step still trains on the original's batch."""
     if sampler is None:
         if dataset is None:
             raise TypeError("shard_sampler: no sampler and no dataset to sample")
@@ -1768,14 +1776,14 @@ def shard_sampler(sampler, seed: int | None = None, dataset=None, shuffle=False,
         return sampler
     if sharded(sampler):
         return sampler  # a DistributedSampler the program's own flag built: already this rank's share
-    return _ShardedSampler(sampler, _own_seed(seed), block=batch_size)
+    return _ShardedSampler(sampler, _own_seed(seed), block=batch_size, split=split_batches)
 
 
 class _ShardedSampler(Sampler):
     """See ``shard_sampler``."""
 
-    def __init__(self, inner, seed: int, block: int | None = None) -> None:
-        self.inner, self.seed = inner, int(seed)
+    def __init__(self, inner, seed: int, block: int | None = None, split: bool = False) -> None:
+        self.inner, self.seed, self.split = inner, int(seed), bool(split)
         self.block = max(1, int(block)) if isinstance(block, int) and not isinstance(block, bool) else 1
         self.epoch, self._explicit, self._passes = 0, False, 0
 
@@ -1791,6 +1799,8 @@ class _ShardedSampler(Sampler):
             inner_set(epoch)
 
     def __len__(self) -> int:
+        if self.split:
+            return len(self.inner)
         return -(-len(self.inner) // (world_size() * self.block)) * self.block
 
     def _start(self, streams: "_Streams"):
@@ -1827,8 +1837,24 @@ class _ShardedSampler(Sampler):
         it, first = self._start(streams)
         if first is _END:
             return
-        yield from _deal(itertools.chain((first,), _chunked(it, streams, world_size() * 64 * self.block)), share,
-                         self.block)
+        items = itertools.chain((first,), _chunked(it, streams, world_size() * 64 * self.block))
+        if self.split:
+            yield from (_part_of_batch(batch) for batch in items)
+            return
+        yield from _deal(items, share, self.block)
+
+
+def _part_of_batch(batch):
+    """This rank's contiguous part of one batch of indices (sizes differ by at most one; a batch
+    of fewer items than ranks lends its first items to the ranks it cannot fill, as
+    ``DistributedSampler`` pads)."""
+    batch = list(batch)
+    world, me = world_size(), rank()
+    if len(batch) < world:
+        batch = [batch[i % len(batch)] for i in range(world)] if batch else batch
+    size, extra = divmod(len(batch), world)
+    start = me * size + min(me, extra)
+    return batch[start:start + size + (1 if me < extra else 0)]
 
 
 def _deal(items, share: int | None = None, block: int = 1):

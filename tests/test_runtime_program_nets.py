@@ -157,6 +157,21 @@ def test_shard_sampler_deals_blocks_of_the_batch_so_groups_stay_on_one_rank():
     assert m0 == m1 == 5 and all(x // 10 == y // 10 for x, y in zip(c0, d0))  # each identity split
 
 
+def test_shard_sampler_splits_every_batch_of_a_batch_sampler_and_keeps_their_number():
+    """FixMatch's loaders: a BatchSampler over a sampler sized for `n_iters` batches, drawn with
+    `next()` n_iters times: each rank gets n_iters batches, its contiguous part of each, and
+    together the ranks cover every batch the one process drew."""
+    from torch.utils.data import BatchSampler, RandomSampler
+
+    inner = BatchSampler(RandomSampler(range(50), replacement=True, num_samples=5 * 6), 6, drop_last=True)
+    (a0, _, n0), (b0, _, n1) = _shards(inner, split_batches=True)
+    assert n0 == n1 == 5 and len(a0) == len(b0) == 5  # the number of batches kept
+    assert all(len(x) == len(y) == 3 for x, y in zip(a0, b0))
+    torch.manual_seed(0)
+    (c0, _, _), (d0, _, _) = _shards(BatchSampler(range(7), 3, drop_last=False), split_batches=True)
+    assert [x + y for x, y in zip(c0, d0)] == [[0, 1, 2], [3, 4, 5], [6, 6]]  # a short batch lends its item
+
+
 def test_shard_sampler_keeps_a_sampler_that_already_takes_the_rank():
     """`DistributedSampler(ds) if args.distributed else None` with the flag on: not sharded twice."""
     from unittest import mock

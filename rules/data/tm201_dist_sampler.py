@@ -21,7 +21,7 @@ from torchmigrate.program.writes import call_kinds
 from torchmigrate.rule import Example
 from torchmigrate.rules.data.base import DataRule
 from torchmigrate.rules.data.plan import UNWRAPPED, BatchPlan, training_args
-from torchmigrate.rules.model.batch import DIVIDED, divides_batches
+from torchmigrate.rules.model.batch import DIVIDED, divides_batches, splits_batches
 
 
 def _whole_batches(tm: str, what: str) -> str:
@@ -530,6 +530,16 @@ class DistSampler(DataRule):
                         edits=[replace(arg.value, lambda v: with_args(cst.Call(func=expr(f"{tm}.shard_sampler")), [
                             cst.Arg(v), kwarg("dataset", dataset), kwarg("shuffle", order), *block])),
                                replace(shuffle.value, lambda v: cst.Name("False"))],
+                        imports=[self.ctx.runtime_import()])
+            return
+        if splits_batches(self.ctx, loader):
+            self.report(arg.value, f"this DataLoader's own `batch_sampler=` is iterated in full by every rank: "
+                                   f"`{tm}.shard_sampler(..., split_batches=True)` gives each rank its part of every "
+                                   "batch (the same draw on every rank), so the loader keeps its number of batches "
+                                   "and a step still trains on the original's batch",
+                        edits=[replace(arg.value, lambda v: with_args(cst.Call(func=expr(f"{tm}.shard_sampler")),
+                                                                       [cst.Arg(v), kwarg("split_batches",
+                                                                                          cst.Name("True"))]))],
                         imports=[self.ctx.runtime_import()])
             return
         self.report(arg.value, f"this DataLoader's own `{name}=` is iterated in full by every rank: "

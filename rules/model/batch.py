@@ -29,12 +29,13 @@ from typing import List, Optional
 
 import libcst as cst
 
-from torchmigrate.program.loaders import Loader, bind_args, compared_with_rows, loader_facts
+from torchmigrate.program.loaders import Loader, bind_args, compared_with_rows, key_of, loader_facts
 from torchmigrate.program.scopes import assignments, scope_of
 from torchmigrate.program.syntax import root_name
 from torchmigrate.rule import Context
 from torchmigrate.rules.data.plan import data_plan
 from torchmigrate.program.syntax import iter_nodes
+from torchmigrate.syntax.imports import dotted
 from torchmigrate.syntax.nodes import code
 
 DIVIDED = "per_rank_batch"
@@ -79,6 +80,29 @@ def batch_sites(ctx: Context) -> List[BatchSite]:
     return found  # type: ignore[return-value]
 
 
+def splits_batches(ctx: Context, loader: Loader) -> bool:
+    """The loader's own `batch_sampler=` is split batch by batch among the ranks
+    (`tm.shard_sampler(..., split_batches=True)`): torch's `BatchSampler`, where this run keeps
+    the original's global batch, unless the loop reads the configured batch size as a shape or a
+    count (a part of a batch would not match it; whole batches are dealt then, and TM305 says so)."""
+    if loader.custom_param != "batch_sampler" or loader.custom_arg is None or not divides_batches(ctx) \
+            or loader.batch_read:
+        return False
+    value = loader.custom_arg.value
+    key = key_of(value)
+    values = [a.value for a in loader_facts(ctx).assigns_at(loader.call, key)] if key is not None else [value]
+    # torch's own BatchSampler over a sampler: batches of unrelated samples, any part of one is a
+    # batch. A batch sampler of the program's (an N-way K-shot episode, K samples per identity,
+    # a bucket of lengths) makes batches with a structure the step relies on: dealt whole.
+    # (or a program's own copy of it, by that name: FixMatch vendors torch's sampler module)
+    return bool(values) and all(isinstance(v, cst.Call) and (
+        ctx.resolve(v.func) in _TORCH_BATCH_SAMPLERS or (dotted(v.func) or "").rsplit(".", 1)[-1] == "BatchSampler")
+        for v in values)
+
+
+_TORCH_BATCH_SAMPLERS = frozenset({"torch.utils.data.BatchSampler", "torch.utils.data.sampler.BatchSampler"})
+
+
 def _decide(ctx: Context) -> List[BatchSite]:
     facts = loader_facts(ctx)
     if facts.distributed or facts.skip_file:
@@ -87,8 +111,8 @@ def _decide(ctx: Context) -> List[BatchSite]:
     sites = []
     for loader in facts.loaders:
         decided = plan.of(loader)
-        if loader.kind == "eval" or not _sharded_here(loader, decided):
-            continue
+        if loader.kind == "eval" or not _sharded_here(loader, decided) or splits_batches(ctx, loader):
+            continue  # (a batch sampler split batch by batch keeps the global batch itself)
         args = bind_args(loader.call) or {}
         size = args.get("batch_size") or _size_in_kwargs(ctx, loader.call)
         if size is not None and DIVIDED in code(size.value):
