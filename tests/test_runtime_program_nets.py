@@ -177,7 +177,8 @@ def test_shard_sampler_keeps_a_sampler_that_already_takes_the_rank():
     from unittest import mock
     from torch.utils.data import DistributedSampler
 
-    with mock.patch.object(tm, "world_size", lambda: 2), mock.patch.object(tm, "is_distributed", lambda: True):
+    with mock.patch.object(tm, "world_size", lambda: 2), mock.patch.object(tm, "is_distributed", lambda: True), \
+            mock.patch.object(tm, "_SAMPLERS_MADE", 0):  # (the count other tests' samplers start from)
         s = DistributedSampler(range(10), num_replicas=2, rank=1)
         assert tm.shard_sampler(s) is s
         assert len(list(tm.shard_sampler(None, dataset=range(10), shuffle=True))) == 5
