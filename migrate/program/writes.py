@@ -64,6 +64,8 @@ def fetches(ctx: Context, call: cst.Call, name: Optional[str]) -> bool:
     if name is not None and (name in _DOWNLOADS or name.startswith(_ALWAYS_FETCH)
                              or name.startswith(_DATASET_PACKAGES) and _asks_download(call)):
         return True
+    if _asks_download(call) and _library_dataset_class(ctx, call.func):
+        return True  # `UnsupervisedCIFAR10(root, download=download)`: the program's subclass of one
     if name in effects.SHELL_RUNNERS and call.args \
             and effects.shell_command_fetches(analysis.leading_text(call.args[0].value)):
         return True  # `os.system("wget %s; unzip %s" % (url, name))`
@@ -192,6 +194,21 @@ def in_loop(ctx: Context, node: cst.CSTNode) -> bool:
             return True
         if isinstance(anc, _DEFS):
             return False
+    return False
+
+
+def _library_dataset_class(ctx: Context, func: cst.BaseExpression, depth: int = 0) -> bool:
+    """`func` names a class of this module deriving (through its classes) from a torchvision or
+    torchaudio dataset, which downloads when it is built with `download=`."""
+    if type(func) is not cst.Name or depth > 4:
+        return False
+    klass = analysis.facts(ctx).classes.get(func.value)
+    if klass is None:
+        return False
+    for base in klass.bases:
+        resolved = ctx.resolve(base.value) or ""
+        if resolved.startswith(_DATASET_PACKAGES) or _library_dataset_class(ctx, base.value, depth + 1):
+            return True
     return False
 
 
