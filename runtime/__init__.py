@@ -525,6 +525,7 @@ def _finish(clean: bool) -> None:
                 with contextlib.suppress(Exception):
                     _release_ddp(ddp)
             _DDP_WRAPPERS.clear()
+            _BUFFER_MODELS.clear()
             gc.collect()
         dist.destroy_process_group()
     if _LOG_DISABLED:
@@ -621,6 +622,7 @@ def wrap_model(model: nn.Module, *, find_unused_parameters: bool = False, sync_b
             return _ready(_wrapper_class(type(model), _DataParallel, _shadowed(model))(model))
         return model
     if not any(p.requires_grad for p in model.parameters()):
+        _watch_buffer_weights(model)
         return model
     _require_pg()
     if dev.type != "cuda" and _nccl():
@@ -1165,6 +1167,41 @@ def _watch_steps() -> None:
         _STEP_HOOK.append(register_optimizer_step_pre_hook(_before_step))
 
 
+_BUFFER_MODELS: list = []  # weak references to models whose weights are trainable buffers
+
+
+def _watch_buffer_weights(model: nn.Module) -> None:
+    """A model with no trainable parameter whose weights are buffers that train (a MetaModule:
+    `register_buffer(name, weight.requires_grad_())`, stepped by an optimizer over
+    `model.params()`, for second-order meta-learning): DDP cannot wrap it (it syncs parameters
+    only), so the ranks start from rank 0's weights and the gradients of those buffers are
+    averaged across ranks before each optimizer step that steps them. Rank 0 says so once."""
+    trained = [b for b in model.buffers() if b.requires_grad]
+    if not trained or not is_distributed():
+        return
+    if _differ_across_ranks(trained):
+        with torch.no_grad():
+            _broadcast_tensors([b.data for b in trained])
+    _BUFFER_MODELS.append(weakref.ref(model))
+    _watch_steps()
+    if is_main():
+        _warn(f"{type(model).__name__} keeps its {len(trained)} trainable weights as buffers (a MetaModule?), which "
+              "DistributedDataParallel does not average: they start from rank 0's values and their gradients are "
+              "averaged across ranks before each optimizer step instead")
+
+
+def _trained_buffers(mine: set) -> list:
+    """The trainable buffers of `_BUFFER_MODELS` that an optimizer stepping `mine` steps."""
+    out = []
+    for ref in list(_BUFFER_MODELS):
+        model = ref()
+        if model is None:
+            _BUFFER_MODELS.remove(ref)
+            continue
+        out += [b for b in model.buffers() if b.requires_grad and id(b) in mine]
+    return out
+
+
 def _before_step(optimizer, _args, _kwargs) -> None:
     """An optimizer about to step on gradients no backward reduced: accumulated under
     ``no_sync()`` (gradient accumulation whose epoch ends inside a window, then a step to use
@@ -1172,6 +1209,10 @@ def _before_step(optimizer, _args, _kwargs) -> None:
     of the model). Each rank would apply its own gradients and the models drift apart. They are
     averaged across ranks first (every rank takes this step), and rank 0 says so once."""
     mine = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    if _BUFFER_MODELS:
+        weights = _trained_buffers(mine)
+        if weights:
+            _average_grads(weights)
     wrappers = _live_wrappers()
     if not wrappers:
         return

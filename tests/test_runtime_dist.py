@@ -507,6 +507,12 @@ def test_a_forward_that_runs_its_own_backwards_is_averaged_like_one_process(nets
     assert len(lines) == 1 and "SelfUpdating" in lines[0] and "nets.py:" in lines[0]
 
 
+def test_weights_kept_as_buffers_are_averaged_and_named(nets):
+    r0, r1 = nets["r"]  # (a MetaModule: DDP cannot wrap a model without parameters)
+    assert r0["buffer_weights"] == pytest.approx(r1["buffer_weights"], rel=1e-6, abs=1e-7)
+    assert nets["output"].count("BufferWeights keeps its 2 trainable weights as buffers") == 1
+
+
 def test_a_model_trained_around_its_wrapper_is_named_once(nets):
     lines = [line for line in nets["output"].splitlines() if "before any training forward" in line]
     assert len(lines) == 1 and "Bypassed" in lines[0] and "nets.py:" in lines[0]

@@ -154,6 +154,22 @@ def self_updating_steps(model, batches):
         g_opt.step()
 
 
+class BufferWeights(nn.Module):
+    """Weights kept as trainable buffers (a MetaModule, for second-order meta-learning)."""
+
+    def __init__(self):
+        super().__init__()
+        ref = nn.Linear(4, 1)
+        self.register_buffer("weight", ref.weight.data.clone().requires_grad_(True))
+        self.register_buffer("bias", ref.bias.data.clone().requires_grad_(True))
+
+    def params(self):
+        return [self.weight, self.bias]
+
+    def forward(self, x):
+        return nn.functional.linear(x, self.weight, self.bias)
+
+
 class Bypassed(nn.Linear):
     """A model the probe trains around its wrapper."""
 
@@ -411,6 +427,17 @@ def main(outdir):
     self_updating_steps(reference, batches)
     res["self_updating"], res["self_updating_reference"] = flat(tm.unwrap(updating)), flat(reference)
     res["self_updating_mode"] = updating._tm_mode
+
+    # a model whose weights are trainable buffers: no DDP, its gradients averaged at each step,
+    # from rank 0's start (each rank built its own random weights)
+    torch.manual_seed(21 + tm.rank())
+    meta = tm.wrap_model(BufferWeights())
+    opt = torch.optim.SGD(tm.unwrap(meta).params(), lr=0.1)
+    for _ in range(3):
+        opt.zero_grad()
+        meta(torch.randn(5, 4, generator=g)).pow(2).mean().backward()
+        opt.step()
+    res["buffer_weights"] = torch.cat([b.detach().reshape(-1) for b in meta.buffers()]).tolist()
 
     # trained through another reference (an alias the wrap did not rebind): said once, on rank 0
     bypassed_plain = Bypassed(4, 1)
