@@ -2823,13 +2823,16 @@ def all_reduce(*xs, op: str = "sum", over=None):
     the GPU for nccl and back; fp16/bf16 are reduced in float32; integer/bool mean gives float,
     bool sum gives int64); a list or tuple of numbers or tensors (per-class counts, one running
     loss per head) in, a new one of the same type out, reduced element by element (the lengths
-    must agree across ranks); a numpy array in, a numpy array out. Values are packed into one flat
+    must agree across ranks); a dict in, a copy with its values reduced (its keys alike on every
+    rank); a numpy array in, a numpy array out. Values are packed into one flat
     buffer per dtype, so one collective runs per dtype (ints travel as int64, exactly; floats as float64). One argument returns one
     value, several a tuple.
     1 process: identity (except mean's float conversion). For metrics, not autograd.
     """
     if op not in _OPS:
         raise ValueError(f"all_reduce: op must be one of {sorted(_OPS)}, got {op!r}")
+    if any(isinstance(x, dict) for x in xs):
+        return _all_reduce_dicts(xs, op, over)
     if any(isinstance(x, (list, tuple)) for x in xs):
         return _all_reduce_sequences(xs, op, over)
     if any(_ndarray(x) for x in xs):  # `loss.detach().cpu().numpy()` and sums of them: numpy back
@@ -2879,6 +2882,30 @@ def _ndarray(x) -> bool:
     """A numpy array (without importing numpy: a program that never imports it has none)."""
     kind = type(x)
     return kind.__name__ == "ndarray" and kind.__module__ == "numpy"
+
+
+def _all_reduce_dicts(xs, op: str, over):
+    """A dict of numbers or tensors by key (per-timestep loss bins, `{i: 0 for i in range(10)}`)
+    in, a copy of it out with every value reduced; the keys, in their order, must agree across
+    ranks (every rank builds the dict alike). Other arguments are reduced as usual."""
+    out = []
+    for x in xs:
+        if isinstance(x, dict):
+            keys = list(x)
+            # Python numbers travel as floats: an entry may still be the int it started as on one
+            # rank (a bin no sample reached) and a float on another, and the ranks must pack the
+            # same buffers; an int entry whose total is whole comes back an int
+            local = list(x.values())
+            sent = [float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v for v in local]
+            values = all_reduce(sent, op=op, over=over) if keys else []
+            values = [int(r) if isinstance(v, int) and not isinstance(v, bool) and isinstance(r, float)
+                      and r.is_integer() else r for v, r in zip(local, values)]
+            new = x.copy()
+            new.update(zip(keys, values))
+            out.append(new)
+        else:
+            out.append(all_reduce(x, op=op, over=over))
+    return out[0] if len(out) == 1 else tuple(out)
 
 
 def _all_reduce_sequences(xs, op: str, over):

@@ -122,6 +122,7 @@ def test_all_reduce_numbers_and_tensors(collectives):
         assert r["input_untouched"]
         assert r["lists"] == ["list", [1, 4], "tuple", [0.5, 2.0], 1, True]
         assert r["list_mean"] == [0.5, 1.0]
+        assert r["dicts"] == ["dict", [[0, 0.25], [1, 1.5]], [[0, 1], [1, 4]]]
         assert r["numpy"] == ["ndarray", [1.0, 2.0]]
 
 

@@ -14,6 +14,7 @@ import libcst as cst
 
 from torchmigrate import analysis
 from torchmigrate.finding import Safety, insert_after
+from torchmigrate.syntax.imports import dotted
 from torchmigrate.syntax.nodes import code, expr, stmt
 from torchmigrate.program.loaders import is_pure, refs_at
 from torchmigrate.program.metrics import (dict_sums, divisions_of, events_after, initial_value, is_number, iterates_loader,
@@ -254,7 +255,8 @@ class ReduceCounts(Rule):
                 values = [a.value for a in lists[n]]
                 op = None
                 if _counted(ctx, loop, n):
-                    if all(_PER_SAMPLE_SUM.search(code(v)) or _one_per_item(ctx, loop, a) for v, a in zip(values, lists[n])):
+                    if all(_PER_SAMPLE_SUM.search(code(v)) or _one_per_item(ctx, loop, a) or _value_per_item(ctx, loop, a)
+                           for v, a in zip(values, lists[n])):
                         op = ""
                     elif trains and all(_batch_mean(v) for v in values):
                         op = "mean"
@@ -683,11 +685,16 @@ def _data_loop(ctx: Context, node: cst.CSTNode) -> Optional[cst.For]:
 
 
 def _number_list(value: Optional[cst.BaseExpression]) -> bool:
-    """`[0, 0.0]`, `[0] * n`, `[0.0 for _ in range(n)]`: a list of numbers to sum into by index."""
+    """`[0, 0.0]`, `[0] * n`, `[0.0 for _ in range(n)]`: a list of numbers to sum into by index;
+    also a dict of numbers by key, `{i: 0 for i in range(10)}` (per-timestep loss bins), whose
+    keys are alike on every rank."""
     if isinstance(value, cst.BinaryOperation) and isinstance(value.operator, cst.Multiply):
         return _number_list(value.left) or _number_list(value.right)
     if isinstance(value, cst.List):
         return bool(value.elements) and all(is_number(e.value) for e in value.elements)
+    if isinstance(value, cst.DictComp):
+        return is_number(value.value) and isinstance(value.for_in.iter, cst.Call) \
+            and (dotted(value.for_in.iter.func) or "") == "range"
     return isinstance(value, cst.ListComp) and is_number(value.elt)
 
 
@@ -697,6 +704,18 @@ def _one_per_item(ctx: Context, loop: cst.For, aug: cst.AugAssign) -> bool:
     inner = ctx.enclosing(aug, cst.For)
     one = isinstance(aug.value, (cst.Integer, cst.Float)) and float(aug.value.value.replace("_", "")) == 1
     return one and inner is not None and inner is not loop
+
+
+def _value_per_item(ctx: Context, loop: cst.For, aug: cst.AugAssign) -> bool:
+    """`lossbin[int(t * 10)] += l` with `l` a target of a loop over the batch's items nested in
+    `loop` (`for t, l in zip(ts.tolist(), losses.tolist()):`): one value per sample, a sum over
+    samples like a count."""
+    inner = ctx.enclosing(aug, cst.For)
+    if inner is None or inner is loop or not isinstance(aug.value, cst.Name):
+        return False
+    targets = {n.value for n in ctx.within(inner.target, cst.Name)} | (
+        {inner.target.value} if isinstance(inner.target, cst.Name) else set())
+    return aug.value.value in targets
 
 
 def _counted(ctx: Context, loop: cst.For, name: str) -> bool:

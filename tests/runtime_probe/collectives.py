@@ -109,6 +109,13 @@ def main(outdir):
     res["lists"] = [type(lists[0]).__name__, lists[0], type(lists[1]).__name__, list(lists[1]), lists[2],
                     per_class == [r, 2 * r + 1]]
     res["list_mean"] = tm.all_reduce([r, 1.0], op="mean")
+    # dicts by key (per-timestep loss bins): an entry still the int it started as on one rank
+    # (no sample reached it) and a float on the other
+    bins, counts = {0: 0, 1: 0.5 * (r + 1)}, {0: r, 1: 2}
+    if r == 1:
+        bins[0] = 0.25
+    got = tm.all_reduce(bins, counts)
+    res["dicts"] = [type(got[0]).__name__, sorted(got[0].items()), sorted(got[1].items())]
     import numpy as np
     summed = tm.all_reduce(np.asarray([r, 1.0]))
     res["numpy"] = [type(summed).__name__, summed.tolist()]
