@@ -3383,7 +3383,8 @@ _METER_FIELDS = (("sum", "count"), ("total", "count"), ("sum", "n"), ("total", "
 def reduce_meter(meter, over=None):
     """Sum a running-average object's total and count across ranks, in place, and recompute its
     ``avg`` where that is a plain attribute (``AverageMeter``-style classes; the pairs
-    ``sum``/``count``, ``total``/``count``, ``sum``/``n``, ``total``/``n`` are recognised); returns it.
+    ``sum``/``count``, ``total``/``count``, ``sum``/``n``, ``total``/``n`` are recognised, as numbers,
+    tensors or numpy arrays: a segmentation meter's per-class sums); returns it.
     An ``avg`` that is a read-only property (computed from the total and count) is left to
     compute itself. An object without such numeric fields is returned unchanged (every rank has the
     same class, so every rank skips alike). ``over``: the loader the meter averaged; where it is
@@ -3395,13 +3396,13 @@ def reduce_meter(meter, over=None):
         return meter
     for total_name, count_name in _METER_FIELDS:
         total, count = getattr(meter, total_name, None), getattr(meter, count_name, None)
-        if isinstance(total, (numbers.Real, torch.Tensor)) and isinstance(count, (numbers.Real, torch.Tensor)) \
-                and not isinstance(total, bool):
-            break
+        if (isinstance(total, (numbers.Real, torch.Tensor)) or _ndarray(total)) and not isinstance(total, bool) \
+                and (isinstance(count, (numbers.Real, torch.Tensor)) or _ndarray(count)):
+            break  # (an array: a segmentation meter's per-class sums, `np.asarray([0] * n_classes)`)
     else:
         return meter
     done = _REDUCED_METERS.get(id(meter))
-    if done is not None and float(count) >= float(done[2]):
+    if done is not None and _at_least(count, done[2]):
         # (reduced before, then updated on this rank only: reduce the gain, keep the reduced part)
         gained, gained_count = all_reduce(total - done[1], count - done[2])
         total, count = done[1] + gained, done[2] + gained_count
@@ -3415,6 +3416,16 @@ def reduce_meter(meter, over=None):
         with contextlib.suppress(AttributeError, TypeError, ZeroDivisionError):
             meter.avg = total / count if count else meter.avg
     return meter
+
+
+def _at_least(a, b) -> bool:
+    """`a >= b` for numbers, tensors and arrays (every element)."""
+    try:
+        return float(a) >= float(b)
+    except (TypeError, ValueError):
+        import numpy as np
+
+        return bool(np.all(np.asarray(a) >= np.asarray(b)))
 
 
 def _to_cpu(value):

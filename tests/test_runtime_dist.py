@@ -224,6 +224,8 @@ def test_a_meter_kept_across_epochs_is_reduced_by_what_it_gained(collectives):
     meter reset each epoch holds that epoch's 3 over 2."""
     r0, r1 = collectives["r"]
     assert r0["meter_kept"] == r1["meter_kept"] == [9.0, 4, 3.0, 2]
+    # per-class sums in a numpy array (3DUNet's DiceAverage): reduced, not skipped
+    assert r0["meter_arrays"] == r1["meter_arrays"] == [[3.0, 2.0], 2, [1.5, 1.0]]
 
 
 def test_on_main_picks_once_for_every_rank(collectives):

@@ -405,6 +405,18 @@ def main(outdir):
         reset.sum, reset.count = float(r + 1), 1  # reset each epoch, then one update
         tm.reduce_meter(reset)
     res["meter_kept"] = [kept.sum, kept.count, reset.sum, reset.count]
+    # a segmentation meter: per-class sums in a numpy array, an int count, a rounded avg
+    import numpy as np
+
+    class DiceAverage:
+        def __init__(self, n):
+            self.sum, self.count, self.avg = np.zeros(n), 0, np.zeros(n)
+
+    dice = DiceAverage(2)
+    dice.sum, dice.count = dice.sum + np.asarray([r + 1.0, 2.0 * r]), dice.count + 1
+    dice.avg = np.around(dice.sum / dice.count, 4)
+    tm.reduce_meter(dice)
+    res["meter_arrays"] = [dice.sum.tolist(), int(dice.count), dice.avg.tolist()]
 
     # save: only rank 0 writes; every rank then loads rank 0's file
     ckdir = os.path.join(outdir, "ckpt")
