@@ -827,8 +827,8 @@ class MainOnlyWrites(Rule):
         """`img.save(path)` on a value the file does not type (`to_image(sr)` of a helper in
         another module, a tokenizer, a scripted model): a method `save` given where to write is a
         file write, as the program's effects count it, unless the receiver is `self` or an
-        instance of the program's own classes (whose `save` the effects follow inside) or a model,
-        tensor or optimizer, or the call hands it a model to save (a checkpointer object)."""
+        instance of the program's own classes (whose `save` the effects follow inside) or a tensor
+        or optimizer, or the call hands it a model to save (a checkpointer object)."""
         ctx = self.ctx
         receiver = call.func.value
         if ctx.resolve(call.func) is not None or not isinstance(ctx.parent(call), cst.Expr):
@@ -838,7 +838,9 @@ class MainOnlyWrites(Rule):
         first = call.args[0]
         if first.star or kind_of(ctx, first.value) in (MODULE, TENSOR, OPTIMIZER):
             return False  # `saver.save(model, optimizer, epoch)`: a checkpointer, whose inside decides
-        return kind_of(ctx, receiver) not in (MODULE, TENSOR, OPTIMIZER, OTHER)
+        # (a model of a library, `torch.jit.script(net).save(path)`, writes its file: not one of the
+        # program's classes, whose own `save` the effects follow inside)
+        return kind_of(ctx, receiver) not in (TENSOR, OPTIMIZER, OTHER)
 
     def _handler(self, call: cst.Call) -> None:
         ctx = self.ctx
