@@ -30,6 +30,8 @@ FILE_WRITERS = frozenset({
     "matplotlib.pyplot.savefig", "imageio.imwrite", "imageio.imsave", "imageio.v2.imwrite",
     "imageio.v3.imwrite", "cv2.imwrite", "scipy.io.savemat", "scipy.io.wavfile.write", "scipy.sparse.save_npz",
     "soundfile.write", "torchaudio.save", "pickle.dump", "joblib.dump",
+    "skimage.io.imsave", "matplotlib.pyplot.imsave", "matplotlib.image.imsave", "imageio.v2.imsave",
+    "scipy.misc.imsave", "tifffile.imwrite", "tifffile.imsave", "nibabel.save", "SimpleITK.WriteImage",
 })
 # Methods that write a file whatever object has them (a figure, a DataFrame, a pathlib.Path).
 FILE_WRITER_METHODS = frozenset({"savefig", "to_csv", "to_parquet", "to_pickle", "to_excel", "to_feather",
