@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins
 import re
 import sys
 from typing import Dict, List, Optional, Set
@@ -20,6 +21,7 @@ from torchmigrate.syntax.nodes import code
 # Schedulers that set the learning rate from arguments of their own, not from the optimizer's.
 # the keywords a helper takes the batch size by, and the helpers that build loaders (`get_loader(...)`)
 _BATCH_KEYWORDS = frozenset({"batch_size", "batchsize", "bs", "batch"})
+_BUILTIN_NAMES = frozenset(dir(builtins))
 _LIBRARIES = frozenset({"torch", "torchvision", "torchaudio", "torchtext", "numpy", "np", "scipy", "sklearn", "PIL",
                         "cv2", "pandas", "transformers", "datasets", "timm", "albumentations", "skimage", "matplotlib",
                         "einops", "torchmigrate", "lightning", "pytorch_lightning", "tensorflow", "jax", "dgl",
@@ -333,8 +335,8 @@ class LrWorldSize(ModelRule):
             return False
         call = ctx.parent(arg)
         spelled = dotted(call.func) if isinstance(call, cst.Call) else None
-        if spelled is None or _LOADERISH.search(spelled):
-            return False
+        if spelled is None or _LOADERISH.search(spelled) or spelled in _BUILTIN_NAMES:
+            return False  # (`dict(batch_size=..., shuffle=True)`: the loader's settings, not a tensor)
         root = (ctx.resolve(call.func) or spelled).split(".")[0]
         if spelled not in ctx.program.own_functions and (root in _LIBRARIES or root in sys.stdlib_module_names
                                                          or root == "self"):
@@ -347,8 +349,10 @@ class LrWorldSize(ModelRule):
         loops = [l for l in ctx.within(fn, cst.For, cst.CompFor)]
         if any(name in {n.value for n in ctx.within(l.iter, cst.Name)} for l in loops):
             return False
+        # (handed to a loader also inside an expression: `**{**kwargs, "shuffle": False}`, TM201's)
         return not any(isinstance(c.func, (cst.Name, cst.Attribute)) and _LOADERISH.search(code(c.func))
-                       and any(isinstance(a.value, cst.Name) and a.value.value == name for a in c.args)
+                       and any(isinstance(n, cst.Name) and n.value == name
+                               for a in c.args for n in (a.value, *ctx.within(a.value, cst.Name)))
                        for c in ctx.within(fn, cst.Call))
 
     def _bound_for(self, use: cst.CSTNode, read: Set[str]) -> bool:
