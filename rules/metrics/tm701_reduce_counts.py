@@ -24,20 +24,10 @@ from torchmigrate.rule import Context, Example, Rule
 from torchmigrate.program.batches import batch_facts
 from torchmigrate.program.losses import summed_loss
 from torchmigrate.program.rank_guards import collective_guard
+from torchmigrate.program.scopes import names_in
 from torchmigrate.program.syntax import ranged_loop
 from torchmigrate.rules._active import active
 from torchmigrate.rules.metrics.plan import exact_lens, loop_sharding
-
-
-def _reads(node: cst.CSTNode, name: str) -> bool:
-    """`name` is read somewhere in `node`."""
-    stack = [node]
-    while stack:
-        n = stack.pop()
-        if isinstance(n, cst.Name) and n.value == name:
-            return True
-        stack.extend(n.children)
-    return False
 
 
 class ReduceCounts(Rule):
@@ -347,13 +337,13 @@ class ReduceCounts(Rule):
             name = assign.targets[0].target.value
             if loop is None or loop not in loops or name in loops[loop] or name in found.get(loop, []):
                 continue
-            sums = [n for n in loops[loop] if _reads(assign.value.left, n)]
+            sums = [n for n in loops[loop] if n in names_in(ctx, assign.value.left)]
             if not any(initial_value(ctx, loop, n)[0] and is_number(initial_value(ctx, loop, n)[1]) for n in sums):
                 continue
             bindings = [n for n in ctx.within(loop.body, cst.Assign, cst.AugAssign, skip_defs=True)
                         if any(isinstance(t, cst.Name) and t.value == name for t in (
                             [x.target for x in n.targets] if isinstance(n, cst.Assign) else [n.target]))]
-            if not all(b in self.quotients and any(_reads(b.value.left, n) for n in loops[loop]) for b in bindings):
+            if not all(b in self.quotients and any(n in names_in(ctx, b.value.left) for n in loops[loop]) for b in bindings):
                 continue
             if loop_sharding(ctx, loop) == "whole" or leaves_early(ctx, loop) or collective_guard(ctx, loop) is not None:
                 continue

@@ -47,6 +47,7 @@ from torchmigrate.program.loaders import loops_of
 from torchmigrate.program.metrics import binding_of, is_load, loader_loop, source_index
 from torchmigrate.program.models import assign_targets, functional_model, mentions, model_facts, strip_moves
 from torchmigrate.program.training import training_facts
+from torchmigrate.program.syntax import target_names
 from torchmigrate.rule import Context
 from torchmigrate.rules.launch import creates_own_group, legacy_launch
 
@@ -119,17 +120,6 @@ def _holds(value: cst.BaseExpression, m: str) -> bool:
     if isinstance(value, (cst.List, cst.Tuple)):
         return any(isinstance(e, cst.Element) and dotted(e.value) == m for e in value.elements)
     return False
-
-
-def _target_names(target: cst.CSTNode) -> Set[str]:
-    """The names an assignment target binds (`a`, `a, (b, c)`, `*rest`)."""
-    if isinstance(target, cst.Name):
-        return {target.value}
-    if isinstance(target, (cst.Tuple, cst.List)):
-        return {n for e in target.elements for n in _target_names(e.value)}
-    if isinstance(target, cst.StarredElement):
-        return _target_names(target.value)
-    return set()
 
 
 def _binds_on_every_path(node: cst.If, name: str) -> bool:
@@ -1588,7 +1578,7 @@ class Plan:
             targets = ([t.target for t in node.targets] if isinstance(node, cst.Assign) else
                        [node.target] if isinstance(node, (cst.AnnAssign, cst.For)) else
                        [i.asname.name for i in node.items if i.asname is not None])
-            if any(name in _target_names(t) for t in targets):
+            if any(name in target_names(t) for t in targets):
                 return True
         return False
 
