@@ -62,22 +62,24 @@ def mode_names_ast(tree: ast.AST) -> Dict[str, str]:
     constructor's argument) where a handle opened with it is written in the module (`with
     open(self.filepath, self.mode) as f: f.write(line)`): a writing mode, whatever it holds."""
     found: Dict[str, Optional[str]] = {}
+    withs = []  # (one walk of the module: the program build reads every module)
     for node in ast.walk(tree):
         if isinstance(node, ast.Assign):
             for target in node.targets:
                 name = dotted_name(target)
                 if name is not None:
                     _merge(found, name, _literal_chars_ast(node.value))
+        elif isinstance(node, (ast.With, ast.AsyncWith)):
+            withs.append(node)
     out = {k: v for k, v in found.items() if v}
     uses: Dict[str, bool] = {}
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.With, ast.AsyncWith)):
-            for item in node.items:
-                handle = dotted_name(item.optional_vars) if item.optional_vars is not None else None
-                mode = _mode_arg_ast(item.context_expr)
-                name = dotted_name(mode) if mode is not None else None
-                if handle and name and name not in out:
-                    uses[name] = uses.get(name, True) and _written_ast(node.body, handle)
+    for node in withs:
+        for item in node.items:
+            handle = dotted_name(item.optional_vars) if item.optional_vars is not None else None
+            mode = _mode_arg_ast(item.context_expr)
+            name = dotted_name(mode) if mode is not None else None
+            if handle and name and name not in out:
+                uses[name] = uses.get(name, True) and _written_ast(node.body, handle)
     return {**out, **_written_modes(uses)}
 
 
