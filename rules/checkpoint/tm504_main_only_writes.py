@@ -638,9 +638,8 @@ class MainOnlyWrites(Rule):
                 kinds = call_kinds(ctx, call)
                 if kinds and effects.WRITE in kinds:
                     continue  # (another writer: its own reads are its business)
-                if name in ("open", "io.open") and not writes_file(call, name, analysis.open_modes(ctx)) \
-                        or name in _READERS or (name or "").startswith(effects.READ_PREFIXES) \
-                        or (kinds is not None and effects.READ in kinds):
+                if _reads_a_file(name, kinds) and not (name in ("open", "io.open")
+                                                       and writes_file(call, name, analysis.open_modes(ctx))):
                     if under_rank_guard(ctx, call):
                         return
                     self._waits.append(statement)
@@ -674,8 +673,7 @@ class MainOnlyWrites(Rule):
                     or writes_file(call, name, analysis.open_modes(ctx)) or _only_shows(call, name):
                 continue
             kinds = call_kinds(ctx, call)
-            if name in ("open", "io.open") or name in _READERS or (name or "").startswith(effects.READ_PREFIXES) \
-                    or (kinds is not None and effects.READ in kinds):
+            if _reads_a_file(name, kinds):
                 read = call
         if read is None:
             return
@@ -920,6 +918,13 @@ def _catches_exists(handler: cst.ExceptHandler) -> bool:
 
 # library calls that read a file (the program's effects' list, and numpy's text reader)
 _READERS = effects.READERS | {"numpy.genfromtxt"}
+def _reads_a_file(name: Optional[str], kinds) -> bool:
+    """A call (resolved as `name`, with the program's `kinds` of effects) that reads a file:
+    `open`, a library reader, or the program's code that reads one."""
+    return name in ("open", "io.open") or name in _READERS or (name or "").startswith(effects.READ_PREFIXES) \
+        or (kinds is not None and effects.READ in kinds)
+
+
 _SETTINGS = re.compile(r"^(self\.)?(args|opts?|options|cfg|config|conf|hparams|hps?|params|flags|FLAGS|settings)$")
 
 
