@@ -1601,10 +1601,8 @@ def _check_drift(ddp: DistributedDataParallel, when: str, inputs=None) -> None:
     if torch.equal(high[:2], low[:2]):
         return
     ddp._tm_drifted = True  # (on the object: an id can be reused by another wrapper on one rank only)
-    if is_main():
-        frame = _user_frame(sys._getframe(1))
-        where = f" (checked at {frame.f_code.co_filename}:{frame.f_lineno})" if frame else ""
-        _warn(f"the parameters of {type(ddp.module).__name__} differ across ranks {when}{where}: something "
+    if is_main():  # (`_warn` names the line of the program where it was checked)
+        _warn(f"the parameters of {type(ddp.module).__name__} differ across ranks {when}: something "
               "updates them outside DistributedDataParallel (an optimizer over another copy of the "
               "model, a learning rate or a step that differs between ranks, a per-rank metric "
               "steering training). Every rank now trains a different model.")
