@@ -168,7 +168,7 @@ def not_done(outcomes: Sequence[Outcome], unresolved: Sequence[str] = ()) -> Lis
     if "loaders" in have and "shards" not in have:
         out.append("no DataLoader is sharded: every rank iterates the whole dataset "
                    + _see(outcomes, "TM201", "how the training data is loaded"))
-    if "trains" in have and "loaders" not in have:
+    if "trains" in have and "loaders" not in have and "shards" not in have:  # (a loader subclass named `FastLoader`)
         out.append("the program builds no DataLoader: every rank trains on the same batches unless the code "
                    "shares them out by rank " + _see(outcomes, "TM201", "how the training data is loaded"))
     return out

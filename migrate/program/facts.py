@@ -52,6 +52,7 @@ class _Module:
     imports: Dict[str, Tuple[Path, Optional[str]]] = field(default_factory=dict)
     functions: Dict[str, ast.AST] = field(default_factory=dict)  # "f" / "Cls.m" -> def
     classes: Dict[str, ast.ClassDef] = field(default_factory=dict)
+    stars: List[Path] = field(default_factory=list)  # the modules `from m import *` reads
 
 
 def _strip_moves(node: ast.AST) -> ast.AST:
@@ -95,6 +96,7 @@ def _bind_imports(module: _Module, graph: Graph, modules: Dict[Path, "_Module"])
                     for target in targets:
                         if target in modules:
                             _star(module, modules[target].tree, target)
+                            module.stars.append(target)
                     continue
                 local = alias.asname or alias.name
                 # `from models import resnet` (models/resnet.py), `from . import utils`; not
@@ -111,6 +113,48 @@ def _bind_imports(module: _Module, graph: Graph, modules: Dict[Path, "_Module"])
                 hit = _files_named(own, alias.name.rsplit(".", 1)[-1])
                 if hit:
                     module.imports[alias.asname or alias.name] = (hit[0], None)
+
+
+def _follow_reexports(modules: Dict[Path, "_Module"]) -> None:
+    """Bind each imported name to the module that defines it: `from data import
+    InfiniteDataLoader`, where data/__init__.py only imports the class from
+    .infinite_dataloader, names the class of data/infinite_dataloader.py. Every fact kept
+    about a class or function (a DataLoader subclass, a writer, a dataset that downloads) then
+    reaches the modules that import it through a package."""
+    defined = {p: _top_level_names(m.tree) for p, m in modules.items()}
+    for _ in range(4):  # a star import also brings what the module imports from the program
+        grew = False
+        for m in modules.values():
+            for target in m.stars:
+                exported = _all_names(modules[target].tree)
+                for name, bound in modules[target].imports.items():
+                    if not name.startswith("_") and (exported is None or name in exported) and name not in m.imports:
+                        m.imports[name], grew = bound, True
+        if not grew:
+            break
+    for m in modules.values():
+        for local, bound in list(m.imports.items()):
+            path, symbol = bound
+            seen: Set[Tuple[Path, str]] = set()
+            while symbol is not None and path in modules and symbol not in defined[path] and (path, symbol) not in seen:
+                seen.add((path, symbol))
+                nxt = modules[path].imports.get(symbol)
+                if nxt is None:
+                    break
+                path, symbol = nxt
+            m.imports[local] = (path, symbol)
+
+
+def _top_level_names(tree: ast.Module) -> Set[str]:
+    """The names a module's own top-level statements define (functions, classes, assignments)."""
+    out: Set[str] = set()
+    for node in tree.body:
+        if isinstance(node, (*FUNC_TYPES, ast.ClassDef)):
+            out.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            out |= {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+    return out
 
 
 def _reexports(path: Path, graph: Graph, modules: Dict[Path, "_Module"], library: Dict[Path, Dict[str, str]],
@@ -349,6 +393,7 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
         modules[path] = m
     for m in modules.values():
         _bind_imports(m, graph, modules)
+    _follow_reexports(modules)
 
     scopes: List[_Scope] = []
     for m in modules.values():
@@ -609,6 +654,7 @@ def program_effects(graph: Graph, trees: Dict[Path, ast.Module]) -> effects.Prog
             modules[path] = _Module(path, trees[path])
     for m in modules.values():
         _bind_imports(m, graph, modules)
+    _follow_reexports(modules)
     return _effects(modules, {path: effects.bindings_of(m.imports) for path, m in modules.items()})
 
 
