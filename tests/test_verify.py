@@ -393,3 +393,21 @@ def test_ranks_stopped_at_the_timeout_a_step_apart_are_not_compared():
     assert check.status == "skip" and "different numbers of optimizer steps (7, 6)" in check.message
     ranks[1]["steps"] = 7
     assert checks.params_in_sync(Run(ranks, ["", ""], timed_out=True, timeout=45)).status == "fail"
+
+
+def test_an_endless_loader_is_read_as_drawn_not_listed_first(tmp_path):
+    """An "infinite" DataLoader (a batch sampler that repeats forever): verify used to list the
+    sampler before the first batch and hung until the timeout. Its first pass is now recorded
+    as drawn: sharded, it passes; the same loader left whole fails the sharding check."""
+    pytest.importorskip("torch")
+    code, report, err = verify("--steps", 2, "--epochs", 1, BROKEN / "endless_loader.py", cwd=tmp_path)
+    assert code == 0 and report and not report["timed_out"], err
+    assert by_name(report)["sharded"]["status"] == "pass", by_name(report)["sharded"]
+    whole = tmp_path / "whole"
+    whole.mkdir()
+    (whole / "common.py").write_text((BROKEN / "common.py").read_text())
+    text = (BROKEN / "endless_loader.py").read_text()
+    (whole / "endless_whole.py").write_text(text.replace("sampler=tm.sampler(train_ds, shuffle=True)", "shuffle=True"))
+    code, report, err = verify("--steps", 2, "--epochs", 1, whole / "endless_whole.py", cwd=whole)
+    assert code == 1 and report and not report["timed_out"], err
+    assert failed(report) == {"sharded"}, json.dumps(report["checks"], indent=1)

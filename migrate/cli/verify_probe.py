@@ -33,6 +33,7 @@ import ctypes
 import hashlib
 import importlib.util
 import io
+import itertools
 import json
 import os
 import runpy
@@ -172,18 +173,38 @@ def _batches(loader, source):
     short = bool(EPOCHS) and record["epochs"] >= EPOCHS
     steps_limit = 1 if short else STEPS
     mapped = loader._dataset_kind == _dl._DatasetKind.Map
-    items = list(source) if mapped else None
-    it = {"indices": _flat(items) if mapped else None, "steps": 0, "batches": 0,
+    items, endless = _epoch_of(source, loader) if mapped else (None, False)
+    it = {"indices": _flat(items) if mapped and not endless else None, "steps": 0, "batches": 0,
           "epoch": getattr(_sampler(loader), "epoch", None), "short": short}
+    if endless:  # the indices of the first pass, as this rank draws them (later passes reshuffle)
+        it["indices"], first_pass = [], _len(loader.sampler)
     entry["iterations"].append(it)
     _active["cut"] = False
-    for batch in (items if mapped else source):
+    for batch in (itertools.chain(items, source) if endless else items if mapped else source):
         if steps_limit and it["steps"] >= steps_limit or short and not trained and it["batches"] >= 1:
             _active["cut"] = True  # (a short read of an evaluation loader: one batch)
             return
         _active["it"] = it
         it["batches"] += 1
+        if endless and (first_pass is None or len(it["indices"]) < first_pass):
+            it["indices"].extend(_flat([batch]))
         yield batch
+
+
+def _epoch_of(source, loader):
+    """The batches of indices one read of the loader's sampler yields, and whether it never ends:
+    a sampler that repeats forever (an "infinite" DataLoader's `_RepeatSampler`) draws more
+    than twice the dataset (and the sampler's own length) before it would end, and is then read
+    on lazily instead of listed whole."""
+    sizes = [n for n in (_len(loader.dataset), _len(_sampler(loader)), _len(loader.sampler)) if n is not None]
+    bound = 2 * max(sizes) + 1 if sizes else None
+    items, drawn = [], 0
+    for item in source:
+        items.append(item)
+        drawn += len(item) if isinstance(item, (list, tuple)) else 1
+        if bound is not None and drawn > bound:
+            return items, True
+    return items, False
 
 
 def _patch_loaders() -> None:
