@@ -569,6 +569,7 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
     views: Dict[Path, ModuleView] = {}
     consumers = _batch_consumers(modules, kinds)
     library: Dict[Path, Dict[str, str]] = {}  # each module's library imports, for `_reexports`
+    library_datasets = _library_dataset_classes(modules, graph, library)
     coupled = batch_coupling.coupled_losses({p: m.tree for p, m in modules.items()})
     precision = amp_hazards.hazards({p: m.tree for p, m in modules.items()},
                                     lambda p: _library_of(p, modules, graph, library))
@@ -594,6 +595,7 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
             self_trained=frozenset(_spellings(m, modules, self_trained)),
             wrapped_where_made=frozenset(name for (p, name) in made_here if p == path),
             loader_classes=frozenset(_spellings(m, modules, loader_classes)),
+            library_datasets=frozenset(_spellings(m, modules, library_datasets)),
             class_kinds={spelled: kinds[key] for key in kinds for spelled in _spellings(m, modules, {key})},
             optimizer_wrappers={spelled: wrappers[key] for key in wrappers
                                 for spelled in _spellings(m, modules, {key})},
@@ -987,6 +989,26 @@ def _own_non_loader(s: "_Scope", modules: Dict[Path, _Module], call: ast.Call) -
 def _derives_loader(klass: ast.ClassDef) -> bool:
     """`class X(DataLoader)` (by its base's last name)."""
     return any((dotted_name(b) or "").rsplit(".", 1)[-1] == "DataLoader" for b in klass.bases)
+
+
+_LIBRARY_DATASETS = ("torchvision.datasets.", "torchaudio.datasets.")
+
+
+def _library_dataset_classes(modules: Dict[Path, _Module], graph: Graph,
+                             library: Dict[Path, Dict[str, str]]) -> Set[Tuple[Path, str]]:
+    """The program's classes that derive, directly or through its own classes in any module,
+    from a torchvision or torchaudio dataset: built with `download=` they download."""
+    direct = set()
+    for path, m in modules.items():
+        imported = _library_of(path, modules, graph, library)
+        for name, klass in m.classes.items():
+            for base in klass.bases:
+                head, _, rest = (dotted_name(base) or "").partition(".")
+                full = imported.get(head)
+                if full is not None and f"{full}.{rest}".startswith(_LIBRARY_DATASETS):
+                    direct.add((path, name))
+    return {(path, name) for path, m in modules.items() for name in m.classes
+            if (path, name) in direct or any(b in direct for b in inherited.bases(modules, (path, name)))}
 
 
 def _loader_subclass(klass: ast.ClassDef) -> bool:

@@ -51,6 +51,10 @@ class ModuleView:
     # names (as this module spells them) of the program's DataLoader subclasses that pass
     # keyword arguments through: `AudioDataLoader`, `data.AudioDataLoader`
     loader_classes: FrozenSet[str] = frozenset()
+    # names (as this module spells them) of the program's classes deriving, through its own
+    # classes, from a torchvision/torchaudio dataset: built with `download=` they download
+    # (`UnsupervisedCIFAR10(root, download=True)`, the class defined in another module)
+    library_datasets: FrozenSet[str] = frozenset()
     # the program's `nn.DataParallel` subclasses as this module spells them -> the position of
     # the module among their positional arguments (`BalancedDataParallel(gpu0_bsz, model)`: 1)
     dp_classes: Dict[str, int] = field(default_factory=dict)

@@ -64,7 +64,8 @@ def fetches(ctx: Context, call: cst.Call, name: Optional[str]) -> bool:
     if name is not None and (name in _DOWNLOADS or name.startswith(_ALWAYS_FETCH)
                              or name.startswith(_DATASET_PACKAGES) and _asks_download(call)):
         return True
-    if _asks_download(call) and _library_dataset_class(ctx, call.func):
+    if _asks_download(call) and (_library_dataset_class(ctx, call.func)
+                                 or (dotted(call.func) or "") in ctx.program.library_datasets):
         return True  # `UnsupervisedCIFAR10(root, download=download)`: the program's subclass of one
     if name in effects.SHELL_RUNNERS and call.args \
             and effects.shell_command_fetches(analysis.leading_text(call.args[0].value)):
