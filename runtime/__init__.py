@@ -68,7 +68,7 @@ __all__ = [
     "save", "load", "strip_prefix", "load_state_dict", "seed_everything", "seed_per_rank", "main_only", "main_process_first", "goes_first",
     "shard_range", "rank_part", "shard_indices", "shard_mean", "shard_batches", "agreed", "on_main", "move_into_place", "to_device", "as_device", "device_arg", "all_rows",
     "set_device", "data_parallel", "same_draws", "visible_devices", "gpu_ids", "parallel_part", "ParallelPart", "unsharded",
-    "fill_value",
+    "fill_value", "replicas",
 ]
 
 
@@ -589,6 +589,7 @@ def wrap_model(model: nn.Module, *, find_unused_parameters: bool = False, sync_b
     (each attribute module with trainable parameters that no other one contains), so its forward
     goes through DDP and its gradients are averaged.
     """
+    global _DATA_PARALLEL_KEPT
     if loss_reduction not in ("mean", "sum"):
         raise ValueError(f"wrap_model: loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
     if isinstance(model, DistributedDataParallel):
@@ -619,6 +620,7 @@ def wrap_model(model: nn.Module, *, find_unused_parameters: bool = False, sync_b
             model = model.to(dev)
     if not is_distributed():
         if data_parallel and not isinstance(model, nn.DataParallel):
+            _DATA_PARALLEL_KEPT = True
             return _ready(_wrapper_class(type(model), _DataParallel, _shadowed(model))(model))
         return model
     if not any(p.requires_grad for p in model.parameters()):
@@ -2468,6 +2470,19 @@ def fill_value(value, like=None):
         return value
     limit = torch.finfo(dtype).max
     return max(-limit, min(limit, value)) if abs(value) != float("inf") else value
+
+
+_DATA_PARALLEL_KEPT = False  # wrap_model kept a DataParallel in this process (data_parallel=True)
+
+
+def replicas(n: int) -> int:
+    """How many copies of an input the program makes for DataParallel to scatter, one per GPU
+    (``x.unsqueeze(0).repeat(n_gpu, 1, 1)``, ``lengths.max().repeat(torch.cuda.device_count())``):
+    ``n`` where ``wrap_model`` kept the DataParallel (one process, as the original ran), else 1.
+    Under torchrun each rank's model runs whole on its own GPU (DDP scatters nothing), and where
+    the migration dropped the DataParallel the model is called once, so one copy is what the
+    forward expects; ``n`` copies would reach it as a batch of ``n``."""
+    return n if _DATA_PARALLEL_KEPT and not is_distributed() else 1
 
 
 def data_parallel(module, inputs, device_ids=None, output_device=None, dim=0, module_kwargs=None):

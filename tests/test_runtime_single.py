@@ -356,6 +356,22 @@ def test_wrap_model_takes_a_mean_or_a_summed_loss_only():
         tm.wrap_model(model, loss_reduction="total")
 
 
+def test_replicas_is_the_count_only_where_a_data_parallel_is_kept(monkeypatch):
+    """Inputs copied once per GPU for DataParallel's scatter (`x.repeat(tm.replicas(n_gpu), 1)`):
+    one copy while no DataParallel runs (the migration dropped it, or under torchrun, where DDP
+    scatters nothing), the program's count once wrap_model keeps one in one process."""
+    monkeypatch.setattr(tm, "_DATA_PARALLEL_KEPT", False)
+    assert tm.replicas(4) == 1
+    tm.wrap_model(small_model())
+    assert tm.replicas(4) == 1
+    episode = tm.wrap_model(nn.Linear(3, 2), data_parallel=True)
+    assert tm.replicas(4) == 4
+    shots = torch.randn(1, 3, device=tm.device()).repeat(tm.replicas(1), 1)
+    assert episode(shots).shape == (1, 2)
+    monkeypatch.setattr(tm, "is_distributed", lambda: True)
+    assert tm.replicas(4) == 1
+
+
 def test_wrap_model_keeps_a_former_data_parallel_in_one_process():
     """A program that used nn.DataParallel reads `.module` anywhere: in one process it keeps it."""
     model = small_model()

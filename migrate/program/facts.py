@@ -570,6 +570,8 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
     consumers = _batch_consumers(modules, kinds)
     library: Dict[Path, Dict[str, str]] = {}  # each module's library imports, for `_reexports`
     library_datasets = _library_dataset_classes(modules, graph, library)
+    dp_names = {"DataParallel", "data_parallel"} | {name for _, name in dp_classes}
+    data_parallel = any((dotted_name(c.func) or "").rsplit(".", 1)[-1] in dp_names for s in scopes for c in s.calls)
     coupled = batch_coupling.coupled_losses({p: m.tree for p, m in modules.items()})
     precision = amp_hazards.hazards({p: m.tree for p, m in modules.items()},
                                     lambda p: _library_of(p, modules, graph, library))
@@ -596,6 +598,7 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
             wrapped_where_made=frozenset(name for (p, name) in made_here if p == path),
             loader_classes=frozenset(_spellings(m, modules, loader_classes)),
             library_datasets=frozenset(_spellings(m, modules, library_datasets)),
+            data_parallel=data_parallel,
             class_kinds={spelled: kinds[key] for key in kinds for spelled in _spellings(m, modules, {key})},
             optimizer_wrappers={spelled: wrappers[key] for key in wrappers
                                 for spelled in _spellings(m, modules, {key})},

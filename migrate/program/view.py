@@ -55,6 +55,9 @@ class ModuleView:
     # classes, from a torchvision/torchaudio dataset: built with `download=` they download
     # (`UnsupervisedCIFAR10(root, download=True)`, the class defined in another module)
     library_datasets: FrozenSet[str] = frozenset()
+    # some module of the program uses nn.DataParallel (or `nn.parallel.data_parallel`, or a
+    # DataParallel subclass of its own): inputs repeated once per GPU were made for its scatter
+    data_parallel: bool = False
     # the program's `nn.DataParallel` subclasses as this module spells them -> the position of
     # the module among their positional arguments (`BalancedDataParallel(gpu0_bsz, model)`: 1)
     dp_classes: Dict[str, int] = field(default_factory=dict)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Dict, List, Optional, Set, Tuple, Union
 
 import libcst as cst
@@ -16,6 +17,10 @@ from torchmigrate.program.models import DDP_CLASSES, DP_CLASSES, strip_moves
 from torchmigrate.rules.model.batch import policy_applied
 from torchmigrate.rules.model.plan import DPSite
 
+
+# names of a program's GPU count and GPU list (`num_gpu`, `args.n_gpus`; `len(args.gpu_ids)`)
+_GPU_COUNT = re.compile(r"^(?:n_?|num_?|number_of_)gpus?$|^gpus?_?num$|^n_?devices$|^num_devices$", re.IGNORECASE)
+_GPU_LIST = re.compile(r"^(?:gpu_?ids|device_?ids|gpus|gpu_list|devices)$", re.IGNORECASE)
 
 # the calls a replicating forward helper is made of, and the argument each one names
 _REPLICATE_CALLS = {"torch.nn.parallel.replicate": "module", "torch.nn.parallel.replicate.replicate": "module",
@@ -194,6 +199,8 @@ class DataParallelToDDP(ModelRule):
                         imports=[self.ctx.runtime_import()])
         if self.ctx.options.mode == "ddp" and self.ctx.options.migrating:
             self._replicating_helpers()
+            if self.ctx.program.data_parallel or p.dp_sites or p.dp_functional:  # (here, or in another module)
+                self._replicated_inputs()
         report_rewrites(self, p, "TM306")
 
     # --- the program's own replicate/scatter/parallel_apply helpers -----------------------
@@ -231,6 +238,39 @@ class DataParallelToDDP(ModelRule):
                               f"`{forward}` there instead, on this rank's GPU (one process runs it as written)",
                         edits=[insert_before(first, [guard])], imports=[ctx.runtime_import()])
 
+
+    # --- inputs copied once per GPU for DataParallel's scatter ----------------------------
+    def _replicated_inputs(self) -> None:
+        """`data_shot.unsqueeze(0).repeat(num_gpu, 1, 1, 1)`, `lengths.max().repeat(
+        torch.cuda.device_count())`: a program using DataParallel copies an input once per GPU, so
+        that the scatter hands every replica one copy. Under torchrun each rank's model runs whole
+        (DDP scatters nothing) and would get a batch of `num_gpu` copies where it expects one:
+        the count becomes `tm.replicas(num_gpu)`, 1 there (and in one process where the
+        DataParallel was dropped), the count itself where it is kept."""
+        ctx, tm = self.ctx, self.ctx.tm
+        for call, _name in analysis.facts(ctx).calls:
+            func = call.func
+            if not (isinstance(func, cst.Attribute) and func.attr.value in ("repeat", "expand") and call.args
+                    and call.args[0].keyword is None and call.args[0].star == ""):
+                continue
+            count = call.args[0].value
+            if not self._gpu_count(count):
+                continue
+            self.report(call, f"`{code(count)}` copies this input once per GPU for DataParallel's scatter; under "
+                              f"torchrun each rank's model runs whole on its GPU (DDP scatters nothing) and would "
+                              f"get {code(count)} copies as its batch: `{tm}.replicas(...)` is 1 there, and the count "
+                              "where DataParallel is kept in one process",
+                        edits=[replace(count, lambda n: expr(f"{tm}.replicas({code(n)})"))],
+                        imports=[ctx.runtime_import()])
+
+    def _gpu_count(self, node: cst.BaseExpression) -> bool:
+        """`torch.cuda.device_count()`, `num_gpu`, `args.n_gpus`, `len(args.gpu_ids)`."""
+        if isinstance(node, cst.Call):
+            if self.ctx.resolve(node.func) == "torch.cuda.device_count" and not node.args:
+                return True
+            return (isinstance(node.func, cst.Name) and node.func.value == "len" and len(node.args) == 1
+                    and _GPU_LIST.match((dotted(node.args[0].value) or "").rsplit(".", 1)[-1]) is not None)
+        return _GPU_COUNT.match((dotted(node) or "").rsplit(".", 1)[-1]) is not None
 
     # --- code that tests for a DataParallel -------------------------------------------------
     def _dp_checks(self) -> None:
