@@ -92,8 +92,11 @@ _WRITER_CLASSES = frozenset({"tensorboard_logger.Logger", "logging.FileHandler",
                              *TRACKER_RUNS})
 _MKDIRS = frozenset({"os.makedirs", "os.mkdir", "pathlib.Path.mkdir"})
 # tempfile's calls that make a file or folder of the process's own (`gettempdir()` is shared)
+# what makes a file (or folder) of this process's own: each rank writes its own, none waits for
+# another; an in-memory buffer (`buf = io.BytesIO(); plt.savefig(buf)`) is one too
 PRIVATE_TEMPS = frozenset({"tempfile.TemporaryDirectory", "tempfile.mkdtemp", "tempfile.mkstemp",
-                            "tempfile.NamedTemporaryFile", "tempfile.TemporaryFile", "tempfile.SpooledTemporaryFile"})
+                           "tempfile.NamedTemporaryFile", "tempfile.TemporaryFile", "tempfile.SpooledTemporaryFile",
+                           "io.BytesIO", "io.StringIO"})
 EXISTS_TESTS = frozenset({"os.path.exists", "os.path.isdir", "os.path.isfile"})  # calls that ask whether a path exists
 # calls that read files (a name; `READ_PREFIXES`: every call under these)
 READERS = frozenset({"json.load", "pickle.load", "numpy.load", "numpy.loadtxt", "torch.load", "yaml.load",
