@@ -51,7 +51,12 @@ from torchmigrate.syntax.imports import dotted
 from torchmigrate.syntax.nodes import code
 from torchmigrate.syntax.walk import child_nodes
 
-DATALOADERS = ("torch.utils.data.DataLoader", "torch.utils.data.dataloader.DataLoader")
+# torch's DataLoader, and the subclasses of it other libraries export under that name, which take
+# `sampler=` as it does (PyTorch Geometric's mini-batch loaders of graphs)
+DATALOADERS = ("torch.utils.data.DataLoader", "torch.utils.data.dataloader.DataLoader",
+               "torch_geometric.loader.DataLoader", "torch_geometric.loader.dataloader.DataLoader",
+               "torch_geometric.data.DataLoader", "torch_geometric.loader.DenseDataLoader",
+               "torch_geometric.loader.dense_data_loader.DenseDataLoader", "torch_geometric.data.DenseDataLoader")
 DIST_SAMPLERS = ("torch.utils.data.DistributedSampler", "torch.utils.data.distributed.DistributedSampler")
 # Progress bars, which wrap the loader they iterate (`for x, y in tqdm(loader)`).
 TQDM_CALLS = {
