@@ -148,6 +148,9 @@ class AgreedDraws(Rule):
             if name is None and isinstance(call.func, cst.Name) and call.func.value == "input":
                 self._input(call)
                 continue
+            if name is None and _dataset_shuffle(call):
+                self._shuffled_dataset(call)
+                continue
             kinds = call_kinds(ctx, call)
             if kinds is not None:
                 if PROBE in kinds and kinds <= _PROBES_ONLY:
@@ -276,6 +279,29 @@ class AgreedDraws(Rule):
                             f"every rank uses its value",
                     edits=[replace(assign.value, lambda v: cst.Call(
                         func=cst.parse_expression(f"{ctx.tm}.broadcast_object"), args=[cst.Arg(v)]))],
+                    imports=[ctx.runtime_import()])
+
+    def _shuffled_dataset(self, call: cst.Call) -> None:
+        """`dataset = TUDataset(root, name).shuffle()` (PyTorch Geometric, a Hugging Face dataset
+        without a seed): a new dataset in an order drawn from the global streams, which differ
+        per rank unless the program seeds them alike. Sliced into train and test sets, each rank
+        would split the data its own way (one rank's training graphs another's test graphs) and
+        the sampler's disjoint shares of positions would overlap in samples. The draw becomes
+        `tm.agreed(dataset.shuffle)`: the same order on every rank (the program's own order where
+        its streams are seeded alike), new at each call."""
+        ctx = self.ctx
+        statement = ctx.statement_of(call)
+        if not isinstance(statement, cst.SimpleStatementLine) or not any(
+                isinstance(small, (cst.Assign, cst.AnnAssign)) for small in statement.body):
+            return  # (its value is used: a loader's in-place `shuffle()` is the data family's)
+        if not self._agreed_place(call) or any(isinstance(a, cst.Call) and (ctx.resolve(a.func) or "").endswith(".agreed")
+                                              for a in ctx.ancestors(call)):
+            return
+        self.report(call, f"`{code(call)}` draws a new order of the dataset on each rank from its own random "
+                          f"streams: the ranks would split and shard the data differently; the order is drawn alike "
+                          f"on every rank (`{ctx.tm}.agreed`)",
+                    edits=[replace(call, lambda c: cst.Call(func=cst.parse_expression(f"{ctx.tm}.agreed"),
+                                                            args=[cst.Arg(c.func), *c.args]))],
                     imports=[ctx.runtime_import()])
 
     def _name(self, assign: cst.Assign, read: cst.Call) -> None:
@@ -669,6 +695,13 @@ def _handed_to(call: cst.Call, runtime: str):
     return replace(call, lambda c: c.with_changes(
         func=cst.parse_expression(runtime),
         args=[cst.Arg(c.func, comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))), *c.args]))
+
+
+def _dataset_shuffle(call: cst.Call) -> bool:
+    """`ds.shuffle()`: a dataset's method that returns it reordered at random (PyTorch Geometric,
+    Hugging Face datasets), with no seed or generator of its own."""
+    return isinstance(call.func, cst.Attribute) and call.func.attr.value == "shuffle" and not any(
+        a.keyword is None or a.keyword.value in ("seed", "generator") for a in call.args)
 
 
 def _is_draw(name: str) -> bool:
