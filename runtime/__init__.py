@@ -68,7 +68,7 @@ __all__ = [
     "save", "load", "strip_prefix", "load_state_dict", "seed_everything", "seed_per_rank", "main_only", "main_process_first", "goes_first",
     "shard_range", "rank_part", "shard_indices", "shard_mean", "shard_batches", "agreed", "on_main", "move_into_place", "to_device", "as_device", "device_arg", "all_rows",
     "set_device", "data_parallel", "same_draws", "visible_devices", "gpu_ids", "parallel_part", "ParallelPart", "unsharded",
-    "fill_value", "replicas",
+    "fill_value", "replicas", "gather_rows",
 ]
 
 
@@ -3002,6 +3002,22 @@ def all_rows(x):
             return all_rows(torch.from_numpy(x)).numpy()
         raise TypeError(f"all_rows: expected a tensor or a numpy array, got {type(x).__name__}")
     return gather_for_metrics(x)
+
+
+def gather_rows(x):
+    """Every rank's rows of ``x`` (a tensor computed from this training step's batch: the keys a
+    MoCo-style queue takes in, the features a fixed-size memory bank enqueues), on every rank,
+    detached: a queue kept across steps then takes in the whole global batch at each step, as in
+    one process, and stays the same on every rank (what the reference MoCo's
+    ``concat_all_gather`` does). Unlike ``all_rows`` it gathers under ``torch.no_grad()`` too (an
+    enqueue usually runs there): a collective at every call, so call it once per training step on
+    every rank. Rows come rank by rank, interleaved (``gather_for_metrics``'s order); per-rank
+    lengths may differ. 1 process: ``x``."""
+    if not is_distributed():
+        return x
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"gather_rows: expected a tensor, got {type(x).__name__}")
+    return gather_for_metrics(x.detach())
 
 
 def gather_list(values, over=None) -> list:

@@ -605,6 +605,14 @@ def test_all_rows_writes_every_ranks_rows_of_a_state_on_every_rank(shards):
     assert (r0["state_no_grad"], r1["state_no_grad"]) == ([0, 1], [4])
 
 
+def test_gather_rows_takes_every_ranks_keys_into_a_queue_even_without_gradients(shards):
+    """A MoCo queue's enqueue runs under no_grad: every rank's keys (of uneven numbers) on every
+    rank, the same rows in the same order."""
+    r0, r1 = shards
+    assert r0["queue_keys"] == r1["queue_keys"]
+    assert sorted(row[0] for row in r0["queue_keys"]) == [0.0, 0.0, 1.0]
+
+
 def test_rank_part_splits_a_batch_into_contiguous_parts(shards):
     """A batch every rank reads alike (at a cursor): each rank trains on its contiguous part, the
     parts make up the batch; a batch of fewer rows than ranks gives each rank a row, never none."""

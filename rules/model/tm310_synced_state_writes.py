@@ -7,7 +7,7 @@ from typing import Dict, List, Optional
 import libcst as cst
 
 from torchmigrate import analysis
-from torchmigrate.finding import Safety, replace
+from torchmigrate.finding import Safety, insert_after, insert_before, replace
 from torchmigrate.program.rank_guards import collective_guard
 from torchmigrate.program.types import is_batch_source
 from torchmigrate.rule import Example, Rule
@@ -81,6 +81,7 @@ class SyncedStateWrites(Rule):
         ctx = self.ctx
         if not active(ctx) or not ctx.options.migrating or analysis.is_distributed(ctx):
             return
+        self._queues()
         states = self._states()
         if not states:
             return
@@ -101,6 +102,61 @@ class SyncedStateWrites(Rule):
                                 f"ranks' copies would drift apart; every rank's rows are written on every rank "
                                 f"(`{tm}.all_rows`)",
                         edits=[replace(assign, lambda a: _gathered(a, tm))], imports=[ctx.runtime_import()])
+
+    # --- queues: a fixed number of the latest rows, taken in at every step ---------------
+    def _queues(self) -> None:
+        """A queue kept across steps that takes in rows computed from each step's batch (MoCo's
+        negative keys): `queue = torch.cat([queue, k])[len(k):]`, or `self.queue[:, ptr:ptr +
+        batch_size] = keys.T` with a moving pointer. Each rank would take in only its own shard's
+        rows, so the ranks' queues differ and each holds fewer distinct batches: the rows are
+        gathered from every rank first (`tm.gather_rows`), as the reference MoCo's
+        `concat_all_gather` does, so each step takes in the global batch as in one process."""
+        ctx, tm = self.ctx, self.ctx.tm
+        for assign in ctx.nodes(cst.Assign):
+            if len(assign.targets) != 1 or collective_guard(ctx, assign) is not None:
+                continue
+            target = assign.targets[0].target
+            new = _cat_enqueued(ctx, assign)
+            if new is not None and self._in_step(assign, dotted(target) or ""):
+                # every read of the rows in the statement (`[len(k):]` too), or the queue would grow
+                rows = code(new)
+                same = [n for n in ctx.within(assign.value, type(new)) if code(n) == rows and not (
+                    isinstance(ctx.parent(n), cst.Attribute) and ctx.parent(n).attr is n)]
+                self.report(assign, _QUEUE.format(name=code(target), tm=tm),
+                            edits=[replace(n, lambda n: cst.Call(func=expr(f"{tm}.gather_rows"), args=[cst.Arg(n)]))
+                                   for n in same],
+                            imports=[ctx.runtime_import()])
+                continue
+            keys = _pointer_enqueued(target, assign.value)
+            if keys is None or not self._in_step(assign, dotted(target.value) or ""):
+                continue
+            func = ctx.enclosing(assign, cst.FunctionDef)
+            params = {p.name.value for p in func.params.params} if func is not None else set()
+            if keys not in params or not isinstance(func.body, cst.IndentedBlock):
+                self.report(assign, _QUEUE.format(name=code(target.value), tm=tm)
+                            + f": gather them with `{keys} = {tm}.gather_rows({keys})` before the queue's pointer "
+                              "is moved by their number")
+                continue
+            first = func.body.body[0]
+            docstring = isinstance(first, cst.SimpleStatementLine) and isinstance(first.body[0], cst.Expr) \
+                and isinstance(first.body[0].value, cst.SimpleString)
+            if any(f"{tm}.gather_rows({keys})" in code(st) for st in func.body.body[:2]):
+                continue
+            line = cst.parse_statement(f"{keys} = {tm}.gather_rows({keys})  # every rank's rows\n")
+            edit = insert_after(first, [line]) if docstring else insert_before(first, [line])
+            self.report(assign, _QUEUE.format(name=code(target.value), tm=tm), edits=[edit],
+                        imports=[ctx.runtime_import()])
+
+    def _in_step(self, assign: cst.Assign, name: str) -> bool:
+        """The write runs at each training step: a method of a class writing its own attribute
+        (a model's `_dequeue_and_enqueue`), or inside a loop over batches or one that steps."""
+        if name.startswith("self.") and self.ctx.enclosing(assign, cst.ClassDef) is not None:
+            return True
+        for loop in self.ctx.ancestors(assign):
+            if isinstance(loop, cst.For) and is_batch_source(self.ctx, loop.iter) or isinstance(
+                    loop, (cst.For, cst.While)) and _steps(self.ctx, loop):
+                return True
+        return False
 
     def _states(self) -> Dict[str, List[cst.CSTNode]]:
         """Names (`x`, `self.x`) bound to a torch factory whose first size is not a literal,
@@ -148,6 +204,64 @@ class SyncedStateWrites(Rule):
                     loop, (cst.For, cst.While)) and _steps(self.ctx, loop):
                 return True
         return False
+
+
+_QUEUE = ("`{name}` is a queue kept across steps that takes in rows of each step's batch: each rank would take in "
+          "only its own shard's rows and the ranks' queues would differ; every rank's rows are taken in on every "
+          "rank (`{tm}.gather_rows`), as one process took in the whole batch")
+
+
+def _cat_enqueued(ctx, assign: cst.Assign) -> Optional[cst.BaseExpression]:
+    """In `queue = torch.cat([queue, k], dim=0)[len(k):]` (either order, any slice that keeps a
+    fixed number of rows): `k`, the rows taken in. A `torch.cat` that is not sliced grows a
+    collection (features gathered for an evaluation), which is no queue."""
+    value = assign.value
+    target = dotted(assign.targets[0].target)
+    if target is None or not isinstance(value, cst.Subscript) or len(value.slice) != 1 \
+            or not isinstance(value.slice[0].slice, cst.Slice) or not isinstance(value.value, cst.Call):
+        return None
+    call = value.value
+    if (ctx.resolve(call.func) or "") not in ("torch.cat", "torch.concat", "torch.concatenate") or not call.args \
+            or not isinstance(call.args[0].value, (cst.List, cst.Tuple)):
+        return None
+    parts = [e.value for e in call.args[0].value.elements]
+    if len(parts) != 2 or any(isinstance(e, cst.StarredElement) for e in call.args[0].value.elements):
+        return None
+    names = [dotted(p) for p in parts]
+    if names.count(target) != 1:
+        return None
+    new = parts[1 - names.index(target)]
+    if isinstance(new, cst.Call) and (dotted(new.func) or "").endswith("gather_rows"):
+        return None
+    return new if dotted(_rows_base(new)) is not None else None
+
+
+def _pointer_enqueued(target: cst.BaseExpression, value: cst.BaseExpression) -> Optional[str]:
+    """In `self.queue[:, ptr:ptr + batch_size] = keys.T`: `keys` (the name whose rows go in at a
+    moving pointer: a slice from a name to that name plus something)."""
+    if not isinstance(target, cst.Subscript) or dotted(target.value) is None:
+        return None
+    moving = False
+    for element in target.slice:
+        sl = element.slice
+        if isinstance(sl, cst.Slice) and isinstance(sl.lower, (cst.Name, cst.Attribute)) \
+                and isinstance(sl.upper, cst.BinaryOperation) and isinstance(sl.upper.operator, cst.Add) \
+                and dotted(sl.upper.left) == dotted(sl.lower):
+            moving = True
+    base = _rows_base(value)
+    return base.value if moving and isinstance(base, cst.Name) else None
+
+
+def _rows_base(node: cst.BaseExpression) -> cst.BaseExpression:
+    """`keys` of `keys.T`, `keys.t()`, `k.detach()`, `feats.clone()`."""
+    while True:
+        if isinstance(node, cst.Attribute) and node.attr.value in ("T", "data", "mT"):
+            node = node.value
+        elif isinstance(node, cst.Call) and isinstance(node.func, cst.Attribute) and not node.args \
+                and node.func.attr.value in ("t", "detach", "clone", "float", "half", "contiguous"):
+            node = node.func.value
+        else:
+            return node
 
 
 def _steps(ctx, loop: cst.CSTNode) -> bool:

@@ -53,6 +53,8 @@ def main(outdir):
     res["state"] = state.tolist()
     with torch.no_grad():
         res["state_no_grad"] = tm.all_rows(mine).tolist()  # (an evaluation: no collective)
+        keys = torch.full((2 if ctx.rank == 0 else 1, 3), float(ctx.rank), requires_grad=False)
+        res["queue_keys"] = tm.gather_rows(keys).tolist()  # an enqueue under no_grad: gathered
     res["parts"] = [tm.rank_part(rows[0:5]).tolist(), tm.rank_part(list(range(7))), tm.rank_part(rows[:1]).tolist()]
 
     random.seed(100 + ctx.rank)  # every rank its own stream, as with per-rank seeds
