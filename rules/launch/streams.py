@@ -320,8 +320,10 @@ class _Streams:
         bodies = [loop] + [f for f in map(self.callee, ctx.within(loop, cst.Call, skip_defs=True)) if f is not None]
         for body in bodies:
             for call in ctx.within(body, cst.Call, skip_defs=True):
-                if ctx.resolve(call.func) in AGREED and not _explicit_generator(call) and not self._shared(call):
-                    return call
+                name = ctx.resolve(call.func)
+                if name in AGREED and not _explicit_generator(call) and not self._shared(call) \
+                        and not batch_permutation(ctx, call) and not (name == "random.sample" and _batch_sized(ctx, call)):
+                    return call  # (not an order of one batch's samples, which each rank draws for itself)
         return None
 
     @staticmethod
