@@ -478,10 +478,12 @@ def _param_method_owners(ctx: Context, params: cst.BaseExpression) -> List[str]:
                     receiver = receiver.args[0].value
                 candidates = [receiver]
             elif (isinstance(func, cst.Name) and (named or label in own and _picks_parameters(ctx, own[label]))) \
-                    or (named and not method):
+                    or (named and not method) or (dotted(func) or "") in ctx.program.parameter_pickers:
                 # `get_param_groups(net, wd)`, also a module's `util.get_param_groups(net, wd)`
                 candidates = [a.value for a in n.args if not a.star and a.keyword is None]
             for value in candidates:
+                if isinstance(value, cst.Call) and value.args and ctx.resolve(value.func) == "torchmigrate.runtime.unwrap":
+                    value = value.args[0].value  # `separate_bn_paras(tm.unwrap(model))` (TM302's rewrite)
                 owner = dotted(value)
                 if owner and _model_like(ctx, owner, value) and model_root(owner) not in found:
                     found.append(model_root(owner))

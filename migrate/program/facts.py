@@ -571,6 +571,8 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
     library: Dict[Path, Dict[str, str]] = {}  # each module's library imports, for `_reexports`
     library_datasets = _library_dataset_classes(modules, graph, library)
     dp_names = {"DataParallel", "data_parallel"} | {name for _, name in dp_classes}
+    pickers = {(p, name) for p, m in modules.items() for name, f in m.functions.items()
+               if "." not in name and _picks_parameters(f)}
     data_parallel = any((dotted_name(c.func) or "").rsplit(".", 1)[-1] in dp_names for s in scopes for c in s.calls)
     coupled = batch_coupling.coupled_losses({p: m.tree for p, m in modules.items()})
     precision = amp_hazards.hazards({p: m.tree for p, m in modules.items()},
@@ -599,6 +601,8 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
             loader_classes=frozenset(_spellings(m, modules, loader_classes)),
             library_datasets=frozenset(_spellings(m, modules, library_datasets)),
             data_parallel=data_parallel,
+            parameter_pickers={spelled: _walks_modules(modules[k[0]].functions[k[1]]) for k in pickers
+                               if k[0] != path for spelled in _spellings(m, modules, {k})},
             class_kinds={spelled: kinds[key] for key in kinds for spelled in _spellings(m, modules, {key})},
             optimizer_wrappers={spelled: wrappers[key] for key in wrappers
                                 for spelled in _spellings(m, modules, {key})},
@@ -1012,6 +1016,21 @@ def _library_dataset_classes(modules: Dict[Path, _Module], graph: Graph,
                     direct.add((path, name))
     return {(path, name) for path, m in modules.items() for name in m.classes
             if (path, name) in direct or any(b in direct for b in inherited.bases(modules, (path, name)))}
+
+
+def _picks_parameters(func: ast.AST) -> bool:
+    """A function that reads a model's parameters (`for layer in model.modules(): ...
+    layer.parameters()`, `model.named_parameters()`) and returns something."""
+    nodes = list(walk(func))
+    return any(isinstance(n, ast.Return) and n.value is not None for n in nodes) and any(
+        isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in ("parameters", "named_parameters")
+        for n in nodes)
+
+
+def _walks_modules(func: ast.AST) -> bool:
+    """The function walks a model's submodules (`.modules()`, `.children()`, `.named_modules()`)."""
+    return any(isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+               and n.func.attr in ("modules", "children", "named_modules", "named_children") for n in walk(func))
 
 
 def _loader_subclass(klass: ast.ClassDef) -> bool:

@@ -58,6 +58,11 @@ class ModuleView:
     # some module of the program uses nn.DataParallel (or `nn.parallel.data_parallel`, or a
     # DataParallel subclass of its own): inputs repeated once per GPU were made for its scatter
     data_parallel: bool = False
+    # the program's module-level functions of other modules that read a model's parameters
+    # (`separate_bn_paras(model)`, `get_groups(net, wd)`), as this module spells them: an
+    # optimizer built from what they return trains the model handed to them; -> whether they
+    # walk its submodules (`model.modules()`), where the wrapper would be one more container
+    parameter_pickers: Dict[str, bool] = field(default_factory=dict)
     # the program's `nn.DataParallel` subclasses as this module spells them -> the position of
     # the module among their positional arguments (`BalancedDataParallel(gpu0_bsz, model)`: 1)
     dp_classes: Dict[str, int] = field(default_factory=dict)

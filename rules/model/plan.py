@@ -2067,18 +2067,35 @@ class Plan:
         # copy the DDP wrapper: copy the module itself.
         for call, qualified in self.f.calls:
             label = (qualified or dotted(call.func) or "").rsplit(".", 1)[-1]
+            handed = [call_arg(call, None, 0)]
             if qualified is None and label == "isinstance" and self._asks_model_class(call):
                 pass  # `isinstance(model, LatentODE)`: the wrapper is no LatentODE; ask the module
+            elif self._picks_parameters(call):
+                handed = [a for a in call.args if a.keyword is None and not a.star]
             elif not (label == "deepcopy" or _EMA.search(label)):
                 continue
-            a = call_arg(call, None, 0)
-            name = dotted(a.value) if a is not None else None
-            if name is None or name not in by_name:
-                continue
             statement = self.ctx.statement_of(call)
-            if any(self.applies(w, call, statement) for w in by_name[name]):
-                self.rewrites.append(AttrRewrite(a.value, name, "", "TM302"))
+            for a in handed:
+                name = dotted(a.value) if a is not None else None
+                if name is not None and name in by_name and any(self.applies(w, call, statement) for w in by_name[name]):
+                    self.rewrites.append(AttrRewrite(a.value, name, "", "TM302"))
         self._whole_model_uses(by_name)
+
+    def _picks_parameters(self, call: cst.Call) -> bool:
+        """A helper of the program that walks the submodules of the model handed to it and reads
+        their parameters, to group them for an optimizer (`separate_bn_paras(model)`, which walks
+        `model.modules()` and skips the model's own class by name): given the wrapper, it would
+        walk one more container, the DDP itself, and list every parameter twice (the optimizer
+        refuses duplicates). It gets the module itself; the parameters are the same."""
+        func = call.func
+        if self.ctx.program.parameter_pickers.get(dotted(func) or ""):
+            return True
+        own = self.f.functions.get(func.value) if isinstance(func, cst.Name) else None
+        if own is None or not any(True for _ in self.ctx.within(own, cst.Return)):
+            return False
+        reads = {c.func.attr.value for c in self.ctx.within(own, cst.Call) if isinstance(c.func, cst.Attribute)}
+        return bool(reads & {"parameters", "named_parameters"}) and bool(
+            reads & {"modules", "children", "named_modules", "named_children"})
 
     def _asks_model_class(self, call: cst.Call) -> bool:
         """`isinstance(model, Cls)` with `Cls` a class of the program or a library's model class,
