@@ -48,6 +48,7 @@ import pickle
 import random
 import re
 import sys
+import threading
 import types
 import uuid
 import weakref
@@ -830,6 +831,9 @@ def _unnest(model: nn.Module) -> None:
 _MODULE_API = frozenset(dir(nn.Module))
 
 
+_EVAL_SYNC = threading.Lock()  # see _DDP.forward
+
+
 class _DDP(_ModuleFace, DistributedDataParallel):
     """The ``DistributedDataParallel`` that ``wrap_model`` returns: a program that worked as one
     process keeps working, and its gradients are averaged whatever shape its training step has.
@@ -906,6 +910,12 @@ class _DDP(_ModuleFace, DistributedDataParallel):
 
     def forward(self, *inputs, **kwargs):
         if not (torch.is_grad_enabled() and self.require_backward_grad_sync and self._tm_hooks):
+            if self.require_forward_param_sync and threading.current_thread() is not threading.main_thread():
+                # an evaluation run from a thread pool (each image's forward a task): the first
+                # forward takes rank 0's buffers (a collective), the next ones do not; threads
+                # racing into it would each broadcast, in a different order on each rank
+                with _EVAL_SYNC:
+                    return super().forward(*inputs, **kwargs)
             return super().forward(*inputs, **kwargs)
         # Only the first forward of a step takes rank 0's buffers: a model called twice before one
         # backward (a GAN's discriminator on real and fake batches) would otherwise have its

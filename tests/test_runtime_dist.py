@@ -561,6 +561,14 @@ def test_the_wrapper_is_named_and_indexed_like_the_module(nets):
         assert r["sequential"] == [3, "Linear", ["Linear", "ReLU", "Linear"]]
 
 
+def test_an_evaluation_from_a_thread_pool_takes_rank_0s_buffers_once(nets):
+    """Threads racing into the wrapper's first no-grad forward used to broadcast the buffers once
+    per thread, in a different order on each rank (gloo: data size mismatch)."""
+    r0, r1 = nets["r"]
+    assert r0["threaded_eval"] == r1["threaded_eval"] == 16
+    assert r0["threaded_eval_buffers"] == r1["threaded_eval_buffers"]
+
+
 def test_reduce_meter_leaves_a_read_only_avg_to_compute_itself(nets):
     for r in nets["r"]:
         assert r["meter"] == [6.0, 4, 1.5]

@@ -458,6 +458,23 @@ def main(outdir):
     res["pickled_type"] = type(loaded).__name__
     res["deepcopy_type"] = type(copy.deepcopy(plain)).__name__
 
+    # an evaluation from a thread pool (YOLO's Evaluator): the first no-grad forward takes rank
+    # 0's BatchNorm buffers, once per rank, however the threads race into the wrapper
+    normed_eval = tm.wrap_model(nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)))
+    opt = torch.optim.SGD(normed_eval.parameters(), lr=0.1)
+    normed_eval(torch.randn(6, 3)).sum().backward()
+    opt.step()
+    normed_eval.eval()
+
+    def one(i):
+        with torch.no_grad():
+            return float(normed_eval(torch.ones(1, 3) * i).sum())
+
+    from multiprocessing.dummy import Pool as ThreadPool
+    with ThreadPool(4) as pool:
+        res["threaded_eval"] = len(pool.map(one, range(16)))
+    res["threaded_eval_buffers"] = tm.unwrap(normed_eval)[1].running_mean.tolist()
+
     meter = nets_helpers.Meter()
     meter.update(float(tm.rank() + 1), n=2)
     tm.reduce_meter(meter)
