@@ -435,9 +435,31 @@ class LoaderFacts:
                 if isinstance(site, cst.For) and analysis.runs_backward(ctx, site.body) \
                         and any(type(c.func) is cst.Attribute and c.func.attr.value == "step"
                                 for c in ctx.within(site.body, cst.Call, skip_defs=True)) \
-                        and not self.grad_free(site, 0) or self._handed_to_training(node):
+                        and not self.grad_free(site, 0) and not self._trains_by_mode(site) \
+                        or self._handed_to_training(node):
                     loader.kind = "train"
                     break
+
+    def _trains_by_mode(self, loop: cst.For) -> bool:
+        """Every backward of `loop` runs under a test of its function's mode parameter (`def
+        iterate(mode, loader, model, optimizer)` with `if mode == "train": loss.backward()`,
+        `if is_train:`): one loop for the training and the validation passes, so the loader a
+        caller hands it for validation is no training loader (its name says which)."""
+        ctx = self.ctx
+        fn = ctx.enclosing(loop, cst.FunctionDef)
+        if fn is None:
+            return False
+        params = {p.name.value for p in (*fn.params.params, *fn.params.kwonly_params)}
+        backwards = [c for c in ctx.within(loop.body, cst.Call, skip_defs=True)
+                     if type(c.func) is cst.Attribute and c.func.attr.value == "backward"]
+        if not backwards:
+            return False
+        for call in backwards:
+            tests = [anc.test for anc in ctx.ancestors(call) if isinstance(anc, cst.If)
+                     and any(a is loop for a in ctx.ancestors(anc))]
+            if not any(_mode_test(t, params) for t in tests):
+                return False
+        return True
 
     def _handed_to_training(self, node: cst.CSTNode) -> bool:
         """`node` is an argument of a call to another module's function that trains on that
@@ -1453,6 +1475,21 @@ class LoaderFacts:
                 if self.class_of(fn) is not None:
                     out.append((fn, True))
         return out
+
+
+def _mode_test(test: cst.BaseExpression, params: Set[str]) -> bool:
+    """`mode == "train"`, `split in ("train", "trainval")`, `is_train`, `self.mode == "train"`
+    read from a parameter: which pass a shared train/validation loop is in."""
+    test = unparen(test)
+    if isinstance(test, cst.Name):
+        return test.value in params and "train" in test.value.lower()
+    if not isinstance(test, cst.Comparison) or len(test.comparisons) != 1:
+        return False
+    sides = [unparen(test.left), unparen(test.comparisons[0].comparator)]
+    named = any(isinstance(x, cst.Name) and x.value in params for x in sides)
+    literal = any(isinstance(x, cst.SimpleString) or isinstance(x, (cst.Tuple, cst.List)) and x.elements
+                  and all(isinstance(e.value, cst.SimpleString) for e in x.elements) for x in sides)
+    return named and literal
 
 
 def _name_part(ctx, node: cst.CSTNode) -> bool:
