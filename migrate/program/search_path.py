@@ -54,9 +54,13 @@ def code_dirs(tree: ast.Module, module: Path, cwd: Path) -> List[Path]:
     program runs from (the entry script's)."""
     values: Optional[Paths] = None  # built only for a module that edits the path
     out: List[Path] = []
+    adders = _path_adders(tree)
     for node in walk(tree):
         args: List[ast.AST] = []
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.args:
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in adders:
+            index = adders[node.func.id]
+            args = [node.args[index]] if index < len(node.args) else []
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.args:
             owner = dotted_name(node.func.value)
             if owner == "sys.path" and node.func.attr in ("append", "insert"):
                 args = [node.args[-1]]
@@ -71,6 +75,23 @@ def code_dirs(tree: ast.Module, module: Path, cwd: Path) -> List[Path]:
             folder = values.of(arg)
             if folder is not None:
                 out.append(Path(os.path.normpath(folder)))
+    return out
+
+
+def _path_adders(tree: ast.Module) -> Dict[str, int]:
+    """The module's functions that add a parameter to `sys.path` (`_init_paths.py`'s `def
+    add_path(path): if path not in sys.path: sys.path.insert(0, path)`), with its position:
+    their calls (`add_path(osp.join(this_dir, '..', 'lib'))`) add that folder."""
+    out: Dict[str, int] = {}
+    for func in tree.body:
+        if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        params = [a.arg for a in func.args.args]
+        for node in walk(func):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.args \
+                    and dotted_name(node.func.value) == "sys.path" and node.func.attr in ("append", "insert") \
+                    and isinstance(node.args[-1], ast.Name) and node.args[-1].id in params:
+                out[func.name] = params.index(node.args[-1].id)
     return out
 
 
