@@ -81,8 +81,21 @@ def _index(module: _Module) -> None:
 
 def _files_named(own, name: str) -> List[Path]:
     """The files among `own` (the project files a module imports) that the module name `name`
-    (its last part) denotes: `name.py`, or a package's `name/__init__.py`."""
-    return [p for p in own if p.stem == name or (p.name == "__init__.py" and p.parent.name == name)]
+    (a dotted name: its last part decides) denotes: `name.py`, or a package's
+    `name/__init__.py`; the file whose folders spell more of the dotted name first
+    (`utils.utils` is `utils/utils.py`, not the package `utils/__init__.py`)."""
+    parts = name.split(".")
+    last = parts[-1]
+    found = [p for p in own if p.stem == last or (p.name == "__init__.py" and p.parent.name == last)]
+
+    def spelled(p: Path) -> int:
+        names = list((p.parent if p.name == "__init__.py" else p.with_suffix("")).parts)
+        n = 0
+        while n < min(len(parts), len(names)) and names[-1 - n] == parts[-1 - n]:
+            n += 1
+        return n
+
+    return sorted(found, key=spelled, reverse=True) if len(found) > 1 else found
 
 
 def _bind_imports(module: _Module, graph: Graph, modules: Dict[Path, "_Module"]) -> None:
@@ -90,7 +103,7 @@ def _bind_imports(module: _Module, graph: Graph, modules: Dict[Path, "_Module"])
     own = set(graph.imports.get(module.path, ()))
     for node in graph.statements.get(module.path, ()):
         if isinstance(node, ast.ImportFrom):
-            targets = _files_named(own, (node.module or "").rsplit(".", 1)[-1])
+            targets = _files_named(own, node.module or "")
             for alias in node.names:
                 if alias.name == "*":  # every public function and class of the module
                     for target in targets:
@@ -110,7 +123,7 @@ def _bind_imports(module: _Module, graph: Graph, modules: Dict[Path, "_Module"])
                     module.imports[local] = (targets[0], alias.name)
         elif isinstance(node, ast.Import):
             for alias in node.names:
-                hit = _files_named(own, alias.name.rsplit(".", 1)[-1])
+                hit = _files_named(own, alias.name)
                 if hit:
                     module.imports[alias.asname or alias.name] = (hit[0], None)
 
@@ -177,7 +190,7 @@ def _reexports(path: Path, graph: Graph, modules: Dict[Path, "_Module"], library
             continue
         if not (isinstance(node, ast.ImportFrom) and node.level == 0):
             continue
-        targets = [t for t in _files_named(own, (node.module or "").rsplit(".", 1)[-1]) if t in modules]
+        targets = [t for t in _files_named(own, node.module or "") if t in modules]
         for alias in node.names:
             if alias.name == "*":
                 stars.extend(targets)
