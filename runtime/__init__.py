@@ -1294,9 +1294,9 @@ def _average_stray(optimizer, mine: set | None = None, wrappers: list | None = N
             _STRAY_WARNED.append(True)
             shapes = ", ".join(str(tuple(p.shape)) for p in stray[:4]) + (", ..." if len(stray) > 4 else "")
             _warn(f"{len(stray)} parameter(s) stepped by {type(optimizer).__name__} together with a wrapped model's "
-                  f"belong to no DDP wrapper (a loss module's own parameters? shapes {shapes}): their gradients are "
-                  "averaged across ranks before each step (wrap the module that holds them with tm.wrap_model to let "
-                  "DDP overlap that work)")
+                  f"belong to no DDP wrapper (a head or a loss module outside the wrapped model? shapes {shapes}): "
+                  "their gradients are averaged across ranks before each step (wrap the module that holds them with "
+                  "tm.wrap_model to let DDP overlap that work)")
     _average_grads(stray, op=wrappers[0]._tm_op)
 
 
