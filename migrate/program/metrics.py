@@ -327,7 +327,7 @@ def events_after(ctx: Context, loop: cst.CSTNode, names: Set[str]) -> Dict[str, 
         for order, node in index.names(name):
             if order <= start or (stop is not None and order > stop):
                 continue
-            if scope_of(ctx, node) is not scope or not is_load(ctx, node):
+            if scope_of(ctx, node) is not scope or not is_load(ctx, node) or _other_branch(ctx, loop, node):
                 continue
             binding = binding_of(ctx, node)
             if binding is None:
@@ -338,6 +338,25 @@ def events_after(ctx: Context, loop: cst.CSTNode, names: Set[str]) -> Dict[str, 
                 stop = index.end.get(binding, order)
         ev.collective = any(o <= stop for o in collectives) if stop is not None else bool(collectives)
     return out
+
+
+def _other_branch(ctx: Context, loop: cst.CSTNode, node: cst.CSTNode) -> bool:
+    """`node` sits in another branch of an `if` that holds `loop` (the `else:` of `if
+    use_unsup_loss: <loop>`): it never runs after the loop."""
+    inner = loop
+    for anc in ctx.ancestors(loop):
+        if isinstance(anc, (cst.FunctionDef, cst.Module)):
+            return False
+        if isinstance(anc, cst.If):
+            other = anc.orelse if _holds(ctx, anc.body, inner) else anc.body
+            if other is not None and _holds(ctx, other, node):
+                return True
+        inner = anc
+    return False
+
+
+def _holds(ctx: Context, container: cst.CSTNode, node: cst.CSTNode) -> bool:
+    return node is container or any(a is container for a in ctx.ancestors(node))
 
 
 def is_store(ctx: Context, name: cst.Name) -> bool:
