@@ -3412,18 +3412,23 @@ def sync_grads(model) -> None:
         p.grad = g
 
 
-# id(meter) -> (the meter, kept so that its id stays its own; its total and count right after its
-# last reduction)
+# id(meter) -> (the meter, kept so that its id stays its own; the fields reduced; their values right
+# after its last reduction)
 _REDUCED_METERS: dict = {}
 _METER_FIELDS = (("sum", "count"), ("total", "count"), ("sum", "n"), ("total", "n"), ("_sum", "_count"),
                  ("running_sum", "count"), ("total", "steps"))
+_METER_COUNTS = ("count", "n", "cnt", "num", "num_samples", "_count")
+# the sums of a meter that keeps one per metric (`sum_rmse`, `total_loss`, `rmse_sum`)
+_SUM_FIELD = re.compile(r"^_?(sum|total)_|_(sum|total)$")
 
 
 def reduce_meter(meter, over=None):
-    """Sum a running-average object's total and count across ranks, in place, and recompute its
-    ``avg`` where that is a plain attribute (``AverageMeter``-style classes; the pairs
-    ``sum``/``count``, ``total``/``count``, ``sum``/``n``, ``total``/``n`` are recognised, as numbers,
-    tensors or numpy arrays: a segmentation meter's per-class sums); returns it.
+    """Sum a running-average object's totals and count across ranks, in place, and recompute its
+    ``avg`` where that is a plain attribute; returns it. Recognised: ``AverageMeter``-style
+    classes (the pairs ``sum``/``count``, ``total``/``count``, ``sum``/``n``, ``total``/``n``), and
+    meters that keep one sum per metric beside one count (``sum_rmse``, ``sum_mae``, ...,
+    ``count``: a depth-completion meter updated with a result object), as numbers, tensors or
+    numpy arrays (a segmentation meter's per-class sums).
     An ``avg`` that is a read-only property (computed from the total and count) is left to
     compute itself. An object without such numeric fields is returned unchanged (every rank has the
     same class, so every rank skips alike). ``over``: the loader the meter averaged; where it is
@@ -3433,28 +3438,41 @@ def reduce_meter(meter, over=None):
     on every rank."""
     if not is_distributed() or (over is not None and not sharded(over)):
         return meter
-    for total_name, count_name in _METER_FIELDS:
-        total, count = getattr(meter, total_name, None), getattr(meter, count_name, None)
-        if (isinstance(total, (numbers.Real, torch.Tensor)) or _ndarray(total)) and not isinstance(total, bool) \
-                and (isinstance(count, (numbers.Real, torch.Tensor)) or _ndarray(count)):
-            break  # (an array: a segmentation meter's per-class sums, `np.asarray([0] * n_classes)`)
-    else:
+    fields = _meter_fields(meter)
+    if fields is None:
         return meter
+    values = [getattr(meter, name) for name in fields]  # the count last
     done = _REDUCED_METERS.get(id(meter))
-    if done is not None and _at_least(count, done[2]):
+    if done is not None and done[1] == fields and _at_least(values[-1], done[2][-1]):
         # (reduced before, then updated on this rank only: reduce the gain, keep the reduced part)
-        gained, gained_count = all_reduce(total - done[1], count - done[2])
-        total, count = done[1] + gained, done[2] + gained_count
+        gained = all_reduce(*[v - d for v, d in zip(values, done[2])])
+        values = [d + g for d, g in zip(done[2], gained)]
     else:
-        total, count = all_reduce(total, count)
-    _REDUCED_METERS[id(meter)] = (meter, total, count)
+        values = list(all_reduce(*values))
+    _REDUCED_METERS[id(meter)] = (meter, fields, values)
     with contextlib.suppress(AttributeError, TypeError):
-        setattr(meter, total_name, total)
-        setattr(meter, count_name, count)
-    if "avg" in getattr(meter, "__dict__", {}) and not isinstance(getattr(type(meter), "avg", None), property):
+        for name, value in zip(fields, values):
+            setattr(meter, name, value)
+    if len(fields) == 2 and "avg" in getattr(meter, "__dict__", {}) \
+            and not isinstance(getattr(type(meter), "avg", None), property):
         with contextlib.suppress(AttributeError, TypeError, ZeroDivisionError):
-            meter.avg = total / count if count else meter.avg
+            meter.avg = values[0] / values[1] if values[1] else meter.avg
     return meter
+
+
+def _meter_fields(meter):
+    """The fields ``reduce_meter`` sums, the count last: a known total/count pair, or every
+    ``sum_*``/``*_sum``/``total_*`` field beside a count; None for an object with neither."""
+    def numeric(value) -> bool:
+        return (isinstance(value, (numbers.Real, torch.Tensor)) or _ndarray(value)) and not isinstance(value, bool)
+
+    for total_name, count_name in _METER_FIELDS:
+        if numeric(getattr(meter, total_name, None)) and numeric(getattr(meter, count_name, None)):
+            return [total_name, count_name]  # (an array: a segmentation meter's per-class sums)
+    count = next((c for c in _METER_COUNTS if numeric(getattr(meter, c, None))), None)
+    sums = sorted(k for k, v in getattr(meter, "__dict__", {}).items()
+                  if k != count and _SUM_FIELD.search(k) and numeric(v))
+    return [*sums, count] if count is not None and sums else None
 
 
 def _at_least(a, b) -> bool:

@@ -574,6 +574,12 @@ def test_reduce_meter_leaves_a_read_only_avg_to_compute_itself(nets):
         assert r["meter"] == [6.0, 4, 1.5]
 
 
+def test_reduce_meter_sums_every_metric_of_a_meter_with_one_sum_per_metric(nets):
+    """`sum_rmse`, `sum_mae` beside `count`: each summed over the ranks, also after more updates."""
+    for r in nets["r"]:
+        assert r["result_meter"] == [6.0, 2 * 1.0 + 2 * 2.0 + 2.0, 2 * 0.5 * 2 + 2.0]
+
+
 def test_the_runtime_names_a_file_every_rank_writes_and_drifting_parameters(nets):
     out = nets["output"]
     writes = [line for line in out.splitlines() if "writes" in line and "summary.txt" in line]

@@ -479,6 +479,12 @@ def main(outdir):
     meter.update(float(tm.rank() + 1), n=2)
     tm.reduce_meter(meter)
     res["meter"] = [meter.sum, meter.count, meter.avg]
+    results = nets_helpers.ResultMeter()
+    results.update(1.0 + tm.rank(), 0.5, n=2)
+    tm.reduce_meter(results)
+    results.update(1.0, 1.0)  # still accumulating: reduced again by what it gained
+    tm.reduce_meter(results)
+    res["result_meter"] = [results.count, results.sum_rmse, results.sum_mae]
 
     nets_helpers.write_summary(os.path.join(outdir, "summary.txt"), "done")
 

@@ -23,3 +23,15 @@ class Meter:
     @property
     def avg(self):
         return self.sum / max(self.count, 1)
+
+
+class ResultMeter:
+    """One sum per metric beside one count, updated with a result object (depth completion)."""
+
+    def __init__(self):
+        self.count, self.sum_rmse, self.sum_mae, self.label = 0.0, 0.0, 0.0, "val"
+
+    def update(self, rmse, mae, n=1):
+        self.count += n
+        self.sum_rmse += n * rmse
+        self.sum_mae += n * mae
