@@ -147,8 +147,13 @@ class GatherListMean(Rule):
                     and type(func.value) is cst.Name:
                 loop = loader_loop(ctx, call)
                 found = (meters if func.attr.value == "update" else loops).setdefault(loop, []) if loop else None
-                if found is not None and func.value.value not in found:
-                    found.append(func.value.value)
+                receivers = [func.value.value]
+                if func.attr.value == "update" and loop is not None:
+                    # `[m.update(result, n) for m in meters]` over `meters = [block, total]`: each one
+                    receivers = _iterated_members(ctx, call, func.value.value, loop) or receivers
+                for receiver in receivers:
+                    if found is not None and receiver not in found:
+                        found.append(receiver)
             elif type(func) is cst.Attribute and func.attr.value == "update" and type(func.value) is cst.Subscript \
                     and type(func.value.value) is cst.Name:
                 loop = loader_loop(ctx, call)
@@ -589,6 +594,35 @@ class GatherListMean(Rule):
         """`tm.reduce_meter(meter)` already follows the loop (a second run)."""
         nxt = next_statement(self.ctx, loop)
         return nxt is not None and "reduce_meter(" in code(nxt) and any(n in code(nxt) for n in names)
+
+
+def _iterated_members(ctx, call: cst.Call, name: str, loop: cst.For) -> List[str]:
+    """The names a comprehension or loop inside `loop` binds `name` to, one after the other, when
+    it iterates a list of names made before the batch loop (`for m in meters`, `meters = [block,
+    total]`; or the literal itself: `for m in (block, total)`)."""
+    for anc in ctx.ancestors(call):
+        if anc is loop:
+            return []
+        fors = [anc] if isinstance(anc, cst.For) else [f for f in _comp_fors(anc)]
+        for f in fors:
+            if isinstance(f.target, cst.Name) and f.target.value == name:
+                it = f.iter
+                if isinstance(it, (cst.List, cst.Tuple)):
+                    names = [dotted(e.value) for e in it.elements]
+                    return names if all(n and "." not in n for n in names) else []
+                members = analysis._literal_members(ctx, it, loop)
+                return [m for m in members if "." not in m]
+    return []
+
+
+def _comp_fors(node: cst.CSTNode) -> List[cst.CompFor]:
+    if not isinstance(node, (cst.ListComp, cst.SetComp, cst.GeneratorExp, cst.DictComp)):
+        return []
+    out, f = [], node.for_in
+    while f is not None:
+        out.append(f)
+        f = f.inner_for_in
+    return out
 
 
 # methods that hand an object one batch's values to keep (`container.add(gt, pred)`)
