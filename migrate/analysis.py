@@ -886,6 +886,7 @@ def optimizers(ctx: Context) -> List[Optimizer]:
                 models = tuple(_followed_owners(ctx, call, params) or _param_method_owners(ctx, params))
             out.append(Optimizer(call, ctx.statement_of(call), _assign_target(ctx, call), models))
         todo, seen = list(out), {o.call for o in out}
+        sites: Dict[cst.Call, Optimizer] = {}
         depth = 0
         while todo and depth < 4:
             depth += 1
@@ -894,7 +895,13 @@ def optimizers(ctx: Context) -> List[Optimizer]:
                 for site in _helper_call_sites(ctx, opt):
                     if site.call not in seen:
                         seen.add(site.call)
+                        sites[site.call] = site
                         found.append(site)
+                    elif site.call in sites:
+                        # a helper building two optimizers (`g_optimizer, d_optimizer =
+                        # define_optimizer(g_A, g_B, d_A, d_B, config)`): its call trains them all
+                        known = sites[site.call]
+                        known.models = tuple(dict.fromkeys((*known.models, *site.models)))
             out.extend(found)
             todo = found
         out.extend(_program_helper_calls(ctx))
