@@ -1391,8 +1391,18 @@ _CLIPS = frozenset({"clip_grad_norm_", "clip_grad_value_", "clip_grad_norm"})
 
 
 def _clips(func: ast.AST) -> bool:
-    """A function that clips gradients (`torch.nn.utils.clip_grad_norm_(...)` in its body)."""
-    return any(isinstance(n, ast.Call) and (dotted_name(n.func) or "").rsplit(".", 1)[-1] in _CLIPS for n in walk(func))
+    """A function that clips gradients (`torch.nn.utils.clip_grad_norm_(...)` in its body), or
+    changes them in place by hand (`param.grad.data.clamp_(-clip, clip)`, PraNet's
+    `clip_gradient(optimizer, clip)`): under a GradScaler they must be unscaled first."""
+    return any(isinstance(n, ast.Call) and ((dotted_name(n.func) or "").rsplit(".", 1)[-1] in _CLIPS
+                                            or _changes_grad(n)) for n in walk(func))
+
+
+def _changes_grad(call: ast.Call) -> bool:
+    """`p.grad.data.clamp_(...)`, `p.grad.mul_(s)`: an in-place method on a gradient."""
+    func = call.func
+    return isinstance(func, ast.Attribute) and func.attr.endswith("_") and not func.attr.startswith("_") and any(
+        isinstance(n, ast.Attribute) and n.attr == "grad" for n in walk(func.value))
 
 
 def _spellings(m: _Module, modules: Dict[Path, _Module], classes: Set[Tuple[Path, str]]) -> Set[str]:

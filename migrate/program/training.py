@@ -707,9 +707,17 @@ class TrainingFacts:
         return False
 
     def clip_helpers(self) -> Set[str]:
+        """Functions of this file that clip gradients, or change them in place by hand
+        (`param.grad.data.clamp_(-clip, clip)`)."""
         out = set()
         for call, name in self.facts.calls:
-            if name in CLIP:
+            func = call.func
+            if name in CLIP or (isinstance(func, cst.Attribute) and func.attr.value.endswith("_")
+                                and not func.attr.value.startswith("_")
+                                and any(isinstance(n, cst.Attribute) and n.attr.value == "grad"
+                                        for n in self.ctx.within(func.value, cst.Attribute))
+                                or isinstance(func, cst.Attribute) and isinstance(func.value, cst.Attribute)
+                                and func.value.attr.value == "grad"):
                 func = self.ctx.enclosing(call, cst.FunctionDef)
                 if func is not None and func not in self.sites_by_scope and class_of(self.ctx, func) is None:
                     out.add(func.name.value)
