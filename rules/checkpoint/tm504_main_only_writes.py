@@ -521,13 +521,15 @@ class MainOnlyWrites(Rule):
         if under_rank_guard(ctx, call) or plan(ctx).orders(ctx, call):
             return
         name = dotted(assign.targets[0].target) or ""
-        if "+" in (self._mode(call) or "+"):
+        scope = (ctx.enclosing(assign, cst.ClassDef) if name.startswith("self.") else None) \
+            or ctx.enclosing(assign, cst.FunctionDef) or ctx.module
+        write_only = handle_uses_write_only(ctx, name, scope, assign)
+        if "+" in (self._mode(call) or "+") and not write_only:
+            # (`open(p, "a+")` whose handle is only written to, a log helper's habit, is a write)
             self.report(call, f"every rank opens this file to write and read it: write it on the main process only "
                               f"(`if {ctx.tm}.is_main():`), then `{ctx.tm}.barrier()` before any rank reads it")
             return
-        scope = (ctx.enclosing(assign, cst.ClassDef) if name.startswith("self.") else None) \
-            or ctx.enclosing(assign, cst.FunctionDef) or ctx.module
-        if not handle_uses_write_only(ctx, name, scope, assign):
+        if not write_only:
             self.report(call, f"every rank opens this file for writing, and `{name}` is used in ways a stand-in "
                               f"cannot take: open it on the main process only (`{ctx.tm}.main_only(open, ...)` "
                               f"or `if {ctx.tm}.is_main():`) and keep those uses off the other ranks")
@@ -546,11 +548,11 @@ class MainOnlyWrites(Rule):
             return False
         call = statement.items[0].item
         name = dotted(statement.items[0].asname.name)
-        if not isinstance(call, cst.Call) or name is None or "." in name or "+" in (self._mode(call) or "+"):
+        if not isinstance(call, cst.Call) or name is None or "." in name or self._mode(call) is None:
             return False
         if not handle_uses_write_only(ctx, name, ctx.enclosing(statement, cst.FunctionDef) or ctx.module,
                                       statement.items[0]):
-            return False
+            return False  # (also `open(p, "a+")` read back through its handle)
         modes = analysis.open_modes(ctx)
         if any(writes_file(c, n, modes) and not analysis.opens_file_for_writing(c, n, modes) and not self._into(c, name)
                for c, n in self._calls_in(statement.body)):
