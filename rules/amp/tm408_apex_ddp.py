@@ -20,8 +20,10 @@ _APEX_SYNCBN_CONVERT = ("apex.parallel.convert_syncbn_model",)
 _APEX_SYNCBN = ("apex.parallel.SyncBatchNorm", "apex.parallel.optimized_sync_batchnorm.SyncBatchNorm")
 # apex class -> (torch replacement, keyword arguments torch does not take)
 _APEX_CLASSES: Dict[str, Tuple[str, Tuple[str, ...]]] = {
+    # (older apex's FusedAdam also took `max_grad_norm` and `eps_inside_sqrt`)
     "apex.optimizers.FusedAdam": ("torch.optim.AdamW", ("bias_correction", "adam_w_mode", "set_grad_none",
-                                                         "capturable", "master_weights")),
+                                                         "capturable", "master_weights", "max_grad_norm",
+                                                         "eps_inside_sqrt")),
     "apex.optimizers.FusedSGD": ("torch.optim.SGD", ("wd_after_momentum", "materialize_master_grads",
                                                       "set_grad_none")),
     "apex.optimizers.FusedAdagrad": ("torch.optim.Adagrad", ("set_grad_none", "adagrad_w_mode")),
