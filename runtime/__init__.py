@@ -2293,13 +2293,14 @@ def per_rank_batch(batch_size: int) -> int:
     that keep the original's global batch exactly. A batch of several samples is never divided
     down to one per rank: BatchNorm cannot train on a single sample (a BatchNorm1d head, or one
     after a global pooling, raises "Expected more than 1 value per channel"), so each rank then
-    loads 2, and rank 0 says so."""
+    loads 2, and rank 0 says so; unless the program's models are built already and none holds a
+    BatchNorm (a model without one trains on one sample per rank, and the global batch is kept)."""
     world = world_size()
     if batch_size is None or world <= 1 or _WHOLE_DATA:
         return batch_size
     size = int(batch_size)
     _DIVIDED_BATCHES.add(size)
-    if 2 <= size <= world:
+    if 2 <= size <= world and _batchnorm_possible():
         if size not in _BATCH_WARNED and is_main():
             _BATCH_WARNED.add(size)
             _warn(f"a batch of {size} divided among {world} processes would leave one sample per rank, on which "
@@ -2320,6 +2321,13 @@ def per_rank_batch(batch_size: int) -> int:
                   + advice)
         return -(-size // world)
     return size // world
+
+
+def _batchnorm_possible() -> bool:
+    """A BatchNorm may train on this process's batches: one of the modules alive holds one, or
+    no module is built yet (the loader comes first: it cannot be told)."""
+    modules = [o for o in gc.get_objects() if isinstance(o, nn.Module)]
+    return not modules or any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in modules)
 
 
 def batch_rows(batch_size: int) -> int:

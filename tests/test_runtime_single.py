@@ -860,11 +860,26 @@ def test_per_rank_batch_never_leaves_one_sample_of_several(monkeypatch, capsys):
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setattr(tm, "_BATCH_WARNED", set())
+    monkeypatch.setattr(tm.gc, "get_objects", lambda: [])  # the loader comes before any model
     assert [tm.per_rank_batch(n) for n in (2, 3, 4, 4, 5, 8)] == [2, 2, 2, 2, 2, 2]
     err = capsys.readouterr().err
     assert err.count("one sample per rank") == 3 and "a global batch of 8 instead of 2" in err
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4)).train()
     model(torch.randn(tm.per_rank_batch(2), 3))  # (one row would raise)
+
+
+def test_per_rank_batch_divides_down_to_one_where_no_model_holds_a_batchnorm(monkeypatch, capsys):
+    """Models built before the loader and none with a BatchNorm (Zero-DCE's curve estimator, an
+    AOD-Net): one sample per rank trains, so the global batch is kept (8 on 8 ranks stays 8)."""
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(tm, "_BATCH_WARNED", set())
+    plain = [torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU())]
+    monkeypatch.setattr(tm.gc, "get_objects", lambda: plain)
+    assert [tm.per_rank_batch(n) for n in (4, 2, 8)] == [1, 1, 2]
+    assert "one sample per rank" not in capsys.readouterr().err
+    plain.append(torch.nn.BatchNorm2d(4))
+    assert tm.per_rank_batch(4) == 2
 
 
 def test_goes_first_is_the_main_process_or_the_node_leader(other_rank, monkeypatch):
