@@ -286,6 +286,7 @@ class MainOnlyWrites(Rule):
                             edits=[guard_edit(ctx, run)], imports=[ctx.runtime_import()])
                 self._wait_for_reread(run)
                 self._agree_on_existence(run)
+                self._wait_before_removal(run)
         for call, assign in handles:
             self._handle(call, assign)
         for call, name in analysis.facts(ctx).calls:
@@ -686,6 +687,27 @@ class MainOnlyWrites(Rule):
         self.report(line, "the main process writes this file, which every rank read above: wait until every rank "
                           "has read it before it is rewritten",
                     edits=[insert_before(line, [stmt(f"{ctx.tm}.barrier()")])], imports=[ctx.runtime_import()])
+
+    def _wait_before_removal(self, run) -> None:
+        """A folder or file the main process now removes alone (`shutil.rmtree(path)` after the best
+        checkpoint was reloaded from `path + '/checkpoint.pth'` by every rank): a slower rank may
+        still be reading it, so every rank waits before the removal (files under the folder count:
+        names built from its path)."""
+        ctx = self.ctx
+        removed = {code(call.args[0].value) for statement in run for call, name in self._calls_in(statement)
+                   if name in _REMOVALS and call.args}
+        if not removed:
+            return
+        scope = ctx.enclosing(run[0], cst.FunctionDef) or ctx.module
+        for _ in range(2):  # `best = path + "/checkpoint.pth"`, then names built from that
+            for assign in analysis.facts(ctx).assigns:
+                if (ctx.enclosing(assign, cst.FunctionDef) or ctx.module) is not scope or len(assign.targets) != 1:
+                    continue
+                target = dotted(assign.targets[0].target)
+                if target and any(isinstance(n, (cst.Name, cst.Attribute)) and code(n) in removed
+                                  for n in ctx.within(assign.value, cst.Name, cst.Attribute)):
+                    removed.add(target)
+        self._wait_for_readers(run[0], removed)
 
     def _wait_for_reread(self, run, written: Optional[set] = None) -> None:
         """A file the main process now writes alone and every rank reads back later in the same
