@@ -17,7 +17,9 @@ class UnscaleBeforeClip(AmpRule):
     ## What it does
     Inserts `scaler.unscale_(optimizer)` before gradient clipping
     (`clip_grad_norm_`, `clip_grad_value_`) and before code that reads `.grad` between
-    `backward()` and the step (gradient-norm logging), once per optimizer and step.
+    `backward()` and the step (gradient-norm logging), once per optimizer and step. A helper of
+    this file or of another module that clips, or changes gradients in place by hand
+    (`param.grad.data.clamp_(-clip, clip)`), counts as clipping where it is called.
 
     ## Why is this bad?
     After `scaler.scale(loss).backward()` the gradients are multiplied by the loss scale

@@ -79,6 +79,10 @@ class AgreedDraws(Rule):
       dir=experiment_dir)`: one folder, made by the main process, named alike on every rank.
     - `random_split(dataset, lengths)` without a generator gets
       `generator=tm.shared_generator()`, seeded alike on every rank.
+    - A dataset's own random reordering, assigned (`dataset = TUDataset(root, name).shuffle()`
+      in PyTorch Geometric, a Hugging Face `ds.shuffle()` without a seed), becomes
+      `tm.agreed(ds.shuffle, ...)`: the same order on every rank, so the slices taken from it
+      (train/test) and the shards cut from them agree.
     - `run_id = datetime.now().strftime("%m%d_%H%M%S")` (a read of the clock, a process id or
       a uuid that the program turns into a name: formatted, or part of a path), in any module of
       the program, becomes `run_id = tm.broadcast_object(datetime.now().strftime(...))`: every

@@ -48,6 +48,10 @@ class DataParallelToDDP(ModelRule):
     (a Tacotron `data_parallel_workaround(model, *input)`) starts with `if tm.is_distributed():
     return model(*input)`: under torchrun each rank sees every GPU of the node, and both would
     spread its batch over the other ranks' GPUs; in one process they run as written.
+    Inputs copied once per GPU so that DataParallel's scatter hands each replica one copy
+    (`shots.unsqueeze(0).repeat(num_gpu, 1, 1)`, `.expand(len(gpu_ids), ...)`,
+    `.repeat(torch.cuda.device_count())`) take `tm.replicas(num_gpu)`: 1 under torchrun (each
+    rank's model runs whole) and where the DataParallel was dropped, the count where it is kept.
 
     ## Why is this bad?
     DataParallel is single-process multi-threaded replication: slower than DDP even on one

@@ -30,6 +30,11 @@ class SyncedStateWrites(Rule):
     before the loop over batches), and the index a name (a batch's sample indices, its labels),
     not a loop's counter (`for i in range(k): buf[i] = ...`). A local the function makes and fills
     in one call (a forward's scratch buffer) is no state. Not under a rank guard.
+    A queue kept across steps that takes in rows of each step's batch (MoCo's negative keys:
+    `queue = torch.cat([queue, k])[len(k):]`, or `self.queue[:, ptr:ptr + n] = keys.T` with a
+    moving pointer) takes in every rank's rows: `tm.gather_rows(k)` (the reference MoCo's
+    `concat_all_gather`), at the write or at the top of the method that receives the keys; a
+    `torch.cat` not cut to a fixed size (features collected for an evaluation) is left alone.
 
     ## Why is this bad?
     Once the training data is sharded, each rank sees only its part of every epoch, so it would
