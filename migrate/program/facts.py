@@ -584,8 +584,8 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
     library: Dict[Path, Dict[str, str]] = {}  # each module's library imports, for `_reexports`
     library_datasets = _library_dataset_classes(modules, graph, library)
     dp_names = {"DataParallel", "data_parallel"} | {name for _, name in dp_classes}
-    pickers = {(p, name) for p, m in modules.items() for name, f in m.functions.items()
-               if "." not in name and _picks_parameters(f)}
+    pickers = {(p, name): _walks_modules(f) for p, m in modules.items() for name, f in m.functions.items()
+               if "." not in name and _picks_parameters(f)}  # -> whether it walks submodules
     data_parallel = any((dotted_name(c.func) or "").rsplit(".", 1)[-1] in dp_names for s in scopes for c in s.calls)
     coupled = batch_coupling.coupled_losses({p: m.tree for p, m in modules.items()})
     precision = amp_hazards.hazards({p: m.tree for p, m in modules.items()},
@@ -614,7 +614,7 @@ def compute(graph: Graph, trees: Dict[Path, ast.Module], entries: Iterable[Path]
             loader_classes=frozenset(_spellings(m, modules, loader_classes)),
             library_datasets=frozenset(_spellings(m, modules, library_datasets)),
             data_parallel=data_parallel,
-            parameter_pickers={spelled: _walks_modules(modules[k[0]].functions[k[1]]) for k in pickers
+            parameter_pickers={spelled: walks for k, walks in pickers.items()
                                if k[0] != path for spelled in _spellings(m, modules, {k})},
             class_kinds={spelled: kinds[key] for key in kinds for spelled in _spellings(m, modules, {key})},
             optimizer_wrappers={spelled: wrappers[key] for key in wrappers

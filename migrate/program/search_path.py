@@ -52,15 +52,14 @@ def code_dirs(tree: ast.Module, module: Path, cwd: Path) -> List[Path]:
     `__file__` (`os.path.dirname/abspath/join`, `Path(...).parent`, `.parents[n]`, `/`, f-strings,
     module-level names assigned once). A relative literal is taken from `cwd`, the folder the
     program runs from (the entry script's)."""
-    values: Optional[Paths] = None  # built only for a module that edits the path
-    out: List[Path] = []
-    adders = _path_adders(tree)
+    own = {f.name for f in tree.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    found: List[Tuple[Optional[ast.Call], List[ast.AST]]] = []  # in walk order: (a call of `own`, or the paths added)
     for node in walk(tree):
         args: List[ast.AST] = []
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in adders:
-            index = adders[node.func.id]
-            args = [node.args[index]] if index < len(node.args) else []
-        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.args:
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in own:
+            found.append((node, []))  # (`add_path(lib_path)`, where the function adds its argument)
+            continue
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.args:
             owner = dotted_name(node.func.value)
             if owner == "sys.path" and node.func.attr in ("append", "insert"):
                 args = [node.args[-1]]
@@ -70,6 +69,16 @@ def code_dirs(tree: ast.Module, module: Path, cwd: Path) -> List[Path]:
                 args = [node.args[0]]
         elif isinstance(node, ast.AugAssign) and isinstance(node.op, ast.Add) and dotted_name(node.target) == "sys.path":
             args = _elements(node.value)
+        if args:
+            found.append((None, args))
+    # the functions that add a parameter: read only where some edit adds a bare name (`path`)
+    adders = _path_adders(tree) if any(isinstance(a[-1], ast.Name) for call, a in found if call is None) else {}
+    values: Optional[Paths] = None  # built only for a module that edits the path
+    out: List[Path] = []
+    for call, args in found:
+        if call is not None:
+            index = adders.get(getattr(call.func, "id", ""))
+            args = [call.args[index]] if index is not None and index < len(call.args) else []
         for arg in args:
             values = values or Paths(tree, module, cwd)
             folder = values.of(arg)
