@@ -35,7 +35,7 @@ from torchmigrate.program.loop_ranks import names_in, per_rank_names
 from torchmigrate.program.loaders import DATALOADERS, TQDM_CALLS, loader_expr, refs_at  # noqa: F401 (loader_expr: re-exported)
 from torchmigrate.program.scopes import scope_of
 from torchmigrate.program.splits import named_like_loader  # noqa: F401 (re-exported)
-from torchmigrate.program.syntax import body_of, index_in
+from torchmigrate.program.syntax import body_of, exclusive, index_in
 from torchmigrate.syntax.imports import dotted
 from torchmigrate.syntax.nodes import code, string_value
 
@@ -327,7 +327,7 @@ def events_after(ctx: Context, loop: cst.CSTNode, names: Set[str]) -> Dict[str, 
         for order, node in index.names(name):
             if order <= start or (stop is not None and order > stop):
                 continue
-            if scope_of(ctx, node) is not scope or not is_load(ctx, node) or _other_branch(ctx, loop, node):
+            if scope_of(ctx, node) is not scope or not is_load(ctx, node) or exclusive(ctx, loop, node):
                 continue
             binding = binding_of(ctx, node)
             if binding is None:
@@ -338,25 +338,6 @@ def events_after(ctx: Context, loop: cst.CSTNode, names: Set[str]) -> Dict[str, 
                 stop = index.end.get(binding, order)
         ev.collective = any(o <= stop for o in collectives) if stop is not None else bool(collectives)
     return out
-
-
-def _other_branch(ctx: Context, loop: cst.CSTNode, node: cst.CSTNode) -> bool:
-    """`node` sits in another branch of an `if` that holds `loop` (the `else:` of `if
-    use_unsup_loss: <loop>`): it never runs after the loop."""
-    inner = loop
-    for anc in ctx.ancestors(loop):
-        if isinstance(anc, (cst.FunctionDef, cst.Module)):
-            return False
-        if isinstance(anc, cst.If):
-            other = anc.orelse if _holds(ctx, anc.body, inner) else anc.body
-            if other is not None and _holds(ctx, other, node):
-                return True
-        inner = anc
-    return False
-
-
-def _holds(ctx: Context, container: cst.CSTNode, node: cst.CSTNode) -> bool:
-    return node is container or any(a is container for a in ctx.ancestors(node))
 
 
 def is_store(ctx: Context, name: cst.Name) -> bool:

@@ -34,6 +34,22 @@ def subnodes(node: cst.CSTNode, skip_defs: bool = False) -> Iterator[cst.CSTNode
                 stack.extend(reversed([v for v in value if isinstance(v, cst.CSTNode)]))
 
 
+def exclusive(ctx: "Context", a: cst.CSTNode, b: cst.CSTNode) -> bool:
+    """`a` and `b` sit in different branches of one `if` (never both run in one pass): their
+    nearest common ancestor is an `if` holding one of them in its body and the other beside it."""
+    via: Dict[cst.CSTNode, cst.CSTNode] = {}
+    child = a
+    for anc in ctx.ancestors(a):
+        via[anc] = child
+        child = anc
+    child = b
+    for anc in ctx.ancestors(b):
+        if anc in via:
+            return isinstance(anc, cst.If) and via[anc] is not child and (via[anc] is anc.body or child is anc.body)
+        child = anc
+    return False
+
+
 def iter_nodes(node: cst.CSTNode, skip_defs: bool = False) -> Iterable[cst.CSTNode]:
     """Every node under `node` (itself included), in source order, reading fields directly.
     Unlike `subnodes`, `skip_defs` skips functions and classes but still enters lambdas (the

@@ -34,7 +34,7 @@ from torchmigrate import analysis
 from torchmigrate.program.precision import (APEX_AMP, AUTOCAST, BCE_CLASSES, BCE_FUNCS, FRAMEWORKS, SCALER,
                                             TM_AUTOCAST, TM_SCALER)
 from torchmigrate.program.syntax import (binds, binds_all, block_of, calls_by_method, calls_in, calls_spelled,
-                                         class_of, line_of, method_name, owner_statement, reads, receiver,
+                                         class_of, exclusive, line_of, method_name, owner_statement, reads, receiver,
                                          root_name, scope_of, statements, subnodes, suites)
 from torchmigrate.syntax.imports import dotted
 
@@ -681,20 +681,8 @@ class TrainingFacts:
         return order.get(n, -1)
 
     def exclusive(self, a: cst.CSTNode, b: cst.CSTNode) -> bool:
-        """`a` and `b` sit in different branches of one `if` (never both run in one pass)."""
-        ctx = self.ctx
-        via: Dict[cst.CSTNode, cst.CSTNode] = {}
-        child = a
-        for anc in ctx.ancestors(a):
-            via[anc] = child
-            child = anc
-        child = b
-        for anc in ctx.ancestors(b):
-            if anc in via:
-                return isinstance(anc, cst.If) and via[anc] is not child and (
-                    via[anc] is anc.body or child is anc.body)
-            child = anc
-        return False
+        """`a` and `b` sit in different branches of one `if` (`syntax.exclusive`)."""
+        return exclusive(self.ctx, a, b)
 
     def has_unscale(self, scope: cst.CSTNode, start: int, end: int, consumer: Optional[cst.CSTNode] = None) -> bool:
         """An `unscale_()` runs in `scope` between positions `start` and `end` (not in the other
@@ -707,17 +695,10 @@ class TrainingFacts:
         return False
 
     def clip_helpers(self) -> Set[str]:
-        """Functions of this file that clip gradients, or change them in place by hand
-        (`param.grad.data.clamp_(-clip, clip)`)."""
+        """Functions of this file that clip gradients, or use them by hand (`_touches_grad`)."""
         out = set()
         for call, name in self.facts.calls:
-            func = call.func
-            if name in CLIP or (isinstance(func, cst.Attribute) and func.attr.value.endswith("_")
-                                and not func.attr.value.startswith("_")
-                                and any(isinstance(n, cst.Attribute) and n.attr.value == "grad"
-                                        for n in self.ctx.within(func.value, cst.Attribute))
-                                or isinstance(func, cst.Attribute) and isinstance(func.value, cst.Attribute)
-                                and func.value.attr.value == "grad"):
+            if name in CLIP or _touches_grad(self.ctx, call):
                 func = self.ctx.enclosing(call, cst.FunctionDef)
                 if func is not None and func not in self.sites_by_scope and class_of(self.ctx, func) is None:
                     out.add(func.name.value)
@@ -807,6 +788,19 @@ def _loss_named(name: str) -> bool:
     """`criterion`, `self.loss_fn`, `FocalLoss`, `compute_loss`: a name that says loss."""
     low = name.lower()
     return "loss" in low or "crit" in low
+
+
+def _touches_grad(ctx: "Context", call: cst.Call) -> bool:
+    """`p.grad.data.clamp_(-clip, clip)`, `p.grad.mul_(s)` (an in-place method on a gradient) or
+    any method of a gradient (`p.grad.norm()`): a helper that calls one needs the gradients
+    unscaled first, as for clipping (the program's other modules: `facts._changes_grad`)."""
+    func = call.func
+    if not isinstance(func, cst.Attribute):
+        return False
+    if isinstance(func.value, cst.Attribute) and func.value.attr.value == "grad":
+        return True
+    return func.attr.value.endswith("_") and not func.attr.value.startswith("_") and any(
+        isinstance(n, cst.Attribute) and n.attr.value == "grad" for n in ctx.within(func.value, cst.Attribute))
 
 
 def training_facts(ctx: Context) -> TrainingFacts:
