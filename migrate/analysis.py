@@ -361,13 +361,13 @@ def container_owners(ctx: Context, node: cst.CSTNode) -> List[str]:
             for element in loop_iter.elements:
                 add(dotted(element.value))
             continue
-        members = _literal_members(ctx, loop_iter, call)
+        members = literal_members(ctx, loop_iter, call)
         for member in members or [dotted(loop_iter)]:
             add(member)
     return found
 
 
-def _literal_members(ctx: Context, node: cst.BaseExpression, at: cst.CSTNode) -> List[str]:
+def literal_members(ctx: Context, node: cst.BaseExpression, at: cst.CSTNode) -> List[str]:
     """The models a name holds when its only binding in the scope of `at` is a list or tuple of
     names (`models = [encoder, decoder]`): those are the models the program calls."""
     if not isinstance(node, cst.Name):

@@ -600,29 +600,13 @@ def _iterated_members(ctx, call: cst.Call, name: str, loop: cst.For) -> List[str
     """The names a comprehension or loop inside `loop` binds `name` to, one after the other, when
     it iterates a list of names made before the batch loop (`for m in meters`, `meters = [block,
     total]`; or the literal itself: `for m in (block, total)`)."""
-    for anc in ctx.ancestors(call):
-        if anc is loop:
-            return []
-        fors = [anc] if isinstance(anc, cst.For) else [f for f in _comp_fors(anc)]
-        for f in fors:
-            if isinstance(f.target, cst.Name) and f.target.value == name:
-                it = f.iter
-                if isinstance(it, (cst.List, cst.Tuple)):
-                    names = [dotted(e.value) for e in it.elements]
-                    return names if all(n and "." not in n for n in names) else []
-                members = analysis._literal_members(ctx, it, loop)
-                return [m for m in members if "." not in m]
-    return []
-
-
-def _comp_fors(node: cst.CSTNode) -> List[cst.CompFor]:
-    if not isinstance(node, (cst.ListComp, cst.SetComp, cst.GeneratorExp, cst.DictComp)):
+    over = analysis.loop_binding(ctx, call, name)
+    if over is None or not any(a is loop for a in ctx.ancestors(over)):
         return []
-    out, f = [], node.for_in
-    while f is not None:
-        out.append(f)
-        f = f.inner_for_in
-    return out
+    if isinstance(over, (cst.List, cst.Tuple)):
+        names = [dotted(e.value) for e in over.elements]
+        return names if all(n and "." not in n for n in names) else []
+    return [m for m in analysis.literal_members(ctx, over, loop) if "." not in m]
 
 
 # methods that hand an object one batch's values to keep (`container.add(gt, pred)`)
