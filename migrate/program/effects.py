@@ -91,9 +91,9 @@ _WRITER_CLASSES = frozenset({"tensorboard_logger.Logger", "logging.FileHandler",
                              "logging.handlers.RotatingFileHandler", "logging.handlers.TimedRotatingFileHandler",
                              *TRACKER_RUNS})
 _MKDIRS = frozenset({"os.makedirs", "os.mkdir", "pathlib.Path.mkdir"})
-# tempfile's calls that make a file or folder of the process's own (`gettempdir()` is shared)
-# what makes a file (or folder) of this process's own: each rank writes its own, none waits for
-# another; an in-memory buffer (`buf = io.BytesIO(); plt.savefig(buf)`) is one too
+# what makes a file or folder of this process's own (tempfile's; `gettempdir()` is shared): each
+# rank writes its own, none waits for another; an in-memory buffer (`buf = io.BytesIO();
+# plt.savefig(buf)`) is one too
 PRIVATE_TEMPS = frozenset({"tempfile.TemporaryDirectory", "tempfile.mkdtemp", "tempfile.mkstemp",
                            "tempfile.NamedTemporaryFile", "tempfile.TemporaryFile", "tempfile.SpooledTemporaryFile",
                            "io.BytesIO", "io.StringIO"})

@@ -942,6 +942,8 @@ def _catches_exists(handler: cst.ExceptHandler) -> bool:
 
 # library calls that read a file (the program's effects' list, and numpy's text reader)
 _READERS = effects.READERS | {"numpy.genfromtxt"}
+
+
 def _reads_a_file(name: Optional[str], kinds) -> bool:
     """A call (resolved as `name`, with the program's `kinds` of effects) that reads a file:
     `open`, a library reader, or the program's code that reads one."""

@@ -242,7 +242,6 @@ class DataParallelToDDP(ModelRule):
                               f"`{forward}` there instead, on this rank's GPU (one process runs it as written)",
                         edits=[insert_before(first, [guard])], imports=[ctx.runtime_import()])
 
-
     # --- inputs copied once per GPU for DataParallel's scatter ----------------------------
     def _replicated_inputs(self) -> None:
         """`data_shot.unsqueeze(0).repeat(num_gpu, 1, 1, 1)`, `lengths.max().repeat(
